@@ -1,0 +1,206 @@
+"""Plan: the one contract between the planner and the executor. Versioned JSON.
+
+A plan says where each role's model lives (placement: colocated sets with a GPU count each), how
+each role is parallelised for training, inference and generation, and what the simulator expects
+of it (estimate). `hfplan search` writes one; `hfplan simulate` and `hfplan execute` read one; a
+user may write one by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from hfplan.errors import HfplanError, describe_validation_error
+from hfplan.spec import TRAINED_ROLES, Cluster, Workload
+
+PLAN_VERSION = 1
+# The pseudo-role of a separate generation engine (weights synced from the actor each iteration, as
+# OpenRLHF does). Without it the actor generates on its own GPUs through the hybrid engine.
+ROLLOUT = "rollout"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Layout(_Strict):
+    tp: int = Field(default=1, ge=1, description="tensor-parallel size")
+    pp: int = Field(default=1, ge=1, description="pipeline-parallel size")
+    dp: int = Field(default=1, ge=1, description="data-parallel size")
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def model_shards(self) -> int:
+        return self.tp * self.pp
+
+
+class TrainConfig(Layout):
+    micro_batch: int = Field(default=1, ge=1, description="sequences per micro-batch per data-parallel rank")
+    shard: bool = Field(default=True, description="shard parameters, gradients and optimizer states across "
+                                                  "data-parallel ranks (FSDP / ZeRO-3); false keeps them "
+                                                  "replicated (DDP)")
+    recompute: bool = Field(default=False, description="recompute activations in the backward pass")
+
+
+class InferConfig(Layout):
+    micro_batch: int = Field(default=1, ge=1, description="sequences per forward pass per data-parallel rank")
+
+
+class GenConfig(Layout):
+    """Generation layout of the actor; dp is the number of engine replicas."""
+
+
+class RoleParallelism(_Strict):
+    train: TrainConfig | None = None
+    infer: InferConfig | None = None
+    gen: GenConfig | None = None
+
+
+class PlacementSet(_Strict):
+    models: list[str] = Field(min_length=1)
+    gpus: int = Field(ge=1)
+
+
+class Span(_Strict):
+    """One call on the timeline (simulated or measured)."""
+
+    role: str
+    op: str
+    phase: str
+    set: int = Field(description="index of the placement set it ran on; -1 for the controller")
+    start: float
+    end: float
+    kind: Literal["compute", "transfer", "transition"] = "compute"
+
+
+class Estimate(_Strict):
+    iteration_s: float
+    tokens_per_s: float
+    stages: dict[str, float] = Field(description="wall seconds from the first to the last call of each phase")
+    peak_memory_gib: list[float] = Field(description="peak memory per GPU of each placement set")
+    timeline: list[Span] = Field(default_factory=list)
+
+
+class Plan(_Strict):
+    version: Literal[1] = PLAN_VERSION
+    workload: Workload
+    cluster: Cluster
+    placement: list[PlacementSet] = Field(min_length=1)
+    parallelism: dict[str, RoleParallelism]
+    estimate: Estimate | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> Plan:
+        placed = [role for group in self.placement for role in group.models]
+        needed = list(self.workload.model_roles)
+        for role in placed:
+            if role not in needed and role != ROLLOUT:
+                raise ValueError(f"placement names {role!r}, which is not a model role of this workload "
+                                 f"({', '.join(needed)})")
+        for role in set(placed):
+            if placed.count(role) > 1:
+                raise ValueError(f"placement lists {role!r} in more than one set")
+        for role in needed:
+            if role not in placed:
+                raise ValueError(f"placement leaves out role {role!r}")
+        total = sum(group.gpus for group in self.placement)
+        if total > self.cluster.gpus:
+            raise ValueError(f"placement uses {total} GPUs but the cluster has {self.cluster.gpus}")
+        for role in self.parallelism:
+            if role not in placed:
+                raise ValueError(f"parallelism given for {role!r}, which is not placed")
+        for index, group in enumerate(self.placement):
+            for role in group.models:
+                self._check_role(role, group.gpus, f"parallelism.{role}", index)
+        return self
+
+    def _check_role(self, role: str, gpus: int, where: str, index: int) -> None:
+        par = self.parallelism.get(role)
+        if par is None:
+            raise ValueError(f"{where}: missing (role placed in set {index})")
+        trained = role in TRAINED_ROLES
+        generates = role == ROLLOUT or (role == "actor" and ROLLOUT not in self.placed_roles)
+        wanted = {"train": trained, "infer": role != ROLLOUT, "gen": generates}
+        for kind, needed in wanted.items():
+            layout = getattr(par, kind)
+            if needed and layout is None:
+                raise ValueError(f"{where}.{kind}: required for role {role!r}")
+            if not needed and layout is not None:
+                raise ValueError(f"{where}.{kind}: role {role!r} does not {kind}")
+            if layout is not None and layout.gpus != gpus:
+                raise ValueError(f"{where}.{kind}: tp*pp*dp = {layout.gpus} but its set has {gpus} GPUs")
+        if trained and par.infer is not None and (par.infer.tp, par.infer.pp) != (par.train.tp, par.train.pp):
+            raise ValueError(f"{where}.infer: a trained role runs inference in its training layout "
+                             f"(tp={par.train.tp}, pp={par.train.pp})")
+
+    @property
+    def placed_roles(self) -> list[str]:
+        return [role for group in self.placement for role in group.models]
+
+    def set_of(self, role: str) -> int:
+        for index, group in enumerate(self.placement):
+            if role in group.models:
+                return index
+        raise KeyError(role)
+
+    @property
+    def generation_role(self) -> str:
+        """The role whose GPUs run actor.generate: the rollout engine if placed, else the actor."""
+        return ROLLOUT if ROLLOUT in self.placed_roles else "actor"
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), indent=2) + "\n"
+
+
+def plan_from_dict(data: object, source: str) -> Plan:
+    if not isinstance(data, dict):
+        raise HfplanError(f"plan {source}: expected a JSON object")
+    version = data.get("version")
+    if version != PLAN_VERSION:
+        raise HfplanError(f"plan {source}: unsupported version {version!r}; this hfplan reads version "
+                          f"{PLAN_VERSION}")
+    try:
+        plan = Plan.model_validate(data)
+    except ValidationError as bad:
+        raise HfplanError(f"plan {source}: {describe_validation_error(bad)}") from None
+    plan.workload.check_models()
+    plan.cluster.profile  # noqa: B018 - load the hardware profile now so a bad name fails here
+    return plan
+
+
+def load_plan(path: str | Path) -> Plan:
+    path = Path(path)
+    if not path.is_file():
+        raise HfplanError(f"plan file not found: {path}")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as bad:
+        raise HfplanError(f"plan {path}: not valid JSON ({bad})") from None
+    return plan_from_dict(data, str(path))
+
+
+def write_atomically(path: str | Path, text: str) -> None:
+    """Write to a temporary file beside `path`, then rename: a reader never sees a half-written file."""
+    path = Path(path)
+    if path.parent and not path.parent.exists():
+        raise HfplanError(f"cannot write {path}: folder {path.parent} does not exist")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,107 @@
+"""Hardware profiles: the rates the cost model runs on, shipped as YAML or written by `hfplan profile`.
+
+One schema for datasheet profiles and measured ones. Every rate the simulator uses lives here;
+nothing in the cost model is a hard-coded hardware constant.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from hfplan.errors import HfplanError, describe_validation_error, known_names
+
+SHIPPED_DIR = Path(__file__).parent / "hardware"
+GIB = 1024**3
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Compute(_Strict):
+    peak_tflops: float = Field(gt=0, description="dense matmul peak per device, bf16 (fp32 on CPU)")
+    matmul_efficiency: float = Field(gt=0, le=1, description="fraction of peak reached by large matmuls")
+    kernel_overhead_us: float = Field(ge=0, description="fixed cost of one kernel (launch, tail effects)")
+
+
+class Memory(_Strict):
+    capacity_gib: float = Field(gt=0, description="device memory")
+    reserved_gib: float = Field(ge=0, description="not usable by tensors: runtime context, comm buffers, "
+                                                  "allocator fragmentation")
+    bandwidth_gbps: float = Field(gt=0, description="peak device-memory bandwidth, GB/s")
+    efficiency: float = Field(gt=0, le=1, description="fraction of peak bandwidth reached by streaming kernels")
+
+    @property
+    def usable_bytes(self) -> float:
+        return (self.capacity_gib - self.reserved_gib) * GIB
+
+
+class Link(_Strict):
+    """Alpha-beta model of one link class: a collective step costs latency + bytes / bandwidth."""
+
+    bandwidth_gbps: float = Field(gt=0, description="GB/s one device can drive (intra) or one node's NICs "
+                                                    "together (inter)")
+    efficiency: float = Field(gt=0, le=1, description="fraction of bandwidth collectives reach (bus bandwidth)")
+    latency_us: float = Field(ge=0, description="per-step latency (alpha)")
+
+    @property
+    def effective_bytes_per_s(self) -> float:
+        return self.bandwidth_gbps * 1e9 * self.efficiency
+
+
+class Links(_Strict):
+    intra_node: Link
+    inter_node: Link
+    host: Link = Field(description="device <-> host (PCIe); data through the single controller")
+
+
+class HardwareProfile(_Strict):
+    name: str
+    description: str = ""
+    measured: bool = False
+    date: str | None = None
+    backend: str = Field(default="nccl", pattern="^(nccl|gloo)$")
+    gpus_per_node: int = Field(gt=0)
+    compute: Compute
+    memory: Memory
+    links: Links
+
+    @property
+    def peak_flops(self) -> float:
+        return self.compute.peak_tflops * 1e12
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def shipped_names() -> list[str]:
+    return sorted(p.stem for p in SHIPPED_DIR.glob("*.yaml"))
+
+
+def load_hardware(ref: str) -> HardwareProfile:
+    """A shipped profile name (`a100-80g`) or the path of a profile YAML."""
+    path = SHIPPED_DIR / f"{ref}.yaml"
+    if not path.is_file():
+        path = Path(ref)
+        if not (ref.endswith((".yaml", ".yml")) or "/" in ref):
+            raise HfplanError(f"unknown hardware {ref!r}; known hardware: {known_names(shipped_names())} "
+                              "(or a profile .yaml path)")
+        if not path.is_file():
+            raise HfplanError(f"hardware profile not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as bad:
+        raise HfplanError(f"hardware profile {path}: not valid YAML ({_first_line(bad)})") from None
+    if not isinstance(data, dict):
+        raise HfplanError(f"hardware profile {path}: expected a mapping at the top level")
+    try:
+        return HardwareProfile.model_validate(data)
+    except ValidationError as bad:
+        raise HfplanError(f"hardware profile {path}: {describe_validation_error(bad)}") from None
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -1,0 +1,169 @@
+"""Model catalog: exact decoder-only transformer architectures, and loading of HF `config.json` files.
+
+Figures are the published `config.json` values of each checkpoint on the Hugging Face hub
+(meta-llama/Llama-2-*-hf, codellama/CodeLlama-34b-hf, meta-llama/Llama-3.1-*, Qwen/Qwen2.5-*).
+Parameter counts are derived from the architecture, never stored.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from hfplan.errors import HfplanError, known_names
+
+# Architectures hfplan can cost and run: dense decoder-only models with RMSNorm, rotary embeddings,
+# grouped-query attention and a SwiGLU MLP (gate, up and down projections).
+SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """One decoder-only transformer architecture (Llama family layout)."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    tied_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has biases on q, k and v projections
+    head_dim: int | None = None  # None: hidden // heads
+
+    def __post_init__(self) -> None:
+        if min(self.layers, self.hidden, self.heads, self.kv_heads, self.ffn, self.vocab) <= 0:
+            raise HfplanError(f"model {self.name}: every size must be positive")
+        if self.heads % self.kv_heads:
+            raise HfplanError(f"model {self.name}: heads ({self.heads}) not a multiple of kv_heads")
+        if self.head_dim is None and self.hidden % self.heads:
+            raise HfplanError(f"model {self.name}: hidden ({self.hidden}) not divisible by heads")
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.dim_per_head
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.dim_per_head
+
+    @property
+    def params_per_layer(self) -> int:
+        h = self.hidden
+        attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+        if self.attention_bias:
+            attn += self.q_dim + 2 * self.kv_dim
+        mlp = 3 * h * self.ffn
+        norms = 2 * h
+        return attn + mlp + norms
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    def params(self, head: str = "lm") -> int:
+        """Total parameters. head='lm' for a language model, 'scalar' for a critic or reward model
+        (the LM head replaced by a hidden->1 projection, as in value and reward models)."""
+        body = self.layers * self.params_per_layer + self.embedding_params + self.hidden
+        return body + self.head_params(head)
+
+    def head_params(self, head: str) -> int:
+        if head == "scalar":
+            return self.hidden + 1
+        if head != "lm":
+            raise ValueError(f"unknown head {head!r}")
+        return 0 if self.tied_embeddings else self.vocab * self.hidden
+
+    def head_out_dim(self, head: str) -> int:
+        return self.vocab if head == "lm" else 1
+
+    def kv_bytes_per_token(self, bytes_per_value: int = 2) -> int:
+        """Bytes of KV cache one token occupies across all layers (K and V, bf16 by default)."""
+        return 2 * self.layers * self.kv_dim * bytes_per_value
+
+
+CATALOG: dict[str, ModelArch] = {
+    m.name: m
+    for m in [
+        ModelArch("llama2-7b", layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000),
+        ModelArch("llama2-13b", layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000),
+        # Llama 2 34B was never released; CodeLlama-34B is the published architecture at that size.
+        ModelArch("llama2-34b", layers=48, hidden=8192, heads=64, kv_heads=8, ffn=22016, vocab=32000),
+        ModelArch("llama2-70b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000),
+        ModelArch("llama3.1-8b", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256),
+        ModelArch("llama3.1-70b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256),
+        ModelArch("qwen2.5-0.5b", layers=24, hidden=896, heads=14, kv_heads=2, ffn=4864, vocab=151936,
+                  tied_embeddings=True, attention_bias=True),
+        ModelArch("qwen2.5-1.5b", layers=28, hidden=1536, heads=12, kv_heads=2, ffn=8960, vocab=151936,
+                  tied_embeddings=True, attention_bias=True),
+        ModelArch("qwen2.5-7b", layers=28, hidden=3584, heads=28, kv_heads=4, ffn=18944, vocab=152064,
+                  attention_bias=True),
+        ModelArch("qwen2.5-14b", layers=48, hidden=5120, heads=40, kv_heads=8, ffn=13824, vocab=152064,
+                  attention_bias=True),
+        ModelArch("qwen2.5-32b", layers=64, hidden=5120, heads=40, kv_heads=8, ffn=27648, vocab=152064,
+                  attention_bias=True),
+        ModelArch("qwen2.5-72b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=29568, vocab=152064,
+                  attention_bias=True),
+        # The demo model: small enough to train on CPU processes; byte-level vocabulary (256 + specials).
+        ModelArch("tiny", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=260),
+    ]
+}
+
+
+def arch_from_hf_config(config: dict, name: str) -> ModelArch:
+    """Build a ModelArch from the dict of a Hugging Face `config.json`."""
+    archs = config.get("architectures") or []
+    model_type = config.get("model_type", "?")
+    if not any(a in SUPPORTED_HF_ARCHITECTURES for a in archs):
+        shown = ", ".join(archs) or f"model_type {model_type}"
+        raise HfplanError(
+            f"model {name}: unsupported architecture {shown}; supported: "
+            f"{', '.join(SUPPORTED_HF_ARCHITECTURES)} (dense decoder-only)"
+        )
+    if config.get("num_local_experts") or config.get("num_experts"):
+        raise HfplanError(f"model {name}: mixture-of-experts models are not supported")
+    try:
+        heads = int(config["num_attention_heads"])
+        return ModelArch(
+            name=name,
+            layers=int(config["num_hidden_layers"]),
+            hidden=int(config["hidden_size"]),
+            heads=heads,
+            kv_heads=int(config.get("num_key_value_heads") or heads),
+            ffn=int(config["intermediate_size"]),
+            vocab=int(config["vocab_size"]),
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(config.get("attention_bias", "Qwen2ForCausalLM" in archs)),
+            head_dim=int(config["head_dim"]) if config.get("head_dim") else None,
+        )
+    except KeyError as missing:
+        raise HfplanError(f"model {name}: config.json lacks field {missing}") from None
+    except (TypeError, ValueError) as bad:
+        raise HfplanError(f"model {name}: config.json has a malformed size ({bad})") from None
+
+
+def resolve_model(ref: str) -> ModelArch:
+    """A catalog name, or the path of a HF `config.json` or of a folder holding one."""
+    if ref in CATALOG:
+        return CATALOG[ref]
+    path = Path(ref)
+    looks_like_path = "/" in ref or ref.endswith(".json") or path.exists()
+    if not looks_like_path:
+        raise HfplanError(f"unknown model {ref!r}; known models: {known_names(CATALOG)} (or a config.json path)")
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise HfplanError(f"model config not found: {path}")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as bad:
+        raise HfplanError(f"model config {path}: not valid JSON ({bad})") from None
+    if not isinstance(config, dict):
+        raise HfplanError(f"model config {path}: expected a JSON object")
+    return arch_from_hf_config(config, name=str(ref))

@@ -1,0 +1,103 @@
+"""Alpha-beta cost of collectives, per link class, with GPUs of a node sharing its network links.
+
+A group of `size` ranks may span nodes: `per_node` of its ranks share each node, and `busy_per_node`
+GPUs of that node (this group's and others' running the same collective at the same time, e.g. all
+data-parallel groups of a model) share the node's network interfaces. Collectives spanning nodes use
+the two-level scheme (reduce-scatter inside the node, the inter-node step on 1/per_node of the data
+per GPU, all-gather inside the node), which is what NCCL's tree and ring channels achieve in effect.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hfplan.profiles.hardware import HardwareProfile, Link
+
+
+@dataclass(frozen=True)
+class Group:
+    size: int
+    per_node: int
+    busy_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or self.per_node < 1 or self.per_node > self.size or self.size % self.per_node:
+            raise ValueError(f"bad group shape {self}")
+
+    @property
+    def nodes(self) -> int:
+        return self.size // self.per_node
+
+
+def group_of(size: int, stride: int, set_gpus_per_node: int) -> Group:
+    """Shape of a group of `size` ranks spaced `stride` apart in a set whose GPUs fill
+    `set_gpus_per_node` slots of each node (ranks are numbered node by node)."""
+    if size <= 1:
+        return Group(1, 1, max(1, set_gpus_per_node))
+    span = size * stride
+    if span <= set_gpus_per_node:
+        per_node = size
+    else:
+        per_node = max(1, set_gpus_per_node // stride)
+        while size % per_node:
+            per_node -= 1
+    return Group(size, per_node, set_gpus_per_node)
+
+
+def _step(link: Link, nbytes: float, bandwidth: float) -> float:
+    return nbytes / bandwidth + link.latency_us * 1e-6 if nbytes > 0 else 0.0
+
+
+def _inter_bandwidth(hw: HardwareProfile, group: Group) -> float:
+    """Bytes/s one GPU of the group gets across nodes: its share of the node's interfaces."""
+    inter = hw.links.inter_node
+    return inter.effective_bytes_per_s / max(1, group.busy_per_node)
+
+
+def _ring(hw: HardwareProfile, group: Group, nbytes: float, passes: int) -> float:
+    """`passes` = 1 for all-gather or reduce-scatter (of an nbytes result), 2 for all-reduce."""
+    if group.size <= 1 or nbytes <= 0:
+        return 0.0
+    intra = hw.links.intra_node
+    r, n = group.per_node, group.nodes
+    time = 0.0
+    if r > 1:
+        steps = passes * (r - 1)
+        time += steps * intra.latency_us * 1e-6 + passes * (r - 1) / r * nbytes / intra.effective_bytes_per_s
+    if n > 1:
+        inter = hw.links.inter_node
+        # Each of the r local GPUs carries 1/r of the data across nodes, all sharing the node's NICs.
+        per_gpu = nbytes / r
+        steps = passes * (n - 1)
+        time += steps * inter.latency_us * 1e-6 + passes * (n - 1) / n * per_gpu / _inter_bandwidth(hw, group)
+    return time
+
+
+def all_reduce(hw: HardwareProfile, group: Group, nbytes: float) -> float:
+    return _ring(hw, group, nbytes, passes=2)
+
+
+def all_gather(hw: HardwareProfile, group: Group, nbytes: float) -> float:
+    """nbytes: size of the gathered result on each rank."""
+    return _ring(hw, group, nbytes, passes=1)
+
+
+def reduce_scatter(hw: HardwareProfile, group: Group, nbytes: float) -> float:
+    """nbytes: size of the full input on each rank."""
+    return _ring(hw, group, nbytes, passes=1)
+
+
+def point_to_point(hw: HardwareProfile, nbytes: float, same_node: bool, busy_per_node: int = 1) -> float:
+    if nbytes <= 0:
+        return 0.0
+    if same_node:
+        link = hw.links.intra_node
+        return _step(link, nbytes, link.effective_bytes_per_s)
+    link = hw.links.inter_node
+    return _step(link, nbytes, link.effective_bytes_per_s / max(1, busy_per_node))
+
+
+def host_transfer(hw: HardwareProfile, nbytes: float) -> float:
+    """Device <-> host copy (data passing through the single controller)."""
+    link = hw.links.host
+    return _step(link, nbytes, link.effective_bytes_per_s)

@@ -1,0 +1,277 @@
+"""Seconds of each RLHF call on a set of GPUs: training step, inference, generation, resharding.
+
+Ranks of a layout are numbered pipeline-major, then data-parallel, then tensor-parallel (fastest), so
+tensor-parallel groups are adjacent GPUs, data-parallel groups are strided by tp, and pipeline
+stages are blocks of tp*dp GPUs. Every rate comes from the hardware profile.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hfplan.plan import GenConfig, InferConfig, Layout, TrainConfig
+from hfplan.profiles.hardware import HardwareProfile
+from hfplan.profiles.models import ModelArch
+from hfplan.simulator import collectives as coll
+from hfplan.simulator.kernels import (
+    BF16,
+    FP32,
+    LayerCost,
+    embedding_forward,
+    head_forward,
+    layer_forward,
+    memory_time,
+)
+
+# Adam step traffic per parameter: read the fp32 gradient (4), read and write the fp32 master weight,
+# first and second moments (3 x 8), write the bf16 weight (2).
+ADAM_BYTES_PER_PARAM = 4 + 3 * 8 + 2
+# Vocabulary-parallel log-softmax reduces a max and a sum per token across tensor-parallel ranks.
+LOGSOFTMAX_REDUCTIONS = 2
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a set's GPUs sit: how many of them share one node."""
+
+    gpus: int
+    gpus_per_node: int
+
+    @property
+    def per_node(self) -> int:
+        return min(self.gpus, self.gpus_per_node)
+
+
+def stage_params(arch: ModelArch, pp: int, head: str) -> float:
+    """Parameters on the most loaded pipeline stage (before tensor-parallel division)."""
+    layers = math.ceil(arch.layers / pp) * arch.params_per_layer
+    ends = arch.embedding_params + arch.head_params(head) + arch.hidden
+    if pp == 1:
+        return layers + ends
+    return layers + max(arch.embedding_params, arch.head_params(head) + arch.hidden)
+
+
+def tp_group(layout: Layout, where: Placement) -> coll.Group:
+    return coll.group_of(layout.tp, 1, where.per_node)
+
+
+def dp_group(layout: Layout, where: Placement) -> coll.Group:
+    return coll.group_of(layout.dp, layout.tp, where.per_node)
+
+
+def stages_share_node(layout: Layout, where: Placement) -> bool:
+    return layout.gpus <= where.per_node
+
+
+def _layer_tp_comm(hw: HardwareProfile, arch: ModelArch, tokens: float, layout: Layout,
+                   where: Placement) -> float:
+    """Two all-reduces of the hidden state per layer pass (after attention and after the MLP)."""
+    if layout.tp == 1:
+        return 0.0
+    return 2 * coll.all_reduce(hw, tp_group(layout, where), BF16 * tokens * arch.hidden)
+
+
+def _head_tp_comm(hw: HardwareProfile, tokens: float, layout: Layout, where: Placement, head: str) -> float:
+    if layout.tp == 1 or head != "lm":
+        return 0.0
+    return LOGSOFTMAX_REDUCTIONS * coll.all_reduce(hw, tp_group(layout, where), FP32 * tokens)
+
+
+@dataclass(frozen=True)
+class StagePass:
+    """Seconds of one micro-batch through the most loaded pipeline stage."""
+
+    forward: float
+    backward: float
+
+
+def stage_pass(hw: HardwareProfile, arch: ModelArch, layout: Layout, where: Placement, micro_seqs: float,
+               seq_len: int, head: str) -> StagePass:
+    tokens = micro_seqs * seq_len
+    layer = layer_forward(hw, arch, tokens, keys_per_token=(seq_len + 1) / 2, tp=layout.tp)
+    comm = _layer_tp_comm(hw, arch, tokens, layout, where)
+    n_layers = math.ceil(arch.layers / layout.pp)
+    head_cost = head_forward(hw, arch, tokens, layout.tp, head)
+    head_comm = _head_tp_comm(hw, tokens, layout, where, head)
+    embed = embedding_forward(hw, arch, tokens)
+    # The last stage carries the head; with one stage it carries the embedding too.
+    ends: list[LayerCost] = [head_cost] + ([embed] if layout.pp == 1 else [])
+    forward = n_layers * (layer.total + comm) + sum(c.total for c in ends) + head_comm
+    backward = n_layers * (layer.backward() + comm) + sum(c.backward() for c in ends) + head_comm
+    return StagePass(forward=forward, backward=backward)
+
+
+def _p2p(hw: HardwareProfile, arch: ModelArch, layout: Layout, where: Placement, tokens: float) -> float:
+    if layout.pp == 1:
+        return 0.0
+    return coll.point_to_point(hw, BF16 * tokens * arch.hidden / layout.tp, stages_share_node(layout, where),
+                               where.per_node)
+
+
+def _per_rank(sequences: int, dp: int, micro_batch: int) -> tuple[int, int]:
+    """(sequences per data-parallel rank, micro-batches per rank)."""
+    seqs = math.ceil(sequences / dp)
+    micro = min(micro_batch, seqs)
+    return micro, math.ceil(seqs / micro)
+
+
+def _param_gather(hw: HardwareProfile, arch: ModelArch, layout: Layout, where: Placement, head: str) -> float:
+    """All-gather of one stage's bf16 parameters across data-parallel ranks (sharded training)."""
+    return coll.all_gather(hw, dp_group(layout, where), BF16 * stage_params(arch, layout.pp, head) / layout.tp)
+
+
+def train_step_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: Placement, sequences: int,
+                    seq_len: int, head: str) -> float:
+    """One optimizer step over `sequences` sequences (one mini-batch), 1F1B pipeline schedule."""
+    micro, n_micro = _per_rank(sequences, cfg.dp, cfg.micro_batch)
+    sp = stage_pass(hw, arch, cfg, where, micro, seq_len, head)
+    fwd = sp.forward
+    bwd = sp.backward + (sp.forward if cfg.recompute else 0.0)
+    p2p = 2 * _p2p(hw, arch, cfg, where, micro * seq_len)
+    local_params = stage_params(arch, cfg.pp, head) / cfg.tp
+    grad_bytes = FP32 * local_params
+    dp = dp_group(cfg, where)
+    if cfg.shard and cfg.dp > 1:
+        gather = _param_gather(hw, arch, cfg, where, head)
+        scatter = coll.reduce_scatter(hw, dp, grad_bytes)
+        # Layer-wise prefetch hides the gathers behind compute where compute is longer.
+        exposed_per_micro = max(0.0, gather - fwd) + max(0.0, gather + scatter - bwd)
+        exposed = n_micro * exposed_per_micro
+    else:
+        exposed = max(0.0, coll.all_reduce(hw, dp, grad_bytes) - bwd)  # overlapped with the last backward
+    pipeline = (n_micro + cfg.pp - 1) * (fwd + bwd + p2p)
+    optimizer_params = local_params / (cfg.dp if cfg.shard else 1)
+    optimizer = memory_time(hw, ADAM_BYTES_PER_PARAM * optimizer_params)
+    return pipeline + exposed + optimizer
+
+
+def update_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: Placement, sequences: int,
+                seq_len: int, head: str, mini_batches: int, epochs: int) -> float:
+    step = train_step_time(hw, arch, cfg, where, sequences // mini_batches, seq_len, head)
+    return epochs * mini_batches * step
+
+
+def inference_time(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, where: Placement, sequences: int,
+                   seq_len: int, head: str, sharded_dp: bool = False) -> float:
+    """Forward passes over all sequences (log-probs, values or scores). `sharded_dp`: parameters are
+    sharded across data-parallel ranks (a trained role in its FSDP layout) and gathered per micro-batch."""
+    micro, n_micro = _per_rank(sequences, cfg.dp, cfg.micro_batch)
+    fwd = stage_pass(hw, arch, cfg, where, micro, seq_len, head).forward
+    p2p = _p2p(hw, arch, cfg, where, micro * seq_len)
+    exposed = 0.0
+    if sharded_dp and cfg.dp > 1:
+        exposed = n_micro * max(0.0, _param_gather(hw, arch, cfg, where, head) - fwd)
+    return (n_micro + cfg.pp - 1) * (fwd + p2p) + exposed
+
+
+def kv_bytes_per_token_per_gpu(arch: ModelArch, cfg: Layout) -> float:
+    """KV-cache bytes of one token on one GPU: KV heads split over tp (replicated when fewer than tp),
+    layers split over pp."""
+    heads_local = arch.kv_heads / cfg.tp if arch.kv_heads >= cfg.tp else 1
+    return 2 * BF16 * heads_local * arch.dim_per_head * math.ceil(arch.layers / cfg.pp)
+
+
+def decode_step_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: Placement, batch: float,
+                     context: float) -> float:
+    """One decode step of `batch` sequences at `context` tokens, through all pipeline stages in turn."""
+    layer = layer_forward(hw, arch, batch, keys_per_token=context, tp=cfg.tp, decode=True)
+    comm = _layer_tp_comm(hw, arch, batch, cfg, where)
+    head = head_forward(hw, arch, batch, cfg.tp, "lm")
+    sample = memory_time(hw, FP32 * batch * arch.vocab / cfg.tp)
+    p2p = (cfg.pp - 1) * _p2p(hw, arch, cfg, where, batch)
+    return arch.layers * (layer.total + comm) + head.total + _head_tp_comm(hw, batch, cfg, where, "lm") \
+        + sample + p2p
+
+
+def prefill_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: Placement, batch: float,
+                 prompt_len: int) -> float:
+    tokens = batch * prompt_len
+    layer = layer_forward(hw, arch, tokens, keys_per_token=(prompt_len + 1) / 2, tp=cfg.tp)
+    comm = _layer_tp_comm(hw, arch, tokens, cfg, where)
+    head = head_forward(hw, arch, batch, cfg.tp, "lm")  # logits of the last prompt token only
+    p2p = (cfg.pp - 1) * _p2p(hw, arch, cfg, where, tokens)
+    return arch.layers * (layer.total + comm) + head.total + embedding_forward(hw, arch, tokens).total + p2p
+
+
+@dataclass(frozen=True)
+class GenerationCost:
+    seconds: float
+    max_batch: int  # sequences one replica holds in its KV cache at once
+    waves: int
+
+
+def generation_time(hw: HardwareProfile, arch: ModelArch, cfg: GenConfig, where: Placement, sequences: int,
+                    prompt_len: int, response_len: int, kv_budget_bytes: float) -> GenerationCost:
+    """Batched generation on cfg.dp replicas: each replica runs its share in waves of as many sequences
+    as its KV-cache budget holds (every response runs to response_len); a wave is one prefill then
+    response_len memory-bound decode steps, costed at the mean context length."""
+    per_replica = math.ceil(sequences / cfg.dp)
+    per_seq = kv_bytes_per_token_per_gpu(arch, cfg) * (prompt_len + response_len)
+    max_batch = min(per_replica, int(kv_budget_bytes // per_seq))
+    if max_batch < 1:
+        return GenerationCost(seconds=math.inf, max_batch=0, waves=0)
+    full, rest = divmod(per_replica, max_batch)
+    mean_context = prompt_len + (response_len - 1) / 2
+
+    def wave(batch: int) -> float:
+        return prefill_time(hw, arch, cfg, where, batch, prompt_len) + response_len * decode_step_time(
+            hw, arch, cfg, where, batch, mean_context)
+
+    seconds = full * wave(max_batch) + (wave(rest) if rest else 0.0)
+    return GenerationCost(seconds=seconds, max_batch=max_batch, waves=full + (1 if rest else 0))
+
+
+def nested(a: int, b: int) -> bool:
+    return a % b == 0 or b % a == 0
+
+
+@dataclass(frozen=True)
+class Resharding:
+    """How the hybrid engine turns the actor's training shards into its generation shards.
+
+    Each GPU keeps its own training shard and all-gathers the rest of its generation shard from the
+    `group` GPUs that hold the other pieces (HybridFlow's zero-redundancy grouping): layouts must nest
+    (tp_g divides tp or tp divides tp_g; likewise pp).
+    """
+
+    gen_fraction: float  # share of the model one GPU holds for generation
+    own_fraction: float  # share of it that the GPU already holds from training
+    group: int  # GPUs taking part in one all-gather
+
+    @property
+    def received_fraction(self) -> float:
+        return self.gen_fraction - self.own_fraction
+
+
+def resharding(train: TrainConfig, gen: GenConfig) -> Resharding:
+    if not (nested(train.tp, gen.tp) and nested(train.pp, gen.pp)):
+        raise ValueError(f"generation layout tp={gen.tp} pp={gen.pp} does not nest with training layout "
+                         f"tp={train.tp} pp={train.pp}")
+    gen_fraction = 1.0 / (gen.tp * gen.pp)
+    own = 1.0 / (max(train.tp, gen.tp) * max(train.pp, gen.pp))
+    if train.shard:
+        own /= train.dp
+    return Resharding(gen_fraction=gen_fraction, own_fraction=own, group=max(1, round(gen_fraction / own)))
+
+
+def transition_time(hw: HardwareProfile, arch: ModelArch, train: TrainConfig, gen: GenConfig,
+                    where: Placement) -> float:
+    """Training layout -> generation layout: an all-gather of each GPU's generation shard among the
+    GPUs holding its pieces (adjacent ranks). Going back is free: the generation copy is dropped."""
+    plan = resharding(train, gen)
+    if plan.group <= 1:
+        return 0.0
+    group = coll.group_of(plan.group, 1, where.per_node)
+    return coll.all_gather(hw, group, BF16 * arch.params("lm") * plan.gen_fraction)
+
+
+def weight_sync_time(hw: HardwareProfile, arch: ModelArch, gen: GenConfig, rollout: Placement,
+                     same_node: bool) -> float:
+    """Separate generation engine: every rollout GPU receives its generation shard of the freshly
+    trained weights; the receiving node's links carry the shards of all its GPUs."""
+    shard_bytes = BF16 * arch.params("lm") / (gen.tp * gen.pp)
+    node_bytes = shard_bytes * rollout.per_node
+    if same_node:
+        return coll.point_to_point(hw, shard_bytes, same_node=True)
+    return coll.point_to_point(hw, node_bytes, same_node=False)

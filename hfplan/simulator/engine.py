@@ -1,0 +1,153 @@
+"""The simpy engine: schedule a traced DAG on a mapping and produce its timeline.
+
+Rules (what the single controller does when it runs the program):
+- each placement set runs its calls one after another, in program order;
+- a call starts when its inputs have arrived: an input made on another set (or on the controller)
+  first crosses the link between them, as a transfer of the edge's bytes;
+- calls on disjoint sets overlap;
+- before a call that needs another layout of its role (the actor going from training to generation),
+  the set pays the switch (the hybrid engine's resharding, or a rollout engine's weight sync).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import simpy
+
+from hfplan.dataflow.ops import PHASES
+from hfplan.errors import HfplanError
+from hfplan.plan import Estimate, Plan, Span
+from hfplan.simulator.evaluate import PlanCosts
+from hfplan.simulator.memory import gib
+from hfplan.simulator.trace import Dag, Node, trace
+
+
+@dataclass(frozen=True)
+class Timeline:
+    spans: tuple[Span, ...]
+    tokens: int
+
+    @property
+    def iteration_s(self) -> float:
+        return max((s.end for s in self.spans), default=0.0)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.iteration_s if self.iteration_s > 0 else 0.0
+
+    def stages(self) -> dict[str, float]:
+        """Wall seconds from the first start to the last end of each phase's calls."""
+        out: dict[str, float] = {}
+        for phase in PHASES:
+            spans = [s for s in self.spans if s.phase == phase]
+            if spans:
+                out[phase] = max(s.end for s in spans) - min(s.start for s in spans)
+        return out
+
+    def estimate(self, peak_memory_gib: list[float]) -> Estimate:
+        return Estimate(iteration_s=self.iteration_s, tokens_per_s=self.tokens_per_s, stages=self.stages(),
+                        peak_memory_gib=peak_memory_gib, timeline=list(self.spans))
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """One call with everything the engine needs: where it runs, how long, and the switch before it."""
+
+    node: Node
+    set: int
+    seconds: float
+    switch: float
+    switch_role: str | None
+
+
+def schedule(dag: Dag, plan_costs: PlanCosts) -> list[Scheduled]:
+    """Durations and layout switches of every call, in program order."""
+    layouts: dict[str, str] = {}
+    out = []
+    for node in dag.nodes:
+        role = plan_costs.layout_role(node)
+        switch = 0.0
+        if role is not None:
+            current = layouts.get(role, plan_costs.initial_layout(role))
+            switch = plan_costs.switch_seconds(role, current, node.layout)
+            layouts[role] = node.layout
+        out.append(Scheduled(node, plan_costs.set_of(node), plan_costs.node_seconds(node), switch, role))
+    return out
+
+
+def run(dag: Dag, plan_costs: PlanCosts) -> Timeline:
+    calls = schedule(dag, plan_costs)
+    by_id = {c.node.id: c for c in calls}
+    env = simpy.Environment()
+    done = {c.node.id: env.event() for c in calls}
+    spans: list[Span] = []
+
+    def transfer(src: Scheduled, dst: Scheduled, nbytes: float):
+        yield done[src.node.id]
+        seconds = plan_costs.edge_seconds(src.set, dst.set, nbytes)
+        if seconds > 0:
+            start = env.now
+            yield env.timeout(seconds)
+            spans.append(Span(role=dst.node.role, op=f"{src.node.label}->{dst.node.label}", phase=dst.node.phase,
+                              set=dst.set, start=start, end=env.now, kind="transfer"))
+
+    def call(c: Scheduled, previous_on_set: simpy.Event | None):
+        arrivals = [env.process(transfer(by_id[e.src], c, e.nbytes)) for e in c.node.deps]
+        if previous_on_set is not None:
+            arrivals.append(previous_on_set)
+        if arrivals:
+            yield env.all_of(arrivals)
+        if c.switch > 0:
+            start = env.now
+            yield env.timeout(c.switch)
+            spans.append(Span(role=c.switch_role or c.node.role, op="reshard", phase=c.node.phase, set=c.set,
+                              start=start, end=env.now, kind="transition"))
+        start = env.now
+        yield env.timeout(c.seconds)
+        spans.append(Span(role=c.node.role, op=c.node.op + ("(greedy)" if c.node.greedy else ""),
+                          phase=c.node.phase, set=c.set, start=start, end=env.now))
+        done[c.node.id].succeed()
+
+    last_on_set: dict[int, simpy.Event] = {}
+    for c in calls:
+        env.process(call(c, last_on_set.get(c.set)))
+        last_on_set[c.set] = done[c.node.id]
+    env.run()
+    spans.sort(key=lambda s: (s.start, s.set, s.end))
+    return Timeline(tuple(spans), plan_costs.workload.tokens_per_iteration)
+
+
+def critical_path(dag: Dag, plan_costs: PlanCosts) -> float:
+    """Longest path through the DAG plus each set's program-order chain: the iteration time the
+    engine must reproduce (computed independently of simpy, for checking it)."""
+    calls = schedule(dag, plan_costs)
+    by_id = {c.node.id: c for c in calls}
+    finish: dict[int, float] = {}
+    last_on_set: dict[int, float] = {}
+    for c in calls:
+        ready = last_on_set.get(c.set, 0.0)
+        for e in c.node.deps:
+            src = by_id[e.src]
+            ready = max(ready, finish[e.src] + plan_costs.edge_seconds(src.set, c.set, e.nbytes))
+        finish[c.node.id] = ready + c.switch + c.seconds
+        last_on_set[c.set] = finish[c.node.id]
+    return max(finish.values(), default=0.0)
+
+
+@dataclass(frozen=True)
+class Simulation:
+    timeline: Timeline
+    costs: PlanCosts
+    estimate: Estimate
+
+
+def simulate_plan(plan: Plan) -> Simulation:
+    """Trace the plan's algorithm and run it on the plan's mapping. Raises HfplanError when a set does
+    not fit in memory."""
+    plan_costs = PlanCosts.of_plan(plan)
+    reason = plan_costs.infeasible_reason
+    if reason:
+        raise HfplanError(f"plan does not fit: {reason}")
+    timeline = run(trace(plan.workload), plan_costs)
+    return Simulation(timeline, plan_costs, timeline.estimate([round(gib(m.peak), 3) for m in plan_costs.memory]))

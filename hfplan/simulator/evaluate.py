@@ -1,0 +1,241 @@
+"""Costs of one candidate mapping: seconds of each traced call, layout switches, memory of each set.
+
+A mapping is a placement (colocated sets of roles with a GPU count each) plus each role's parallel
+layouts; the same inputs a Plan holds, taken without building a Plan so that the search can evaluate
+many of them quickly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+from hfplan.plan import ROLLOUT, Plan, RoleParallelism
+from hfplan.profiles.hardware import HardwareProfile
+from hfplan.profiles.models import ModelArch
+from hfplan.simulator import collectives as coll
+from hfplan.simulator import costs, memory
+from hfplan.simulator.trace import CONTROLLER, Node
+from hfplan.spec import SCALAR_HEAD_ROLES, TRAINED_ROLES, Workload
+
+# Layout states a role can be in between calls (see PlanCosts.switch_seconds).
+STALE = "stale"  # a separate rollout engine before this iteration's weights reach it
+
+
+@dataclass(frozen=True)
+class SetMemory:
+    index: int
+    roles: tuple[str, ...]
+    resident: dict[str, float]  # bytes per GPU each role keeps
+    transient: dict[str, float]  # bytes per GPU of the largest call of each role
+    usable: float
+    kv_budget: float  # bytes per GPU left for the KV cache during generation (0 if the set does not generate)
+    reason: str  # empty when it fits
+
+    @property
+    def peak(self) -> float:
+        return sum(self.resident.values()) + max(self.transient.values(), default=0.0)
+
+    @property
+    def fits(self) -> bool:
+        return not self.reason
+
+
+def head_of(role: str) -> str:
+    return "scalar" if role in SCALAR_HEAD_ROLES else "lm"
+
+
+def set_offsets(sizes: Sequence[int], gpus_per_node: int) -> list[int]:
+    """First GPU of each set when sets are laid out largest first (so sub-node sets never straddle a
+    node boundary), returned in the original order."""
+    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+    offsets, start = [0] * len(sizes), 0
+    for i in order:
+        offsets[i] = start
+        start += sizes[i]
+    return offsets
+
+
+class PlanCosts:
+    def __init__(self, workload: Workload, placement: Sequence[tuple[Sequence[str], int]],
+                 parallelism: Mapping[str, RoleParallelism], hw: HardwareProfile, gpus_per_node: int) -> None:
+        self.workload = workload
+        self.placement = [(tuple(roles), gpus) for roles, gpus in placement]
+        self.parallelism = parallelism
+        self.hw = hw
+        self.gpus_per_node = gpus_per_node
+        self.set_index = {role: i for i, (roles, _) in enumerate(self.placement) for role in roles}
+        self.offsets = set_offsets([g for _, g in self.placement], gpus_per_node)
+
+    @classmethod
+    def of_plan(cls, plan: Plan) -> PlanCosts:
+        return cls(plan.workload, [(g.models, g.gpus) for g in plan.placement], plan.parallelism,
+                   plan.cluster.profile, plan.cluster.gpus_per_node)
+
+    # -- where things run -------------------------------------------------------------------------
+    @property
+    def generator(self) -> str:
+        return ROLLOUT if ROLLOUT in self.set_index else "actor"
+
+    def set_of(self, node: Node) -> int:
+        """Placement set a call runs on; -1 for the controller and rule-based rewards."""
+        if node.role == CONTROLLER:
+            return -1
+        role = self.generator if node.op == "generate" else node.role
+        return self.set_index.get(role, -1)
+
+    def where(self, index: int) -> costs.Placement:
+        return costs.Placement(self.placement[index][1], self.gpus_per_node)
+
+    def nodes_of(self, index: int) -> tuple[int, int]:
+        start = self.offsets[index]
+        return start // self.gpus_per_node, (start + self.placement[index][1] - 1) // self.gpus_per_node
+
+    def same_node(self, a: int, b: int) -> bool:
+        first_a, last_a = self.nodes_of(a)
+        first_b, last_b = self.nodes_of(b)
+        return first_a == last_a == first_b == last_b
+
+    def arch(self, role: str) -> ModelArch:
+        return self.workload.arch("actor" if role == ROLLOUT else role)
+
+    # -- seconds ----------------------------------------------------------------------------------
+    def node_seconds(self, node: Node) -> float:
+        index = self.set_of(node)
+        if index < 0:
+            return 0.0  # controller steps and rules: host work, negligible next to GPU calls
+        role = self.generator if node.kind == "generate" else node.role
+        return call_seconds(self.workload, self.hw, self.gpus_per_node, node, role, self.parallelism[role],
+                            self.placement[index][1], self.memory[index].kv_budget)
+
+    def layout_role(self, node: Node) -> str | None:
+        """The role whose layout state a call depends on (None: no switch can precede it)."""
+        if node.role == CONTROLLER or self.set_of(node) < 0:
+            return None
+        return self.generator if node.op == "generate" else node.role
+
+    def initial_layout(self, role: str) -> str:
+        return STALE if role == ROLLOUT else "train"
+
+    def switch_seconds(self, role: str, current: str, needed: str) -> float:
+        """Cost of moving `role` from layout `current` to `needed` before a call."""
+        if current == needed or needed != "gen":
+            return 0.0  # back to training: the generation copy is dropped; infer shares the train layout
+        index = self.set_index[role]
+        same = role == ROLLOUT and self.same_node(self.set_index["actor"], index)
+        return switch_seconds(self.workload, self.hw, self.gpus_per_node, role, self.parallelism[role],
+                              self.placement[index][1], same)
+
+    def edge_seconds(self, src_set: int, dst_set: int, nbytes: float) -> float:
+        if src_set == dst_set or nbytes <= 0:
+            return 0.0
+        if src_set < 0 or dst_set < 0:
+            return coll.host_transfer(self.hw, nbytes)
+        return coll.point_to_point(self.hw, nbytes, self.same_node(src_set, dst_set))
+
+    # -- memory -----------------------------------------------------------------------------------
+    @cached_property
+    def memory(self) -> list[SetMemory]:
+        return [
+            set_memory(self.workload, self.hw, index, roles, gpus,
+                       {r: role_memory(self.workload, r, self.parallelism[r]) for r in roles}, self.generator)
+            for index, (roles, gpus) in enumerate(self.placement)
+        ]
+
+    @property
+    def infeasible_reason(self) -> str:
+        return next((m.reason for m in self.memory if m.reason), "")
+
+
+@dataclass(frozen=True)
+class RoleMemory:
+    """Bytes per GPU one role needs: kept between calls, and during its largest non-generation call;
+    for the role that generates, the extra weights and working memory of generation and the KV
+    cache of one sequence."""
+
+    resident: float
+    transient: float
+    gen_extra: float = 0.0
+    kv_per_sequence: float = 0.0
+    gen_replicas: int = 1
+
+
+def role_memory(workload: Workload, role: str, par: RoleParallelism) -> RoleMemory:
+    w = workload
+    arch = w.arch("actor" if role == ROLLOUT else role)
+    head = head_of(role)
+    transient = 0.0
+    if role == ROLLOUT:
+        resident = memory.infer_resident_bytes(arch, par.gen, "lm")
+    elif role in TRAINED_ROLES:
+        resident = memory.train_resident_bytes(arch, par.train, head)
+        transient = memory.train_transient_bytes(arch, par.train, w.sequences // w.mini_batches, w.seq_len, head)
+    else:
+        resident = memory.infer_resident_bytes(arch, par.infer, head)
+    if par.infer is not None:
+        sharded = par.train if par.train is not None and par.train.shard else None
+        transient = max(transient, memory.infer_transient_bytes(arch, par.infer, w.seq_len, head, sharded))
+    if par.gen is None:
+        return RoleMemory(resident, transient)
+    gen_extra = (memory.generation_weights_bytes(arch, par.gen, par.train) if par.train is not None else 0.0) \
+        + memory.generation_working_bytes(arch, par.gen, w.prompt_len)
+    return RoleMemory(resident, transient, gen_extra, memory.kv_cache_bytes(arch, par.gen, 1, w.seq_len), par.gen.dp)
+
+
+def set_memory(workload: Workload, hw: HardwareProfile, index: int, roles: Sequence[str], gpus: int,
+               needs: Mapping[str, RoleMemory], generator: str) -> SetMemory:
+    """Colocated roles: resident states add up, calls take turns, so the peak is the sum of resident
+    states plus the largest call; generation's KV cache takes what is left, up to what it can use."""
+    usable = hw.memory.usable_bytes
+    resident = {r: needs[r].resident for r in roles}
+    transient = {r: needs[r].transient for r in roles if needs[r].transient > 0}
+    held = sum(resident.values())
+    kv_budget, reason = 0.0, ""
+    if generator in roles:
+        need = needs[generator]
+        kv_budget = max(0.0, usable - held - need.gen_extra)
+        if kv_budget < need.kv_per_sequence:
+            reason = (f"set {index} ({', '.join(roles)}): no room for the KV cache of one sequence "
+                      f"({memory.gib(need.kv_per_sequence):.2f} GiB) after "
+                      f"{memory.gib(held + need.gen_extra):.1f} GiB of weights and states; "
+                      f"{memory.gib(usable):.1f} GiB usable per GPU")
+        kv_needed = need.kv_per_sequence * math.ceil(workload.sequences / need.gen_replicas)
+        transient[f"{generator}.generate"] = need.gen_extra + min(kv_budget, kv_needed)
+    peak = held + max(transient.values(), default=0.0)
+    if not reason and peak > usable:
+        parts = ", ".join(f"{r} {memory.gib(b):.1f}" for r, b in resident.items())
+        biggest = max(transient, key=transient.get) if transient else "-"
+        reason = (f"set {index} ({', '.join(roles)}) on {gpus} GPUs needs {memory.gib(peak):.1f} GiB per "
+                  f"GPU > {memory.gib(usable):.1f} GiB usable (resident GiB: {parts}; largest call: "
+                  f"{biggest} {memory.gib(transient.get(biggest, 0.0)):.1f} GiB)")
+    return SetMemory(index, tuple(roles), resident, transient, usable, kv_budget, reason)
+
+
+def call_seconds(workload: Workload, hw: HardwareProfile, gpus_per_node: int, node: Node, role: str,
+                 par: RoleParallelism, gpus: int, kv_budget: float) -> float:
+    """Seconds of one traced call of `role` (the generating role for generate) on its set of `gpus`."""
+    w, where = workload, costs.Placement(gpus, gpus_per_node)
+    arch = w.arch("actor" if role == ROLLOUT else role)
+    if node.kind == "generate":
+        return costs.generation_time(hw, arch, par.gen, where, node.sequences, w.prompt_len, w.response_len,
+                                     kv_budget).seconds
+    head = head_of(role)
+    if node.kind == "forward":
+        sharded = par.train is not None and par.train.shard
+        return costs.inference_time(hw, arch, par.infer, where, node.sequences, w.seq_len, head, sharded)
+    if node.kind == "update":
+        return costs.update_time(hw, arch, par.train, where, node.sequences, w.seq_len, head, w.mini_batches,
+                                 w.epochs)
+    raise ValueError(f"no cost for {node.label}")
+
+
+def switch_seconds(workload: Workload, hw: HardwareProfile, gpus_per_node: int, role: str, par: RoleParallelism,
+                   gpus: int, same_node_as_actor: bool = False) -> float:
+    """Training -> generation layout: the hybrid engine's resharding of the actor, or the weight sync of
+    a separate rollout engine."""
+    arch, where = workload.arch("actor"), costs.Placement(gpus, gpus_per_node)
+    if role == ROLLOUT:
+        return costs.weight_sync_time(hw, arch, par.gen, where, same_node_as_actor)
+    return costs.transition_time(hw, arch, par.train, par.gen, where)

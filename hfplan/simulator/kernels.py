@@ -1,0 +1,99 @@
+"""Roofline cost of the kernels of one transformer layer, forward and backward, on one GPU.
+
+Each kernel costs a fixed overhead plus the larger of its math time (FLOPs at the profile's
+achievable matmul rate) and its memory time (bytes at the profile's achievable bandwidth). So
+efficiency falls by itself where per-GPU work is small: small GEMMs are memory- or overhead-bound,
+decode steps are weight-read bound, and large training GEMMs run near the measured matmul rate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hfplan.profiles.hardware import HardwareProfile
+from hfplan.profiles.models import ModelArch
+
+BF16 = 2
+FP32 = 4
+
+
+def kernel_time(hw: HardwareProfile, flops: float, nbytes: float) -> float:
+    math = flops / (hw.peak_flops * hw.compute.matmul_efficiency)
+    memory = nbytes / (hw.memory.bandwidth_gbps * 1e9 * hw.memory.efficiency)
+    return hw.compute.kernel_overhead_us * 1e-6 + max(math, memory)
+
+
+def gemm_time(hw: HardwareProfile, m: float, k: float, n: float, dtype_bytes: int = BF16) -> float:
+    """(m x k) @ (k x n)."""
+    if m <= 0 or k <= 0 or n <= 0:
+        return 0.0
+    return kernel_time(hw, 2.0 * m * k * n, dtype_bytes * (m * k + k * n + m * n))
+
+
+def memory_time(hw: HardwareProfile, nbytes: float) -> float:
+    """An elementwise (memory-bound) kernel moving nbytes."""
+    return kernel_time(hw, 0.0, nbytes) if nbytes > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Seconds of one layer's kernels on one GPU, by kind; TP communication is costed separately."""
+
+    gemm: float
+    attention: float
+    elementwise: float
+
+    @property
+    def total(self) -> float:
+        return self.gemm + self.attention + self.elementwise
+
+    def backward(self) -> float:
+        """Backward: two GEMMs per forward GEMM (input and weight gradients); flash-attention backward
+        does 5 matmuls to the forward's 2 (Dao, FlashAttention-2, 2023); elementwise ops read the saved
+        input and the incoming gradient and write one gradient."""
+        return 2.0 * self.gemm + 2.5 * self.attention + 2.0 * self.elementwise
+
+
+def shard(dim: int, tp: int) -> float:
+    return dim / tp
+
+
+def layer_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per_token: float, tp: int,
+                  decode: bool = False) -> LayerCost:
+    """One layer's forward over `tokens` tokens on one of `tp` tensor-parallel GPUs.
+
+    keys_per_token: keys each query attends to (L/2 on average for causal prefill of length L; the
+    context length for a decode step). In decode, attention reads the KV cache of every key.
+    """
+    h, q, kv, f = arch.hidden, arch.q_dim, arch.kv_dim, arch.ffn
+    qkv_out = shard(q + 2 * kv, tp)
+    gemm = (gemm_time(hw, tokens, h, qkv_out) + gemm_time(hw, tokens, shard(q, tp), h)
+            + gemm_time(hw, tokens, h, shard(2 * f, tp)) + gemm_time(hw, tokens, shard(f, tp), h))
+    kv_local = shard(kv, tp) if arch.kv_heads >= tp else arch.dim_per_head
+    attn_flops = 4.0 * tokens * keys_per_token * shard(q, tp)
+    if decode:
+        attn_bytes = BF16 * (tokens * keys_per_token * 2 * kv_local + 2 * tokens * shard(q, tp))
+    else:
+        attn_bytes = BF16 * tokens * (2 * shard(q, tp) + 2 * kv_local)
+    attention = kernel_time(hw, attn_flops, attn_bytes)
+    elementwise = (
+        2 * memory_time(hw, BF16 * 2 * tokens * h)  # two RMSNorms: read and write h
+        + memory_time(hw, BF16 * 2 * tokens * (shard(q, tp) + kv_local))  # rotary on q and k
+        + 2 * memory_time(hw, BF16 * 3 * tokens * h)  # two residual adds
+        + memory_time(hw, BF16 * 3 * tokens * shard(f, tp))  # silu(gate) * up
+    )
+    return LayerCost(gemm=gemm, attention=attention, elementwise=elementwise)
+
+
+def head_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, tp: int, head: str) -> LayerCost:
+    """Final norm, output head and (for a language model) log-softmax in fp32 over the local vocabulary."""
+    out = arch.head_out_dim(head)
+    local_out = shard(out, tp) if head == "lm" else out
+    gemm = gemm_time(hw, tokens, arch.hidden, local_out)
+    softmax = memory_time(hw, FP32 * 3 * tokens * local_out) if head == "lm" else 0.0
+    norm = memory_time(hw, BF16 * 2 * tokens * arch.hidden)
+    return LayerCost(gemm=gemm, attention=0.0, elementwise=softmax + norm)
+
+
+def embedding_forward(hw: HardwareProfile, arch: ModelArch, tokens: float) -> LayerCost:
+    return LayerCost(gemm=0.0, attention=0.0, elementwise=memory_time(hw, BF16 * 2 * tokens * arch.hidden))

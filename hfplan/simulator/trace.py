@@ -1,0 +1,154 @@
+"""Run a dataflow program on tracing roles and record its DAG: one node per call, edges with bytes.
+
+Nothing here knows any algorithm: the DAG is whatever the program calls, in program order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hfplan.dataflow.algorithms import ALGORITHMS
+from hfplan.dataflow.batch import Batch
+from hfplan.dataflow.controller import STEPS
+from hfplan.dataflow.ops import FIELD_KIND, PREPARATION, ROLE_OPS, output_field
+from hfplan.spec import Workload
+
+CONTROLLER = "controller"
+TOKEN_ID_BYTES = 8  # int64 token ids
+VALUE_BYTES = 4  # fp32 per-token and per-sequence values
+
+
+@dataclass(frozen=True)
+class Sym:
+    """A symbolic field: which node wrote it (None: an input of the iteration), over how many sequences."""
+
+    producer: int | None
+    name: str
+    sequences: int
+
+
+@dataclass(frozen=True)
+class Edge:
+    src: int
+    nbytes: float
+    fields: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Node:
+    id: int
+    role: str  # a workload role, or "controller"
+    op: str
+    phase: str
+    sequences: int
+    deps: tuple[Edge, ...]
+    writes: tuple[str, ...]
+    greedy: bool = False
+
+    @property
+    def kind(self) -> str:
+        return ROLE_OPS[self.op].kind if self.role != CONTROLLER else "controller"
+
+    @property
+    def layout(self) -> str:
+        return ROLE_OPS[self.op].layout if self.role != CONTROLLER else "host"
+
+    @property
+    def label(self) -> str:
+        return f"{self.role}.{self.op}" + ("(greedy)" if self.greedy else "")
+
+
+@dataclass(frozen=True)
+class Dag:
+    algorithm: str
+    nodes: tuple[Node, ...]
+
+    def signature(self) -> list[str]:
+        """Node labels in program order: what tests pin per algorithm."""
+        return [n.label for n in self.nodes]
+
+
+def field_bytes(name: str, sequences: int, workload: Workload) -> float:
+    kind = FIELD_KIND.get(name, "per_token")
+    if kind == "prompt_tokens":
+        return sequences * workload.prompt_len * TOKEN_ID_BYTES
+    if kind == "response_tokens":
+        return sequences * workload.response_len * TOKEN_ID_BYTES
+    if kind == "per_sequence":
+        return sequences * VALUE_BYTES
+    return sequences * workload.response_len * VALUE_BYTES
+
+
+class Tracer:
+    def __init__(self, workload: Workload) -> None:
+        self.workload = workload
+        self.nodes: list[Node] = []
+
+    def record(self, role: str, op: str, phase: str, batch: Batch, writes: tuple[str, ...], sequences: int,
+               greedy: bool = False) -> Batch:
+        by_producer: dict[int, list[Sym]] = {}
+        for value in batch.values():
+            if not isinstance(value, Sym):
+                raise TypeError(f"{role}.{op}: batch field holds {type(value).__name__}, not a traced value")
+            if value.producer is not None:
+                by_producer.setdefault(value.producer, []).append(value)
+        deps = tuple(
+            Edge(src, sum(field_bytes(s.name, s.sequences, self.workload) for s in syms),
+                 tuple(s.name for s in syms))
+            for src, syms in sorted(by_producer.items())
+        )
+        node = Node(len(self.nodes), role, op, phase, sequences, deps, writes, greedy)
+        self.nodes.append(node)
+        return Batch({name: Sym(node.id, name, sequences) for name in writes})
+
+
+def _sequences_of(batch: Batch) -> int:
+    if not batch:
+        raise ValueError("a call received an empty batch")
+    return max(v.sequences for v in batch.values())
+
+
+class TracingRole:
+    def __init__(self, name: str, tracer: Tracer) -> None:
+        self.name = name
+        self.tracer = tracer
+
+    def generate(self, batch: Batch, n: int = 1, greedy: bool = False) -> Batch:
+        sequences = _sequences_of(batch) * n
+        return self.tracer.record(self.name, "generate", ROLE_OPS["generate"].phase, batch.select("prompts"),
+                                  ("prompts", "responses", "response_mask"), sequences, greedy)
+
+    def _forward(self, op: str, batch: Batch) -> Batch:
+        return self.tracer.record(self.name, op, ROLE_OPS[op].phase, batch, (output_field(self.name, op),),
+                                  _sequences_of(batch))
+
+    def log_prob(self, batch: Batch) -> Batch:
+        return self._forward("log_prob", batch)
+
+    def values(self, batch: Batch) -> Batch:
+        return self._forward("values", batch)
+
+    def score(self, batch: Batch) -> Batch:
+        return self._forward("score", batch)
+
+    def update(self, batch: Batch) -> Batch:
+        return self.tracer.record(self.name, "update", ROLE_OPS["update"].phase, batch,
+                                  (f"{self.name}_metrics",), _sequences_of(batch))
+
+
+class TracingController:
+    def __init__(self, tracer: Tracer, samples_per_prompt: int) -> None:
+        self.tracer = tracer
+        self.samples_per_prompt = samples_per_prompt
+
+    def step(self, name: str, batch: Batch) -> Batch:
+        step = STEPS[name]
+        return self.tracer.record(CONTROLLER, name, PREPARATION, batch, step.writes, _sequences_of(batch))
+
+
+def trace(workload: Workload) -> Dag:
+    tracer = Tracer(workload)
+    roles = {role: TracingRole(role, tracer) for role in workload.roles}
+    prompts = Batch(prompts=Sym(None, "prompts", workload.batch_prompts))
+    ALGORITHMS[workload.algorithm](roles, prompts, TracingController(tracer, workload.samples_per_prompt))
+    return Dag(workload.algorithm, tuple(tracer.nodes))

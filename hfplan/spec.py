@@ -1,0 +1,207 @@
+"""What to plan for: the Workload (algorithm, models, batch and lengths) and the Cluster (GPUs, hardware)."""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from hfplan.errors import HfplanError, describe_validation_error, known_names
+from hfplan.profiles.hardware import HardwareProfile, load_hardware
+from hfplan.profiles.models import CATALOG, ModelArch, resolve_model
+
+Algorithm = Literal["ppo", "grpo", "remax", "safe-rlhf"]
+
+# The roles each algorithm's dataflow uses, in a stable order.
+ALGORITHM_ROLES: dict[str, tuple[str, ...]] = {
+    "ppo": ("actor", "critic", "reference", "reward"),
+    "grpo": ("actor", "reference", "reward"),
+    "remax": ("actor", "reference", "reward"),
+    "safe-rlhf": ("actor", "critic", "reference", "reward", "cost", "cost_critic"),
+}
+ALL_ROLES = ("actor", "critic", "reference", "reward", "cost", "cost_critic")
+TRAINED_ROLES = frozenset({"actor", "critic", "cost_critic"})
+# Roles whose model ends in a scalar head (value or score) instead of the language-model head.
+SCALAR_HEAD_ROLES = frozenset({"critic", "reward", "cost", "cost_critic"})
+# A reward or cost role may be a registered rule computed on the controller instead of a model.
+RULE_PREFIX = "rule:"
+
+
+class Workload(BaseModel):
+    """One RLHF iteration's shape. Field names are the file format (YAML or JSON)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    algorithm: Algorithm
+    models: dict[str, str]
+    prompt_len: int = Field(default=1024, gt=0)
+    response_len: int = Field(default=1024, gt=0)
+    batch_prompts: int = Field(default=1024, gt=0, description="prompts per iteration")
+    samples_per_prompt: int = Field(default=1, gt=0, description="responses per prompt (GRPO: n)")
+    mini_batches: int = Field(default=8, gt=0, description="updates per epoch")
+    epochs: int = Field(default=1, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> Workload:
+        expected = ALGORITHM_ROLES[self.algorithm]
+        for role in self.models:
+            if role not in expected:
+                raise ValueError(f"role {role!r} is not used by {self.algorithm}; its roles: {', '.join(expected)}")
+        for role in expected:
+            if role not in self.models:
+                raise ValueError(f"{self.algorithm} needs a model for role {role!r}")
+        for role, ref in self.models.items():
+            if ref.startswith(RULE_PREFIX) and role not in ("reward", "cost"):
+                raise ValueError(f"role {role!r} cannot be a rule; only reward and cost can")
+        if self.models["actor"].startswith(RULE_PREFIX) or self.models["reference"].startswith(RULE_PREFIX):
+            raise ValueError("actor and reference must be models")
+        if self.algorithm == "grpo" and self.samples_per_prompt < 2:
+            raise ValueError("grpo needs samples_per_prompt >= 2 (advantages are normalised within a group)")
+        if self.sequences % self.mini_batches:
+            raise ValueError(f"mini_batches ({self.mini_batches}) must divide the {self.sequences} sequences "
+                             "per iteration")
+        return self
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return ALGORITHM_ROLES[self.algorithm]
+
+    @property
+    def model_roles(self) -> tuple[str, ...]:
+        """Roles backed by a neural model (placed on GPUs), as opposed to rules on the controller."""
+        return tuple(r for r in self.roles if not self.models[r].startswith(RULE_PREFIX))
+
+    @property
+    def sequences(self) -> int:
+        """Responses generated per iteration."""
+        return self.batch_prompts * self.samples_per_prompt
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.response_len
+
+    @property
+    def tokens_per_iteration(self) -> int:
+        """Prompt plus response tokens of all sequences: the numerator of tokens/s."""
+        return self.sequences * self.seq_len
+
+    def arch(self, role: str) -> ModelArch:
+        return _resolve_cached(self.models[role])
+
+    def check_models(self) -> None:
+        """Resolve every model reference now, so that a bad name fails before any work starts."""
+        from hfplan.dataflow.rewards import check_rule
+
+        for role in self.roles:
+            ref = self.models[role]
+            if ref.startswith(RULE_PREFIX):
+                check_rule(ref[len(RULE_PREFIX):])
+            else:
+                self.arch(role)
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+
+_ARCH_CACHE: dict[str, ModelArch] = {}
+
+
+def _resolve_cached(ref: str) -> ModelArch:
+    if ref not in _ARCH_CACHE:
+        _ARCH_CACHE[ref] = resolve_model(ref)
+    return _ARCH_CACHE[ref]
+
+
+def _builtin_workloads() -> dict[str, dict]:
+    table: dict[str, dict] = {}
+    for model in CATALOG:
+        if model == "tiny":
+            continue
+        for algorithm, roles in ALGORITHM_ROLES.items():
+            spec: dict = {"algorithm": algorithm, "models": {role: model for role in roles}}
+            if algorithm == "grpo":
+                # Group-normalised advantages need n >= 2; 256 prompts x 4 keeps 1024 responses per
+                # iteration, like the other algorithms' defaults.
+                spec |= {"batch_prompts": 256, "samples_per_prompt": 4}
+            table[f"{algorithm}-{model}"] = spec
+    table["demo"] = {
+        "algorithm": "ppo",
+        "models": {"actor": "tiny", "critic": "tiny", "reference": "tiny", "reward": "rule:vowel-fraction"},
+        "prompt_len": 16,
+        "response_len": 16,
+        "batch_prompts": 8,
+        "mini_batches": 2,
+        "epochs": 1,
+    }
+    return table
+
+
+BUILTIN_WORKLOADS = _builtin_workloads()
+DEFAULT_WORKLOAD = "ppo-llama2-7b"
+
+
+def workload_from_dict(data: object, source: str) -> Workload:
+    if not isinstance(data, dict):
+        raise HfplanError(f"workload {source}: expected a mapping at the top level")
+    try:
+        workload = Workload.model_validate(data)
+    except ValidationError as bad:
+        raise HfplanError(f"workload {source}: {describe_validation_error(bad)}") from None
+    workload.check_models()
+    return workload
+
+
+def load_workload(ref: str) -> Workload:
+    """A built-in workload name, or the path of a workload YAML or JSON file."""
+    if ref in BUILTIN_WORKLOADS:
+        return workload_from_dict(BUILTIN_WORKLOADS[ref], ref)
+    path = Path(ref)
+    if not (ref.endswith((".yaml", ".yml", ".json")) or "/" in ref):
+        raise HfplanError(f"unknown workload {ref!r}; built-in workloads are <algorithm>-<model> "
+                          f"(algorithms: {known_names(ALGORITHM_ROLES)}; models: "
+                          f"{known_names(m for m in CATALOG if m != 'tiny')}) and demo, or give a .yaml/.json path")
+    if not path.is_file():
+        raise HfplanError(f"workload file not found: {path}")
+    try:
+        text = path.read_text()
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError) as bad:
+        first = str(bad).strip().splitlines()[0] if str(bad).strip() else type(bad).__name__
+        raise HfplanError(f"workload {path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'} ({first})") \
+            from None
+    return workload_from_dict(data, str(path))
+
+
+class Cluster(BaseModel):
+    """The GPUs to plan for. `hardware` is a shipped profile name or a profile path."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gpus: int = Field(gt=0)
+    gpus_per_node: int = Field(gt=0)
+    hardware: str
+
+    @cached_property
+    def profile(self) -> HardwareProfile:
+        return load_hardware(self.hardware)
+
+    @property
+    def nodes(self) -> int:
+        """Nodes used; the last one is partial when gpus is not a multiple of gpus_per_node."""
+        return -(-self.gpus // self.gpus_per_node)
+
+
+def make_cluster(gpus: int, hardware: str = "a100-80g", gpus_per_node: int | None = None) -> Cluster:
+    if gpus <= 0:
+        raise HfplanError(f"--gpus must be positive, got {gpus}")
+    profile = load_hardware(hardware)
+    per_node = gpus_per_node or profile.gpus_per_node
+    if per_node <= 0 or per_node & (per_node - 1):
+        raise HfplanError(f"--gpus-per-node must be a power of two, got {per_node}")
+    cluster = Cluster(gpus=gpus, gpus_per_node=per_node, hardware=hardware)
+    cluster.__dict__["profile"] = profile  # already loaded: keep it
+    return cluster
