@@ -7,6 +7,7 @@ stages are blocks of tp*dp GPUs. Every rate comes from the hardware profile.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -52,8 +53,8 @@ def stage_params(arch: ModelArch, pp: int, head: str) -> float:
     return layers + max(arch.embedding_params, arch.head_params(head) + arch.hidden)
 
 
-def tp_group(layout: Layout, where: Placement) -> coll.Group:
-    return coll.group_of(layout.tp, 1, where.per_node)
+def tp_group(tp: int, where: Placement) -> coll.Group:
+    return coll.group_of(tp, 1, where.per_node)
 
 
 def dp_group(layout: Layout, where: Placement) -> coll.Group:
@@ -64,18 +65,17 @@ def stages_share_node(layout: Layout, where: Placement) -> bool:
     return layout.gpus <= where.per_node
 
 
-def _layer_tp_comm(hw: HardwareProfile, arch: ModelArch, tokens: float, layout: Layout,
-                   where: Placement) -> float:
+def _layer_tp_comm(hw: HardwareProfile, arch: ModelArch, tokens: float, tp: int, where: Placement) -> float:
     """Two all-reduces of the hidden state per layer pass (after attention and after the MLP)."""
-    if layout.tp == 1:
+    if tp == 1:
         return 0.0
-    return 2 * coll.all_reduce(hw, tp_group(layout, where), BF16 * tokens * arch.hidden)
+    return 2 * coll.all_reduce(hw, tp_group(tp, where), BF16 * tokens * arch.hidden)
 
 
-def _head_tp_comm(hw: HardwareProfile, tokens: float, layout: Layout, where: Placement, head: str) -> float:
-    if layout.tp == 1 or head != "lm":
+def _head_tp_comm(hw: HardwareProfile, tokens: float, tp: int, where: Placement, head: str) -> float:
+    if tp == 1 or head != "lm":
         return 0.0
-    return LOGSOFTMAX_REDUCTIONS * coll.all_reduce(hw, tp_group(layout, where), FP32 * tokens)
+    return LOGSOFTMAX_REDUCTIONS * coll.all_reduce(hw, tp_group(tp, where), FP32 * tokens)
 
 
 @dataclass(frozen=True)
@@ -86,17 +86,18 @@ class StagePass:
     backward: float
 
 
-def stage_pass(hw: HardwareProfile, arch: ModelArch, layout: Layout, where: Placement, micro_seqs: float,
+@functools.lru_cache(maxsize=65536)
+def stage_pass(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: Placement, micro_seqs: float,
                seq_len: int, head: str) -> StagePass:
     tokens = micro_seqs * seq_len
-    layer = layer_forward(hw, arch, tokens, keys_per_token=(seq_len + 1) / 2, tp=layout.tp)
-    comm = _layer_tp_comm(hw, arch, tokens, layout, where)
-    n_layers = math.ceil(arch.layers / layout.pp)
-    head_cost = head_forward(hw, arch, tokens, layout.tp, head)
-    head_comm = _head_tp_comm(hw, tokens, layout, where, head)
+    layer = layer_forward(hw, arch, tokens, keys_per_token=(seq_len + 1) / 2, tp=tp)
+    comm = _layer_tp_comm(hw, arch, tokens, tp, where)
+    n_layers = math.ceil(arch.layers / pp)
+    head_cost = head_forward(hw, arch, tokens, tp, head)
+    head_comm = _head_tp_comm(hw, tokens, tp, where, head)
     embed = embedding_forward(hw, arch, tokens)
     # The last stage carries the head; with one stage it carries the embedding too.
-    ends: list[LayerCost] = [head_cost] + ([embed] if layout.pp == 1 else [])
+    ends: list[LayerCost] = [head_cost] + ([embed] if pp == 1 else [])
     forward = n_layers * (layer.total + comm) + sum(c.total for c in ends) + head_comm
     backward = n_layers * (layer.backward() + comm) + sum(c.backward() for c in ends) + head_comm
     return StagePass(forward=forward, backward=backward)
@@ -125,7 +126,7 @@ def train_step_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, wher
                     seq_len: int, head: str) -> float:
     """One optimizer step over `sequences` sequences (one mini-batch), 1F1B pipeline schedule."""
     micro, n_micro = _per_rank(sequences, cfg.dp, cfg.micro_batch)
-    sp = stage_pass(hw, arch, cfg, where, micro, seq_len, head)
+    sp = stage_pass(hw, arch, cfg.tp, cfg.pp, where, micro, seq_len, head)
     fwd = sp.forward
     bwd = sp.backward + (sp.forward if cfg.recompute else 0.0)
     p2p = 2 * _p2p(hw, arch, cfg, where, micro * seq_len)
@@ -157,7 +158,7 @@ def inference_time(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, where
     """Forward passes over all sequences (log-probs, values or scores). `sharded_dp`: parameters are
     sharded across data-parallel ranks (a trained role in its FSDP layout) and gathered per micro-batch."""
     micro, n_micro = _per_rank(sequences, cfg.dp, cfg.micro_batch)
-    fwd = stage_pass(hw, arch, cfg, where, micro, seq_len, head).forward
+    fwd = stage_pass(hw, arch, cfg.tp, cfg.pp, where, micro, seq_len, head).forward
     p2p = _p2p(hw, arch, cfg, where, micro * seq_len)
     exposed = 0.0
     if sharded_dp and cfg.dp > 1:
@@ -176,11 +177,11 @@ def decode_step_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: P
                      context: float) -> float:
     """One decode step of `batch` sequences at `context` tokens, through all pipeline stages in turn."""
     layer = layer_forward(hw, arch, batch, keys_per_token=context, tp=cfg.tp, decode=True)
-    comm = _layer_tp_comm(hw, arch, batch, cfg, where)
+    comm = _layer_tp_comm(hw, arch, batch, cfg.tp, where)
     head = head_forward(hw, arch, batch, cfg.tp, "lm")
     sample = memory_time(hw, FP32 * batch * arch.vocab / cfg.tp)
     p2p = (cfg.pp - 1) * _p2p(hw, arch, cfg, where, batch)
-    return arch.layers * (layer.total + comm) + head.total + _head_tp_comm(hw, batch, cfg, where, "lm") \
+    return arch.layers * (layer.total + comm) + head.total + _head_tp_comm(hw, batch, cfg.tp, where, "lm") \
         + sample + p2p
 
 
@@ -188,10 +189,21 @@ def prefill_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: Place
                  prompt_len: int) -> float:
     tokens = batch * prompt_len
     layer = layer_forward(hw, arch, tokens, keys_per_token=(prompt_len + 1) / 2, tp=cfg.tp)
-    comm = _layer_tp_comm(hw, arch, tokens, cfg, where)
+    comm = _layer_tp_comm(hw, arch, tokens, cfg.tp, where)
     head = head_forward(hw, arch, batch, cfg.tp, "lm")  # logits of the last prompt token only
     p2p = (cfg.pp - 1) * _p2p(hw, arch, cfg, where, tokens)
     return arch.layers * (layer.total + comm) + head.total + embedding_forward(hw, arch, tokens).total + p2p
+
+
+@functools.lru_cache(maxsize=65536)
+def wave_time(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: Placement, batch: int,
+              prompt_len: int, response_len: int) -> float:
+    """One prefill of `batch` prompts, then response_len decode steps at the mean context length (the
+    step cost is close to linear in the context)."""
+    layout = Layout(tp=tp, pp=pp)
+    mean_context = prompt_len + (response_len - 1) / 2
+    return prefill_time(hw, arch, layout, where, batch, prompt_len) + response_len * decode_step_time(
+        hw, arch, layout, where, batch, mean_context)
 
 
 @dataclass(frozen=True)
@@ -212,13 +224,9 @@ def generation_time(hw: HardwareProfile, arch: ModelArch, cfg: GenConfig, where:
     if max_batch < 1:
         return GenerationCost(seconds=math.inf, max_batch=0, waves=0)
     full, rest = divmod(per_replica, max_batch)
-    mean_context = prompt_len + (response_len - 1) / 2
-
-    def wave(batch: int) -> float:
-        return prefill_time(hw, arch, cfg, where, batch, prompt_len) + response_len * decode_step_time(
-            hw, arch, cfg, where, batch, mean_context)
-
-    seconds = full * wave(max_batch) + (wave(rest) if rest else 0.0)
+    seconds = full * wave_time(hw, arch, cfg.tp, cfg.pp, where, max_batch, prompt_len, response_len)
+    if rest:
+        seconds += wave_time(hw, arch, cfg.tp, cfg.pp, where, rest, prompt_len, response_len)
     return GenerationCost(seconds=seconds, max_batch=max_batch, waves=full + (1 if rest else 0))
 
 

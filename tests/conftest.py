@@ -1,0 +1,32 @@
+"""Shared fixtures: a hardware profile with round numbers, so hand computations stay readable."""
+
+import pytest
+
+from hfplan.profiles.hardware import Compute, HardwareProfile, Link, Links, Memory
+from hfplan.profiles.models import ModelArch
+
+
+@pytest.fixture
+def toy_hw() -> HardwareProfile:
+    """Achievable rates: matmul 100e12 * 0.5 = 5e13 FLOP/s; memory 1000e9 * 0.5 = 5e11 B/s;
+    intra-node link 100e9 * 0.5 = 5e10 B/s (alpha 1 us); inter-node 10e9 * 0.8 = 8e9 B/s per node
+    (alpha 10 us); host 20e9 * 0.5 = 1e10 B/s (alpha 3 us); 5 us per kernel."""
+    return HardwareProfile(
+        name="toy",
+        gpus_per_node=8,
+        compute=Compute(peak_tflops=100, matmul_efficiency=0.5, kernel_overhead_us=5),
+        memory=Memory(capacity_gib=16, reserved_gib=1, bandwidth_gbps=1000, efficiency=0.5),
+        links=Links(
+            intra_node=Link(bandwidth_gbps=100, efficiency=0.5, latency_us=1),
+            inter_node=Link(bandwidth_gbps=10, efficiency=0.8, latency_us=10),
+            host=Link(bandwidth_gbps=20, efficiency=0.5, latency_us=3),
+        ),
+    )
+
+
+@pytest.fixture
+def small_arch() -> ModelArch:
+    """A small GQA model. By hand: head_dim 64/4 = 16, q_dim 64, kv_dim 2*16 = 32.
+    Per layer: q 64*64 + k,v 2*64*32 + o 64*64 = 12288; MLP 3*64*128 = 24576; two norms 128 -> 36992.
+    Embedding 260*64 = 16640; final norm 64; untied LM head 16640."""
+    return ModelArch("small", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=260)

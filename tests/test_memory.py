@@ -1,0 +1,178 @@
+"""Per-GPU memory of training, inference and generation, by hand on small_arch of conftest.py:
+hidden 64, q_dim 64, kv_dim 32, ffn 128, 2 layers, vocab 260; 36992 parameters per layer,
+107328 in all with the LM head, 90753 with a scalar head."""
+
+import pytest
+
+from hfplan.plan import GenConfig, InferConfig, TrainConfig
+from hfplan.profiles.models import CATALOG
+from hfplan.simulator import memory
+from hfplan.simulator.memory import (
+    INFER_BYTES_PER_PARAM,
+    TRAIN_BYTES_PER_PARAM,
+    activation_values_per_token_layer,
+    gib,
+    kv_cache_bytes,
+    train_resident_bytes,
+    train_transient_bytes,
+)
+
+PER_LAYER = 36992
+PARAMS = 2 * PER_LAYER + 16640 + 64 + 16640
+SCALAR_PARAMS = 2 * PER_LAYER + 16640 + 64 + 64 + 1
+
+
+def test_small_arch_totals(small_arch):
+    assert (PARAMS, SCALAR_PARAMS) == (107328, 90753)
+    assert small_arch.params() == PARAMS and small_arch.params("scalar") == SCALAR_PARAMS
+
+
+def test_mixed_precision_adam_is_18_bytes_per_param():
+    # bf16 weights 2 + fp32 gradients 4 + fp32 master weights 4 + Adam m and v in fp32 4 + 4.
+    assert TRAIN_BYTES_PER_PARAM == 2 + 4 + 4 + 4 + 4 == 18
+    assert INFER_BYTES_PER_PARAM == 2
+
+
+@pytest.mark.parametrize(
+    ("cfg", "head", "expected"),
+    [
+        (TrainConfig(), "lm", 18 * PARAMS),
+        (TrainConfig(dp=4, shard=False), "lm", 18 * PARAMS),  # DDP: every rank holds everything
+        (TrainConfig(dp=4, shard=True), "lm", 18 * PARAMS / 4),  # FSDP: a quarter each
+        (TrainConfig(tp=2, dp=4, shard=True), "lm", 18 * PARAMS / 2 / 4),
+        (TrainConfig(tp=2, dp=4, shard=False), "lm", 18 * PARAMS / 2),
+        (TrainConfig(dp=2, shard=True), "scalar", 18 * SCALAR_PARAMS / 2),
+        # pp 2: the loaded stage holds one layer plus the larger end (LM head + final norm).
+        (TrainConfig(pp=2), "lm", 18 * (PER_LAYER + 16640 + 64)),
+    ],
+)
+def test_train_resident_bytes(small_arch, cfg, head, expected):
+    assert train_resident_bytes(small_arch, cfg, head) == pytest.approx(expected, rel=1e-12)
+
+
+def test_train_resident_bytes_llama2_7b_on_one_gpu_does_not_fit_80gb():
+    # 18 B x 6.74e9 = 121 GB of weights and optimizer states: more than an 80 GB GPU.
+    resident = train_resident_bytes(CATALOG["llama2-7b"], TrainConfig(), "lm")
+    assert resident == pytest.approx(18 * 6_738_415_616)
+    assert gib(resident) > 80
+    assert gib(train_resident_bytes(CATALOG["llama2-7b"], TrainConfig(dp=8), "lm")) < 80 / 4
+
+
+def test_infer_resident_bytes(small_arch):
+    assert memory.infer_resident_bytes(small_arch, InferConfig(tp=2, dp=4), "lm") == pytest.approx(2 * PARAMS / 2)
+    assert memory.infer_resident_bytes(small_arch, InferConfig(), "scalar") == pytest.approx(2 * SCALAR_PARAMS)
+
+
+@pytest.mark.parametrize(
+    ("tp", "values"),
+    [
+        # norm inputs/outputs 4h + q and attention output 2q + k, v 2kv + gate, up, gated 3f.
+        (1, 4 * 64 + 2 * 64 + 2 * 32 + 3 * 128),
+        (2, 4 * 64 + 2 * 64 / 2 + 2 * 32 / 2 + 3 * 128 / 2),
+        # 2 KV heads on 4 GPUs: each GPU keeps one head of 16 for k and for v.
+        (4, 4 * 64 + 2 * 64 / 4 + 2 * 16 + 3 * 128 / 4),
+    ],
+)
+def test_activation_values_per_token_layer(small_arch, tp, values):
+    assert activation_values_per_token_layer(small_arch, tp) == pytest.approx(values)
+
+
+def test_activation_bytes_per_token_layer_tp1(small_arch):
+    assert 2 * activation_values_per_token_layer(small_arch, 1) == 2 * 832 == 1664  # bf16
+
+
+def test_train_transient_bytes_by_hand(small_arch):
+    seq_len = 128
+    per_layer = 2 * seq_len * 832  # one micro-batch of one sequence
+    logits = 2 * 4 * seq_len * 260  # fp32 logits and their gradient
+    assert train_transient_bytes(small_arch, TrainConfig(), 4, seq_len, "lm") == pytest.approx(
+        2 * per_layer + logits)
+
+
+def test_recompute_keeps_only_layer_inputs(small_arch):
+    seq_len = 128
+    per_layer = 2 * seq_len * 832
+    logits = 2 * 4 * seq_len * 260
+    # Each layer's bf16 input is kept; one layer's activations live again during its backward.
+    expected = 2 * (2 * seq_len * 64) + per_layer + logits
+    with_recompute = train_transient_bytes(small_arch, TrainConfig(recompute=True), 4, seq_len, "lm")
+    without = train_transient_bytes(small_arch, TrainConfig(), 4, seq_len, "lm")
+    assert with_recompute == pytest.approx(expected)
+    assert with_recompute < without
+
+
+def test_recompute_reduces_activation_memory_of_a_real_model():
+    arch = CATALOG["llama2-7b"]
+    cfg = TrainConfig(micro_batch=4)
+    without = train_transient_bytes(arch, cfg, 64, 2048, "lm")
+    with_recompute = train_transient_bytes(arch, cfg.model_copy(update={"recompute": True}), 64, 2048, "lm")
+    # 32 layers x 832-ish values collapse to 32 x h plus one layer: several times less.
+    assert with_recompute < without / 4
+
+
+def test_micro_batch_scales_activations(small_arch):
+    one = train_transient_bytes(small_arch, TrainConfig(micro_batch=1), 8, 64, "scalar")
+    four = train_transient_bytes(small_arch, TrainConfig(micro_batch=4), 8, 64, "scalar")
+    assert four == pytest.approx(4 * one)
+
+
+def test_pipeline_keeps_pp_micro_batches_in_flight(small_arch):
+    seq_len = 128
+    per_layer = 2 * seq_len * 832
+    logits = 2 * 4 * seq_len * 260
+    # pp 2: one layer per stage, up to 2 micro-batches in flight on the first stage (1F1B).
+    assert train_transient_bytes(small_arch, TrainConfig(pp=2), 4, seq_len, "lm") == pytest.approx(
+        2 * per_layer + logits)
+    # With a single micro-batch only one is ever in flight.
+    assert train_transient_bytes(small_arch, TrainConfig(pp=2), 1, seq_len, "lm") == pytest.approx(
+        per_layer + logits)
+
+
+def test_sharded_training_holds_gathered_layers(small_arch):
+    seq_len = 128
+    base = train_transient_bytes(small_arch, TrainConfig(dp=2, shard=False), 4, seq_len, "lm")
+    sharded = train_transient_bytes(small_arch, TrainConfig(dp=2, shard=True), 4, seq_len, "lm")
+    assert sharded - base == pytest.approx(2 * 2 * PER_LAYER)  # the gathered layer and the prefetched next, bf16
+
+
+def test_infer_transient_bytes_by_hand(small_arch):
+    tokens = 2 * 128
+    working = 2 * tokens * (2 * 64 + (64 + 2 * 32) + 3 * 128)
+    assert memory.infer_transient_bytes(small_arch, InferConfig(micro_batch=2), 128, "lm") == pytest.approx(
+        working + 2 * 4 * tokens * 260)
+    assert memory.infer_transient_bytes(small_arch, InferConfig(micro_batch=2), 128, "scalar") == pytest.approx(
+        working + 2 * 4 * tokens * 1)
+
+
+@pytest.mark.parametrize(
+    ("gen", "per_token"),
+    [(GenConfig(), 2 * 2 * 2 * 16 * 2), (GenConfig(tp=2), 2 * 2 * 1 * 16 * 2),
+     (GenConfig(tp=4), 2 * 2 * 1 * 16 * 2), (GenConfig(pp=2), 2 * 2 * 2 * 16 * 1)],
+)
+def test_kv_cache_bytes(small_arch, gen, per_token):
+    assert kv_cache_bytes(small_arch, gen, batch=8, seq_len=100) == pytest.approx(per_token * 100 * 8)
+
+
+def test_kv_cache_llama31_8b():
+    # 128 KiB per token x 4096 tokens x 16 sequences = 8 GiB.
+    assert kv_cache_bytes(CATALOG["llama3.1-8b"], GenConfig(), batch=16, seq_len=4096) == 8 * 1024**3
+
+
+def test_generation_weights_bytes(small_arch):
+    full = 2 * PARAMS
+    # A separate rollout engine holds its whole generation shard.
+    assert memory.generation_weights_bytes(small_arch, GenConfig(tp=2), None) == pytest.approx(full / 2)
+    # The hybrid engine only adds what the GPU does not already hold from training.
+    assert memory.generation_weights_bytes(small_arch, GenConfig(tp=2, dp=4), TrainConfig(tp=2, dp=4)) == \
+        pytest.approx(full * (1 / 2 - 1 / 8))
+    assert memory.generation_weights_bytes(small_arch, GenConfig(tp=2, dp=4),
+                                           TrainConfig(tp=2, dp=4, shard=False)) == 0.0
+
+
+def test_generation_working_bytes(small_arch):
+    assert memory.generation_working_bytes(small_arch, GenConfig(tp=2), 100) == pytest.approx(
+        2 * 100 * (2 * 64 + (64 + 2 * 32) / 2 + 3 * 128 / 2))
+
+
+def test_gib():
+    assert gib(3 * 1024**3) == 3.0
