@@ -17,7 +17,8 @@ from hfplan.errors import HfplanError
 
 app = typer.Typer(help="Plan and run RLHF training the HybridFlow way.", no_args_is_help=True,
                   pretty_exceptions_enable=False, add_completion=False)
-console = Console()
+# Tables keep their full width when the output is a pipe or a file (rich would assume 80 columns).
+console = Console(width=None if sys.stdout.isatty() else 200)
 err_console = Console(stderr=True)
 
 F = TypeVar("F", bound=Callable[..., object])
@@ -47,13 +48,14 @@ def catalog() -> None:
     from hfplan.spec import ALGORITHM_ROLES, BUILTIN_WORKLOADS, DEFAULT_WORKLOAD
 
     models = Table(title="models", show_edge=False)
-    for column in ("name", "layers", "hidden", "heads", "kv heads", "ffn", "vocab", "params (B)"):
-        models.add_column(column, justify="left" if column == "name" else "right")
+    models.add_column("name", no_wrap=True)
+    for column in ("layers", "hidden", "heads", "kv heads", "ffn", "vocab", "params (B)"):
+        models.add_column(column, justify="right")
     for name, arch in CATALOG.items():
         models.add_row(name, str(arch.layers), str(arch.hidden), str(arch.heads), str(arch.kv_heads),
                        str(arch.ffn), str(arch.vocab), f"{arch.params() / 1e9:.3f}")
     console.print(models)
-    console.print(f"[bold]algorithms:[/] " + ", ".join(f"{a} ({', '.join(r)})" for a, r in ALGORITHM_ROLES.items()))
+    console.print("[bold]algorithms:[/] " + ", ".join(f"{a} ({', '.join(r)})" for a, r in ALGORITHM_ROLES.items()))
     console.print(f"[bold]hardware:[/] {', '.join(shipped_names())}")
     console.print(f"[bold]reward rules:[/] {', '.join('rule:' + r for r in rule_names())}")
     console.print(f"[bold]workloads[/] ({len(BUILTIN_WORKLOADS)}; default {DEFAULT_WORKLOAD}): "

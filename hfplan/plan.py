@@ -138,6 +138,11 @@ class Plan(_Strict):
                 raise ValueError(f"{where}.{kind}: role {role!r} does not {kind}")
             if layout is not None and layout.gpus != gpus:
                 raise ValueError(f"{where}.{kind}: tp*pp*dp = {layout.gpus} but its set has {gpus} GPUs")
+        if role == "actor" and par.gen is not None and not (
+                nests(par.gen.tp, par.train.tp) and nests(par.gen.pp, par.train.pp)):
+            raise ValueError(f"{where}.gen: the hybrid engine needs the generation layout to nest with the training "
+                             f"layout (gen tp={par.gen.tp} vs train tp={par.train.tp}, gen pp={par.gen.pp} vs train "
+                             f"pp={par.train.pp}: one must divide the other)")
         if trained and par.infer is not None and (par.infer.tp, par.infer.pp) != (par.train.tp, par.train.pp):
             raise ValueError(f"{where}.infer: a trained role runs inference in its training layout "
                              f"(tp={par.train.tp}, pp={par.train.pp})")
@@ -159,6 +164,11 @@ class Plan(_Strict):
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2) + "\n"
+
+
+def nests(a: int, b: int) -> bool:
+    """Layout sizes nest when one divides the other (what the hybrid engine's resharding needs)."""
+    return a % b == 0 or b % a == 0
 
 
 def plan_from_dict(data: object, source: str) -> Plan:

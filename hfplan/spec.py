@@ -199,7 +199,7 @@ def make_cluster(gpus: int, hardware: str = "a100-80g", gpus_per_node: int | Non
     if gpus <= 0:
         raise HfplanError(f"--gpus must be positive, got {gpus}")
     profile = load_hardware(hardware)
-    per_node = gpus_per_node or profile.gpus_per_node
+    per_node = profile.gpus_per_node if gpus_per_node is None else gpus_per_node
     if per_node <= 0 or per_node & (per_node - 1):
         raise HfplanError(f"--gpus-per-node must be a power of two, got {per_node}")
     cluster = Cluster(gpus=gpus, gpus_per_node=per_node, hardware=hardware)

@@ -285,9 +285,6 @@ def test_transition_tp4_to_tp2_by_hand(toy_hw):
     assert actual == pytest.approx(expected, rel=1e-12)
 
 
-@pytest.mark.xfail(strict=True, reason="transition_time gathers among adjacent ranks (group_of(group, 1, ...)), "
-                   "but with FSDP the missing pieces sit on the data-parallel peers, tp ranks apart; with tp=8 "
-                   "those are on another node, so the all-gather crosses nodes and is costed as NVLink")
 def test_sharded_transition_across_nodes_pays_the_network(toy_hw):
     # 16 GPUs on 2 nodes, tp 8 x FSDP dp 2. Ranks are numbered dp-major then tp, so rank = dp * 8 + tp:
     # dp index 0 is node 0 and dp index 1 is node 1. A GPU holds half of its tp shard; the other half

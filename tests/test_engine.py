@@ -214,11 +214,14 @@ def test_resharding_transition_before_generate_by_hand():
     assert (switch.set, switch.phase, switch.start) == (0, "generation", 0.0)
     assert generate.start == pytest.approx(switch.end)
     # Training shard per GPU: 1/(tp 4) of the model, split again over dp 4 by FSDP = 1/16; generation
-    # shard = 1/2. Each GPU gathers its half from 8 GPUs of one node: a ring all-gather of the half
-    # model's bf16 bytes: 7 steps of 2 us + 7/8 of the bytes at 300 GB/s x 0.77.
+    # shard = 1/2. Ranks are pp-major, then dp, then tp: the pieces of a GPU's half sit on its tp
+    # neighbour (stride 1) and on its 4 FSDP peers (stride 4) = 8 GPUs, 4 on each of the 2 nodes.
+    # Two-level all-gather of the half model's bf16 bytes: inside the node 3 steps of 2 us + 3/4 of
+    # the bytes at 300 GB/s x 0.77; across the 2 nodes 1 step of 6 us + 1/2 of the GPU's quarter of
+    # the bytes at its share (1/8) of the node's 25 GB/s x 0.9.
     nbytes = 2 * LLAMA2_7B_LM_PARAMS / 2
     assert CATALOG["llama2-7b"].params("lm") == LLAMA2_7B_LM_PARAMS
-    expected = 7 * 2e-6 + 7 / 8 * nbytes / (300e9 * 0.77)
+    expected = (3 * 2e-6 + 3 / 4 * nbytes / (300e9 * 0.77)) + (6e-6 + 1 / 2 * (nbytes / 4) / (25e9 * 0.9 / 8))
     assert switch.end - switch.start == pytest.approx(expected, rel=1e-9)
     assert len([s for s in tl.spans if s.kind == "transition"]) == 1
 
@@ -234,9 +237,12 @@ def test_no_transition_when_generation_reuses_the_training_shards():
 def test_fsdp_training_pays_a_gather_even_with_the_same_tp():
     plan = _actor_plan(TrainConfig(tp=4, dp=4, micro_batch=2, shard=True), GenConfig(tp=4, dp=4))
     switch = _span(simulate_plan(plan).timeline, "actor", "reshard", kind="transition")
-    # The 1/4 generation shard is gathered from dp = 4 adjacent-in-group GPUs (group of 4 within a node).
+    # The 1/4 generation shard is gathered from its dp = 4 FSDP peers, tp = 4 ranks apart: ranks 0, 4 on
+    # node 0 and 8, 12 on node 1. Inside the node: 1 step of 2 us + 1/2 of the bytes at 300 GB/s x
+    # 0.77; across 2 nodes: 1 step of 6 us + 1/2 of the GPU's half at 1/8 of 25 GB/s x 0.9.
     nbytes = 2 * LLAMA2_7B_LM_PARAMS / 4
-    assert switch.end - switch.start == pytest.approx(3 * 2e-6 + 3 / 4 * nbytes / (300e9 * 0.77), rel=1e-9)
+    expected = (2e-6 + 1 / 2 * nbytes / (300e9 * 0.77)) + (6e-6 + 1 / 2 * (nbytes / 2) / (25e9 * 0.9 / 8))
+    assert switch.end - switch.start == pytest.approx(expected, rel=1e-9)
 
 
 def test_remax_pays_one_transition_for_two_generations():

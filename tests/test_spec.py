@@ -212,8 +212,6 @@ def test_make_cluster_refuses_node_size_not_power_of_two(per_node):
         make_cluster(16, gpus_per_node=per_node)
 
 
-@pytest.mark.xfail(strict=True, reason="make_cluster treats an explicit gpus_per_node=0 as 'not given' "
-                   "(`gpus_per_node or profile.gpus_per_node`) and silently uses the profile's 8")
 def test_make_cluster_refuses_zero_gpus_per_node():
     with pytest.raises(HfplanError, match="gpus-per-node"):
         make_cluster(16, gpus_per_node=0)

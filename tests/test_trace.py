@@ -167,8 +167,6 @@ def test_rule_reward_still_traced_as_a_call():
     assert trace(w).signature() == EXPECTED_LABELS["ppo"]
 
 
-@pytest.mark.xfail(strict=True, reason="trace.py _sequences_of reads .sequences before Tracer.record's type check, "
-                   "so a non-traced value raises a bare AttributeError instead of the intended TypeError")
 def test_tracer_refuses_untraced_values(monkeypatch):
     def bad(roles, prompts, ctl):
         roles["actor"].log_prob(Batch(prompts=[1, 2, 3]))

@@ -9,6 +9,7 @@ per GPU, all-gather inside the node), which is what NCCL's tree and ring channel
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hfplan.profiles.hardware import HardwareProfile, Link
@@ -32,16 +33,27 @@ class Group:
 def group_of(size: int, stride: int, set_gpus_per_node: int) -> Group:
     """Shape of a group of `size` ranks spaced `stride` apart in a set whose GPUs fill
     `set_gpus_per_node` slots of each node (ranks are numbered node by node)."""
+    return grid_group([(size, stride)], set_gpus_per_node)
+
+
+def grid_group(dims: list[tuple[int, int]], set_gpus_per_node: int) -> Group:
+    """Shape of a group whose ranks are all sums of i_k * stride_k (0 <= i_k < factor_k) for dims
+    (factor_k, stride_k): e.g. a tensor-parallel block together with its data-parallel peers."""
+    size = math.prod(f for f, _ in dims)
+    busy = max(1, set_gpus_per_node)
     if size <= 1:
-        return Group(1, 1, max(1, set_gpus_per_node))
-    span = size * stride
-    if span <= set_gpus_per_node:
-        per_node = size
-    else:
-        per_node = max(1, set_gpus_per_node // stride)
-        while size % per_node:
-            per_node -= 1
-    return Group(size, per_node, set_gpus_per_node)
+        return Group(1, 1, busy)
+    per_node, extent = 1, 1
+    for factor, stride in sorted(d for d in dims if d[0] > 1):
+        span = (factor - 1) * stride + extent
+        if span <= busy:
+            per_node, extent = per_node * factor, span
+            continue
+        per_node *= max(1, min(factor, (busy - extent) // stride + 1)) if extent <= busy else 1
+        break
+    while size % per_node:
+        per_node -= 1
+    return Group(size, per_node, busy)
 
 
 def _step(link: Link, nbytes: float, bandwidth: float) -> float:

@@ -11,7 +11,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from hfplan.plan import GenConfig, InferConfig, Layout, TrainConfig
+from hfplan.plan import GenConfig, InferConfig, Layout, TrainConfig, nests
 from hfplan.profiles.hardware import HardwareProfile
 from hfplan.profiles.models import ModelArch
 from hfplan.simulator import collectives as coll
@@ -230,10 +230,6 @@ def generation_time(hw: HardwareProfile, arch: ModelArch, cfg: GenConfig, where:
     return GenerationCost(seconds=seconds, max_batch=max_batch, waves=full + (1 if rest else 0))
 
 
-def nested(a: int, b: int) -> bool:
-    return a % b == 0 or b % a == 0
-
-
 @dataclass(frozen=True)
 class Resharding:
     """How the hybrid engine turns the actor's training shards into its generation shards.
@@ -246,6 +242,7 @@ class Resharding:
     gen_fraction: float  # share of the model one GPU holds for generation
     own_fraction: float  # share of it that the GPU already holds from training
     group: int  # GPUs taking part in one all-gather
+    dims: tuple[tuple[int, int], ...]  # (factor, rank stride) of the group along tp, dp and pp
 
     @property
     def received_fraction(self) -> float:
@@ -253,14 +250,19 @@ class Resharding:
 
 
 def resharding(train: TrainConfig, gen: GenConfig) -> Resharding:
-    if not (nested(train.tp, gen.tp) and nested(train.pp, gen.pp)):
+    if not (nests(train.tp, gen.tp) and nests(train.pp, gen.pp)):
         raise ValueError(f"generation layout tp={gen.tp} pp={gen.pp} does not nest with training layout "
                          f"tp={train.tp} pp={train.pp}")
     gen_fraction = 1.0 / (gen.tp * gen.pp)
     own = 1.0 / (max(train.tp, gen.tp) * max(train.pp, gen.pp))
+    # Training ranks are numbered pp-major, then dp, then tp: the pieces of a generation shard sit on
+    # adjacent tp ranks, on data-parallel peers tp apart (when sharded), and on stages tp*dp apart.
+    dims = [(max(1, train.tp // gen.tp), 1), (max(1, train.pp // gen.pp), train.tp * train.dp)]
     if train.shard:
         own /= train.dp
-    return Resharding(gen_fraction=gen_fraction, own_fraction=own, group=max(1, round(gen_fraction / own)))
+        dims.append((train.dp, train.tp))
+    group = max(1, round(gen_fraction / own))
+    return Resharding(gen_fraction=gen_fraction, own_fraction=own, group=group, dims=tuple(dims))
 
 
 def transition_time(hw: HardwareProfile, arch: ModelArch, train: TrainConfig, gen: GenConfig,
@@ -270,7 +272,7 @@ def transition_time(hw: HardwareProfile, arch: ModelArch, train: TrainConfig, ge
     plan = resharding(train, gen)
     if plan.group <= 1:
         return 0.0
-    group = coll.group_of(plan.group, 1, where.per_node)
+    group = coll.grid_group(list(plan.dims), where.per_node)
     return coll.all_gather(hw, group, BF16 * arch.params("lm") * plan.gen_fraction)
 
 

@@ -88,8 +88,6 @@ class Tracer:
                greedy: bool = False) -> Batch:
         by_producer: dict[int, list[Sym]] = {}
         for value in batch.values():
-            if not isinstance(value, Sym):
-                raise TypeError(f"{role}.{op}: batch field holds {type(value).__name__}, not a traced value")
             if value.producer is not None:
                 by_producer.setdefault(value.producer, []).append(value)
         deps = tuple(
@@ -102,9 +100,12 @@ class Tracer:
         return Batch({name: Sym(node.id, name, sequences) for name in writes})
 
 
-def _sequences_of(batch: Batch) -> int:
+def _sequences_of(batch: Batch, call: str) -> int:
     if not batch:
-        raise ValueError("a call received an empty batch")
+        raise ValueError(f"{call} received an empty batch")
+    for name, value in batch.items():
+        if not isinstance(value, Sym):
+            raise TypeError(f"{call}: batch field {name!r} holds {type(value).__name__}, not a traced value")
     return max(v.sequences for v in batch.values())
 
 
@@ -114,13 +115,13 @@ class TracingRole:
         self.tracer = tracer
 
     def generate(self, batch: Batch, n: int = 1, greedy: bool = False) -> Batch:
-        sequences = _sequences_of(batch) * n
+        sequences = _sequences_of(batch, f"{self.name}.generate") * n
         return self.tracer.record(self.name, "generate", ROLE_OPS["generate"].phase, batch.select("prompts"),
                                   ("prompts", "responses", "response_mask"), sequences, greedy)
 
     def _forward(self, op: str, batch: Batch) -> Batch:
         return self.tracer.record(self.name, op, ROLE_OPS[op].phase, batch, (output_field(self.name, op),),
-                                  _sequences_of(batch))
+                                  _sequences_of(batch, f"{self.name}.{op}"))
 
     def log_prob(self, batch: Batch) -> Batch:
         return self._forward("log_prob", batch)
@@ -133,7 +134,7 @@ class TracingRole:
 
     def update(self, batch: Batch) -> Batch:
         return self.tracer.record(self.name, "update", ROLE_OPS["update"].phase, batch,
-                                  (f"{self.name}_metrics",), _sequences_of(batch))
+                                  (f"{self.name}_metrics",), _sequences_of(batch, f"{self.name}.update"))
 
 
 class TracingController:
@@ -143,7 +144,7 @@ class TracingController:
 
     def step(self, name: str, batch: Batch) -> Batch:
         step = STEPS[name]
-        return self.tracer.record(CONTROLLER, name, PREPARATION, batch, step.writes, _sequences_of(batch))
+        return self.tracer.record(CONTROLLER, name, PREPARATION, batch, step.writes, _sequences_of(batch, f"controller.{name}"))
 
 
 def trace(workload: Workload) -> Dag:
