@@ -11,6 +11,7 @@ from typing import Annotated, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from hfplan.errors import HfplanError
@@ -32,7 +33,7 @@ def user_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except HfplanError as error:
-            err_console.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+            err_console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
 
     return wrapper  # type: ignore[return-value]
@@ -129,5 +130,10 @@ def render_totals(estimate, plan) -> None:
                   f"{estimate.tokens_per_s:,.0f} tokens/s ({estimate.tokens_per_s / plan.cluster.gpus:,.0f} per GPU)")
 
 
-def main() -> None:  # pragma: no cover - console-script entry
-    app()
+def _register_profile() -> None:
+    from hfplan.profiles.profiler.command import profile_command
+
+    app.command("profile")(user_errors(profile_command))
+
+
+_register_profile()

@@ -38,6 +38,11 @@ class Layout(_Strict):
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp
 
+    def __hash__(self) -> int:
+        # Layouts key the cost caches: their fields are plain ints and bools, so hashing the values
+        # directly is much cheaper than pydantic's generic hash.
+        return hash(tuple(self.__dict__.values()))
+
     @property
     def model_shards(self) -> int:
         return self.tp * self.pp

@@ -69,6 +69,10 @@ class HardwareProfile(_Strict):
     memory: Memory
     links: Links
 
+    def __hash__(self) -> int:
+        # Profiles key the cost caches: a cheap hash of a few fields (equal profiles still hash equal).
+        return hash((self.name, self.compute.peak_tflops, self.memory.bandwidth_gbps))
+
     @property
     def peak_flops(self) -> float:
         return self.compute.peak_tflops * 1e12

@@ -122,6 +122,7 @@ def _param_gather(hw: HardwareProfile, arch: ModelArch, layout: Layout, where: P
     return coll.all_gather(hw, dp_group(layout, where), BF16 * stage_params(arch, layout.pp, head) / layout.tp)
 
 
+@functools.lru_cache(maxsize=262144)
 def train_step_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: Placement, sequences: int,
                     seq_len: int, head: str) -> float:
     """One optimizer step over `sequences` sequences (one mini-batch), 1F1B pipeline schedule."""
@@ -153,6 +154,7 @@ def update_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: P
     return epochs * mini_batches * step
 
 
+@functools.lru_cache(maxsize=262144)
 def inference_time(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, where: Placement, sequences: int,
                    seq_len: int, head: str, sharded_dp: bool = False) -> float:
     """Forward passes over all sequences (log-probs, values or scores). `sharded_dp`: parameters are
@@ -265,6 +267,7 @@ def resharding(train: TrainConfig, gen: GenConfig) -> Resharding:
     return Resharding(gen_fraction=gen_fraction, own_fraction=own, group=group, dims=tuple(dims))
 
 
+@functools.lru_cache(maxsize=65536)
 def transition_time(hw: HardwareProfile, arch: ModelArch, train: TrainConfig, gen: GenConfig,
                     where: Placement) -> float:
     """Training layout -> generation layout: an all-gather of each GPU's generation shard among the

@@ -11,6 +11,7 @@ Rules (what the single controller does when it runs the program):
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import simpy
@@ -76,8 +77,15 @@ def schedule(dag: Dag, plan_costs: PlanCosts) -> list[Scheduled]:
     return out
 
 
+EdgeSeconds = Callable[[int, int, float], float]
+
+
 def run(dag: Dag, plan_costs: PlanCosts) -> Timeline:
-    calls = schedule(dag, plan_costs)
+    return run_calls(schedule(dag, plan_costs), plan_costs.edge_seconds, plan_costs.workload.tokens_per_iteration)
+
+
+def run_calls(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: int) -> Timeline:
+    """The simpy run of calls already costed: (source set, destination set, bytes) -> transfer seconds."""
     by_id = {c.node.id: c for c in calls}
     env = simpy.Environment()
     done = {c.node.id: env.event() for c in calls}
@@ -85,7 +93,7 @@ def run(dag: Dag, plan_costs: PlanCosts) -> Timeline:
 
     def transfer(src: Scheduled, dst: Scheduled, nbytes: float):
         yield done[src.node.id]
-        seconds = plan_costs.edge_seconds(src.set, dst.set, nbytes)
+        seconds = edge_seconds(src.set, dst.set, nbytes)
         if seconds > 0:
             start = env.now
             yield env.timeout(seconds)
@@ -115,13 +123,16 @@ def run(dag: Dag, plan_costs: PlanCosts) -> Timeline:
         last_on_set[c.set] = done[c.node.id]
     env.run()
     spans.sort(key=lambda s: (s.start, s.set, s.end))
-    return Timeline(tuple(spans), plan_costs.workload.tokens_per_iteration)
+    return Timeline(tuple(spans), tokens)
 
 
 def critical_path(dag: Dag, plan_costs: PlanCosts) -> float:
     """Longest path through the DAG plus each set's program-order chain: the iteration time the
-    engine must reproduce (computed independently of simpy, for checking it)."""
-    calls = schedule(dag, plan_costs)
+    engine must reproduce (computed without simpy, for checking it and as the search's bound)."""
+    return critical_path_of(schedule(dag, plan_costs), plan_costs.edge_seconds)
+
+
+def critical_path_of(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds) -> float:
     by_id = {c.node.id: c for c in calls}
     finish: dict[int, float] = {}
     last_on_set: dict[int, float] = {}
@@ -129,7 +140,7 @@ def critical_path(dag: Dag, plan_costs: PlanCosts) -> float:
         ready = last_on_set.get(c.set, 0.0)
         for e in c.node.deps:
             src = by_id[e.src]
-            ready = max(ready, finish[e.src] + plan_costs.edge_seconds(src.set, c.set, e.nbytes))
+            ready = max(ready, finish[e.src] + edge_seconds(src.set, c.set, e.nbytes))
         finish[c.node.id] = ready + c.switch + c.seconds
         last_on_set[c.set] = finish[c.node.id]
     return max(finish.values(), default=0.0)

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from hfplan.plan import ROLLOUT, Plan, RoleParallelism
+from hfplan.plan import ROLLOUT, GenConfig, InferConfig, Plan, RoleParallelism, TrainConfig
 from hfplan.profiles.hardware import HardwareProfile
 from hfplan.profiles.models import ModelArch
 from hfplan.simulator import collectives as coll
@@ -162,26 +162,41 @@ class RoleMemory:
     gen_replicas: int = 1
 
 
+def train_memory(workload: Workload, role: str, train: TrainConfig) -> tuple[float, float]:
+    """(resident, transient) bytes per GPU of a trained role's states and of one optimizer step."""
+    w, arch, head = workload, workload.arch(role), head_of(role)
+    return (memory.train_resident_bytes(arch, train, head),
+            memory.train_transient_bytes(arch, train, w.sequences // w.mini_batches, w.seq_len, head))
+
+
+def infer_transient(workload: Workload, role: str, infer: InferConfig, train: TrainConfig | None) -> float:
+    """Bytes per GPU of one forward micro-batch (a sharded trained role also gathers layer weights)."""
+    sharded = train if train is not None and train.shard else None
+    return memory.infer_transient_bytes(workload.arch(role), infer, workload.seq_len, head_of(role), sharded)
+
+
+def gen_memory(workload: Workload, gen: GenConfig, train: TrainConfig | None) -> tuple[float, float]:
+    """(extra bytes while generating, KV-cache bytes of one sequence) per GPU. With a training layout
+    (hybrid engine) only the part of the generation shard not already held is extra."""
+    arch = workload.arch("actor")
+    extra = memory.generation_weights_bytes(arch, gen, train) if train is not None else 0.0
+    extra += memory.generation_working_bytes(arch, gen, workload.prompt_len)
+    return extra, memory.kv_cache_bytes(arch, gen, 1, workload.seq_len)
+
+
 def role_memory(workload: Workload, role: str, par: RoleParallelism) -> RoleMemory:
-    w = workload
-    arch = w.arch("actor" if role == ROLLOUT else role)
-    head = head_of(role)
-    transient = 0.0
     if role == ROLLOUT:
-        resident = memory.infer_resident_bytes(arch, par.gen, "lm")
+        resident, transient = memory.infer_resident_bytes(workload.arch("actor"), par.gen, "lm"), 0.0
     elif role in TRAINED_ROLES:
-        resident = memory.train_resident_bytes(arch, par.train, head)
-        transient = memory.train_transient_bytes(arch, par.train, w.sequences // w.mini_batches, w.seq_len, head)
+        resident, transient = train_memory(workload, role, par.train)
     else:
-        resident = memory.infer_resident_bytes(arch, par.infer, head)
+        resident, transient = memory.infer_resident_bytes(workload.arch(role), par.infer, head_of(role)), 0.0
     if par.infer is not None:
-        sharded = par.train if par.train is not None and par.train.shard else None
-        transient = max(transient, memory.infer_transient_bytes(arch, par.infer, w.seq_len, head, sharded))
+        transient = max(transient, infer_transient(workload, role, par.infer, par.train))
     if par.gen is None:
         return RoleMemory(resident, transient)
-    gen_extra = (memory.generation_weights_bytes(arch, par.gen, par.train) if par.train is not None else 0.0) \
-        + memory.generation_working_bytes(arch, par.gen, w.prompt_len)
-    return RoleMemory(resident, transient, gen_extra, memory.kv_cache_bytes(arch, par.gen, 1, w.seq_len), par.gen.dp)
+    extra, kv = gen_memory(workload, par.gen, par.train if role != ROLLOUT else None)
+    return RoleMemory(resident, transient, extra, kv, par.gen.dp)
 
 
 def set_memory(workload: Workload, hw: HardwareProfile, index: int, roles: Sequence[str], gpus: int,

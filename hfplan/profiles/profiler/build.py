@@ -1,0 +1,83 @@
+"""From fitted rates to a HardwareProfile in the simulator's schema, with a description of its origin."""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+from hfplan.profiles.hardware import GIB, Compute, HardwareProfile, Link, Links, Memory
+from hfplan.profiles.profiler.device import Device
+from hfplan.profiles.profiler.fit import LinkFit, RooflineFit
+
+
+@dataclass(frozen=True)
+class Fits:
+    roofline: RooflineFit
+    best_matmul_flops: float  # best rate of any single matmul shape
+    best_copy_bytes: float  # best streaming rate of the large copies (bytes/s)
+    intra: LinkFit | None  # None: fewer than two processes, nothing measured
+    host: LinkFit | None  # None: CPU (device memory is host memory)
+    per_collective: dict[str, LinkFit]
+
+
+def _rate_and_efficiency(measured: float, nominal: float | None) -> tuple[float, float]:
+    """(nominal, measured/nominal); the measured rate itself with efficiency 1 where no nominal is known
+    or the measurement beats it."""
+    if nominal is None or measured >= nominal:
+        return measured, 1.0
+    return nominal, measured / nominal
+
+
+def _round(value: float, digits: int = 4) -> float:
+    return float(f"{value:.{digits}g}")
+
+
+def build_profile(device: Device, fits: Fits, base: HardwareProfile, name: str, versions: str,
+                  sweep_note: str) -> HardwareProfile:
+    nominal = device.nominal
+    peak_flops = nominal.peak_tflops * 1e12 if nominal.peak_tflops else fits.best_matmul_flops
+    matmul_efficiency = min(1.0, fits.roofline.flops_per_s / peak_flops)
+    # On CPU the best streaming copy stands in for the datasheet bandwidth.
+    bandwidth, mem_eff = _rate_and_efficiency(fits.roofline.bytes_per_s / 1e9,
+                                              nominal.memory_gbps or fits.best_copy_bytes / 1e9)
+    capacity = device.capacity_bytes / GIB
+    # Taken before anything is allocated (runtime context, other processes) plus headroom for
+    # collective buffers and allocator fragmentation.
+    reserved = min(capacity * 0.5, device.used_bytes / GIB + 0.05 * capacity)
+    if fits.intra is not None:
+        link_bw, link_eff = _rate_and_efficiency(fits.intra.bytes_per_s / 1e9, nominal.link_gbps)
+        intra = Link(bandwidth_gbps=_round(link_bw), efficiency=_round(link_eff),
+                     latency_us=_round(fits.intra.latency_s * 1e6))
+    else:
+        intra = base.links.intra_node
+    if fits.host is not None:
+        host_bw, host_eff = _rate_and_efficiency(fits.host.bytes_per_s / 1e9, base.links.host.bandwidth_gbps)
+        host = Link(bandwidth_gbps=_round(host_bw), efficiency=_round(host_eff),
+                    latency_us=_round(fits.host.latency_s * 1e6))
+    else:
+        host = base.links.host
+    carried = ["inter-node link"] + (["intra-node link"] if fits.intra is None else []) \
+        + (["host link"] if fits.host is None else [])
+    description = (
+        f"Measured by hfplan profile on {device.world_size} x {device.name} ({device.kind}, "
+        f"{device.backend}; {versions}). Compute: {sweep_note}; kernel overhead, matmul rate and memory "
+        f"bandwidth fitted to the roofline by robust least squares on relative error; peak "
+        f"{'from the datasheet' if nominal.peak_tflops else 'is the best measured matmul rate'}. "
+        + (f"Intra-node link: alpha-beta fit (bus bandwidth) of all-reduce, all-gather, reduce-scatter and "
+           f"point-to-point across {device.world_size} processes. " if fits.intra is not None else "")
+        + ("Host link: fit of pinned host<->device copies. " if fits.host is not None else "")
+        + f"Not measured, carried over from base profile '{base.name}': {', '.join(carried)}."
+    )
+    return HardwareProfile(
+        name=name,
+        description=description,
+        measured=True,
+        date=datetime.date.today().isoformat(),
+        backend=device.backend,
+        gpus_per_node=device.count,
+        compute=Compute(peak_tflops=_round(peak_flops / 1e12), matmul_efficiency=_round(matmul_efficiency),
+                        kernel_overhead_us=_round(fits.roofline.overhead_s * 1e6)),
+        memory=Memory(capacity_gib=_round(capacity), reserved_gib=_round(reserved, 3), bandwidth_gbps=_round(bandwidth),
+                      efficiency=_round(mem_eff)),
+        links=Links(intra_node=intra, inter_node=base.links.inter_node, host=host),
+    )

@@ -1,0 +1,167 @@
+"""Collective measurements across W local processes (torch.distributed: nccl on GPUs, gloo on CPU).
+
+The processes rendezvous through a file in a private temporary folder (no TCP store), and gloo/NCCL
+are pointed at the loopback interface, so nothing listens beyond localhost. Rank 0 reports each
+finished point and, at the end, its rows through a queue, so the parent can drive a progress bar.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue as queue_module
+import socket
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+
+from hfplan.errors import HfplanError
+from hfplan.profiles.profiler.device import Device
+from hfplan.profiles.profiler.fit import COLLECTIVES, collective_terms
+
+Step = Callable[[], None]
+
+
+def points(sizes: Sequence[int]) -> int:
+    """Progress steps of one collective sweep."""
+    return len(COLLECTIVES) * len(sizes)
+
+
+def measure_collectives(torch, device: Device, sizes: Sequence[int], min_time: float, step: Step) -> list[dict]:
+    """All-reduce, all-gather, reduce-scatter and point-to-point over `device.world_size` processes."""
+    import torch.multiprocessing as mp
+
+    if device.world_size < 2:
+        return []
+    messages = mp.get_context("spawn").Queue()
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="hfplan-profile-") as folder:
+        init = Path(folder, "rendezvous").as_uri()
+        context = mp.start_processes(_worker, args=(device.world_size, device.kind, init, tuple(sizes), min_time,
+                                                    messages), nprocs=device.world_size, join=False,
+                                     start_method="spawn")
+        try:
+            done = False
+            while not done:
+                done = context.join(timeout=0.1)
+                rows += _drain(messages, step)
+        except mp.ProcessRaisedException as failure:
+            last = str(failure).strip().splitlines()[-1]
+            raise HfplanError(f"collective measurement failed in a worker process: {last}") from None
+        except mp.ProcessExitedException as failure:
+            raise HfplanError(f"collective measurement failed: {failure}") from None
+        rows += _drain(messages, step)
+    return rows
+
+
+def _drain(messages, step: Step) -> list[dict]:
+    rows = []
+    while True:
+        try:
+            kind, payload = messages.get_nowait()
+        except queue_module.Empty:
+            return rows
+        if kind == "step":
+            step()
+        else:
+            rows += payload
+
+
+def _loopback_interface() -> str | None:
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((name for name in names if name in ("lo", "lo0")), None)
+
+
+def _worker(rank: int, world: int, kind: str, init: str, sizes: tuple[int, ...], min_time: float, messages) -> None:
+    import torch
+    import torch.distributed as dist
+
+    loopback = _loopback_interface()
+    if loopback:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
+    if kind == "cuda":
+        torch.cuda.set_device(rank)
+        dtype, backend = torch.bfloat16, "nccl"
+    else:
+        torch.set_num_threads(1)
+        dtype, backend = torch.float32, "gloo"
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=timedelta(minutes=5))
+    try:
+        rows = _sweep(torch, dist, rank, world, kind, dtype, sizes, min_time, messages)
+        if rank == 0:
+            messages.put(("rows", rows))
+    finally:
+        dist.destroy_process_group()
+
+
+def _sweep(torch, dist, rank, world, kind, dtype, sizes, min_time, messages) -> list[dict]:
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    esize = torch.empty((), dtype=dtype).element_size()
+
+    def sync() -> None:
+        if kind == "cuda":
+            torch.cuda.synchronize()
+
+    def agreed_max(value: float) -> float:
+        """The largest of every rank's value: all ranks run the same loop, and a collective ends
+        when its slowest rank does."""
+        t = torch.tensor([value], dtype=torch.float64, device=kind)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    rows = []
+    for op in COLLECTIVES:
+        for size in sizes:
+            elements = max(world, math.ceil(size / esize / world) * world)
+            full = torch.ones(elements, dtype=dtype, device=kind)
+            part = torch.ones(elements // world, dtype=dtype, device=kind)
+            if op == "all_reduce":
+                def call(full=full) -> None:
+                    dist.all_reduce(full)
+            elif op == "all_gather":
+                def call(full=full, part=part) -> None:
+                    all_gather(full, part)
+            elif op == "reduce_scatter":
+                def call(full=full, part=part) -> None:
+                    reduce_scatter(part, full)
+            else:  # ping-pong between ranks 0 and 1; one call is a round trip of two one-way messages
+                def call(full=full) -> None:
+                    if rank == 0:
+                        dist.send(full, 1)
+                        dist.recv(full, 1)
+                    elif rank == 1:
+                        dist.recv(full, 0)
+                        dist.send(full, 0)
+            call()
+            sync()
+            start = time.perf_counter()
+            call()
+            sync()
+            once = agreed_max(time.perf_counter() - start)
+            reps = int(min(500, max(1, math.ceil(min_time / 3 / max(once, 1e-7)))))
+            best = math.inf
+            for _ in range(3):
+                dist.barrier()
+                sync()
+                start = time.perf_counter()
+                for _ in range(reps):
+                    call()
+                sync()
+                best = min(best, agreed_max((time.perf_counter() - start) / reps))
+            seconds = best / 2 if op == "p2p" else best
+            nbytes = float(elements * esize)
+            steps, factor = collective_terms(op, world)
+            rows.append(dict(kind="collective", op=op, link="intra_node", world=world, dtype=str(dtype).split(".")[-1],
+                             bytes=nbytes, steps=steps, moved_bytes=factor * nbytes, seconds=seconds,
+                             rate=factor * nbytes / seconds))
+            if rank == 0:
+                messages.put(("step", None))
+            del full, part
+    return rows

@@ -1,0 +1,136 @@
+"""Fitting measured times to the simulator's cost models: alpha-beta for collectives, roofline for kernels.
+
+Pure numpy/scipy, no torch: the fits are tested on synthetic measurements with known parameters.
+Both fits weigh every point by its own time (relative residuals), so that the microsecond points
+(which carry the latency and the fixed kernel cost) count as much as the second-long ones (which
+carry the bandwidth and the FLOP rate).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import least_squares
+
+# Collectives as the cost model (hfplan.simulator.collectives) counts them on a ring of W ranks:
+# (number of latency steps, fraction of the message each rank sends).
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+
+
+def collective_terms(op: str, world: int) -> tuple[float, float]:
+    """(steps, bytes factor) of one collective over `world` ranks: time = steps*alpha + factor*n/bw.
+
+    all-reduce of n bytes: 2(W-1) steps moving 2(W-1)/W*n per rank (the bus-bandwidth convention);
+    all-gather (n = gathered result) and reduce-scatter (n = full input): W-1 steps, (W-1)/W*n;
+    point-to-point: one step carrying n.
+    """
+    if op == "p2p":
+        return 1.0, 1.0
+    if world < 2:
+        raise ValueError(f"{op} needs at least 2 ranks")
+    if op == "all_reduce":
+        return 2.0 * (world - 1), 2.0 * (world - 1) / world
+    if op in ("all_gather", "reduce_scatter"):
+        return float(world - 1), (world - 1) / world
+    raise ValueError(f"unknown collective {op!r}")
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """alpha (seconds per step) and bandwidth (bytes/s) of one link class, and how well they fit."""
+
+    latency_s: float
+    bytes_per_s: float
+    rms_rel_error: float
+    points: int
+
+    def predict(self, steps: np.ndarray | float, moved_bytes: np.ndarray | float) -> np.ndarray | float:
+        return steps * self.latency_s + moved_bytes / self.bytes_per_s
+
+
+def fit_alpha_beta(steps: Sequence[float], moved_bytes: Sequence[float], seconds: Sequence[float],
+                   robust: bool = True) -> LinkFit:
+    """Fit time = steps*alpha + moved_bytes/bandwidth, alpha >= 0, bandwidth > 0, on relative residuals.
+
+    moved_bytes is what one rank sends (the bytes factor of `collective_terms` times the message size).
+    Linear in (alpha, 1/bandwidth), so the bounded least squares has one minimum. `robust` uses a
+    soft-L1 loss, so that a point disturbed by other work on the machine counts less.
+    """
+    s, b, t = (np.asarray(v, dtype=float) for v in (steps, moved_bytes, seconds))
+    if not (len(s) == len(b) == len(t)) or len(t) < 2:
+        raise ValueError("need at least two measurements of equal-length steps, bytes and seconds")
+    if np.any(t <= 0):
+        raise ValueError("measured times must be positive")
+    design = np.column_stack([s / t, b / t])  # each row divided by its own time: relative residuals
+    # Scale the columns to order one so that the solver treats both parameters alike.
+    scale = np.array([np.median(t / np.maximum(s, 1e-30)), np.median(t / np.maximum(b, 1e-30))])
+    scale = np.where(np.isfinite(scale) & (scale > 0), scale, 1.0)
+    result = least_squares(lambda p: design @ (p * scale) - 1.0, x0=np.array([0.5, 0.5]),
+                           bounds=(np.zeros(2), np.full(2, np.inf)), method="trf", x_scale="jac",
+                           loss="soft_l1" if robust else "linear", f_scale=0.15)
+    alpha, inv_bw = result.x * scale
+    inv_bw = max(inv_bw, 1e-30)
+    fit = LinkFit(latency_s=float(alpha), bytes_per_s=float(1.0 / inv_bw), rms_rel_error=0.0, points=len(t))
+    rel = fit.predict(s, b) / t - 1.0
+    return LinkFit(fit.latency_s, fit.bytes_per_s, float(np.sqrt(np.mean(rel**2))), len(t))
+
+
+@dataclass(frozen=True)
+class RooflineFit:
+    """The simulator's kernel model: time = overhead + max(flops / flops_per_s, bytes / bytes_per_s)."""
+
+    overhead_s: float
+    flops_per_s: float
+    bytes_per_s: float
+    rms_rel_error: float
+    points: int
+
+    def predict(self, flops: np.ndarray | float, nbytes: np.ndarray | float) -> np.ndarray:
+        return self.overhead_s + np.maximum(np.asarray(flops, dtype=float) / self.flops_per_s,
+                                            np.asarray(nbytes, dtype=float) / self.bytes_per_s)
+
+
+def fit_roofline(flops: Sequence[float], nbytes: Sequence[float], seconds: Sequence[float],
+                 bytes_per_s: float | None = None, robust: bool = True) -> RooflineFit:
+    """Fit the roofline kernel model to measured kernels (matmuls and elementwise ops together).
+
+    Parameters are fitted in log space (all positive) on log residuals, i.e. relative error. Give
+    `bytes_per_s` to hold the bandwidth at a separately measured value and fit only the overhead and
+    the FLOP rate. `robust` uses a soft-L1 loss (residuals beyond about 15% count linearly, not
+    quadratically), so that kernels the roofline cannot describe (skinny matmuls that reach neither
+    roof, a point disturbed by other work on the machine) do not drag the roofs of the rest.
+    """
+    f, b, t = (np.asarray(v, dtype=float) for v in (flops, nbytes, seconds))
+    if not (len(f) == len(b) == len(t)) or len(t) < 3:
+        raise ValueError("need at least three measurements of equal-length flops, bytes and seconds")
+    if np.any(t <= 0):
+        raise ValueError("measured times must be positive")
+    if not np.any(f > 0):
+        raise ValueError("need at least one measurement with FLOPs (a matmul)")
+    log_t = np.log(t)
+    rate_guess = np.max(f / t)
+    bw_guess = np.max(b / t) if bytes_per_s is None else bytes_per_s
+    x0 = [np.log(max(np.min(t) * 0.5, 1e-9)), np.log(rate_guess), np.log(max(bw_guess, 1.0))]
+
+    def unpack(p: np.ndarray) -> tuple[float, float, float]:
+        return np.exp(p[0]), np.exp(p[1]), (bytes_per_s if bytes_per_s is not None else np.exp(p[2]))
+
+    def residuals(p: np.ndarray) -> np.ndarray:
+        overhead, rate, bw = unpack(p)
+        return np.log(overhead + np.maximum(f / rate, b / bw)) - log_t
+
+    free = x0 if bytes_per_s is None else x0[:2]
+    best = None
+    # The max() makes the surface piecewise smooth: start from a few overheads and keep the best.
+    for shift in (0.0, -3.0, 3.0):
+        start = np.array(free, dtype=float)
+        start[0] += shift
+        result = least_squares(residuals, start, method="trf", loss="soft_l1" if robust else "linear",
+                               f_scale=0.15)
+        if best is None or result.cost < best.cost:
+            best = result
+    overhead, rate, bw = unpack(best.x)
+    rms = float(np.sqrt(np.mean(np.expm1(best.fun) ** 2)))
+    return RooflineFit(float(overhead), float(rate), float(bw), rms, len(t))

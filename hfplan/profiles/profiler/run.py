@@ -1,0 +1,130 @@
+"""One profiling run: measure, fit, build the profile, then measure the model's layer against it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol
+
+import pandas as pd
+
+from hfplan.profiles.hardware import HardwareProfile
+from hfplan.profiles.models import ModelArch
+from hfplan.profiles.profiler import comm, compute, layers
+from hfplan.profiles.profiler.build import Fits, build_profile
+from hfplan.profiles.profiler.device import Device
+from hfplan.profiles.profiler.fit import COLLECTIVES, LinkFit, fit_alpha_beta, fit_roofline
+from hfplan.profiles.profiler.sweeps import Sweeps
+
+COLUMNS = ("kind", "op", "dtype", "m", "k", "n", "flops", "bytes", "world", "link", "steps", "moved_bytes", "model",
+           "scale", "hidden", "heads", "kv_heads", "ffn", "batch", "seq", "context", "tp", "tokens", "seconds", "rate",
+           "predicted_s", "error_pct")
+
+
+class Tracker(Protocol):
+    def phase(self, name: str, total: int) -> Callable[[], None]:
+        """Start a phase of `total` steps; returns the function to call after each step."""
+
+
+class Silent:
+    def phase(self, name: str, total: int) -> Callable[[], None]:
+        return lambda: None
+
+
+@dataclass(frozen=True)
+class Request:
+    device: Device
+    model: ModelArch
+    sweeps: Sweeps
+    name: str
+    base: HardwareProfile
+
+
+@dataclass(frozen=True)
+class Result:
+    profile: HardwareProfile
+    measurements: pd.DataFrame
+    fits: Fits
+    layers: layers.LayerPlan
+    device: Device
+
+
+@contextmanager
+def _cpu_threads(torch, device: Device):
+    """A CPU "device" gets its share of the cores; the rest belong to the other processes of the world."""
+    before = torch.get_num_threads()
+    if device.kind == "cpu":
+        torch.set_num_threads(device.threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _link_fit(rows: list[dict]) -> LinkFit | None:
+    if len(rows) < 2:
+        return None
+    return fit_alpha_beta([r["steps"] for r in rows], [r["moved_bytes"] for r in rows], [r["seconds"] for r in rows])
+
+
+def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Result:
+    tracker = tracker or Silent()
+    device, sweeps = request.device, request.sweeps
+    rows: list[dict] = []
+    with _cpu_threads(torch, device):
+        rows += compute.measure_matmuls(torch, device, sweeps.matmuls, sweeps.min_time,
+                                        tracker.phase("matmul sweep", len(sweeps.matmuls)))
+        rows += compute.measure_copies(torch, device, sweeps.copy_bytes, sweeps.min_time,
+                                       tracker.phase("memory copies", len(sweeps.copy_bytes)))
+        if device.kind == "cuda" and sweeps.host_bytes:
+            rows += compute.measure_host_copies(torch, device, sweeps.host_bytes, sweeps.min_time,
+                                                tracker.phase("host copies", len(sweeps.host_bytes)))
+    if device.world_size > 1:
+        if device.kind == "cuda":
+            torch.cuda.empty_cache()
+        rows += comm.measure_collectives(torch, device, sweeps.message_bytes, sweeps.comm_min_time,
+                                         tracker.phase("collectives", comm.points(sweeps.message_bytes)))
+    kernels = [r for r in rows if r["kind"] in ("matmul", "memory")]
+    collectives = [r for r in rows if r["kind"] == "collective"]
+    fits = Fits(
+        roofline=fit_roofline([r["flops"] for r in kernels], [r["bytes"] for r in kernels],
+                              [r["seconds"] for r in kernels]),
+        best_matmul_flops=max(r["rate"] for r in rows if r["kind"] == "matmul"),
+        best_copy_bytes=max(r["rate"] for r in rows if r["kind"] == "memory"),
+        intra=_link_fit(collectives),
+        host=_link_fit([r for r in rows if r["kind"] == "host"]),
+        per_collective={op: fit for op in COLLECTIVES
+                        if (fit := _link_fit([r for r in collectives if r["op"] == op])) is not None},
+    )
+    dtype = compute.compute_dtype(torch, device)
+    esize = torch.empty((), dtype=dtype).element_size()
+    sizes = sweeps.copy_bytes
+    note = (f"{len(sweeps.matmuls)} matmul shapes ({str(dtype).removeprefix('torch.')}), "
+            f"{len(sizes)} copy sizes of {_size(min(sizes))} to {_size(max(sizes))}"
+            + (f", {device.threads} CPU thread(s) per process" if device.kind == "cpu" else ""))
+    import transformers
+
+    versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
+    profile = build_profile(device, fits, request.base, request.name, versions, note)
+
+    plan = layers.plan_layers(profile, request.model, sweeps.layers, device, esize, sweeps.min_time)
+    with _cpu_threads(torch, device):
+        layer_rows = layers.measure_layers(torch, device, plan, sweeps.min_time,
+                                           tracker.phase("model layer", len(plan.cases)))
+    for row in layer_rows:
+        case = layers.Case(row["op"], row["batch"], row["context"] if row["op"] == "decode" else row["seq"],
+                           row["tp"])
+        row["predicted_s"] = layers.predict(profile, plan.arch, case)
+        row["error_pct"] = 100.0 * (row["predicted_s"] - row["seconds"]) / row["seconds"]
+    rows += layer_rows
+    frame = pd.DataFrame(rows)
+    frame = frame[[c for c in COLUMNS if c in frame.columns]]
+    return Result(profile=profile, measurements=frame, fits=fits, layers=plan, device=device)
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes:g} B"

@@ -1,0 +1,70 @@
+"""What to measure: shapes and sizes of each sweep, per device kind, full or --quick."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KIB, MIB = 2**10, 2**20
+
+
+@dataclass(frozen=True)
+class LayerCases:
+    """Shapes of the transformer-layer measurements: prefill-style (forward, forward+backward) over
+    batch x sequence, decode steps over batch x context, each at every tensor-parallel degree."""
+
+    batches: tuple[int, ...]
+    seqs: tuple[int, ...]
+    decode_batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    tps: tuple[int, ...]
+    budget_s: float  # predicted seconds the whole layer phase may take; the layer is scaled down to fit
+
+
+@dataclass(frozen=True)
+class Sweeps:
+    matmuls: tuple[tuple[int, int, int], ...]  # (m, k, n)
+    copy_bytes: tuple[int, ...]  # size of the source of one copy
+    message_bytes: tuple[int, ...]  # collective message sizes
+    host_bytes: tuple[int, ...]  # device <-> host copies (CUDA only)
+    layers: LayerCases
+    min_time: float  # seconds of timed calls per point (split over trials)
+    comm_min_time: float
+
+
+def _square(sizes) -> tuple[tuple[int, int, int], ...]:
+    return tuple((s, s, s) for s in sizes)
+
+
+def _skinny(ms, kns) -> tuple[tuple[int, int, int], ...]:
+    return tuple((m, k, n) for m in ms for k, n in kns)
+
+
+def sweeps_for(kind: str, quick: bool) -> Sweeps:
+    if kind == "cuda":
+        return Sweeps(
+            matmuls=_square((128, 256, 512, 1024, 2048, 4096, 8192) if quick else
+                            (64, 128, 256, 512, 1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384))
+            + _skinny((1, 16, 128, 1024), ((4096, 4096), (4096, 14336), (14336, 4096)) if quick else
+                      ((4096, 4096), (4096, 14336), (14336, 4096), (8192, 8192), (8192, 28672))),
+            copy_bytes=tuple(2**k for k in range(8, 31, 2 if quick else 1)),
+            message_bytes=tuple(2**k for k in range(3, 30, 2 if quick else 1)),
+            host_bytes=tuple(2**k for k in range(10, 30, 2 if quick else 1)),
+            layers=LayerCases(batches=(1, 8), seqs=(512, 2048), decode_batches=(1, 32, 128),
+                              contexts=(1024, 4096), tps=(1, 2, 4, 8), budget_s=30 if quick else 90),
+            min_time=0.05 if quick else 0.2,
+            comm_min_time=0.02 if quick else 0.1,
+        )
+    return Sweeps(
+        matmuls=_square((16, 64, 128, 256, 512, 1024) if quick else (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048))
+        + _skinny((1, 16, 128), ((1024, 1024), (1024, 4096), (4096, 1024)) if quick else
+                  ((1024, 1024), (1024, 4096), (4096, 1024), (2048, 2048), (4096, 4096))),
+        copy_bytes=tuple(2**k for k in (range(6, 27, 2) if quick else range(6, 31))),
+        message_bytes=tuple(2**k for k in (range(3, 28, 3) if quick else range(3, 29))),
+        host_bytes=(),
+        layers=(LayerCases(batches=(1, 4), seqs=(128, 512), decode_batches=(1, 8), contexts=(256, 1024),
+                           tps=(1, 2), budget_s=12) if quick else
+                LayerCases(batches=(1, 4, 8), seqs=(128, 512, 1024), decode_batches=(1, 8, 32),
+                           contexts=(256, 1024, 4096), tps=(1, 2, 4), budget_s=120)),
+        min_time=0.06 if quick else 0.3,
+        comm_min_time=0.03 if quick else 0.15,
+    )

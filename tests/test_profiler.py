@@ -1,0 +1,333 @@
+"""The profiler behind `hfplan profile`: its fits on synthetic measurements with known parameters, the
+profile it writes (schema round trip), its input checks, and one real quick run on CPU processes."""
+
+from __future__ import annotations
+
+import builtins
+import datetime
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from hfplan.errors import HfplanError
+from hfplan.profiles.hardware import HardwareProfile, Link, load_hardware
+from hfplan.profiles.models import CATALOG, ModelArch
+from hfplan.profiles.profiler import command
+from hfplan.profiles.profiler.build import Fits, build_profile
+from hfplan.profiles.profiler.device import KNOWN_GPUS, Device, Nominal, nominal_rates
+from hfplan.profiles.profiler.fit import (
+    COLLECTIVES,
+    LinkFit,
+    RooflineFit,
+    collective_terms,
+    fit_alpha_beta,
+    fit_roofline,
+)
+from hfplan.simulator import collectives as coll
+
+SIZES = [2.0**k for k in range(3, 29)]  # 8 B .. 256 MiB
+
+
+def synthetic_collectives(alpha: float, bandwidth: float, world: int, noise: float = 0.0, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    steps, moved, seconds = [], [], []
+    for op in COLLECTIVES:
+        s, factor = collective_terms(op, world)
+        for n in SIZES:
+            steps.append(s)
+            moved.append(factor * n)
+            seconds.append((s * alpha + factor * n / bandwidth) * (1 + noise * rng.standard_normal()))
+    return steps, moved, seconds
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("alpha,bandwidth", [(25e-6, 3e9), (2e-6, 230e9), (300e-6, 0.5e9)])
+def test_alpha_beta_fit_recovers_known_latency_and_bandwidth(world, alpha, bandwidth):
+    fit = fit_alpha_beta(*synthetic_collectives(alpha, bandwidth, world))
+    assert fit.latency_s == pytest.approx(alpha, rel=1e-6)
+    assert fit.bytes_per_s == pytest.approx(bandwidth, rel=1e-6)
+    assert fit.rms_rel_error < 1e-6
+    assert fit.points == len(COLLECTIVES) * len(SIZES)
+
+
+def test_alpha_beta_fit_with_measurement_noise():
+    fit = fit_alpha_beta(*synthetic_collectives(40e-6, 2e9, world=2, noise=0.05, seed=1))
+    assert fit.latency_s == pytest.approx(40e-6, rel=0.05)
+    assert fit.bytes_per_s == pytest.approx(2e9, rel=0.05)
+    assert 0.02 < fit.rms_rel_error < 0.1
+
+
+def test_alpha_beta_fit_never_negative():
+    # Latency-free measurements that look slightly super-linear must not give a negative alpha.
+    moved = np.array(SIZES)
+    fit = fit_alpha_beta(np.ones_like(moved), moved, moved / 1e9 * (1 + 1e-3 * np.log2(moved)))
+    assert fit.latency_s >= 0.0 and fit.bytes_per_s > 0
+
+
+def test_alpha_beta_fit_rejects_bad_input():
+    with pytest.raises(ValueError):
+        fit_alpha_beta([1.0], [8.0], [1e-5])
+    with pytest.raises(ValueError):
+        fit_alpha_beta([1.0, 1.0], [8.0, 16.0], [1e-5, 0.0])
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_collective_terms_match_the_simulator(world):
+    """The fit's model of each collective is the simulator's: a fitted link predicts what it measured."""
+    link = Link(bandwidth_gbps=3.0, efficiency=1.0, latency_us=25.0)
+    hw = load_hardware("cpu").model_copy(update={"links": load_hardware("cpu").links.model_copy(
+        update={"intra_node": link})})
+    group = coll.Group(world, world, world)
+    fitted = LinkFit(latency_s=25e-6, bytes_per_s=3e9, rms_rel_error=0.0, points=0)
+    for n in (8.0, 1e6, 3e8):
+        for op, simulated in (("all_reduce", coll.all_reduce(hw, group, n)),
+                              ("all_gather", coll.all_gather(hw, group, n)),
+                              ("reduce_scatter", coll.reduce_scatter(hw, group, n)),
+                              ("p2p", coll.point_to_point(hw, n, same_node=True))):
+            steps, factor = collective_terms(op, world)
+            assert fitted.predict(steps, factor * n) == pytest.approx(simulated, rel=1e-12)
+
+
+def synthetic_kernels(overhead: float, flops_per_s: float, bytes_per_s: float, noise: float = 0.0, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    flops, nbytes = [], []
+    for m in (1, 16, 128, 1024, 4096):
+        for k, n in ((256, 256), (1024, 1024), (4096, 4096), (4096, 14336)):
+            flops.append(2.0 * m * k * n)
+            nbytes.append(2.0 * (m * k + k * n + m * n))
+    for size in (2.0**k for k in range(6, 31, 2)):
+        flops.append(0.0)
+        nbytes.append(2 * size)
+    f, b = np.array(flops), np.array(nbytes)
+    t = overhead + np.maximum(f / flops_per_s, b / bytes_per_s)
+    return f, b, t * (1 + noise * rng.standard_normal(len(t)))
+
+
+@pytest.mark.parametrize("overhead,flops_per_s,bytes_per_s", [(5e-6, 7e11, 1.8e12), (1e-6, 1.3e11, 1.2e10),
+                                                             (12e-6, 2.5e14, 3e12)])
+def test_roofline_fit_recovers_known_rates(overhead, flops_per_s, bytes_per_s):
+    fit = fit_roofline(*synthetic_kernels(overhead, flops_per_s, bytes_per_s))
+    assert fit.overhead_s == pytest.approx(overhead, rel=1e-3)
+    assert fit.flops_per_s == pytest.approx(flops_per_s, rel=1e-3)
+    assert fit.bytes_per_s == pytest.approx(bytes_per_s, rel=1e-3)
+    assert fit.rms_rel_error < 1e-3
+
+
+def test_roofline_fit_with_noise_and_fixed_bandwidth():
+    f, b, t = synthetic_kernels(4e-6, 2.5e14, 3e12, noise=0.03, seed=2)
+    fit = fit_roofline(f, b, t)
+    assert fit.flops_per_s == pytest.approx(2.5e14, rel=0.05)
+    assert fit.bytes_per_s == pytest.approx(3e12, rel=0.05)
+    assert fit.overhead_s == pytest.approx(4e-6, rel=0.1)
+    held = fit_roofline(f, b, t, bytes_per_s=3e12)
+    assert held.bytes_per_s == 3e12
+    assert held.flops_per_s == pytest.approx(2.5e14, rel=0.05)
+
+
+def test_roofline_fit_is_robust_to_a_few_kernels_off_the_roofline():
+    f, b, t = synthetic_kernels(4e-6, 2.5e14, 3e12)
+    t = t.copy()
+    t[[1, 5]] *= 3.0  # two kernels three times slower than any roof (say, disturbed)
+    fit = fit_roofline(f, b, t)
+    assert fit.flops_per_s == pytest.approx(2.5e14, rel=0.05)
+    assert fit.bytes_per_s == pytest.approx(3e12, rel=0.05)
+
+
+def test_roofline_fit_needs_a_matmul():
+    with pytest.raises(ValueError):
+        fit_roofline([0.0, 0.0, 0.0], [1e3, 1e6, 1e9], [1e-6, 1e-4, 1e-1])
+
+
+def fake_fits(intra: bool = True) -> Fits:
+    return Fits(roofline=RooflineFit(overhead_s=2e-6, flops_per_s=1.2e11, bytes_per_s=1.1e10, rms_rel_error=0.1,
+                                     points=26),
+                best_matmul_flops=1.5e11, best_copy_bytes=1.2e10,
+                intra=LinkFit(latency_s=80e-6, bytes_per_s=2.4e9, rms_rel_error=0.2, points=36) if intra else None,
+                host=None, per_collective={})
+
+
+def fake_device(kind: str = "cpu", name: str = "Test CPU", world: int = 2) -> Device:
+    return Device(kind=kind, name=name, world_size=world, count=world, threads=1, cache_bytes=32 * 2**20,
+                  capacity_bytes=12 * 2**30, used_bytes=0.5 * 2**30, nominal=nominal_rates(name, kind))
+
+
+def test_profile_schema_round_trip(tmp_path):
+    base = load_hardware("cpu")
+    profile = build_profile(fake_device(), fake_fits(), base, "measured", "torch x", "15 matmul shapes")
+    path = tmp_path / "measured.yaml"
+    path.write_text(profile.to_yaml())
+    loaded = load_hardware(str(path))
+    assert loaded == profile
+    assert loaded.measured is True
+    assert loaded.date == datetime.date.today().isoformat()
+    assert loaded.backend == "gloo" and loaded.gpus_per_node == 2
+    # CPU: the best measured rates stand in for the datasheet, efficiency is the fitted share of them.
+    assert loaded.compute.peak_tflops == pytest.approx(0.15)
+    assert loaded.compute.matmul_efficiency == pytest.approx(1.2 / 1.5, rel=1e-3)
+    assert loaded.compute.kernel_overhead_us == pytest.approx(2.0)
+    assert loaded.memory.bandwidth_gbps * loaded.memory.efficiency == pytest.approx(11.0, rel=1e-3)
+    assert loaded.links.intra_node.latency_us == pytest.approx(80.0)
+    assert loaded.links.intra_node.effective_bytes_per_s == pytest.approx(2.4e9, rel=1e-3)
+    assert loaded.links.inter_node == base.links.inter_node
+    assert loaded.links.host == base.links.host
+    assert "carried over from base profile 'cpu'" in loaded.description
+
+
+def test_profile_without_collectives_carries_the_intra_node_link():
+    base = load_hardware("cpu")
+    profile = build_profile(fake_device(world=1), fake_fits(intra=False), base, "one", "torch x", "note")
+    assert profile.links.intra_node == base.links.intra_node
+    assert "intra-node link" in profile.description
+
+
+def test_gpu_profile_uses_datasheet_peaks():
+    device = Device(kind="cuda", name="NVIDIA H100 80GB HBM3", world_size=8, count=8, threads=1,
+                    cache_bytes=50 * 2**20, capacity_bytes=80 * 2**30, used_bytes=0.6 * 2**30,
+                    nominal=nominal_rates("NVIDIA H100 80GB HBM3", "cuda"))
+    fits = Fits(roofline=RooflineFit(4e-6, 7.0e14, 3.0e12, 0.1, 40), best_matmul_flops=7.5e14, best_copy_bytes=3e12,
+                intra=LinkFit(3e-6, 3.6e11, 0.1, 100), host=LinkFit(10e-6, 5.3e10, 0.1, 20), per_collective={})
+    profile = build_profile(device, fits, load_hardware("h100-80g"), "h100", "torch x", "note")
+    assert profile.backend == "nccl" and profile.gpus_per_node == 8
+    assert profile.compute.peak_tflops == pytest.approx(989.4)
+    assert profile.compute.matmul_efficiency == pytest.approx(700 / 989.4, rel=1e-3)
+    assert profile.memory.bandwidth_gbps == pytest.approx(3350)
+    assert profile.links.intra_node.bandwidth_gbps == pytest.approx(450)
+    assert profile.links.intra_node.effective_bytes_per_s == pytest.approx(3.6e11, rel=1e-3)
+    assert profile.links.host.effective_bytes_per_s == pytest.approx(5.3e10, rel=1e-3)
+    HardwareProfile.model_validate(profile.model_dump())
+
+
+def test_known_gpu_names():
+    assert nominal_rates("NVIDIA A100-SXM4-80GB", "cuda") == Nominal(312.0, 2039.0, 300.0, "a100-80g")
+    assert nominal_rates("NVIDIA H200", "cuda").base == "h200-141g"
+    assert nominal_rates("Some Future GPU", "cuda").peak_tflops is None
+    for _, _, _, _, base in KNOWN_GPUS:
+        load_hardware(base)  # every base profile named is shipped
+
+
+def test_layer_scaling_keeps_head_size_and_divisibility():
+    from hfplan.profiles.profiler.layers import cases_for, scaled, valid_tp
+    from hfplan.profiles.profiler.sweeps import sweeps_for
+
+    llama = CATALOG["llama3.1-8b"]
+    small = scaled(llama, 8)
+    assert (small.hidden, small.heads, small.kv_heads, small.ffn, small.dim_per_head) == (512, 4, 1, 1792, 128)
+    assert scaled(llama, 3) is None
+    assert valid_tp(llama, 8) and not valid_tp(CATALOG["qwen2.5-0.5b"], 4)
+    cases = cases_for(small, sweeps_for("cpu", quick=True).layers)
+    assert {c.op for c in cases} == {"forward", "forward+backward", "decode"}
+    assert {c.tp for c in cases} == {1, 2}
+
+
+def test_real_layer_measurement_and_prediction():
+    """The real transformers layer runs in all three passes (the decode step through the KV cache)
+    and is compared with the cost model for the shapes that ran."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from hfplan.profiles.profiler.layers import LayerPlan, cases_for, measure_layers, predict
+    from hfplan.profiles.profiler.sweeps import LayerCases
+
+    for arch in (CATALOG["tiny"], ModelArch("qwen-like", layers=1, hidden=64, heads=4, kv_heads=2, ffn=96,
+                                            vocab=10, attention_bias=True)):
+        cases = cases_for(arch, LayerCases(batches=(2,), seqs=(8,), decode_batches=(2,), contexts=(16,), tps=(1, 2),
+                                           budget_s=1))
+        plan = LayerPlan(arch=arch, source=arch, scale=1, cases=cases, copies=2)
+        steps: list[int] = []
+        rows = measure_layers(torch, fake_device(), plan, min_time=0.002, step=lambda steps=steps: steps.append(1))
+        assert len(rows) == len(cases) == len(steps) == 6
+        for row, case in zip(rows, cases, strict=True):
+            assert row["op"] == case.op and row["tp"] == case.tp
+            assert 0 < row["seconds"] < 1
+            assert predict(load_hardware("cpu"), arch, case) > 0
+
+
+def app() -> typer.Typer:
+    application = typer.Typer(add_completion=False)
+    application.command("profile")(command.profile_command)
+    application.command("other")(lambda: None)
+    return application
+
+
+def test_missing_torch_gives_the_install_hint(monkeypatch):
+    real_import = builtins.__import__
+
+    def no_torch(name, *args, **kwargs):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("No module named 'torch'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_torch)
+    with pytest.raises(HfplanError, match=r"pip install 'hfplan\[execute\]'"):
+        command.import_torch()
+    result = CliRunner().invoke(app(), ["profile", "--device", "cpu"])
+    assert result.exit_code == 2
+    assert "hfplan profile needs torch: pip install 'hfplan[execute]'" in result.output
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--device", "tpu"], "use cuda or cpu"),
+    (["--device", "cpu", "--world-size", "0"], "at least 1"),
+    (["--device", "cpu", "--world-size", "5"], "at most 4"),
+    (["--device", "cpu", "--model", "llama9-1t"], "unknown model"),
+    (["--device", "cpu", "--out", "/no/such/folder/p.yaml"], "does not exist"),
+    (["--device", "cpu", "--out", "p.json"], ".yaml"),
+    (["--device", "cpu", "--base", "nope"], "unknown hardware"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app(), ["profile", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_cuda_requested_without_a_gpu():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    result = CliRunner().invoke(app(), ["profile", "--device", "cuda"])
+    assert result.exit_code == 2
+    assert "no CUDA GPU" in result.output
+
+
+@pytest.mark.slow
+def test_quick_cpu_profile_end_to_end(tmp_path):
+    """`hfplan profile --device cpu --world-size 2 --quick`: a profile the simulator reads, raw
+    measurements beside it, and the layer table against predictions from that very profile."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from hfplan.profiles.profiler.layers import Case, predict
+
+    out = tmp_path / "measured.yaml"
+    result = CliRunner().invoke(app(), ["profile", "--device", "cpu", "--world-size", "2", "--quick", "--out",
+                                        str(out)], terminal_width=160)
+    assert result.exit_code == 0, result.output
+    assert "measured vs cost model" in result.output and "error %" in result.output
+    profile = load_hardware(str(out))
+    assert profile.measured is True and profile.name == "measured" and profile.backend == "gloo"
+    assert profile.date == datetime.date.today().isoformat()
+    assert profile.gpus_per_node == 2
+
+    frame = pd.read_csv(tmp_path / "measured.csv")
+    counts = frame["kind"].value_counts()
+    for kind in ("matmul", "memory", "collective", "layer"):
+        assert counts.get(kind, 0) > 0, kind
+    assert set(frame.loc[frame["kind"] == "collective", "op"]) == set(COLLECTIVES)
+    assert (frame["seconds"] > 0).all()
+    layers = frame[frame["kind"] == "layer"]
+    assert set(layers["op"]) == {"forward", "forward+backward", "decode"}
+    # Predictions come from the profile as written, for the shapes that ran.
+    for row in layers.itertuples():
+        arch = ModelArch("measured", layers=1, hidden=int(row.hidden), heads=int(row.heads),
+                         kv_heads=int(row.kv_heads), ffn=int(row.ffn), vocab=1,
+                         attention_bias=CATALOG[row.model].attention_bias,
+                         head_dim=CATALOG[row.model].dim_per_head)
+        length = row.context if row.op == "decode" else row.seq
+        case = Case(row.op, int(row.batch), int(length), int(row.tp))
+        assert row.predicted_s == pytest.approx(predict(profile, arch, case), rel=1e-9)
+        assert math.isclose(row.error_pct, 100 * (row.predicted_s - row.seconds) / row.seconds, rel_tol=1e-9)
