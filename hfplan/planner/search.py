@@ -1,0 +1,409 @@
+"""Automatic device mapping (HybridFlow's Algorithm 1, made exact by branch and bound).
+
+For every placement (set partition of the roles) and every allocation of the GPUs to its sets, find
+the parallel strategies of every role that minimise the simulated iteration time, and keep the best
+plans. The schedule of the simpy engine is a longest path over the traced DAG plus each set's
+program-order chain, so it never shortens when a call lengthens. That gives exact bounds:
+- an allocation whose sets, each role alone at its fastest, cannot beat the K-th best plan found so
+  far is skipped (colocation only takes memory away);
+- within an allocation, a partial choice of strategies whose schedule, with every unchosen call at its
+  fastest, is no better than the best known is abandoned.
+Complete choices that beat the best known are run on the simpy engine, which gives their time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from hfplan.errors import HfplanError
+from hfplan.plan import ROLLOUT, PlacementSet, Plan, RoleParallelism
+from hfplan.planner import space
+from hfplan.planner.strategies import RoleChoices, RoleOption, Rules, SearchContext
+from hfplan.simulator import engine
+from hfplan.simulator.evaluate import PlanCosts, call_seconds, switch_seconds
+from hfplan.simulator.trace import Dag, trace
+from hfplan.spec import Cluster, Workload
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One (placement, allocation) pair and what the search concluded about it."""
+
+    placement: tuple[tuple[str, ...], ...]
+    allocation: tuple[int, ...]
+    status: str  # evaluated | infeasible | pruned
+    iteration_s: float = math.inf
+    reason: str = ""
+    pars: dict[str, RoleParallelism] | None = None
+    peak_gib: tuple[float, ...] = ()
+
+
+@dataclass
+class SearchStats:
+    placements: int = 0
+    allocations: int = 0
+    evaluated: int = 0
+    pruned: int = 0
+    infeasible: int = 0
+    strategy_choices: int = 0  # complete strategy choices reached by the branch and bound
+    simpy_runs: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class SearchResult:
+    top: list[Plan]
+    candidates: list[Candidate]
+    stats: SearchStats = field(default_factory=SearchStats)
+
+    @property
+    def best(self) -> Plan:
+        return self.top[0]
+
+
+class _Pair:
+    """Fast schedule of one (placement, allocation): durations by node, edges by allocation."""
+
+    def __init__(self, ctx: SearchContext, placement: tuple[tuple[str, ...], ...], allocation: tuple[int, ...],
+                 free_transfers: bool = False):
+        """free_transfers: cost every edge 0 (a bound that holds for any allocation of the placement)."""
+        self.ctx = ctx
+        self.placement = placement
+        self.allocation = allocation
+        self.set_of_role = {r: i for i, roles in enumerate(placement) for r in roles}
+        dag = ctx.dag
+        self.node_set = [self.set_of_role.get(ctx.runs_on(n), -1) if ctx.runs_on(n) else -1 for n in dag.nodes]
+        # Only the sets' positions matter for transfers: no parallelism needed.
+        where = PlanCosts(ctx.workload, list(zip(placement, allocation, strict=True)), {}, ctx.hw, ctx.gpus_per_node)
+        self.edge_seconds = where.edge_seconds
+        self.same_node = where.same_node
+        self.deps = [[(e.src, 0.0 if free_transfers else self.edge_seconds(self.node_set[e.src], self.node_set[n.id],
+                                                                           e.nbytes)) for e in n.deps]
+                     for n in dag.nodes]
+        self.switch_node = _first_switch_node(ctx)
+
+    def makespan_many(self, seconds: np.ndarray, switch: np.ndarray) -> np.ndarray:
+        """makespan() of many duration rows at once: seconds (rows x nodes), switch (rows,)."""
+        finish = np.zeros_like(seconds)
+        last: dict[int, np.ndarray] = {}
+        zero = np.zeros(len(seconds))
+        for i in range(seconds.shape[1]):
+            ready = last.get(self.node_set[i], zero)
+            for src, edge in self.deps[i]:
+                ready = np.maximum(ready, finish[:, src] + edge)
+            finish[:, i] = ready + seconds[:, i] + (switch if i == self.switch_node else 0.0)
+            last[self.node_set[i]] = finish[:, i]
+        return finish.max(axis=1) if seconds.shape[1] else zero
+
+    def makespan(self, seconds: Sequence[float], switch: float) -> float:
+        finish = [0.0] * len(seconds)
+        last: dict[int, float] = {}
+        for i, secs in enumerate(seconds):
+            s = self.node_set[i]
+            ready = last.get(s, 0.0)
+            for src, edge in self.deps[i]:
+                ready = max(ready, finish[src] + edge)
+            finish[i] = ready + (switch if i == self.switch_node else 0.0) + secs
+            last[s] = finish[i]
+        return max(finish, default=0.0)
+
+
+def _first_switch_node(ctx: SearchContext) -> int:
+    """The call before which the generating role switches to its generation layout."""
+    for n in ctx.dag.nodes:
+        if n.op == "generate":
+            return n.id
+    return -1
+
+
+class _PairSearch:
+    """Branch and bound over the strategies of every role of one (placement, allocation)."""
+
+    def __init__(self, pair: _Pair, threshold: float, stats: SearchStats, exact: Callable[[dict], float] | None):
+        """exact: the simpy iteration time of a complete choice; None to stop at the first choice that fits."""
+        self.pair, self.threshold, self.stats, self.exact = pair, threshold, stats, exact
+        ctx = pair.ctx
+        self.ctx = ctx
+        self.usable = ctx.hw.memory.usable_bytes
+        self.roles = sorted(pair.set_of_role, key=lambda r: (r != ctx.generator, r not in ("actor", "critic"), r))
+        self.gpus = {r: pair.allocation[pair.set_of_role[r]] for r in self.roles}
+        self.own_ids = {r: [n.id for n in ctx.own_nodes(r)] for r in self.roles}
+        self.gen_ids = [n.id for n in ctx.generate_nodes]
+        self.arrays = {r: ctx.choices(r, self.gpus[r]) for r in self.roles}
+        if ROLLOUT in self.arrays:
+            self.arrays[ROLLOUT] = self._with_weight_sync(self.arrays[ROLLOUT])
+        self.options = {r: a.options for r, a in self.arrays.items()}
+        self.floor = [0.0] * len(ctx.dag.nodes)  # fastest any option can make each call
+        self.min_switch = 0.0
+        self.min_resident: dict[str, float] = {}
+        for r in self.roles:
+            floor = ctx.floor(r, self.gpus[r])
+            if floor is None:
+                continue
+            for node_id, secs in zip(self.own_ids[r], floor.seconds, strict=True):
+                self.floor[node_id] = secs
+            if r == ctx.generator:
+                for node_id, secs in zip(self.gen_ids, floor.gen, strict=True):
+                    self.floor[node_id] = secs
+                self.min_switch = floor.switch
+            self.min_resident[r] = floor.resident
+        self.best_time = math.inf
+        self.best_choice: dict[str, RoleOption] | None = None
+        self.tightest = math.inf  # smallest memory overshoot seen, for the infeasibility reason
+
+    def _with_weight_sync(self, choices: RoleChoices) -> RoleChoices:
+        """Rollout options with the weight sync this placement really pays (same node as the actor?)."""
+        ctx, pair = self.ctx, self.pair
+        same = pair.same_node(pair.set_of_role["actor"], pair.set_of_role[ROLLOUT])
+        gpus = self.gpus[ROLLOUT]
+        synced = [replace(o, switch=switch_seconds(ctx.workload, ctx.hw, ctx.gpus_per_node, ROLLOUT, o.par, gpus, same))
+                  for o in choices.options]
+        return RoleChoices(synced)
+
+    def _gen_seconds(self, option: RoleOption, kv_budget: float) -> list[float]:
+        ctx, gpus = self.ctx, self.gpus[option.role]
+        return [call_seconds(ctx.workload, ctx.hw, ctx.gpus_per_node, n, option.role, option.par, gpus, kv_budget)
+                for n in ctx.generate_nodes]
+
+    def run(self) -> None:
+        if any(not opts for opts in self.options.values()):
+            return
+        self._descend(0, {}, list(self.floor), self.min_switch)
+
+    def _set_state(self, chosen: dict[str, RoleOption], index: int) -> tuple[float, float, bool]:
+        """(held resident bytes incl. the unchosen roles' least, largest transient of chosen roles,
+        complete?) of one set."""
+        held, transient, complete = 0.0, 0.0, True
+        for r in self.pair.placement[index]:
+            if r in chosen:
+                held += chosen[r].memory.resident
+                transient = max(transient, chosen[r].memory.transient)
+            else:
+                held += self.min_resident[r]
+                complete = False
+        return held, transient, complete
+
+    def _descend(self, depth: int, chosen: dict[str, RoleOption], seconds: list[float], switch: float) -> None:
+        """Try every option of the next role, most promising first, while its bound (the schedule with
+        the unchosen calls at their fastest) can still beat the best choice found."""
+        if depth == len(self.roles):
+            self._leaf(chosen, seconds, switch)
+            return
+        role = self.roles[depth]
+        arrays = self.arrays[role]
+        held, transient, _ = self._set_state(chosen, self.pair.set_of_role[role])
+        held = held - self.min_resident[role] + arrays.resident
+        transient = np.maximum(transient, arrays.transient)
+        fits = held + transient <= self.usable
+        if not fits.all():
+            over = (held + transient - self.usable)[~fits]
+            self.tightest = min(self.tightest, float(over.min()))
+        rows = np.tile(np.asarray(seconds, dtype=float), (len(arrays.options), 1))
+        if self.own_ids[role]:
+            rows[:, self.own_ids[role]] = arrays.seconds
+        is_gen = role == self.ctx.generator
+        if is_gen:
+            rows[:, self.gen_ids] = arrays.alone_gen
+        switches = arrays.switch if is_gen else np.full(len(arrays.options), switch)
+        bounds = self.pair.makespan_many(rows, switches)
+        for k in np.argsort(np.where(fits, bounds, np.inf), kind="stable"):
+            if not fits[k] or bounds[k] >= min(self.best_time, self.threshold):
+                break
+            option = arrays.options[k]
+            self._descend(depth + 1, {**chosen, role: option}, rows[k].tolist(), float(switches[k]))
+
+    def _leaf(self, chosen: dict[str, RoleOption], seconds: list[float], switch: float) -> None:
+        self.stats.strategy_choices += 1
+        seconds = list(seconds)
+        gen = self.ctx.generator
+        if gen in chosen:
+            index = self.pair.set_of_role[gen]
+            held, transient, _ = self._set_state(chosen, index)
+            need = chosen[gen].memory
+            kv_budget = self.usable - held - need.gen_extra
+            if kv_budget < need.kv_per_sequence:
+                self.tightest = min(self.tightest, need.kv_per_sequence - kv_budget)
+                return
+            for node_id, secs in zip(self.gen_ids, self._gen_seconds(chosen[gen], kv_budget), strict=True):
+                seconds[node_id] = secs
+        if self.exact is None:  # only asked whether anything fits
+            self.best_time, self.best_choice = -math.inf, dict(chosen)
+            return
+        fast = self.pair.makespan(seconds, switch)
+        if fast >= min(self.best_time, self.threshold):
+            return
+        pars = {r: o.par for r, o in chosen.items()}
+        measured = self.exact(pars)
+        self.stats.simpy_runs += 1
+        if not math.isclose(measured, fast, rel_tol=1e-9, abs_tol=1e-12):
+            raise AssertionError(f"search bound {fast} disagrees with the simpy engine {measured}")
+        self.best_time, self.best_choice = measured, dict(chosen)
+
+
+def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progress | None = None,
+           jobs: int = 1, rules: Rules | None = None) -> SearchResult:
+    """Best plans for `workload` on `cluster`, best first (at most top_k), within `rules` (none by
+    default). Raises HfplanError when nothing fits."""
+    started = time.perf_counter()
+    hw, per_node = cluster.profile, cluster.gpus_per_node
+    dag = trace(workload)
+    ctx = SearchContext(workload, hw, per_node, dag, rules)
+    stats = SearchStats()
+    placements = list(ctx.rules.placements or space.set_partitions(workload.model_roles))
+    stats.placements = len(placements)
+    if jobs > 1:
+        from hfplan.planner.parallel import warm_floors
+
+        warm_floors(ctx, placements, cluster.gpus, jobs, progress)
+    pairs = _bounded_pairs(ctx, placements, cluster.gpus, stats)
+    candidates: list[Candidate] = [c for c in pairs if isinstance(c, Candidate)]
+    todo = sorted((p for p in pairs if not isinstance(p, Candidate)), key=lambda p: p[0])
+    kept: list[tuple[float, int, Candidate]] = []  # max-heap by time of the top_k best
+    for done, (bound, placement, allocation) in enumerate(todo):
+        threshold = -kept[0][0] if len(kept) >= top_k else math.inf
+        if progress is not None:
+            progress("searching placements", done, len(todo))
+        if bound >= threshold:
+            candidates.extend(Candidate(p, a, "pruned", reason=f"bound {b:.3f} s >= {top_k}th best {threshold:.3f} s")
+                              for b, p, a in todo[done:])
+            stats.pruned += len(todo) - done
+            break
+        candidate = _evaluate_pair(ctx, placement, allocation, threshold, stats)
+        candidates.append(candidate)
+        if candidate.status == "evaluated":
+            stats.evaluated += 1
+            heapq.heappush(kept, (-candidate.iteration_s, len(candidates), candidate))
+            if len(kept) > top_k:
+                heapq.heappop(kept)
+        elif candidate.status == "infeasible":
+            stats.infeasible += 1
+        else:
+            stats.pruned += 1
+    if progress is not None:
+        progress("searching placements", len(todo), len(todo))
+    if not kept:
+        raise HfplanError(_no_plan_message(ctx, cluster, candidates))
+    best = sorted((c for _, _, c in kept), key=lambda c: c.iteration_s)
+    top = [_to_plan(workload, cluster, dag, c) for c in best]
+    stats.seconds = time.perf_counter() - started
+    return SearchResult(top, candidates, stats)
+
+
+def _bounded_pairs(ctx: SearchContext, placements, gpus: int, stats: SearchStats) -> list:
+    """Every (placement, allocation) with a lower bound of its iteration time (the schedule with every
+    call at its fastest over the strategies that fit alone, and free transfers), or an infeasible
+    Candidate when some role fits on its set with no strategy."""
+    sizes = space.set_sizes(gpus, ctx.gpus_per_node)
+    position = {s: i for i, s in enumerate(sizes)}
+    n_nodes = len(ctx.dag.nodes)
+    out: list = []
+    for placement in placements:
+        allocations = np.array(list(space.allocations(len(placement), gpus, ctx.gpus_per_node)), dtype=np.int64)
+        if allocations.size == 0:
+            continue
+        stats.allocations += len(allocations)
+        pair = _Pair(ctx, placement, tuple(int(a) for a in allocations[0]), free_transfers=True)
+        # floors[i][size] -> (per-node seconds of set i's calls, switch, feasible)
+        rows = np.zeros((len(placement), len(sizes), n_nodes))
+        switch = np.zeros((len(placement), len(sizes)))
+        feasible = np.ones((len(placement), len(sizes)), dtype=bool)
+        used = {int(a) for a in np.unique(allocations)}
+        for i, roles in enumerate(placement):
+            for size in used:
+                k = position[size]
+                for role in roles:
+                    floor = ctx.floor(role, size)
+                    if floor is None:
+                        feasible[i, k] = False
+                        continue
+                    for node in ctx.own_nodes(role):
+                        rows[i, k, node.id] = floor.seconds[ctx.own_nodes(role).index(node)]
+                    if role == ctx.generator:
+                        for node, secs in zip(ctx.generate_nodes, floor.gen, strict=True):
+                            rows[i, k, node.id] = secs
+                        switch[i, k] = floor.switch
+        idx = np.vectorize(position.get)(allocations)
+        sets = np.arange(len(placement))[None, :]
+        ok = feasible[sets, idx].all(axis=1)
+        bounds = pair.makespan_many(rows[sets, idx].sum(axis=1), switch[sets, idx].sum(axis=1))
+        for alloc, bound, fits in zip(allocations, bounds, ok, strict=True):
+            alloc_t = tuple(int(a) for a in alloc)
+            if not fits:
+                out.append(Candidate(placement, alloc_t, "infeasible", reason=_alone_reason(ctx, placement, alloc_t)))
+            else:
+                out.append((float(bound), placement, alloc_t))
+    return out
+
+
+def _alone_reason(ctx: SearchContext, placement, allocation) -> str:
+    for roles, gpus in zip(placement, allocation, strict=True):
+        for role in roles:
+            if ctx.floor(role, gpus) is None:
+                return f"{role} alone does not fit on {gpus} GPUs with any parallel layout"
+    return "no strategy fits"
+
+
+def _evaluate_pair(ctx: SearchContext, placement, allocation, threshold: float, stats: SearchStats) -> Candidate:
+    pair = _Pair(ctx, placement, allocation)
+    sets = [(roles, gpus) for roles, gpus in zip(placement, allocation, strict=True)]
+
+    def exact(pars: dict[str, RoleParallelism]) -> float:
+        plan_costs = PlanCosts(ctx.workload, sets, pars, ctx.hw, ctx.gpus_per_node)
+        return engine.run(ctx.dag, plan_costs).iteration_s
+
+    bb = _PairSearch(pair, threshold, stats, exact)
+    bb.run()
+    if bb.best_choice is None:
+        if math.isinf(bb.tightest) and all(bb.options.values()):
+            return Candidate(placement, allocation, "pruned", reason=f"no strategy beats {threshold:.3f} s")
+        if not all(bb.options.values()):
+            return Candidate(placement, allocation, "infeasible", reason=_alone_reason(ctx, placement, allocation))
+        return Candidate(placement, allocation, "infeasible",
+                         reason=f"colocated roles exceed GPU memory by at least {bb.tightest / 2**30:.1f} GiB")
+    pars = {r: o.par for r, o in bb.best_choice.items()}
+    plan_costs = PlanCosts(ctx.workload, sets, pars, ctx.hw, ctx.gpus_per_node)
+    peaks = tuple(round(m.peak / 2**30, 2) for m in plan_costs.memory)
+    return Candidate(placement, allocation, "evaluated", bb.best_time, pars=pars, peak_gib=peaks)
+
+
+def _to_plan(workload: Workload, cluster: Cluster, dag: Dag, c: Candidate) -> Plan:
+    plan = Plan(workload=workload, cluster=cluster,
+                placement=[PlacementSet(models=list(roles), gpus=gpus)
+                           for roles, gpus in zip(c.placement, c.allocation, strict=True)],
+                parallelism=c.pars)
+    result = engine.simulate_plan(plan)
+    return plan.model_copy(update={"estimate": result.estimate})
+
+
+def _no_plan_message(ctx: SearchContext, cluster: Cluster, candidates: list[Candidate]) -> str:
+    """Why nothing fits: the fewest GPUs that would, and the memory that decides it."""
+    minimum = minimum_gpus(ctx)
+    usable = ctx.hw.memory.usable_bytes / 2**30
+    if minimum is None:
+        why = next((c.reason for c in candidates if c.reason), "no placement fits")
+        return f"no plan fits on {cluster.gpus} GPUs: {why}"
+    return (f"no plan fits on {cluster.gpus} GPUs of {cluster.hardware} ({usable:.1f} GiB usable per GPU): the "
+            f"models need at least {minimum} GPUs (weights, optimizer states and KV cache per GPU)")
+
+
+def minimum_gpus(ctx: SearchContext, limit: int = 65536) -> int | None:
+    """Fewest GPUs on which some placement fits, trying sizes in increasing order up to `limit`."""
+    roles = ctx.workload.model_roles
+    gpus = 1
+    while gpus <= limit:
+        for placement in space.set_partitions(roles):
+            for allocation in space.allocations(len(placement), gpus, ctx.gpus_per_node):
+                bb = _PairSearch(_Pair(ctx, placement, allocation), math.inf, SearchStats(), exact=None)
+                bb.run()
+                if bb.best_choice is not None:
+                    return gpus
+        gpus = gpus * 2 if gpus < ctx.gpus_per_node else gpus + ctx.gpus_per_node
+    return None

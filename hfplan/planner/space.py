@@ -1,0 +1,117 @@
+"""The search space: placements (set partitions of the roles), GPU allocations of the colocated sets,
+and the parallel layouts of one role on A GPUs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from hfplan.plan import GenConfig, InferConfig, TrainConfig, nests
+from hfplan.profiles.models import ModelArch
+
+
+def set_partitions(items: Sequence[str]) -> list[tuple[tuple[str, ...], ...]]:
+    """Every way to split `items` into non-empty colocated sets (Bell-number many), each set and the
+    sets themselves in the order of `items`."""
+    items = list(items)
+    if not items:
+        return [()]
+    first, rest = items[0], items[1:]
+    out = []
+    for partition in set_partitions(rest):
+        out.append(((first,), *partition))
+        for i in range(len(partition)):
+            out.append((*partition[:i], (first, *partition[i]), *partition[i + 1:]))
+    return sorted(out, key=lambda p: (len(p), p))
+
+
+def powers_of_two(limit: int) -> list[int]:
+    out, p = [], 1
+    while p <= limit:
+        out.append(p)
+        p *= 2
+    return out
+
+
+def set_sizes(gpus: int, gpus_per_node: int) -> list[int]:
+    """GPU counts a colocated set may get: powers of two inside one node, or whole nodes."""
+    sub_node = powers_of_two(gpus_per_node - 1)
+    whole = [gpus_per_node * n for n in range(1, gpus // gpus_per_node + 1)]
+    return [s for s in sub_node + whole if s <= gpus]
+
+
+def allocations(sets: int, gpus: int, gpus_per_node: int) -> Iterator[tuple[int, ...]]:
+    """GPU counts for `sets` colocated sets using all `gpus` GPUs. Sets smaller than a node are powers
+    of two, so laid out largest first each starts at a multiple of its size and never straddles a node
+    boundary; a remainder of gpus_per_node forms a partial last node."""
+    sizes = set_sizes(gpus, gpus_per_node)
+
+    def rec(k: int, left: int) -> Iterator[tuple[int, ...]]:
+        if k == 1:
+            if left in sizes:
+                yield (left,)
+            return
+        for size in sizes:
+            if size < left:
+                for rest in rec(k - 1, left - size):
+                    yield (size, *rest)
+
+    yield from rec(sets, gpus)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_ok(arch: ModelArch, tp: int, training: bool) -> bool:
+    if arch.heads % tp:
+        return False
+    if training:
+        return arch.kv_heads % tp == 0
+    return arch.kv_heads % tp == 0 or tp % arch.kv_heads == 0  # inference replicates KV heads
+
+
+def model_layouts(arch: ModelArch, gpus: int, gpus_per_node: int, training: bool) -> list[tuple[int, int, int]]:
+    """(tp, pp, dp) with tp a power of two within a node, pp dividing the layer count (equal stages, as
+    Megatron-style pipelines require), tp*pp*dp = gpus."""
+    out = []
+    for tp in powers_of_two(min(gpus, gpus_per_node)):
+        if gpus % tp or not _tp_ok(arch, tp, training):
+            continue
+        for pp in divisors(gpus // tp):
+            if arch.layers % pp == 0:
+                out.append((tp, pp, gpus // (tp * pp)))
+    return out
+
+
+def micro_batches(sequences_per_rank: int) -> list[int]:
+    return powers_of_two(max(1, sequences_per_rank))
+
+
+def train_configs(arch: ModelArch, gpus: int, gpus_per_node: int, sequences_per_step: int) -> list[TrainConfig]:
+    out = []
+    for tp, pp, dp in model_layouts(arch, gpus, gpus_per_node, training=True):
+        per_rank = -(-sequences_per_step // dp)
+        for micro in micro_batches(per_rank):
+            for shard in ((False, True) if dp > 1 else (False,)):
+                for recompute in (False, True):
+                    out.append(TrainConfig(tp=tp, pp=pp, dp=dp, micro_batch=micro, shard=shard, recompute=recompute))
+    return out
+
+
+def infer_configs(arch: ModelArch, gpus: int, gpus_per_node: int, sequences: int,
+                  train: TrainConfig | None = None) -> list[InferConfig]:
+    """Inference layouts; a trained role infers in its training layout, choosing only the micro-batch."""
+    layouts = [(train.tp, train.pp, train.dp)] if train is not None else model_layouts(
+        arch, gpus, gpus_per_node, training=False)
+    return [InferConfig(tp=tp, pp=pp, dp=dp, micro_batch=micro)
+            for tp, pp, dp in layouts for micro in micro_batches(-(-sequences // dp))]
+
+
+def gen_configs(arch: ModelArch, gpus: int, gpus_per_node: int, train: TrainConfig | None = None) -> list[GenConfig]:
+    """Generation layouts; for the hybrid engine they must nest with the training layout."""
+    out = []
+    for tp, pp, dp in model_layouts(arch, gpus, gpus_per_node, training=False):
+        if train is not None and not (nests(tp, train.tp) and nests(pp, train.pp)):
+            continue
+        out.append(GenConfig(tp=tp, pp=pp, dp=dp))
+    return out

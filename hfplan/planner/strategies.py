@@ -1,0 +1,340 @@
+"""Parallel strategies of one role on A GPUs, kept only where not dominated, with the fastest each call
+can be (its floor), for bounding.
+
+The iteration time never decreases when a call gets longer (each set runs its calls in program order,
+so the schedule is a longest path), and a set that fits keeps fitting when a role needs less memory.
+So a strategy that is no faster on any call and needs no less memory than another can never be
+needed: dropping it cannot lose the optimum. Everything else is kept.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from hfplan.plan import ROLLOUT, GenConfig, InferConfig, RoleParallelism, TrainConfig
+from hfplan.planner import space
+from hfplan.profiles.hardware import HardwareProfile
+from hfplan.simulator.evaluate import (
+    RoleMemory,
+    call_seconds,
+    gen_memory,
+    infer_transient,
+    role_memory,
+    switch_seconds,
+    train_memory,
+)
+from hfplan.simulator.trace import CONTROLLER, Dag, Node
+from hfplan.spec import RULE_PREFIX, TRAINED_ROLES, Workload
+
+
+@dataclass(frozen=True)
+class RoleOption:
+    role: str
+    par: RoleParallelism
+    seconds: tuple[float, ...]  # each of the role's own calls (generation excluded), in program order
+    switch: float  # layout switch before generating (generating role only)
+    memory: RoleMemory
+    gen_key: tuple[int, int, int] | None  # generation layout, for the generating role
+    alone_gen: tuple[float, ...] = ()  # generate calls with all memory not held by this role for the KV cache
+
+    @property
+    def own_seconds(self) -> float:
+        return sum(self.seconds) + self.switch
+
+
+def pareto(vectors: np.ndarray, keys: Sequence[object] | None = None) -> list[int]:
+    """Indices of rows not dominated by another row with the same key (<= everywhere, < somewhere).
+    Exact duplicates keep their first occurrence."""
+    n = len(vectors)
+    if n <= 1:
+        return list(range(n))
+    groups: dict[object, list[int]] = {}
+    for i in range(n):
+        groups.setdefault(keys[i] if keys is not None else None, []).append(i)
+    keep: list[int] = []
+    for members in groups.values():
+        sub = vectors[members]
+        order = np.lexsort(sub.T[::-1])
+        sub_sorted = sub[order]
+        alive = np.ones(len(members), dtype=bool)
+        for pos in range(len(order)):
+            if not alive[pos]:
+                continue
+            later = sub_sorted[pos + 1:]
+            dominated = np.all(later >= sub_sorted[pos], axis=1)
+            alive[pos + 1:] &= ~dominated
+        keep.extend(members[order[pos]] for pos in range(len(order)) if alive[pos])
+    return sorted(keep)
+
+
+@dataclass(frozen=True)
+class Rules:
+    """Limits on the strategy space. hfplan's own search has none; the fixed mappings of other RLHF
+    systems are expressed as rules (see planner/baselines.py)."""
+
+    name: str = "hfplan"
+    placements: tuple[tuple[tuple[str, ...], ...], ...] | None = None  # None: every set partition
+    generator: str = "actor"  # "rollout": a separate generation engine with weight sync
+    train: Callable[[str, TrainConfig], bool] | None = None
+    gen: Callable[[TrainConfig | None, GenConfig], bool] | None = None
+
+    def train_ok(self, role: str, train: TrainConfig) -> bool:
+        return self.train is None or self.train(role, train)
+
+    def gen_ok(self, train: TrainConfig | None, gen: GenConfig) -> bool:
+        return self.gen is None or self.gen(train, gen)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A trained role's strategies sharing one (tp, pp, dp, shard) layout: the same resident memory,
+    and the same inference and generation choices. Each part is pruned on its own calls and memory."""
+
+    resident: float
+    trains: list[tuple[TrainConfig, tuple[float, ...], float]]  # config, update calls' seconds, transient
+    infers: list[tuple[InferConfig, tuple[float, ...], float]]  # config, forward calls' seconds, transient
+    gens: list[tuple[GenConfig | None, float, float, float, tuple[float, ...]]]  # config, extra, kv/seq,
+    # switch seconds, generate calls' seconds with all memory the role does not hold for the KV cache
+
+
+class RoleChoices:
+    """The non-dominated options of one role on A GPUs, best-looking first, as arrays for bounding."""
+
+    def __init__(self, options: list[RoleOption]) -> None:
+        self.options = sorted(options, key=lambda o: o.own_seconds + sum(o.alone_gen))
+        n = len(self.options)
+        self.seconds = np.array([o.seconds for o in self.options], dtype=float).reshape(n, -1)
+        self.alone_gen = np.array([o.alone_gen for o in self.options], dtype=float).reshape(n, -1)
+        self.switch = np.array([o.switch for o in self.options], dtype=float)
+        self.resident = np.array([o.memory.resident for o in self.options], dtype=float)
+        self.transient = np.array([o.memory.transient for o in self.options], dtype=float)
+
+
+@dataclass(frozen=True)
+class Floor:
+    """The fastest each call of a role can be on A GPUs (over every strategy that fits alone), and its
+    least switch and resident memory: lower bounds, whatever it is colocated with."""
+
+    seconds: tuple[float, ...]  # own calls, as in own_nodes
+    gen: tuple[float, ...]  # generate calls (generating role)
+    switch: float
+    resident: float
+
+
+class SearchContext:
+    """Everything fixed during one search, with caches of role strategies by GPU count."""
+
+    def __init__(self, workload: Workload, hw: HardwareProfile, gpus_per_node: int, dag: Dag,
+                 rules: Rules | None = None) -> None:
+        self.workload = workload
+        self.hw = hw
+        self.gpus_per_node = gpus_per_node
+        self.dag = dag
+        self.rules = rules or Rules()
+        self.generator = self.rules.generator
+        self.usable = hw.memory.usable_bytes
+        self._parts: dict[tuple[str, int], list[Family]] = {}
+        self._choices: dict[tuple[str, int], RoleChoices] = {}
+        self._floors: dict[tuple[str, int], Floor | None] = {}
+        self._own: dict[str, list[Node]] = {}
+
+    @cached_property
+    def gpu_roles(self) -> tuple[str, ...]:
+        return tuple(self.workload.model_roles) + ((ROLLOUT,) if self.generator == ROLLOUT else ())
+
+    def runs_on(self, node: Node) -> str | None:
+        """The role whose GPUs run a call (None: the controller or a rule)."""
+        if node.role == CONTROLLER:
+            return None
+        if node.op == "generate":
+            return self.generator
+        ref = self.workload.models.get(node.role, "")
+        return None if ref.startswith(RULE_PREFIX) else node.role
+
+    def own_nodes(self, role: str) -> list[Node]:
+        if role not in self._own:
+            self._own[role] = [n for n in self.dag.nodes if self.runs_on(n) == role and n.op != "generate"]
+        return self._own[role]
+
+    @cached_property
+    def generate_nodes(self) -> list[Node]:
+        return [n for n in self.dag.nodes if n.op == "generate"]
+
+    def _seconds(self, node: Node, role: str, par: RoleParallelism, gpus: int, kv_budget: float = 0.0) -> float:
+        return call_seconds(self.workload, self.hw, self.gpus_per_node, node, role, par, gpus, kv_budget)
+
+    def _fits_alone(self, mem: RoleMemory) -> bool:
+        return mem.resident + max(mem.transient, mem.gen_extra + mem.kv_per_sequence) <= self.usable
+
+    def _alone_gen(self, role: str, par: RoleParallelism, gpus: int, resident: float, extra: float) -> tuple:
+        budget = self.usable - resident - extra
+        return tuple(self._seconds(n, role, par, gpus, budget) for n in self.generate_nodes)
+
+    # -- options --------------------------------------------------------------------------------------
+    def choices(self, role: str, gpus: int) -> RoleChoices:
+        key = (role, gpus)
+        if key not in self._choices:
+            self._choices[key] = RoleChoices(self._options(role, gpus))
+        return self._choices[key]
+
+    def role_options(self, role: str, gpus: int) -> list[RoleOption]:
+        return self.choices(role, gpus).options
+
+    def _options(self, role: str, gpus: int) -> list[RoleOption]:
+        if role in TRAINED_ROLES:
+            options = [o for family in self.parts(role, gpus) for o in self._family_options(role, family)]
+        else:
+            options = self._untrained_options(role, gpus)
+        return _prune(options)
+
+    def _untrained_options(self, role: str, gpus: int) -> list[RoleOption]:
+        w, g = self.workload, self.gpus_per_node
+        nodes = self.own_nodes(role)
+        if role == ROLLOUT:
+            pars = [RoleParallelism(gen=gen) for gen in space.gen_configs(w.arch("actor"), gpus, g)
+                    if self.rules.gen_ok(None, gen)]
+        else:
+            pars = [RoleParallelism(infer=infer) for infer in space.infer_configs(w.arch(role), gpus, g, w.sequences)]
+        out = []
+        for par in pars:
+            mem = role_memory(w, role, par)
+            if not self._fits_alone(mem):
+                continue
+            seconds = tuple(self._seconds(n, role, par, gpus) for n in nodes)
+            if role == self.generator:
+                # A rollout engine's weight sync depends on whether it shares a node with the actor: the
+                # option carries the cheaper case; the search re-costs it for each placement.
+                switch = min(switch_seconds(w, self.hw, g, role, par, gpus, same)
+                             for same in (False, True)) if role == ROLLOUT else 0.0
+                alone = self._alone_gen(role, par, gpus, mem.resident, mem.gen_extra)
+                out.append(RoleOption(role, par, seconds, switch, mem, _gen_key(par.gen), alone))
+            else:
+                out.append(RoleOption(role, par, seconds, 0.0, mem, None))
+        return out
+
+    def parts(self, role: str, gpus: int) -> list[Family]:
+        """The layout families of a trained role on `gpus` GPUs, each with its pruned parts."""
+        key = (role, gpus)
+        if key not in self._parts:
+            self._parts[key] = self._families(role, gpus)
+        return self._parts[key]
+
+    def _families(self, role: str, gpus: int) -> list[Family]:
+        w, g = self.workload, self.gpus_per_node
+        arch = w.arch(role)
+        nodes = self.own_nodes(role)
+        updates = [n for n in nodes if n.kind == "update"]
+        forwards = [n for n in nodes if n.kind == "forward"]
+        grouped: dict[tuple, list[tuple[TrainConfig, tuple[float, ...], float, float]]] = {}
+        for train in space.train_configs(arch, gpus, g, w.sequences // w.mini_batches):
+            if not self.rules.train_ok(role, train):
+                continue
+            resident, transient = train_memory(w, role, train)
+            if resident + transient > self.usable:
+                continue
+            par = RoleParallelism(train=train)
+            seconds = tuple(self._seconds(n, role, par, gpus) for n in updates)
+            grouped.setdefault((train.tp, train.pp, train.dp, train.shard), []).append(
+                (train, seconds, transient, resident))
+        families = []
+        for members in grouped.values():
+            kept = [members[i] for i in pareto(np.array([[*m[1], m[2]] for m in members]))]
+            layout, resident = kept[0][0], kept[0][3]
+            infers = []
+            for infer in space.infer_configs(arch, gpus, g, w.sequences, layout):
+                par = RoleParallelism(train=layout, infer=infer)
+                transient = infer_transient(w, role, infer, layout)
+                if resident + transient <= self.usable:
+                    infers.append((infer, tuple(self._seconds(n, role, par, gpus) for n in forwards), transient))
+            if not infers:
+                continue
+            infers = [infers[i] for i in pareto(np.array([[*m[1], m[2]] for m in infers]))]
+            gens: list[tuple] = [(None, 0.0, 0.0, 0.0, ())]
+            if role == self.generator:
+                gens = []
+                for gen in space.gen_configs(arch, gpus, g, layout):
+                    if not self.rules.gen_ok(layout, gen):
+                        continue
+                    par = RoleParallelism(train=layout, gen=gen)
+                    extra, kv = gen_memory(w, gen, layout)
+                    if resident + extra + kv > self.usable:
+                        continue
+                    switch = switch_seconds(w, self.hw, g, role, par, gpus)
+                    gens.append((gen, extra, kv, switch, self._alone_gen(role, par, gpus, resident, extra)))
+                if not gens:
+                    continue
+            families.append(Family(resident, [(t, sec, tr) for t, sec, tr, _ in kept], infers, gens))
+        return families
+
+    def _family_options(self, role: str, family: Family) -> list[RoleOption]:
+        nodes = self.own_nodes(role)
+        update_at = [k for k, n in enumerate(nodes) if n.kind == "update"]
+        forward_at = [k for k, n in enumerate(nodes) if n.kind == "forward"]
+        out = []
+        for (train, train_secs, train_tr), (infer, infer_secs, infer_tr), (gen, extra, kv, switch, alone) in (
+                itertools.product(family.trains, family.infers, family.gens)):
+            mem = RoleMemory(family.resident, max(train_tr, infer_tr), extra, kv, gen.dp if gen is not None else 1)
+            if not self._fits_alone(mem):
+                continue
+            seconds = [0.0] * len(nodes)
+            for k, secs in zip(update_at, train_secs, strict=True):
+                seconds[k] = secs
+            for k, secs in zip(forward_at, infer_secs, strict=True):
+                seconds[k] = secs
+            par = RoleParallelism(train=train, infer=infer, gen=gen)
+            out.append(RoleOption(role, par, tuple(seconds), switch, mem, _gen_key(gen), alone))
+        return out
+
+    # -- floors ---------------------------------------------------------------------------------------
+    def floor(self, role: str, gpus: int) -> Floor | None:
+        """Lower bounds of the role's calls on `gpus` GPUs; None when no strategy fits. For trained roles
+        it comes from the parts (the minimum of each part), without building every combination."""
+        key = (role, gpus)
+        if key not in self._floors:
+            self._floors[key] = self._floor(role, gpus)
+        return self._floors[key]
+
+    def _floor(self, role: str, gpus: int) -> Floor | None:
+        nodes = self.own_nodes(role)
+        if role not in TRAINED_ROLES:
+            opts = self.choices(role, gpus)
+            if not opts.options:
+                return None
+            return Floor(tuple(opts.seconds.min(axis=0)) if nodes else (),
+                         tuple(opts.alone_gen.min(axis=0)) if opts.alone_gen.size else (),
+                         float(opts.switch.min()), float(opts.resident.min()))
+        families = self.parts(role, gpus)
+        if not families:
+            return None
+        update_at = [k for k, n in enumerate(nodes) if n.kind == "update"]
+        forward_at = [k for k, n in enumerate(nodes) if n.kind == "forward"]
+        seconds = [math.inf] * len(nodes)
+        gen = [math.inf] * len(self.generate_nodes) if role == self.generator else []
+        for family in families:
+            for part, at in ((family.trains, update_at), (family.infers, forward_at)):
+                for _, secs, _ in part:
+                    for k, value in zip(at, secs, strict=True):
+                        seconds[k] = min(seconds[k], value)
+            for *_, alone in family.gens:
+                gen = [min(a, b) for a, b in zip(gen, alone, strict=True)]
+        switch = min(s for family in families for *_, s, _ in family.gens)
+        return Floor(tuple(seconds), tuple(gen), switch, min(f.resident for f in families))
+
+
+def _gen_key(gen: GenConfig | None) -> tuple[int, int, int] | None:
+    return (gen.tp, gen.pp, gen.dp) if gen is not None else None
+
+
+def _prune(options: list[RoleOption]) -> list[RoleOption]:
+    if not options:
+        return options
+    vectors = np.array([[*o.seconds, o.switch, o.memory.resident, o.memory.transient, o.memory.gen_extra]
+                        for o in options])
+    keys = [o.gen_key for o in options]
+    return [options[i] for i in pareto(vectors, keys)]
