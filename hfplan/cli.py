@@ -93,6 +93,110 @@ def simulate(
         console.print(f"timeline written to {timeline}")
 
 
+@app.command()
+@user_errors
+def search(
+    gpus: Annotated[int, typer.Option(help="GPUs to plan for")],
+    workload: Annotated[str, typer.Option(help="built-in workload name or a workload .yaml/.json")] = "ppo-llama2-7b",
+    hardware: Annotated[str, typer.Option(help="shipped hardware profile name or a profile .yaml")] = "a100-80g",
+    gpus_per_node: Annotated[int | None, typer.Option(help="GPUs per node (default: the hardware profile's)")] = None,
+    out: Annotated[Path, typer.Option(help="where to write the best plan")] = Path("best.json"),
+    top: Annotated[int, typer.Option(min=1, help="plans to show")] = 5,
+    csv: Annotated[Path | None, typer.Option(help="write every candidate (placement x allocation) to this CSV")] = None,
+    jobs: Annotated[int | None, typer.Option(min=1, help="processes (default: all cores)")] = None,
+    compare: Annotated[bool, typer.Option(help="also search other systems' fixed mappings and compare")] = True,
+) -> None:
+    """Search placements and parallelism for the fastest RLHF iteration; write the best plan."""
+    import os
+
+    from hfplan.plan import write_atomically
+    from hfplan.planner.report import candidates_frame, describe_parallelism
+    from hfplan.planner.search import search as run_search
+    from hfplan.spec import load_workload, make_cluster
+
+    for path in (out, csv):
+        if path is not None and not path.parent.exists():
+            raise HfplanError(f"cannot write {path}: folder {path.parent} does not exist")
+    spec = load_workload(workload)
+    cluster = make_cluster(gpus, hardware, gpus_per_node)
+    jobs = jobs or os.cpu_count() or 1
+    with _progress() as progress:
+        result = run_search(spec, cluster, top_k=top, progress=progress, jobs=jobs)
+        comparison = []
+        if compare:
+            from hfplan.planner.baselines import compare as compare_systems
+
+            comparison = compare_systems(spec, cluster, jobs=jobs)
+    write_atomically(out, result.best.to_json())
+    if csv is not None:
+        write_atomically(csv, candidates_frame(result, spec).to_csv(index=False))
+    table = Table(title=f"top {len(result.top)} plans: {workload} on {gpus} x {cluster.hardware}", show_edge=False)
+    for column in ("#", "placement (GPUs)", "parallelism", "iteration s", "tokens/s", "peak GiB/GPU"):
+        table.add_column(column, justify="right" if column in ("#", "iteration s", "tokens/s") else "left")
+    for rank, plan in enumerate(result.top, 1):
+        est = plan.estimate
+        table.add_row(str(rank), " | ".join(f"{'+'.join(g.models)} ({g.gpus})" for g in plan.placement),
+                      describe_parallelism(plan), f"{est.iteration_s:.2f}", f"{est.tokens_per_s:,.0f}",
+                      " | ".join(f"{m:.1f}" for m in est.peak_memory_gib))
+    console.print(table)
+    if comparison:
+        render_comparison(result.best, comparison)
+    stats = result.stats
+    console.print(f"searched {stats.placements} placements, {stats.allocations:,} allocations ({stats.evaluated} "
+                  f"evaluated, {stats.pruned:,} pruned by bounds, {stats.infeasible} infeasible; "
+                  f"{stats.simpy_runs} simpy runs) in {stats.seconds:.2f} s")
+    console.print(f"[bold]best:[/] {result.best.estimate.iteration_s:.2f} s per iteration, "
+                  f"{result.best.estimate.tokens_per_s:,.0f} tokens/s; plan written to {out}"
+                  + (f"; candidates to {csv}" if csv is not None else ""))
+
+
+def render_comparison(best, comparison) -> None:
+    table = Table(title="other systems' mappings, on the same simulator", show_edge=False)
+    for column in ("system", "mapping", "iteration s", "tokens/s", "hfplan speedup"):
+        table.add_column(column, justify="left" if column in ("system", "mapping") else "right")
+    for item in comparison:
+        if item.plan is None:
+            table.add_row(item.baseline.name, item.baseline.description, "does not fit", "-", "-")
+            continue
+        est = item.plan.estimate
+        table.add_row(item.baseline.name, item.baseline.description, f"{est.iteration_s:.2f}",
+                      f"{est.tokens_per_s:,.0f}", f"{est.iteration_s / best.estimate.iteration_s:.2f}x")
+    console.print(table)
+
+
+class _progress:
+    """A rich progress bar that appears only once a search has taken more than a moment."""
+
+    DELAY_S = 0.5
+
+    def __enter__(self):
+        import time
+
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._clock = time.perf_counter
+        self._started = self._clock()
+        self._bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                             TimeElapsedColumn(), console=err_console, transient=True)
+        self._tasks: dict[str, int] = {}
+        self._live = False
+        return self._update
+
+    def _update(self, stage: str, done: int, total: int) -> None:
+        if not self._live:
+            if self._clock() - self._started < self.DELAY_S:
+                return
+            self._bar.start()
+            self._live = True
+        if stage not in self._tasks:
+            self._tasks[stage] = self._bar.add_task(stage, total=total)
+        self._bar.update(self._tasks[stage], completed=done, total=total)
+
+    def __exit__(self, *exc) -> None:
+        if self._live:
+            self._bar.stop()
+
+
 def set_labels(plan) -> list[str]:
     return [f"set {i}: {'+'.join(g.models)} ({g.gpus} GPUs)" for i, g in enumerate(plan.placement)]
 

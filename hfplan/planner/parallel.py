@@ -24,7 +24,7 @@ def warm_floors(ctx: SearchContext, placements: Sequence, gpus: int, jobs: int,
     """Fill ctx's caches of strategies and floors for every role at every set size the placements use."""
     sizes = set()
     for placement in placements:
-        for allocation in space.allocations(len(placement), gpus, ctx.gpus_per_node):
+        for allocation in space.allocations(len(placement), gpus, ctx.gpus_per_node, ctx.rules.power_of_two_sets):
             sizes.update(allocation)
     keys = [(role, size) for role in ctx.gpu_roles for size in sorted(sizes, reverse=True)]
     if "fork" not in multiprocessing.get_all_start_methods():

@@ -306,7 +306,8 @@ def _bounded_pairs(ctx: SearchContext, placements, gpus: int, stats: SearchStats
     n_nodes = len(ctx.dag.nodes)
     out: list = []
     for placement in placements:
-        allocations = np.array(list(space.allocations(len(placement), gpus, ctx.gpus_per_node)), dtype=np.int64)
+        allocations = np.array(list(space.allocations(len(placement), gpus, ctx.gpus_per_node,
+                                                      ctx.rules.power_of_two_sets)), dtype=np.int64)
         if allocations.size == 0:
             continue
         stats.allocations += len(allocations)

@@ -81,6 +81,7 @@ class Rules:
     name: str = "hfplan"
     placements: tuple[tuple[tuple[str, ...], ...], ...] | None = None  # None: every set partition
     generator: str = "actor"  # "rollout": a separate generation engine with weight sync
+    power_of_two_sets: bool = False  # every colocated set gets a power-of-two GPU count
     train: Callable[[str, TrainConfig], bool] | None = None
     gen: Callable[[TrainConfig | None, GenConfig], bool] | None = None
 
@@ -109,8 +110,9 @@ class RoleChoices:
     def __init__(self, options: list[RoleOption]) -> None:
         self.options = sorted(options, key=lambda o: o.own_seconds + sum(o.alone_gen))
         n = len(self.options)
-        self.seconds = np.array([o.seconds for o in self.options], dtype=float).reshape(n, -1)
-        self.alone_gen = np.array([o.alone_gen for o in self.options], dtype=float).reshape(n, -1)
+        width = (len(self.options[0].seconds), len(self.options[0].alone_gen)) if self.options else (0, 0)
+        self.seconds = np.array([o.seconds for o in self.options], dtype=float).reshape(n, width[0])
+        self.alone_gen = np.array([o.alone_gen for o in self.options], dtype=float).reshape(n, width[1])
         self.switch = np.array([o.switch for o in self.options], dtype=float)
         self.resident = np.array([o.memory.resident for o in self.options], dtype=float)
         self.transient = np.array([o.memory.transient for o in self.options], dtype=float)

@@ -1,0 +1,51 @@
+"""Plain descriptions of plans and search candidates, for tables and the candidates CSV."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from hfplan.plan import Layout, Plan, RoleParallelism
+from hfplan.planner.search import Candidate, SearchResult
+from hfplan.spec import Workload
+
+
+def _layout(layout: Layout) -> str:
+    return f"t{layout.tp}p{layout.pp}d{layout.dp}"
+
+
+def describe_role(par: RoleParallelism) -> str:
+    parts = []
+    if par.train is not None:
+        t = par.train
+        parts.append(f"train {_layout(t)} mb{t.micro_batch}{' fsdp' if t.shard and t.dp > 1 else ''}"
+                     f"{' recompute' if t.recompute else ''}")
+    if par.infer is not None:
+        parts.append(f"infer {_layout(par.infer)} mb{par.infer.micro_batch}" if par.train is None
+                     else f"infer mb{par.infer.micro_batch}")
+    if par.gen is not None:
+        parts.append(f"gen {_layout(par.gen)}")
+    return ", ".join(parts)
+
+
+def describe_parallelism(plan: Plan) -> str:
+    return "; ".join(f"{role}: {describe_role(par)}" for role, par in plan.parallelism.items())
+
+
+def candidates_frame(result: SearchResult, workload: Workload) -> pd.DataFrame:
+    """One row per (placement, allocation) the search considered, with its outcome."""
+
+    def row(c: Candidate) -> dict:
+        feasible = c.status == "evaluated"
+        return {
+            "placement": " | ".join("+".join(roles) for roles in c.placement),
+            "gpus": " | ".join(str(a) for a in c.allocation),
+            "status": c.status,
+            "iteration_s": round(c.iteration_s, 4) if feasible else None,
+            "tokens_per_s": round(workload.tokens_per_iteration / c.iteration_s, 1) if feasible else None,
+            "peak_gib_per_gpu": " | ".join(f"{p:.1f}" for p in c.peak_gib),
+            "parallelism": "; ".join(f"{r}: {describe_role(p)}" for r, p in (c.pars or {}).items()),
+            "reason": c.reason,
+        }
+
+    frame = pd.DataFrame([row(c) for c in result.candidates])
+    return frame.sort_values(["status", "iteration_s"], na_position="last", kind="stable")
