@@ -144,7 +144,8 @@ class TracingController:
 
     def step(self, name: str, batch: Batch) -> Batch:
         step = STEPS[name]
-        return self.tracer.record(CONTROLLER, name, PREPARATION, batch, step.writes, _sequences_of(batch, f"controller.{name}"))
+        sequences = _sequences_of(batch, f"controller.{name}")
+        return self.tracer.record(CONTROLLER, name, PREPARATION, batch, step.writes, sequences)
 
 
 def trace(workload: Workload) -> Dag:
