@@ -1,0 +1,120 @@
+"""How fast `hfplan search` is, against exhaustive enumeration measured in the same run.
+
+For each case it times the search (wall seconds, median of --repeat runs) and counts the space it
+covers: (placement, allocation) candidates and complete strategy choices (every role's raw training,
+inference and generation configs, multiplied out). The baseline is exhaustive enumeration: the time
+one complete choice takes to cost and simulate (measured here, on a sample of real choices) times the
+number of choices. Prints both and their ratio; asserts nothing about time.
+
+    python bench/search_speed.py            # the two cases of the issue
+    python bench/search_speed.py --quick    # the 64-GPU case only
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import random
+import statistics
+import time
+
+import numpy as np
+
+from hfplan.plan import RoleParallelism
+from hfplan.planner import space
+from hfplan.planner.search import search
+from hfplan.simulator import engine
+from hfplan.simulator.evaluate import PlanCosts
+from hfplan.simulator.trace import trace
+from hfplan.spec import TRAINED_ROLES, Workload, load_workload, make_cluster
+
+CASES = [("ppo-llama2-7b", 64, 2.0), ("ppo-llama2-70b", 1024, 30.0)]
+
+
+def raw_strategies(workload: Workload, role: str, gpus: int, per_node: int) -> list[RoleParallelism]:
+    arch = workload.arch(role)
+    if role not in TRAINED_ROLES:
+        return [RoleParallelism(infer=i) for i in space.infer_configs(arch, gpus, per_node, workload.sequences)]
+    out = []
+    for train in space.train_configs(arch, gpus, per_node, workload.sequences // workload.mini_batches):
+        infers = space.infer_configs(arch, gpus, per_node, workload.sequences, train)
+        gens = space.gen_configs(arch, gpus, per_node, train) if role == "actor" else [None]
+        out.extend(RoleParallelism(train=train, infer=i, gen=g) for i, g in itertools.product(infers, gens))
+    return out
+
+
+def count_space(workload: Workload, gpus: int, per_node: int) -> tuple[int, float]:
+    """(placement x allocation candidates, complete strategy choices) of the unpruned space."""
+    sizes = space.set_sizes(gpus, per_node)
+    counts = {(r, s): len(raw_strategies(workload, r, s, per_node)) for r in workload.model_roles for s in sizes}
+    pairs, choices = 0, 0.0
+    for placement in space.set_partitions(workload.model_roles):
+        allocations = np.array(list(space.allocations(len(placement), gpus, per_node)), dtype=np.int64)
+        if allocations.size == 0:
+            continue
+        pairs += len(allocations)
+        per_set = np.ones(len(allocations))
+        for i, roles in enumerate(placement):
+            per_size = {s: math.prod(counts[(r, s)] for r in roles) for s in sizes}
+            per_set *= np.vectorize(per_size.get)(allocations[:, i]).astype(float)
+        choices += float(per_set.sum())
+    return pairs, choices
+
+
+def seconds_per_choice(workload: Workload, gpus: int, per_node: int, samples: int, seed: int = 0) -> float:
+    """Time to cost and simulate one complete choice, exhaustive-style, on random real choices."""
+    rng = random.Random(seed)
+    cluster = make_cluster(gpus, "a100-80g", per_node)
+    dag = trace(workload)
+    roles = workload.model_roles
+    strategies: dict[tuple[str, int], list[RoleParallelism]] = {}
+    chosen = []
+    for _ in range(samples):  # draw the choices first: only their costing and simulation is timed
+        placement = rng.choice(space.set_partitions(roles))
+        allocation = rng.choice(list(itertools.islice(space.allocations(len(placement), gpus, per_node), 2000)))
+        sets = list(zip(placement, allocation, strict=True))
+        pars = {}
+        for roles_of_set, size in sets:
+            for role in roles_of_set:
+                if (role, size) not in strategies:
+                    strategies[(role, size)] = raw_strategies(workload, role, size, per_node)
+                pars[role] = rng.choice(strategies[(role, size)])
+        chosen.append((sets, pars))
+    started = time.perf_counter()
+    for sets, pars in chosen:
+        plan_costs = PlanCosts(workload, sets, pars, cluster.profile, per_node)
+        if not plan_costs.infeasible_reason:
+            engine.run(dag, plan_costs)
+    return (time.perf_counter() - started) / samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="only the 64-GPU case")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=200, help="choices timed for the exhaustive baseline")
+    parser.add_argument("--jobs", type=int, default=1)
+    args = parser.parse_args()
+    for name, gpus, target in CASES[:1] if args.quick else CASES:
+        workload = load_workload(name)
+        cluster = make_cluster(gpus)
+        walls = []
+        for _ in range(args.repeat):
+            started = time.perf_counter()
+            result = search(workload, cluster, top_k=5, jobs=args.jobs)
+            walls.append(time.perf_counter() - started)
+        wall = statistics.median(walls)
+        pairs, choices = count_space(workload, gpus, cluster.gpus_per_node)
+        per_choice = seconds_per_choice(workload, gpus, cluster.gpus_per_node, args.samples)
+        exhaustive = per_choice * choices
+        print(f"{name} on {gpus} GPUs: search {wall:.2f} s (median of {args.repeat}; issue target {target:.0f} s, "
+              f"{wall / target:.2f} of it), best {result.best.estimate.iteration_s:.2f} s/iteration")
+        print(f"  space: {pairs:,} placement x allocation candidates ({pairs / wall:,.0f} per second), "
+              f"{choices:.3e} complete strategy choices ({choices / wall:.3e} per second)")
+        print(f"  exhaustive baseline: {per_choice * 1e3:.2f} ms per choice (measured on {args.samples}) x "
+              f"{choices:.3e} = {exhaustive:.3e} s; ratio exhaustive / search = {exhaustive / wall:.3e}")
+
+
+if __name__ == "__main__":
+    main()
