@@ -136,7 +136,7 @@ def search(
     for rank, plan in enumerate(result.top, 1):
         est = plan.estimate
         table.add_row(str(rank), " | ".join(f"{'+'.join(g.models)} ({g.gpus})" for g in plan.placement),
-                      describe_parallelism(plan), f"{est.iteration_s:.2f}", f"{est.tokens_per_s:,.0f}",
+                      describe_parallelism(plan), seconds(est.iteration_s), f"{est.tokens_per_s:,.0f}",
                       " | ".join(f"{m:.1f}" for m in est.peak_memory_gib))
     console.print(table)
     if comparison:
@@ -145,9 +145,14 @@ def search(
     console.print(f"searched {stats.placements} placements, {stats.allocations:,} allocations ({stats.evaluated} "
                   f"evaluated, {stats.pruned:,} pruned by bounds, {stats.infeasible} infeasible; "
                   f"{stats.simpy_runs} simpy runs) in {stats.seconds:.2f} s")
-    console.print(f"[bold]best:[/] {result.best.estimate.iteration_s:.2f} s per iteration, "
+    console.print(f"[bold]best:[/] {seconds(result.best.estimate.iteration_s)} s per iteration, "
                   f"{result.best.estimate.tokens_per_s:,.0f} tokens/s; plan written to {out}"
                   + (f"; candidates to {csv}" if csv is not None else ""))
+
+
+def seconds(value: float) -> str:
+    """Seconds with 4 significant digits: 42.28, 0.01234."""
+    return f"{value:.4g}" if value < 100 else f"{value:.1f}"
 
 
 def render_comparison(best, comparison) -> None:
@@ -159,7 +164,7 @@ def render_comparison(best, comparison) -> None:
             table.add_row(item.baseline.name, item.baseline.description, "does not fit", "-", "-")
             continue
         est = item.plan.estimate
-        table.add_row(item.baseline.name, item.baseline.description, f"{est.iteration_s:.2f}",
+        table.add_row(item.baseline.name, item.baseline.description, seconds(est.iteration_s),
                       f"{est.tokens_per_s:,.0f}", f"{est.iteration_s / best.estimate.iteration_s:.2f}x")
     console.print(table)
 

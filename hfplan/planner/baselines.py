@@ -37,7 +37,8 @@ def _megatron(role: str, train: TrainConfig) -> bool:
 
 
 def _zero3(role: str, train: TrainConfig) -> bool:
-    return train.shard and train.tp == 1 and train.pp == 1  # DeepSpeed ZeRO-3: parameters sharded over all GPUs
+    # DeepSpeed ZeRO-3: no tensor or pipeline parallelism, parameters sharded over all data-parallel ranks
+    return train.tp == 1 and train.pp == 1 and (train.shard or train.dp == 1)
 
 
 def baselines(workload: Workload) -> list[Baseline]:

@@ -397,11 +397,11 @@ def _no_plan_message(ctx: SearchContext, cluster: Cluster, candidates: list[Cand
 
 def minimum_gpus(ctx: SearchContext, limit: int = 65536) -> int | None:
     """Fewest GPUs on which some placement fits, trying sizes in increasing order up to `limit`."""
-    roles = ctx.workload.model_roles
+    placements = ctx.rules.placements or space.set_partitions(ctx.workload.model_roles)
     gpus = 1
     while gpus <= limit:
-        for placement in space.set_partitions(roles):
-            for allocation in space.allocations(len(placement), gpus, ctx.gpus_per_node):
+        for placement in placements:
+            for allocation in space.allocations(len(placement), gpus, ctx.gpus_per_node, ctx.rules.power_of_two_sets):
                 bb = _PairSearch(_Pair(ctx, placement, allocation), math.inf, SearchStats(), exact=None)
                 bb.run()
                 if bb.best_choice is not None:
