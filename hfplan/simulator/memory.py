@@ -10,7 +10,6 @@ the largest transient.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from hfplan.plan import GenConfig, InferConfig, Layout, TrainConfig
 from hfplan.profiles.models import ModelArch
@@ -98,12 +97,6 @@ def generation_working_bytes(arch: ModelArch, gen: GenConfig, prompt_len: int) -
 
 def kv_cache_bytes(arch: ModelArch, gen: GenConfig, batch: int, seq_len: int) -> float:
     return kv_bytes_per_token_per_gpu(arch, gen) * seq_len * batch
-
-
-@dataclass(frozen=True)
-class Fit:
-    ok: bool
-    reason: str = ""
 
 
 def gib(nbytes: float) -> float:
