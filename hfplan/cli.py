@@ -226,8 +226,8 @@ def render_totals(estimate, plan) -> None:
     stages = Table(title="stages", show_edge=False)
     stages.add_column("phase")
     stages.add_column("seconds", justify="right")
-    for phase, seconds in estimate.stages.items():
-        stages.add_row(phase, f"{seconds:.2f}")
+    for phase, value in estimate.stages.items():
+        stages.add_row(phase, f"{value:.4g}")
     console.print(stages)
     memory = Table(title="peak memory per GPU", show_edge=False)
     memory.add_column("set")
@@ -235,7 +235,7 @@ def render_totals(estimate, plan) -> None:
     for label, peak in zip(set_labels(plan), estimate.peak_memory_gib, strict=True):
         memory.add_row(label, f"{peak:.1f}")
     console.print(memory)
-    console.print(f"[bold]iteration:[/] {estimate.iteration_s:.2f} s   [bold]throughput:[/] "
+    console.print(f"[bold]iteration:[/] {seconds(estimate.iteration_s)} s   [bold]throughput:[/] "
                   f"{estimate.tokens_per_s:,.0f} tokens/s ({estimate.tokens_per_s / plan.cluster.gpus:,.0f} per GPU)")
 
 

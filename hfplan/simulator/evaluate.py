@@ -38,6 +38,10 @@ class SetMemory:
     def peak(self) -> float:
         return sum(self.resident.values()) + max(self.transient.values(), default=0.0)
 
+    @property
+    def fits(self) -> bool:
+        return not self.reason
+
 
 def head_of(role: str) -> str:
     return "scalar" if role in SCALAR_HEAD_ROLES else "lm"
