@@ -151,8 +151,8 @@ def search(
 
 
 def seconds(value: float) -> str:
-    """Seconds with 4 significant digits: 42.28, 0.01234."""
-    return f"{value:.4g}" if value < 100 else f"{value:.1f}"
+    """Seconds to the hundredth, or with 4 significant digits below one second: 42.28, 0.01234."""
+    return f"{value:.2f}" if value >= 1 else f"{value:.4g}"
 
 
 def render_comparison(best, comparison) -> None:
