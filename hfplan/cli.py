@@ -227,7 +227,7 @@ def render_totals(estimate, plan) -> None:
     stages.add_column("phase")
     stages.add_column("seconds", justify="right")
     for phase, value in estimate.stages.items():
-        stages.add_row(phase, f"{value:.4g}")
+        stages.add_row(phase, seconds(value))
     console.print(stages)
     memory = Table(title="peak memory per GPU", show_edge=False)
     memory.add_column("set")
