@@ -72,7 +72,8 @@ def simulate(
     out: Annotated[Path | None, typer.Option(help="write the plan with this estimate filled in")] = None,
 ) -> None:
     """Simulate one iteration of a plan: timeline of calls, stage times, iteration time, memory."""
-    from hfplan.plan import load_plan, write_atomically
+    from hfplan.files import write_atomically
+    from hfplan.plan import load_plan
     from hfplan.simulator.engine import simulate_plan
     from hfplan.simulator.gantt import check_timeline_path, write_timeline
 
@@ -109,7 +110,7 @@ def search(
     """Search placements and parallelism for the fastest RLHF iteration; write the best plan."""
     import os
 
-    from hfplan.plan import write_atomically
+    from hfplan.files import write_atomically
     from hfplan.planner.report import candidates_frame, describe_parallelism
     from hfplan.planner.search import search as run_search
     from hfplan.spec import load_workload, make_cluster

@@ -9,14 +9,13 @@ user may write one by hand.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hfplan.errors import HfplanError, describe_validation_error
+from hfplan.files import read_mapping
 from hfplan.spec import TRAINED_ROLES, Cluster, Workload
 
 PLAN_VERSION = 1
@@ -196,26 +195,4 @@ def load_plan(path: str | Path) -> Plan:
     path = Path(path)
     if not path.is_file():
         raise HfplanError(f"plan file not found: {path}")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as bad:
-        raise HfplanError(f"plan {path}: not valid JSON ({bad})") from None
-    return plan_from_dict(data, str(path))
-
-
-def write_atomically(path: str | Path, text: str) -> None:
-    """Write to a temporary file beside `path`, then rename: a reader never sees a half-written file."""
-    path = Path(path)
-    if path.parent and not path.parent.exists():
-        raise HfplanError(f"cannot write {path}: folder {path.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as out:
-            out.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    return plan_from_dict(read_mapping(path, "plan"), str(path))

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hfplan.errors import HfplanError, describe_validation_error, known_names
+from hfplan.files import read_mapping
 from hfplan.profiles.hardware import HardwareProfile, load_hardware
 from hfplan.profiles.models import CATALOG, ModelArch, resolve_model
 
@@ -166,14 +165,7 @@ def load_workload(ref: str) -> Workload:
                           f"{known_names(m for m in CATALOG if m != 'tiny')}) and demo, or give a .yaml/.json path")
     if not path.is_file():
         raise HfplanError(f"workload file not found: {path}")
-    try:
-        text = path.read_text()
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError) as bad:
-        first = str(bad).strip().splitlines()[0] if str(bad).strip() else type(bad).__name__
-        raise HfplanError(f"workload {path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'} ({first})") \
-            from None
-    return workload_from_dict(data, str(path))
+    return workload_from_dict(read_mapping(path, "workload"), str(path))
 
 
 class Cluster(BaseModel):

@@ -7,7 +7,8 @@ import os
 import pytest
 
 from hfplan.errors import HfplanError
-from hfplan.plan import PLAN_VERSION, Plan, load_plan, plan_from_dict, write_atomically
+from hfplan.files import write_atomically
+from hfplan.plan import PLAN_VERSION, Plan, load_plan, plan_from_dict
 
 WORKLOAD = {
     "algorithm": "ppo",

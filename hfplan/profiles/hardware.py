@@ -12,6 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hfplan.errors import HfplanError, describe_validation_error, known_names
+from hfplan.files import read_mapping
 
 SHIPPED_DIR = Path(__file__).parent / "hardware"
 GIB = 1024**3
@@ -95,17 +96,8 @@ def load_hardware(ref: str) -> HardwareProfile:
                               "(or a profile .yaml path)")
         if not path.is_file():
             raise HfplanError(f"hardware profile not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as bad:
-        raise HfplanError(f"hardware profile {path}: not valid YAML ({_first_line(bad)})") from None
-    if not isinstance(data, dict):
-        raise HfplanError(f"hardware profile {path}: expected a mapping at the top level")
+    data = read_mapping(path, "hardware profile")
     try:
         return HardwareProfile.model_validate(data)
     except ValidationError as bad:
         raise HfplanError(f"hardware profile {path}: {describe_validation_error(bad)}") from None
-
-
-def _first_line(error: Exception) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

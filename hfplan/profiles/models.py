@@ -7,11 +7,11 @@ Parameter counts are derived from the architecture, never stored.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from hfplan.errors import HfplanError, known_names
+from hfplan.files import read_mapping
 
 # Architectures hfplan can cost and run: dense decoder-only models with RMSNorm, rotary embeddings,
 # grouped-query attention and a SwiGLU MLP (gate, up and down projections).
@@ -160,10 +160,4 @@ def resolve_model(ref: str) -> ModelArch:
         path = path / "config.json"
     if not path.is_file():
         raise HfplanError(f"model config not found: {path}")
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as bad:
-        raise HfplanError(f"model config {path}: not valid JSON ({bad})") from None
-    if not isinstance(config, dict):
-        raise HfplanError(f"model config {path}: expected a JSON object")
-    return arch_from_hf_config(config, name=str(ref))
+    return arch_from_hf_config(read_mapping(path, "model config"), name=str(ref))

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hfplan.errors import HfplanError
-from hfplan.plan import Span, write_atomically
+from hfplan.files import write_atomically
+from hfplan.plan import Span
 
 PHASE_COLOURS = {"generation": "#4e79a7", "preparation": "#f28e2b", "training": "#59a14f"}
 KIND_COLOURS = {"transition": "#e15759", "transfer": "#9c9c9c"}

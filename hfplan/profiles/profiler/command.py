@@ -74,7 +74,7 @@ def _profile(device: str | None, world_size: int | None, model: str, quick: bool
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from hfplan.plan import write_atomically
+    from hfplan.files import write_atomically
     from hfplan.profiles.hardware import HardwareProfile, load_hardware
     from hfplan.profiles.models import resolve_model
     from hfplan.profiles.profiler import device as devices
