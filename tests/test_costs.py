@@ -10,7 +10,7 @@ import pytest
 from hfplan.plan import GenConfig, InferConfig, TrainConfig
 from hfplan.profiles.hardware import load_hardware
 from hfplan.profiles.models import CATALOG
-from hfplan.simulator import costs
+from hfplan.simulator import costs, memory
 from hfplan.simulator.costs import Placement, resharding
 from hfplan.simulator.kernels import gemm_time, kernel_time, memory_time
 
@@ -46,8 +46,19 @@ def test_decode_gemm_is_memory_bound(toy_hw):
 
 
 def test_gemm_in_fp32_moves_twice_the_bytes(toy_hw):
-    assert gemm_time(toy_hw, 1, 4096, 4096, dtype_bytes=4) == pytest.approx(
-        4 * (4096 + 4096 * 4096 + 4096) / BW + OVERHEAD)
+    fp32_hw = toy_hw.model_copy(update={"compute": toy_hw.compute.model_copy(update={"value_bytes": 4})})
+    assert gemm_time(fp32_hw, 1, 4096, 4096) == pytest.approx(4 * (4096 + 4096 * 4096 + 4096) / BW + OVERHEAD)
+
+
+def test_fp32_profile_doubles_weight_and_kv_memory():
+    # An fp32 device (CPU) holds 4-byte weights and KV values, and needs no separate fp32 master copy.
+    arch = CATALOG["llama2-7b"]
+    assert memory.train_bytes_per_param(4) == 4 + 4 + 8 == 16
+    assert memory.train_bytes_per_param(2) == 18
+    gen = GenConfig(tp=1)
+    assert memory.kv_cache_bytes(arch, gen, 1, 10, value_bytes=4) == 2 * memory.kv_cache_bytes(arch, gen, 1, 10)
+    infer = InferConfig(tp=2)
+    assert memory.infer_resident_bytes(arch, infer, "lm", 4) == 2 * memory.infer_resident_bytes(arch, infer, "lm")
 
 
 def test_empty_kernels_cost_nothing(toy_hw):

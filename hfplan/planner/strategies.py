@@ -141,6 +141,7 @@ class SearchContext:
         self.rules = rules or Rules()
         self.generator = self.rules.generator
         self.usable = hw.memory.usable_bytes
+        self.value_bytes = hw.compute.value_bytes
         self._parts: dict[tuple[str, int], list[Family]] = {}
         self._choices: dict[tuple[str, int], RoleChoices] = {}
         self._floors: dict[tuple[str, int], Floor | None] = {}
@@ -205,7 +206,7 @@ class SearchContext:
             pars = [RoleParallelism(infer=infer) for infer in space.infer_configs(w.arch(role), gpus, g, w.sequences)]
         out = []
         for par in pars:
-            mem = role_memory(w, role, par)
+            mem = role_memory(w, role, par, self.value_bytes)
             if not self._fits_alone(mem):
                 continue
             seconds = tuple(self._seconds(n, role, par, gpus) for n in nodes)
@@ -237,7 +238,7 @@ class SearchContext:
         for train in space.train_configs(arch, gpus, g, w.sequences // w.mini_batches):
             if not self.rules.train_ok(role, train):
                 continue
-            resident, transient = train_memory(w, role, train)
+            resident, transient = train_memory(w, role, train, self.value_bytes)
             if resident + transient > self.usable:
                 continue
             par = RoleParallelism(train=train)
@@ -251,7 +252,7 @@ class SearchContext:
             infers = []
             for infer in space.infer_configs(arch, gpus, g, w.sequences, layout):
                 par = RoleParallelism(train=layout, infer=infer)
-                transient = infer_transient(w, role, infer, layout)
+                transient = infer_transient(w, role, infer, layout, self.value_bytes)
                 if resident + transient <= self.usable:
                     infers.append((infer, tuple(self._seconds(n, role, par, gpus) for n in forwards), transient))
             if not infers:
@@ -264,7 +265,7 @@ class SearchContext:
                     if not self.rules.gen_ok(layout, gen):
                         continue
                     par = RoleParallelism(train=layout, gen=gen)
-                    extra, kv = gen_memory(w, gen, layout)
+                    extra, kv = gen_memory(w, gen, layout, self.value_bytes)
                     if resident + extra + kv > self.usable:
                         continue
                     switch = switch_seconds(w, self.hw, g, role, par, gpus)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from hfplan.errors import HfplanError, describe_validation_error, known_names
 from hfplan.files import read_mapping
@@ -26,6 +26,15 @@ class Compute(_Strict):
     peak_tflops: float = Field(gt=0, description="dense matmul peak per device, bf16 (fp32 on CPU)")
     matmul_efficiency: float = Field(gt=0, le=1, description="fraction of peak reached by large matmuls")
     kernel_overhead_us: float = Field(ge=0, description="fixed cost of one kernel (launch, tail effects)")
+    value_bytes: int = Field(default=2, description="bytes of one weight or activation value in the precision "
+                                                    "the device computes in: 2 (bf16) on GPUs, 4 (fp32) on CPUs")
+
+    @field_validator("value_bytes")
+    @classmethod
+    def _known_precision(cls, value: int) -> int:
+        if value not in (2, 4):
+            raise ValueError("must be 2 (bf16) or 4 (fp32)")
+        return value
 
 
 class Memory(_Strict):

@@ -69,7 +69,7 @@ def _layer_tp_comm(hw: HardwareProfile, arch: ModelArch, tokens: float, tp: int,
     """Two all-reduces of the hidden state per layer pass (after attention and after the MLP)."""
     if tp == 1:
         return 0.0
-    return 2 * coll.all_reduce(hw, tp_group(tp, where), BF16 * tokens * arch.hidden)
+    return 2 * coll.all_reduce(hw, tp_group(tp, where), hw.compute.value_bytes * tokens * arch.hidden)
 
 
 def _head_tp_comm(hw: HardwareProfile, tokens: float, tp: int, where: Placement, head: str) -> float:
@@ -106,7 +106,8 @@ def stage_pass(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: Pl
 def _p2p(hw: HardwareProfile, arch: ModelArch, layout: Layout, where: Placement, tokens: float) -> float:
     if layout.pp == 1:
         return 0.0
-    return coll.point_to_point(hw, BF16 * tokens * arch.hidden / layout.tp, stages_share_node(layout, where),
+    return coll.point_to_point(hw, hw.compute.value_bytes * tokens * arch.hidden / layout.tp,
+                               stages_share_node(layout, where),
                                where.per_node)
 
 
@@ -118,8 +119,9 @@ def _per_rank(sequences: int, dp: int, micro_batch: int) -> tuple[int, int]:
 
 
 def _param_gather(hw: HardwareProfile, arch: ModelArch, layout: Layout, where: Placement, head: str) -> float:
-    """All-gather of one stage's bf16 parameters across data-parallel ranks (sharded training)."""
-    return coll.all_gather(hw, dp_group(layout, where), BF16 * stage_params(arch, layout.pp, head) / layout.tp)
+    """All-gather of one stage's parameters across data-parallel ranks (sharded training)."""
+    nbytes = hw.compute.value_bytes * stage_params(arch, layout.pp, head) / layout.tp
+    return coll.all_gather(hw, dp_group(layout, where), nbytes)
 
 
 @functools.lru_cache(maxsize=262144)
@@ -168,11 +170,11 @@ def inference_time(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, where
     return (n_micro + cfg.pp - 1) * (fwd + p2p) + exposed
 
 
-def kv_bytes_per_token_per_gpu(arch: ModelArch, cfg: Layout) -> float:
+def kv_bytes_per_token_per_gpu(arch: ModelArch, cfg: Layout, value_bytes: int = BF16) -> float:
     """KV-cache bytes of one token on one GPU: KV heads split over tp (replicated when fewer than tp),
     layers split over pp."""
     heads_local = arch.kv_heads / cfg.tp if arch.kv_heads >= cfg.tp else 1
-    return 2 * BF16 * heads_local * arch.dim_per_head * math.ceil(arch.layers / cfg.pp)
+    return 2 * value_bytes * heads_local * arch.dim_per_head * math.ceil(arch.layers / cfg.pp)
 
 
 def decode_step_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: Placement, batch: float,
@@ -221,7 +223,7 @@ def generation_time(hw: HardwareProfile, arch: ModelArch, cfg: GenConfig, where:
     as its KV-cache budget holds (every response runs to response_len); a wave is one prefill then
     response_len memory-bound decode steps, costed at the mean context length."""
     per_replica = math.ceil(sequences / cfg.dp)
-    per_seq = kv_bytes_per_token_per_gpu(arch, cfg) * (prompt_len + response_len)
+    per_seq = kv_bytes_per_token_per_gpu(arch, cfg, hw.compute.value_bytes) * (prompt_len + response_len)
     max_batch = min(per_replica, int(kv_budget_bytes // per_seq))
     if max_batch < 1:
         return GenerationCost(seconds=math.inf, max_batch=0, waves=0)
@@ -276,14 +278,14 @@ def transition_time(hw: HardwareProfile, arch: ModelArch, train: TrainConfig, ge
     if plan.group <= 1:
         return 0.0
     group = coll.grid_group(list(plan.dims), where.per_node)
-    return coll.all_gather(hw, group, BF16 * arch.params("lm") * plan.gen_fraction)
+    return coll.all_gather(hw, group, hw.compute.value_bytes * arch.params("lm") * plan.gen_fraction)
 
 
 def weight_sync_time(hw: HardwareProfile, arch: ModelArch, gen: GenConfig, rollout: Placement,
                      same_node: bool) -> float:
     """Separate generation engine: every rollout GPU receives its generation shard of the freshly
     trained weights; the receiving node's links carry the shards of all its GPUs."""
-    shard_bytes = BF16 * arch.params("lm") / (gen.tp * gen.pp)
+    shard_bytes = hw.compute.value_bytes * arch.params("lm") / (gen.tp * gen.pp)
     node_bytes = shard_bytes * rollout.per_node
     if same_node:
         return coll.point_to_point(hw, shard_bytes, same_node=True)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from hfplan.profiles.hardware import HardwareProfile
 from hfplan.profiles.models import ModelArch
 
-BF16 = 2
-FP32 = 4
+BF16 = 2  # bytes of a bf16 value (weights and activations on GPUs)
+FP32 = 4  # bytes of an fp32 value (gradients, optimizer states, logits; everything on CPUs)
 
 
 def kernel_time(hw: HardwareProfile, flops: float, nbytes: float) -> float:
@@ -23,11 +23,11 @@ def kernel_time(hw: HardwareProfile, flops: float, nbytes: float) -> float:
     return hw.compute.kernel_overhead_us * 1e-6 + max(math, memory)
 
 
-def gemm_time(hw: HardwareProfile, m: float, k: float, n: float, dtype_bytes: int = BF16) -> float:
-    """(m x k) @ (k x n)."""
+def gemm_time(hw: HardwareProfile, m: float, k: float, n: float) -> float:
+    """(m x k) @ (k x n) in the device's compute precision."""
     if m <= 0 or k <= 0 or n <= 0:
         return 0.0
-    return kernel_time(hw, 2.0 * m * k * n, dtype_bytes * (m * k + k * n + m * n))
+    return kernel_time(hw, 2.0 * m * k * n, hw.compute.value_bytes * (m * k + k * n + m * n))
 
 
 def memory_time(hw: HardwareProfile, nbytes: float) -> float:
@@ -66,21 +66,22 @@ def layer_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per_
     context length for a decode step). In decode, attention reads the KV cache of every key.
     """
     h, q, kv, f = arch.hidden, arch.q_dim, arch.kv_dim, arch.ffn
+    v = hw.compute.value_bytes
     qkv_out = shard(q + 2 * kv, tp)
     gemm = (gemm_time(hw, tokens, h, qkv_out) + gemm_time(hw, tokens, shard(q, tp), h)
             + gemm_time(hw, tokens, h, shard(2 * f, tp)) + gemm_time(hw, tokens, shard(f, tp), h))
     kv_local = shard(kv, tp) if arch.kv_heads >= tp else arch.dim_per_head
     attn_flops = 4.0 * tokens * keys_per_token * shard(q, tp)
     if decode:
-        attn_bytes = BF16 * (tokens * keys_per_token * 2 * kv_local + 2 * tokens * shard(q, tp))
+        attn_bytes = v * (tokens * keys_per_token * 2 * kv_local + 2 * tokens * shard(q, tp))
     else:
-        attn_bytes = BF16 * tokens * (2 * shard(q, tp) + 2 * kv_local)
+        attn_bytes = v * tokens * (2 * shard(q, tp) + 2 * kv_local)
     attention = kernel_time(hw, attn_flops, attn_bytes)
     elementwise = (
-        2 * memory_time(hw, BF16 * 2 * tokens * h)  # two RMSNorms: read and write h
-        + memory_time(hw, BF16 * 2 * tokens * (shard(q, tp) + kv_local))  # rotary on q and k
-        + 2 * memory_time(hw, BF16 * 3 * tokens * h)  # two residual adds
-        + memory_time(hw, BF16 * 3 * tokens * shard(f, tp))  # silu(gate) * up
+        2 * memory_time(hw, v * 2 * tokens * h)  # two RMSNorms: read and write h
+        + memory_time(hw, v * 2 * tokens * (shard(q, tp) + kv_local))  # rotary on q and k
+        + 2 * memory_time(hw, v * 3 * tokens * h)  # two residual adds
+        + memory_time(hw, v * 3 * tokens * shard(f, tp))  # silu(gate) * up
     )
     return LayerCost(gemm=gemm, attention=attention, elementwise=elementwise)
 
@@ -91,9 +92,10 @@ def head_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, tp: int, h
     local_out = shard(out, tp) if head == "lm" else out
     gemm = gemm_time(hw, tokens, arch.hidden, local_out)
     softmax = memory_time(hw, FP32 * 3 * tokens * local_out) if head == "lm" else 0.0
-    norm = memory_time(hw, BF16 * 2 * tokens * arch.hidden)
+    norm = memory_time(hw, hw.compute.value_bytes * 2 * tokens * arch.hidden)
     return LayerCost(gemm=gemm, attention=0.0, elementwise=softmax + norm)
 
 
 def embedding_forward(hw: HardwareProfile, arch: ModelArch, tokens: float) -> LayerCost:
-    return LayerCost(gemm=0.0, attention=0.0, elementwise=memory_time(hw, BF16 * 2 * tokens * arch.hidden))
+    nbytes = hw.compute.value_bytes * 2 * tokens * arch.hidden
+    return LayerCost(gemm=0.0, attention=0.0, elementwise=memory_time(hw, nbytes))

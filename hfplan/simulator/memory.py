@@ -22,6 +22,12 @@ TRAIN_BYTES_PER_PARAM = 2 + 4 + 4 + 4 + 4
 INFER_BYTES_PER_PARAM = 2
 
 
+def train_bytes_per_param(value_bytes: int = BF16) -> int:
+    """Adam training state per parameter: the weights in compute precision, fp32 gradients, an fp32
+    master copy when the weights are not already fp32, and the two fp32 moments."""
+    return value_bytes + FP32 + (FP32 if value_bytes < FP32 else 0) + 2 * FP32
+
+
 def activation_values_per_token_layer(arch: ModelArch, tp: int) -> float:
     """Values one layer saves per token for its backward pass (flash attention, no sequence parallel):
     the two norm inputs and outputs (4h), q, k, v and the attention output (sharded by tp), and the
@@ -35,68 +41,69 @@ def layer_working_values_per_token(arch: ModelArch, tp: int) -> float:
     return 2 * arch.hidden + (arch.q_dim + 2 * arch.kv_dim) / tp + 3 * arch.ffn / tp
 
 
-def train_resident_bytes(arch: ModelArch, cfg: TrainConfig, head: str) -> float:
+def train_resident_bytes(arch: ModelArch, cfg: TrainConfig, head: str, value_bytes: int = BF16) -> float:
     local = stage_params(arch, cfg.pp, head) / cfg.tp
-    return TRAIN_BYTES_PER_PARAM * local / (cfg.dp if cfg.shard else 1)
+    return train_bytes_per_param(value_bytes) * local / (cfg.dp if cfg.shard else 1)
 
 
-def infer_resident_bytes(arch: ModelArch, cfg: Layout, head: str) -> float:
-    return INFER_BYTES_PER_PARAM * stage_params(arch, cfg.pp, head) / cfg.tp
+def infer_resident_bytes(arch: ModelArch, cfg: Layout, head: str, value_bytes: int = BF16) -> float:
+    return value_bytes * stage_params(arch, cfg.pp, head) / cfg.tp
 
 
 def _logits_bytes(arch: ModelArch, tokens: float, tp: int, head: str) -> float:
     return FP32 * tokens * (arch.vocab / tp if head == "lm" else 1)
 
 
-def _gathered_layers_bytes(arch: ModelArch, cfg: TrainConfig) -> float:
-    """Sharded training gathers one layer's bf16 weights at a time and prefetches the next."""
+def _gathered_layers_bytes(arch: ModelArch, cfg: TrainConfig, value_bytes: int) -> float:
+    """Sharded training gathers one layer's weights at a time and prefetches the next."""
     if not cfg.shard or cfg.dp == 1:
         return 0.0
-    return 2 * BF16 * arch.params_per_layer / cfg.tp
+    return 2 * value_bytes * arch.params_per_layer / cfg.tp
 
 
 def train_transient_bytes(arch: ModelArch, cfg: TrainConfig, sequences_per_step: int, seq_len: int,
-                          head: str) -> float:
+                          head: str, value_bytes: int = BF16) -> float:
     micro = min(cfg.micro_batch, math.ceil(sequences_per_step / cfg.dp))
     n_micro = math.ceil(math.ceil(sequences_per_step / cfg.dp) / micro)
     tokens = micro * seq_len
     layers = math.ceil(arch.layers / cfg.pp)
-    per_layer = BF16 * tokens * activation_values_per_token_layer(arch, cfg.tp)
+    per_layer = value_bytes * tokens * activation_values_per_token_layer(arch, cfg.tp)
     if cfg.recompute:
         # Only each layer's input is kept; one layer's activations live again during its backward.
-        per_micro = layers * BF16 * tokens * arch.hidden + per_layer
+        per_micro = layers * value_bytes * tokens * arch.hidden + per_layer
     else:
         per_micro = layers * per_layer
     in_flight = min(cfg.pp, n_micro)  # 1F1B: the first stage holds up to pp micro-batches
     logits = 2 * _logits_bytes(arch, tokens, cfg.tp, head)  # logits and their gradient
-    return in_flight * per_micro + logits + _gathered_layers_bytes(arch, cfg)
+    return in_flight * per_micro + logits + _gathered_layers_bytes(arch, cfg, value_bytes)
 
 
 def infer_transient_bytes(arch: ModelArch, cfg: InferConfig, seq_len: int, head: str,
-                          sharded: TrainConfig | None = None) -> float:
+                          sharded: TrainConfig | None = None, value_bytes: int = BF16) -> float:
     tokens = cfg.micro_batch * seq_len
-    working = BF16 * tokens * layer_working_values_per_token(arch, cfg.tp)
-    gathered = _gathered_layers_bytes(arch, sharded) if sharded is not None else 0.0
+    working = value_bytes * tokens * layer_working_values_per_token(arch, cfg.tp)
+    gathered = _gathered_layers_bytes(arch, sharded, value_bytes) if sharded is not None else 0.0
     return working + 2 * _logits_bytes(arch, tokens, cfg.tp, head) + gathered
 
 
-def generation_weights_bytes(arch: ModelArch, gen: GenConfig, train: TrainConfig | None) -> float:
-    """Extra bf16 weights generation needs: the part of the generation shard the GPU does not already
-    hold from training (all of it for a separate rollout engine)."""
-    full = BF16 * arch.params("lm")
+def generation_weights_bytes(arch: ModelArch, gen: GenConfig, train: TrainConfig | None,
+                             value_bytes: int = BF16) -> float:
+    """Extra weights generation needs: the part of the generation shard the GPU does not already hold
+    from training (all of it for a separate rollout engine)."""
+    full = value_bytes * arch.params("lm")
     if train is None:
         return full / (gen.tp * gen.pp)
     return full * resharding(train, gen).received_fraction
 
 
-def generation_working_bytes(arch: ModelArch, gen: GenConfig, prompt_len: int) -> float:
+def generation_working_bytes(arch: ModelArch, gen: GenConfig, prompt_len: int, value_bytes: int = BF16) -> float:
     """Prefill of one sequence at a time bounds the live activations; logits of a decode batch are
     small next to them."""
-    return BF16 * prompt_len * layer_working_values_per_token(arch, gen.tp)
+    return value_bytes * prompt_len * layer_working_values_per_token(arch, gen.tp)
 
 
-def kv_cache_bytes(arch: ModelArch, gen: GenConfig, batch: int, seq_len: int) -> float:
-    return kv_bytes_per_token_per_gpu(arch, gen) * seq_len * batch
+def kv_cache_bytes(arch: ModelArch, gen: GenConfig, batch: int, seq_len: int, value_bytes: int = BF16) -> float:
+    return kv_bytes_per_token_per_gpu(arch, gen, value_bytes) * seq_len * batch
 
 
 def gib(nbytes: float) -> float:
