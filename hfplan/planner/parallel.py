@@ -4,7 +4,7 @@ independent, and most of a large search's time goes there."""
 from __future__ import annotations
 
 import multiprocessing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from hfplan.planner import space
 from hfplan.planner.strategies import Floor, SearchContext
@@ -19,13 +19,12 @@ def _cost(key: tuple[str, int]) -> tuple[tuple[str, int], object, object, Floor 
     return key, _CONTEXT._parts.get(key), _CONTEXT._choices.get(key), floor
 
 
-def warm_floors(ctx: SearchContext, placements: Sequence, gpus: int, jobs: int,
+def warm_floors(ctx: SearchContext, gpus: int, jobs: int,
                 progress: Callable[[str, int, int], None] | None = None) -> None:
-    """Fill ctx's caches of strategies and floors for every role at every set size the placements use."""
-    sizes = set()
-    for placement in placements:
-        for allocation in space.allocations(len(placement), gpus, ctx.gpus_per_node, ctx.rules.power_of_two_sets):
-            sizes.update(allocation)
+    """Fill ctx's caches of strategies and floors for every role at every set size."""
+    sizes = space.set_sizes(gpus, ctx.gpus_per_node)
+    if ctx.rules.power_of_two_sets:
+        sizes = [s for s in sizes if s & (s - 1) == 0]
     keys = [(role, size) for role in ctx.gpu_roles for size in sorted(sizes, reverse=True)]
     if "fork" not in multiprocessing.get_all_start_methods():
         return  # costed lazily in this process instead

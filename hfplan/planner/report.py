@@ -38,7 +38,7 @@ def candidates_frame(result: SearchResult, workload: Workload) -> pd.DataFrame:
         feasible = c.status == "evaluated"
         return {
             "placement": " | ".join("+".join(roles) for roles in c.placement),
-            "gpus": " | ".join(str(a) for a in c.allocation),
+            "gpus": " | ".join([str(a) for a in c.allocation] + ["*"] * (len(c.placement) - len(c.allocation))),
             "status": c.status,
             "iteration_s": round(c.iteration_s, 4) if feasible else None,
             "tokens_per_s": round(workload.tokens_per_iteration / c.iteration_s, 1) if feasible else None,

@@ -24,6 +24,7 @@ import numpy as np
 from hfplan.errors import HfplanError
 from hfplan.plan import ROLLOUT, PlacementSet, Plan, RoleParallelism
 from hfplan.planner import space
+from hfplan.planner.bounds import PlacementBounds
 from hfplan.planner.strategies import RoleChoices, RoleOption, Rules, SearchContext
 from hfplan.simulator import engine
 from hfplan.simulator.evaluate import PlanCosts, call_seconds, switch_seconds
@@ -35,7 +36,8 @@ Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 @dataclass(frozen=True)
 class Candidate:
-    """One (placement, allocation) pair and what the search concluded about it."""
+    """One (placement, allocation) pair and what the search concluded about it. Pruned and infeasible
+    rows may stand for every allocation that starts with `allocation` (shorter than the placement)."""
 
     placement: tuple[tuple[str, ...], ...]
     allocation: tuple[int, ...]
@@ -262,21 +264,46 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
     if jobs > 1:
         from hfplan.planner.parallel import warm_floors
 
-        warm_floors(ctx, placements, cluster.gpus, jobs, progress)
-    pairs = _bounded_pairs(ctx, placements, cluster.gpus, stats)
-    candidates: list[Candidate] = [c for c in pairs if isinstance(c, Candidate)]
-    todo = sorted((p for p in pairs if not isinstance(p, Candidate)), key=lambda p: p[0])
+        warm_floors(ctx, cluster.gpus, jobs, progress)
+    candidates: list[Candidate] = []
     kept: list[tuple[float, int, Candidate]] = []  # max-heap by time of the top_k best
-    for done, (bound, placement, allocation) in enumerate(todo):
+    heap: list[tuple[float, int, int, tuple[int, ...]]] = []
+    bounds = []
+    seen_infeasible: set[tuple[int, int, int]] = set()
+    for index, placement in enumerate(placements):
+        pb = PlacementBounds(ctx, placement, cluster.gpus)
+        bounds.append(pb)
+        stats.allocations += pb.completions(())
+        heapq.heappush(heap, (pb.bound(()), len(heap), index, ()))
+    order = len(heap)
+    while heap:
         threshold = -kept[0][0] if len(kept) >= top_k else math.inf
+        bound, _, index, prefix = heapq.heappop(heap)
+        pb, placement = bounds[index], placements[index]
         if progress is not None:
-            progress("searching placements", done, len(todo))
+            progress("searching allocations", stats.evaluated + stats.pruned + stats.infeasible, stats.allocations)
         if bound >= threshold:
-            candidates.extend(Candidate(p, a, "pruned", reason=f"bound {b:.3f} s >= {top_k}th best {threshold:.3f} s")
-                              for b, p, a in todo[done:])
-            stats.pruned += len(todo) - done
+            # Best-first: every allocation left has a bound at least this large.
+            for b, _, i, p in [(bound, 0, index, prefix), *heap]:
+                candidates.append(Candidate(placements[i], p, "pruned",
+                                            reason=f"bound {b:.4g} s >= {top_k}th best {threshold:.4g} s"))
+                stats.pruned += bounds[i].completions(p)
             break
-        candidate = _evaluate_pair(ctx, placement, allocation, threshold, stats)
+        if len(prefix) < pb.k:
+            for child, why in pb.children(prefix):
+                child_bound = pb.bound(child) if not why else math.inf
+                if math.isinf(child_bound):
+                    stats.infeasible += pb.completions(child)
+                    key = (index, len(prefix), child[-1])
+                    if key not in seen_infeasible:
+                        seen_infeasible.add(key)
+                        candidates.append(Candidate(placement, child, "infeasible",
+                                                    reason=why or "some set fits with no GPU count left"))
+                    continue
+                order += 1
+                heapq.heappush(heap, (child_bound, order, index, child))
+            continue
+        candidate = _evaluate_pair(ctx, placement, prefix, threshold, stats)
         candidates.append(candidate)
         if candidate.status == "evaluated":
             stats.evaluated += 1
@@ -288,60 +315,13 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
         else:
             stats.pruned += 1
     if progress is not None:
-        progress("searching placements", len(todo), len(todo))
+        progress("searching allocations", stats.allocations, stats.allocations)
     if not kept:
         raise HfplanError(_no_plan_message(ctx, cluster, candidates))
     best = sorted((c for _, _, c in kept), key=lambda c: c.iteration_s)
     top = [_to_plan(workload, cluster, dag, c) for c in best]
     stats.seconds = time.perf_counter() - started
     return SearchResult(top, candidates, stats)
-
-
-def _bounded_pairs(ctx: SearchContext, placements, gpus: int, stats: SearchStats) -> list:
-    """Every (placement, allocation) with a lower bound of its iteration time (the schedule with every
-    call at its fastest over the strategies that fit alone, and free transfers), or an infeasible
-    Candidate when some role fits on its set with no strategy."""
-    sizes = space.set_sizes(gpus, ctx.gpus_per_node)
-    position = {s: i for i, s in enumerate(sizes)}
-    n_nodes = len(ctx.dag.nodes)
-    out: list = []
-    for placement in placements:
-        allocations = np.array(list(space.allocations(len(placement), gpus, ctx.gpus_per_node,
-                                                      ctx.rules.power_of_two_sets)), dtype=np.int64)
-        if allocations.size == 0:
-            continue
-        stats.allocations += len(allocations)
-        pair = _Pair(ctx, placement, tuple(int(a) for a in allocations[0]), free_transfers=True)
-        # floors[i][size] -> (per-node seconds of set i's calls, switch, feasible)
-        rows = np.zeros((len(placement), len(sizes), n_nodes))
-        switch = np.zeros((len(placement), len(sizes)))
-        feasible = np.ones((len(placement), len(sizes)), dtype=bool)
-        used = {int(a) for a in np.unique(allocations)}
-        for i, roles in enumerate(placement):
-            for size in used:
-                k = position[size]
-                for role in roles:
-                    floor = ctx.floor(role, size)
-                    if floor is None:
-                        feasible[i, k] = False
-                        continue
-                    for node in ctx.own_nodes(role):
-                        rows[i, k, node.id] = floor.seconds[ctx.own_nodes(role).index(node)]
-                    if role == ctx.generator:
-                        for node, secs in zip(ctx.generate_nodes, floor.gen, strict=True):
-                            rows[i, k, node.id] = secs
-                        switch[i, k] = floor.switch
-        idx = np.vectorize(position.get)(allocations)
-        sets = np.arange(len(placement))[None, :]
-        ok = feasible[sets, idx].all(axis=1)
-        bounds = pair.makespan_many(rows[sets, idx].sum(axis=1), switch[sets, idx].sum(axis=1))
-        for alloc, bound, fits in zip(allocations, bounds, ok, strict=True):
-            alloc_t = tuple(int(a) for a in alloc)
-            if not fits:
-                out.append(Candidate(placement, alloc_t, "infeasible", reason=_alone_reason(ctx, placement, alloc_t)))
-            else:
-                out.append((float(bound), placement, alloc_t))
-    return out
 
 
 def _alone_reason(ctx: SearchContext, placement, allocation) -> str:

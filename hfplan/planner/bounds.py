@@ -1,0 +1,127 @@
+"""Lower bounds of the iteration time over GPU allocations, for a best-first walk of the allocations.
+
+An allocation is built set by set (a prefix of sizes). Its bound is the schedule of the traced DAG
+with every call at its floor (the fastest any strategy that fits alone makes it) and free transfers.
+For a set not yet sized, the floor is taken over every size it could still get, so the bound of a
+prefix is below the bound of every allocation that extends it: a prefix whose bound cannot beat the
+K-th best plan found so far can be dropped with everything below it.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+
+from hfplan.planner import space
+from hfplan.planner.strategies import SearchContext
+
+
+class PlacementBounds:
+    def __init__(self, ctx: SearchContext, placement: tuple[tuple[str, ...], ...], gpus: int) -> None:
+        self.ctx, self.placement, self.gpus = ctx, placement, gpus
+        sizes = space.set_sizes(gpus, ctx.gpus_per_node)
+        if ctx.rules.power_of_two_sets:
+            sizes = [s for s in sizes if s & (s - 1) == 0]
+        self.sizes = sizes
+        self.k = len(placement)
+        n_nodes = len(ctx.dag.nodes)
+        self.node_set = [self._set_of(n) for n in ctx.dag.nodes]
+        self.deps = [[e.src for e in n.deps] for n in ctx.dag.nodes]
+        self.switch_node = next((n.id for n in ctx.dag.nodes if n.op == "generate"), -1)
+        # rows[i, j]: floor seconds of set i's calls on sizes[j]; feasible[i, j]; switch[i, j]
+        self.rows = np.zeros((self.k, len(sizes), n_nodes))
+        self.switch = np.zeros((self.k, len(sizes)))
+        self.feasible = np.ones((self.k, len(sizes)), dtype=bool)
+        self.why: dict[tuple[int, int], str] = {}
+        for i, roles in enumerate(placement):
+            for j, size in enumerate(sizes):
+                self._fill(i, j, roles, size)
+        # best[i, j]: the set's floors over every feasible size up to sizes[j] (elementwise minimum)
+        masked = np.where(self.feasible[..., None], self.rows, np.inf)
+        self.best_rows = np.minimum.accumulate(masked, axis=1)
+        self.best_switch = np.minimum.accumulate(np.where(self.feasible, self.switch, np.inf), axis=1)
+
+    def _set_of(self, node) -> int:
+        role = self.ctx.runs_on(node)
+        for i, roles in enumerate(self.placement):
+            if role in roles:
+                return i
+        return -1
+
+    def _fill(self, i: int, j: int, roles: tuple[str, ...], size: int) -> None:
+        ctx = self.ctx
+        for role in roles:
+            floor = ctx.floor(role, size)
+            if floor is None:
+                self.feasible[i, j] = False
+                self.why[(i, j)] = f"{role} alone does not fit on {size} GPUs with any parallel layout"
+                return
+            for node, secs in zip(ctx.own_nodes(role), floor.seconds, strict=True):
+                self.rows[i, j, node.id] = secs
+            if role == ctx.generator:
+                for node, secs in zip(ctx.generate_nodes, floor.gen, strict=True):
+                    self.rows[i, j, node.id] = secs
+                self.switch[i, j] = floor.switch
+
+    def _largest_index(self, limit: int) -> int:
+        """Index of the largest allowed size <= limit (-1 if none)."""
+        return int(np.searchsorted(self.sizes, limit, side="right")) - 1
+
+    def bound(self, prefix: tuple[int, ...]) -> float:
+        """Lower bound of every allocation that starts with `prefix` (sizes of the first sets)."""
+        left = self.gpus - sum(prefix)
+        unsized = self.k - len(prefix)
+        seconds = np.zeros(self.rows.shape[2])
+        switch = 0.0
+        for i, size in enumerate(prefix):
+            j = self.sizes.index(size)
+            seconds += self.rows[i, j]
+            switch += self.switch[i, j]
+        if unsized:
+            j = self._largest_index(left - (unsized - 1))  # the others need at least one GPU each
+            if j < 0:
+                return np.inf
+            for i in range(len(prefix), self.k):
+                seconds += self.best_rows[i, j]
+                switch += self.best_switch[i, j]
+        return self._makespan(seconds, switch)
+
+    def _makespan(self, seconds: np.ndarray, switch: float) -> float:
+        if not np.all(np.isfinite(seconds)) or not np.isfinite(switch):
+            return np.inf
+        finish = [0.0] * len(seconds)
+        last: dict[int, float] = {}
+        for i, secs in enumerate(seconds):
+            ready = last.get(self.node_set[i], 0.0)
+            for src in self.deps[i]:
+                ready = max(ready, finish[src])
+            finish[i] = ready + (switch if i == self.switch_node else 0.0) + float(secs)
+            last[self.node_set[i]] = finish[i]
+        return max(finish, default=0.0)
+
+    def children(self, prefix: tuple[int, ...]) -> list[tuple[tuple[int, ...], str]]:
+        """Sizes the next set can take: (child prefix, '' or why that size is infeasible)."""
+        index = len(prefix)
+        left = self.gpus - sum(prefix)
+        unsized_after = self.k - index - 1
+        out = []
+        for j, size in enumerate(self.sizes):
+            if size > left - unsized_after:
+                break
+            if unsized_after == 0 and size != left:
+                continue
+            out.append((prefix + (size,), "" if self.feasible[index, j] else self.why[(index, j)]))
+        return out
+
+    def completions(self, prefix: tuple[int, ...]) -> int:
+        """How many complete allocations start with `prefix`."""
+        return _count(tuple(self.sizes), self.k - len(prefix), self.gpus - sum(prefix))
+
+
+@cache
+def _count(sizes: tuple[int, ...], sets: int, gpus: int) -> int:
+    """Ways to give `sets` sets sizes from `sizes` summing to `gpus`."""
+    if sets == 0:
+        return 1 if gpus == 0 else 0
+    return sum(_count(sizes, sets - 1, gpus - s) for s in sizes if s <= gpus - (sets - 1))
