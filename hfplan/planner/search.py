@@ -135,7 +135,12 @@ class _PairSearch:
         ctx = pair.ctx
         self.ctx = ctx
         self.usable = ctx.hw.memory.usable_bytes
-        self.roles = sorted(pair.set_of_role, key=lambda r: (r != ctx.generator, r not in ("actor", "critic"), r))
+        # The generating role first, then the roles that share its GPUs (they decide its KV-cache room).
+        gen_set = pair.set_of_role.get(ctx.generator, -1)
+        self.roles = sorted(pair.set_of_role, key=lambda r: (r != ctx.generator, pair.set_of_role[r] != gen_set,
+                                                             r not in ("actor", "critic"), r))
+        self.gen_set = gen_set
+        self._gen_cache: dict[tuple, list[float]] = {}
         self.gpus = {r: pair.allocation[pair.set_of_role[r]] for r in self.roles}
         self.own_ids = {r: [n.id for n in ctx.own_nodes(r)] for r in self.roles}
         self.gen_ids = [n.id for n in ctx.generate_nodes]
@@ -157,9 +162,11 @@ class _PairSearch:
                     self.floor[node_id] = secs
                 self.min_switch = floor.switch
             self.min_resident[r] = floor.resident
+        self.min_transient = {r: float(a.transient.min()) if len(a.options) else math.inf
+                              for r, a in self.arrays.items()}
         self.best_time = math.inf
         self.best_choice: dict[str, RoleOption] | None = None
-        self.tightest = math.inf  # smallest memory overshoot seen, for the infeasibility reason
+        self.unfit: tuple[tuple[str, ...], int] | None = None  # a set no strategy choice fits
 
     def _with_weight_sync(self, choices: RoleChoices) -> RoleChoices:
         """Rollout options with the weight sync this placement really pays (same node as the actor?)."""
@@ -171,18 +178,27 @@ class _PairSearch:
         return RoleChoices(synced)
 
     def _gen_seconds(self, option: RoleOption, kv_budget: float) -> list[float]:
-        ctx, gpus = self.ctx, self.gpus[option.role]
-        return [call_seconds(ctx.workload, ctx.hw, ctx.gpus_per_node, n, option.role, option.par, gpus, kv_budget)
-                for n in ctx.generate_nodes]
+        """Generate calls of `option` with `kv_budget` bytes per GPU for the KV cache (they depend on the
+        budget only through how many sequences it holds)."""
+        key = (option.gen_key, int(kv_budget // option.memory.kv_per_sequence))
+        if key not in self._gen_cache:
+            ctx, gpus = self.ctx, self.gpus[option.role]
+            self._gen_cache[key] = [call_seconds(ctx.workload, ctx.hw, ctx.gpus_per_node, n, option.role, option.par,
+                                                 gpus, kv_budget) for n in ctx.generate_nodes]
+        return self._gen_cache[key]
 
     def run(self) -> None:
         if any(not opts for opts in self.options.values()):
             return
+        for roles, gpus in zip(self.pair.placement, self.pair.allocation, strict=True):
+            if not self.ctx.set_fits(roles, gpus):
+                self.unfit = (roles, gpus)
+                return
         self._descend(0, {}, list(self.floor), self.min_switch)
 
     def _set_state(self, chosen: dict[str, RoleOption], index: int) -> tuple[float, float, bool]:
-        """(held resident bytes incl. the unchosen roles' least, largest transient of chosen roles,
-        complete?) of one set."""
+        """(held resident bytes, largest transient, complete?) of one set, the unchosen roles counted at
+        their least memory."""
         held, transient, complete = 0.0, 0.0, True
         for r in self.pair.placement[index]:
             if r in chosen:
@@ -190,6 +206,7 @@ class _PairSearch:
                 transient = max(transient, chosen[r].memory.transient)
             else:
                 held += self.min_resident[r]
+                transient = max(transient, self.min_transient[r])
                 complete = False
         return held, transient, complete
 
@@ -205,15 +222,12 @@ class _PairSearch:
         held = held - self.min_resident[role] + arrays.resident
         transient = np.maximum(transient, arrays.transient)
         fits = held + transient <= self.usable
-        if not fits.all():
-            over = (held + transient - self.usable)[~fits]
-            self.tightest = min(self.tightest, float(over.min()))
         rows = np.tile(np.asarray(seconds, dtype=float), (len(arrays.options), 1))
         if self.own_ids[role]:
             rows[:, self.own_ids[role]] = arrays.seconds
         is_gen = role == self.ctx.generator
-        if is_gen:
-            rows[:, self.gen_ids] = arrays.alone_gen
+        if self.pair.set_of_role[role] == self.gen_set:
+            self._bound_generation(role, chosen, arrays, held, fits, rows)
         switches = arrays.switch if is_gen else np.full(len(arrays.options), switch)
         bounds = self.pair.makespan_many(rows, switches)
         for k in np.argsort(np.where(fits, bounds, np.inf), kind="stable"):
@@ -221,6 +235,20 @@ class _PairSearch:
                 break
             option = arrays.options[k]
             self._descend(depth + 1, {**chosen, role: option}, rows[k].tolist(), float(switches[k]))
+
+    def _bound_generation(self, role: str, chosen: dict[str, RoleOption], arrays: RoleChoices, held: np.ndarray,
+                          fits: np.ndarray, rows: np.ndarray) -> None:
+        """Generation calls at the KV-cache room left by the roles of its set chosen so far (the others
+        at their least memory): more room never slows generation, so this stays a lower bound."""
+        gen = self.ctx.generator
+        for k in np.flatnonzero(fits):
+            option = arrays.options[k] if role == gen else chosen[gen]
+            need = option.memory
+            budget = self.usable - float(held[k]) - need.gen_extra
+            if budget < need.kv_per_sequence:
+                fits[k] = False
+                continue
+            rows[k, self.gen_ids] = self._gen_seconds(option, budget)
 
     def _leaf(self, chosen: dict[str, RoleOption], seconds: list[float], switch: float) -> None:
         self.stats.strategy_choices += 1
@@ -232,7 +260,6 @@ class _PairSearch:
             need = chosen[gen].memory
             kv_budget = self.usable - held - need.gen_extra
             if kv_budget < need.kv_per_sequence:
-                self.tightest = min(self.tightest, need.kv_per_sequence - kv_budget)
                 return
             for node_id, secs in zip(self.gen_ids, self._gen_seconds(chosen[gen], kv_budget), strict=True):
                 seconds[node_id] = secs
@@ -283,8 +310,13 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
         if progress is not None:
             progress("searching allocations", stats.evaluated + stats.pruned + stats.infeasible, stats.allocations)
         if bound >= threshold:
-            # Best-first: every allocation left has a bound at least this large.
+            # Best-first: every allocation left has a bound at least this large. An infinite bound
+            # means no allocation under it fits at all.
             for b, _, i, p in [(bound, 0, index, prefix), *heap]:
+                if math.isinf(b):
+                    candidates.append(Candidate(placements[i], p, "infeasible", reason=_unbounded_reason(bounds[i], p)))
+                    stats.infeasible += bounds[i].completions(p)
+                    continue
                 candidates.append(Candidate(placements[i], p, "pruned",
                                             reason=f"bound {b:.4g} s >= {top_k}th best {threshold:.4g} s"))
                 stats.pruned += bounds[i].completions(p)
@@ -324,6 +356,12 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
     return SearchResult(top, candidates, stats)
 
 
+def _unbounded_reason(pb: PlacementBounds, prefix: tuple[int, ...]) -> str:
+    if pb.k - len(prefix) > pb.gpus - sum(prefix):
+        return f"{pb.k} sets need at least one GPU each"
+    return "some set fits with no GPU count it could still get"
+
+
 def _alone_reason(ctx: SearchContext, placement, allocation) -> str:
     for roles, gpus in zip(placement, allocation, strict=True):
         for role in roles:
@@ -343,12 +381,13 @@ def _evaluate_pair(ctx: SearchContext, placement, allocation, threshold: float, 
     bb = _PairSearch(pair, threshold, stats, exact)
     bb.run()
     if bb.best_choice is None:
-        if math.isinf(bb.tightest) and all(bb.options.values()):
-            return Candidate(placement, allocation, "pruned", reason=f"no strategy beats {threshold:.3f} s")
         if not all(bb.options.values()):
             return Candidate(placement, allocation, "infeasible", reason=_alone_reason(ctx, placement, allocation))
-        return Candidate(placement, allocation, "infeasible",
-                         reason=f"colocated roles exceed GPU memory by at least {bb.tightest / 2**30:.1f} GiB")
+        if bb.unfit is not None:
+            roles, gpus = bb.unfit
+            reason = f"{'+'.join(roles)} together fit on {gpus} GPUs with no strategies (memory per GPU)"
+            return Candidate(placement, allocation, "infeasible", reason=reason)
+        return Candidate(placement, allocation, "pruned", reason=f"no strategy choice beats {threshold:.4g} s")
     pars = {r: o.par for r, o in bb.best_choice.items()}
     plan_costs = PlanCosts(ctx.workload, sets, pars, ctx.hw, ctx.gpus_per_node)
     peaks = tuple(round(m.peak / 2**30, 2) for m in plan_costs.memory)
@@ -369,22 +408,23 @@ def _no_plan_message(ctx: SearchContext, cluster: Cluster, candidates: list[Cand
     minimum = minimum_gpus(ctx)
     usable = ctx.hw.memory.usable_bytes / 2**30
     if minimum is None:
-        why = next((c.reason for c in candidates if c.reason), "no placement fits")
-        return f"no plan fits on {cluster.gpus} GPUs: {why}"
+        return (f"no plan fits on {cluster.gpus} GPUs of {cluster.hardware} ({usable:.1f} GiB usable per GPU), nor on "
+                f"any count up to 4096: some role fits on no set of GPUs (its weights, states or one sequence's "
+                f"activations exceed the memory of every layout)")
     return (f"no plan fits on {cluster.gpus} GPUs of {cluster.hardware} ({usable:.1f} GiB usable per GPU): the "
             f"models need at least {minimum} GPUs (weights, optimizer states and KV cache per GPU)")
 
 
-def minimum_gpus(ctx: SearchContext, limit: int = 65536) -> int | None:
-    """Fewest GPUs on which some placement fits, trying sizes in increasing order up to `limit`."""
+def minimum_gpus(ctx: SearchContext, limit: int = 4096) -> int | None:
+    """Fewest GPUs on which some placement fits memory, trying every count up to `limit`; None when some
+    role fits on no set of up to `limit` GPUs (or nothing fits up to there)."""
+    largest = space.set_sizes(limit, ctx.gpus_per_node)[-1]
+    if any(ctx.floor(role, largest) is None for role in ctx.gpu_roles):
+        return None
     placements = ctx.rules.placements or space.set_partitions(ctx.workload.model_roles)
-    gpus = 1
-    while gpus <= limit:
+    for gpus in range(1, limit + 1):
         for placement in placements:
             for allocation in space.allocations(len(placement), gpus, ctx.gpus_per_node, ctx.rules.power_of_two_sets):
-                bb = _PairSearch(_Pair(ctx, placement, allocation), math.inf, SearchStats(), exact=None)
-                bb.run()
-                if bb.best_choice is not None:
+                if all(ctx.set_fits(roles, size) for roles, size in zip(placement, allocation, strict=True)):
                     return gpus
-        gpus = gpus * 2 if gpus < ctx.gpus_per_node else gpus + ctx.gpus_per_node
     return None

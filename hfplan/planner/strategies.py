@@ -145,6 +145,7 @@ class SearchContext:
         self._parts: dict[tuple[str, int], list[Family]] = {}
         self._choices: dict[tuple[str, int], RoleChoices] = {}
         self._floors: dict[tuple[str, int], Floor | None] = {}
+        self._fits: dict[tuple[tuple[str, ...], int], bool] = {}
         self._own: dict[str, list[Node]] = {}
 
     @cached_property
@@ -293,6 +294,38 @@ class SearchContext:
             par = RoleParallelism(train=train, infer=infer, gen=gen)
             out.append(RoleOption(role, par, tuple(seconds), switch, mem, _gen_key(gen), alone))
         return out
+
+    # -- memory of a colocated set ------------------------------------------------------------------
+    def set_fits(self, roles: tuple[str, ...], gpus: int) -> bool:
+        """Whether some choice of strategies for these colocated roles fits one GPU's memory (their
+        resident states, the largest call, and for the generating role one sequence's KV cache)."""
+        key = (roles, gpus)
+        if key not in self._fits:
+            choices = [self.choices(r, gpus) for r in roles]
+            self._fits[key] = all(c.options for c in choices) and self._fits_from(roles, choices, 0, 0.0, 0.0, None)
+        return self._fits[key]
+
+    def _fits_from(self, roles: tuple[str, ...], choices: list[RoleChoices], depth: int, held: float,
+                   transient: float, gen: RoleOption | None) -> bool:
+        if depth == len(roles):
+            return gen is None or self.usable - held - gen.memory.gen_extra >= gen.memory.kv_per_sequence
+        rest = choices[depth + 1:]
+        rest_resident = sum(float(c.resident.min()) for c in rest)
+        rest_transient = max((float(c.transient.min()) for c in rest), default=0.0)
+        here = choices[depth]
+        total = held + here.resident + rest_resident
+        fits = total + np.maximum(np.maximum(transient, here.transient), rest_transient) <= self.usable
+        is_gen = roles[depth] == self.generator
+        for k in np.flatnonzero(fits):
+            option = here.options[k]
+            chosen_gen = option if is_gen else gen
+            if chosen_gen is not None and (self.usable - total[k] - chosen_gen.memory.gen_extra
+                                           < chosen_gen.memory.kv_per_sequence):
+                continue
+            if self._fits_from(roles, choices, depth + 1, held + option.memory.resident,
+                               max(transient, option.memory.transient), chosen_gen):
+                return True
+        return False
 
     # -- floors ---------------------------------------------------------------------------------------
     def floor(self, role: str, gpus: int) -> Floor | None:

@@ -219,19 +219,35 @@ class GenerationCost:
 
 def generation_time(hw: HardwareProfile, arch: ModelArch, cfg: GenConfig, where: Placement, sequences: int,
                     prompt_len: int, response_len: int, kv_budget_bytes: float) -> GenerationCost:
-    """Batched generation on cfg.dp replicas: each replica runs its share in waves of as many sequences
-    as its KV-cache budget holds (every response runs to response_len); a wave is one prefill then
-    response_len memory-bound decode steps, costed at the mean context length."""
+    """Batched generation on cfg.dp replicas (every response runs to response_len). Each replica runs
+    its share in waves of at most as many sequences as its KV-cache budget holds; a wave is one prefill
+    then response_len memory-bound decode steps, costed at the mean context length. The engine splits
+    the share into equal waves and runs no more at once than is fastest, so more memory never makes
+    generation slower."""
     per_replica = math.ceil(sequences / cfg.dp)
     per_seq = kv_bytes_per_token_per_gpu(arch, cfg, hw.compute.value_bytes) * (prompt_len + response_len)
     max_batch = min(per_replica, int(kv_budget_bytes // per_seq))
     if max_batch < 1:
         return GenerationCost(seconds=math.inf, max_batch=0, waves=0)
-    full, rest = divmod(per_replica, max_batch)
-    seconds = full * wave_time(hw, arch, cfg.tp, cfg.pp, where, max_batch, prompt_len, response_len)
-    if rest:
-        seconds += wave_time(hw, arch, cfg.tp, cfg.pp, where, rest, prompt_len, response_len)
-    return GenerationCost(seconds=seconds, max_batch=max_batch, waves=full + (1 if rest else 0))
+    seconds, waves, batch = _best_waves(hw, arch, cfg.tp, cfg.pp, where, per_replica, max_batch, prompt_len,
+                                        response_len)
+    return GenerationCost(seconds=seconds, max_batch=batch, waves=waves)
+
+
+@functools.lru_cache(maxsize=65536)
+def _best_waves(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: Placement, sequences: int,
+                max_batch: int, prompt_len: int, response_len: int) -> tuple[float, int, int]:
+    """(seconds, waves, largest wave) of the fastest split of `sequences` into equal waves of at most
+    max_batch each."""
+    best = (math.inf, 0, 0)
+    for waves in sorted({-(-sequences // size) for size in range(1, max_batch + 1)}):
+        small, bigger = divmod(sequences, waves)  # `bigger` waves of small + 1, the rest of small
+        seconds = bigger * wave_time(hw, arch, tp, pp, where, small + 1, prompt_len, response_len)
+        if small:
+            seconds += (waves - bigger) * wave_time(hw, arch, tp, pp, where, small, prompt_len, response_len)
+        if seconds < best[0]:
+            best = (seconds, waves, small + (1 if bigger else 0))
+    return best
 
 
 @dataclass(frozen=True)
