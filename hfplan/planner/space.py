@@ -20,7 +20,8 @@ def set_partitions(items: Sequence[str]) -> list[tuple[tuple[str, ...], ...]]:
     for partition in set_partitions(rest):
         out.append(((first,), *partition))
         for i in range(len(partition)):
-            out.append((*partition[:i], (first, *partition[i]), *partition[i + 1:]))
+            # `first` leads the set it joins, and that set now comes first
+            out.append(((first, *partition[i]), *partition[:i], *partition[i + 1:]))
     return sorted(out, key=lambda p: (len(p), p))
 
 
