@@ -317,8 +317,8 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
                     candidates.append(Candidate(placements[i], p, "infeasible", reason=_unbounded_reason(bounds[i], p)))
                     stats.infeasible += bounds[i].completions(p)
                     continue
-                candidates.append(Candidate(placements[i], p, "pruned",
-                                            reason=f"bound {b:.4g} s >= {top_k}th best {threshold:.4g} s"))
+                reason = f"bound {b:.4g} s >= {threshold:.4g} s, the slowest of the top {top_k}"
+                candidates.append(Candidate(placements[i], p, "pruned", reason=reason))
                 stats.pruned += bounds[i].completions(p)
             break
         if len(prefix) < pb.k:

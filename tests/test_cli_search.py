@@ -1,0 +1,254 @@
+"""`hfplan search` through typer's CliRunner (and once through the real script): the plan it writes, the
+candidates CSV, the tables it prints, and one-line errors that leave no plan file behind."""
+
+from __future__ import annotations
+
+import csv
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from rich.console import Console
+from typer.testing import CliRunner
+
+from hfplan import cli
+from hfplan.plan import load_plan
+from hfplan.planner import space
+from hfplan.planner.baselines import compare
+from hfplan.simulator.engine import simulate_plan
+from hfplan.spec import load_workload, make_cluster
+
+HFPLAN = Path(sys.executable).with_name("hfplan")
+SYSTEMS = ("NeMo-Aligner-like", "DeepSpeed-Chat-like", "OpenRLHF-like")
+STATUSES = {"evaluated", "pruned", "infeasible"}
+
+
+@pytest.fixture
+def wide_console(monkeypatch):
+    """Render rich output 200 columns wide, whatever the environment says, so cells are not cropped."""
+    monkeypatch.setattr(cli, "console", Console(width=200))
+
+
+def _invoke(*args):
+    return CliRunner().invoke(cli.app, [str(a) for a in args])
+
+
+def _assert_user_error(result, *needles) -> str:
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    assert result.stdout == ""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in result.output
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+def _rows(path: Path) -> list[dict]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _covers(row: dict, placement: tuple[tuple[str, ...], ...], allocation: tuple[int, ...]) -> bool:
+    """Does a CSV row stand for this (placement, allocation)? A `*` in gpus stands for any size."""
+    roles = tuple(tuple(group.split("+")) for group in row["placement"].split(" | "))
+    sizes = row["gpus"].split(" | ")
+    if roles != placement or len(sizes) != len(allocation):
+        return False
+    return all(s == "*" or int(s) == a for s, a in zip(sizes, allocation, strict=True))
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """`hfplan search --gpus 16 --out X --csv Y --top 3` on the default workload, run once."""
+    folder = tmp_path_factory.mktemp("search")
+    out, table = folder / "best.json", folder / "all.csv"
+    mp = pytest.MonkeyPatch()
+    mp.setattr(cli, "console", Console(width=200))
+    try:
+        result = _invoke("search", "--gpus", 16, "--out", out, "--csv", table, "--top", 3, "--jobs", 1)
+    finally:
+        mp.undo()
+    return result, out, table
+
+
+# -- happy paths ----------------------------------------------------------------------------------
+def test_search_writes_a_valid_plan_with_estimate_and_timeline(default_run):
+    result, out, _ = default_run
+    assert result.exit_code == 0, (result.output, result.exception)
+    plan = load_plan(out)
+    assert plan.workload == load_workload("ppo-llama2-7b")
+    assert plan.cluster.gpus == 16 and plan.cluster.hardware == "a100-80g"
+    assert plan.estimate is not None and plan.estimate.timeline
+    assert sum(s.gpus for s in plan.placement) == 16
+    simulated = simulate_plan(plan).estimate
+    assert plan.estimate.iteration_s == pytest.approx(simulated.iteration_s, rel=1e-12)
+    assert plan.estimate.timeline == simulated.timeline
+    assert not list(out.parent.glob(".*.tmp")), "no temporary files left beside the plan"
+
+
+def test_search_csv_accounts_for_every_allocation_with_status_and_reason(default_run):
+    result, out, table = default_run
+    assert result.exit_code == 0
+    rows = _rows(table)
+    assert rows
+    assert {"placement", "gpus", "status", "iteration_s", "reason"} <= set(rows[0])
+    assert {r["status"] for r in rows} <= STATUSES
+    for row in rows:
+        if row["status"] == "evaluated":
+            assert float(row["iteration_s"]) > 0
+            assert "*" not in row["gpus"]
+        else:
+            assert row["reason"], row
+    evaluated = [(r["placement"], r["gpus"]) for r in rows if r["status"] == "evaluated"]
+    assert len(evaluated) == len(set(evaluated))
+    # every (placement, allocation) of the space is accounted for by some row
+    workload = load_workload("ppo-llama2-7b")
+    for placement in space.set_partitions(workload.model_roles):
+        for allocation in space.allocations(len(placement), 16, 8):
+            assert any(_covers(r, placement, allocation) for r in rows), (placement, allocation)
+    # the plan written is the fastest row
+    plan = load_plan(out)
+    best = min(float(r["iteration_s"]) for r in rows if r["status"] == "evaluated")
+    assert plan.estimate.iteration_s == pytest.approx(best, abs=1e-4)
+    best_row = next(r for r in rows if r["status"] == "evaluated" and float(r["iteration_s"]) == best)
+    assert best_row["placement"] == " | ".join("+".join(s.models) for s in plan.placement)
+    assert best_row["gpus"] == " | ".join(str(s.gpus) for s in plan.placement)
+
+
+def test_search_prints_the_top_table_and_the_comparison(default_run):
+    result, out, _ = default_run
+    assert result.exit_code == 0
+    text = result.stdout
+    plan = load_plan(out)
+    assert "top 3 plans" in text
+    lines = text.splitlines()
+    rows = [[cell.strip() for cell in line.split("│")] for line in lines if re.match(r"^\s*\d+ │", line)]
+    assert [row[0] for row in rows] == ["1", "2", "3"]
+    times = [float(row[3]) for row in rows]
+    assert times == sorted(times)
+    assert rows[0][1] == " | ".join(f"{'+'.join(s.models)} ({s.gpus})" for s in plan.placement)
+    assert rows[0][3] == f"{plan.estimate.iteration_s:.2f}"
+    assert rows[0][4] == f"{plan.estimate.tokens_per_s:,.0f}"
+    assert len({row[1] for row in rows}) == 3  # distinct placements and allocations
+    # the comparison: each system's time and hfplan's speedup over it, computed here on the same simulator
+    assert "other systems" in text
+    for item in compare(plan.workload, make_cluster(16, "a100-80g")):
+        line = next(line for line in lines if line.lstrip().startswith(item.baseline.name))
+        if item.plan is None:
+            assert "does not fit" in line
+            continue
+        assert f"{item.iteration_s:.2f}" in line
+        assert f"{item.iteration_s / plan.estimate.iteration_s:.2f}x" in line
+    assert "searched 15 placements" in text
+
+
+def test_no_compare_skips_the_comparison(tmp_path, wide_console):
+    out = tmp_path / "best.json"
+    result = _invoke("search", "--gpus", 8, "--workload", "ppo-qwen2.5-0.5b", "--out", out, "--no-compare",
+                     "--jobs", 1)
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert load_plan(out).estimate is not None
+    assert re.search(r"top \d+ plans", result.stdout)
+    assert "other systems" not in result.stdout
+    for name in SYSTEMS:
+        assert name not in result.stdout
+
+
+def test_partial_node_twelve_gpus(tmp_path, wide_console):
+    out = tmp_path / "plan12.json"
+    result = _invoke("search", "--gpus", 12, "--workload", "ppo-qwen2.5-0.5b", "--out", out, "--no-compare",
+                     "--top", 2, "--jobs", 1)
+    assert result.exit_code == 0, (result.output, result.exception)
+    plan = load_plan(out)
+    assert plan.cluster.gpus == 12 and plan.cluster.gpus_per_node == 8
+    assert sum(s.gpus for s in plan.placement) == 12
+    assert all(s.gpus in space.set_sizes(12, 8) for s in plan.placement)
+
+
+def test_workload_file_and_hardware_options(tmp_path, wide_console):
+    spec = {"algorithm": "grpo", "models": {"actor": "qwen2.5-0.5b", "reference": "qwen2.5-0.5b",
+                                            "reward": "rule:vowel-fraction"},
+            "prompt_len": 128, "response_len": 128, "batch_prompts": 8, "samples_per_prompt": 2, "mini_batches": 2}
+    path = tmp_path / "w.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    out = tmp_path / "best.json"
+    result = _invoke("search", "--gpus", 4, "--workload", path, "--hardware", "h100-80g", "--gpus-per-node", 2,
+                     "--out", out, "--jobs", 2)
+    assert result.exit_code == 0, (result.output, result.exception)
+    plan = load_plan(out)
+    assert plan.cluster.hardware == "h100-80g" and plan.cluster.gpus_per_node == 2
+    assert plan.workload.algorithm == "grpo"
+
+
+def test_default_out_is_best_json_in_the_working_folder(tmp_path, monkeypatch, wide_console):
+    monkeypatch.chdir(tmp_path)
+    result = _invoke("search", "--gpus", 8, "--workload", "ppo-qwen2.5-0.5b", "--no-compare", "--jobs", 1)
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert load_plan(tmp_path / "best.json").estimate is not None
+
+
+# -- bad input ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("args", "needles"), [
+    (["--gpus", 8, "--workload", "no-such-workload"], ["unknown workload", "no-such-workload"]),
+    (["--gpus", 8, "--hardware", "no-such-gpu"], ["unknown hardware", "no-such-gpu"]),
+    (["--gpus", 0], ["--gpus", "0"]),
+    (["--gpus", -4], ["--gpus"]),
+    (["--gpus", 8, "--gpus-per-node", 3], ["--gpus-per-node", "3"]),
+    (["--gpus", 8, "--workload", "missing.yaml"], ["not found"]),
+], ids=["workload", "hardware", "zero-gpus", "negative-gpus", "node-size", "workload-file"])
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, needles):
+    out = tmp_path / "best.json"
+    result = _invoke("search", *args, "--out", out, "--no-compare", "--jobs", 1)
+    _assert_user_error(result, *needles)
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_too_few_gpus_names_the_minimum_and_why(tmp_path):
+    out = tmp_path / "best.json"
+    result = _invoke("search", "--gpus", 4, "--workload", "ppo-llama2-70b", "--out", out, "--jobs", 1)
+    line = _assert_user_error(result, "at least", "GiB")
+    minimum = int(line.split("at least")[1].split()[0])
+    assert minimum > 4
+    assert not out.exists()
+
+
+def test_output_folder_missing(tmp_path):
+    out = tmp_path / "missing" / "best.json"
+    result = _invoke("search", "--gpus", 8, "--workload", "ppo-qwen2.5-0.5b", "--out", out, "--jobs", 1)
+    _assert_user_error(result, "missing")
+    assert not out.parent.exists()
+
+
+def test_csv_folder_missing_fails_before_writing_the_plan(tmp_path):
+    out = tmp_path / "best.json"
+    result = _invoke("search", "--gpus", 8, "--workload", "ppo-qwen2.5-0.5b", "--out", out,
+                     "--csv", tmp_path / "nowhere" / "all.csv", "--jobs", 1)
+    _assert_user_error(result, "nowhere")
+    assert not out.exists()
+
+
+def test_failed_search_leaves_an_existing_plan_untouched(tmp_path):
+    out = tmp_path / "best.json"
+    out.write_text("previous plan\n")
+    result = _invoke("search", "--gpus", 4, "--workload", "ppo-llama2-70b", "--out", out, "--jobs", 1)
+    _assert_user_error(result, "at least")
+    assert out.read_text() == "previous plan\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.json"]
+
+
+def test_real_script_reports_one_line_without_traceback(tmp_path):
+    assert HFPLAN.exists()
+    out = tmp_path / "best.json"
+    done = subprocess.run([str(HFPLAN), "search", "--gpus", "0", "--out", str(out)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert not out.exists()
