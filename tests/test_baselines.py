@@ -5,13 +5,12 @@ than the colocated ones."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import math
-import signal
 
 import pytest
+from support import deadline as _deadline
 
 from hfplan.plan import ROLLOUT, RoleParallelism, plan_from_dict
 from hfplan.planner import space
@@ -252,20 +251,6 @@ def test_each_system_search_equals_exhaustive_within_its_rules(model_paths, case
         CHECKS[system](results[system].plan)
         if system != OPENRLHF:
             assert own <= got * (1 + 1e-9), system
-
-
-@contextlib.contextmanager
-def _deadline(seconds: int):
-    def expire(signum, frame):
-        raise TimeoutError(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.mark.slow

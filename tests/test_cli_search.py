@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 from rich.console import Console
-from typer.testing import CliRunner
+from support import assert_user_error as _assert_user_error
+from support import invoke as _invoke
 
 from hfplan import cli
 from hfplan.plan import load_plan
@@ -30,22 +31,6 @@ STATUSES = {"evaluated", "pruned", "infeasible"}
 def wide_console(monkeypatch):
     """Render rich output 200 columns wide, whatever the environment says, so cells are not cropped."""
     monkeypatch.setattr(cli, "console", Console(width=200))
-
-
-def _invoke(*args):
-    return CliRunner().invoke(cli.app, [str(a) for a in args])
-
-
-def _assert_user_error(result, *needles) -> str:
-    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
-    assert result.stdout == ""
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: ")
-    assert "Traceback" not in result.output
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
 
 
 def _rows(path: Path) -> list[dict]:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from helpers_plans import build_plan
 from rich.console import Console
-from typer.testing import CliRunner
+from support import assert_user_error as _assert_user_error
+from support import invoke as _invoke
 
 from hfplan import cli
 from hfplan.plan import Estimate, GenConfig, InferConfig, RoleParallelism, TrainConfig, load_plan
@@ -38,22 +39,6 @@ def plan_file(tmp_path):
     path = tmp_path / "plan.json"
     path.write_text(_plan().to_json())
     return path
-
-
-def _invoke(*args):
-    return CliRunner().invoke(cli.app, [str(a) for a in args])
-
-
-def _assert_user_error(result, *needles):
-    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
-    assert result.stdout == ""
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: ")
-    assert "Traceback" not in result.output
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
 
 
 # -- happy paths ----------------------------------------------------------------------------------

@@ -10,15 +10,14 @@ top-K and its verdict on every (placement, allocation) must agree with the refer
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import math
-import signal
 from dataclasses import dataclass
 
 import pytest
 import yaml
+from support import deadline as _deadline
 
 from hfplan.errors import HfplanError
 from hfplan.plan import Plan, RoleParallelism, plan_from_dict
@@ -439,20 +438,6 @@ def test_the_minimum_in_the_message_is_the_true_minimum(lab):
     search(workload, make_cluster(minimum, hardware, 2))  # fits on the minimum
     with pytest.raises(HfplanError):
         search(workload, make_cluster(minimum - 1, hardware, 2))  # and not on one fewer
-
-
-@contextlib.contextmanager
-def _deadline(seconds: int):
-    def expire(signum, frame):
-        raise TimeoutError(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def test_workload_that_fits_nowhere_fails_promptly():
