@@ -74,9 +74,7 @@ class SearchResult:
 class _Pair:
     """Fast schedule of one (placement, allocation): durations by node, edges by allocation."""
 
-    def __init__(self, ctx: SearchContext, placement: tuple[tuple[str, ...], ...], allocation: tuple[int, ...],
-                 free_transfers: bool = False):
-        """free_transfers: cost every edge 0 (a bound that holds for any allocation of the placement)."""
+    def __init__(self, ctx: SearchContext, placement: tuple[tuple[str, ...], ...], allocation: tuple[int, ...]):
         self.ctx = ctx
         self.placement = placement
         self.allocation = allocation
@@ -87,8 +85,7 @@ class _Pair:
         where = PlanCosts(ctx.workload, list(zip(placement, allocation, strict=True)), {}, ctx.hw, ctx.gpus_per_node)
         self.edge_seconds = where.edge_seconds
         self.same_node = where.same_node
-        self.deps = [[(e.src, 0.0 if free_transfers else self.edge_seconds(self.node_set[e.src], self.node_set[n.id],
-                                                                           e.nbytes)) for e in n.deps]
+        self.deps = [[(e.src, self.edge_seconds(self.node_set[e.src], self.node_set[n.id], e.nbytes)) for e in n.deps]
                      for n in dag.nodes]
         self.switch_node = _first_switch_node(ctx)
 
