@@ -1,6 +1,6 @@
 """How fast `hfplan search` is, against exhaustive enumeration measured in the same run.
 
-For each case it times the search (wall seconds, median of --repeat runs) and counts the space it
+For each case it times the search (wall seconds, median of --repeat cold runs) and counts the space it
 covers: (placement, allocation) candidates and complete strategy choices (every role's raw training,
 inference and generation configs, multiplied out). The baseline is exhaustive enumeration: the time
 one complete choice takes to cost and simulate (measured here, on a sample of real choices) times the
@@ -24,7 +24,7 @@ import numpy as np
 from hfplan.plan import RoleParallelism
 from hfplan.planner import space
 from hfplan.planner.search import search
-from hfplan.simulator import engine
+from hfplan.simulator import costs, engine
 from hfplan.simulator.evaluate import PlanCosts
 from hfplan.simulator.trace import trace
 from hfplan.spec import TRAINED_ROLES, Workload, load_workload, make_cluster
@@ -89,6 +89,12 @@ def seconds_per_choice(workload: Workload, gpus: int, per_node: int, samples: in
     return (time.perf_counter() - started) / samples
 
 
+def clear_cost_caches() -> None:
+    for value in vars(costs).values():
+        if hasattr(value, "cache_clear"):
+            value.cache_clear()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="only the 64-GPU case")
@@ -101,6 +107,7 @@ def main() -> None:
         cluster = make_cluster(gpus)
         walls = []
         for _ in range(args.repeat):
+            clear_cost_caches()  # every repeat starts cold, like a fresh `hfplan search`
             started = time.perf_counter()
             result = search(workload, cluster, top_k=5, jobs=args.jobs)
             walls.append(time.perf_counter() - started)

@@ -159,6 +159,10 @@ class _PairSearch:
                     self.floor[node_id] = secs
                 self.min_switch = floor.switch
             self.min_resident[r] = floor.resident
+        for roles, gpus in zip(pair.placement, pair.allocation, strict=True):
+            if len(roles) > 1:
+                for node_id, secs in (ctx.set_floor(roles, gpus) or {}).items():
+                    self.floor[node_id] = max(self.floor[node_id], secs)
         self.min_transient = {r: float(a.transient.min()) if len(a.options) else math.inf
                               for r, a in self.arrays.items()}
         self.best_time = math.inf
