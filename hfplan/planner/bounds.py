@@ -28,7 +28,7 @@ class PlacementBounds:
         n_nodes = len(ctx.dag.nodes)
         self.node_set = [self._set_of(n) for n in ctx.dag.nodes]
         self.deps = [[e.src for e in n.deps] for n in ctx.dag.nodes]
-        self.switch_node = next((n.id for n in ctx.dag.nodes if n.op == "generate"), -1)
+        self.switch_node = ctx.switch_node
         # rows[i, j]: floor seconds of set i's calls on sizes[j]; feasible[i, j]; switch[i, j]
         self.rows = np.zeros((self.k, len(sizes), n_nodes))
         self.switch = np.zeros((self.k, len(sizes)))

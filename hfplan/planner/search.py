@@ -87,7 +87,7 @@ class _Pair:
         self.same_node = where.same_node
         self.deps = [[(e.src, self.edge_seconds(self.node_set[e.src], self.node_set[n.id], e.nbytes)) for e in n.deps]
                      for n in dag.nodes]
-        self.switch_node = _first_switch_node(ctx)
+        self.switch_node = ctx.switch_node
 
     def makespan_many(self, seconds: np.ndarray, switch: np.ndarray) -> np.ndarray:
         """makespan() of many duration rows at once: seconds (rows x nodes), switch (rows,)."""
@@ -113,14 +113,6 @@ class _Pair:
             finish[i] = ready + (switch if i == self.switch_node else 0.0) + secs
             last[s] = finish[i]
         return max(finish, default=0.0)
-
-
-def _first_switch_node(ctx: SearchContext) -> int:
-    """The call before which the generating role switches to its generation layout."""
-    for n in ctx.dag.nodes:
-        if n.op == "generate":
-            return n.id
-    return -1
 
 
 class _PairSearch:

@@ -171,6 +171,11 @@ class SearchContext:
     def generate_nodes(self) -> list[Node]:
         return [n for n in self.dag.nodes if n.op == "generate"]
 
+    @cached_property
+    def switch_node(self) -> int:
+        """The call before which the generating role switches to its generation layout (-1: none)."""
+        return self.generate_nodes[0].id if self.generate_nodes else -1
+
     def _seconds(self, node: Node, role: str, par: RoleParallelism, gpus: int, kv_budget: float = 0.0) -> float:
         return call_seconds(self.workload, self.hw, self.gpus_per_node, node, role, par, gpus, kv_budget)
 
