@@ -10,8 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from hfplan.errors import HfplanError, describe_validation_error, known_names
 from hfplan.files import read_mapping
+from hfplan.hyperparams import Hyperparameters
 from hfplan.profiles.hardware import HardwareProfile, load_hardware
-from hfplan.profiles.models import CATALOG, ModelArch, resolve_model
+from hfplan.profiles.models import CATALOG, DEMO_MODELS, ModelArch, resolve_model
 
 Algorithm = Literal["ppo", "grpo", "remax", "safe-rlhf"]
 
@@ -43,6 +44,8 @@ class Workload(BaseModel):
     samples_per_prompt: int = Field(default=1, gt=0, description="responses per prompt (GRPO: n)")
     mini_batches: int = Field(default=8, gt=0, description="updates per epoch")
     epochs: int = Field(default=1, gt=0)
+    hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters,
+                                             description="what a real run learns with; ignored by the simulator")
 
     @model_validator(mode="after")
     def _check(self) -> Workload:
@@ -118,7 +121,7 @@ def _resolve_cached(ref: str) -> ModelArch:
 def _builtin_workloads() -> dict[str, dict]:
     table: dict[str, dict] = {}
     for model in CATALOG:
-        if model == "tiny":
+        if model in DEMO_MODELS:
             continue
         for algorithm, roles in ALGORITHM_ROLES.items():
             spec: dict = {"algorithm": algorithm, "models": {role: model for role in roles}}
@@ -134,6 +137,17 @@ def _builtin_workloads() -> dict[str, dict]:
         "response_len": 16,
         "batch_prompts": 8,
         "mini_batches": 2,
+        "epochs": 1,
+    }
+    # GRPO on the arithmetic model: 2 prompts x 4 samples, answers scored exactly.
+    table["arith-grpo"] = {
+        "algorithm": "grpo",
+        "models": {"actor": "tiny-arith", "reference": "tiny-arith", "reward": "rule:arith-exact"},
+        "prompt_len": 8,
+        "response_len": 32,
+        "batch_prompts": 2,
+        "samples_per_prompt": 4,
+        "mini_batches": 1,
         "epochs": 1,
     }
     return table
@@ -162,7 +176,8 @@ def load_workload(ref: str) -> Workload:
     if not (ref.endswith((".yaml", ".yml", ".json")) or "/" in ref):
         raise HfplanError(f"unknown workload {ref!r}; built-in workloads are <algorithm>-<model> "
                           f"(algorithms: {known_names(ALGORITHM_ROLES)}; models: "
-                          f"{known_names(m for m in CATALOG if m != 'tiny')}) and demo, or give a .yaml/.json path")
+                          f"{known_names(m for m in CATALOG if m not in DEMO_MODELS)}) and demo, arith-grpo, "
+                          "or give a .yaml/.json path")
     if not path.is_file():
         raise HfplanError(f"workload file not found: {path}")
     return workload_from_dict(read_mapping(path, "workload"), str(path))

@@ -7,6 +7,7 @@ import pytest
 
 from hfplan.dataflow import advantages as adv
 from hfplan.dataflow.controller import STEPS, ControllerState
+from hfplan.hyperparams import Hyperparameters
 
 # Two responses of a 3-token window: the first fills it, the second ends after two tokens. The values
 # past the end (5.0 reward, 9.0 value) are garbage that must never leak into any result.
@@ -187,7 +188,7 @@ def test_controller_step_writes_exactly_its_declared_fields(name):
 
 def test_gae_step_is_whitened_gae_of_kl_penalised_rewards():
     arrays = _arrays()
-    state = ControllerState(cfg=adv.AlgoConfig(gamma=0.95, lam=0.9, kl_coef=0.2))
+    state = ControllerState(cfg=Hyperparameters(gamma=0.95, lam=0.9, kl_coef=0.2))
     out = STEPS["gae"].run(arrays, state)
     mask = arrays["response_mask"]
     rewards = adv.token_rewards(arrays["rewards"], arrays["old_log_probs"], arrays["ref_log_probs"], mask, 0.2)
@@ -217,7 +218,7 @@ def test_greedy_baseline_step_by_hand():
         "old_log_probs": np.array([[-1.0, -1.0], [-1.0, -9.0]]),
         "ref_log_probs": np.array([[-2.0, -1.5], [-1.0, 0.0]]),
     }
-    state = ControllerState(cfg=adv.AlgoConfig(kl_coef=0.1))
+    state = ControllerState(cfg=Hyperparameters(kl_coef=0.1))
     out = STEPS["greedy_baseline"].run(arrays, state)
     # KL sums: seq 0: 0.1 * (1 + 0.5) = 0.15; seq 1: 0 (its second token is masked).
     # advantages: 1 - 0.15 - 0.5 = 0.35 on both tokens; 2 - 0 - 2.5 = -0.5 on its one token.
@@ -226,7 +227,7 @@ def test_greedy_baseline_step_by_hand():
 
 def test_safe_gae_step_combines_and_updates_the_multiplier():
     arrays = _arrays(seed=3)
-    cfg = adv.AlgoConfig(gamma=1.0, lam=0.95, kl_coef=0.05, cost_limit=0.1, lagrange_lr=0.5, lagrange_init=2.0)
+    cfg = Hyperparameters(gamma=1.0, lam=0.95, kl_coef=0.05, cost_limit=0.1, lagrange_lr=0.5, lagrange_init=2.0)
     state = ControllerState(cfg=cfg)
     out = STEPS["safe_gae"].run(arrays, state)
     mask = arrays["response_mask"]
@@ -251,7 +252,7 @@ def test_safe_gae_step_combines_and_updates_the_multiplier():
 def test_safe_gae_multiplier_persists_across_iterations():
     arrays = _arrays(seed=4)
     arrays["costs"] = np.full(4, 1.0)  # well above the limit of 0: the multiplier keeps growing
-    state = ControllerState(cfg=adv.AlgoConfig(lagrange_init=1.0, lagrange_lr=0.1, cost_limit=0.0))
+    state = ControllerState(cfg=Hyperparameters(lagrange_init=1.0, lagrange_lr=0.1, cost_limit=0.0))
     STEPS["safe_gae"].run(arrays, state)
     STEPS["safe_gae"].run(arrays, state)
     assert state.lagrange == pytest.approx(1.2)

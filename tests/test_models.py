@@ -5,7 +5,7 @@ import json
 import pytest
 
 from hfplan.errors import HfplanError
-from hfplan.profiles.models import CATALOG, ModelArch, arch_from_hf_config, resolve_model
+from hfplan.profiles.models import CATALOG, DEMO_MODELS, ModelArch, arch_from_hf_config, resolve_model
 
 # Parameter counts as published for each checkpoint (model cards / safetensors metadata on the HF hub).
 PUBLISHED_PARAMS = {
@@ -70,8 +70,8 @@ def test_catalog_parameter_counts_match_published(name, published):
     assert CATALOG[name].params() == published
 
 
-def test_catalog_holds_exactly_the_published_models_and_tiny():
-    assert set(CATALOG) == set(PUBLISHED_PARAMS) | {"tiny"}
+def test_catalog_holds_exactly_the_published_models_and_the_demo_models():
+    assert set(CATALOG) == set(PUBLISHED_PARAMS) | set(DEMO_MODELS)
 
 
 def test_small_arch_params_by_hand(small_arch):

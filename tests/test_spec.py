@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from hfplan.errors import HfplanError
-from hfplan.profiles.models import CATALOG
+from hfplan.profiles.models import CATALOG, DEMO_MODELS
 from hfplan.spec import (
     ALGORITHM_ROLES,
     BUILTIN_WORKLOADS,
@@ -19,7 +19,7 @@ from hfplan.spec import (
 )
 
 PPO_ROLES = {"actor": "tiny", "critic": "tiny", "reference": "tiny", "reward": "tiny"}
-REAL_MODELS = sorted(m for m in CATALOG if m != "tiny")
+REAL_MODELS = sorted(m for m in CATALOG if m not in DEMO_MODELS)
 
 
 def _ppo(**fields) -> dict:
@@ -35,8 +35,8 @@ def test_builtin_workload_for_every_algorithm_and_model(algorithm, model):
     assert set(workload.models.values()) == {model}
 
 
-def test_builtin_table_is_exactly_algorithms_times_models_plus_demo():
-    expected = {f"{a}-{m}" for a in ALGORITHM_ROLES for m in REAL_MODELS} | {"demo"}
+def test_builtin_table_is_exactly_algorithms_times_models_plus_the_demos():
+    expected = {f"{a}-{m}" for a in ALGORITHM_ROLES for m in REAL_MODELS} | {"demo", "arith-grpo"}
     assert set(BUILTIN_WORKLOADS) == expected
 
 

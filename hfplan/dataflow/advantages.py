@@ -6,22 +6,7 @@ response. Per-sequence scores arrive as [sequences].
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
-
-
-@dataclass
-class AlgoConfig:
-    gamma: float = 1.0
-    lam: float = 0.95
-    kl_coef: float = 0.05  # PPO/ReMax: KL penalty folded into the per-token reward
-    clip_ratio: float = 0.2
-    value_clip: float = 0.2
-    grpo_kl_coef: float = 0.001  # GRPO: KL term in the actor loss instead of the reward
-    cost_limit: float = 0.0  # Safe-RLHF: allowed mean cost per response
-    lagrange_lr: float = 0.05
-    lagrange_init: float = 1.0
 
 
 def last_token_index(mask: np.ndarray) -> np.ndarray:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hfplan.dataflow import advantages as adv
+from hfplan.hyperparams import Hyperparameters
 
 Arrays = dict[str, np.ndarray]
 
@@ -20,7 +21,7 @@ Arrays = dict[str, np.ndarray]
 class ControllerState:
     """What the controller carries from one iteration to the next."""
 
-    cfg: adv.AlgoConfig = field(default_factory=adv.AlgoConfig)
+    cfg: Hyperparameters = field(default_factory=Hyperparameters)
     samples_per_prompt: int = 1
     lagrange: float | None = None
 

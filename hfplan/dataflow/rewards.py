@@ -51,3 +51,18 @@ def distinct_chars(prompt: str, response: str) -> float:
     """Share of distinct characters in the response: penalises degenerate repetition."""
     del prompt
     return len(set(response)) / len(response) if response else 0.0
+
+
+@register_rule("arith-exact")
+def arith_exact(prompt: str, response: str) -> float:
+    """1 when the response's first word is the answer to an `add A B =` or `sub A B =` prompt, else 0."""
+    words = prompt.split()
+    if len(words) < 3 or words[0] not in ("add", "sub"):
+        return 0.0
+    try:
+        a, b = int(words[1]), int(words[2])
+    except ValueError:
+        return 0.0
+    answer = a + b if words[0] == "add" else a - b
+    given = response.split()
+    return 1.0 if given and given[0] == str(answer) else 0.0

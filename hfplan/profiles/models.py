@@ -112,8 +112,16 @@ CATALOG: dict[str, ModelArch] = {
                   attention_bias=True),
         # The demo model: small enough to train on CPU processes; byte-level vocabulary (256 + specials).
         ModelArch("tiny", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=260),
+        # Arithmetic prompts ("add 3 5 ="): a word-level vocabulary of 4 specials, the words add, sub
+        # and =, and the numbers 0-40 (hfplan.executor.tokenizers builds it in code).
+        ModelArch("tiny-arith", layers=2, hidden=128, heads=4, kv_heads=2, ffn=256, vocab=48),
     ]
 }
+
+
+# Models built for CPU demos and tests: they have no published checkpoint and no built-in workloads
+# of the <algorithm>-<model> kind.
+DEMO_MODELS = ("tiny", "tiny-arith")
 
 
 def arch_from_hf_config(config: dict, name: str) -> ModelArch:
