@@ -240,6 +240,95 @@ def render_totals(estimate, plan) -> None:
                   f"{estimate.tokens_per_s:,.0f} tokens/s ({estimate.tokens_per_s / plan.cluster.gpus:,.0f} per GPU)")
 
 
+@app.command()
+@user_errors
+def execute(
+    plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="plan JSON (as written by `hfplan search`)")],
+    iterations: Annotated[int, typer.Option(min=1, help="RLHF iterations to run")] = 40,
+    data: Annotated[str | None, typer.Option(help="prompts: .parquet or .jsonl with a 'prompt' column "
+                                                  "(default: the actor model's built-in set)")] = None,
+    out: Annotated[Path, typer.Option(help="run folder: metrics.jsonl, timeline.json")] = Path("run"),
+    address: Annotated[str | None, typer.Option(help="an existing Ray cluster (default: start a local one)")] = None,
+    seed: Annotated[int, typer.Option(help="seed of weights, data order and sampling")] = 0,
+    overrides: Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE",
+                                                        help="override a hyperparameter (repeatable)")] = None,
+    timeline: Annotated[Path | None, typer.Option(help="draw the last iteration's measured timeline: .png or "
+                                                       ".html")] = None,
+) -> None:
+    """Run a plan for real on Ray: the single controller, torch.distributed workers, the hybrid engine."""
+    from hfplan.executor.controller import ExecuteOptions
+    from hfplan.executor.controller import execute as run_plan
+    from hfplan.executor.errors import RunFailed
+    from hfplan.plan import load_plan
+    from hfplan.simulator.gantt import check_timeline_path, write_timeline
+
+    if timeline is not None:
+        check_timeline_path(timeline)
+    plan = load_plan(plan_path)
+    options = ExecuteOptions(iterations=iterations, data=data, out=out, address=address, seed=seed,
+                             overrides=tuple(overrides or ()))
+    last_spans: list = []
+    with _IterationProgress(iterations) as progress:
+        def on_iteration(report) -> None:
+            last_spans[:] = report.spans
+            progress.update(report.metrics)
+
+        try:
+            summary = run_plan(plan, options, on_iteration)
+        except RunFailed as failure:
+            err_console.print(f"[bold red]run failed:[/] {escape(str(failure))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+    if timeline is not None and last_spans:
+        write_timeline(timeline, last_spans, set_labels(plan), title=f"measured: {plan_title(plan)}")
+    render_run(summary, plan)
+    if timeline is not None:
+        console.print(f"timeline written to {timeline}")
+
+
+class _IterationProgress:
+    """A live line per iteration: reward, tokens/s, seconds."""
+
+    def __init__(self, total: int) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._bar = Progress(TextColumn("[bold]execute"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                             TextColumn("{task.fields[status]}"), console=err_console, transient=False,
+                             disable=not err_console.is_terminal)
+        self._task = self._bar.add_task("iterations", total=total, status="starting workers")
+
+    def __enter__(self):
+        self._bar.start()
+        return self
+
+    def update(self, metrics: dict) -> None:
+        status = f"{metrics['iteration_s']:.2f} s/it, {metrics['tokens_per_s']:,.0f} tokens/s"
+        if "reward" in metrics:
+            status = f"reward {metrics['reward']:.3f}, " + status
+        self._bar.update(self._task, advance=1, status=status)
+
+    def __exit__(self, *exc) -> None:
+        self._bar.stop()
+
+
+def render_run(summary, plan) -> None:
+    rows = summary.iterations
+    table = Table(title=f"run: {plan_title(plan)}", show_edge=False)
+    keys = [k for k in ("reward", "cost", "kl", "response_len", "iteration_s", "tokens_per_s") if k in rows[0]]
+    table.add_column("iterations")
+    for key in keys:
+        table.add_column(key, justify="right")
+    count = min(10, len(rows))
+    for label, first in ((f"first {count}", True), (f"last {count}", False)):
+        table.add_row(label, *(f"{summary.mean_of(k, first):,.4g}" for k in keys))
+    console.print(table)
+    if "reward" in rows[0]:
+        before, after = summary.mean_of("reward", True), summary.mean_of("reward", False)
+        change = (after - before) / abs(before) * 100 if before else float("inf")
+        console.print(f"[bold]mean reward[/] of the last {count} iterations: {after:.4f} vs {before:.4f} in the "
+                      f"first {count} ({change:+.1f}%)")
+    console.print(f"metrics and measured timeline written to {summary.out}/")
+
+
 def _register_profile() -> None:
     from hfplan.profiles.profiler.command import profile_command
 

@@ -1,0 +1,222 @@
+"""The single controller: runs the plan's registered algorithm over worker-group roles, iteration by
+iteration, and records what happened (metrics as JSONL, the measured timeline in the simulator's format).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from hfplan.dataflow.algorithms import ALGORITHMS
+from hfplan.dataflow.batch import Batch
+from hfplan.dataflow.controller import ControllerState
+from hfplan.dataflow.rewards import get_rule
+from hfplan.errors import HfplanError
+from hfplan.executor import preflight
+from hfplan.executor.data import PromptStream
+from hfplan.executor.placement import check_capacity, clock_offsets, start_sets, stop_sets
+from hfplan.executor.roles import ActorRole, ExecutionController, Recorder, RuleRole, WorkerGroupRole
+from hfplan.files import write_atomically
+from hfplan.plan import ROLLOUT, Plan, Span
+from hfplan.spec import RULE_PREFIX
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+TIMELINE_FILE = "timeline.json"
+
+
+@dataclass(frozen=True)
+class ExecuteOptions:
+    iterations: int = 40
+    data: str | None = None
+    out: Path = Path("run")
+    address: str | None = None
+    seed: int = 0
+    overrides: tuple[str, ...] = ()
+    call_timeout_s: float = 600.0  # one role call, and every collective inside it
+    start_timeout_s: float = 300.0  # placement groups and worker start-up
+
+
+@dataclass
+class IterationReport:
+    iteration: int
+    metrics: dict[str, float]
+    spans: list[Span]
+
+
+@dataclass
+class RunSummary:
+    out: Path
+    iterations: list[dict] = field(default_factory=list)
+
+    def mean_of(self, key: str, first: bool, count: int = 10) -> float:
+        values = [m[key] for m in self.iterations if key in m]
+        window = values[:count] if first else values[-count:]
+        return float(np.mean(window)) if window else float("nan")
+
+
+def execute(plan: Plan, options: ExecuteOptions,
+            on_iteration: Callable[[IterationReport], None] | None = None) -> RunSummary:
+    """Run `options.iterations` iterations of the plan. Every check of the input happens before any
+    worker starts (HfplanError); a failure after that raises RunFailed naming the role, set and rank."""
+    checked = preflight.check(plan, options)
+    out = options.out
+    _prepare_out(out)
+    ray_session = _RaySession(options.address, plan, checked.device)
+    sets = []
+    try:
+        ray_session.start()
+        check_capacity(plan, checked.device)
+        sets = start_sets(plan, checked.hyper, options.seed, checked.device, checked.backend,
+                          options.call_timeout_s, options.start_timeout_s)
+        recorder = Recorder(clock_offsets(sets, options.start_timeout_s))
+        roles = _build_roles(plan, sets, recorder, checked, options.call_timeout_s)
+        state = ControllerState(cfg=checked.hyper, samples_per_prompt=plan.workload.samples_per_prompt)
+        controller = ExecutionController(state, recorder)
+        stream = PromptStream(checked.prompts, plan.workload.batch_prompts, options.seed)
+        summary = RunSummary(out)
+        timeline: list[dict] = []
+        metrics_path = out / METRICS_FILE
+        metrics_path.write_text("")
+        algorithm = ALGORITHMS[plan.workload.algorithm]
+        for iteration in range(options.iterations):
+            texts = stream.next_batch()
+            prompts = checked.encode(texts)
+            recorder.start_iteration()
+            update_metrics = algorithm(roles, Batch(prompts=prompts), controller)
+            resolved = {name: value.result() if hasattr(value, "result") else value
+                        for name, value in update_metrics.items()}
+            elapsed = time.time() - recorder.origin
+            metrics = iteration_metrics(plan, iteration, elapsed, recorder, resolved, state)
+            summary.iterations.append(metrics)
+            with metrics_path.open("a") as sink:
+                sink.write(json.dumps(metrics) + "\n")
+            timeline.append({"iteration": iteration, "spans": [s.model_dump() for s in recorder.spans]})
+            if on_iteration is not None:
+                on_iteration(IterationReport(iteration, metrics, list(recorder.spans)))
+        write_atomically(out / TIMELINE_FILE, json.dumps({"plan": plan.model_dump(mode="json"),
+                                                          "iterations": timeline}) + "\n")
+        return summary
+    finally:
+        if sets:
+            stop_sets(sets)
+        ray_session.stop()
+
+
+def _prepare_out(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise HfplanError(f"--out {out}: exists and is not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as bad:
+        raise HfplanError(f"--out {out}: cannot create the folder ({bad.strerror})") from None
+    if not os.access(out, os.W_OK):
+        raise HfplanError(f"--out {out}: folder is not writable")
+
+
+def _build_roles(plan: Plan, sets, recorder: Recorder, checked: preflight.Checked, timeout_s: float) -> dict:
+    by_role = {role: sets[plan.set_of(role)] for role in plan.placed_roles}
+    roles: dict = {}
+    rollout = None
+    if ROLLOUT in by_role:
+        rollout = WorkerGroupRole(ROLLOUT, by_role[ROLLOUT], _layouts(plan, ROLLOUT), recorder, timeout_s)
+    for role in plan.workload.roles:
+        ref = plan.workload.models[role]
+        if ref.startswith(RULE_PREFIX):
+            roles[role] = RuleRole(role, get_rule(ref[len(RULE_PREFIX):]), checked.decode_responses,
+                                   checked.decode_prompts, recorder)
+        elif role == "actor":
+            roles[role] = ActorRole(role, by_role[role], _layouts(plan, role), recorder, timeout_s, rollout=rollout)
+        else:
+            roles[role] = WorkerGroupRole(role, by_role[role], _layouts(plan, role), recorder, timeout_s)
+    return roles
+
+
+def _layouts(plan: Plan, role: str) -> dict:
+    par = plan.parallelism[role]
+    return {kind: layout for kind in ("train", "infer", "gen") if (layout := getattr(par, kind)) is not None}
+
+
+def iteration_metrics(plan: Plan, iteration: int, elapsed: float, recorder: Recorder, updates: dict,
+                      state: ControllerState) -> dict:
+    workload = plan.workload
+    observed = recorder.observed
+    generated = observed[("actor", "generate", False)]
+    mask = generated["response_mask"]
+    metrics: dict[str, float] = {"iteration": iteration, "iteration_s": elapsed,
+                                 "tokens_per_s": workload.tokens_per_iteration / elapsed,
+                                 "response_tokens_per_s": float(mask.sum()) / elapsed,
+                                 "response_len": float(mask.sum(axis=1).mean())}
+    for role, field_name, key in (("reward", "rewards", "reward"), ("cost", "costs", "cost")):
+        scored = observed.get((role, "score", False))
+        if scored is not None:
+            metrics[key] = float(np.mean(scored[field_name]))
+    actor_lp, ref_lp = observed.get(("actor", "log_prob", False)), observed.get(("reference", "log_prob", False))
+    if actor_lp is not None and ref_lp is not None:
+        diff = (actor_lp["old_log_probs"] - ref_lp["ref_log_probs"]) * mask
+        metrics["kl"] = float(diff.sum() / max(mask.sum(), 1.0))
+    for name, values in updates.items():
+        role = name.removesuffix("_metrics")
+        for key, value in values.items():
+            metrics[f"{role}/{key}"] = float(value)
+    if state.lagrange is not None:
+        metrics["lagrange"] = float(state.lagrange)
+    for phase, seconds in stage_seconds(recorder.spans).items():
+        metrics[f"{phase}_s"] = seconds
+    return metrics
+
+
+def stage_seconds(spans: list[Span]) -> dict[str, float]:
+    """Wall seconds from the first to the last span of each phase (the Estimate's `stages`)."""
+    stages: dict[str, tuple[float, float]] = {}
+    for span in spans:
+        first, last = stages.get(span.phase, (span.start, span.end))
+        stages[span.phase] = (min(first, span.start), max(last, span.end))
+    return {phase: last - first for phase, (first, last) in stages.items()}
+
+
+class _RaySession:
+    """A local Ray that hfplan starts (loopback only, no dashboard), or an existing cluster (--address)."""
+
+    def __init__(self, address: str | None, plan: Plan, device: str) -> None:
+        self.address, self.plan, self.device = address, plan, device
+        self.started = False
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    def start(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return  # the caller (a test, a notebook) owns the session
+        if self.address is not None:
+            try:
+                ray.init(address=self.address, include_dashboard=False, logging_level=logging.WARNING,
+                         log_to_driver=False)
+            except (ConnectionError, RuntimeError, ValueError) as bad:
+                raise HfplanError(f"--address {self.address}: cannot connect to Ray ({bad})") from None
+        else:
+            needed = sum(group.gpus for group in self.plan.placement)
+            self._tmp = tempfile.TemporaryDirectory(prefix="hfplan-ray-")
+            ray.init(num_cpus=max(os.cpu_count() or 1, needed) + 1, _node_ip_address="127.0.0.1",
+                     include_dashboard=False, _temp_dir=self._tmp.name, logging_level=logging.WARNING,
+                     log_to_driver=False)
+        self.started = True
+
+    def stop(self) -> None:
+        import ray
+
+        if self.started:
+            ray.shutdown()
+            self.started = False
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None

@@ -1,0 +1,126 @@
+"""Plan.placement -> Ray: one placement group per colocated set, one worker per device of the set.
+
+A set that fits in a node is packed onto one node (STRICT_PACK), as the plan's cost model assumes;
+a larger set spans whole nodes (PACK). Every worker takes one CPU, and one GPU when the plan is for GPUs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from hfplan.errors import HfplanError
+from hfplan.executor.errors import RunFailed
+from hfplan.executor.roles import WorkerSet
+from hfplan.executor.worker import SetWorker, WorkerSpec
+from hfplan.hyperparams import Hyperparameters
+from hfplan.plan import Plan
+
+
+def bundle(device: str) -> dict[str, float]:
+    return {"CPU": 1, "GPU": 1} if device == "cuda" else {"CPU": 1}
+
+
+def check_capacity(plan: Plan, device: str) -> None:
+    """Refuse a plan that needs more devices than the Ray cluster has, before any worker starts."""
+    import ray
+
+    resources = ray.cluster_resources()
+    needed = sum(group.gpus for group in plan.placement)
+    kind = "GPU" if device == "cuda" else "CPU"
+    have = int(resources.get(kind, 0))
+    if have < needed:
+        raise HfplanError(f"the plan needs {needed} {'GPUs' if device == 'cuda' else 'CPU worker slots'} but the "
+                          f"Ray cluster has {have}")
+
+
+def start_sets(plan: Plan, hyper: Hyperparameters, seed: int, device: str, backend: str, timeout_s: float,
+               ready_timeout_s: float) -> list[WorkerSet]:
+    """Create every set's placement group and workers, join each set's torch.distributed world, and
+    measure each worker's clock against the controller's."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    remote_worker = ray.remote(SetWorker)
+    plan_json, hyper_json = plan.model_dump_json(), hyper.model_dump_json()
+    sets: list[WorkerSet] = []
+    for index, group in enumerate(plan.placement):
+        strategy = "STRICT_PACK" if group.gpus <= plan.cluster.gpus_per_node else "PACK"
+        pg = placement_group([bundle(device)] * group.gpus, strategy=strategy, name=f"hfplan-set{index}")
+        try:
+            ray.get(pg.ready(), timeout=ready_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise HfplanError(f"Ray could not place set {index} ({'+'.join(group.models)}, {group.gpus} devices, "
+                              f"{strategy}) within {ready_timeout_s:.0f} s: not enough free resources") from None
+        workers = []
+        for rank in range(group.gpus):
+            spec = WorkerSpec(plan_json, hyper_json, index, rank, group.gpus, seed, device, backend, timeout_s)
+            options = dict(num_cpus=1, num_gpus=1 if device == "cuda" else 0,
+                           scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank))
+            workers.append(remote_worker.options(**options).remote(spec))
+        sets.append(WorkerSet(index, tuple(group.models), workers, _failure_namer(index, group.models, workers)))
+    setups = []
+    for worker_set in sets:
+        host, port = _get(worker_set, worker_set.workers[0].rendezvous_address.remote(), ready_timeout_s, "start")
+        setups += [(worker_set, w.setup.remote(host, port)) for w in worker_set.workers]
+    for worker_set, ref in setups:
+        _get(worker_set, ref, ready_timeout_s, "setup")
+    return sets
+
+
+def clock_offsets(sets: list[WorkerSet], timeout_s: float) -> dict[tuple[int, int], float]:
+    """Worker clock minus controller clock, per (set, rank), from one round trip each."""
+    offsets = {}
+    for worker_set in sets:
+        for rank, worker in enumerate(worker_set.workers):
+            before = time.time()
+            theirs = _get(worker_set, worker.clock.remote(), timeout_s, "clock")
+            offsets[(worker_set.index, rank)] = theirs - (before + time.time()) / 2
+    return offsets
+
+
+def _get(worker_set: WorkerSet, ref, timeout_s: float, what: str):
+    import ray
+
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except Exception as failure:
+        raise RunFailed(worker_set.describe_failure("+".join(worker_set.roles), what, failure)) from failure
+
+
+def _failure_namer(index: int, roles, workers):
+    def describe(role: str, op: str, failure: Exception) -> str:
+        import ray
+
+        rank = _failed_rank(workers, failure)
+        where = f"set {index} ({'+'.join(roles)})" + (f", rank {rank}" if rank is not None else "")
+        if isinstance(failure, ray.exceptions.GetTimeoutError):
+            return f"{role}.{op} on {where} did not finish in time (a stuck collective or an overloaded machine)"
+        if isinstance(failure, ray.exceptions.RayActorError):
+            return f"the worker of {where} died during {role}.{op}"
+        cause = str(failure).strip().splitlines()
+        return f"{role}.{op} failed on {where}: {cause[-1] if cause else type(failure).__name__}"
+
+    return describe
+
+
+def _failed_rank(workers, failure: Exception) -> int | None:
+    actor_id = getattr(failure, "actor_id", None)
+    if actor_id is None:
+        return None
+    for rank, worker in enumerate(workers):
+        if worker._actor_id.hex() == actor_id:
+            return rank
+    return None
+
+
+def stop_sets(sets: list[WorkerSet], timeout_s: float = 10.0) -> None:
+    import ray
+
+    closing = [w.close.remote() for s in sets for w in s.workers]
+    with contextlib.suppress(Exception):  # workers already gone are fine at shutdown
+        ray.get(closing, timeout=timeout_s)
+    for worker_set in sets:
+        for worker in worker_set.workers:
+            ray.kill(worker)

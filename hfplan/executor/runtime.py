@@ -1,0 +1,162 @@
+"""One role on one worker: its model, its engines, and the calls the dataflow makes on it.
+
+A trained role (actor, critic, cost critic) holds its model in the training layout (FSDP2 on its
+data-parallel mesh) and runs its forward calls there too; an inference-only role (reference, reward,
+cost) holds a plain copy. The generating role also holds a rollout engine: the actor reaches it through
+the hybrid engine (the training layout's weights, gathered for generation), a separate rollout set
+through weights the controller sends it after each actor update.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hfplan.dataflow.ops import output_field
+from hfplan.executor.engines.forward import sequence_scores, token_log_probs, token_values
+from hfplan.executor.engines.hybrid import SameLayoutHybridEngine
+from hfplan.executor.engines.training import TrainedModel
+from hfplan.executor.mesh import training_mesh
+from hfplan.executor.models import build_model
+from hfplan.executor.rollout.base import SamplingParams
+from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
+from hfplan.executor.tokenizers import build_tokenizer
+from hfplan.executor.worker import Timed
+from hfplan.hyperparams import Hyperparameters
+from hfplan.plan import ROLLOUT, Plan
+from hfplan.spec import SCALAR_HEAD_ROLES, TRAINED_ROLES
+
+SEQUENCE = ("prompts", "responses", "response_mask")
+
+
+def learning_rate(role: str, hyper: Hyperparameters) -> float:
+    return {"actor": hyper.actor_lr, "critic": hyper.critic_lr, "cost_critic": hyper.cost_critic_lr}[role]
+
+
+@dataclass
+class RoleRuntime:
+    role: str
+    plan: Plan
+    hyper: Hyperparameters
+    device: torch.device
+    model: torch.nn.Module
+    pad_id: int
+    eos_id: int
+    trained: TrainedModel | None = None
+    engine: TorchRolloutEngine | None = None
+    hybrid: SameLayoutHybridEngine | None = None
+    generator: torch.Generator | None = None
+    calls: int = field(default=0)
+
+    @property
+    def forward_module(self) -> torch.nn.Module:
+        return self.trained.module if self.trained is not None else self.model
+
+    def run(self, op: str, fields: dict[str, np.ndarray], options: dict, spans: list[Timed]) -> dict:
+        self.calls += 1
+        if op == "generate":
+            return self._generate(fields, options, spans)
+        start = time.time()
+        tensors = {name: torch.from_numpy(np.ascontiguousarray(value)).to(self.device)
+                   for name, value in fields.items()}
+        if op == "update":
+            out = {f"{self.role}_metrics": self._update(tensors)}
+        else:
+            out = {output_field(self.role, op): self._forward(op, tensors).float().cpu().numpy()}
+        spans.append(Timed(op, "compute", start, time.time()))
+        return out
+
+    def _forward(self, op: str, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        par = self.plan.parallelism[self.role].infer
+        args = (self.forward_module, t["prompts"], t["responses"], t["response_mask"], self.pad_id)
+        if op == "log_prob":
+            return token_log_probs(*args, temperature=self.hyper.temperature, micro_batch=par.micro_batch)
+        if op == "values":
+            return token_values(*args, micro_batch=par.micro_batch)
+        if op == "score":
+            return sequence_scores(*args, micro_batch=par.micro_batch)
+        raise ValueError(f"role {self.role} has no operation {op!r}")
+
+    def _update(self, t: dict[str, torch.Tensor]) -> dict[str, float]:
+        workload, train = self.plan.workload, self.plan.parallelism[self.role].train
+        common = dict(mini_batches=workload.mini_batches, epochs=workload.epochs, micro_batch=train.micro_batch)
+        if self.role == "actor":
+            return self.trained.update_actor(t, use_kl_loss="ref_log_probs" in t, **common)
+        value_key = output_field(self.role, "values")
+        (return_key,) = [name for name in t if name not in SEQUENCE and name != value_key]
+        return self.trained.update_critic(t, value_key, return_key, **common)
+
+    def _generate(self, fields: dict[str, np.ndarray], options: dict, spans: list[Timed]) -> dict:
+        greedy = bool(options.get("greedy", False))
+        params = SamplingParams(max_new_tokens=self.plan.workload.response_len,
+                                temperature=1.0 if greedy else self.hyper.temperature,
+                                top_p=1.0 if greedy else self.hyper.top_p, greedy=greedy,
+                                n=int(options.get("n", 1)))
+        prompts = torch.from_numpy(np.ascontiguousarray(fields["prompts"])).to(self.device)
+        if self.hybrid is not None:
+            start = time.time()
+            self.engine.load_weights(self.hybrid.enter_generation())
+            spans.append(Timed("generate", "transition", start, time.time()))
+        start = time.time()
+        rollout = self.engine.generate(prompts, params, self.generator)
+        spans.append(Timed("generate", "compute", start, time.time()))
+        if self.hybrid is not None:
+            start = time.time()
+            self.hybrid.exit_generation()
+            spans.append(Timed("generate", "transition", start, time.time()))
+        return {"prompts": rollout.prompts.cpu().numpy(), "responses": rollout.responses.cpu().numpy(),
+                "response_mask": rollout.response_mask.float().cpu().numpy()}
+
+    def full_weights(self, is_rank0: bool) -> dict[str, np.ndarray] | None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.forward_module, options=options)
+        if not is_rank0:
+            return None
+        return {name: tensor.float().numpy() for name, tensor in state.items()}
+
+    def load_weights(self, weights: dict[str, np.ndarray]) -> None:
+        state = {name: torch.from_numpy(value) for name, value in weights.items()}
+        self.model.load_state_dict(state)
+        self.engine.load_weights(self.model)
+
+
+def build_runtimes(plan: Plan, hyper: Hyperparameters, set_index: int, seed: int, device_kind: str
+                   ) -> dict[str, RoleRuntime]:
+    import torch.distributed as dist
+
+    device = torch.device(device_kind)
+    rank = dist.get_rank()
+    runtimes = {}
+    for role in plan.placement[set_index].models:
+        runtimes[role] = _build_role(role, plan, hyper, seed, device, rank)
+    return runtimes
+
+
+def _build_role(role: str, plan: Plan, hyper: Hyperparameters, seed: int, device: torch.device,
+                rank: int) -> RoleRuntime:
+    model_ref = plan.workload.models["actor" if role == ROLLOUT else role]
+    head = "scalar" if role in SCALAR_HEAD_ROLES else "lm"
+    on_gpu = device.type == "cuda"
+    # Every role is built from the same seed: the reference starts as the actor, the critic from its backbone.
+    model = build_model(model_ref, head, seed=seed, dtype=torch.float32).to(device)
+    tokenizer = build_tokenizer(model_ref)
+    runtime = RoleRuntime(role, plan, hyper, device, model, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    par = plan.parallelism[role]
+    if role in TRAINED_ROLES:
+        runtime.trained = TrainedModel(model, training_mesh(par.train, device.type), learning_rate(role, hyper),
+                                       hyper, device, torch.bfloat16 if on_gpu else torch.float32)
+    else:
+        model.eval()
+        if on_gpu:
+            model.to(torch.bfloat16)
+    if role == plan.generation_role:
+        runtime.generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + rank)
+        runtime.engine = TorchRolloutEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
+        if runtime.trained is not None:
+            runtime.hybrid = SameLayoutHybridEngine(runtime.trained)
+    return runtime

@@ -1,0 +1,120 @@
+"""The per-device process: one Ray actor per GPU (or per CPU "GPU"), holding every role of its set.
+
+The worker joins its set's torch.distributed world, builds the roles placed on the set and runs the
+calls the controller dispatches to it. Each call returns its outputs (numpy, through Ray's object
+store) and the spans it spent, timed on this process's clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+
+from hfplan.hyperparams import Hyperparameters
+from hfplan.plan import Plan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to start: the plan (as JSON), where it sits, and how to run."""
+
+    plan_json: str
+    hyper_json: str
+    set_index: int
+    rank: int
+    world_size: int
+    seed: int
+    device: str  # "cpu" or "cuda"
+    backend: str  # "gloo" or "nccl"
+    collective_timeout_s: float
+
+
+@dataclass(frozen=True)
+class Timed:
+    """One stretch of work inside a call, on the worker's clock."""
+
+    op: str
+    kind: str  # compute | transition
+    start: float
+    end: float
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+class SetWorker:
+    """Instantiated by the controller as a Ray actor (see placement.py)."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.plan = Plan.model_validate_json(spec.plan_json)
+        self.hyper = Hyperparameters.model_validate_json(spec.hyper_json)
+        self.runtimes: dict = {}
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Where rank 0 of the set listens for its peers: this node's address and a free port."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        return host, free_port(host)
+
+    def clock(self) -> float:
+        return time.time()
+
+    def setup(self, host: str, port: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from hfplan.executor.runtime import build_runtimes
+
+        spec = self.spec
+        if spec.device == "cuda":
+            torch.cuda.set_device(0)  # Ray exposes exactly the bundle's GPU to this process
+        else:
+            torch.set_num_threads(1)  # one core per "GPU": processes must not fight over the cores
+        dist.init_process_group(spec.backend, init_method=f"tcp://{host}:{port}", rank=spec.rank,
+                                world_size=spec.world_size, timeout=timedelta(seconds=spec.collective_timeout_s))
+        self.runtimes = build_runtimes(self.plan, self.hyper, spec.set_index, spec.seed, spec.device)
+
+    def call(self, role: str, op: str, fields: dict[str, np.ndarray], options: dict) -> dict:
+        """Run one role call on this rank's share of the batch; returns {"fields", "spans"}."""
+        runtime = self.runtimes[role]
+        spans: list[Timed] = []
+        outputs = runtime.run(op, fields, options, spans)
+        return {"fields": outputs, "spans": spans}
+
+    def full_weights(self, role: str) -> dict | None:
+        """The role's full current weights (a collective over the set): rank 0 returns them, as numpy."""
+        return self.runtimes[role].full_weights(self.spec.rank == 0)
+
+    def load_weights(self, role: str, weights: dict) -> float:
+        """Take weights sent by the controller (a separate rollout set's sync); returns seconds spent."""
+        start = time.time()
+        self.runtimes[role].load_weights(weights)
+        return time.time() - start
+
+    def peak_memory_bytes(self) -> int:
+        """Peak resident memory of this process (CPU), or peak allocated device memory (CUDA)."""
+        import resource
+
+        if self.spec.device == "cuda":
+            import torch
+
+            return int(torch.cuda.max_memory_allocated())
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
