@@ -57,6 +57,7 @@ class IterationReport:
 class RunSummary:
     out: Path
     iterations: list[dict] = field(default_factory=list)
+    peak_memory_bytes: dict[str, int] = field(default_factory=dict)  # "set S rank R" -> bytes
 
     def mean_of(self, key: str, first: bool, count: int = 10) -> float:
         values = [m[key] for m in self.iterations if key in m]
@@ -103,6 +104,7 @@ def execute(plan: Plan, options: ExecuteOptions,
             timeline.append({"iteration": iteration, "spans": [s.model_dump() for s in recorder.spans]})
             if on_iteration is not None:
                 on_iteration(IterationReport(iteration, metrics, list(recorder.spans)))
+        summary.peak_memory_bytes = peak_memory(sets, options.call_timeout_s)
         write_atomically(out / TIMELINE_FILE, json.dumps({"plan": plan.model_dump(mode="json"),
                                                           "iterations": timeline}) + "\n")
         return summary
@@ -110,6 +112,14 @@ def execute(plan: Plan, options: ExecuteOptions,
         if sets:
             stop_sets(sets)
         ray_session.stop()
+
+
+def peak_memory(sets, timeout_s: float) -> dict[str, int]:
+    import ray
+
+    refs = {f"set {s.index} rank {rank}": w.peak_memory_bytes.remote()
+            for s in sets for rank, w in enumerate(s.workers)}
+    return dict(zip(refs, ray.get(list(refs.values()), timeout=timeout_s), strict=True))
 
 
 def _prepare_out(out: Path) -> None:
