@@ -161,7 +161,8 @@ def test_same_seed_same_weights_and_the_scalar_backbone_is_the_lm_backbone():
     critic = build_model("tiny", "scalar", seed=7).state_dict()
     assert actor.keys() == reference.keys()
     assert all(torch.equal(actor[k], reference[k]) for k in actor)
-    assert not torch.equal(actor["model.layers.0.self_attn.q_proj.weight"], other["model.layers.0.self_attn.q_proj.weight"])
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(actor[q], other[q])
     backbone = [k for k in critic if k.startswith("model.")]
     assert len(backbone) == len([k for k in actor if k.startswith("model.")])
     assert all(torch.equal(critic[k], actor[k]) for k in backbone)
