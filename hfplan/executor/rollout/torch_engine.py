@@ -55,9 +55,10 @@ class _Norm:
         return _Norm(_full(module.weight), float(module.variance_epsilon))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # As HF does: normalise in fp32, round to the model's dtype, then scale.
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 @dataclass(frozen=True)
@@ -116,11 +117,6 @@ class _Weights:
         )
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def top_p_keep(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Bool mask of the nucleus: the most probable tokens whose mass first reaches `top_p` (at least one)."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
@@ -133,7 +129,8 @@ def sample_tokens(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens [B] and their log-probs [B] under log_softmax(logits / temperature) (1 when greedy)."""
-    log_probs = F.log_softmax(logits / params.logit_temperature, dim=-1)
+    temperature = params.logit_temperature
+    log_probs = F.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
     if params.greedy:
         tokens = logits.argmax(dim=-1)
     else:
@@ -171,72 +168,79 @@ class TorchRolloutEngine:
             raise HfplanError(f"prompt + response length {total} exceeds the model's sliding window {w.sliding_window}")
 
         prompt_mask = prompts != self.pad_id
-        # Keys a query may see: real prompt tokens and every generated column (the causal limit is the slice).
-        key_mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, steps)], dim=1)
-        angles = torch.arange(total, device=device, dtype=torch.float32)[:, None] * w.inv_freq.float()[None, :]
-        angles = torch.cat([angles, angles], dim=-1)
-        cos_table = (angles.cos() * w.rope_scale).to(w.embed.dtype)
-        sin_table = (angles.sin() * w.rope_scale).to(w.embed.dtype)
+        cos, sin = self._rope_tables(total, device)
         cache = w.embed.new_empty((len(w.layers), 2, rows, w.kv_heads, total, w.head_dim))
-
+        # Prefill: causal over real prompt tokens; a padded query also sees itself, so no row is empty.
         columns = torch.arange(prompt_len, device=device)
-        causal = columns[None, :] <= columns[:, None]
-        allowed = (causal[None] & prompt_mask[:, None, :]) | torch.eye(prompt_len, dtype=torch.bool, device=device)
-        rope = (cos_table, sin_table)
-        logits = self._forward(prompts, positions(prompt_mask.long()), rope, cache, 0, allowed)
+        allowed = (columns[None, :] <= columns[:, None])[None] & prompt_mask[:, None, :]
+        allowed |= torch.eye(prompt_len, dtype=torch.bool, device=device)
+        prompt_positions = positions(prompt_mask.long())
+        logits = self._forward(prompts, cos[prompt_positions], sin[prompt_positions], cache, 0, allowed[:, None])
 
+        # Decode: response token i sits at column P+i, rotary position (real prompt length + i); it sees
+        # the real prompt tokens and every response column up to its own.
+        key_mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, steps)], dim=1)[:, None, None]
+        response_positions = prompt_mask.sum(dim=1, keepdim=True) + torch.arange(steps, device=device)
+        step_cos, step_sin = cos[response_positions], sin[response_positions]
         responses = prompts.new_full((rows, steps), self.pad_id)
-        response_mask = torch.zeros(rows, steps, device=device)
         log_probs = torch.zeros(rows, steps, device=device)
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
-        next_position = prompt_mask.sum(dim=1)
         for step in range(steps):
-            tokens, token_log_probs = sample_tokens(logits, params, generator)
-            alive = ~finished
-            responses[:, step] = tokens.masked_fill(finished, self.pad_id)
-            response_mask[:, step] = alive.float()
-            log_probs[:, step] = token_log_probs.masked_fill(finished, 0.0)
-            finished = finished | (tokens == self.eos_id)
+            tokens, log_probs[:, step] = sample_tokens(logits, params, generator)
+            responses[:, step] = tokens
+            finished |= tokens == self.eos_id
             if step + 1 == steps or bool(finished.all()):
                 break
             column = prompt_len + step
             logits = self._forward(
-                responses[:, step: step + 1], (next_position + step)[:, None], rope, cache, column,
-                key_mask[:, None, : column + 1],
+                responses[:, step: step + 1], step_cos[:, step: step + 1], step_sin[:, step: step + 1], cache,
+                column, key_mask[..., : column + 1],
             )
-        return Rollout(prompts, responses, response_mask, log_probs)
+        # A row's tokens are real up to its first EOS included; what a finished row went on sampling is dropped.
+        is_eos = responses == self.eos_id
+        ended = (is_eos.cumsum(dim=1) - is_eos.long()) > 0
+        responses.masked_fill_(ended, self.pad_id)
+        log_probs.masked_fill_(ended, 0.0)
+        return Rollout(prompts, responses, (~ended).float(), log_probs)
+
+    def _rope_tables(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [length, D] of positions 0..length-1, computed as HF's rotary module does. The sin
+        table carries the sign of HF's rotate_half, so that rotate_half(x) * sin == x.roll(D/2) * signed_sin."""
+        w = self._w
+        angles = torch.arange(length, device=device, dtype=torch.float32)[:, None] * w.inv_freq.float()[None, :]
+        cos = torch.cat([angles, angles], dim=-1).cos() * w.rope_scale
+        sin = angles.sin() * w.rope_scale
+        signed_sin = torch.cat([-sin, sin], dim=-1)
+        return cos.to(w.embed.dtype), signed_sin.to(w.embed.dtype)
 
     def _forward(
-        self, tokens: torch.Tensor, pos: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-        cache: torch.Tensor, start: int, allowed: torch.Tensor,
+        self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor, start: int,
+        mask: torch.Tensor,
     ) -> torch.Tensor:
-        """Run `tokens` [B, T] (cache columns start..start+T-1, rotary positions `pos` [B, T]) through the
-        model; fp32 logits [B, V] of the last one. `allowed` [B, T, start+T]: the cached keys each query sees."""
+        """Run `tokens` [B, T] (cache columns start..start+T-1; rotary tables cos, sin [B, T, D]) through the
+        model; fp32 logits [B, V] of the last one. `mask` [B, 1, T, start+T]: the cached keys each query sees."""
         w = self._w
         rows, length = tokens.shape
-        groups = w.heads // w.kv_heads
         end = start + length
-        cos, sin = rope[0][pos][:, None], rope[1][pos][:, None]  # [B, 1, T, D]
-        # Query heads grouped by the KV head they share: [B, KV, G*T, S] scores, no repeated keys.
-        mask = allowed[:, None, None].expand(rows, w.kv_heads, groups, length, end).reshape(
-            rows, w.kv_heads, groups * length, end)
-        h = F.embedding(tokens, w.embed)
+        half = w.head_dim // 2
+        cos, sin = cos[:, None], sin[:, None]
+        h = F.embedding(tokens.reshape(-1), w.embed)  # [B*T, hidden]: 2-D matmuls are the cheapest on CPU
         for index, layer in enumerate(w.layers):
             x = layer.attn_norm(h)
             q = layer.q(x).view(rows, length, w.heads, w.head_dim).transpose(1, 2)
             k = layer.k(x).view(rows, length, w.kv_heads, w.head_dim).transpose(1, 2)
             v = layer.v(x).view(rows, length, w.kv_heads, w.head_dim).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            cache[index, 0, :, :, start:end] = k
-            cache[index, 1, :, :, start:end] = v
-            keys, values = cache[index, 0, :, :, :end], cache[index, 1, :, :, :end]
-            q = q.reshape(rows, w.kv_heads, groups * length, w.head_dim)
-            scores = torch.matmul(q, keys.transpose(-1, -2)) * w.scaling
-            scores = scores.masked_fill(~mask, float("-inf"))
-            attn = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
-            attn = attn.view(rows, w.heads, length, w.head_dim).transpose(1, 2).reshape(rows, length, -1)
-            h = h + layer.o(attn)
+            q = q * cos + q.roll(half, dims=-1) * sin
+            k = k * cos + k.roll(half, dims=-1) * sin
+            keys, values = cache[index, 0], cache[index, 1]
+            keys[:, :, start:end] = k
+            values[:, :, start:end] = v
+            attn = F.scaled_dot_product_attention(
+                q, keys[:, :, :end], values[:, :, :end], attn_mask=mask, scale=w.scaling,
+                enable_gqa=w.heads != w.kv_heads,
+            )
+            h = h + layer.o(attn.transpose(1, 2).reshape(rows * length, -1))
             x = layer.mlp_norm(h)
             h = h + layer.down(w.act(layer.gate(x)) * layer.up(x))
-        return F.linear(w.norm(h[:, -1]), w.lm_head).float()
+        last = h.view(rows, length, -1)[:, -1]
+        return F.linear(w.norm(last), w.lm_head).float()
