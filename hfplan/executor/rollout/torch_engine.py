@@ -1,0 +1,246 @@
+"""A native torch rollout engine: its own decode loop over an HF Llama / Qwen2 / Mistral model's weights.
+
+One prefill over the left-padded prompts fills a KV cache preallocated for P + max_new_tokens
+columns; each decode step then runs one token per row through the layers, reading the weights the
+model holds (shared, never copied). The arithmetic follows the HF modules it replaces (RMSNorm in
+fp32, rotary tables from the model's own inverse frequencies, grouped-query attention, SwiGLU), so the
+log-probs it returns match a training-side forward over `sequences.join(...)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+from hfplan.errors import HfplanError
+from hfplan.executor.rollout.base import Rollout, SamplingParams
+from hfplan.executor.sequences import positions
+
+# Rotary types whose frequencies change with the sequence length at run time; a fixed table cannot follow them.
+_DYNAMIC_ROPE = ("dynamic", "longrope")
+
+
+def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """The whole tensor of a parameter: a DTensor (FSDP2, tensor parallel) is gathered, a plain one shared."""
+    if tensor is None:
+        return None
+    if hasattr(tensor, "full_tensor"):
+        return tensor.full_tensor().detach()
+    return tensor.detach()
+
+
+@dataclass(frozen=True)
+class _Linear:
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+    @staticmethod
+    def of(module: torch.nn.Module) -> _Linear:
+        return _Linear(_full(module.weight), _full(module.bias))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass(frozen=True)
+class _Norm:
+    weight: torch.Tensor
+    eps: float
+
+    @staticmethod
+    def of(module: torch.nn.Module) -> _Norm:
+        return _Norm(_full(module.weight), float(module.variance_epsilon))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # As HF does: normalise in fp32, round to the model's dtype, then scale.
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    attn_norm: _Norm
+    q: _Linear
+    k: _Linear
+    v: _Linear
+    o: _Linear
+    mlp_norm: _Norm
+    gate: _Linear
+    up: _Linear
+    down: _Linear
+
+
+@dataclass(frozen=True)
+class _Weights:
+    embed: torch.Tensor
+    layers: list[_Layer]
+    norm: _Norm
+    lm_head: torch.Tensor
+    inv_freq: torch.Tensor
+    rope_scale: float  # the rotary tables' post-scaling (attention_scaling of the HF rotary module)
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    act: torch.nn.Module
+    sliding_window: int | None
+
+    @staticmethod
+    def of(model: torch.nn.Module) -> _Weights:
+        config = model.config
+        base = model.model
+        rotary = base.rotary_emb
+        if getattr(rotary, "rope_type", "default") in _DYNAMIC_ROPE:
+            raise HfplanError(f"the torch rollout engine does not run rotary type {rotary.rope_type!r}")
+        layers = [
+            _Layer(
+                attn_norm=_Norm.of(layer.input_layernorm),
+                q=_Linear.of(layer.self_attn.q_proj), k=_Linear.of(layer.self_attn.k_proj),
+                v=_Linear.of(layer.self_attn.v_proj), o=_Linear.of(layer.self_attn.o_proj),
+                mlp_norm=_Norm.of(layer.post_attention_layernorm),
+                gate=_Linear.of(layer.mlp.gate_proj), up=_Linear.of(layer.mlp.up_proj),
+                down=_Linear.of(layer.mlp.down_proj),
+            )
+            for layer in base.layers[: config.num_hidden_layers]
+        ]
+        attn = base.layers[0].self_attn
+        return _Weights(
+            embed=_full(base.embed_tokens.weight), layers=layers, norm=_Norm.of(base.norm),
+            lm_head=_full(model.lm_head.weight), inv_freq=rotary.inv_freq, rope_scale=float(rotary.attention_scaling),
+            heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, head_dim=attn.head_dim,
+            scaling=float(attn.scaling), act=ACT2FN[config.hidden_act],
+            sliding_window=getattr(config, "sliding_window", None),
+        )
+
+
+def top_p_keep(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Bool mask of the nucleus: the most probable tokens whose mass first reaches `top_p` (at least one)."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep_sorted = mass_before < top_p
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens [B] and their log-probs [B] under log_softmax(logits / temperature) (1 when greedy)."""
+    temperature = params.logit_temperature
+    log_probs = F.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
+    if params.greedy:
+        tokens = logits.argmax(dim=-1)
+    else:
+        probs = log_probs.exp()
+        if params.top_p < 1.0:
+            probs = probs * top_p_keep(probs, params.top_p)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    return tokens, log_probs.gather(1, tokens[:, None]).squeeze(1)
+
+
+class TorchRolloutEngine:
+    """Batched generation with a preallocated KV cache; see the module docstring."""
+
+    def __init__(self, model: torch.nn.Module, pad_id: int, eos_id: int) -> None:
+        self.pad_id = pad_id
+        self.eos_id = eos_id
+        self.load_weights(model)
+
+    def load_weights(self, model: torch.nn.Module) -> None:
+        self._w = _Weights.of(model)
+
+    @torch.inference_mode()
+    def generate(
+        self, prompts: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+    ) -> Rollout:
+        w = self._w
+        if prompts.dim() != 2 or prompts.dtype != torch.long:
+            raise ValueError(f"prompts must be a [B, P] long tensor, got {tuple(prompts.shape)} {prompts.dtype}")
+        device = w.embed.device
+        prompts = prompts.to(device).repeat_interleave(params.n, dim=0)
+        rows, prompt_len = prompts.shape
+        steps = params.max_new_tokens
+        total = prompt_len + steps
+        if w.sliding_window is not None and total > w.sliding_window:
+            raise HfplanError(f"prompt + response length {total} exceeds the model's sliding window {w.sliding_window}")
+
+        prompt_mask = prompts != self.pad_id
+        cos, sin = self._rope_tables(total, device)
+        cache = w.embed.new_empty((len(w.layers), 2, rows, w.kv_heads, total, w.head_dim))
+        # Prefill: causal over real prompt tokens; a padded query also sees itself, so no row is empty.
+        columns = torch.arange(prompt_len, device=device)
+        allowed = (columns[None, :] <= columns[:, None])[None] & prompt_mask[:, None, :]
+        allowed |= torch.eye(prompt_len, dtype=torch.bool, device=device)
+        prompt_positions = positions(prompt_mask.long())
+        logits = self._forward(prompts, cos[prompt_positions], sin[prompt_positions], cache, 0, allowed[:, None])
+
+        # Decode: response token i sits at column P+i, rotary position (real prompt length + i); it sees
+        # the real prompt tokens and every response column up to its own.
+        key_mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, steps)], dim=1)[:, None, None]
+        response_positions = prompt_mask.sum(dim=1, keepdim=True) + torch.arange(steps, device=device)
+        step_cos, step_sin = cos[response_positions], sin[response_positions]
+        responses = prompts.new_full((rows, steps), self.pad_id)
+        log_probs = torch.zeros(rows, steps, device=device)
+        finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        for step in range(steps):
+            tokens, log_probs[:, step] = sample_tokens(logits, params, generator)
+            responses[:, step] = tokens
+            finished |= tokens == self.eos_id
+            if step + 1 == steps or bool(finished.all()):
+                break
+            column = prompt_len + step
+            logits = self._forward(
+                responses[:, step: step + 1], step_cos[:, step: step + 1], step_sin[:, step: step + 1], cache,
+                column, key_mask[..., : column + 1],
+            )
+        # A row's tokens are real up to its first EOS included; what a finished row went on sampling is dropped.
+        is_eos = responses == self.eos_id
+        ended = (is_eos.cumsum(dim=1) - is_eos.long()) > 0
+        responses.masked_fill_(ended, self.pad_id)
+        log_probs.masked_fill_(ended, 0.0)
+        return Rollout(prompts, responses, (~ended).float(), log_probs)
+
+    def _rope_tables(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [length, D] of positions 0..length-1, computed as HF's rotary module does. The sin
+        table carries the sign of HF's rotate_half, so that rotate_half(x) * sin == x.roll(D/2) * signed_sin."""
+        w = self._w
+        angles = torch.arange(length, device=device, dtype=torch.float32)[:, None] * w.inv_freq.float()[None, :]
+        cos = torch.cat([angles, angles], dim=-1).cos() * w.rope_scale
+        sin = angles.sin() * w.rope_scale
+        signed_sin = torch.cat([-sin, sin], dim=-1)
+        return cos.to(w.embed.dtype), signed_sin.to(w.embed.dtype)
+
+    def _forward(
+        self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor, start: int,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run `tokens` [B, T] (cache columns start..start+T-1; rotary tables cos, sin [B, T, D]) through the
+        model; fp32 logits [B, V] of the last one. `mask` [B, 1, T, start+T]: the cached keys each query sees."""
+        w = self._w
+        rows, length = tokens.shape
+        end = start + length
+        half = w.head_dim // 2
+        cos, sin = cos[:, None], sin[:, None]
+        h = F.embedding(tokens.reshape(-1), w.embed)  # [B*T, hidden]: 2-D matmuls are the cheapest on CPU
+        for index, layer in enumerate(w.layers):
+            x = layer.attn_norm(h)
+            q = layer.q(x).view(rows, length, w.heads, w.head_dim).transpose(1, 2)
+            k = layer.k(x).view(rows, length, w.kv_heads, w.head_dim).transpose(1, 2)
+            v = layer.v(x).view(rows, length, w.kv_heads, w.head_dim).transpose(1, 2)
+            q = q * cos + q.roll(half, dims=-1) * sin
+            k = k * cos + k.roll(half, dims=-1) * sin
+            keys, values = cache[index, 0], cache[index, 1]
+            keys[:, :, start:end] = k
+            values[:, :, start:end] = v
+            attn = F.scaled_dot_product_attention(
+                q, keys[:, :, :end], values[:, :, :end], attn_mask=mask, scale=w.scaling,
+                enable_gqa=w.heads != w.kv_heads,
+            )
+            h = h + layer.o(attn.transpose(1, 2).reshape(rows * length, -1))
+            x = layer.mlp_norm(h)
+            h = h + layer.down(w.act(layer.gate(x)) * layer.up(x))
+        last = h.view(rows, length, -1)[:, -1]
+        return F.linear(w.norm(last), w.lm_head).float()

@@ -1,0 +1,136 @@
+"""Tokenizers made in code for the demo models, a checkpoint's own tokenizer, and the built-in prompt sets.
+
+The tokenizers built here are real `PreTrainedTokenizerFast` objects (so `save_pretrained` writes a
+folder `AutoTokenizer` reads back). They parse no special tokens out of text: encoding never yields
+the pad id, so `prompts != pad_id` is always the prompt mask (see hfplan.executor.sequences).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from hfplan.errors import HfplanError
+from hfplan.profiles.models import resolve_model
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+ARITH_MAX = 40  # tiny-arith's numbers are 0..ARITH_MAX
+ARITH_WORDS = ("add", "sub", "=")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """256 byte tokens and 4 specials (260 ids): every text encodes, byte by byte."""
+    specials = [PAD, BOS, EOS, UNK]
+    vocab = {token: i for i, token in enumerate(specials)}
+    vocab |= {f"<0x{byte:02X}>": len(specials) + byte for byte in range(256)}
+    # No merges and no vocabulary entry but the bytes: every character falls back to its UTF-8 bytes.
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token=UNK))
+    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    return _wrap(backend, specials)
+
+
+def arith_tokenizer() -> PreTrainedTokenizerFast:
+    """Word-level over `add`, `sub`, `=` and the numbers 0-40, split on whitespace (48 ids)."""
+    words = [UNK, *ARITH_WORDS, *(str(i) for i in range(ARITH_MAX + 1))]
+    backend = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # Pad, bos and eos stay out of the word vocabulary (a word "<pad>" in text becomes <unk>); they are
+    # added after it. Without a decoder, tokens decode joined by spaces.
+    return _wrap(backend, [PAD, BOS, EOS])
+
+
+def _wrap(backend: Tokenizer, added_specials: list[str]) -> PreTrainedTokenizerFast:
+    backend.add_special_tokens(added_specials)
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", special_tokens=[(BOS, backend.token_to_id(BOS))]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK,
+        split_special_tokens=True, padding_side="left",
+    )
+
+
+def build_tokenizer(model_ref: str) -> PreTrainedTokenizerFast:
+    """The tokenizer of a model reference: its folder's own, the word-level one of `tiny-arith`, or bytes."""
+    folder = Path(model_ref)
+    if folder.is_dir() and any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        return _checkpoint_tokenizer(folder)
+    if model_ref == "tiny-arith":
+        return arith_tokenizer()
+    arch = resolve_model(model_ref)
+    tokenizer = byte_tokenizer()
+    if arch.vocab < len(tokenizer):
+        raise HfplanError(
+            f"model {model_ref}: vocabulary of {arch.vocab} is smaller than the byte-level tokenizer's "
+            f"{len(tokenizer)}; give a checkpoint folder with its own tokenizer"
+        )
+    return tokenizer
+
+
+def _checkpoint_tokenizer(folder: Path) -> PreTrainedTokenizerFast:
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError) as bad:
+        raise HfplanError(f"tokenizer in {folder} does not load: {bad}") from None
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        raise HfplanError(f"tokenizer in {folder} is not a fast (tokenizers-backed) tokenizer")
+    if tokenizer.eos_token_id is None:
+        raise HfplanError(f"tokenizer in {folder} has no eos token")
+    if tokenizer.pad_token_id is None:
+        # Reuse an existing id rather than grow the vocabulary past the model's embedding.
+        tokenizer.pad_token = tokenizer.unk_token if tokenizer.unk_token_id is not None else tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def encode_prompts(tokenizer: PreTrainedTokenizerFast, texts: list[str], prompt_len: int) -> torch.Tensor:
+    """[B, prompt_len] token ids, left-padded; a longer prompt keeps its last `prompt_len` tokens."""
+    if prompt_len <= 0:
+        raise HfplanError(f"prompt length must be positive, got {prompt_len}")
+    rows = [ids[-prompt_len:] for ids in tokenizer(list(texts), add_special_tokens=True)["input_ids"]]
+    out = torch.full((len(rows), prompt_len), tokenizer.pad_token_id, dtype=torch.long)
+    for i, ids in enumerate(rows):
+        if ids:
+            out[i, prompt_len - len(ids):] = torch.tensor(ids, dtype=torch.long)
+    return out
+
+
+def decode_responses(
+    tokenizer: PreTrainedTokenizerFast, responses: torch.Tensor, response_mask: torch.Tensor
+) -> list[str]:
+    """The text of each response: its real tokens (mask 1), special tokens skipped."""
+    lengths = response_mask.gt(0).sum(dim=1).tolist()
+    rows = [row[:n] for row, n in zip(responses.tolist(), lengths, strict=True)]
+    return tokenizer.batch_decode(rows, skip_special_tokens=True)
+
+
+def builtin_prompts(model_ref: str) -> list[str] | None:
+    """The demo prompt set of a demo model, in a fixed order; None for any other model."""
+    if model_ref == "tiny":
+        return _tiny_prompts()
+    if model_ref == "tiny-arith":
+        return _arith_prompts()
+    return None
+
+
+def _tiny_prompts() -> list[str]:
+    # Short English-ish phrases: 8 x 6 = 48 prompts of at most 15 bytes (16 tokens with <bos>).
+    starts = ("the", "a", "my", "one", "our", "some", "his", "her")
+    nouns = ("cat", "sun", "tree", "road", "song", "boat")
+    verbs = ("is", "was", "sees", "has", "gets", "made")
+    return [f"{s} {n} {verbs[(i + j) % len(verbs)]}" for i, s in enumerate(starts) for j, n in enumerate(nouns)]
+
+
+def _arith_prompts() -> list[str]:
+    """Every `add A B =` with A + B <= 40 and `sub A B =` with A >= B, in a fixed shuffled order
+    (so that any slice mixes both operations and all sizes)."""
+    adds = [f"add {a} {b} =" for a in range(ARITH_MAX + 1) for b in range(ARITH_MAX + 1 - a)]
+    subs = [f"sub {a} {b} =" for a in range(ARITH_MAX + 1) for b in range(a + 1)]
+    prompts = adds + subs
+    random.Random(0).shuffle(prompts)
+    return prompts

@@ -1,0 +1,220 @@
+"""The torch rollout engine against HF transformers: log-probs, greedy tokens, EOS, groups, top-p."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from hfplan.errors import HfplanError  # noqa: E402
+from hfplan.executor import sequences  # noqa: E402
+from hfplan.executor.models import build_model  # noqa: E402
+from hfplan.executor.rollout.base import SamplingParams  # noqa: E402
+from hfplan.executor.rollout.torch_engine import TorchRolloutEngine, sample_tokens, top_p_keep  # noqa: E402
+
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=300, max_position_embeddings=128, rope_theta=500.0,
+             pad_token_id=0, bos_token_id=1, eos_token_id=2)
+CONFIGS = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
+    "qwen2-bias": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"},  # q, k, v biases
+    "llama-tied": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "tie_word_embeddings": True},
+}
+PAD = 0
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("configs") / f"{request.param}.json"
+    path.write_text(json.dumps(CONFIGS[request.param] | SMALL))
+    built = build_model(str(path), "lm", seed=0).eval()
+    # HF initialises biases to 0 and norms to 1; draw them so that a dropped bias or norm shows.
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in built.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5 + (1.0 if "norm" in name else 0.0))
+    assert built.config.tie_word_embeddings == (request.param == "llama-tied")
+    if request.param == "llama-tied":
+        assert built.lm_head.weight.data_ptr() == built.model.embed_tokens.weight.data_ptr()
+    return built
+
+
+def uneven_prompts(rows: int = 4, width: int = 7, seed: int = 0) -> torch.Tensor:
+    """Left-padded prompts of lengths 1 (just a BOS), then longer ones, up to the full width."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.full((rows, width), PAD)
+    for i in range(rows):
+        length = 1 + i * (width - 1) // max(rows - 1, 1)
+        prompts[i, width - length:] = torch.randint(3, 300, (length,), generator=gen)
+        prompts[i, width - length] = 1
+    return prompts
+
+
+def training_log_probs(model, rollout, temperature: float) -> torch.Tensor:
+    joined = sequences.join(rollout.prompts, rollout.responses, rollout.response_mask, PAD)
+    with torch.no_grad():
+        logits = model(input_ids=joined.input_ids, attention_mask=joined.attention_mask,
+                       position_ids=joined.position_ids).logits
+    per_token = sequences.response_predictions(logits / temperature, joined.prompt_len, rollout.responses.shape[1])
+    taken = per_token.log_softmax(-1).gather(-1, rollout.responses[..., None]).squeeze(-1)
+    return taken * rollout.response_mask
+
+
+def most_common_token(responses: torch.Tensor) -> int:
+    values, counts = responses.flatten().unique(return_counts=True)
+    return int(values[counts.argmax()])
+
+
+def check_padding_after_eos(rollout, eos: int, steps: int) -> torch.Tensor:
+    lengths = rollout.response_mask.sum(1).long()
+    assert rollout.responses.shape[1] == steps and rollout.log_probs.shape[1] == steps
+    assert rollout.response_mask.dtype == torch.float32 and rollout.log_probs.dtype == torch.float32
+    for row, length in enumerate(lengths.tolist()):
+        assert rollout.response_mask[row, :length].eq(1).all() and rollout.response_mask[row, length:].eq(0).all()
+        assert rollout.responses[row, length:].eq(PAD).all()
+        assert rollout.log_probs[row, length:].eq(0).all()
+        real = rollout.responses[row, :length]
+        assert (real == eos).sum() <= 1
+        if length < steps:
+            assert real[-1] == eos  # stopped on EOS, which stays a real (masked-in) token
+    return lengths
+
+
+@pytest.mark.parametrize(("temperature", "top_p", "greedy"), [(0.7, 0.9, False), (1.3, 1.0, False), (1.0, 1.0, True)])
+def test_generated_log_probs_equal_a_training_forward(model, temperature, top_p, greedy):
+    prompts, steps = uneven_prompts(), 12
+    params = SamplingParams(max_new_tokens=steps, temperature=temperature, top_p=top_p, greedy=greedy, n=2)
+    # A first run without EOS picks a token the model does emit as EOS, so that rows stop at different steps.
+    probe = TorchRolloutEngine(model, PAD, eos_id=-1).generate(prompts, params, torch.Generator().manual_seed(5))
+    eos = most_common_token(probe.responses)
+    rollout = TorchRolloutEngine(model, PAD, eos).generate(prompts, params, torch.Generator().manual_seed(5))
+    lengths = check_padding_after_eos(rollout, eos, steps)
+    assert lengths.min() < steps and len(set(lengths.tolist())) >= 2
+    assert torch.equal(rollout.prompts, prompts.repeat_interleave(2, dim=0))  # the n samples are consecutive
+    expected = training_log_probs(model, rollout, params.logit_temperature)
+    torch.testing.assert_close(rollout.log_probs, expected, atol=1e-5, rtol=0)
+
+
+def test_greedy_tokens_equal_hf_generate(model):
+    prompts, steps = uneven_prompts(rows=5, seed=3), 10
+    params = SamplingParams(max_new_tokens=steps, greedy=True)
+    probe = TorchRolloutEngine(model, PAD, eos_id=-1).generate(prompts, params)
+    eos = most_common_token(probe.responses)
+    ours = TorchRolloutEngine(model, PAD, eos).generate(prompts, params)
+    check_padding_after_eos(ours, eos, steps)
+    hf = model.generate(input_ids=prompts, attention_mask=(prompts != PAD).long(), max_new_tokens=steps,
+                        do_sample=False, pad_token_id=PAD, eos_token_id=eos, use_cache=True)[:, prompts.shape[1]:]
+    assert torch.equal(ours.responses[:, : hf.shape[1]], hf)
+    assert ours.responses[:, hf.shape[1]:].eq(PAD).all()
+    assert ours.response_mask.sum() < prompts.shape[0] * steps  # EOS did stop some rows
+
+
+def test_greedy_groups_repeat_each_prompt_n_times(model):
+    prompts = uneven_prompts(rows=3, seed=4)
+    engine = TorchRolloutEngine(model, PAD, eos_id=-1)
+    single = engine.generate(prompts, SamplingParams(max_new_tokens=6, greedy=True))
+    grouped = engine.generate(prompts, SamplingParams(max_new_tokens=6, greedy=True, n=3))
+    assert grouped.responses.shape == (9, 6)
+    assert torch.equal(grouped.responses, single.responses.repeat_interleave(3, dim=0))
+    # Equal up to rounding: a batch of 9 rows may sum in another order than a batch of 3.
+    torch.testing.assert_close(grouped.log_probs, single.log_probs.repeat_interleave(3, dim=0), atol=1e-5, rtol=0)
+
+
+def test_generation_stops_early_when_every_row_has_ended(model):
+    prompts = uneven_prompts(rows=1, seed=6).repeat(3, 1)  # identical rows: identical greedy answers
+    steps = 9
+    params = SamplingParams(max_new_tokens=steps, greedy=True)
+    probe = TorchRolloutEngine(model, PAD, eos_id=-1).generate(prompts, params).responses[0]
+    eos = int(probe[2])
+    first = int((probe == eos).nonzero()[0])
+    engine = TorchRolloutEngine(model, PAD, eos)
+    calls = []
+    forward = engine._forward
+    engine._forward = lambda *args: calls.append(1) or forward(*args)
+    rollout = engine.generate(prompts, params)
+    assert len(calls) == 1 + first  # the prefill, then one step per token before the EOS
+    assert rollout.responses.shape == (3, steps)
+    assert rollout.responses[:, first].eq(eos).all()
+    assert rollout.response_mask.sum(1).eq(first + 1).all()
+    check_padding_after_eos(rollout, eos, steps)
+
+
+def test_load_weights_shares_the_model_tensors(model, tmp_path):
+    prompts = uneven_prompts(rows=2, seed=7)
+    params = SamplingParams(max_new_tokens=5, greedy=True)
+    engine = TorchRolloutEngine(model, PAD, eos_id=-1)
+    assert engine._w.embed.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    backup = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        with torch.no_grad():  # an optimiser step updates the parameters in place
+            for param in model.parameters():
+                param.mul_(1.5)
+        after = engine.generate(prompts, params)
+        hf = model.generate(input_ids=prompts, attention_mask=(prompts != PAD).long(), max_new_tokens=5,
+                            min_new_tokens=5, do_sample=False, pad_token_id=PAD, use_cache=True)
+        assert torch.equal(after.responses, hf[:, prompts.shape[1]:])
+    finally:
+        model.load_state_dict(backup)
+    model.config.to_json_file(tmp_path / "config.json")
+    other = build_model(str(tmp_path / "config.json"), "lm", seed=11).eval()
+    engine.load_weights(other)
+    swapped = engine.generate(prompts, params)
+    hf = other.generate(input_ids=prompts, attention_mask=(prompts != PAD).long(), max_new_tokens=5,
+                        min_new_tokens=5, do_sample=False, pad_token_id=PAD, use_cache=True)
+    assert torch.equal(swapped.responses, hf[:, prompts.shape[1]:])
+
+
+def test_top_p_keeps_the_smallest_set_reaching_the_mass():
+    # By hand: sorted 0.5, 0.3, 0.15, 0.05; mass before each: 0, 0.5, 0.8, 0.95.
+    probs = torch.tensor([[0.15, 0.5, 0.05, 0.3]])
+    assert top_p_keep(probs, 0.4).tolist() == [[False, True, False, False]]
+    assert top_p_keep(probs, 0.6).tolist() == [[False, True, False, True]]
+    assert top_p_keep(probs, 0.85).tolist() == [[True, True, False, True]]
+    assert top_p_keep(probs, 1.0).tolist() == [[True, True, True, True]]
+
+
+def test_top_p_sampling_draws_only_from_the_nucleus_and_reports_untruncated_log_probs():
+    probs = torch.tensor([0.15, 0.5, 0.05, 0.3])
+    logits = probs.log().repeat(4000, 1)
+    tokens, log_probs = sample_tokens(logits, SamplingParams(max_new_tokens=1, top_p=0.6),
+                                      torch.Generator().manual_seed(0))
+    assert set(tokens.tolist()) == {1, 3}
+    # Renormalised nucleus: 0.5 / 0.8 = 0.625 for token 1 (4000 draws: standard error ~0.008).
+    assert abs(tokens.eq(1).float().mean().item() - 0.625) < 0.04
+    torch.testing.assert_close(log_probs, probs.log()[tokens])
+
+
+def test_temperature_scales_the_sampled_distribution_and_greedy_uses_temperature_one():
+    # By hand: logits 0 and 2 ln 3 at temperature 2 give probabilities 1/4 and 3/4; at 1, 1/10 and 9/10.
+    logits = torch.tensor([0.0, 2 * math.log(3)]).repeat(4000, 1)
+    tokens, log_probs = sample_tokens(logits, SamplingParams(max_new_tokens=1, temperature=2.0),
+                                      torch.Generator().manual_seed(1))
+    assert abs(tokens.eq(1).float().mean().item() - 0.75) < 0.04
+    torch.testing.assert_close(log_probs, torch.tensor([math.log(1 / 4), math.log(3 / 4)])[tokens])
+    greedy, greedy_log_probs = sample_tokens(logits[:2], SamplingParams(max_new_tokens=1, temperature=2.0, greedy=True),
+                                             None)
+    assert greedy.tolist() == [1, 1]
+    torch.testing.assert_close(greedy_log_probs, torch.full((2,), math.log(9 / 10)))
+
+
+@pytest.mark.parametrize("bad", [dict(max_new_tokens=0), dict(max_new_tokens=4, n=0),
+                                 dict(max_new_tokens=4, temperature=0.0), dict(max_new_tokens=4, top_p=0.0),
+                                 dict(max_new_tokens=4, top_p=1.5)])
+def test_sampling_params_refuse_impossible_values(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
+
+
+def test_sequences_past_a_sliding_window_are_refused(tmp_path):
+    path = tmp_path / "mistral.json"
+    path.write_text(json.dumps({"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+                                **SMALL, "sliding_window": 8}))
+    engine = TorchRolloutEngine(build_model(str(path), "lm", seed=0), PAD, 2)
+    engine.generate(uneven_prompts(rows=2, width=4), SamplingParams(max_new_tokens=4, greedy=True))
+    with pytest.raises(HfplanError, match="sliding window"):
+        engine.generate(uneven_prompts(rows=2, width=4), SamplingParams(max_new_tokens=5, greedy=True))
