@@ -8,6 +8,7 @@ InferConfig.micro_batch. Outputs are float32 whatever the model's compute dtype.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Literal, overload
 
@@ -25,16 +26,21 @@ def _forward(model: nn.Module, joined: sequences.Joined, **kwargs) -> torch.Tens
 
 
 def response_log_probs(model: nn.Module, joined: sequences.Joined, responses: torch.Tensor, temperature: float,
-                       *, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       *, with_entropy: bool = False, entropy_grad: bool = True,
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log_softmax(logits / temperature) of each response token, [B, R] float32 (not masked), and the
-    per-token entropy of that distribution when asked. Keeps the graph when grad is enabled."""
+    per-token entropy of that distribution when asked. Keeps the graph when grad is enabled (for the
+    entropy only with `entropy_grad`: a metric-only entropy need not hold a [B, R, V] graph)."""
     response_len = responses.shape[1]
     # Only the logits of the last R + 1 positions are computed: that window starts at column P - 1,
     # so inside it the response predictions are those of a one-token prompt.
     logits = _forward(model, joined, logits_to_keep=response_len + 1)
     logits = sequences.response_predictions(logits, 1, response_len).float() / temperature
     log_probs = torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
-    entropy = entropy_from_logits(logits) if with_entropy else None
+    entropy = None
+    if with_entropy:
+        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+            entropy = entropy_from_logits(logits)
     return log_probs, entropy
 
 
