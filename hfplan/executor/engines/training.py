@@ -33,10 +33,15 @@ Batch = dict[str, torch.Tensor]
 MicroLoss = Callable[[Batch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
+def plain_class(module: nn.Module) -> type[nn.Module]:
+    """A module's own class, under the FSDP subclass that `fully_shard` swaps in."""
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks, by the class names HF lists as never to be split across devices."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    layers = [m for m in model.modules() if plain_class(m).__name__ in names]
     if not layers:
         raise ValueError(f"{type(model).__name__}: no decoder layers found (by _no_split_modules {sorted(names)})")
     return layers
@@ -78,7 +83,8 @@ class TrainedModel:
         if recompute:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-        for layer in decoder_layers(model):
+        self.layers = decoder_layers(model)
+        for layer in self.layers:
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         for module in fsdp_modules(model):  # sum the gradients (plain SUM collectives, gloo has no PREMUL_SUM)
