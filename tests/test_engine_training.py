@@ -72,7 +72,22 @@ def _dp_critic(rank: int, world: int, data: dict, mini_batches: int, epochs: int
         metrics = trained.update_critic(local, "values", "returns", mini_batches=mini_batches, epochs=epochs,
                                         micro_batch=micro_batch)
         out.append({"metrics": metrics, "params": full_params(trained.module)})
+    out.append(_bad_updates(trained, local, rank))
     return out
+
+
+def _bad_updates(trained: TrainedModel, local: dict, rank: int) -> list[str]:
+    """Bad calls fail with a clear error on every rank instead of hanging in a collective."""
+    errors = []
+    uneven = {k: v[:2] for k, v in local.items()} if rank == 1 else local
+    calls = [(local, 3, "returns"), (local, 1, "cost_returns"), (uneven, 1, "returns")]
+    for batch, mini_batches, return_key in calls:
+        try:
+            trained.update_critic(batch, "values", return_key, mini_batches=mini_batches, epochs=1, micro_batch=1)
+            errors.append("no error")
+        except (ValueError, KeyError) as bad:
+            errors.append(str(bad))
+    return errors
 
 
 def _global_mini_batches(data: dict, world: int, mini_batches: int) -> list[dict]:
@@ -150,5 +165,11 @@ def test_critic_update_on_two_ranks_matches_single_process():
     data = critic_batch()
     results = run_world(_dp_critic, WORLD, data, 1, 2, timeout=120)
     ref_params, ref_loss, ref_norm = _reference(llama_critic(), data, 1, 2, _critic_loss)
-    _assert_matches(results, ref_params, ref_loss, ref_norm, "value_loss", full_params(llama_critic()))
+    _assert_matches([r[:-1] for r in results], ref_params, ref_loss, ref_norm, "value_loss",
+                    full_params(llama_critic()))
     assert 0 < results[0][0]["metrics"]["value_clip_frac"] < 1
+    for rank_out in results:
+        split, missing, uneven = rank_out[-1]
+        assert "do not split into 3" in split
+        assert "cost_returns" in missing
+        assert "different batch sizes" in uneven

@@ -74,9 +74,12 @@ class TrainedModel:
             raise ValueError(f"training mesh dims must be {MESH_DIMS}, got {mesh.mesh_dim_names}")
         self.mesh, self.hp, self.pad_id = mesh, hp, pad_id
         self.device = torch.device(device)
-        # Master weights in fp32. Dropout off: the losses compare against log-probs and values
-        # computed without it, so a training forward must be the same function.
-        model.to(device=self.device, dtype=torch.float32)
+        if mesh.device_type != self.device.type:
+            raise ValueError(f"training mesh is on {mesh.device_type} but the device is {self.device}")
+        # Master weights in fp32; fully_shard moves each group to the mesh's device as it shards it,
+        # so a model built on the CPU never needs its full size on the accelerator. Dropout off: the
+        # losses compare against log-probs and values computed without it.
+        model.to(dtype=torch.float32)
         for module in model.modules():
             if isinstance(module, nn.Dropout):
                 module.p = 0.0
