@@ -50,6 +50,11 @@ def response_values(model: nn.Module, joined: sequences.Joined, response_len: in
     return sequences.response_predictions(per_position, joined.prompt_len, response_len).float()
 
 
+def _on_model_device(model: nn.Module, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    device = next(model.parameters()).device
+    return [t.to(device) for t in tensors]
+
+
 def _micro_batches(size: int, micro_batch: int) -> Iterator[slice]:
     if micro_batch < 1:
         raise ValueError(f"micro_batch must be at least 1, got {micro_batch}")
@@ -72,8 +77,9 @@ def token_log_probs(model: nn.Module, prompts: torch.Tensor, responses: torch.Te
 @torch.no_grad()
 def token_log_probs(model, prompts, responses, response_mask, pad_id, temperature, *, micro_batch,
                     with_entropy=False):
-    """Log-probs of the response tokens at `temperature`, [B, R] float32, 0 where the mask is 0;
-    with `with_entropy`, also the per-token entropy (same layout) as a second tensor."""
+    """Log-probs of the response tokens at `temperature`, [B, R] float32 on the model's device, 0 where
+    the mask is 0; with `with_entropy`, also the per-token entropy (same layout) as a second tensor."""
+    prompts, responses, response_mask = _on_model_device(model, prompts, responses, response_mask)
     log_probs, entropies = [], []
     for part in _micro_batches(prompts.shape[0], micro_batch):
         joined = sequences.join(prompts[part], responses[part], response_mask[part], pad_id)
@@ -91,6 +97,7 @@ def token_log_probs(model, prompts, responses, response_mask, pad_id, temperatur
 def token_values(model: nn.Module, prompts: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor,
                  pad_id: int, *, micro_batch: int) -> torch.Tensor:
     """A critic's value of the state before each response token, [B, R] float32, 0 where the mask is 0."""
+    prompts, responses, response_mask = _on_model_device(model, prompts, responses, response_mask)
     values = []
     for part in _micro_batches(prompts.shape[0], micro_batch):
         joined = sequences.join(prompts[part], responses[part], response_mask[part], pad_id)
@@ -103,6 +110,7 @@ def token_values(model: nn.Module, prompts: torch.Tensor, responses: torch.Tenso
 def sequence_scores(model: nn.Module, prompts: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor,
                     pad_id: int, *, micro_batch: int) -> torch.Tensor:
     """A reward or cost model's score of each sequence: scalar-head output at its last real token, [B]."""
+    prompts, responses, response_mask = _on_model_device(model, prompts, responses, response_mask)
     scores = []
     for part in _micro_batches(prompts.shape[0], micro_batch):
         joined = sequences.join(prompts[part], responses[part], response_mask[part], pad_id)

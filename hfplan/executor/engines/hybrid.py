@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from hfplan.executor.engines.training import TrainedModel, fsdp_modules, plain_class
+from hfplan.executor.engines.training import TrainedModel, plain_class
 
 
 class HybridEngine(Protocol):
@@ -60,9 +60,7 @@ class SameLayoutHybridEngine:
         if self._active:
             raise RuntimeError("enter_generation called twice without exit_generation")
         module = self.trained.module
-        for fsdp in fsdp_modules(module):
-            fsdp.set_reshard_after_forward(False, recurse=False)
-            fsdp.unshard()
+        self.trained.unshard()
         _assign(self._generation, {n: module.get_parameter(n).detach() for n in self._names},
                 {n: module.get_buffer(n) for n in self._buffer_names})
         self._active = True
@@ -74,10 +72,5 @@ class SameLayoutHybridEngine:
         plain = self._generation
         _assign(plain, {n: torch.empty_like(plain.get_parameter(n), device="meta") for n in self._names},
                 {n: torch.empty_like(plain.get_buffer(n), device="meta") for n in self._buffer_names})
-        module = self.trained.module
-        layers = {id(layer) for layer in self.trained.layers}
-        for fsdp in fsdp_modules(module):
-            fsdp.reshard()
-            # FSDP's defaults: decoder layers reshard after forward, the root keeps its weights for backward.
-            fsdp.set_reshard_after_forward(id(fsdp) in layers, recurse=False)
+        self.trained.reshard()
         self._active = False

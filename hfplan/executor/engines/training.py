@@ -117,33 +117,46 @@ class TrainedModel:
             raise KeyError(f"update is missing batch fields {missing}")
         return {k: batch[k].to(self.device) for k in keys}
 
-    # Inference through the training module.
+    # Full weights on every rank, for inference and generation in the training layout.
+    def unshard(self) -> None:
+        """Gather every FSDP group's full weights (in the compute dtype) and keep them through forwards."""
+        for module in fsdp_modules(self.module):
+            module.set_reshard_after_forward(False, recurse=False)
+            module.unshard()
+
+    def reshard(self) -> None:
+        """Free the full weights; back to FSDP's training settings (decoder layers reshard after forward,
+        the root keeps its weights for the backward that follows)."""
+        layers = {id(layer) for layer in self.layers}
+        for module in fsdp_modules(self.module):
+            module.reshard()
+            module.set_reshard_after_forward(id(module) in layers, recurse=False)
+
     @contextlib.contextmanager
     def inference(self) -> Iterator[nn.Module]:
-        """The wrapped module in eval mode without grad; parameters are resharded afterwards."""
+        """The wrapped module in eval mode without grad, its weights gathered once for all micro-batches."""
         self.module.eval()
+        self.unshard()
         try:
             with torch.no_grad():
                 yield self.module
         finally:
-            for module in fsdp_modules(self.module):
-                module.reshard()
+            self.reshard()
             self.module.train()
 
     def log_probs(self, prompts: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor, *,
                   micro_batch: int) -> torch.Tensor:
         """The actor's log-probs of the response tokens at the sampling temperature, [B, R] float32."""
         with self.inference() as module:
-            return forward.token_log_probs(module, prompts.to(self.device), responses.to(self.device),
-                                           response_mask.to(self.device), self.pad_id, self.hp.temperature,
-                                           micro_batch=micro_batch)
+            return forward.token_log_probs(module, prompts, responses, response_mask, self.pad_id,
+                                           self.hp.temperature, micro_batch=micro_batch)
 
     def values(self, prompts: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor, *,
                micro_batch: int) -> torch.Tensor:
         """A critic's values of the response tokens, [B, R] float32."""
         with self.inference() as module:
-            return forward.token_values(module, prompts.to(self.device), responses.to(self.device),
-                                        response_mask.to(self.device), self.pad_id, micro_batch=micro_batch)
+            return forward.token_values(module, prompts, responses, response_mask, self.pad_id,
+                                        micro_batch=micro_batch)
 
     # Training.
     def _step(self, batch: Batch, micro_batch: int, micro_loss: MicroLoss) -> dict[str, float]:
