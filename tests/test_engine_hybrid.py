@@ -92,3 +92,30 @@ def test_generation_in_training_layout(builder, shard):
         assert out["moved"] > 1e-4
         assert out["continue_diff"] == 0
         assert out["second_diff"] == 0
+
+
+def _bf16(rank: int, world: int) -> dict:
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=MESH_DIMS)
+    trained = TrainedModel(qwen2_actor(), mesh, 1e-3, HP, "cpu", torch.bfloat16, pad_id=PAD, recompute=True)
+    engine = SameLayoutHybridEngine(trained)
+    batch = _batch(rank)
+    before = _full(trained.module)
+    metrics = trained.update_actor(batch, mini_batches=2, epochs=1, micro_batch=1, use_kl_loss=False)
+    log_probs = trained.log_probs(batch["prompts"], batch["responses"], batch["response_mask"], micro_batch=4)
+    gen = engine.enter_generation()
+    gen_dtypes = {str(p.dtype) for p in gen.parameters()}
+    engine.exit_generation()
+    after = _full(trained.module)
+    return {"metrics": metrics, "log_probs_dtype": str(log_probs.dtype), "gen_dtypes": gen_dtypes,
+            "master_dtypes": {str(p.dtype) for p in after.values()},
+            "moved": max((after[n] - before[n]).abs().max().item() for n in before)}
+
+
+@pytest.mark.slow
+def test_bf16_compute_keeps_fp32_master_weights():
+    """The GPU configuration (bf16 compute, fp32 reduce and master weights) on gloo."""
+    for out in run_world(_bf16, 2, timeout=120):
+        assert out["master_dtypes"] == {"torch.float32"} and out["gen_dtypes"] == {"torch.bfloat16"}
+        assert out["log_probs_dtype"] == "torch.float32"
+        assert all(torch.isfinite(torch.tensor(v)) for v in out["metrics"].values())
+        assert out["moved"] > 1e-4
