@@ -1,0 +1,120 @@
+"""Forward passes over joined prompt + response sequences (the layout of `hfplan.executor.sequences`).
+
+The differentiable per-micro-batch functions (`response_log_probs`, `response_values`) are what the
+training engine's losses are built on; the batched no-grad functions (`token_log_probs`,
+`token_values`, `sequence_scores`) are the inference calls, run in micro-batches of the plan's
+InferConfig.micro_batch. Outputs are float32 whatever the model's compute dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Literal, overload
+
+import torch
+from torch import nn
+
+from hfplan.executor import sequences
+from hfplan.executor.engines.losses import entropy_from_logits
+
+
+def _forward(model: nn.Module, joined: sequences.Joined, **kwargs) -> torch.Tensor:
+    out = model(input_ids=joined.input_ids, attention_mask=joined.attention_mask,
+                position_ids=joined.position_ids, use_cache=False, **kwargs)
+    return out.logits
+
+
+def response_log_probs(model: nn.Module, joined: sequences.Joined, responses: torch.Tensor, temperature: float,
+                       *, with_entropy: bool = False, entropy_grad: bool = True,
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log_softmax(logits / temperature) of each response token, [B, R] float32 (not masked), and the
+    per-token entropy of that distribution when asked. Keeps the graph when grad is enabled (for the
+    entropy only with `entropy_grad`: a metric-only entropy need not hold a [B, R, V] graph)."""
+    response_len = responses.shape[1]
+    # Only the logits of the last R + 1 positions are computed: that window starts at column P - 1,
+    # so inside it the response predictions are those of a one-token prompt.
+    logits = _forward(model, joined, logits_to_keep=response_len + 1)
+    logits = sequences.response_predictions(logits, 1, response_len).float() / temperature
+    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+            entropy = entropy_from_logits(logits)
+    return log_probs, entropy
+
+
+def response_values(model: nn.Module, joined: sequences.Joined, response_len: int) -> torch.Tensor:
+    """Scalar-head output at the position predicting each response token, [B, R] float32 (not masked)."""
+    per_position = _forward(model, joined).squeeze(-1)
+    return sequences.response_predictions(per_position, joined.prompt_len, response_len).float()
+
+
+def _on_model_device(model: nn.Module, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    device = next(model.parameters()).device
+    return [t.to(device) for t in tensors]
+
+
+def _micro_batches(size: int, micro_batch: int) -> Iterator[slice]:
+    if micro_batch < 1:
+        raise ValueError(f"micro_batch must be at least 1, got {micro_batch}")
+    for start in range(0, size, micro_batch):
+        yield slice(start, min(start + micro_batch, size))
+
+
+@overload
+def token_log_probs(model: nn.Module, prompts: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor,
+                    pad_id: int, temperature: float, *, micro_batch: int,
+                    with_entropy: Literal[False] = False) -> torch.Tensor: ...
+
+
+@overload
+def token_log_probs(model: nn.Module, prompts: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor,
+                    pad_id: int, temperature: float, *, micro_batch: int,
+                    with_entropy: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@torch.no_grad()
+def token_log_probs(model, prompts, responses, response_mask, pad_id, temperature, *, micro_batch,
+                    with_entropy=False):
+    """Log-probs of the response tokens at `temperature`, [B, R] float32 on the model's device, 0 where
+    the mask is 0; with `with_entropy`, also the per-token entropy (same layout) as a second tensor."""
+    prompts, responses, response_mask = _on_model_device(model, prompts, responses, response_mask)
+    log_probs, entropies = [], []
+    for part in _micro_batches(prompts.shape[0], micro_batch):
+        joined = sequences.join(prompts[part], responses[part], response_mask[part], pad_id)
+        lp, ent = response_log_probs(model, joined, responses[part], temperature, with_entropy=with_entropy)
+        keep = response_mask[part].bool()
+        log_probs.append(torch.where(keep, lp, 0.0))
+        if ent is not None:
+            entropies.append(torch.where(keep, ent, 0.0))
+    if with_entropy:
+        return torch.cat(log_probs), torch.cat(entropies)
+    return torch.cat(log_probs)
+
+
+@torch.no_grad()
+def token_values(model: nn.Module, prompts: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor,
+                 pad_id: int, *, micro_batch: int) -> torch.Tensor:
+    """A critic's value of the state before each response token, [B, R] float32, 0 where the mask is 0."""
+    prompts, responses, response_mask = _on_model_device(model, prompts, responses, response_mask)
+    values = []
+    for part in _micro_batches(prompts.shape[0], micro_batch):
+        joined = sequences.join(prompts[part], responses[part], response_mask[part], pad_id)
+        v = response_values(model, joined, responses.shape[1])
+        values.append(torch.where(response_mask[part].bool(), v, 0.0))
+    return torch.cat(values)
+
+
+@torch.no_grad()
+def sequence_scores(model: nn.Module, prompts: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor,
+                    pad_id: int, *, micro_batch: int) -> torch.Tensor:
+    """A reward or cost model's score of each sequence: scalar-head output at its last real token, [B]."""
+    prompts, responses, response_mask = _on_model_device(model, prompts, responses, response_mask)
+    scores = []
+    for part in _micro_batches(prompts.shape[0], micro_batch):
+        joined = sequences.join(prompts[part], responses[part], response_mask[part], pad_id)
+        per_position = _forward(model, joined).squeeze(-1).float()
+        last = sequences.last_token_index(joined)
+        scores.append(per_position.gather(1, last.unsqueeze(1)).squeeze(1))
+    return torch.cat(scores)

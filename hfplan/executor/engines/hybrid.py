@@ -1,0 +1,76 @@
+"""The hybrid engine: the actor switches between its training layout and a generation layout in one process.
+
+`HybridEngine` is the one interface the actor's role uses; layouts differ only in what happens
+inside `enter_generation` and `exit_generation`. This module has generation in the training layout:
+every rank gathers the full weights of its FSDP groups (its data-parallel group in the plan's
+training layout) and generates with them, with no weights moved between layouts.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from hfplan.executor.engines.training import TrainedModel, plain_class
+
+
+class HybridEngine(Protocol):
+    def enter_generation(self) -> nn.Module:
+        """A plain module (no FSDP, no DTensor) holding the full current weights, in eval mode, for a
+        rollout engine to generate with or load weights from. Valid until `exit_generation`."""
+        ...
+
+    def exit_generation(self) -> None:
+        """Back to the training layout; the memory of the generation weights is released."""
+        ...
+
+
+def _assign(target: nn.Module, tensors: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
+    """Point every parameter (tied names included) and buffer of `target` at the given tensors, without copies."""
+    for name, tensor in tensors.items():
+        owner, _, leaf = name.rpartition(".")
+        setattr(target.get_submodule(owner), leaf, nn.Parameter(tensor, requires_grad=False))
+    for name, tensor in buffers.items():
+        owner, _, leaf = name.rpartition(".")
+        target.get_submodule(owner)._buffers[leaf] = tensor
+
+
+class SameLayoutHybridEngine:
+    """Generation in the training layout, over a TrainedModel whose module is an HF model (has a config).
+
+    Entering unshards every FSDP group (all-gathers the full weights in the compute dtype) with
+    reshard-after-forward off, and exposes the gathered tensors through a second, plain module of the
+    same architecture built once on the meta device, so that it shares them instead of copying.
+    Exiting points that module back at meta tensors, reshards, and restores the training settings.
+    """
+
+    def __init__(self, trained: TrainedModel) -> None:
+        self.trained = trained
+        module = trained.module
+        with torch.device("meta"):
+            self._generation = plain_class(module)(module.config)
+        self._generation.eval().requires_grad_(False)
+        self._names = [n for n, _ in self._generation.named_parameters(remove_duplicate=False)]
+        self._buffer_names = [n for n, _ in self._generation.named_buffers(remove_duplicate=False)]
+        self._active = False
+
+    def enter_generation(self) -> nn.Module:
+        if self._active:
+            raise RuntimeError("enter_generation called twice without exit_generation")
+        module = self.trained.module
+        self.trained.unshard()
+        _assign(self._generation, {n: module.get_parameter(n).detach() for n in self._names},
+                {n: module.get_buffer(n) for n in self._buffer_names})
+        self._active = True
+        return self._generation
+
+    def exit_generation(self) -> None:
+        if not self._active:
+            raise RuntimeError("exit_generation called outside generation")
+        plain = self._generation
+        _assign(plain, {n: torch.empty_like(plain.get_parameter(n), device="meta") for n in self._names},
+                {n: torch.empty_like(plain.get_buffer(n), device="meta") for n in self._buffer_names})
+        self.trained.reshard()
+        self._active = False
