@@ -77,8 +77,8 @@ def execute(plan: Plan, options: ExecuteOptions,
     try:
         ray_session.start()
         check_capacity(plan, checked.device)
-        sets = start_sets(plan, checked.hyper, options.seed, checked.device, checked.backend,
-                          options.call_timeout_s, options.start_timeout_s)
+        start_sets(plan, checked.hyper, options.seed, checked.device, checked.backend, options.call_timeout_s,
+                   options.start_timeout_s, sets)
         recorder = Recorder(clock_offsets(sets, options.start_timeout_s))
         roles = _build_roles(plan, sets, recorder, checked, options.call_timeout_s)
         state = ControllerState(cfg=checked.hyper, samples_per_prompt=plan.workload.samples_per_prompt)

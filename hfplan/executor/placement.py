@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import uuid
 
 from hfplan.errors import HfplanError
 from hfplan.executor.errors import RunFailed
@@ -35,38 +36,38 @@ def check_capacity(plan: Plan, device: str) -> None:
 
 
 def start_sets(plan: Plan, hyper: Hyperparameters, seed: int, device: str, backend: str, timeout_s: float,
-               ready_timeout_s: float) -> list[WorkerSet]:
-    """Create every set's placement group and workers, join each set's torch.distributed world, and
-    measure each worker's clock against the controller's."""
+               ready_timeout_s: float, sets: list[WorkerSet]) -> None:
+    """Create every set's placement group and workers (appended to `sets` as they start, so that the
+    caller can stop what started when a later set fails) and join each set's torch.distributed world."""
     import ray
-    from ray.util.placement_group import placement_group
+    from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     remote_worker = ray.remote(SetWorker)
+    run_id = uuid.uuid4().hex[:8]  # worker names stay unique when runs share a Ray cluster
     plan_json, hyper_json = plan.model_dump_json(), hyper.model_dump_json()
-    sets: list[WorkerSet] = []
     for index, group in enumerate(plan.placement):
         strategy = "STRICT_PACK" if group.gpus <= plan.cluster.gpus_per_node else "PACK"
-        pg = placement_group([bundle(device)] * group.gpus, strategy=strategy, name=f"hfplan-set{index}")
+        pg = placement_group([bundle(device)] * group.gpus, strategy=strategy, name=f"hfplan-set{index}-{run_id}")
         try:
             ray.get(pg.ready(), timeout=ready_timeout_s)
         except ray.exceptions.GetTimeoutError:
+            remove_placement_group(pg)
             raise HfplanError(f"Ray could not place set {index} ({'+'.join(group.models)}, {group.gpus} devices, "
                               f"{strategy}) within {ready_timeout_s:.0f} s: not enough free resources") from None
         workers = []
         for rank in range(group.gpus):
             spec = WorkerSpec(plan_json, hyper_json, index, rank, group.gpus, seed, device, backend, timeout_s)
-            options = dict(num_cpus=1, num_gpus=1 if device == "cuda" else 0,
+            options = dict(num_cpus=1, num_gpus=1 if device == "cuda" else 0, name=f"set-{index}-rank-{rank}-{run_id}",
                            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank))
             workers.append(remote_worker.options(**options).remote(spec))
-        sets.append(WorkerSet(index, tuple(group.models), workers, _failure_namer(index, group.models, workers)))
+        sets.append(WorkerSet(index, tuple(group.models), workers, _failure_namer(index, group.models, workers), pg))
     setups = []
     for worker_set in sets:
         host, port = _get(worker_set, worker_set.workers[0].rendezvous_address.remote(), ready_timeout_s, "start")
         setups += [(worker_set, w.setup.remote(host, port)) for w in worker_set.workers]
     for worker_set, ref in setups:
         _get(worker_set, ref, ready_timeout_s, "setup")
-    return sets
 
 
 def clock_offsets(sets: list[WorkerSet], timeout_s: float) -> dict[tuple[int, int], float]:
@@ -121,6 +122,9 @@ def stop_sets(sets: list[WorkerSet], timeout_s: float = 10.0) -> None:
     closing = [w.close.remote() for s in sets for w in s.workers]
     with contextlib.suppress(Exception):  # workers already gone are fine at shutdown
         ray.get(closing, timeout=timeout_s)
+    from ray.util.placement_group import remove_placement_group
+
     for worker_set in sets:
         for worker in worker_set.workers:
             ray.kill(worker)
+        remove_placement_group(worker_set.placement_group)

@@ -135,6 +135,7 @@ class WorkerSet:
     roles: tuple[str, ...]
     workers: list
     describe_failure: Callable[[str, str, Exception], str]
+    placement_group: object = None
 
 
 class WorkerGroupRole:

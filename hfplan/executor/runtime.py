@@ -71,7 +71,13 @@ class RoleRuntime:
 
     def _forward(self, op: str, t: dict[str, torch.Tensor]) -> torch.Tensor:
         par = self.plan.parallelism[self.role].infer
-        args = (self.forward_module, t["prompts"], t["responses"], t["response_mask"], self.pad_id)
+        sequence = (t["prompts"], t["responses"], t["response_mask"])
+        if self.trained is not None:  # a trained role infers in its training layout, weights gathered once
+            if op == "log_prob":
+                return self.trained.log_probs(*sequence, micro_batch=par.micro_batch)
+            if op == "values":
+                return self.trained.values(*sequence, micro_batch=par.micro_batch)
+        args = (self.model, *sequence, self.pad_id)
         if op == "log_prob":
             return token_log_probs(*args, temperature=self.hyper.temperature, micro_batch=par.micro_batch)
         if op == "values":
@@ -149,7 +155,8 @@ def _build_role(role: str, plan: Plan, hyper: Hyperparameters, seed: int, device
     par = plan.parallelism[role]
     if role in TRAINED_ROLES:
         runtime.trained = TrainedModel(model, training_mesh(par.train, device.type), learning_rate(role, hyper),
-                                       hyper, device, torch.bfloat16 if on_gpu else torch.float32)
+                                       hyper, device, torch.bfloat16 if on_gpu else torch.float32,
+                                       pad_id=tokenizer.pad_token_id, recompute=par.train.recompute)
     else:
         model.eval()
         if on_gpu:

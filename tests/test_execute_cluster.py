@@ -1,0 +1,55 @@
+"""Sets land where the plan says on a multi-node Ray cluster (two simulated nodes on this machine)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from hfplan.executor.controller import ExecuteOptions, execute
+from tests.execute_support import ARITH_GRPO, cpu_plan, tiny_workload
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def two_node_cluster(tmp_path):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "resources": {"node_a": 2}, "include_dashboard": False, "_temp_dir": str(tmp_path / "ray"),
+        "node_ip_address": "127.0.0.1"})
+    cluster.add_node(num_cpus=2, resources={"node_b": 2}, node_ip_address="127.0.0.1")
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def test_each_set_is_packed_on_one_node(two_node_cluster, tmp_path):
+    import ray
+
+    plan = cpu_plan(tiny_workload("grpo", ARITH_GRPO), [(("actor",), 2), (("reference",), 2)])
+    plan = plan.model_copy(update={"cluster": plan.cluster.model_copy(update={"gpus_per_node": 2})})
+    placed: dict[int, set[str]] = {}
+
+    def on_iteration(report) -> None:
+        if placed:
+            return
+        from ray.util.state import list_actors
+
+        for actor in list_actors(filters=[("class_name", "=", "SetWorker"), ("state", "=", "ALIVE")]):
+            placed.setdefault(int(actor.name.split("-")[1]), set()).add(actor.node_id)
+
+    execute(plan, ExecuteOptions(iterations=1, out=tmp_path / "run", call_timeout_s=120, start_timeout_s=120),
+            on_iteration)
+    nodes = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+    assert len(nodes) == 2
+    assert set(placed) == {0, 1}
+    assert all(len(ids) == 1 for ids in placed.values()), placed
+    assert placed[0] != placed[1]
