@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
@@ -13,15 +14,19 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def two_node_cluster(tmp_path):
+def two_node_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    temp = tempfile.TemporaryDirectory(prefix="hfray-")  # short: Ray's socket paths must stay under 108 bytes
+    os.makedirs(os.path.join(temp.name, "ray"))
+    previous = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = temp.name  # where cluster_utils records the cluster's address
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "resources": {"node_a": 2}, "include_dashboard": False, "_temp_dir": str(tmp_path / "ray"),
+        "num_cpus": 2, "resources": {"node_a": 2}, "include_dashboard": False, "temp_dir": temp.name,
         "node_ip_address": "127.0.0.1"})
-    cluster.add_node(num_cpus=2, resources={"node_b": 2}, node_ip_address="127.0.0.1")
+    cluster.add_node(num_cpus=2, resources={"node_b": 2}, node_ip_address="127.0.0.1", temp_dir=temp.name)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
     try:
@@ -29,6 +34,11 @@ def two_node_cluster(tmp_path):
     finally:
         ray.shutdown()
         cluster.shutdown()
+        temp.cleanup()
+        if previous is None:
+            os.environ.pop("RAY_TMPDIR")
+        else:
+            os.environ["RAY_TMPDIR"] = previous
 
 
 def test_each_set_is_packed_on_one_node(two_node_cluster, tmp_path):
