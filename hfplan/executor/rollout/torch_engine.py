@@ -2,7 +2,8 @@
 
 One prefill over the left-padded prompts fills a KV cache preallocated for P + max_new_tokens
 columns; each decode step then runs one token per row through the layers, reading the weights the
-model holds (shared, never copied). The arithmetic follows the HF modules it replaces (RMSNorm in
+model holds (shared, not copied; sharded DTensor parameters are gathered whole). The model's train or
+eval mode does not matter: the loop has no dropout. The arithmetic follows the HF modules it replaces (RMSNorm in
 fp32, rotary tables from the model's own inverse frequencies, grouped-query attention, SwiGLU), so the
 log-probs it returns match a training-side forward over `sequences.join(...)`.
 """
@@ -156,6 +157,8 @@ class TorchRolloutEngine:
     def generate(
         self, prompts: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
     ) -> Rollout:
+        """Sample `params.n` responses per row of `prompts` [B, P] (left-padded); `generator`, if given,
+        lives on the model's device and makes sampling reproducible."""
         w = self._w
         if prompts.dim() != 2 or prompts.dtype != torch.long:
             raise ValueError(f"prompts must be a [B, P] long tensor, got {tuple(prompts.shape)} {prompts.dtype}")
