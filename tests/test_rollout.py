@@ -167,6 +167,9 @@ def test_load_weights_shares_the_model_tensors(model, tmp_path):
     hf = other.generate(input_ids=prompts, attention_mask=(prompts != PAD).long(), max_new_tokens=5,
                         min_new_tokens=5, do_sample=False, pad_token_id=PAD, use_cache=True)
     assert torch.equal(swapped.responses, hf[:, prompts.shape[1]:])
+    engine.release_weights()
+    with pytest.raises(RuntimeError, match="load_weights"):
+        engine.generate(prompts, params)
 
 
 def test_top_p_keeps_the_smallest_set_reaching_the_mass():

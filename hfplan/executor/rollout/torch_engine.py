@@ -151,7 +151,12 @@ class TorchRolloutEngine:
         self.load_weights(model)
 
     def load_weights(self, model: torch.nn.Module) -> None:
-        self._w = _Weights.of(model)
+        self._w: _Weights | None = _Weights.of(model)
+
+    def release_weights(self) -> None:
+        """Drop the engine's hold on the weights: frees gathered copies of sharded parameters (ZeRO-3
+        keeps its memory savings while training); the next `generate` needs `load_weights` first."""
+        self._w = None
 
     @torch.inference_mode()
     def generate(
@@ -160,6 +165,8 @@ class TorchRolloutEngine:
         """Sample `params.n` responses per row of `prompts` [B, P] (left-padded); `generator`, if given,
         lives on the model's device and makes sampling reproducible."""
         w = self._w
+        if w is None:
+            raise RuntimeError("the rollout engine holds no weights: call load_weights(model) first")
         if prompts.dim() != 2 or prompts.dtype != torch.long:
             raise ValueError(f"prompts must be a [B, P] long tensor, got {tuple(prompts.shape)} {prompts.dtype}")
         device = w.embed.device
