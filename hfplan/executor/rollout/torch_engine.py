@@ -179,7 +179,9 @@ class TorchRolloutEngine:
 
         prompt_mask = prompts != self.pad_id
         cos, sin = self._rope_tables(total, device)
-        cache = w.embed.new_empty((len(w.layers), 2, rows, w.kv_heads, total, w.head_dim))
+        # One allocation; each layer keeps (keys, values) views of [B, KV, P+R, D].
+        storage = w.embed.new_empty((len(w.layers), 2, rows, w.kv_heads, total, w.head_dim))
+        cache = [(storage[i, 0], storage[i, 1]) for i in range(len(w.layers))]
         # Prefill: causal over real prompt tokens; a padded query also sees itself, so no row is empty.
         columns = torch.arange(prompt_len, device=device)
         allowed = (columns[None, :] <= columns[:, None])[None] & prompt_mask[:, None, :]
@@ -224,7 +226,8 @@ class TorchRolloutEngine:
         return cos.to(w.embed.dtype), signed_sin.to(w.embed.dtype)
 
     def _forward(
-        self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor, start: int,
+        self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        cache: list[tuple[torch.Tensor, torch.Tensor]], start: int,
         mask: torch.Tensor,
     ) -> torch.Tensor:
         """Run `tokens` [B, T] (cache columns start..start+T-1; rotary tables cos, sin [B, T, D]) through the
@@ -235,18 +238,17 @@ class TorchRolloutEngine:
         half = w.head_dim // 2
         cos, sin = cos[:, None], sin[:, None]
         h = F.embedding(tokens.reshape(-1), w.embed)  # [B*T, hidden]: 2-D matmuls are the cheapest on CPU
-        for index, layer in enumerate(w.layers):
+        for layer, (keys, values) in zip(w.layers, cache, strict=True):
             x = layer.attn_norm(h)
             q = layer.q(x).view(rows, length, w.heads, w.head_dim).transpose(1, 2)
             k = layer.k(x).view(rows, length, w.kv_heads, w.head_dim).transpose(1, 2)
             v = layer.v(x).view(rows, length, w.kv_heads, w.head_dim).transpose(1, 2)
             q = q * cos + q.roll(half, dims=-1) * sin
             k = k * cos + k.roll(half, dims=-1) * sin
-            keys, values = cache[index, 0], cache[index, 1]
-            keys[:, :, start:end] = k
-            values[:, :, start:end] = v
+            keys.narrow(2, start, length).copy_(k)
+            values.narrow(2, start, length).copy_(v)
             attn = F.scaled_dot_product_attention(
-                q, keys[:, :, :end], values[:, :, :end], attn_mask=mask, scale=w.scaling,
+                q, keys.narrow(2, 0, end), values.narrow(2, 0, end), attn_mask=mask, scale=w.scaling,
                 enable_gqa=w.heads != w.kv_heads,
             )
             h = h + layer.o(attn.transpose(1, 2).reshape(rows * length, -1))
