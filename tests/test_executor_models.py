@@ -89,6 +89,16 @@ def test_a_saved_tokenizer_folder_is_loaded_as_the_checkpoint_tokenizer(tmp_path
         "input_ids"]
 
 
+def test_a_checkpoint_tokenizer_without_pad_pads_with_an_existing_token(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    backend = build_tokenizer("tiny").backend_tokenizer
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>").save_pretrained(tmp_path)
+    loaded = build_tokenizer(str(tmp_path))
+    assert loaded.pad_token_id == loaded.eos_token_id == backend.token_to_id("<eos>")  # no unk either: eos
+    assert len(loaded) == 260 and loaded.padding_side == "left"
+
+
 def test_encode_prompts_left_pads_and_keeps_the_last_tokens():
     tok = build_tokenizer("tiny-arith")
     word = tok.convert_tokens_to_ids

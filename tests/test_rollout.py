@@ -44,13 +44,13 @@ def model(request, tmp_path_factory):
     return built
 
 
-def uneven_prompts(rows: int = 4, width: int = 7, seed: int = 0) -> torch.Tensor:
+def uneven_prompts(rows: int = 4, width: int = 7, seed: int = 0, vocab: int = 300) -> torch.Tensor:
     """Left-padded prompts of lengths 1 (just a BOS), then longer ones, up to the full width."""
     gen = torch.Generator().manual_seed(seed)
     prompts = torch.full((rows, width), PAD)
     for i in range(rows):
         length = 1 + i * (width - 1) // max(rows - 1, 1)
-        prompts[i, width - length:] = torch.randint(3, 300, (length,), generator=gen)
+        prompts[i, width - length:] = torch.randint(3, vocab, (length,), generator=gen)
         prompts[i, width - length] = 1
     return prompts
 
@@ -167,6 +167,9 @@ def test_load_weights_shares_the_model_tensors(model, tmp_path):
     hf = other.generate(input_ids=prompts, attention_mask=(prompts != PAD).long(), max_new_tokens=5,
                         min_new_tokens=5, do_sample=False, pad_token_id=PAD, use_cache=True)
     assert torch.equal(swapped.responses, hf[:, prompts.shape[1]:])
+    engine.release_weights()
+    with pytest.raises(RuntimeError, match="load_weights"):
+        engine.generate(prompts, params)
 
 
 def test_top_p_keeps_the_smallest_set_reaching_the_mass():
@@ -218,3 +221,39 @@ def test_sequences_past_a_sliding_window_are_refused(tmp_path):
     engine.generate(uneven_prompts(rows=2, width=4), SamplingParams(max_new_tokens=4, greedy=True))
     with pytest.raises(HfplanError, match="sliding window"):
         engine.generate(uneven_prompts(rows=2, width=4), SamplingParams(max_new_tokens=5, greedy=True))
+
+
+def test_bf16_log_probs_stay_close_to_a_bf16_training_forward():
+    model = build_model("tiny", "lm", seed=0, dtype=torch.bfloat16).eval()
+    prompts = uneven_prompts(rows=4, seed=8, vocab=260)
+    params = SamplingParams(max_new_tokens=8, temperature=0.8)
+    rollout = TorchRolloutEngine(model, PAD, eos_id=-1).generate(prompts, params, torch.Generator().manual_seed(0))
+    assert rollout.log_probs.dtype == torch.float32 and rollout.response_mask.dtype == torch.float32
+    expected = training_log_probs(model, rollout, params.temperature)
+    # bf16 keeps 8 bits of mantissa: logits of a few units round at the 1e-2 level, not 1e-5.
+    torch.testing.assert_close(rollout.log_probs, expected.float(), atol=5e-2, rtol=0)
+
+
+def test_fsdp2_sharded_parameters_are_gathered(tmp_path):
+    dist = pytest.importorskip("torch.distributed")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    model = build_model("tiny", "lm", seed=0)
+    prompts = uneven_prompts(rows=3, seed=9, vocab=260)
+    params = SamplingParams(max_new_tokens=6, greedy=True)
+    plain = TorchRolloutEngine(model, PAD, eos_id=-1).generate(prompts, params)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        assert hasattr(model.model.layers[0].self_attn.q_proj.weight, "full_tensor")  # parameters are DTensors
+        sharded = TorchRolloutEngine(model, PAD, eos_id=-1).generate(prompts, params)
+    finally:
+        dist.destroy_process_group()
+    assert torch.equal(sharded.responses, plain.responses)
+    torch.testing.assert_close(sharded.log_probs, plain.log_probs, atol=1e-6, rtol=0)

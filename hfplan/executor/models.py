@@ -28,6 +28,7 @@ from transformers import (
 )
 
 from hfplan.errors import HfplanError
+from hfplan.executor.tokenizers import build_tokenizer
 from hfplan.profiles.models import ModelArch, resolve_model
 
 Head = Literal["lm", "scalar"]
@@ -67,11 +68,7 @@ def _model_type(data: dict) -> str:
 
 
 def _catalog_config(arch: ModelArch) -> PretrainedConfig:
-    # Token ids of the tokenizer built for catalog models (hfplan.executor.tokenizers); imported here to
-    # keep one home for them.
-    from hfplan.executor.tokenizers import build_tokenizer
-
-    tokenizer = build_tokenizer(arch.name)
+    tokenizer = build_tokenizer(arch.name)  # its special ids go into the config (save_pretrained, generate)
     common = dict(
         vocab_size=arch.vocab, hidden_size=arch.hidden, intermediate_size=arch.ffn,
         num_hidden_layers=arch.layers, num_attention_heads=arch.heads, num_key_value_heads=arch.kv_heads,

@@ -2,7 +2,8 @@
 
 One prefill over the left-padded prompts fills a KV cache preallocated for P + max_new_tokens
 columns; each decode step then runs one token per row through the layers, reading the weights the
-model holds (shared, never copied). The arithmetic follows the HF modules it replaces (RMSNorm in
+model holds (shared, not copied; sharded DTensor parameters are gathered whole). The model's train or
+eval mode does not matter: the loop has no dropout. The arithmetic follows the HF modules it replaces (RMSNorm in
 fp32, rotary tables from the model's own inverse frequencies, grouped-query attention, SwiGLU), so the
 log-probs it returns match a training-side forward over `sequences.join(...)`.
 """
@@ -150,13 +151,22 @@ class TorchRolloutEngine:
         self.load_weights(model)
 
     def load_weights(self, model: torch.nn.Module) -> None:
-        self._w = _Weights.of(model)
+        self._w: _Weights | None = _Weights.of(model)
+
+    def release_weights(self) -> None:
+        """Drop the engine's hold on the weights: frees gathered copies of sharded parameters (ZeRO-3
+        keeps its memory savings while training); the next `generate` needs `load_weights` first."""
+        self._w = None
 
     @torch.inference_mode()
     def generate(
         self, prompts: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
     ) -> Rollout:
+        """Sample `params.n` responses per row of `prompts` [B, P] (left-padded); `generator`, if given,
+        lives on the model's device and makes sampling reproducible."""
         w = self._w
+        if w is None:
+            raise RuntimeError("the rollout engine holds no weights: call load_weights(model) first")
         if prompts.dim() != 2 or prompts.dtype != torch.long:
             raise ValueError(f"prompts must be a [B, P] long tensor, got {tuple(prompts.shape)} {prompts.dtype}")
         device = w.embed.device
@@ -169,7 +179,9 @@ class TorchRolloutEngine:
 
         prompt_mask = prompts != self.pad_id
         cos, sin = self._rope_tables(total, device)
-        cache = w.embed.new_empty((len(w.layers), 2, rows, w.kv_heads, total, w.head_dim))
+        # One allocation; each layer keeps (keys, values) views of [B, KV, P+R, D].
+        storage = w.embed.new_empty((len(w.layers), 2, rows, w.kv_heads, total, w.head_dim))
+        cache = [(storage[i, 0], storage[i, 1]) for i in range(len(w.layers))]
         # Prefill: causal over real prompt tokens; a padded query also sees itself, so no row is empty.
         columns = torch.arange(prompt_len, device=device)
         allowed = (columns[None, :] <= columns[:, None])[None] & prompt_mask[:, None, :]
@@ -214,7 +226,8 @@ class TorchRolloutEngine:
         return cos.to(w.embed.dtype), signed_sin.to(w.embed.dtype)
 
     def _forward(
-        self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor, start: int,
+        self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        cache: list[tuple[torch.Tensor, torch.Tensor]], start: int,
         mask: torch.Tensor,
     ) -> torch.Tensor:
         """Run `tokens` [B, T] (cache columns start..start+T-1; rotary tables cos, sin [B, T, D]) through the
@@ -225,18 +238,17 @@ class TorchRolloutEngine:
         half = w.head_dim // 2
         cos, sin = cos[:, None], sin[:, None]
         h = F.embedding(tokens.reshape(-1), w.embed)  # [B*T, hidden]: 2-D matmuls are the cheapest on CPU
-        for index, layer in enumerate(w.layers):
+        for layer, (keys, values) in zip(w.layers, cache, strict=True):
             x = layer.attn_norm(h)
             q = layer.q(x).view(rows, length, w.heads, w.head_dim).transpose(1, 2)
             k = layer.k(x).view(rows, length, w.kv_heads, w.head_dim).transpose(1, 2)
             v = layer.v(x).view(rows, length, w.kv_heads, w.head_dim).transpose(1, 2)
             q = q * cos + q.roll(half, dims=-1) * sin
             k = k * cos + k.roll(half, dims=-1) * sin
-            keys, values = cache[index, 0], cache[index, 1]
-            keys[:, :, start:end] = k
-            values[:, :, start:end] = v
+            keys.narrow(2, start, length).copy_(k)
+            values.narrow(2, start, length).copy_(v)
             attn = F.scaled_dot_product_attention(
-                q, keys[:, :, :end], values[:, :, :end], attn_mask=mask, scale=w.scaling,
+                q, keys.narrow(2, 0, end), values.narrow(2, 0, end), attn_mask=mask, scale=w.scaling,
                 enable_gqa=w.heads != w.kv_heads,
             )
             h = h + layer.o(attn.transpose(1, 2).reshape(rows * length, -1))
