@@ -111,6 +111,7 @@ class RoleRuntime:
         spans.append(Timed("generate", "compute", start, time.time()))
         if self.hybrid is not None:
             start = time.time()
+            self.engine.release_weights()
             self.hybrid.exit_generation()
             spans.append(Timed("generate", "transition", start, time.time()))
         return {"prompts": rollout.prompts.cpu().numpy(), "responses": rollout.responses.cpu().numpy(),
