@@ -28,7 +28,7 @@ out="$out_dir/$name.yaml"
 if hfplan profile --help >/dev/null 2>&1; then
     profile=(hfplan profile)
 else  # the command not registered in this checkout's CLI yet: run it through a one-command typer app
-    profile=("$py" -c 'import typer; from hfplan.profiles.profiler.command import profile_command; typer.run(profile_command)')
+    profile=("$py" -c 'import typer; from hfplan.profiler.command import profile_command; typer.run(profile_command)')
 fi
 
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version \

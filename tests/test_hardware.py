@@ -90,7 +90,7 @@ def test_top_level_must_be_a_mapping(tmp_path):
     ("path", "field"),
     [
         (("compute", "peak_tflops"), "compute.peak_tflops"),
-        (("memory", "bandwidth_gbps"), "memory.bandwidth_gbps"),
+        (("memory", "bandwidth_gbytes_per_s"), "memory.bandwidth_gbytes_per_s"),
         (("links", "inter_node"), "links.inter_node"),
         (("gpus_per_node",), "gpus_per_node"),
     ],

@@ -19,11 +19,12 @@ from hfplan.spec import (
 )
 
 PPO_ROLES = {"actor": "tiny", "critic": "tiny", "reference": "tiny", "reward": "tiny"}
+SHORT = {"prompt_len": 64, "response_len": 64}  # within tiny's 256-token context
 REAL_MODELS = sorted(m for m in CATALOG if m not in DEMO_MODELS)
 
 
 def _ppo(**fields) -> dict:
-    return {"algorithm": "ppo", "models": dict(PPO_ROLES)} | fields
+    return {"algorithm": "ppo", "models": dict(PPO_ROLES)} | SHORT | fields
 
 
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHM_ROLES))
@@ -103,15 +104,16 @@ def test_role_validation(data, needle):
 def test_safe_rlhf_needs_cost_and_cost_critic():
     models = dict(PPO_ROLES)
     with pytest.raises(HfplanError, match="'cost'"):
-        workload_from_dict({"algorithm": "safe-rlhf", "models": models}, "test")
+        workload_from_dict({"algorithm": "safe-rlhf", "models": models} | SHORT, "test")
     full = models | {"cost": "tiny", "cost_critic": "tiny"}
-    assert workload_from_dict({"algorithm": "safe-rlhf", "models": full}, "test").roles[-2:] == ("cost", "cost_critic")
+    workload = workload_from_dict({"algorithm": "safe-rlhf", "models": full} | SHORT, "test")
+    assert workload.roles[-2:] == ("cost", "cost_critic")
 
 
 def test_grpo_mini_batches_divide_responses_not_prompts():
     # 6 prompts x 2 responses = 12 sequences: 4 mini-batches divide 12, though not 6.
     data = {"algorithm": "grpo", "models": {"actor": "tiny", "reference": "tiny", "reward": "tiny"},
-            "batch_prompts": 6, "samples_per_prompt": 2, "mini_batches": 4}
+            "batch_prompts": 6, "samples_per_prompt": 2, "mini_batches": 4} | SHORT
     assert workload_from_dict(data, "test").sequences == 12
 
 
