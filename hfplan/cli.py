@@ -259,15 +259,18 @@ def seconds(value: float) -> str:
 
 def display_name(ref: str) -> str:
     """A built-in name as it is; a file (workload, config.json, profile) by its name without folders."""
+    if "/" not in ref and not ref.endswith((".yaml", ".yml", ".json")):
+        return ref  # built-in names may hold dots: qwen2.5-7b
     path = Path(ref)
-    if "/" not in ref and not path.suffix:
-        return ref
     return path.parent.name if path.name == "config.json" else path.stem
 
 
-def _plan_columns(table: Table, first: str, width: int) -> None:
-    table.add_column(first, justify="right" if first == "#" else "left", no_wrap=True, min_width=width)
-    table.add_column("placement (GPUs, peak memory per GPU)", overflow="fold")
+def _plan_columns(table: Table, first: str, width: int = 0) -> None:
+    if first == "#":
+        table.add_column(first, justify="right", no_wrap=True, min_width=width)
+        table.add_column("placement (GPUs, peak memory per GPU)", overflow="fold")
+    else:
+        table.add_column(f"{first}: placement (GPUs, peak memory per GPU)", overflow="fold", min_width=width)
     table.add_column("parallelism", overflow="fold")
     for column in ("iteration s", "tokens/s"):
         table.add_column(column, justify="right", no_wrap=True)
@@ -289,15 +292,20 @@ def _plan_cells(plan) -> tuple[str, str, str, str]:
 
 
 def render_comparison(best, comparison) -> None:
-    table = Table(title="other systems' mappings, on the same simulator", show_edge=False)
+    """Each system's best mapping within its rules, in the columns of the top plans (the system's name heads
+    its placement), with hfplan's speedup over it; or why nothing fits within its rules."""
+    table = Table(title="other systems' mappings, on the same simulator, and hfplan's speedup over each",
+                  show_edge=False)
     _plan_columns(table, "system", max(len(item.baseline.name) for item in comparison))
-    table.add_column("hfplan speedup", justify="right")
+    table.add_column("speedup", justify="right", no_wrap=True)
     for item in comparison:
+        name = f"[bold]{escape(item.baseline.name)}[/]"
         if item.plan is None:
-            table.add_row(item.baseline.name, "-", f"does not fit: {item.reason}", "-", "-", "-")
+            table.add_row(f"{name}\ndoes not fit", escape(item.reason), "-", "-", "-")
             continue
+        placement, layouts, iteration, tokens = _plan_cells(item.plan)
         speedup = item.plan.estimate.iteration_s / best.estimate.iteration_s
-        table.add_row(item.baseline.name, *_plan_cells(item.plan), f"{speedup:.2f}x")
+        table.add_row(f"{name}\n{placement}", layouts, iteration, tokens, f"{speedup:.2f}x")
     console.print(table)
     for item in comparison:
         console.print(f"{item.baseline.name}: {item.baseline.description}", style="dim", highlight=False)

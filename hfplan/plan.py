@@ -200,7 +200,10 @@ def plan_from_dict(data: object, source: str) -> Plan:
         plan = Plan.model_validate(data)
     except ValidationError as bad:
         raise HfplanError(f"plan {source}: {describe_validation_error(bad)}") from None
-    plan.workload.check_models()
+    try:
+        plan.workload.check_models()
+    except HfplanError as error:
+        raise HfplanError(f"plan {source}: workload: {error}") from None
     plan.cluster.profile  # noqa: B018 - load the hardware profile now so a bad name fails here
     return plan
 
