@@ -109,7 +109,7 @@ def test_search_csv_accounts_for_every_allocation_with_status_and_reason(default
 
 def table_rows(lines: list[str], first: str = r"\d+") -> list[list[list[str]]]:
     """The rows of a rich table whose first cell matches `first`: each row a list of cells, each cell its lines
-    (a row goes on over the following lines whose first cell is empty)."""
+    (a row goes on over the following lines of the table)."""
     rows: list[list[list[str]]] = []
     for line in lines:
         if "│" not in line:
@@ -118,7 +118,7 @@ def table_rows(lines: list[str], first: str = r"\d+") -> list[list[list[str]]]:
         cells = [cell.strip() for cell in line.split("│")]
         if re.fullmatch(first, cells[0]):
             rows.append([[cell] if cell else [] for cell in cells])
-        elif not cells[0] and rows and rows[-1] is not None:
+        elif rows and rows[-1] is not None:
             for cell, more in zip(rows[-1], cells, strict=True):
                 if more:
                     cell.append(more)
@@ -152,12 +152,13 @@ def test_search_prints_the_top_table_and_the_comparison(default_run):
     for item in compare(plan.workload, make_cluster(16, "a100-80g")):
         row = systems[item.baseline.name]
         if item.plan is None:
-            assert " ".join(row[2]).startswith("does not fit: ")
+            assert row[0] == [item.baseline.name, "does not fit"] and row[1] == [item.reason]
             continue
-        assert row[1] == placement_lines(item.plan)  # its placement and layouts, like hfplan's rows
-        assert row[2] == [f"{role}: {describe_role(par)}" for role, par in item.plan.parallelism.items()]
-        assert row[3] == [f"{item.iteration_s:.2f}"]
-        assert row[5] == [f"{item.iteration_s / plan.estimate.iteration_s:.2f}x"]
+        # under its name, its placement; then its layouts, like hfplan's rows
+        assert row[0] == [item.baseline.name, *placement_lines(item.plan)]
+        assert row[1] == [f"{role}: {describe_role(par)}" for role, par in item.plan.parallelism.items()]
+        assert row[2] == [f"{item.iteration_s:.2f}"]
+        assert row[4] == [f"{item.iteration_s / plan.estimate.iteration_s:.2f}x"]
         assert f"{item.baseline.name}: {item.baseline.description}" in " ".join(text.split())
     assert "searched 15 placements" in text
     assert PARALLELISM_LEGEND in " ".join(text.split())
