@@ -175,6 +175,7 @@ def test_gantt_leaves_off_labels_that_do_not_fit_and_zero_length_bars():
     svg = page.decode()
     assert svg.count("<rect") == 3  # the transfer is not drawn
     assert "actor.generate-&gt;controller.gae" not in svg
+    assert ">controller</text>" not in svg  # nothing visible on the controller's row: no row
     labels = re.findall(r'text-anchor="middle">([^<]+)</text>', svg)
     assert "actor.generate" in labels and "actor.update" in labels
     assert "critic.values" not in labels  # no room in its bar ...

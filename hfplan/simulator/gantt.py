@@ -1,8 +1,8 @@
 """Gantt chart of a timeline: one row per placement set (and the controller), one bar per call,
 coloured by phase; resharding and transfers drawn hatched so they stand out. PNG via matplotlib
 (Agg, no display needed) or a self-contained HTML page with an inline SVG. A bar too short to see at the
-chart's width is not drawn, and a label that does not fit inside its bar is left off (the HTML page keeps
-every call as a tooltip)."""
+chart's width is not drawn (nor the controller's row when nothing on it is), and a label that does not fit
+inside its bar is left off (the HTML page still shows it as the bar's tooltip)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def _colour(span: Span) -> str:
 
 
 def _rows(spans: Sequence[Span], set_labels: Sequence[str]) -> list[tuple[int, str]]:
-    """(set index, label) for each row, top to bottom; the controller row only if it has spans."""
+    """(set index, label) for each row, top to bottom; the controller row only if it has spans drawn."""
     rows = [(i, label) for i, label in enumerate(set_labels)]
     if any(s.set < 0 for s in spans):
         rows.append((-1, "controller"))
@@ -70,14 +70,23 @@ def _png(spans: Sequence[Span], set_labels: Sequence[str], title: str) -> bytes:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    rows = _rows(spans, set_labels)
-    y_of = {index: len(rows) - 1 - k for k, (index, _) in enumerate(rows)}
     end = max((s.end for s in spans), default=1.0) or 1.0
+    drawn = _drawn(spans, end)
+    rows = _rows(drawn, set_labels)
+    y_of = {index: len(rows) - 1 - k for k, (index, _) in enumerate(rows)}
     dpi, font_pt = 120, 7
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.8 * len(rows)))
-    fig.tight_layout()  # the axes' final width, to know which labels fit their bars
+    ax.set_yticks([y_of[i] for i, _ in rows], [label for _, label in rows], fontsize=8)
+    ax.set_ylim(-0.6, len(rows) - 0.4)
+    ax.set_xlim(0, end * 1.01)
+    ax.set_xlabel("seconds")
+    ax.set_title(title, fontsize=10)
+    legend = [Patch(facecolor=c, label=p) for p, c in PHASE_COLOURS.items()]
+    legend += [Patch(facecolor=c, hatch="//", label=k) for k, c in KIND_COLOURS.items()]
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=5, fontsize=8, frameon=False)
+    fig.tight_layout()  # the axes' final width, to know which labels fit inside their bars
     axes_px = ax.get_position().width * fig.get_figwidth() * dpi
-    for span in _drawn(spans, end):
+    for span in drawn:
         width = span.end - span.start
         hatch = "//" if span.kind != "compute" else None
         ax.broken_barh([(span.start, width)], (y_of[span.set] - 0.4, 0.8), facecolors=_colour(span),
@@ -86,14 +95,6 @@ def _png(spans: Sequence[Span], set_labels: Sequence[str], title: str) -> bytes:
         if _fits(label, width / (end * 1.01) * axes_px, font_pt * dpi / 72):
             ax.text(span.start + width / 2, y_of[span.set], label, ha="center", va="center", fontsize=font_pt,
                     clip_on=True)
-    ax.set_yticks([y_of[i] for i, _ in rows], [label for _, label in rows], fontsize=8)
-    ax.set_xlim(0, end * 1.01)
-    ax.set_xlabel("seconds")
-    ax.set_title(title, fontsize=10)
-    legend = [Patch(facecolor=c, label=p) for p, c in PHASE_COLOURS.items()]
-    legend += [Patch(facecolor=c, hatch="//", label=k) for k, c in KIND_COLOURS.items()]
-    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=5, fontsize=8, frameon=False)
-    fig.tight_layout()
     buffer = io.BytesIO()
     try:
         fig.savefig(buffer, format="png", dpi=dpi)
@@ -103,16 +104,17 @@ def _png(spans: Sequence[Span], set_labels: Sequence[str], title: str) -> bytes:
 
 
 def _html(spans: Sequence[Span], set_labels: Sequence[str], title: str) -> str:
-    rows = _rows(spans, set_labels)
-    row_of = {index: k for k, (index, _) in enumerate(rows)}
     end = max((s.end for s in spans), default=1.0) or 1.0
+    drawn = _drawn(spans, end)
+    rows = _rows(drawn, set_labels)
+    row_of = {index: k for k, (index, _) in enumerate(rows)}
     left, width, row_h, font_px = 260, CHART_PX, 34, 11
     height = row_h * len(rows) + 40
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 20}" height="{height}" '
              f'font-family="sans-serif" font-size="{font_px}">']
     for k, (_, label) in enumerate(rows):
         parts.append(f'<text x="4" y="{k * row_h + 22}">{html.escape(label)}</text>')
-    for span in _drawn(spans, end):
+    for span in drawn:
         x = left + span.start / end * width
         w = max(1.0, (span.end - span.start) / end * width)
         y = row_of[span.set] * row_h + 4
