@@ -130,15 +130,14 @@ def simulate(
                                                          "half a millisecond)")] = False,
 ) -> None:
     """Simulate one iteration of a plan: timeline of calls, stage times, iteration time, memory."""
-    from hfplan.files import check_writable, write_outputs
+    from hfplan.files import check_outputs, write_outputs
     from hfplan.plan import load_plan
     from hfplan.simulator.engine import simulate_plan
     from hfplan.simulator.gantt import check_timeline_path, timeline_chart
 
     if timeline is not None:
         check_timeline_path(timeline)
-    if out is not None:
-        check_writable(out, "--out")
+    check_outputs([(timeline, "--timeline"), (out, "--out")])
     plan = load_plan(plan_path)
     result = simulate_plan(plan)
     outputs = []
@@ -174,14 +173,12 @@ def search(
     """Search placements and parallelism for the fastest RLHF iteration; write the best plan."""
     import os
 
-    from hfplan.files import check_writable, write_outputs
+    from hfplan.files import check_outputs, write_outputs
     from hfplan.planner.report import candidates_frame, status_counts
     from hfplan.planner.search import search as run_search
     from hfplan.spec import load_workload, make_cluster
 
-    check_writable(out, "--out")
-    if csv is not None:
-        check_writable(csv, "--csv")
+    check_outputs([(out, "--out"), (csv, "--csv")])
     spec = load_workload(workload)
     cluster = make_cluster(gpus, hardware, gpus_per_node)
     jobs = jobs or os.cpu_count() or 1

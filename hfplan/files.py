@@ -57,6 +57,19 @@ def check_writable(path: Path, what: str) -> None:
     os.unlink(probe)
 
 
+def check_outputs(outputs: Sequence[tuple[Path | None, str]]) -> None:
+    """check_writable for each (path, option) given (None: not asked for), and no two naming one file."""
+    given = [(path, what) for path, what in outputs if path is not None]
+    for path, what in given:
+        check_writable(path, what)
+    seen: dict[str, str] = {}
+    for path, what in given:
+        target = os.path.realpath(path)
+        if target in seen:
+            raise HfplanError(f"{seen[target]} and {what} name the same file ({path}); give each output its own")
+        seen[target] = what
+
+
 def _stage(target: Path, label: str, data: str | bytes) -> str:
     """Write `data` to a new temporary file beside `target`, with ordinary permissions; return its path."""
     try:

@@ -90,6 +90,16 @@ def test_search_out_to_a_device_leaves_it_a_device():
     assert Path("/dev/full").is_char_device()
 
 
+def test_two_outputs_naming_one_file_are_refused_before_any_work(tmp_path):
+    out = tmp_path / "best.json"
+    assert_user_error(_search("--out", out, "--csv", tmp_path / "." / "best.json"),
+                      "--out and --csv name the same file")
+    assert not out.exists()
+    chart = tmp_path / "chart.html"
+    assert_user_error(invoke("simulate", tmp_path / "no-plan.json", "--timeline", chart, "--out", chart),
+                      "--timeline and --out name the same file")
+
+
 def test_search_through_a_symlink_writes_its_target(tmp_path):
     target = tmp_path / "plans" / "mine.json"
     target.parent.mkdir()

@@ -51,12 +51,11 @@ def default_name(device_name: str, kind: str) -> str:
 
 
 def check_out(out: Path) -> None:
-    from hfplan.files import check_writable
+    from hfplan.files import check_outputs
 
     if out.suffix not in (".yaml", ".yml"):
         raise HfplanError(f"--out {out}: the profile is a .yaml file")
-    check_writable(out, "--out")
-    check_writable(out.with_suffix(".csv"), "--out (its raw measurements)")
+    check_outputs([(out, "--out"), (out.with_suffix(".csv"), "--out's raw measurements")])
 
 
 def profile_machine(device: str | None, world_size: int | None, model: str, quick: bool, out: Path | None,
