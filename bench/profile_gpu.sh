@@ -25,10 +25,10 @@ n = torch.cuda.get_device_name(0).lower().replace("nvidia", "")
 print(re.sub(r"[^a-z0-9]+", "-", n).strip("-") + "-measured")')"
 out="$out_dir/$name.yaml"
 
-if hfplan profile --help >/dev/null 2>&1; then
+if command -v hfplan >/dev/null 2>&1; then
     profile=(hfplan profile)
-else  # the command not registered in this checkout's CLI yet: run it through a one-command typer app
-    profile=("$py" -c 'import typer; from hfplan.profiles.profiler.command import profile_command; typer.run(profile_command)')
+else  # the package importable but its script not on PATH
+    profile=("$py" -c 'import sys; from hfplan.cli import app; sys.argv[0] = "hfplan"; app()' profile)
 fi
 
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version \

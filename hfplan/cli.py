@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import sys
 from collections.abc import Callable
@@ -13,16 +14,59 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperGroup
 
+from hfplan import __version__
 from hfplan.errors import HfplanError
 
-app = typer.Typer(help="Plan and run RLHF training the HybridFlow way.", no_args_is_help=True,
+F = TypeVar("F", bound=Callable[..., object])
+# The click exceptions typer raises: click's own, or those of the copy of click newer typer releases carry.
+_click = importlib.import_module(typer.BadParameter.__module__)
+INTERRUPTED = 130  # the shell's code for a command ended by Ctrl-C (128 + SIGINT)
+# The notation of the parallelism cells, explained under every table that uses it.
+PARALLELISM_LEGEND = ("parallelism: tN pN dN = tensor-, pipeline- and data-parallel sizes (their product is the set's "
+                      "GPUs); mbN = sequences per micro-batch per data-parallel rank; fsdp = parameters, gradients and "
+                      "optimizer states sharded over the data-parallel ranks (ZeRO-3), else replicated; recompute = "
+                      "activations recomputed in the backward pass; train / infer / gen = the layouts for updates, "
+                      "forward passes and the actor's generation (infer in the training layout when only mb is shown)")
+
+
+class _OneLineErrors(TyperGroup):
+    """Usage errors (a missing option, `--gpus abc`, `--top 0`) end like every other bad input: one line on
+    stderr and exit code 2, not click's usage block. Ctrl-C ends with one line and exit code 130."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except getattr(_click, "NoArgsIsHelpError", ()) as help_shown:
+            if help_shown.format_message():  # with rich, typer has printed the help already
+                typer.echo(help_shown.format_message())
+            code = 2
+        except _click.UsageError as error:
+            where = error.ctx.command_path if error.ctx is not None else "hfplan"
+            _error_line(f"{where}: {error.format_message()} (see {where} --help)")
+            code = 2
+        except _click.ClickException as error:
+            _error_line(error.format_message())
+            code = 2
+        except (typer.Abort, getattr(_click, "Abort", typer.Abort)):
+            code = INTERRUPTED
+        if code == INTERRUPTED:
+            _error_line("interrupted")
+        if not standalone_mode:
+            return code
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+app = typer.Typer(cls=_OneLineErrors, help="Plan and run RLHF training the HybridFlow way.", no_args_is_help=True,
                   pretty_exceptions_enable=False, add_completion=False)
 # Tables keep their full width when the output is a pipe or a file (rich would assume 80 columns).
 console = Console(width=None if sys.stdout.isatty() else 200)
 err_console = Console(stderr=True)
 
-F = TypeVar("F", bound=Callable[..., object])
+
+def _error_line(message: str) -> None:
+    err_console.print(f"[bold red]error:[/] {escape(' '.join(message.split()))}", highlight=False, soft_wrap=True)
 
 
 def user_errors(fn: F) -> F:
@@ -33,10 +77,22 @@ def user_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except HfplanError as error:
-            err_console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
+            _error_line(str(error))
             raise typer.Exit(2) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        console.print(f"hfplan {__version__}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def main(version: Annotated[bool, typer.Option("--version", callback=_show_version, is_eager=True,
+                                               help="print the version and exit")] = False) -> None:
+    """Plan and run RLHF training the HybridFlow way."""
 
 
 @app.command()
@@ -50,11 +106,11 @@ def catalog() -> None:
 
     models = Table(title="models", show_edge=False)
     models.add_column("name", no_wrap=True)
-    for column in ("layers", "hidden", "heads", "kv heads", "ffn", "vocab", "params (B)"):
+    for column in ("layers", "hidden", "heads", "kv heads", "ffn", "vocab", "context", "params (B)"):
         models.add_column(column, justify="right")
     for name, arch in CATALOG.items():
-        models.add_row(name, str(arch.layers), str(arch.hidden), str(arch.heads), str(arch.kv_heads),
-                       str(arch.ffn), str(arch.vocab), f"{arch.params() / 1e9:.3f}")
+        models.add_row(name, str(arch.layers), f"{arch.hidden:,}", str(arch.heads), str(arch.kv_heads),
+                       f"{arch.ffn:,}", f"{arch.vocab:,}", f"{arch.context_len:,}", f"{arch.params() / 1e9:.3f}")
     console.print(models)
     console.print("[bold]algorithms:[/] " + ", ".join(f"{a} ({', '.join(r)})" for a, r in ALGORITHM_ROLES.items()))
     console.print(f"[bold]hardware:[/] {', '.join(shipped_names())}")
@@ -70,28 +126,34 @@ def simulate(
     timeline: Annotated[Path | None, typer.Option(help="write a Gantt chart: .png or .html")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the estimate as JSON instead of tables")] = False,
     out: Annotated[Path | None, typer.Option(help="write the plan with this estimate filled in")] = None,
+    show_all: Annotated[bool, typer.Option("--all", help="also list the transfers that take no time (under "
+                                                         "half a millisecond)")] = False,
 ) -> None:
     """Simulate one iteration of a plan: timeline of calls, stage times, iteration time, memory."""
-    from hfplan.files import write_atomically
+    from hfplan.files import check_outputs, write_outputs
     from hfplan.plan import load_plan
     from hfplan.simulator.engine import simulate_plan
-    from hfplan.simulator.gantt import check_timeline_path, write_timeline
+    from hfplan.simulator.gantt import check_timeline_path, timeline_chart
 
     if timeline is not None:
         check_timeline_path(timeline)
+    check_outputs([(timeline, "--timeline"), (out, "--out")])
     plan = load_plan(plan_path)
     result = simulate_plan(plan)
+    outputs = []
     if timeline is not None:
-        write_timeline(timeline, result.estimate.timeline, set_labels(plan), title=plan_title(plan))
+        outputs.append((timeline, timeline_chart(timeline, result.estimate.timeline, set_labels(plan),
+                                                 title=plan_title(plan))))
     if out is not None:
-        write_atomically(out, plan.model_copy(update={"estimate": result.estimate}).to_json())
+        outputs.append((out, plan.model_copy(update={"estimate": result.estimate}).to_json()))
+    write_outputs(outputs)
     if as_json:
         sys.stdout.write(json.dumps(result.estimate.model_dump(mode="json"), indent=2) + "\n")
         return
-    render_timeline(result.estimate, plan)
+    render_timeline(result.estimate, show_all)
     render_totals(result.estimate, plan)
     if timeline is not None:
-        console.print(f"timeline written to {timeline}")
+        console.print(f"timeline written to {timeline}", highlight=False)
 
 
 @app.command()
@@ -100,7 +162,8 @@ def search(
     gpus: Annotated[int, typer.Option(help="GPUs to plan for")],
     workload: Annotated[str, typer.Option(help="built-in workload name or a workload .yaml/.json")] = "ppo-llama2-7b",
     hardware: Annotated[str, typer.Option(help="shipped hardware profile name or a profile .yaml")] = "a100-80g",
-    gpus_per_node: Annotated[int | None, typer.Option(help="GPUs per node (default: the hardware profile's)")] = None,
+    gpus_per_node: Annotated[int | None, typer.Option(
+        help="GPUs per node, a power of two, at most --gpus (default: the hardware profile's)")] = None,
     out: Annotated[Path, typer.Option(help="where to write the best plan")] = Path("best.json"),
     top: Annotated[int, typer.Option(min=1, help="plans to show")] = 5,
     csv: Annotated[Path | None, typer.Option(help="write every candidate (placement x allocation) to this CSV")] = None,
@@ -110,14 +173,12 @@ def search(
     """Search placements and parallelism for the fastest RLHF iteration; write the best plan."""
     import os
 
-    from hfplan.files import write_atomically
-    from hfplan.planner.report import candidates_frame, describe_parallelism
+    from hfplan.files import check_outputs, write_outputs
+    from hfplan.planner.report import candidates_frame, status_counts
     from hfplan.planner.search import search as run_search
     from hfplan.spec import load_workload, make_cluster
 
-    for path in (out, csv):
-        if path is not None and not path.parent.exists():
-            raise HfplanError(f"cannot write {path}: folder {path.parent} does not exist")
+    check_outputs([(out, "--out"), (csv, "--csv")])
     spec = load_workload(workload)
     cluster = make_cluster(gpus, hardware, gpus_per_node)
     jobs = jobs or os.cpu_count() or 1
@@ -128,46 +189,123 @@ def search(
             from hfplan.planner.baselines import compare as compare_systems
 
             comparison = compare_systems(spec, cluster, jobs=jobs)
-    write_atomically(out, result.best.to_json())
+    outputs: list[tuple[Path, str]] = [(out, result.best.to_json())]
     if csv is not None:
-        write_atomically(csv, candidates_frame(result, spec).to_csv(index=False))
-    table = Table(title=f"top {len(result.top)} plans: {workload} on {gpus} x {cluster.hardware}", show_edge=False)
-    for column in ("#", "placement (GPUs)", "parallelism", "iteration s", "tokens/s", "peak GiB/GPU"):
-        table.add_column(column, justify="right" if column in ("#", "iteration s", "tokens/s") else "left")
+        outputs.append((csv, candidates_frame(result, spec).to_csv(index=False)))
+    write_outputs(outputs)
+    where = f"{display_name(workload)} on {gpus:,} x {cluster.profile.name}"
+    table = Table(title=f"top {len(result.top)} plans: {where}", show_edge=False)
+    _plan_columns(table, "#", len(str(len(result.top))))
     for rank, plan in enumerate(result.top, 1):
-        est = plan.estimate
-        table.add_row(str(rank), " | ".join(f"{'+'.join(g.models)} ({g.gpus})" for g in plan.placement),
-                      describe_parallelism(plan), seconds(est.iteration_s), f"{est.tokens_per_s:,.0f}",
-                      " | ".join(f"{m:.1f}" for m in est.peak_memory_gib))
+        table.add_row(str(rank), *_plan_cells(plan))
     console.print(table)
     if comparison:
         render_comparison(result.best, comparison)
-    stats = result.stats
-    console.print(f"searched {stats.placements} placements, {stats.allocations:,} allocations ({stats.evaluated} "
-                  f"evaluated, {stats.pruned:,} pruned by bounds, {stats.infeasible} infeasible; "
-                  f"{stats.simpy_runs} simpy runs) in {stats.seconds:.2f} s")
+    console.print(PARALLELISM_LEGEND, style="dim", highlight=False)
+    stats, counts = result.stats, status_counts(result)
+    console.print(f"searched {stats.placements:,} placements and {stats.allocations:,} allocations in "
+                  f"{stats.seconds:.2f} s ({stats.simpy_runs:,} simpy runs): {sum(counts.values()):,} candidates, "
+                  f"{counts['evaluated']:,} evaluated, {counts['pruned']:,} pruned by bounds, "
+                  f"{counts['infeasible']:,} infeasible (a pruned or infeasible candidate may stand for many "
+                  "allocations)", highlight=False)
     console.print(f"[bold]best:[/] {seconds(result.best.estimate.iteration_s)} s per iteration, "
-                  f"{result.best.estimate.tokens_per_s:,.0f} tokens/s; plan written to {out}"
-                  + (f"; candidates to {csv}" if csv is not None else ""))
+                  f"{result.best.estimate.tokens_per_s:,.0f} tokens/s; plan written to {escape(str(out))}"
+                  + (f"; candidates to {escape(str(csv))}" if csv is not None else ""), highlight=False)
+
+
+@app.command()
+@user_errors
+def profile(
+    device: Annotated[str | None, typer.Option(
+        help="device to profile: cuda or cpu (default: cuda when available, else cpu)")] = None,
+    world_size: Annotated[int | None, typer.Option(
+        "--world-size", "-w", help="processes (devices) the collectives run across (default: every visible GPU; "
+                                   "on CPU 2-4, one per core)")] = None,
+    model: Annotated[str, typer.Option(
+        help="catalog model (or config.json) whose transformer layer is measured against the cost model")]
+        = "llama3.1-8b",
+    quick: Annotated[bool, typer.Option(
+        "--quick", help="short sweeps: under 2 minutes on a 2-core CPU, a few minutes on a GPU node")] = False,
+    out: Annotated[Path | None, typer.Option(
+        help="profile YAML to write; the raw measurements go beside it as .csv (default: ./<device>.yaml)")] = None,
+    base: Annotated[str | None, typer.Option(
+        help="profile whose unmeasured links (inter-node; host on CPU) are carried over (default: cpu on CPU; "
+             "a100-80g, h100-80g or h200-141g by GPU name)")] = None,
+) -> None:
+    """Measure compute, memory and communication on this machine; write a hardware profile for `--hardware`."""
+    from hfplan.profiler import report
+    from hfplan.profiler.command import profile_machine
+
+    with _ProfileProgress() as progress:
+        outcome = profile_machine(device, world_size, model, quick, out, base, progress)
+    result = outcome.result
+    console.print(report.fits_table(result))
+    console.print(report.layer_table(result))
+    console.print(report.error_summary(result.measurements), highlight=False)
+    note = report.flag_note(result)
+    if note is not None:
+        console.print(note, style="bold yellow", highlight=False)
+    console.print(f"profile written to {escape(str(outcome.out))} (raw measurements: {escape(str(outcome.csv_path))});"
+                  f" use it with `hfplan search --hardware {escape(str(outcome.out))}`", highlight=False)
 
 
 def seconds(value: float) -> str:
     """Seconds to the hundredth, or with 4 significant digits below one second: 42.28, 0.01234."""
-    return f"{value:.2f}" if value >= 1 else f"{value:.4g}"
+    return f"{value:,.2f}" if value >= 1 else f"{value:.4g}"
+
+
+def display_name(ref: str) -> str:
+    """A built-in name as it is; a file (workload, config.json, profile) by its name without folders."""
+    if "/" not in ref and not ref.endswith((".yaml", ".yml", ".json")):
+        return ref  # built-in names may hold dots: qwen2.5-7b
+    path = Path(ref)
+    return path.parent.name if path.name == "config.json" else path.stem
+
+
+def _plan_columns(table: Table, first: str, width: int = 0) -> None:
+    if first == "#":
+        table.add_column(first, justify="right", no_wrap=True, min_width=width)
+        table.add_column("placement (GPUs, peak memory per GPU)", overflow="fold")
+    else:
+        table.add_column(f"{first}: placement (GPUs, peak memory per GPU)", overflow="fold", min_width=width)
+    table.add_column("parallelism", overflow="fold")
+    for column in ("iteration s", "tokens/s"):
+        table.add_column(column, justify="right", no_wrap=True)
+
+
+def _placement_lines(plan) -> str:
+    """One line per colocated set, with its peak memory: roles spaced so that a narrow table wraps between them."""
+    peaks = plan.estimate.peak_memory_gib
+    return "\n".join(f"{' + '.join(g.models)} ({g.gpus:,} GPUs, {peak:.1f} GiB)"
+                     for g, peak in zip(plan.placement, peaks, strict=True))
+
+
+def _plan_cells(plan) -> tuple[str, str, str, str]:
+    from hfplan.planner.report import describe_role
+
+    est = plan.estimate
+    layouts = "\n".join(f"{role}: {describe_role(par)}" for role, par in plan.parallelism.items())
+    return _placement_lines(plan), layouts, seconds(est.iteration_s), f"{est.tokens_per_s:,.0f}"
 
 
 def render_comparison(best, comparison) -> None:
-    table = Table(title="other systems' mappings, on the same simulator", show_edge=False)
-    for column in ("system", "mapping", "iteration s", "tokens/s", "hfplan speedup"):
-        table.add_column(column, justify="left" if column in ("system", "mapping") else "right")
+    """Each system's best mapping within its rules, in the columns of the top plans (the system's name heads
+    its placement), with hfplan's speedup over it; or why nothing fits within its rules."""
+    table = Table(title="other systems' mappings, on the same simulator, and hfplan's speedup over each",
+                  show_edge=False)
+    _plan_columns(table, "system", max(len(item.baseline.name) for item in comparison))
+    table.add_column("speedup", justify="right", no_wrap=True)
     for item in comparison:
+        name = f"[bold]{escape(item.baseline.name)}[/]"
         if item.plan is None:
-            table.add_row(item.baseline.name, item.baseline.description, "does not fit", "-", "-")
+            table.add_row(f"{name}\ndoes not fit", escape(item.reason), "-", "-", "-")
             continue
-        est = item.plan.estimate
-        table.add_row(item.baseline.name, item.baseline.description, seconds(est.iteration_s),
-                      f"{est.tokens_per_s:,.0f}", f"{est.iteration_s / best.estimate.iteration_s:.2f}x")
+        placement, layouts, iteration, tokens = _plan_cells(item.plan)
+        speedup = item.plan.estimate.iteration_s / best.estimate.iteration_s
+        table.add_row(f"{name}\n{placement}", layouts, iteration, tokens, f"{speedup:.2f}x")
     console.print(table)
+    for item in comparison:
+        console.print(f"{item.baseline.name}: {item.baseline.description}", style="dim", highlight=False)
 
 
 class _progress:
@@ -203,24 +341,62 @@ class _progress:
             self._bar.stop()
 
 
+class _ProfileProgress:
+    """The profiler's phases as progress bars, after one line saying what is measured."""
+
+    def __enter__(self):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._bar = Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
+                             TimeElapsedColumn(), console=console)
+        self._live = False
+        return self
+
+    def started(self, description: str) -> None:
+        console.print(description, highlight=False)
+        self._bar.start()
+        self._live = True
+
+    def phase(self, name: str, total: int) -> Callable[[], None]:
+        task = self._bar.add_task(name, total=total)
+        return lambda: self._bar.advance(task)
+
+    def __exit__(self, *exc) -> None:
+        if self._live:
+            self._bar.stop()
+
+
 def set_labels(plan) -> list[str]:
     return [f"set {i}: {'+'.join(g.models)} ({g.gpus} GPUs)" for i, g in enumerate(plan.placement)]
 
 
 def plan_title(plan) -> str:
+    """The workload and the hardware, by name: algorithm, models (files by their names), GPUs and profile."""
     w = plan.workload
-    return (f"{w.algorithm} {'/'.join(sorted(set(w.models.values())))} on {plan.cluster.gpus} x "
-            f"{plan.cluster.hardware}")
+    models = sorted({display_name(ref) for ref in w.models.values()})
+    return (f"{w.algorithm} {'/'.join(models)}, {w.batch_prompts:,} prompts x {w.samples_per_prompt}, "
+            f"{w.prompt_len:,}+{w.response_len:,} tokens, on {plan.cluster.gpus:,} x {plan.cluster.profile.name}")
 
 
-def render_timeline(estimate, plan) -> None:
+# A transfer this short shows as 0.000 s: `simulate` lists it only with --all.
+ZERO_S = 0.0005
+
+
+def render_timeline(estimate, show_all: bool = False) -> None:
     table = Table(title="timeline (one iteration)", show_edge=False)
     for column in ("set", "role", "call", "phase", "kind", "start s", "end s", "seconds"):
         table.add_column(column, justify="right" if column.endswith("s") and column != "kind" else "left")
+    hidden = 0
     for span in estimate.timeline:
+        if not show_all and span.kind == "transfer" and span.end - span.start < ZERO_S:
+            hidden += 1
+            continue
         table.add_row("controller" if span.set < 0 else str(span.set), span.role, span.op, span.phase, span.kind,
-                      f"{span.start:.3f}", f"{span.end:.3f}", f"{span.end - span.start:.3f}")
+                      f"{span.start:,.3f}", f"{span.end:,.3f}", f"{span.end - span.start:,.3f}")
     console.print(table)
+    if hidden:
+        console.print(f"{hidden:,} transfers of under half a millisecond not shown (--all shows them)", style="dim",
+                      highlight=False)
 
 
 def render_totals(estimate, plan) -> None:
@@ -234,7 +410,7 @@ def render_totals(estimate, plan) -> None:
     memory.add_column("set")
     memory.add_column("GiB", justify="right")
     for label, peak in zip(set_labels(plan), estimate.peak_memory_gib, strict=True):
-        memory.add_row(label, f"{peak:.1f}")
+        memory.add_row(label, f"{peak:,.1f}")
     console.print(memory)
     console.print(f"[bold]iteration:[/] {seconds(estimate.iteration_s)} s   [bold]throughput:[/] "
                   f"{estimate.tokens_per_s:,.0f} tokens/s ({estimate.tokens_per_s / plan.cluster.gpus:,.0f} per GPU)")
@@ -259,11 +435,13 @@ def execute(
     from hfplan.executor.controller import ExecuteOptions
     from hfplan.executor.controller import execute as run_plan
     from hfplan.executor.errors import RunFailed
+    from hfplan.files import check_outputs, write_outputs
     from hfplan.plan import load_plan
-    from hfplan.simulator.gantt import check_timeline_path, write_timeline
+    from hfplan.simulator.gantt import check_timeline_path, timeline_chart
 
     if timeline is not None:
         check_timeline_path(timeline)
+    check_outputs([(timeline, "--timeline")])
     plan = load_plan(plan_path)
     options = ExecuteOptions(iterations=iterations, data=data, out=out, address=address, seed=seed,
                              overrides=tuple(overrides or ()))
@@ -279,7 +457,8 @@ def execute(
             err_console.print(f"[bold red]run failed:[/] {escape(str(failure))}", highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
     if timeline is not None and last_spans:
-        write_timeline(timeline, last_spans, set_labels(plan), title=f"measured: {plan_title(plan)}")
+        write_outputs([(timeline, timeline_chart(timeline, last_spans, set_labels(plan),
+                                                 title=f"measured: {plan_title(plan)}"))])
     render_run(summary, plan)
     if timeline is not None:
         console.print(f"timeline written to {timeline}")
@@ -327,12 +506,3 @@ def render_run(summary, plan) -> None:
         console.print(f"[bold]mean reward[/] of the last {count} iterations: {after:.4f} vs {before:.4f} in the "
                       f"first {count} ({change:+.1f}%)")
     console.print(f"metrics and measured timeline written to {summary.out}/")
-
-
-def _register_profile() -> None:
-    from hfplan.profiles.profiler.command import profile_command
-
-    app.command("profile")(user_errors(profile_command))
-
-
-_register_profile()

@@ -13,8 +13,13 @@ def known_names(names) -> str:
 
 
 def describe_validation_error(error: ValidationError) -> str:
-    """The first pydantic error as one line naming the field: `field a.b: message`."""
+    """The first pydantic error as one line naming the field: `field a.b: message, got 'x'`. A check across
+    fields names its fields in its own message, which is shown as it is."""
     first = error.errors()[0]
-    where = ".".join(str(part) for part in first["loc"]) or "(top level)"
+    message = first["msg"].removeprefix("Value error, ")
+    value = first.get("input")
+    if first["type"] != "value_error" and isinstance(value, str | int | float | bool) and len(repr(value)) < 40:
+        message += f", got {value!r}"
     extra = f" (and {error.error_count() - 1} more)" if error.error_count() > 1 else ""
-    return f"field {where}: {first['msg']}{extra}"
+    where = ".".join(str(part) for part in first["loc"])
+    return (f"field {where}: {message}" if where else message) + extra

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -27,19 +28,90 @@ def read_mapping(path: Path, what: str) -> dict:
     return data
 
 
-def write_atomically(path: str | Path, text: str) -> None:
-    """Write to a temporary file beside `path`, then rename: a reader never sees a half-written file."""
-    path = Path(path)
-    if path.parent and not path.parent.exists():
-        raise HfplanError(f"cannot write {path}: folder {path.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+def _target(path: Path, what: str) -> Path:
+    """The regular file an output will replace: symlinks followed; folders, devices, pipes refused."""
+    label = f"{what} {path}" if what else str(path)
+    target = Path(os.path.realpath(path))
+    if target.is_dir():
+        raise HfplanError(f"cannot write {label}: it is a folder; give a file name")
+    if target.exists() and not target.is_file():
+        raise HfplanError(f"cannot write {label}: not a regular file (a device, pipe or socket is never replaced)")
+    if not target.parent.is_dir():
+        raise HfplanError(f"cannot write {label}: folder {path.parent} does not exist")
+    return target
+
+
+def _oserror(label: str, error: OSError) -> HfplanError:
+    return HfplanError(f"cannot write {label}: {error.strerror or type(error).__name__}")
+
+
+def check_writable(path: Path, what: str) -> None:
+    """Refuse an output path before any work starts: a folder, a missing or unwritable folder, a device.
+    `what` names the option in the error ("--out")."""
+    target = _target(path, what)
     try:
-        with os.fdopen(fd, "w") as out:
-            out.write(text)
+        fd, probe = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    except OSError as error:
+        raise _oserror(f"{what} {path}", error) from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def check_outputs(outputs: Sequence[tuple[Path | None, str]]) -> None:
+    """check_writable for each (path, option) given (None: not asked for), and no two naming one file."""
+    given = [(path, what) for path, what in outputs if path is not None]
+    for path, what in given:
+        check_writable(path, what)
+    seen: dict[str, str] = {}
+    for path, what in given:
+        target = os.path.realpath(path)
+        if target in seen:
+            raise HfplanError(f"{seen[target]} and {what} name the same file ({path}); give each output its own")
+        seen[target] = what
+
+
+def _stage(target: Path, label: str, data: str | bytes) -> str:
+    """Write `data` to a new temporary file beside `target`, with ordinary permissions; return its path."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    except OSError as error:
+        raise _oserror(label, error) from None
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data.encode() if isinstance(data, str) else data)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
+    except OSError as error:
+        Path(tmp).unlink(missing_ok=True)
+        raise _oserror(label, error) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return tmp
+
+
+def write_outputs(files: Sequence[tuple[Path, str | bytes]]) -> None:
+    """Write several outputs all or nothing as far as the file system allows: every file is written in full
+    to a temporary file beside its target first, and only then renamed over it, so a failure leaves neither
+    a half-written file nor some outputs of this run without the others."""
+    targets = [_target(Path(path), "") for path, _ in files]
+    if len(set(targets)) < len(targets):
+        raise HfplanError(f"two outputs name the same file: {', '.join(str(p) for p, _ in files)}")
+    staged: list[tuple[str, Path, str]] = []
+    try:
+        for (path, data), target in zip(files, targets, strict=True):
+            staged.append((_stage(target, str(path), data), target, str(path)))
+        for tmp, target, label in staged:
+            try:
+                os.replace(tmp, target)
+            except OSError as error:
+                raise _oserror(label, error) from None
+    finally:
+        for tmp, _, _ in staged:
+            Path(tmp).unlink(missing_ok=True)
+
+
+def write_atomically(path: str | Path, data: str | bytes) -> None:
+    """Write to a temporary file beside `path`, then rename: a reader never sees a half-written file."""
+    write_outputs([(Path(path), data)])

@@ -25,7 +25,9 @@ ROLLOUT = "rollout"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """Unknown fields are errors, and types are strict: `"yes"` is not a bool, `"4"` not an int."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class Layout(_Strict):
@@ -127,6 +129,18 @@ class Plan(_Strict):
                 self._check_role(role, group.gpus, f"parallelism.{role}", index)
         return self
 
+    @model_validator(mode="after")
+    def _check_micro_batches(self) -> Plan:
+        for role, par in self.parallelism.items():
+            if par.train is None:
+                continue
+            most = self.workload.train_sequences_per_rank(par.train.dp)
+            if par.train.micro_batch > most:
+                raise ValueError(f"parallelism.{role}.train.micro_batch: {par.train.micro_batch} is more than the "
+                                 f"{most} sequences each of its {par.train.dp} data-parallel ranks gets per "
+                                 "mini-batch")
+        return self
+
     def _check_role(self, role: str, gpus: int, where: str, index: int) -> None:
         par = self.parallelism.get(role)
         if par is None:
@@ -186,7 +200,10 @@ def plan_from_dict(data: object, source: str) -> Plan:
         plan = Plan.model_validate(data)
     except ValidationError as bad:
         raise HfplanError(f"plan {source}: {describe_validation_error(bad)}") from None
-    plan.workload.check_models()
+    try:
+        plan.workload.check_models()
+    except HfplanError as error:
+        raise HfplanError(f"plan {source}: workload: {error}") from None
     plan.cluster.profile  # noqa: B018 - load the hardware profile now so a bad name fails here
     return plan
 

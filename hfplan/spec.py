@@ -6,7 +6,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hfplan.errors import HfplanError, describe_validation_error, known_names
 from hfplan.files import read_mapping
@@ -32,9 +32,10 @@ RULE_PREFIX = "rule:"
 
 
 class Workload(BaseModel):
-    """One RLHF iteration's shape. Field names are the file format (YAML or JSON)."""
+    """One RLHF iteration's shape. Field names are the file format (YAML or JSON). Strict types: a number
+    written as a string is an error, never read as the number."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     algorithm: Algorithm
     models: dict[str, str]
@@ -82,6 +83,10 @@ class Workload(BaseModel):
         """Responses generated per iteration."""
         return self.batch_prompts * self.samples_per_prompt
 
+    def train_sequences_per_rank(self, dp: int) -> int:
+        """Sequences one of `dp` data-parallel ranks trains on per mini-batch: the most a micro-batch holds."""
+        return -(-(self.sequences // self.mini_batches) // dp)
+
     @property
     def seq_len(self) -> int:
         return self.prompt_len + self.response_len
@@ -95,15 +100,20 @@ class Workload(BaseModel):
         return _resolve_cached(self.models[role])
 
     def check_models(self) -> None:
-        """Resolve every model reference now, so that a bad name fails before any work starts."""
+        """Resolve every model reference now, so that a bad name fails before any work starts, and check
+        that every sequence fits each model's context length."""
         from hfplan.dataflow.rewards import check_rule
 
         for role in self.roles:
             ref = self.models[role]
             if ref.startswith(RULE_PREFIX):
                 check_rule(ref[len(RULE_PREFIX):])
-            else:
-                self.arch(role)
+                continue
+            context = self.arch(role).context_len
+            if context is not None and self.seq_len > context:
+                raise HfplanError(f"prompt_len + response_len = {self.prompt_len} + {self.response_len} = "
+                                  f"{self.seq_len} tokens exceeds the context length of {role} model {ref} "
+                                  f"({context:,} tokens)")
 
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")
@@ -157,14 +167,32 @@ BUILTIN_WORKLOADS = _builtin_workloads()
 DEFAULT_WORKLOAD = "ppo-llama2-7b"
 
 
-def workload_from_dict(data: object, source: str) -> Workload:
+def _anchored(ref: object, folder: Path) -> object:
+    """A model reference of a workload file: a relative path means relative to the file's folder, and is
+    stored resolved (absolute), so the plan made from it works from any folder."""
+    if not isinstance(ref, str) or ref in CATALOG or ref.startswith(RULE_PREFIX) or Path(ref).is_absolute():
+        return ref
+    candidate = folder / ref
+    if "/" in ref or ref.endswith(".json") or candidate.exists():
+        return str(candidate.resolve())
+    return ref
+
+
+def workload_from_dict(data: object, source: str, folder: Path | None = None) -> Workload:
+    """Validate a workload. `folder`: the folder of the file it came from, against which relative model
+    paths resolve (None: the data is not from a file, and paths are taken as they are)."""
     if not isinstance(data, dict):
         raise HfplanError(f"workload {source}: expected a mapping at the top level")
+    if folder is not None and isinstance(data.get("models"), dict):
+        data = data | {"models": {role: _anchored(ref, folder) for role, ref in data["models"].items()}}
     try:
         workload = Workload.model_validate(data)
     except ValidationError as bad:
         raise HfplanError(f"workload {source}: {describe_validation_error(bad)}") from None
-    workload.check_models()
+    try:
+        workload.check_models()
+    except HfplanError as error:
+        raise HfplanError(f"workload {source}: {error}") from None
     return workload
 
 
@@ -180,17 +208,28 @@ def load_workload(ref: str) -> Workload:
                           "or give a .yaml/.json path")
     if not path.is_file():
         raise HfplanError(f"workload file not found: {path}")
-    return workload_from_dict(read_mapping(path, "workload"), str(path))
+    return workload_from_dict(read_mapping(path, "workload"), str(path), folder=path.parent)
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and not n & (n - 1)
 
 
 class Cluster(BaseModel):
     """The GPUs to plan for. `hardware` is a shipped profile name or a profile path."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     gpus: int = Field(gt=0)
-    gpus_per_node: int = Field(gt=0)
+    gpus_per_node: int = Field(gt=0, description="a power of two")
     hardware: str
+
+    @field_validator("gpus_per_node")
+    @classmethod
+    def _node_size(cls, value: int) -> int:
+        if not is_power_of_two(value):
+            raise ValueError(f"must be a power of two, got {value}")
+        return value
 
     @cached_property
     def profile(self) -> HardwareProfile:
@@ -207,8 +246,11 @@ def make_cluster(gpus: int, hardware: str = "a100-80g", gpus_per_node: int | Non
         raise HfplanError(f"--gpus must be positive, got {gpus}")
     profile = load_hardware(hardware)
     per_node = profile.gpus_per_node if gpus_per_node is None else gpus_per_node
-    if per_node <= 0 or per_node & (per_node - 1):
+    if not is_power_of_two(per_node):
         raise HfplanError(f"--gpus-per-node must be a power of two, got {per_node}")
+    if gpus_per_node is not None and gpus_per_node > gpus:
+        # A profile's node larger than the cluster is one partial node; an explicit one is a mistake.
+        raise HfplanError(f"--gpus-per-node {gpus_per_node} is more than --gpus {gpus}")
     cluster = Cluster(gpus=gpus, gpus_per_node=per_node, hardware=hardware)
     cluster.__dict__["profile"] = profile  # already loaded: keep it
     return cluster

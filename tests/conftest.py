@@ -15,11 +15,11 @@ def toy_hw() -> HardwareProfile:
         name="toy",
         gpus_per_node=8,
         compute=Compute(peak_tflops=100, matmul_efficiency=0.5, kernel_overhead_us=5),
-        memory=Memory(capacity_gib=16, reserved_gib=1, bandwidth_gbps=1000, efficiency=0.5),
+        memory=Memory(capacity_gib=16, reserved_gib=1, bandwidth_gbytes_per_s=1000, efficiency=0.5),
         links=Links(
-            intra_node=Link(bandwidth_gbps=100, efficiency=0.5, latency_us=1),
-            inter_node=Link(bandwidth_gbps=10, efficiency=0.8, latency_us=10),
-            host=Link(bandwidth_gbps=20, efficiency=0.5, latency_us=3),
+            intra_node=Link(bandwidth_gbytes_per_s=100, efficiency=0.5, latency_us=1),
+            inter_node=Link(bandwidth_gbytes_per_s=10, efficiency=0.8, latency_us=10),
+            host=Link(bandwidth_gbytes_per_s=20, efficiency=0.5, latency_us=3),
         ),
     )
 

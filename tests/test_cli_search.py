@@ -16,9 +16,11 @@ from support import assert_user_error as _assert_user_error
 from support import invoke as _invoke
 
 from hfplan import cli
+from hfplan.cli import PARALLELISM_LEGEND
 from hfplan.plan import load_plan
 from hfplan.planner import space
 from hfplan.planner.baselines import compare
+from hfplan.planner.report import describe_role
 from hfplan.simulator.engine import simulate_plan
 from hfplan.spec import load_workload, make_cluster
 
@@ -105,31 +107,61 @@ def test_search_csv_accounts_for_every_allocation_with_status_and_reason(default
     assert best_row["gpus"] == " | ".join(str(s.gpus) for s in plan.placement)
 
 
+def table_rows(lines: list[str], first: str = r"\d+") -> list[list[list[str]]]:
+    """The rows of a rich table whose first cell matches `first`: each row a list of cells, each cell its lines
+    (a row goes on over the following lines of the table)."""
+    rows: list[list[list[str]]] = []
+    for line in lines:
+        if "│" not in line:
+            rows.append(None)  # the table (or this row) ended
+            continue
+        cells = [cell.strip() for cell in line.split("│")]
+        if re.fullmatch(first, cells[0]):
+            rows.append([[cell] if cell else [] for cell in cells])
+        elif rows and rows[-1] is not None:
+            for cell, more in zip(rows[-1], cells, strict=True):
+                if more:
+                    cell.append(more)
+    return [row for row in rows if row is not None]
+
+
+def placement_lines(plan) -> list[str]:
+    return [f"{' + '.join(s.models)} ({s.gpus} GPUs, {peak:.1f} GiB)"
+            for s, peak in zip(plan.placement, plan.estimate.peak_memory_gib, strict=True)]
+
+
 def test_search_prints_the_top_table_and_the_comparison(default_run):
     result, out, _ = default_run
     assert result.exit_code == 0
     text = result.stdout
     plan = load_plan(out)
-    assert "top 3 plans" in text
+    assert "top 3 plans: ppo-llama2-7b on 16 x a100-80g" in text
     lines = text.splitlines()
-    rows = [[cell.strip() for cell in line.split("│")] for line in lines if re.match(r"^\s*\d+ │", line)]
-    assert [row[0] for row in rows] == ["1", "2", "3"]
-    times = [float(row[3]) for row in rows]
+    rows = table_rows(lines)
+    assert [row[0] for row in rows] == [["1"], ["2"], ["3"]]
+    times = [float(row[3][0]) for row in rows]
     assert times == sorted(times)
-    assert rows[0][1] == " | ".join(f"{'+'.join(s.models)} ({s.gpus})" for s in plan.placement)
-    assert rows[0][3] == f"{plan.estimate.iteration_s:.2f}"
-    assert rows[0][4] == f"{plan.estimate.tokens_per_s:,.0f}"
-    assert len({row[1] for row in rows}) == 3  # distinct placements and allocations
+    assert rows[0][1] == placement_lines(plan)
+    assert rows[0][2] == [f"{role}: {describe_role(par)}" for role, par in plan.parallelism.items()]
+    assert rows[0][3] == [f"{plan.estimate.iteration_s:.2f}"]
+    assert rows[0][4] == [f"{plan.estimate.tokens_per_s:,.0f}"]
+    assert len({tuple(row[1]) for row in rows}) == 3  # distinct placements and allocations
     # the comparison: each system's time and hfplan's speedup over it, computed here on the same simulator
     assert "other systems" in text
+    systems = {row[0][0]: row for row in table_rows(lines, "|".join(SYSTEMS))}
     for item in compare(plan.workload, make_cluster(16, "a100-80g")):
-        line = next(line for line in lines if line.lstrip().startswith(item.baseline.name))
+        row = systems[item.baseline.name]
         if item.plan is None:
-            assert "does not fit" in line
+            assert row[0] == [item.baseline.name, "does not fit"] and row[1] == [item.reason]
             continue
-        assert f"{item.iteration_s:.2f}" in line
-        assert f"{item.iteration_s / plan.estimate.iteration_s:.2f}x" in line
+        # under its name, its placement; then its layouts, like hfplan's rows
+        assert row[0] == [item.baseline.name, *placement_lines(item.plan)]
+        assert row[1] == [f"{role}: {describe_role(par)}" for role, par in item.plan.parallelism.items()]
+        assert row[2] == [f"{item.iteration_s:.2f}"]
+        assert row[4] == [f"{item.iteration_s / plan.estimate.iteration_s:.2f}x"]
+        assert f"{item.baseline.name}: {item.baseline.description}" in " ".join(text.split())
     assert "searched 15 placements" in text
+    assert PARALLELISM_LEGEND in " ".join(text.split())
 
 
 def test_no_compare_skips_the_comparison(tmp_path, wide_console):

@@ -166,7 +166,7 @@ def test_moving_the_reference_to_its_own_set():
     assert ref_b.set == 1
     expected = evaluate.call_seconds(w, hw, 8, ref_node, "reference", split_plan.parallelism["reference"], 8, 0.0)
     assert ref_b.end - ref_b.start == pytest.approx(expected, rel=1e-9)
-    hop = 1024 * 1024 * 20 / (hw.links.inter_node.bandwidth_gbps * 1e9 * hw.links.inter_node.efficiency) \
+    hop = 1024 * 1024 * 20 / (hw.links.inter_node.bandwidth_gbytes_per_s * 1e9 * hw.links.inter_node.efficiency) \
         + hw.links.inter_node.latency_us * 1e-6
     assert ref_b.start == pytest.approx(_span(b, "actor", "generate").end + hop, rel=1e-12)
 
@@ -283,7 +283,7 @@ def test_controller_and_rule_calls_run_on_the_host_row():
     # The rule reads the sequences over PCIe from the GPUs: 64 x (256 + 256 ids x 8 B + 256 mask x 4 B).
     nbytes = 64 * (256 * 8 + 256 * 8 + 256 * 4)
     host = hw.links.host
-    hop = nbytes / (host.bandwidth_gbps * 1e9 * host.efficiency) + host.latency_us * 1e-6
+    hop = nbytes / (host.bandwidth_gbytes_per_s * 1e9 * host.efficiency) + host.latency_us * 1e-6
     assert score.start == pytest.approx(_span(tl, "actor", "generate").end + hop, rel=1e-9)
     assert w.sequences == 64
 

@@ -16,12 +16,12 @@ from hfplan.spec import make_cluster
 from tests.helpers_plans import build_plan, small_workload
 
 
-def demo_plan(**overrides):
+def demo_plan(micro_batch=2, **overrides):
     shape = dict(prompt_len=16, response_len=16, batch_prompts=8, mini_batches=2) | overrides
     workload = small_workload("ppo", "tiny", models={"actor": "tiny", "critic": "tiny", "reference": "tiny",
                                                      "reward": "rule:vowel-fraction"}, **shape)
     return build_plan(workload, [(("actor", "critic", "reference"), 2)], cluster=make_cluster(2, "cpu"),
-                      tp=1, gen_tp=1, micro_batch=2, infer_micro_batch=4)
+                      tp=1, gen_tp=1, micro_batch=micro_batch, infer_micro_batch=4)
 
 
 # -- data -----------------------------------------------------------------------------------------
@@ -107,7 +107,8 @@ def test_bad_overrides(item, needle):
 
 
 def test_workload_file_carries_hyperparameters():
-    workload = small_workload("ppo", "tiny", hyperparameters={"actor_lr": "1e-3", "gamma": 0.9})
+    workload = small_workload("ppo", "tiny", prompt_len=16, response_len=16,
+                              hyperparameters={"actor_lr": "1e-3", "gamma": 0.9})
     assert workload.hyperparameters.actor_lr == 1e-3
     assert workload.hyperparameters.gamma == 0.9
     assert json.loads(workload.model_dump_json())["hyperparameters"]["gamma"] == 0.9
@@ -134,7 +135,7 @@ def test_tensor_parallel_layout_is_refused_until_built():
 
 
 def test_mini_batches_must_split_on_every_rank():
-    plan = demo_plan(mini_batches=8)
+    plan = demo_plan(micro_batch=1, mini_batches=8)
     with pytest.raises(HfplanError, match="do not split into 8 mini-batches on each of 2"):
         preflight.check_batch_shapes(plan)
 

@@ -90,7 +90,7 @@ def test_top_level_must_be_a_mapping(tmp_path):
     ("path", "field"),
     [
         (("compute", "peak_tflops"), "compute.peak_tflops"),
-        (("memory", "bandwidth_gbps"), "memory.bandwidth_gbps"),
+        (("memory", "bandwidth_gbytes_per_s"), "memory.bandwidth_gbytes_per_s"),
         (("links", "inter_node"), "links.inter_node"),
         (("gpus_per_node",), "gpus_per_node"),
     ],
@@ -136,3 +136,20 @@ def test_out_of_range_value_is_named(tmp_path, section, key, value):
         _load_data(tmp_path, data)
     where = key if section is None else f"{section}.{key}"
     assert f"field {where}" in str(caught.value)
+
+
+def test_bandwidths_are_named_in_gigabytes_per_second():
+    dumped = load_hardware("a100-80g").model_dump()
+    assert dumped["memory"]["bandwidth_gbytes_per_s"] == 2039
+    # 200 Gb/s between nodes, as the profile's description says, is 25 GB/s
+    assert dumped["links"]["inter_node"]["bandwidth_gbytes_per_s"] == 25
+    assert "bandwidth_gbps" not in load_hardware("a100-80g").to_yaml()
+
+
+def test_profiles_with_the_old_bandwidth_name_still_load(tmp_path):
+    """Profiles written before the rename say `bandwidth_gbps`; they read the same, and write the new name."""
+    text = yaml.safe_dump(_shipped_data()).replace("bandwidth_gbytes_per_s", "bandwidth_gbps")
+    assert text.count("bandwidth_gbps") == 4
+    old = _load_data(tmp_path, text)
+    assert old == load_hardware("a100-80g")
+    assert "bandwidth_gbps" not in old.to_yaml()

@@ -246,3 +246,24 @@ def test_unknown_catalog_name_lists_known_names():
         resolve_model("llama9-1t")
     for name in CATALOG:
         assert name in str(caught.value)
+
+
+# The published max_position_embeddings of each catalog model's config.json.
+PUBLISHED_CONTEXT = {"llama2-7b": 4096, "llama2-13b": 4096, "llama2-34b": 16384, "llama2-70b": 4096,
+                     "llama3.1-8b": 131072, "llama3.1-70b": 131072, "qwen2.5-0.5b": 32768, "qwen2.5-1.5b": 131072,
+                     "qwen2.5-7b": 131072, "qwen2.5-14b": 131072, "qwen2.5-32b": 131072, "qwen2.5-72b": 131072}
+
+
+def test_every_catalog_model_has_its_context_length():
+    assert {name: CATALOG[name].context_len for name in PUBLISHED_CONTEXT} == PUBLISHED_CONTEXT
+    for name in DEMO_MODELS:
+        assert CATALOG[name].context_len is not None
+
+
+def test_config_json_context_length_is_read():
+    assert arch_from_hf_config(LLAMA2_7B_CONFIG | {"max_position_embeddings": 4096}, "x").context_len == 4096
+    assert arch_from_hf_config(LLAMA2_7B_CONFIG, "x").context_len is None  # not given: unknown, not checked
+    with pytest.raises(HfplanError, match="malformed size"):
+        arch_from_hf_config(LLAMA2_7B_CONFIG | {"max_position_embeddings": "long"}, "x")
+    with pytest.raises(HfplanError, match="context length"):
+        arch_from_hf_config(LLAMA2_7B_CONFIG | {"max_position_embeddings": -1}, "x")

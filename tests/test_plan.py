@@ -53,6 +53,21 @@ def with_estimate(data: dict) -> dict:
     return data
 
 
+def test_micro_batch_may_hold_every_sequence_of_a_rank():
+    data = valid_plan()
+    data["parallelism"]["actor"]["train"]["micro_batch"] = 2  # (8 / 2 mini-batches) / 2 ranks
+    data["parallelism"]["critic"]["train"]["micro_batch"] = 1  # (8 / 2) / 4
+    assert plan_from_dict(data, "test").parallelism["actor"].train.micro_batch == 2
+
+
+def test_bad_plan_messages_are_one_line_without_pydantic_noise():
+    for change, _ in BAD_PLANS + STRICT_PLANS:
+        with pytest.raises(HfplanError) as caught:
+            plan_from_dict(_break(change), "test")
+        message = str(caught.value)
+        assert "\n" not in message and "Value error" not in message and "(top level)" not in message, message
+
+
 def test_valid_plan_validates():
     plan = plan_from_dict(valid_plan(), "test")
     assert plan.version == PLAN_VERSION == 1
@@ -146,7 +161,30 @@ BAD_PLANS = [
 ]
 
 
-@pytest.mark.parametrize(("change", "needle"), BAD_PLANS)
+# Hand-written plans are checked like the CLI's input.
+STRICT_PLANS = [
+    # strict types: nothing is coerced from a string (or a bool from an int)
+    (_set("parallelism.critic.train.shard", "yes"), "field parallelism.critic.train.shard: Input should be a valid "
+                                                     "boolean, got 'yes'"),
+    (_set("parallelism.actor.train.recompute", 1), "field parallelism.actor.train.recompute"),
+    (_set("parallelism.actor.train.tp", "2"), "field parallelism.actor.train.tp: Input should be a valid integer, "
+                                              "got '2'"),
+    (_set("cluster.gpus", "8"), "field cluster.gpus"),
+    (_set("workload.prompt_len", "16"), "field workload.prompt_len"),
+    (_set("placement.0.gpus", 4.0), "field placement.0.gpus"),
+    # 8 prompts in 2 mini-batches over the actor's 2 data-parallel ranks: at most 2 sequences per micro-batch
+    (_set("parallelism.actor.train.micro_batch", 3), "parallelism.actor.train.micro_batch: 3 is more than the 2 "
+                                                     "sequences"),
+    (_set("parallelism.actor.train.micro_batch", 512), "parallelism.actor.train.micro_batch: 512"),
+    (_set("parallelism.critic.train.micro_batch", 100000), "parallelism.critic.train.micro_batch: 100000 is more "
+                                                           "than the 1 sequences"),
+    (_set("cluster.gpus_per_node", 3), "field cluster.gpus_per_node: must be a power of two, got 3"),
+    (_set("workload.prompt_len", 300), "workload: prompt_len + response_len = 300 + 16 = 316 tokens exceeds the "
+                                       "context length of actor model tiny (256 tokens)"),
+]
+
+
+@pytest.mark.parametrize(("change", "needle"), BAD_PLANS + STRICT_PLANS)
 def test_bad_plan_names_the_problem(change, needle):
     with pytest.raises(HfplanError, match="plan test") as caught:
         plan_from_dict(_break(change), "test")

@@ -10,16 +10,15 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
-import typer
+from support import assert_user_error, invoke
 from typer.testing import CliRunner
 
+from hfplan import cli
 from hfplan.errors import HfplanError
-from hfplan.profiles.hardware import HardwareProfile, Link, load_hardware
-from hfplan.profiles.models import CATALOG, ModelArch
-from hfplan.profiles.profiler import command
-from hfplan.profiles.profiler.build import Fits, build_profile
-from hfplan.profiles.profiler.device import KNOWN_GPUS, Device, Nominal, nominal_rates
-from hfplan.profiles.profiler.fit import (
+from hfplan.profiler import command
+from hfplan.profiler.build import Fits, build_profile
+from hfplan.profiler.device import KNOWN_GPUS, Device, Nominal, nominal_rates
+from hfplan.profiler.fit import (
     COLLECTIVES,
     LinkFit,
     RooflineFit,
@@ -27,6 +26,9 @@ from hfplan.profiles.profiler.fit import (
     fit_alpha_beta,
     fit_roofline,
 )
+from hfplan.profiler.report import FLAG_PCT, PASS_LABEL
+from hfplan.profiles.hardware import HardwareProfile, Link, load_hardware
+from hfplan.profiles.models import CATALOG, ModelArch
 from hfplan.simulator import collectives as coll
 
 SIZES = [2.0**k for k in range(3, 29)]  # 8 B .. 256 MiB
@@ -78,7 +80,7 @@ def test_alpha_beta_fit_rejects_bad_input():
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_collective_terms_match_the_simulator(world):
     """The fit's model of each collective is the simulator's: a fitted link predicts what it measured."""
-    link = Link(bandwidth_gbps=3.0, efficiency=1.0, latency_us=25.0)
+    link = Link(bandwidth_gbytes_per_s=3.0, efficiency=1.0, latency_us=25.0)
     hw = load_hardware("cpu").model_copy(update={"links": load_hardware("cpu").links.model_copy(
         update={"intra_node": link})})
     group = coll.Group(world, world, world)
@@ -169,7 +171,7 @@ def test_profile_schema_round_trip(tmp_path):
     assert loaded.compute.peak_tflops == pytest.approx(0.15)
     assert loaded.compute.matmul_efficiency == pytest.approx(1.2 / 1.5, rel=1e-3)
     assert loaded.compute.kernel_overhead_us == pytest.approx(2.0)
-    assert loaded.memory.bandwidth_gbps * loaded.memory.efficiency == pytest.approx(11.0, rel=1e-3)
+    assert loaded.memory.bandwidth_gbytes_per_s * loaded.memory.efficiency == pytest.approx(11.0, rel=1e-3)
     assert loaded.links.intra_node.latency_us == pytest.approx(80.0)
     assert loaded.links.intra_node.effective_bytes_per_s == pytest.approx(2.4e9, rel=1e-3)
     assert loaded.links.inter_node == base.links.inter_node
@@ -194,8 +196,8 @@ def test_gpu_profile_uses_datasheet_peaks():
     assert profile.backend == "nccl" and profile.gpus_per_node == 8
     assert profile.compute.peak_tflops == pytest.approx(989.4)
     assert profile.compute.matmul_efficiency == pytest.approx(700 / 989.4, rel=1e-3)
-    assert profile.memory.bandwidth_gbps == pytest.approx(3350)
-    assert profile.links.intra_node.bandwidth_gbps == pytest.approx(450)
+    assert profile.memory.bandwidth_gbytes_per_s == pytest.approx(3350)
+    assert profile.links.intra_node.bandwidth_gbytes_per_s == pytest.approx(450)
     assert profile.links.intra_node.effective_bytes_per_s == pytest.approx(3.6e11, rel=1e-3)
     assert profile.links.host.effective_bytes_per_s == pytest.approx(5.3e10, rel=1e-3)
     HardwareProfile.model_validate(profile.model_dump())
@@ -210,8 +212,8 @@ def test_known_gpu_names():
 
 
 def test_layer_scaling_keeps_head_size_and_divisibility():
-    from hfplan.profiles.profiler.layers import cases_for, scaled, valid_tp
-    from hfplan.profiles.profiler.sweeps import sweeps_for
+    from hfplan.profiler.layers import cases_for, scaled, valid_tp
+    from hfplan.profiler.sweeps import sweeps_for
 
     llama = CATALOG["llama3.1-8b"]
     small = scaled(llama, 8)
@@ -228,8 +230,8 @@ def test_real_layer_measurement_and_prediction():
     and is compared with the cost model for the shapes that ran."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from hfplan.profiles.profiler.layers import LayerPlan, cases_for, measure_layers, predict
-    from hfplan.profiles.profiler.sweeps import LayerCases
+    from hfplan.profiler.layers import LayerPlan, cases_for, measure_layers, predict
+    from hfplan.profiler.sweeps import LayerCases
 
     for arch in (CATALOG["tiny"], ModelArch("qwen-like", layers=1, hidden=64, heads=4, kv_heads=2, ffn=96,
                                             vocab=10, attention_bias=True)):
@@ -245,13 +247,6 @@ def test_real_layer_measurement_and_prediction():
             assert predict(load_hardware("cpu"), arch, case) > 0
 
 
-def app() -> typer.Typer:
-    application = typer.Typer(add_completion=False)
-    application.command("profile")(command.profile_command)
-    application.command("other")(lambda: None)
-    return application
-
-
 def test_missing_torch_gives_the_install_hint(monkeypatch):
     real_import = builtins.__import__
 
@@ -261,11 +256,9 @@ def test_missing_torch_gives_the_install_hint(monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_torch)
-    with pytest.raises(HfplanError, match=r"pip install 'hfplan\[execute\]'"):
+    with pytest.raises(HfplanError, match=r"pip install '\.\[execute\]'"):
         command.import_torch()
-    result = CliRunner().invoke(app(), ["profile", "--device", "cpu"])
-    assert result.exit_code == 2
-    assert "hfplan profile needs torch: pip install 'hfplan[execute]'" in result.output
+    assert_user_error(invoke("profile", "--device", "cpu"), command.INSTALL_HINT)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -280,19 +273,14 @@ def test_missing_torch_gives_the_install_hint(monkeypatch):
 def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path, monkeypatch):
     pytest.importorskip("torch")
     monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(app(), ["profile", *args])
-    assert result.exit_code == 2, result.output
-    assert message in result.output
-    assert "Traceback" not in result.output
+    assert_user_error(invoke("profile", *args), message)
 
 
 def test_cuda_requested_without_a_gpu():
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    result = CliRunner().invoke(app(), ["profile", "--device", "cuda"])
-    assert result.exit_code == 2
-    assert "no CUDA GPU" in result.output
+    assert_user_error(invoke("profile", "--device", "cuda"), "no CUDA GPU")
 
 
 @pytest.mark.slow
@@ -301,11 +289,11 @@ def test_quick_cpu_profile_end_to_end(tmp_path):
     measurements beside it, and the layer table against predictions from that very profile."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from hfplan.profiles.profiler.layers import Case, predict
+    from hfplan.profiler.layers import Case, predict
 
     out = tmp_path / "measured.yaml"
-    result = CliRunner().invoke(app(), ["profile", "--device", "cpu", "--world-size", "2", "--quick", "--out",
-                                        str(out)], terminal_width=160)
+    result = CliRunner().invoke(cli.app, ["profile", "--device", "cpu", "--world-size", "2", "--quick", "--out",
+                                          str(out)], terminal_width=160)
     assert result.exit_code == 0, result.output
     assert "measured vs cost model" in result.output and "error %" in result.output
     profile = load_hardware(str(out))
@@ -331,3 +319,7 @@ def test_quick_cpu_profile_end_to_end(tmp_path):
         case = Case(row.op, int(row.batch), int(length), int(row.tp))
         assert row.predicted_s == pytest.approx(predict(profile, arch, case), rel=1e-9)
         assert math.isclose(row.error_pct, 100 * (row.predicted_s - row.seconds) / row.seconds, rel_tol=1e-9)
+    # Passes predicted more than 25% off are named under the tables.
+    for op, group in layers.groupby("op"):
+        label = PASS_LABEL[op]
+        assert (f"{label} predictions (" in result.output) == bool((group["error_pct"].abs() > FLAG_PCT).any()), op

@@ -442,9 +442,10 @@ def test_the_minimum_in_the_message_is_the_true_minimum(lab):
 
 def test_workload_that_fits_nowhere_fails_promptly():
     """Finding the minimum GPU count must not scan every count up to thousands when none fits."""
-    # One sequence of 200k tokens: its logits alone exceed an A100 at any parallelism qwen2.5-0.5b allows.
-    workload = workload_from_dict({"algorithm": "ppo", "models": {r: "qwen2.5-0.5b" for r in ALGORITHM_ROLES["ppo"]},
-                                   "prompt_len": 100000, "response_len": 100000, "batch_prompts": 8,
+    # One sequence of 128k tokens (qwen2.5-1.5b's whole context): its logits alone exceed an A100 at any
+    # parallelism the model allows.
+    workload = workload_from_dict({"algorithm": "ppo", "models": {r: "qwen2.5-1.5b" for r in ALGORITHM_ROLES["ppo"]},
+                                   "prompt_len": 65536, "response_len": 65536, "batch_prompts": 8,
                                    "mini_batches": 1}, "test")
     with _deadline(10), pytest.raises(HfplanError, match="fit"):
         search(workload, make_cluster(8, "a100-80g"))

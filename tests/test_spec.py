@@ -19,11 +19,12 @@ from hfplan.spec import (
 )
 
 PPO_ROLES = {"actor": "tiny", "critic": "tiny", "reference": "tiny", "reward": "tiny"}
+SHORT = {"prompt_len": 64, "response_len": 64}  # within tiny's 256-token context
 REAL_MODELS = sorted(m for m in CATALOG if m not in DEMO_MODELS)
 
 
 def _ppo(**fields) -> dict:
-    return {"algorithm": "ppo", "models": dict(PPO_ROLES)} | fields
+    return {"algorithm": "ppo", "models": dict(PPO_ROLES)} | SHORT | fields
 
 
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHM_ROLES))
@@ -103,15 +104,16 @@ def test_role_validation(data, needle):
 def test_safe_rlhf_needs_cost_and_cost_critic():
     models = dict(PPO_ROLES)
     with pytest.raises(HfplanError, match="'cost'"):
-        workload_from_dict({"algorithm": "safe-rlhf", "models": models}, "test")
+        workload_from_dict({"algorithm": "safe-rlhf", "models": models} | SHORT, "test")
     full = models | {"cost": "tiny", "cost_critic": "tiny"}
-    assert workload_from_dict({"algorithm": "safe-rlhf", "models": full}, "test").roles[-2:] == ("cost", "cost_critic")
+    workload = workload_from_dict({"algorithm": "safe-rlhf", "models": full} | SHORT, "test")
+    assert workload.roles[-2:] == ("cost", "cost_critic")
 
 
 def test_grpo_mini_batches_divide_responses_not_prompts():
     # 6 prompts x 2 responses = 12 sequences: 4 mini-batches divide 12, though not 6.
     data = {"algorithm": "grpo", "models": {"actor": "tiny", "reference": "tiny", "reward": "tiny"},
-            "batch_prompts": 6, "samples_per_prompt": 2, "mini_batches": 4}
+            "batch_prompts": 6, "samples_per_prompt": 2, "mini_batches": 4} | SHORT
     assert workload_from_dict(data, "test").sequences == 12
 
 
@@ -238,3 +240,99 @@ def test_make_cluster_keeps_the_loaded_profile():
                                                          (6, 4, 2)])
 def test_nodes_count_a_partial_last_node(gpus, per_node, nodes):
     assert Cluster(gpus=gpus, gpus_per_node=per_node, hardware="a100-80g").nodes == nodes
+
+
+def test_explicit_node_size_above_the_gpus_is_refused():
+    with pytest.raises(HfplanError, match="--gpus-per-node 8 is more than --gpus 4"):
+        make_cluster(4, gpus_per_node=8)
+    # the profile's node size larger than the cluster: one partial node
+    cluster = make_cluster(4, "a100-80g")
+    assert (cluster.gpus_per_node, cluster.nodes) == (8, 1)
+
+
+# -- context length ------------------------------------------------------------------------------------
+def test_sequences_beyond_the_context_length_are_refused():
+    with pytest.raises(HfplanError, match=r"prompt_len \+ response_len = 4096 \+ 1024 = 5120 tokens exceeds the "
+                                          r"context length of actor model llama2-7b \(4,096 tokens\)"):
+        workload_from_dict({"algorithm": "ppo", "models": dict.fromkeys(PPO_ROLES, "llama2-7b"),
+                            "prompt_len": 4096, "response_len": 1024}, "test")
+    # exactly the context length is fine
+    workload_from_dict({"algorithm": "ppo", "models": dict.fromkeys(PPO_ROLES, "llama2-7b"),
+                        "prompt_len": 3072, "response_len": 1024}, "test")
+
+
+def test_the_demo_workloads_fit_the_demo_models():
+    for name in ("demo", "arith-grpo"):
+        workload = load_workload(name)
+        assert all(workload.seq_len <= workload.arch(role).context_len for role in workload.model_roles)
+
+
+def test_context_length_of_a_config_json(tmp_path):
+    (tmp_path / "short").mkdir()
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100, "max_position_embeddings": 96}
+    (tmp_path / "short" / "config.json").write_text(json.dumps(config))
+    path = tmp_path / "w.yaml"
+    path.write_text(yaml.safe_dump(_ppo(models=dict.fromkeys(PPO_ROLES, "short"))))  # 64 + 64 > 96
+    with pytest.raises(HfplanError, match=f"workload {path}: .*128 tokens exceeds .* \\(96 tokens\\)"):
+        load_workload(str(path))
+
+
+# -- model paths in workload files ---------------------------------------------------------------------
+def _model_folder(folder) -> None:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "hidden_size": 896, "intermediate_size": 4864,
+        "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2, "vocab_size": 151936,
+        "tie_word_embeddings": True, "max_position_embeddings": 32768}))
+
+
+def test_relative_model_paths_resolve_against_the_workload_file(tmp_path, monkeypatch):
+    project = tmp_path / "project"
+    _model_folder(project / "myqwen")
+    _model_folder(project / "models" / "reward")
+    path = project / "wl.yaml"
+    path.write_text(yaml.safe_dump(_ppo(models={"actor": "myqwen", "critic": "myqwen/config.json",
+                                                "reference": "./myqwen", "reward": "models/reward"})))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    workload = load_workload(str(path))
+    assert workload.models == {"actor": str(project / "myqwen"), "critic": str(project / "myqwen" / "config.json"),
+                               "reference": str(project / "myqwen"), "reward": str(project / "models" / "reward")}
+    assert workload.arch("actor").layers == 24
+    # the stored (absolute) paths work from any folder: a plan made from it loads anywhere
+    monkeypatch.chdir(tmp_path)
+    assert load_workload(_write_json(tmp_path / "again.json", workload.to_dict())) == workload
+
+
+def test_catalog_names_and_rules_are_not_paths(tmp_path):
+    (tmp_path / "tiny").mkdir()  # a folder named like a catalog model does not shadow it
+    path = tmp_path / "wl.yaml"
+    path.write_text(yaml.safe_dump(_ppo(models=PPO_ROLES | {"reward": "rule:vowel-fraction"})))
+    assert load_workload(str(path)).models == PPO_ROLES | {"reward": "rule:vowel-fraction"}
+
+
+def test_a_missing_relative_model_names_the_resolved_path(tmp_path, monkeypatch):
+    path = tmp_path / "wl.yaml"
+    path.write_text(yaml.safe_dump(_ppo(models=PPO_ROLES | {"critic": "gone/config.json"})))
+    monkeypatch.chdir("/")
+    with pytest.raises(HfplanError, match=f"model config not found: {tmp_path / 'gone' / 'config.json'}"):
+        load_workload(str(path))
+
+
+def _write_json(path, data) -> str:
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+# -- strict types ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("fields", "needle"), [
+    ({"prompt_len": "64"}, "field prompt_len: Input should be a valid integer, got '64'"),
+    ({"batch_prompts": 8.0}, "field batch_prompts"),
+    ({"epochs": True}, "field epochs"),
+])
+def test_workload_numbers_are_not_coerced(fields, needle):
+    with pytest.raises(HfplanError, match="workload test") as caught:
+        workload_from_dict(_ppo() | fields, "test")
+    assert needle in str(caught.value)

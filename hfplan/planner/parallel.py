@@ -4,6 +4,7 @@ independent, and most of a large search's time goes there."""
 from __future__ import annotations
 
 import multiprocessing
+import signal
 from collections.abc import Callable
 
 from hfplan.planner import space
@@ -19,6 +20,12 @@ def _cost(key: tuple[str, int]) -> tuple[tuple[str, int], object, object, Floor 
     return key, _CONTEXT._parts.get(key), _CONTEXT._choices.get(key), floor
 
 
+def _ignore_interrupts() -> None:
+    """Ctrl-C reaches every process of the terminal's group: the workers leave it to the parent, which stops
+    them, so no worker prints a traceback of its own."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def warm_floors(ctx: SearchContext, gpus: int, jobs: int,
                 progress: Callable[[str, int, int], None] | None = None) -> None:
     """Fill ctx's caches of strategies and floors for every role at every set size."""
@@ -31,7 +38,7 @@ def warm_floors(ctx: SearchContext, gpus: int, jobs: int,
     global _CONTEXT
     _CONTEXT = ctx
     try:
-        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+        with multiprocessing.get_context("fork").Pool(jobs, initializer=_ignore_interrupts) as pool:
             for done, (key, parts, choices, floor) in enumerate(pool.imap_unordered(_cost, keys, chunksize=4), 1):
                 if parts is not None:
                     ctx._parts[key] = parts

@@ -31,6 +31,14 @@ def describe_parallelism(plan: Plan) -> str:
     return "; ".join(f"{role}: {describe_role(par)}" for role, par in plan.parallelism.items())
 
 
+def status_counts(result: SearchResult) -> dict[str, int]:
+    """Candidates per status, as the candidates CSV has them (its rows)."""
+    counts = dict.fromkeys(("evaluated", "pruned", "infeasible"), 0)
+    for candidate in result.candidates:
+        counts[candidate.status] += 1
+    return counts
+
+
 def candidates_frame(result: SearchResult, workload: Workload) -> pd.DataFrame:
     """One row per (placement, allocation) the search considered, with its outcome."""
 

@@ -9,13 +9,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from hfplan.errors import HfplanError, describe_validation_error, known_names
 from hfplan.files import read_mapping
 
 SHIPPED_DIR = Path(__file__).parent / "hardware"
 GIB = 1024**3
+# Bandwidths are in gigabytes (1e9 bytes) per second. Profiles written before the field said so call it
+# `bandwidth_gbps`; that name is still read (and written back under the new one).
+BANDWIDTH_NAMES = AliasChoices("bandwidth_gbytes_per_s", "bandwidth_gbps")
 
 
 class _Strict(BaseModel):
@@ -41,7 +44,8 @@ class Memory(_Strict):
     capacity_gib: float = Field(gt=0, description="device memory")
     reserved_gib: float = Field(ge=0, description="not usable by tensors: runtime context, comm buffers, "
                                                   "allocator fragmentation")
-    bandwidth_gbps: float = Field(gt=0, description="peak device-memory bandwidth, GB/s")
+    bandwidth_gbytes_per_s: float = Field(gt=0, validation_alias=BANDWIDTH_NAMES,
+                                          description="peak device-memory bandwidth, GB/s")
     efficiency: float = Field(gt=0, le=1, description="fraction of peak bandwidth reached by streaming kernels")
 
     @property
@@ -52,14 +56,15 @@ class Memory(_Strict):
 class Link(_Strict):
     """Alpha-beta model of one link class: a collective step costs latency + bytes / bandwidth."""
 
-    bandwidth_gbps: float = Field(gt=0, description="GB/s one device can drive (intra) or one node's NICs "
-                                                    "together (inter)")
+    bandwidth_gbytes_per_s: float = Field(gt=0, validation_alias=BANDWIDTH_NAMES,
+                                          description="GB/s (not Gb/s) one device can drive (intra) or one node's "
+                                                      "NICs together (inter): 200 Gb/s is 25")
     efficiency: float = Field(gt=0, le=1, description="fraction of bandwidth collectives reach (bus bandwidth)")
     latency_us: float = Field(ge=0, description="per-step latency (alpha)")
 
     @property
     def effective_bytes_per_s(self) -> float:
-        return self.bandwidth_gbps * 1e9 * self.efficiency
+        return self.bandwidth_gbytes_per_s * 1e9 * self.efficiency
 
 
 class Links(_Strict):
@@ -81,7 +86,7 @@ class HardwareProfile(_Strict):
 
     def __hash__(self) -> int:
         # Profiles key the cost caches: a cheap hash of a few fields (equal profiles still hash equal).
-        return hash((self.name, self.compute.peak_tflops, self.memory.bandwidth_gbps))
+        return hash((self.name, self.compute.peak_tflops, self.memory.bandwidth_gbytes_per_s))
 
     @property
     def peak_flops(self) -> float:

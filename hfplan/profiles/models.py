@@ -1,6 +1,7 @@
 """Model catalog: exact decoder-only transformer architectures, and loading of HF `config.json` files.
 
-Figures are the published `config.json` values of each checkpoint on the Hugging Face hub
+Figures (context length included: `max_position_embeddings`) are the published `config.json` values of each
+checkpoint on the Hugging Face hub
 (meta-llama/Llama-2-*-hf, codellama/CodeLlama-34b-hf, meta-llama/Llama-3.1-*, Qwen/Qwen2.5-*).
 Parameter counts are derived from the architecture, never stored.
 """
@@ -32,6 +33,9 @@ class ModelArch:
     tied_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has biases on q, k and v projections
     head_dim: int | None = None  # None: hidden // heads
+    # Longest sequence (prompt + response) the model was built for: config.json's max_position_embeddings.
+    # None when unknown (a config.json without the field, a synthetic model): not checked.
+    context_len: int | None = None
 
     def __post_init__(self) -> None:
         if min(self.layers, self.hidden, self.heads, self.kv_heads, self.ffn, self.vocab) <= 0:
@@ -40,6 +44,8 @@ class ModelArch:
             raise HfplanError(f"model {self.name}: heads ({self.heads}) not a multiple of kv_heads")
         if self.head_dim is None and self.hidden % self.heads:
             raise HfplanError(f"model {self.name}: hidden ({self.hidden}) not divisible by heads")
+        if self.context_len is not None and self.context_len <= 0:
+            raise HfplanError(f"model {self.name}: context length (max_position_embeddings) must be positive")
 
     @property
     def dim_per_head(self) -> int:
@@ -91,30 +97,40 @@ class ModelArch:
 CATALOG: dict[str, ModelArch] = {
     m.name: m
     for m in [
-        ModelArch("llama2-7b", layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000),
-        ModelArch("llama2-13b", layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000),
+        ModelArch("llama2-7b", layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000,
+                  context_len=4096),
+        ModelArch("llama2-13b", layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000,
+                  context_len=4096),
         # Llama 2 34B was never released; CodeLlama-34B is the published architecture at that size.
-        ModelArch("llama2-34b", layers=48, hidden=8192, heads=64, kv_heads=8, ffn=22016, vocab=32000),
-        ModelArch("llama2-70b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000),
-        ModelArch("llama3.1-8b", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256),
-        ModelArch("llama3.1-70b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256),
+        ModelArch("llama2-34b", layers=48, hidden=8192, heads=64, kv_heads=8, ffn=22016, vocab=32000,
+                  context_len=16384),
+        ModelArch("llama2-70b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000,
+                  context_len=4096),
+        ModelArch("llama3.1-8b", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256,
+                  context_len=131072),
+        ModelArch("llama3.1-70b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256,
+                  context_len=131072),
         ModelArch("qwen2.5-0.5b", layers=24, hidden=896, heads=14, kv_heads=2, ffn=4864, vocab=151936,
-                  tied_embeddings=True, attention_bias=True),
+                  tied_embeddings=True, attention_bias=True, context_len=32768),
         ModelArch("qwen2.5-1.5b", layers=28, hidden=1536, heads=12, kv_heads=2, ffn=8960, vocab=151936,
-                  tied_embeddings=True, attention_bias=True),
+                  tied_embeddings=True, attention_bias=True, context_len=131072),
         ModelArch("qwen2.5-7b", layers=28, hidden=3584, heads=28, kv_heads=4, ffn=18944, vocab=152064,
-                  attention_bias=True),
+                  attention_bias=True, context_len=131072),
         ModelArch("qwen2.5-14b", layers=48, hidden=5120, heads=40, kv_heads=8, ffn=13824, vocab=152064,
-                  attention_bias=True),
+                  attention_bias=True, context_len=131072),
         ModelArch("qwen2.5-32b", layers=64, hidden=5120, heads=40, kv_heads=8, ffn=27648, vocab=152064,
-                  attention_bias=True),
+                  attention_bias=True, context_len=131072),
         ModelArch("qwen2.5-72b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=29568, vocab=152064,
-                  attention_bias=True),
+                  attention_bias=True, context_len=131072),
+        # The demo models have no published checkpoint; their context of 256 tokens covers the workloads
+        # built on them (demo: 16 + 16, arith-grpo: 8 + 32).
         # The demo model: small enough to train on CPU processes; byte-level vocabulary (256 + specials).
-        ModelArch("tiny", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=260),
+        ModelArch("tiny", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=260,
+                  context_len=256),
         # Arithmetic prompts ("add 3 5 ="): a word-level vocabulary of 4 specials, the words add, sub
         # and =, and the numbers 0-40 (hfplan.executor.tokenizers builds it in code).
-        ModelArch("tiny-arith", layers=2, hidden=128, heads=4, kv_heads=2, ffn=256, vocab=48),
+        ModelArch("tiny-arith", layers=2, hidden=128, heads=4, kv_heads=2, ffn=256, vocab=48,
+                  context_len=256),
     ]
 }
 
@@ -149,6 +165,7 @@ def arch_from_hf_config(config: dict, name: str) -> ModelArch:
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=bool(config.get("attention_bias", "Qwen2ForCausalLM" in archs)),
             head_dim=int(config["head_dim"]) if config.get("head_dim") else None,
+            context_len=int(config["max_position_embeddings"]) if config.get("max_position_embeddings") else None,
         )
     except KeyError as missing:
         raise HfplanError(f"model {name}: config.json lacks field {missing}") from None

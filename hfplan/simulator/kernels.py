@@ -19,7 +19,7 @@ FP32 = 4  # bytes of an fp32 value (gradients, optimizer states, logits; everyth
 
 def kernel_time(hw: HardwareProfile, flops: float, nbytes: float) -> float:
     math = flops / (hw.peak_flops * hw.compute.matmul_efficiency)
-    memory = nbytes / (hw.memory.bandwidth_gbps * 1e9 * hw.memory.efficiency)
+    memory = nbytes / (hw.memory.bandwidth_gbytes_per_s * 1e9 * hw.memory.efficiency)
     return hw.compute.kernel_overhead_us * 1e-6 + max(math, memory)
 
 

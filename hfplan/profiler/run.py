@@ -9,13 +9,13 @@ from typing import Protocol
 
 import pandas as pd
 
+from hfplan.profiler import comm, compute, layers
+from hfplan.profiler.build import Fits, build_profile
+from hfplan.profiler.device import Device
+from hfplan.profiler.fit import COLLECTIVES, LinkFit, fit_alpha_beta, fit_roofline
+from hfplan.profiler.sweeps import Sweeps
 from hfplan.profiles.hardware import HardwareProfile
 from hfplan.profiles.models import ModelArch
-from hfplan.profiles.profiler import comm, compute, layers
-from hfplan.profiles.profiler.build import Fits, build_profile
-from hfplan.profiles.profiler.device import Device
-from hfplan.profiles.profiler.fit import COLLECTIVES, LinkFit, fit_alpha_beta, fit_roofline
-from hfplan.profiles.profiler.sweeps import Sweeps
 
 COLUMNS = ("kind", "op", "dtype", "m", "k", "n", "flops", "bytes", "world", "link", "steps", "moved_bytes", "model",
            "scale", "hidden", "heads", "kv_heads", "ffn", "batch", "seq", "context", "tp", "tokens", "seconds", "rate",

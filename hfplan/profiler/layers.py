@@ -16,12 +16,12 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from hfplan.profiler.compute import compute_dtype
+from hfplan.profiler.device import Device
+from hfplan.profiler.sweeps import LayerCases
+from hfplan.profiler.timing import Clock, copies_for, rotating
 from hfplan.profiles.hardware import HardwareProfile
 from hfplan.profiles.models import ModelArch
-from hfplan.profiles.profiler.compute import compute_dtype
-from hfplan.profiles.profiler.device import Device
-from hfplan.profiles.profiler.sweeps import LayerCases
-from hfplan.profiles.profiler.timing import Clock, copies_for, rotating
 from hfplan.simulator.kernels import layer_forward
 
 Step = Callable[[], None]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from hfplan.profiles.profiler.device import Device
-from hfplan.profiles.profiler.timing import Clock, copies_for, rotating
+from hfplan.profiler.device import Device
+from hfplan.profiler.timing import Clock, copies_for, rotating
 
 Step = Callable[[], None]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass
 
+from hfplan.profiler.device import Device
+from hfplan.profiler.fit import LinkFit, RooflineFit
 from hfplan.profiles.hardware import GIB, Compute, HardwareProfile, Link, Links, Memory
-from hfplan.profiles.profiler.device import Device
-from hfplan.profiles.profiler.fit import LinkFit, RooflineFit
 
 
 @dataclass(frozen=True)
@@ -46,13 +46,13 @@ def build_profile(device: Device, fits: Fits, base: HardwareProfile, name: str, 
     reserved = min(capacity * 0.5, device.used_bytes / GIB + 0.05 * capacity)
     if fits.intra is not None:
         link_bw, link_eff = _rate_and_efficiency(fits.intra.bytes_per_s / 1e9, nominal.link_gbps)
-        intra = Link(bandwidth_gbps=_round(link_bw), efficiency=_round(link_eff),
+        intra = Link(bandwidth_gbytes_per_s=_round(link_bw), efficiency=_round(link_eff),
                      latency_us=_round(fits.intra.latency_s * 1e6))
     else:
         intra = base.links.intra_node
     if fits.host is not None:
-        host_bw, host_eff = _rate_and_efficiency(fits.host.bytes_per_s / 1e9, base.links.host.bandwidth_gbps)
-        host = Link(bandwidth_gbps=_round(host_bw), efficiency=_round(host_eff),
+        host_bw, host_eff = _rate_and_efficiency(fits.host.bytes_per_s / 1e9, base.links.host.bandwidth_gbytes_per_s)
+        host = Link(bandwidth_gbytes_per_s=_round(host_bw), efficiency=_round(host_eff),
                     latency_us=_round(fits.host.latency_s * 1e6))
     else:
         host = base.links.host
@@ -78,7 +78,7 @@ def build_profile(device: Device, fits: Fits, base: HardwareProfile, name: str, 
         compute=Compute(peak_tflops=_round(peak_flops / 1e12), matmul_efficiency=_round(matmul_efficiency),
                         kernel_overhead_us=_round(fits.roofline.overhead_s * 1e6),
                         value_bytes=2 if device.kind == "cuda" else 4),  # bf16 on GPUs, fp32 on CPUs
-        memory=Memory(capacity_gib=_round(capacity), reserved_gib=_round(reserved, 3), bandwidth_gbps=_round(bandwidth),
-                      efficiency=_round(mem_eff)),
+        memory=Memory(capacity_gib=_round(capacity), reserved_gib=_round(reserved, 3),
+                      bandwidth_gbytes_per_s=_round(bandwidth), efficiency=_round(mem_eff)),
         links=Links(intra_node=intra, inter_node=base.links.inter_node, host=host),
     )

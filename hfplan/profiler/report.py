@@ -1,13 +1,22 @@
-"""Rich tables of a profiling run: the fitted rates, and each measured layer time against the cost model."""
+"""Rich tables of a profiling run: the fitted rates, and each measured layer time against the cost model.
+An error above FLAG_PCT is marked, and a note under the tables says what the mark means."""
 
 from __future__ import annotations
 
 import pandas as pd
 from rich.table import Table
 
-from hfplan.profiles.profiler.run import Result
+from hfplan.profiler.run import Result
 
 PASS_LABEL = {"forward": "fwd", "forward+backward": "fwd+bwd", "decode": "decode"}
+# Above this relative error a fit or a layer prediction is flagged: plans made with the profile may be off.
+FLAG_PCT = 25.0
+FLAG = "!"
+
+
+def _rms_note(what: str, rms_rel_error: float) -> str:
+    pct = 100 * rms_rel_error
+    return f"{what}, rms {pct:.0f}%" + (f" {FLAG}" if pct > FLAG_PCT else "")
 
 
 def fits_table(result: Result) -> Table:
@@ -16,26 +25,27 @@ def fits_table(result: Result) -> Table:
     for column in ("rate", "value", "fit"):
         table.add_column(column, justify="left" if column == "rate" else "right")
     roof = fits.roofline
-    fit_note = f"roofline, {roof.points} kernels, rms {100 * roof.rms_rel_error:.0f}%"
+    fit_note = _rms_note(f"roofline, {roof.points} kernels", roof.rms_rel_error)
     table.add_row("peak TFLOP/s", f"{hw.compute.peak_tflops:g}",
                   "datasheet" if result.device.nominal.peak_tflops else "best measured matmul")
     table.add_row("matmul efficiency", f"{hw.compute.matmul_efficiency:.3f}", fit_note)
     table.add_row("kernel overhead us", f"{hw.compute.kernel_overhead_us:.2f}", fit_note)
-    table.add_row("memory GB/s x efficiency", f"{hw.memory.bandwidth_gbps:g} x {hw.memory.efficiency:.3f}", fit_note)
+    table.add_row("memory GB/s x efficiency",
+                  f"{hw.memory.bandwidth_gbytes_per_s:g} x {hw.memory.efficiency:.3f}", fit_note)
     table.add_row("memory capacity / reserved GiB", f"{hw.memory.capacity_gib:g} / {hw.memory.reserved_gib:g}",
                   "per device")
     for label, link, fit in (("intra-node", hw.links.intra_node, fits.intra), ("host", hw.links.host, fits.host)):
-        note = (f"alpha-beta, {fit.points} points, rms {100 * fit.rms_rel_error:.0f}%" if fit is not None
+        note = (_rms_note(f"alpha-beta, {fit.points} points", fit.rms_rel_error) if fit is not None
                 else "not measured: base profile")
         table.add_row(f"{label} GB/s x efficiency, latency us",
-                      f"{link.bandwidth_gbps:g} x {link.efficiency:.3f}, {link.latency_us:.1f}", note)
+                      f"{link.bandwidth_gbytes_per_s:g} x {link.efficiency:.3f}, {link.latency_us:.1f}", note)
     inter = hw.links.inter_node
     table.add_row("inter-node GB/s x efficiency, latency us",
-                  f"{inter.bandwidth_gbps:g} x {inter.efficiency:.3f}, {inter.latency_us:.1f}",
+                  f"{inter.bandwidth_gbytes_per_s:g} x {inter.efficiency:.3f}, {inter.latency_us:.1f}",
                   "not measured: base profile")
     for op, fit in fits.per_collective.items():
         table.add_row(f"  {op} alone: GB/s, latency us", f"{fit.bytes_per_s / 1e9:.3g}, {fit.latency_s * 1e6:.1f}",
-                      f"{fit.points} sizes, rms {100 * fit.rms_rel_error:.0f}%")
+                      _rms_note(f"{fit.points} sizes", fit.rms_rel_error))
     return table
 
 
@@ -49,9 +59,37 @@ def layer_table(result: Result) -> Table:
         table.add_column(column, justify="left" if column == "pass" else "right")
     for row in frame.itertuples():
         length = row.context if row.op == "decode" else row.seq
+        error = f"{row.error_pct:+.0f}" + (f" {FLAG}" if abs(row.error_pct) > FLAG_PCT else "")
         table.add_row(PASS_LABEL[row.op], str(int(row.batch)), str(int(length)), str(int(row.tp)), str(int(row.tokens)),
-                      f"{1e3 * row.seconds:.3f}", f"{1e3 * row.predicted_s:.3f}", f"{row.error_pct:+.0f}")
+                      f"{1e3 * row.seconds:.3f}", f"{1e3 * row.predicted_s:.3f}", error)
     return table
+
+
+def flagged(result: Result) -> list[str]:
+    """What is off by more than FLAG_PCT: fits by their rms error, layer passes by any prediction."""
+    fits = result.fits
+    out = []
+    named = [("roofline", fits.roofline), ("intra-node link", fits.intra), ("host link", fits.host),
+             *((f"{op} alone", fit) for op, fit in fits.per_collective.items())]
+    for name, fit in named:
+        if fit is not None and 100 * fit.rms_rel_error > FLAG_PCT:
+            out.append(f"{name} fit (rms {100 * fit.rms_rel_error:.0f}%)")
+    layer = result.measurements[result.measurements["kind"] == "layer"]
+    for op, group in layer.groupby("op", sort=False):
+        worst = group["error_pct"].abs().max()
+        if worst > FLAG_PCT:
+            off = int((group["error_pct"].abs() > FLAG_PCT).sum())
+            out.append(f"{PASS_LABEL[op]} predictions ({off} of {len(group)}, worst {worst:.0f}%)")
+    return out
+
+
+def flag_note(result: Result) -> str | None:
+    """One line under the tables when something is flagged, else None."""
+    items = flagged(result)
+    if not items:
+        return None
+    return (f"{FLAG} error above {FLAG_PCT:.0f}%: {'; '.join(items)}. Plans made with this profile may be off by as "
+            "much for the calls these rates cost; see docs/profile.md")
 
 
 def error_summary(frame: pd.DataFrame) -> str:

@@ -18,8 +18,8 @@ from datetime import timedelta
 from pathlib import Path
 
 from hfplan.errors import HfplanError
-from hfplan.profiles.profiler.device import Device
-from hfplan.profiles.profiler.fit import COLLECTIVES, collective_terms
+from hfplan.profiler.device import Device
+from hfplan.profiler.fit import COLLECTIVES, collective_terms
 
 Step = Callable[[], None]
 
