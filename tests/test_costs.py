@@ -7,11 +7,13 @@ import math
 
 import pytest
 
+from hfplan import layout
+from hfplan.layout import resharding
 from hfplan.plan import GenConfig, InferConfig, TrainConfig
 from hfplan.profiles.hardware import load_hardware
 from hfplan.profiles.models import CATALOG
 from hfplan.simulator import costs, memory
-from hfplan.simulator.costs import Placement, resharding
+from hfplan.simulator.costs import Placement
 from hfplan.simulator.kernels import gemm_time, kernel_time, memory_time
 
 FLOPS = 100e12 * 0.5
@@ -134,9 +136,9 @@ def test_data_parallel_splits_the_batch(toy_hw):
 
 def test_stage_params_by_hand(small_arch):
     per_layer = 36992
-    assert costs.stage_params(small_arch, 1, "lm") == 2 * per_layer + 16640 + 64 + 16640
-    assert costs.stage_params(small_arch, 2, "lm") == per_layer + max(16640, 16640 + 64)
-    assert costs.stage_params(small_arch, 2, "scalar") == per_layer + max(16640, 64 + 1 + 64)
+    assert layout.stage_params(small_arch, 1, "lm") == 2 * per_layer + 16640 + 64 + 16640
+    assert layout.stage_params(small_arch, 2, "lm") == per_layer + max(16640, 16640 + 64)
+    assert layout.stage_params(small_arch, 2, "scalar") == per_layer + max(16640, 64 + 1 + 64)
 
 
 # -- generation ------------------------------------------------------------------------------------------
@@ -150,7 +152,7 @@ def test_stage_params_by_hand(small_arch):
 )
 def test_kv_bytes_per_token_per_gpu(tp, pp, expected):
     arch = CATALOG["llama3.1-8b"]
-    assert costs.kv_bytes_per_token_per_gpu(arch, GenConfig(tp=tp, pp=pp)) == expected
+    assert memory.kv_bytes_per_token_per_gpu(arch, GenConfig(tp=tp, pp=pp)) == expected
 
 
 def test_decode_step_is_weight_and_kv_reads(toy_hw):
@@ -191,7 +193,7 @@ def test_tensor_parallel_decode_reads_fewer_weights_per_gpu(toy_hw):
 
 
 def _per_seq(arch, prompt, response) -> int:
-    return costs.kv_bytes_per_token_per_gpu(arch, GenConfig()) * (prompt + response)
+    return memory.kv_bytes_per_token_per_gpu(arch, GenConfig()) * (prompt + response)
 
 
 def test_generation_in_one_wave_when_the_budget_holds_everything(toy_hw, small_arch):

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from hfplan.errors import HfplanError
-from hfplan.plan import ROLLOUT, PlacementSet, Plan, RoleParallelism
+from hfplan.layout import ROLLOUT, generating_role
+from hfplan.plan import PlacementSet, Plan, RoleParallelism
 from hfplan.planner import space
 from hfplan.planner.bounds import PlacementBounds
 from hfplan.planner.strategies import RoleChoices, RoleOption, Rules, SearchContext
@@ -127,7 +128,7 @@ class _PairSearch:
         # The generating role first, then the roles that share its GPUs (they decide its KV-cache room).
         gen_set = pair.set_of_role.get(ctx.generator, -1)
         self.roles = sorted(pair.set_of_role, key=lambda r: (r != ctx.generator, pair.set_of_role[r] != gen_set,
-                                                             r not in ("actor", "critic"), r))
+                                                             not ctx.trains(r), r))
         self.gen_set = gen_set
         self._gen_cache: dict[tuple, list[float]] = {}
         self.gpus = {r: pair.allocation[pair.set_of_role[r]] for r in self.roles}
@@ -164,7 +165,7 @@ class _PairSearch:
     def _with_weight_sync(self, choices: RoleChoices) -> RoleChoices:
         """Rollout options with the weight sync this placement really pays (same node as the actor?)."""
         ctx, pair = self.ctx, self.pair
-        same = pair.same_node(pair.set_of_role["actor"], pair.set_of_role[ROLLOUT])
+        same = pair.same_node(pair.set_of_role[generating_role(ctx.workload)], pair.set_of_role[ROLLOUT])
         gpus = self.gpus[ROLLOUT]
         synced = [replace(o, switch=switch_seconds(ctx.workload, ctx.hw, ctx.gpus_per_node, ROLLOUT, o.par, gpus, same))
                   for o in choices.options]

@@ -17,7 +17,8 @@ from functools import cached_property
 
 import numpy as np
 
-from hfplan.plan import ROLLOUT, GenConfig, InferConfig, RoleParallelism, TrainConfig
+from hfplan.layout import ROLLOUT, call_role, facts_of, generation_role, model_role
+from hfplan.plan import GenConfig, InferConfig, RoleParallelism, TrainConfig
 from hfplan.planner import space
 from hfplan.profiles.hardware import HardwareProfile
 from hfplan.simulator.evaluate import (
@@ -29,8 +30,8 @@ from hfplan.simulator.evaluate import (
     switch_seconds,
     train_memory,
 )
-from hfplan.simulator.trace import CONTROLLER, Dag, Node
-from hfplan.spec import RULE_PREFIX, TRAINED_ROLES, Workload
+from hfplan.simulator.trace import Dag, Node
+from hfplan.spec import Workload
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ class Rules:
 
     name: str = "hfplan"
     placements: tuple[tuple[tuple[str, ...], ...], ...] | None = None  # None: every set partition
-    generator: str = "actor"  # "rollout": a separate generation engine with weight sync
+    rollout: bool = False  # a separate generation engine with weight sync, instead of the hybrid engine
     power_of_two_sets: bool = False  # every colocated set gets a power-of-two GPU count
     train: Callable[[str, TrainConfig], bool] | None = None
     gen: Callable[[TrainConfig | None, GenConfig], bool] | None = None
@@ -139,7 +140,7 @@ class SearchContext:
         self.gpus_per_node = gpus_per_node
         self.dag = dag
         self.rules = rules or Rules()
-        self.generator = self.rules.generator
+        self.generator = generation_role(workload, (ROLLOUT,) if self.rules.rollout else ())
         self.usable = hw.memory.usable_bytes
         self.value_bytes = hw.compute.value_bytes
         self._parts: dict[tuple[str, int], list[Family]] = {}
@@ -155,12 +156,10 @@ class SearchContext:
 
     def runs_on(self, node: Node) -> str | None:
         """The role whose GPUs run a call (None: the controller or a rule)."""
-        if node.role == CONTROLLER:
-            return None
-        if node.op == "generate":
-            return self.generator
-        ref = self.workload.models.get(node.role, "")
-        return None if ref.startswith(RULE_PREFIX) else node.role
+        return call_role(self.workload, self.generator, node.role, node.op)
+
+    def trains(self, role: str) -> bool:
+        return facts_of(self.workload, role).trains
 
     def own_nodes(self, role: str) -> list[Node]:
         if role not in self._own:
@@ -193,11 +192,8 @@ class SearchContext:
             self._choices[key] = RoleChoices(self._options(role, gpus))
         return self._choices[key]
 
-    def role_options(self, role: str, gpus: int) -> list[RoleOption]:
-        return self.choices(role, gpus).options
-
     def _options(self, role: str, gpus: int) -> list[RoleOption]:
-        if role in TRAINED_ROLES:
+        if self.trains(role):
             options = [o for family in self.parts(role, gpus) for o in self._family_options(role, family)]
         else:
             options = self._untrained_options(role, gpus)
@@ -207,7 +203,7 @@ class SearchContext:
         w, g = self.workload, self.gpus_per_node
         nodes = self.own_nodes(role)
         if role == ROLLOUT:
-            pars = [RoleParallelism(gen=gen) for gen in space.gen_configs(w.arch("actor"), gpus, g)
+            pars = [RoleParallelism(gen=gen) for gen in space.gen_configs(w.arch(model_role(w, role)), gpus, g)
                     if self.rules.gen_ok(None, gen)]
         else:
             pars = [RoleParallelism(infer=infer) for infer in space.infer_configs(w.arch(role), gpus, g, w.sequences)]
@@ -368,7 +364,7 @@ class SearchContext:
 
     def _floor(self, role: str, gpus: int) -> Floor | None:
         nodes = self.own_nodes(role)
-        if role not in TRAINED_ROLES:
+        if not self.trains(role):
             opts = self.choices(role, gpus)
             if not opts.options:
                 return None

@@ -1,8 +1,8 @@
 """Seconds of each RLHF call on a set of GPUs: training step, inference, generation, resharding.
 
-Ranks of a layout are numbered pipeline-major, then data-parallel, then tensor-parallel (fastest), so
-tensor-parallel groups are adjacent GPUs, data-parallel groups are strided by tp, and pipeline
-stages are blocks of tp*dp GPUs. Every rate comes from the hardware profile.
+Ranks of a layout are numbered as hfplan.layout says (pipeline-major, then data-parallel, then
+tensor-parallel fastest), so tensor-parallel groups are adjacent GPUs, data-parallel groups are strided
+by tp, and pipeline stages are blocks of tp*dp GPUs. Every rate comes from the hardware profile.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import functools
 import math
 from dataclasses import dataclass
 
-from hfplan.plan import GenConfig, InferConfig, Layout, TrainConfig, nests
+from hfplan.layout import resharding, stage_params
+from hfplan.plan import GenConfig, InferConfig, Layout, TrainConfig
 from hfplan.profiles.hardware import HardwareProfile
 from hfplan.profiles.models import ModelArch
 from hfplan.simulator import collectives as coll
 from hfplan.simulator.kernels import (
-    BF16,
     FP32,
     LayerCost,
     embedding_forward,
@@ -24,6 +24,7 @@ from hfplan.simulator.kernels import (
     layer_forward,
     memory_time,
 )
+from hfplan.simulator.memory import kv_bytes_per_token_per_gpu
 
 # Adam step traffic per parameter: read the fp32 gradient (4), read and write the fp32 master weight,
 # first and second moments (3 x 8), write the bf16 weight (2).
@@ -42,15 +43,6 @@ class Placement:
     @property
     def per_node(self) -> int:
         return min(self.gpus, self.gpus_per_node)
-
-
-def stage_params(arch: ModelArch, pp: int, head: str) -> float:
-    """Parameters on the most loaded pipeline stage (before tensor-parallel division)."""
-    layers = math.ceil(arch.layers / pp) * arch.params_per_layer
-    ends = arch.embedding_params + arch.head_params(head) + arch.hidden
-    if pp == 1:
-        return layers + ends
-    return layers + max(arch.embedding_params, arch.head_params(head) + arch.hidden)
 
 
 def tp_group(tp: int, where: Placement) -> coll.Group:
@@ -170,13 +162,6 @@ def inference_time(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, where
     return (n_micro + cfg.pp - 1) * (fwd + p2p) + exposed
 
 
-def kv_bytes_per_token_per_gpu(arch: ModelArch, cfg: Layout, value_bytes: int = BF16) -> float:
-    """KV-cache bytes of one token on one GPU: KV heads split over tp (replicated when fewer than tp),
-    layers split over pp."""
-    heads_local = arch.kv_heads / cfg.tp if arch.kv_heads >= cfg.tp else 1
-    return 2 * value_bytes * heads_local * arch.dim_per_head * math.ceil(arch.layers / cfg.pp)
-
-
 def decode_step_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: Placement, batch: float,
                      context: float) -> float:
     """One decode step of `batch` sequences at `context` tokens, through all pipeline stages in turn."""
@@ -248,41 +233,6 @@ def _best_waves(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: P
         if seconds < best[0]:
             best = (seconds, waves, small + (1 if bigger else 0))
     return best
-
-
-@dataclass(frozen=True)
-class Resharding:
-    """How the hybrid engine turns the actor's training shards into its generation shards.
-
-    Each GPU keeps its own training shard and all-gathers the rest of its generation shard from the
-    `group` GPUs that hold the other pieces (HybridFlow's zero-redundancy grouping): layouts must nest
-    (tp_g divides tp or tp divides tp_g; likewise pp).
-    """
-
-    gen_fraction: float  # share of the model one GPU holds for generation
-    own_fraction: float  # share of it that the GPU already holds from training
-    group: int  # GPUs taking part in one all-gather
-    dims: tuple[tuple[int, int], ...]  # (factor, rank stride) of the group along tp, dp and pp
-
-    @property
-    def received_fraction(self) -> float:
-        return self.gen_fraction - self.own_fraction
-
-
-def resharding(train: TrainConfig, gen: GenConfig) -> Resharding:
-    if not (nests(train.tp, gen.tp) and nests(train.pp, gen.pp)):
-        raise ValueError(f"generation layout tp={gen.tp} pp={gen.pp} does not nest with training layout "
-                         f"tp={train.tp} pp={train.pp}")
-    gen_fraction = 1.0 / (gen.tp * gen.pp)
-    own = 1.0 / (max(train.tp, gen.tp) * max(train.pp, gen.pp))
-    # Training ranks are numbered pp-major, then dp, then tp: the pieces of a generation shard sit on
-    # adjacent tp ranks, on data-parallel peers tp apart (when sharded), and on stages tp*dp apart.
-    dims = [(max(1, train.tp // gen.tp), 1), (max(1, train.pp // gen.pp), train.tp * train.dp)]
-    if train.shard:
-        own /= train.dp
-        dims.append((train.dp, train.tp))
-    group = max(1, round(gen_fraction / own))
-    return Resharding(gen_fraction=gen_fraction, own_fraction=own, group=group, dims=tuple(dims))
 
 
 @functools.lru_cache(maxsize=65536)

@@ -11,9 +11,9 @@ from hfplan.dataflow.algorithms import ALGORITHMS
 from hfplan.dataflow.batch import Batch
 from hfplan.dataflow.controller import STEPS
 from hfplan.dataflow.ops import FIELD_KIND, PREPARATION, ROLE_OPS, output_field
+from hfplan.layout import CONTROLLER
 from hfplan.spec import Workload
 
-CONTROLLER = "controller"
 TOKEN_ID_BYTES = 8  # int64 token ids
 VALUE_BYTES = 4  # fp32 per-token and per-sequence values
 
