@@ -22,7 +22,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from hfplan.dataflow.registry import ROLLOUT, RoleFacts, get_algorithm, role_facts
+from hfplan.dataflow.registry import ROLLOUT, get_algorithm, role_facts
+from hfplan.dataflow.roles import RoleFacts
 
 if TYPE_CHECKING:
     from hfplan.profiles.models import ModelArch

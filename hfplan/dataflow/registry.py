@@ -12,39 +12,16 @@ from __future__ import annotations
 import importlib.metadata
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from hfplan.dataflow import algorithms as programs
+from hfplan.dataflow.roles import ACTOR, COST, COST_CRITIC, CRITIC, REFERENCE, REWARD, RoleFacts
 from hfplan.errors import HfplanError, known_names
 
 ENTRY_POINT_GROUP = "hfplan.algorithms"
 # The pseudo-role of a separate generation engine; no algorithm may name a role so.
 ROLLOUT = "rollout"
 
-
-@dataclass(frozen=True)
-class RoleFacts:
-    """What a role is, independent of its name."""
-
-    output: str  # the field its forward call (log_prob, values or score) writes
-    trains: bool = False  # it has an optimizer: `update` calls and a training layout
-    generates: bool = False  # it samples responses (`generate` calls)
-    head: Literal["lm", "scalar"] = "lm"  # language-model head, or a scalar (value or score) head
-    may_be_rule: bool = False  # a workload may make it a registered `rule:` computed on the controller
-
-
-def update_field(role: str) -> str:
-    """The field an update of `role` writes: its training metrics."""
-    return f"{role}_metrics"
-
-
-# The facts of the usual RLHF roles; an algorithm maps its role names to these or to its own.
-ACTOR = RoleFacts(output="old_log_probs", trains=True, generates=True)
-CRITIC = RoleFacts(output="values", trains=True, head="scalar")
-REFERENCE = RoleFacts(output="ref_log_probs")
-REWARD = RoleFacts(output="rewards", head="scalar", may_be_rule=True)
-COST = RoleFacts(output="costs", head="scalar", may_be_rule=True)
-COST_CRITIC = RoleFacts(output="cost_values", trains=True, head="scalar")
 
 Program = Callable[[Mapping[str, Any], Any, Any], dict]
 
@@ -134,7 +111,7 @@ def role_facts(algorithm: str, role: str) -> RoleFacts:
         raise ValueError(f"algorithm {algorithm!r} has no role {role!r}") from None
 
 
-for _builtin in (
+BUILTIN_ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     Algorithm("ppo", programs.ppo, {"actor": ACTOR, "critic": CRITIC, "reference": REFERENCE, "reward": REWARD},
               description="PPO with GAE (a critic) and a KL penalty against the reference"),
     Algorithm("grpo", programs.grpo, {"actor": ACTOR, "reference": REFERENCE, "reward": REWARD},
@@ -145,5 +122,5 @@ for _builtin in (
               {"actor": ACTOR, "critic": CRITIC, "reference": REFERENCE, "reward": REWARD, "cost": COST,
                "cost_critic": COST_CRITIC},
               description="Safe-RLHF: a cost model and cost critic under a Lagrange multiplier"),
-):
-    register_algorithm(_builtin)
+)}
+_REGISTRY.update(BUILTIN_ALGORITHMS)

@@ -22,13 +22,14 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from hfplan.errors import HfplanError
-from hfplan.layout import ROLLOUT, generating_role
+from hfplan.layout import ROLLOUT, generating_role, set_index
 from hfplan.plan import PlacementSet, Plan, RoleParallelism
 from hfplan.planner import space
 from hfplan.planner.bounds import PlacementBounds
 from hfplan.planner.strategies import RoleChoices, RoleOption, Rules, SearchContext
 from hfplan.simulator import engine
 from hfplan.simulator.evaluate import PlanCosts, call_seconds, switch_seconds
+from hfplan.simulator.schedule import Precedence
 from hfplan.simulator.trace import Dag, trace
 from hfplan.spec import Cluster, Workload
 
@@ -73,47 +74,33 @@ class SearchResult:
 
 
 class _Pair:
-    """Fast schedule of one (placement, allocation): durations by node, edges by allocation."""
+    """Fast schedule of one (placement, allocation): the schedule rule's precedence with the transfers
+    of this allocation; durations come per strategy choice, the generating role's switch added at
+    each switch point."""
 
     def __init__(self, ctx: SearchContext, placement: tuple[tuple[str, ...], ...], allocation: tuple[int, ...]):
         self.ctx = ctx
         self.placement = placement
         self.allocation = allocation
-        self.set_of_role = {r: i for i, roles in enumerate(placement) for r in roles}
-        dag = ctx.dag
-        self.node_set = [self.set_of_role.get(ctx.runs_on(n), -1) if ctx.runs_on(n) else -1 for n in dag.nodes]
+        self.set_of_role = set_index(placement)
         # Only the sets' positions matter for transfers: no parallelism needed.
         where = PlanCosts(ctx.workload, list(zip(placement, allocation, strict=True)), {}, ctx.hw, ctx.gpus_per_node)
-        self.edge_seconds = where.edge_seconds
         self.same_node = where.same_node
-        self.deps = [[(e.src, self.edge_seconds(self.node_set[e.src], self.node_set[n.id], e.nbytes)) for e in n.deps]
-                     for n in dag.nodes]
-        self.switch_node = ctx.switch_node
+        self.precedence = Precedence.of(ctx.dag, [where.set_of(n) for n in ctx.dag.nodes], where.edge_seconds)
+        self.switch_ids = ctx.switch_ids
 
     def makespan_many(self, seconds: np.ndarray, switch: np.ndarray) -> np.ndarray:
         """makespan() of many duration rows at once: seconds (rows x nodes), switch (rows,)."""
-        finish = np.zeros_like(seconds)
-        last: dict[int, np.ndarray] = {}
-        zero = np.zeros(len(seconds))
-        for i in range(seconds.shape[1]):
-            ready = last.get(self.node_set[i], zero)
-            for src, edge in self.deps[i]:
-                ready = np.maximum(ready, finish[:, src] + edge)
-            finish[:, i] = ready + seconds[:, i] + (switch if i == self.switch_node else 0.0)
-            last[self.node_set[i]] = finish[:, i]
-        return finish.max(axis=1) if seconds.shape[1] else zero
+        if self.switch_ids:
+            seconds = seconds.copy()
+            seconds[:, self.switch_ids] += switch[:, None]
+        return self.precedence.makespan_many(seconds)
 
     def makespan(self, seconds: Sequence[float], switch: float) -> float:
-        finish = [0.0] * len(seconds)
-        last: dict[int, float] = {}
-        for i, secs in enumerate(seconds):
-            s = self.node_set[i]
-            ready = last.get(s, 0.0)
-            for src, edge in self.deps[i]:
-                ready = max(ready, finish[src] + edge)
-            finish[i] = ready + (switch if i == self.switch_node else 0.0) + secs
-            last[s] = finish[i]
-        return max(finish, default=0.0)
+        durations = list(seconds)
+        for i in self.switch_ids:
+            durations[i] += switch
+        return self.precedence.makespan(durations)
 
 
 class _PairSearch:

@@ -17,7 +17,7 @@ from functools import cached_property
 
 import numpy as np
 
-from hfplan.layout import ROLLOUT, call_role, facts_of, generation_role, model_role
+from hfplan.layout import ROLLOUT, call_role, facts_of, generating_role, generation_role, model_role
 from hfplan.plan import GenConfig, InferConfig, RoleParallelism, TrainConfig
 from hfplan.planner import space
 from hfplan.profiles.hardware import HardwareProfile
@@ -30,6 +30,7 @@ from hfplan.simulator.evaluate import (
     switch_seconds,
     train_memory,
 )
+from hfplan.simulator.schedule import switch_points
 from hfplan.simulator.trace import Dag, Node
 from hfplan.spec import Workload
 
@@ -171,9 +172,10 @@ class SearchContext:
         return [n for n in self.dag.nodes if n.op == "generate"]
 
     @cached_property
-    def switch_node(self) -> int:
-        """The call before which the generating role switches to its generation layout (-1: none)."""
-        return self.generate_nodes[0].id if self.generate_nodes else -1
+    def switch_ids(self) -> list[int]:
+        """The calls before which the generating role switches into its generation layout (the schedule
+        rule's switch points; only the role that generates has a generation layout)."""
+        return list(switch_points(self.dag, self.runs_on, generating_role(self.workload)))
 
     def _seconds(self, node: Node, role: str, par: RoleParallelism, gpus: int, kv_budget: float = 0.0) -> float:
         return call_seconds(self.workload, self.hw, self.gpus_per_node, node, role, par, gpus, kv_budget)

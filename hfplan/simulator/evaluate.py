@@ -21,9 +21,6 @@ from hfplan.simulator import costs, memory
 from hfplan.simulator.trace import Node
 from hfplan.spec import Workload
 
-# Layout states a role can be in between calls (see PlanCosts.switch_seconds).
-STALE = "stale"  # a separate rollout engine before this iteration's weights reach it
-
 
 @dataclass(frozen=True)
 class SetMemory:
@@ -110,13 +107,10 @@ class PlanCosts:
         """The placed role whose GPUs and layout run a call (None: the controller runs it)."""
         return call_role(self.workload, self.generator, node.role, node.op)
 
-    def initial_layout(self, role: str) -> str:
-        return STALE if role == ROLLOUT else "train"
-
-    def switch_seconds(self, role: str, current: str, needed: str) -> float:
-        """Cost of moving `role` from layout `current` to `needed` before a call."""
-        if current == needed or needed != "gen":
-            return 0.0  # back to training: the generation copy is dropped; infer shares the train layout
+    def switch_seconds(self, role: str) -> float:
+        """Cost of one switch of `role` into its generation layout (schedule.switch_points says when):
+        the hybrid engine's resharding, or a rollout engine's weight sync. Going back is free: the
+        generation copy is dropped, and inference shares the training layout."""
         index = self.set_index[role]
         same = role == ROLLOUT and self.same_node(self.set_index[generating_role(self.workload)], index)
         return switch_seconds(self.workload, self.hw, self.gpus_per_node, role, self.parallelism[role],
