@@ -8,6 +8,7 @@ planner and the executor alike (pure Python; no torch, no ray).
   ranks in exactly this order.
 - Generation groups: the ranks the hybrid engine gathers together when the actor switches from its
   training layout to its generation layout.
+- Data movement: how a batch field reaches a call on another set (`transfer_path`).
 - Routing: which role generates, which set (or the controller) runs each call, which model each
   role holds; over (workload, placement), so the search can use it without building a Plan.
 - What the executor can run at all (`unsupported_layout`), consulted by the search space and by the
@@ -198,6 +199,20 @@ def unsupported_layout(arch: ModelArch, kind: str, layout: LayoutLike, train: La
     if kind == "gen" and train is not None:
         return nesting_problem(train, layout)
     return None
+
+
+# -- data movement ------------------------------------------------------------------------------------
+def transfer_path(src_set: int, dst_set: int) -> str:
+    """How a batch field made at one place reaches a call at another (set indices; ON_CONTROLLER for
+    the controller). "none": same place, the field stays where it is. "host": the controller is one
+    end (its steps and rules read and write the driver's memory), so the field crosses the host link.
+    "direct": between two sets, from the producer's workers to the consumer's, as Ray's object store
+    moves an object between nodes; the controller passes the reference on and never fetches it."""
+    if src_set == dst_set:
+        return "none"
+    if ON_CONTROLLER in (src_set, dst_set):
+        return "host"
+    return "direct"
 
 
 # -- routing ------------------------------------------------------------------------------------------

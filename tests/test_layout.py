@@ -162,3 +162,10 @@ def test_layouts_each_placed_role_runs_in():
     assert layouts_of(w, ROLLOUT, ROLLOUT) == ("gen",)
     assert layouts_of(w, "critic", "actor") == ("train", "infer")
     assert layouts_of(w, "reference", "actor") == ("infer",)
+
+
+def test_data_moves_set_to_set_or_through_the_host_when_the_controller_is_an_end():
+    assert layout.transfer_path(1, 1) == "none"
+    assert layout.transfer_path(0, 2) == "direct"
+    assert layout.transfer_path(ON_CONTROLLER, 0) == layout.transfer_path(3, ON_CONTROLLER) == "host"
+    assert layout.transfer_path(ON_CONTROLLER, ON_CONTROLLER) == "none"

@@ -19,7 +19,7 @@ from hfplan.planner import space
 from hfplan.planner.search import search
 from hfplan.planner.strategies import Rules
 from hfplan.simulator import engine
-from hfplan.simulator.evaluate import PlanCosts
+from hfplan.simulator.mapping import PlanCosts
 from hfplan.simulator.trace import trace
 
 

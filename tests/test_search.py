@@ -25,7 +25,7 @@ from hfplan.plan import Plan, RoleParallelism, plan_from_dict
 from hfplan.planner import space
 from hfplan.planner.search import search
 from hfplan.simulator import engine
-from hfplan.simulator.evaluate import PlanCosts
+from hfplan.simulator.mapping import PlanCosts
 from hfplan.simulator.trace import trace
 from hfplan.spec import ALGORITHM_ROLES, TRAINED_ROLES, Cluster, Workload, make_cluster, workload_from_dict
 

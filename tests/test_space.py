@@ -13,7 +13,7 @@ import pytest
 from hfplan.layout import nests
 from hfplan.planner import space
 from hfplan.profiles.models import CATALOG, ModelArch
-from hfplan.simulator.evaluate import set_offsets
+from hfplan.simulator.mapping import set_offsets
 
 BELL = {0: 1, 1: 1, 2: 2, 3: 5, 4: 15, 5: 52, 6: 203}
 

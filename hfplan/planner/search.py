@@ -28,7 +28,7 @@ from hfplan.planner import space
 from hfplan.planner.bounds import PlacementBounds
 from hfplan.planner.strategies import RoleChoices, RoleOption, Rules, SearchContext
 from hfplan.simulator import engine
-from hfplan.simulator.evaluate import PlanCosts, call_seconds, switch_seconds
+from hfplan.simulator.mapping import PlanCosts, call_seconds, switch_seconds
 from hfplan.simulator.schedule import Precedence
 from hfplan.simulator.trace import Dag, trace
 from hfplan.spec import Cluster, Workload
@@ -270,7 +270,7 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
     placements = list(ctx.rules.placements or space.set_partitions(workload.model_roles))
     stats.placements = len(placements)
     if jobs > 1:
-        from hfplan.planner.parallel import warm_floors
+        from hfplan.planner.pool import warm_floors
 
         warm_floors(ctx, cluster.gpus, jobs, progress)
     candidates: list[Candidate] = []

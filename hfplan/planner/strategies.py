@@ -21,7 +21,7 @@ from hfplan.layout import ROLLOUT, call_role, facts_of, generating_role, generat
 from hfplan.plan import GenConfig, InferConfig, RoleParallelism, TrainConfig
 from hfplan.planner import space
 from hfplan.profiles.hardware import HardwareProfile
-from hfplan.simulator.evaluate import (
+from hfplan.simulator.mapping import (
     RoleMemory,
     call_seconds,
     gen_memory,

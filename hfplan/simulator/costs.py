@@ -34,8 +34,8 @@ LOGSOFTMAX_REDUCTIONS = 2
 
 
 @dataclass(frozen=True)
-class Placement:
-    """Where a set's GPUs sit: how many of them share one node."""
+class SetShape:
+    """The shape of one placement set: its GPU count, and how many of them share one node."""
 
     gpus: int
     gpus_per_node: int
@@ -45,26 +45,26 @@ class Placement:
         return min(self.gpus, self.gpus_per_node)
 
 
-def tp_group(tp: int, where: Placement) -> coll.Group:
+def tp_group(tp: int, where: SetShape) -> coll.Group:
     return coll.group_of(tp, 1, where.per_node)
 
 
-def dp_group(layout: Layout, where: Placement) -> coll.Group:
+def dp_group(layout: Layout, where: SetShape) -> coll.Group:
     return coll.group_of(layout.dp, layout.tp, where.per_node)
 
 
-def stages_share_node(layout: Layout, where: Placement) -> bool:
+def stages_share_node(layout: Layout, where: SetShape) -> bool:
     return layout.gpus <= where.per_node
 
 
-def _layer_tp_comm(hw: HardwareProfile, arch: ModelArch, tokens: float, tp: int, where: Placement) -> float:
+def _layer_tp_comm(hw: HardwareProfile, arch: ModelArch, tokens: float, tp: int, where: SetShape) -> float:
     """Two all-reduces of the hidden state per layer pass (after attention and after the MLP)."""
     if tp == 1:
         return 0.0
     return 2 * coll.all_reduce(hw, tp_group(tp, where), hw.compute.value_bytes * tokens * arch.hidden)
 
 
-def _head_tp_comm(hw: HardwareProfile, tokens: float, tp: int, where: Placement, head: str) -> float:
+def _head_tp_comm(hw: HardwareProfile, tokens: float, tp: int, where: SetShape, head: str) -> float:
     if tp == 1 or head != "lm":
         return 0.0
     return LOGSOFTMAX_REDUCTIONS * coll.all_reduce(hw, tp_group(tp, where), FP32 * tokens)
@@ -79,7 +79,7 @@ class StagePass:
 
 
 @functools.lru_cache(maxsize=65536)
-def stage_pass(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: Placement, micro_seqs: float,
+def stage_pass(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, micro_seqs: float,
                seq_len: int, head: str) -> StagePass:
     tokens = micro_seqs * seq_len
     layer = layer_forward(hw, arch, tokens, keys_per_token=(seq_len + 1) / 2, tp=tp)
@@ -95,7 +95,7 @@ def stage_pass(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: Pl
     return StagePass(forward=forward, backward=backward)
 
 
-def _p2p(hw: HardwareProfile, arch: ModelArch, layout: Layout, where: Placement, tokens: float) -> float:
+def _p2p(hw: HardwareProfile, arch: ModelArch, layout: Layout, where: SetShape, tokens: float) -> float:
     if layout.pp == 1:
         return 0.0
     return coll.point_to_point(hw, hw.compute.value_bytes * tokens * arch.hidden / layout.tp,
@@ -110,14 +110,14 @@ def _per_rank(sequences: int, dp: int, micro_batch: int) -> tuple[int, int]:
     return micro, math.ceil(seqs / micro)
 
 
-def _param_gather(hw: HardwareProfile, arch: ModelArch, layout: Layout, where: Placement, head: str) -> float:
+def _param_gather(hw: HardwareProfile, arch: ModelArch, layout: Layout, where: SetShape, head: str) -> float:
     """All-gather of one stage's parameters across data-parallel ranks (sharded training)."""
     nbytes = hw.compute.value_bytes * stage_params(arch, layout.pp, head) / layout.tp
     return coll.all_gather(hw, dp_group(layout, where), nbytes)
 
 
 @functools.lru_cache(maxsize=262144)
-def train_step_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: Placement, sequences: int,
+def train_step_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: SetShape, sequences: int,
                     seq_len: int, head: str) -> float:
     """One optimizer step over `sequences` sequences (one mini-batch), 1F1B pipeline schedule."""
     micro, n_micro = _per_rank(sequences, cfg.dp, cfg.micro_batch)
@@ -142,14 +142,14 @@ def train_step_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, wher
     return pipeline + exposed + optimizer
 
 
-def update_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: Placement, sequences: int,
+def update_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: SetShape, sequences: int,
                 seq_len: int, head: str, mini_batches: int, epochs: int) -> float:
     step = train_step_time(hw, arch, cfg, where, sequences // mini_batches, seq_len, head)
     return epochs * mini_batches * step
 
 
 @functools.lru_cache(maxsize=262144)
-def inference_time(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, where: Placement, sequences: int,
+def inference_time(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, where: SetShape, sequences: int,
                    seq_len: int, head: str, sharded_dp: bool = False) -> float:
     """Forward passes over all sequences (log-probs, values or scores). `sharded_dp`: parameters are
     sharded across data-parallel ranks (a trained role in its FSDP layout) and gathered per micro-batch."""
@@ -162,7 +162,7 @@ def inference_time(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, where
     return (n_micro + cfg.pp - 1) * (fwd + p2p) + exposed
 
 
-def decode_step_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: Placement, batch: float,
+def decode_step_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetShape, batch: float,
                      context: float) -> float:
     """One decode step of `batch` sequences at `context` tokens, through all pipeline stages in turn."""
     layer = layer_forward(hw, arch, batch, keys_per_token=context, tp=cfg.tp, decode=True)
@@ -174,7 +174,7 @@ def decode_step_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: P
         + sample + p2p
 
 
-def prefill_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: Placement, batch: float,
+def prefill_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetShape, batch: float,
                  prompt_len: int) -> float:
     tokens = batch * prompt_len
     layer = layer_forward(hw, arch, tokens, keys_per_token=(prompt_len + 1) / 2, tp=cfg.tp)
@@ -185,7 +185,7 @@ def prefill_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: Place
 
 
 @functools.lru_cache(maxsize=65536)
-def wave_time(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: Placement, batch: int,
+def wave_time(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, batch: int,
               prompt_len: int, response_len: int) -> float:
     """One prefill of `batch` prompts, then response_len decode steps at the mean context length (the
     step cost is close to linear in the context)."""
@@ -202,7 +202,7 @@ class GenerationCost:
     waves: int
 
 
-def generation_time(hw: HardwareProfile, arch: ModelArch, cfg: GenConfig, where: Placement, sequences: int,
+def generation_time(hw: HardwareProfile, arch: ModelArch, cfg: GenConfig, where: SetShape, sequences: int,
                     prompt_len: int, response_len: int, kv_budget_bytes: float) -> GenerationCost:
     """Batched generation on cfg.dp replicas (every response runs to response_len). Each replica runs
     its share in waves of at most as many sequences as its KV-cache budget holds; a wave is one prefill
@@ -220,7 +220,7 @@ def generation_time(hw: HardwareProfile, arch: ModelArch, cfg: GenConfig, where:
 
 
 @functools.lru_cache(maxsize=65536)
-def _best_waves(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: Placement, sequences: int,
+def _best_waves(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, sequences: int,
                 max_batch: int, prompt_len: int, response_len: int) -> tuple[float, int, int]:
     """(seconds, waves, largest wave) of the fastest split of `sequences` into equal waves of at most
     max_batch each."""
@@ -237,7 +237,7 @@ def _best_waves(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: P
 
 @functools.lru_cache(maxsize=65536)
 def transition_time(hw: HardwareProfile, arch: ModelArch, train: TrainConfig, gen: GenConfig,
-                    where: Placement) -> float:
+                    where: SetShape) -> float:
     """Training layout -> generation layout: an all-gather of each GPU's generation shard among the
     GPUs holding its pieces (adjacent ranks). Going back is free: the generation copy is dropped."""
     plan = resharding(train, gen)
@@ -247,7 +247,7 @@ def transition_time(hw: HardwareProfile, arch: ModelArch, train: TrainConfig, ge
     return coll.all_gather(hw, group, hw.compute.value_bytes * arch.params("lm") * plan.gen_fraction)
 
 
-def weight_sync_time(hw: HardwareProfile, arch: ModelArch, gen: GenConfig, rollout: Placement,
+def weight_sync_time(hw: HardwareProfile, arch: ModelArch, gen: GenConfig, rollout: SetShape,
                      same_node: bool) -> float:
     """Separate generation engine: every rollout GPU receives its generation shard of the freshly
     trained weights; the receiving node's links carry the shards of all its GPUs."""

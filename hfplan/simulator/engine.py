@@ -15,7 +15,7 @@ from hfplan.dataflow.ops import PHASES
 from hfplan.errors import HfplanError
 from hfplan.layout import generating_role
 from hfplan.plan import Estimate, Plan, Span
-from hfplan.simulator.evaluate import PlanCosts
+from hfplan.simulator.mapping import PlanCosts
 from hfplan.simulator.memory import gib
 from hfplan.simulator.schedule import Precedence, switch_points
 from hfplan.simulator.trace import Dag, Node, trace

@@ -12,7 +12,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from hfplan.layout import ON_CONTROLLER, ROLLOUT, call_role, facts_of, generating_role, generation_role, model_role
+from hfplan.layout import (
+    ON_CONTROLLER,
+    ROLLOUT,
+    call_role,
+    facts_of,
+    generating_role,
+    generation_role,
+    model_role,
+    transfer_path,
+)
 from hfplan.plan import GenConfig, InferConfig, Plan, RoleParallelism, TrainConfig
 from hfplan.profiles.hardware import HardwareProfile
 from hfplan.profiles.models import ModelArch
@@ -79,9 +88,6 @@ class PlanCosts:
         role = self.layout_role(node)
         return ON_CONTROLLER if role is None else self.set_index[role]
 
-    def where(self, index: int) -> costs.Placement:
-        return costs.Placement(self.placement[index][1], self.gpus_per_node)
-
     def nodes_of(self, index: int) -> tuple[int, int]:
         start = self.offsets[index]
         return start // self.gpus_per_node, (start + self.placement[index][1] - 1) // self.gpus_per_node
@@ -117,9 +123,11 @@ class PlanCosts:
                               self.placement[index][1], same)
 
     def edge_seconds(self, src_set: int, dst_set: int, nbytes: float) -> float:
-        if src_set == dst_set or nbytes <= 0:
+        """Seconds to move `nbytes` of fields along the path the executor takes (layout.transfer_path)."""
+        path = transfer_path(src_set, dst_set)
+        if path == "none" or nbytes <= 0:
             return 0.0
-        if src_set < 0 or dst_set < 0:
+        if path == "host":
             return coll.host_transfer(self.hw, nbytes)
         return coll.point_to_point(self.hw, nbytes, self.same_node(src_set, dst_set))
 
@@ -226,7 +234,7 @@ def set_memory(workload: Workload, hw: HardwareProfile, index: int, roles: Seque
 def call_seconds(workload: Workload, hw: HardwareProfile, gpus_per_node: int, node: Node, role: str,
                  par: RoleParallelism, gpus: int, kv_budget: float) -> float:
     """Seconds of one traced call of `role` (the generating role for generate) on its set of `gpus`."""
-    w, where = workload, costs.Placement(gpus, gpus_per_node)
+    w, where = workload, costs.SetShape(gpus, gpus_per_node)
     arch = w.arch(model_role(w, role))
     if node.kind == "generate":
         return costs.generation_time(hw, arch, par.gen, where, node.sequences, w.prompt_len, w.response_len,
@@ -245,7 +253,7 @@ def switch_seconds(workload: Workload, hw: HardwareProfile, gpus_per_node: int, 
                    gpus: int, same_node_as_actor: bool = False) -> float:
     """Training -> generation layout: the hybrid engine's resharding of the actor, or the weight sync of
     a separate rollout engine."""
-    arch, where = workload.arch(generating_role(workload)), costs.Placement(gpus, gpus_per_node)
+    arch, where = workload.arch(generating_role(workload)), costs.SetShape(gpus, gpus_per_node)
     if role == ROLLOUT:
         return costs.weight_sync_time(hw, arch, par.gen, where, same_node_as_actor)
     return costs.transition_time(hw, arch, par.train, par.gen, where)
