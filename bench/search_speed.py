@@ -25,7 +25,7 @@ from hfplan.plan import RoleParallelism
 from hfplan.planner import space
 from hfplan.planner.search import search
 from hfplan.simulator import costs, engine
-from hfplan.simulator.evaluate import PlanCosts
+from hfplan.simulator.mapping import PlanCosts
 from hfplan.simulator.trace import trace
 from hfplan.spec import TRAINED_ROLES, Workload, load_workload, make_cluster
 
@@ -89,12 +89,6 @@ def seconds_per_choice(workload: Workload, gpus: int, per_node: int, samples: in
     return (time.perf_counter() - started) / samples
 
 
-def clear_cost_caches() -> None:
-    for value in vars(costs).values():
-        if hasattr(value, "cache_clear"):
-            value.cache_clear()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="only the 64-GPU case")
@@ -107,7 +101,7 @@ def main() -> None:
         cluster = make_cluster(gpus)
         walls = []
         for _ in range(args.repeat):
-            clear_cost_caches()  # every repeat starts cold, like a fresh `hfplan search`
+            costs.clear_caches()  # every repeat starts cold, like a fresh `hfplan search`
             started = time.perf_counter()
             result = search(workload, cluster, top_k=5, jobs=args.jobs)
             walls.append(time.perf_counter() - started)

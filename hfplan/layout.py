@@ -201,6 +201,18 @@ def unsupported_layout(arch: ModelArch, kind: str, layout: LayoutLike, train: La
     return None
 
 
+def unsupported_role(workload: Workload, role: str, par) -> str | None:
+    """Why a placed role's layouts (par: train / infer / gen, each possibly None) cannot be run, naming
+    the layout; None when every one can. The executor's pre-flight over a plan's parallelism."""
+    arch = workload.arch(model_role(workload, role))
+    for kind in ("train", "infer", "gen"):
+        lay = getattr(par, kind)
+        problem = lay is not None and unsupported_layout(arch, kind, lay, par.train if kind == "gen" else None)
+        if problem:
+            return f"{role} {kind} layout: {problem}"
+    return None
+
+
 # -- data movement ------------------------------------------------------------------------------------
 def transfer_path(src_set: int, dst_set: int) -> str:
     """How a batch field made at one place reaches a call at another (set indices; ON_CONTROLLER for

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from hfplan.errors import HfplanError, describe_validation_error
 from hfplan.files import read_mapping
-from hfplan.layout import ROLLOUT, generation_role, layouts_of, nesting_problem, set_index
+from hfplan.layout import ROLLOUT, call_set, generation_role, layouts_of, nesting_problem, set_index
 from hfplan.spec import Cluster, Workload
 
 # ROLLOUT (re-exported): the pseudo-role of a separate generation engine (weights synced from the actor
@@ -155,6 +155,10 @@ class Plan(_Strict):
 
     def set_of(self, role: str) -> int:
         return set_index([group.models for group in self.placement])[role]
+
+    def call_set(self, role: str, op: str) -> int:
+        """The set that runs `role.op`; layout.ON_CONTROLLER for controller steps and rules."""
+        return call_set(self.workload, [group.models for group in self.placement], role, op)
 
     @property
     def generation_role(self) -> str:

@@ -26,7 +26,7 @@ from hfplan.layout import (
     tp_groups,
     unsupported_layout,
 )
-from hfplan.plan import GenConfig, InferConfig, Layout, TrainConfig
+from hfplan.plan import GenConfig, InferConfig, Layout, RoleParallelism, TrainConfig
 from hfplan.profiles.models import CATALOG, ModelArch
 from hfplan.spec import load_workload, workload_from_dict
 
@@ -169,3 +169,22 @@ def test_data_moves_set_to_set_or_through_the_host_when_the_controller_is_an_end
     assert layout.transfer_path(0, 2) == "direct"
     assert layout.transfer_path(ON_CONTROLLER, 0) == layout.transfer_path(3, ON_CONTROLLER) == "host"
     assert layout.transfer_path(ON_CONTROLLER, ON_CONTROLLER) == "none"
+
+
+def test_plan_pre_flight_names_the_role_and_layout():
+    w = load_workload("ppo-llama2-7b")
+    fine = RoleParallelism(train=TrainConfig(tp=2, dp=4), infer=InferConfig(tp=2, dp=4), gen=GenConfig(tp=4, dp=2))
+    assert layout.unsupported_role(w, "actor", fine) is None
+    piped = RoleParallelism(train=TrainConfig(tp=2, pp=2, dp=2), infer=InferConfig(tp=2, pp=2, dp=2),
+                            gen=GenConfig(tp=2, pp=2, dp=2))
+    assert layout.unsupported_role(w, "actor", piped).startswith("actor gen layout: generation with pp=2")
+    assert "rollout gen layout" in layout.unsupported_role(w, ROLLOUT, RoleParallelism(gen=GenConfig(tp=3)))
+
+
+def test_plan_routing_delegates_to_the_layout_rules():
+    from helpers_plans import build_plan
+
+    w = load_workload("demo")
+    plan = build_plan(w, [(["actor", "reference"], 2), (["critic"], 1)])
+    assert plan.call_set("critic", "values") == 1 and plan.call_set("reward", "score") == ON_CONTROLLER
+    assert plan.call_set("actor", "generate") == 0 and plan.generation_role == "actor"

@@ -7,16 +7,14 @@ import multiprocessing
 from collections.abc import Callable
 
 from hfplan.planner import space
-from hfplan.planner.strategies import Floor, SearchContext
+from hfplan.planner.strategies import SearchContext
 
-_CONTEXT: SearchContext | None = None  # inherited by forked workers
+_CONTEXT: SearchContext | None = None  # set only while a pool runs: forked workers inherit the parent's
 
 
-def _cost(key: tuple[str, int]) -> tuple[tuple[str, int], object, object, Floor | None]:
+def _cost(key: tuple[str, int]) -> tuple[tuple[str, int], tuple]:
     assert _CONTEXT is not None
-    role, gpus = key
-    floor = _CONTEXT.floor(role, gpus)
-    return key, _CONTEXT._parts.get(key), _CONTEXT._choices.get(key), floor
+    return key, _CONTEXT.costed(*key)
 
 
 def warm_floors(ctx: SearchContext, gpus: int, jobs: int,
@@ -32,12 +30,8 @@ def warm_floors(ctx: SearchContext, gpus: int, jobs: int,
     _CONTEXT = ctx
     try:
         with multiprocessing.get_context("fork").Pool(jobs) as pool:
-            for done, (key, parts, choices, floor) in enumerate(pool.imap_unordered(_cost, keys, chunksize=4), 1):
-                if parts is not None:
-                    ctx._parts[key] = parts
-                if choices is not None:
-                    ctx._choices[key] = choices
-                ctx._floors[key] = floor
+            for done, (key, costed) in enumerate(pool.imap_unordered(_cost, keys, chunksize=4), 1):
+                ctx.adopt(*key, *costed)
                 if progress is not None:
                     progress("costing strategies", done, len(keys))
     finally:

@@ -33,6 +33,12 @@ ADAM_BYTES_PER_PARAM = 4 + 3 * 8 + 2
 LOGSOFTMAX_REDUCTIONS = 2
 
 
+def clear_caches() -> None:
+    """Empty the memo tables of the cost functions below (a cold start, as in a fresh process)."""
+    for memo in (stage_pass, train_step_time, inference_time, wave_time, _best_waves, transition_time):
+        memo.cache_clear()
+
+
 @dataclass(frozen=True)
 class SetShape:
     """The shape of one placement set: its GPU count, and how many of them share one node."""
