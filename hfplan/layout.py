@@ -97,6 +97,12 @@ def pp_groups(layout: LayoutLike) -> list[list[int]]:
     return _groups_along(layout, 0)
 
 
+def replica_groups(layout: LayoutLike) -> list[list[int]]:
+    """The ranks holding each model replica (one group per data-parallel rank, its tp x pp ranks): a
+    data-parallel dispatch sends chunk d of a batch (Batch.chunk(dp)) to group d."""
+    return [[rank_of(layout, p, d, t) for p in range(layout.pp) for t in range(layout.tp)] for d in range(layout.dp)]
+
+
 # -- the hybrid engine's generation groups ------------------------------------------------------------
 def nests(a: int, b: int) -> bool:
     """Layout sizes nest when one divides the other (what the hybrid engine's resharding needs)."""

@@ -63,6 +63,11 @@ def test_groups_of_a_2x2x2_layout_by_hand():
     assert pp_groups(T2P2D2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
+def test_replicas_of_a_2x2x2_layout_by_hand():
+    assert layout.replica_groups(T2P2D2) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert layout.replica_groups(Layout(dp=3)) == [[0], [1], [2]]
+
+
 def test_groups_of_a_flat_data_parallel_layout():
     flat = Layout(dp=4)
     assert tp_groups(flat) == [[0], [1], [2], [3]]
@@ -188,3 +193,20 @@ def test_plan_routing_delegates_to_the_layout_rules():
     plan = build_plan(w, [(["actor", "reference"], 2), (["critic"], 1)])
     assert plan.call_set("critic", "values") == 1 and plan.call_set("reward", "score") == ON_CONTROLLER
     assert plan.call_set("actor", "generate") == 0 and plan.generation_role == "actor"
+
+
+@pytest.mark.parametrize("rollout", [False, True])
+def test_the_search_returns_only_plans_the_executor_can_run(rollout):
+    from hfplan.planner.search import search
+    from hfplan.planner.strategies import Rules
+    from hfplan.spec import make_cluster
+
+    w = workload_from_dict({"algorithm": "grpo", "models": {r: "qwen2.5-0.5b" for r in ("actor", "reference",
+                                                                                      "reward")},
+                            "prompt_len": 256, "response_len": 256, "batch_prompts": 16, "samples_per_prompt": 4,
+                            "mini_batches": 2}, "test")
+    roles = (*w.model_roles, ROLLOUT) if rollout else w.model_roles
+    rules = Rules("apart", placements=(tuple((r,) for r in roles),), rollout=rollout) if rollout else None
+    for plan in search(w, make_cluster(8), top_k=5, rules=rules).top:
+        for role, par in plan.parallelism.items():
+            assert layout.unsupported_role(w, role, par) is None, (role, par)

@@ -47,7 +47,8 @@ class Algorithm:
             raise ValueError(f"algorithm {self.name!r}: {ROLLOUT!r} is reserved for a separate generation engine")
         for role, f in self.roles.items():
             if f.may_be_rule and (f.trains or f.head != "scalar"):
-                raise ValueError(f"algorithm {self.name!r}: only an untrained scalar role ({role!r}) may be a rule")
+                raise ValueError(f"algorithm {self.name!r}: role {role!r} may be a rule only if untrained with a "
+                                 "scalar head")
 
     @property
     def generator(self) -> str:
