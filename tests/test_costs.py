@@ -315,3 +315,15 @@ def test_weight_sync_by_hand(toy_hw):
     assert same == pytest.approx(shard / INTRA_BW + INTRA_ALPHA)
     other = costs.weight_sync_time(toy_hw, LLAMA7, GenConfig(tp=4, dp=2), SetShape(8, 8), same_node=False)
     assert other == pytest.approx(8 * shard / INTER_BW + 10e-6)  # the node's 8 GPUs share its NICs
+
+
+def test_a_cost_memo_answers_as_the_direct_computation_and_clears(toy_hw):
+    memo = costs.CostMemo()
+    cfg = TrainConfig(tp=2, dp=2, micro_batch=1)
+    direct = costs.update_time(toy_hw, LLAMA7, cfg, SetShape(4, 8), 16, 1024, "lm", 4, 1)
+    assert costs.update_time(toy_hw, LLAMA7, cfg, SetShape(4, 8), 16, 1024, "lm", 4, 1, memo=memo) == direct
+    assert set(memo.tables) == {"train_step_time", "stage_pass"}
+    assert costs.update_time(toy_hw, LLAMA7, cfg, SetShape(4, 8), 16, 1024, "lm", 4, 1, memo=memo) == direct
+    assert len(memo.tables["train_step_time"]) == 1
+    memo.clear()
+    assert memo.tables == {}

@@ -9,12 +9,18 @@ from collections.abc import Callable
 from hfplan.planner import space
 from hfplan.planner.strategies import SearchContext
 
-_CONTEXT: SearchContext | None = None  # set only while a pool runs: forked workers inherit the parent's
+_WORKER_CONTEXT: SearchContext | None = None  # in a worker process only: the search it costs for
+
+
+def _start_worker(ctx: SearchContext) -> None:
+    """Pool initializer. With the fork start method its argument is inherited, not pickled."""
+    global _WORKER_CONTEXT
+    _WORKER_CONTEXT = ctx
 
 
 def _cost(key: tuple[str, int]) -> tuple[tuple[str, int], tuple]:
-    assert _CONTEXT is not None
-    return key, _CONTEXT.costed(*key)
+    assert _WORKER_CONTEXT is not None
+    return key, _WORKER_CONTEXT.costed(*key)
 
 
 def warm_floors(ctx: SearchContext, gpus: int, jobs: int,
@@ -26,13 +32,8 @@ def warm_floors(ctx: SearchContext, gpus: int, jobs: int,
     keys = [(role, size) for role in ctx.gpu_roles for size in sorted(sizes, reverse=True)]
     if "fork" not in multiprocessing.get_all_start_methods():
         return  # costed lazily in this process instead
-    global _CONTEXT
-    _CONTEXT = ctx
-    try:
-        with multiprocessing.get_context("fork").Pool(jobs) as pool:
-            for done, (key, costed) in enumerate(pool.imap_unordered(_cost, keys, chunksize=4), 1):
-                ctx.adopt(*key, *costed)
-                if progress is not None:
-                    progress("costing strategies", done, len(keys))
-    finally:
-        _CONTEXT = None
+    with multiprocessing.get_context("fork").Pool(jobs, initializer=_start_worker, initargs=(ctx,)) as pool:
+        for done, (key, costed) in enumerate(pool.imap_unordered(_cost, keys, chunksize=4), 1):
+            ctx.adopt(*key, *costed)
+            if progress is not None:
+                progress("costing strategies", done, len(keys))

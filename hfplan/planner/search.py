@@ -154,7 +154,8 @@ class _PairSearch:
         ctx, pair = self.ctx, self.pair
         same = pair.same_node(pair.set_of_role[generating_role(ctx.workload)], pair.set_of_role[ROLLOUT])
         gpus = self.gpus[ROLLOUT]
-        synced = [replace(o, switch=switch_seconds(ctx.workload, ctx.hw, ctx.gpus_per_node, ROLLOUT, o.par, gpus, same))
+        synced = [replace(o, switch=switch_seconds(ctx.workload, ctx.hw, ctx.gpus_per_node, ROLLOUT, o.par, gpus, same,
+                                                   ctx.memo))
                   for o in choices.options]
         return RoleChoices(synced)
 
@@ -165,7 +166,7 @@ class _PairSearch:
         if key not in self._gen_cache:
             ctx, gpus = self.ctx, self.gpus[option.role]
             self._gen_cache[key] = [call_seconds(ctx.workload, ctx.hw, ctx.gpus_per_node, n, option.role, option.par,
-                                                 gpus, kv_budget) for n in ctx.generate_nodes]
+                                                 gpus, kv_budget, ctx.memo) for n in ctx.generate_nodes]
         return self._gen_cache[key]
 
     def run(self) -> None:
@@ -356,7 +357,7 @@ def _evaluate_pair(ctx: SearchContext, placement, allocation, threshold: float, 
     sets = [(roles, gpus) for roles, gpus in zip(placement, allocation, strict=True)]
 
     def exact(pars: dict[str, RoleParallelism]) -> float:
-        plan_costs = PlanCosts(ctx.workload, sets, pars, ctx.hw, ctx.gpus_per_node)
+        plan_costs = PlanCosts(ctx.workload, sets, pars, ctx.hw, ctx.gpus_per_node, ctx.memo)
         return engine.run(ctx.dag, plan_costs).iteration_s
 
     bb = _PairSearch(pair, threshold, stats, exact)
@@ -370,7 +371,7 @@ def _evaluate_pair(ctx: SearchContext, placement, allocation, threshold: float, 
             return Candidate(placement, allocation, "infeasible", reason=reason)
         return Candidate(placement, allocation, "pruned", reason=f"no strategy choice beats {threshold:.4g} s")
     pars = {r: o.par for r, o in bb.best_choice.items()}
-    plan_costs = PlanCosts(ctx.workload, sets, pars, ctx.hw, ctx.gpus_per_node)
+    plan_costs = PlanCosts(ctx.workload, sets, pars, ctx.hw, ctx.gpus_per_node, ctx.memo)
     peaks = tuple(round(m.peak / 2**30, 2) for m in plan_costs.memory)
     return Candidate(placement, allocation, "evaluated", bb.best_time, pars=pars, peak_gib=peaks)
 

@@ -21,6 +21,7 @@ from hfplan.layout import ROLLOUT, call_role, facts_of, generating_role, generat
 from hfplan.plan import GenConfig, InferConfig, RoleParallelism, TrainConfig
 from hfplan.planner import space
 from hfplan.profiles.hardware import HardwareProfile
+from hfplan.simulator.costs import CostMemo
 from hfplan.simulator.mapping import (
     RoleMemory,
     call_seconds,
@@ -170,10 +171,12 @@ class SearchContext:
         self.usable = hw.memory.usable_bytes
         self.value_bytes = hw.compute.value_bytes
         self._own: dict[str, list[Node]] = {}
+        self.memo = CostMemo()
         self.clear()
 
     def clear(self) -> None:
-        """Drop every cached strategy, floor and fit of this search."""
+        """Drop every cached cost, strategy, floor and fit of this search."""
+        self.memo.clear()
         self._parts: dict[tuple[str, int], list[Family]] = {}
         self._choices: dict[tuple[str, int], RoleChoices] = {}
         self._floors: dict[tuple[str, int], Floor | None] = {}
@@ -222,7 +225,7 @@ class SearchContext:
         return list(switch_points(self.dag, self.runs_on, generating_role(self.workload)))
 
     def _seconds(self, node: Node, role: str, par: RoleParallelism, gpus: int, kv_budget: float = 0.0) -> float:
-        return call_seconds(self.workload, self.hw, self.gpus_per_node, node, role, par, gpus, kv_budget)
+        return call_seconds(self.workload, self.hw, self.gpus_per_node, node, role, par, gpus, kv_budget, self.memo)
 
     def _fits_alone(self, mem: RoleMemory) -> bool:
         return mem.resident + max(mem.transient, mem.gen_extra + mem.kv_per_sequence) <= self.usable
@@ -262,7 +265,7 @@ class SearchContext:
             if role == self.generator:
                 # A rollout engine's weight sync depends on whether it shares a node with the actor: the
                 # option carries the cheaper case; the search re-costs it for each placement.
-                switch = min(switch_seconds(w, self.hw, g, role, par, gpus, same)
+                switch = min(switch_seconds(w, self.hw, g, role, par, gpus, same, self.memo)
                              for same in (False, True)) if role == ROLLOUT else 0.0
                 alone = self._alone_gen(role, par, gpus, mem.resident, mem.gen_extra)
                 out.append(RoleOption(role, par, seconds, switch, mem, _gen_key(par.gen), alone))
@@ -320,7 +323,7 @@ class SearchContext:
                     extra, kv = gen_memory(w, gen, layout, self.value_bytes)
                     if resident + extra + kv > self.usable:
                         continue
-                    switch = switch_seconds(w, self.hw, g, role, par, gpus)
+                    switch = switch_seconds(w, self.hw, g, role, par, gpus, memo=self.memo)
                     gens.append(GenPart(gen, extra, kv, switch, self._alone_gen(role, par, gpus, resident, extra)))
                 if not gens:
                     continue

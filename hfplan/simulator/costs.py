@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from hfplan.layout import resharding, stage_params
 from hfplan.plan import GenConfig, InferConfig, Layout, TrainConfig
@@ -33,10 +35,39 @@ ADAM_BYTES_PER_PARAM = 4 + 3 * 8 + 2
 LOGSOFTMAX_REDUCTIONS = 2
 
 
-def clear_caches() -> None:
-    """Empty the memo tables of the cost functions below (a cold start, as in a fresh process)."""
-    for memo in (stage_pass, train_step_time, inference_time, wave_time, _best_waves, transition_time):
-        memo.cache_clear()
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class CostMemo:
+    """Memo tables of the cost functions marked @memoized, owned by one search or one simulation and
+    passed in (`memo=`): the same arguments always cost the same, so each is computed once per owner.
+    Without a memo the functions compute directly."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, dict[tuple, Any]] = {}
+
+    def clear(self) -> None:
+        self.tables.clear()
+
+
+def memoized(fn: F) -> F:
+    """fn(*args, memo=None): with a CostMemo, answer from (and fill) its table for fn."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def wrapper(*args, memo: CostMemo | None = None):
+        if memo is None:
+            return fn(*args, memo=None)
+        table = memo.tables.get(name)
+        if table is None:
+            table = memo.tables[name] = {}
+        try:
+            return table[args]
+        except KeyError:
+            value = table[args] = fn(*args, memo=memo)
+            return value
+
+    return wrapper  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -84,9 +115,9 @@ class StagePass:
     backward: float
 
 
-@functools.lru_cache(maxsize=65536)
+@memoized
 def stage_pass(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, micro_seqs: float,
-               seq_len: int, head: str) -> StagePass:
+               seq_len: int, head: str, *, memo: CostMemo | None = None) -> StagePass:
     tokens = micro_seqs * seq_len
     layer = layer_forward(hw, arch, tokens, keys_per_token=(seq_len + 1) / 2, tp=tp)
     comm = _layer_tp_comm(hw, arch, tokens, tp, where)
@@ -122,12 +153,12 @@ def _param_gather(hw: HardwareProfile, arch: ModelArch, layout: Layout, where: S
     return coll.all_gather(hw, dp_group(layout, where), nbytes)
 
 
-@functools.lru_cache(maxsize=262144)
+@memoized
 def train_step_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: SetShape, sequences: int,
-                    seq_len: int, head: str) -> float:
+                    seq_len: int, head: str, *, memo: CostMemo | None = None) -> float:
     """One optimizer step over `sequences` sequences (one mini-batch), 1F1B pipeline schedule."""
     micro, n_micro = _per_rank(sequences, cfg.dp, cfg.micro_batch)
-    sp = stage_pass(hw, arch, cfg.tp, cfg.pp, where, micro, seq_len, head)
+    sp = stage_pass(hw, arch, cfg.tp, cfg.pp, where, micro, seq_len, head, memo=memo)
     fwd = sp.forward
     bwd = sp.backward + (sp.forward if cfg.recompute else 0.0)
     p2p = 2 * _p2p(hw, arch, cfg, where, micro * seq_len)
@@ -149,18 +180,18 @@ def train_step_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, wher
 
 
 def update_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: SetShape, sequences: int,
-                seq_len: int, head: str, mini_batches: int, epochs: int) -> float:
-    step = train_step_time(hw, arch, cfg, where, sequences // mini_batches, seq_len, head)
+                seq_len: int, head: str, mini_batches: int, epochs: int, *, memo: CostMemo | None = None) -> float:
+    step = train_step_time(hw, arch, cfg, where, sequences // mini_batches, seq_len, head, memo=memo)
     return epochs * mini_batches * step
 
 
-@functools.lru_cache(maxsize=262144)
+@memoized
 def inference_time(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, where: SetShape, sequences: int,
-                   seq_len: int, head: str, sharded_dp: bool = False) -> float:
+                   seq_len: int, head: str, sharded_dp: bool = False, *, memo: CostMemo | None = None) -> float:
     """Forward passes over all sequences (log-probs, values or scores). `sharded_dp`: parameters are
     sharded across data-parallel ranks (a trained role in its FSDP layout) and gathered per micro-batch."""
     micro, n_micro = _per_rank(sequences, cfg.dp, cfg.micro_batch)
-    fwd = stage_pass(hw, arch, cfg.tp, cfg.pp, where, micro, seq_len, head).forward
+    fwd = stage_pass(hw, arch, cfg.tp, cfg.pp, where, micro, seq_len, head, memo=memo).forward
     p2p = _p2p(hw, arch, cfg, where, micro * seq_len)
     exposed = 0.0
     if sharded_dp and cfg.dp > 1:
@@ -190,9 +221,9 @@ def prefill_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetSh
     return arch.layers * (layer.total + comm) + head.total + embedding_forward(hw, arch, tokens).total + p2p
 
 
-@functools.lru_cache(maxsize=65536)
+@memoized
 def wave_time(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, batch: int,
-              prompt_len: int, response_len: int) -> float:
+              prompt_len: int, response_len: int, *, memo: CostMemo | None = None) -> float:
     """One prefill of `batch` prompts, then response_len decode steps at the mean context length (the
     step cost is close to linear in the context)."""
     layout = Layout(tp=tp, pp=pp)
@@ -209,7 +240,8 @@ class GenerationCost:
 
 
 def generation_time(hw: HardwareProfile, arch: ModelArch, cfg: GenConfig, where: SetShape, sequences: int,
-                    prompt_len: int, response_len: int, kv_budget_bytes: float) -> GenerationCost:
+                    prompt_len: int, response_len: int, kv_budget_bytes: float, *, memo: CostMemo | None = None
+                    ) -> GenerationCost:
     """Batched generation on cfg.dp replicas (every response runs to response_len). Each replica runs
     its share in waves of at most as many sequences as its KV-cache budget holds; a wave is one prefill
     then response_len memory-bound decode steps, costed at the mean context length. The engine splits
@@ -221,29 +253,31 @@ def generation_time(hw: HardwareProfile, arch: ModelArch, cfg: GenConfig, where:
     if max_batch < 1:
         return GenerationCost(seconds=math.inf, max_batch=0, waves=0)
     seconds, waves, batch = _best_waves(hw, arch, cfg.tp, cfg.pp, where, per_replica, max_batch, prompt_len,
-                                        response_len)
+                                        response_len, memo=memo)
     return GenerationCost(seconds=seconds, max_batch=batch, waves=waves)
 
 
-@functools.lru_cache(maxsize=65536)
+@memoized
 def _best_waves(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, sequences: int,
-                max_batch: int, prompt_len: int, response_len: int) -> tuple[float, int, int]:
+                max_batch: int, prompt_len: int, response_len: int, *, memo: CostMemo | None = None
+                ) -> tuple[float, int, int]:
     """(seconds, waves, largest wave) of the fastest split of `sequences` into equal waves of at most
     max_batch each."""
     best = (math.inf, 0, 0)
     for waves in sorted({-(-sequences // size) for size in range(1, max_batch + 1)}):
         small, bigger = divmod(sequences, waves)  # `bigger` waves of small + 1, the rest of small
-        seconds = bigger * wave_time(hw, arch, tp, pp, where, small + 1, prompt_len, response_len)
+        seconds = bigger * wave_time(hw, arch, tp, pp, where, small + 1, prompt_len, response_len, memo=memo)
         if small:
-            seconds += (waves - bigger) * wave_time(hw, arch, tp, pp, where, small, prompt_len, response_len)
+            seconds += (waves - bigger) * wave_time(hw, arch, tp, pp, where, small, prompt_len, response_len,
+                                                    memo=memo)
         if seconds < best[0]:
             best = (seconds, waves, small + (1 if bigger else 0))
     return best
 
 
-@functools.lru_cache(maxsize=65536)
+@memoized
 def transition_time(hw: HardwareProfile, arch: ModelArch, train: TrainConfig, gen: GenConfig,
-                    where: SetShape) -> float:
+                    where: SetShape, *, memo: CostMemo | None = None) -> float:
     """Training layout -> generation layout: an all-gather of each GPU's generation shard among the
     GPUs holding its pieces (adjacent ranks). Going back is free: the generation copy is dropped."""
     plan = resharding(train, gen)

@@ -67,8 +67,11 @@ def set_offsets(sizes: Sequence[int], gpus_per_node: int) -> list[int]:
 
 class PlanCosts:
     def __init__(self, workload: Workload, placement: Sequence[tuple[Sequence[str], int]],
-                 parallelism: Mapping[str, RoleParallelism], hw: HardwareProfile, gpus_per_node: int) -> None:
+                 parallelism: Mapping[str, RoleParallelism], hw: HardwareProfile, gpus_per_node: int,
+                 memo: costs.CostMemo | None = None) -> None:
+        """memo: the cost tables to share (a search passes its own); a fresh one by default."""
         self.workload = workload
+        self.memo = memo if memo is not None else costs.CostMemo()
         self.placement = [(tuple(roles), gpus) for roles, gpus in placement]
         self.parallelism = parallelism
         self.hw = hw
@@ -107,7 +110,7 @@ class PlanCosts:
             return 0.0  # controller steps and rules: host work, negligible next to GPU calls
         role = self.layout_role(node)
         return call_seconds(self.workload, self.hw, self.gpus_per_node, node, role, self.parallelism[role],
-                            self.placement[index][1], self.memory[index].kv_budget)
+                            self.placement[index][1], self.memory[index].kv_budget, self.memo)
 
     def layout_role(self, node: Node) -> str | None:
         """The placed role whose GPUs and layout run a call (None: the controller runs it)."""
@@ -120,7 +123,7 @@ class PlanCosts:
         index = self.set_index[role]
         same = role == ROLLOUT and self.same_node(self.set_index[generating_role(self.workload)], index)
         return switch_seconds(self.workload, self.hw, self.gpus_per_node, role, self.parallelism[role],
-                              self.placement[index][1], same)
+                              self.placement[index][1], same, self.memo)
 
     def edge_seconds(self, src_set: int, dst_set: int, nbytes: float) -> float:
         """Seconds to move `nbytes` of fields along the path the executor takes (layout.transfer_path)."""
@@ -232,28 +235,28 @@ def set_memory(workload: Workload, hw: HardwareProfile, index: int, roles: Seque
 
 
 def call_seconds(workload: Workload, hw: HardwareProfile, gpus_per_node: int, node: Node, role: str,
-                 par: RoleParallelism, gpus: int, kv_budget: float) -> float:
+                 par: RoleParallelism, gpus: int, kv_budget: float, memo: costs.CostMemo | None = None) -> float:
     """Seconds of one traced call of `role` (the generating role for generate) on its set of `gpus`."""
     w, where = workload, costs.SetShape(gpus, gpus_per_node)
     arch = w.arch(model_role(w, role))
     if node.kind == "generate":
         return costs.generation_time(hw, arch, par.gen, where, node.sequences, w.prompt_len, w.response_len,
-                                     kv_budget).seconds
+                                     kv_budget, memo=memo).seconds
     head = head_of(w, role)
     if node.kind == "forward":
         sharded = par.train is not None and par.train.shard
-        return costs.inference_time(hw, arch, par.infer, where, node.sequences, w.seq_len, head, sharded)
+        return costs.inference_time(hw, arch, par.infer, where, node.sequences, w.seq_len, head, sharded, memo=memo)
     if node.kind == "update":
         return costs.update_time(hw, arch, par.train, where, node.sequences, w.seq_len, head, w.mini_batches,
-                                 w.epochs)
+                                 w.epochs, memo=memo)
     raise ValueError(f"no cost for {node.label}")
 
 
 def switch_seconds(workload: Workload, hw: HardwareProfile, gpus_per_node: int, role: str, par: RoleParallelism,
-                   gpus: int, same_node_as_actor: bool = False) -> float:
+                   gpus: int, same_node_as_actor: bool = False, memo: costs.CostMemo | None = None) -> float:
     """Training -> generation layout: the hybrid engine's resharding of the actor, or the weight sync of
     a separate rollout engine."""
     arch, where = workload.arch(generating_role(workload)), costs.SetShape(gpus, gpus_per_node)
     if role == ROLLOUT:
         return costs.weight_sync_time(hw, arch, par.gen, where, same_node_as_actor)
-    return costs.transition_time(hw, arch, par.train, par.gen, where)
+    return costs.transition_time(hw, arch, par.train, par.gen, where, memo=memo)
