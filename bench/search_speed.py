@@ -1,10 +1,10 @@
 """How fast `hfplan search` is, against exhaustive enumeration measured in the same run.
 
-For each case it times the search (wall seconds, median of --repeat cold runs) and counts the space it
-covers: (placement, allocation) candidates and complete strategy choices (every role's raw training,
-inference and generation configs, multiplied out). The baseline is exhaustive enumeration: the time
-one complete choice takes to cost and simulate (measured here, on a sample of real choices) times the
-number of choices. Prints both and their ratio; asserts nothing about time.
+For each case it times the search (wall seconds, median of --repeat runs, each cold: a search owns its
+cost tables) and counts the space it covers: (placement, allocation) candidates and complete strategy
+choices (every role's raw training, inference and generation configs, multiplied out). The baseline is
+exhaustive enumeration: the time one complete choice takes to cost and simulate (measured here, on a
+sample of real choices) times the number of choices. Prints both and their ratio; asserts nothing about time.
 
     python bench/search_speed.py            # the two cases of the issue
     python bench/search_speed.py --quick    # the 64-GPU case only
@@ -25,7 +25,7 @@ from hfplan.plan import RoleParallelism
 from hfplan.planner import space
 from hfplan.planner.search import search
 from hfplan.simulator import costs, engine
-from hfplan.simulator.evaluate import PlanCosts
+from hfplan.simulator.mapping import PlanCosts
 from hfplan.simulator.trace import trace
 from hfplan.spec import TRAINED_ROLES, Workload, load_workload, make_cluster
 
@@ -81,18 +81,13 @@ def seconds_per_choice(workload: Workload, gpus: int, per_node: int, samples: in
                     strategies[(role, size)] = raw_strategies(workload, role, size, per_node)
                 pars[role] = rng.choice(strategies[(role, size)])
         chosen.append((sets, pars))
+    memo = costs.CostMemo()  # exhaustive enumeration shares its cost tables too
     started = time.perf_counter()
     for sets, pars in chosen:
-        plan_costs = PlanCosts(workload, sets, pars, cluster.profile, per_node)
+        plan_costs = PlanCosts(workload, sets, pars, cluster.profile, per_node, memo)
         if not plan_costs.infeasible_reason:
             engine.run(dag, plan_costs)
     return (time.perf_counter() - started) / samples
-
-
-def clear_cost_caches() -> None:
-    for value in vars(costs).values():
-        if hasattr(value, "cache_clear"):
-            value.cache_clear()
 
 
 def main() -> None:
@@ -107,7 +102,6 @@ def main() -> None:
         cluster = make_cluster(gpus)
         walls = []
         for _ in range(args.repeat):
-            clear_cost_caches()  # every repeat starts cold, like a fresh `hfplan search`
             started = time.perf_counter()
             result = search(workload, cluster, top_k=5, jobs=args.jobs)
             walls.append(time.perf_counter() - started)

@@ -16,12 +16,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from hfplan.errors import HfplanError, describe_validation_error
 from hfplan.files import read_mapping
-from hfplan.spec import TRAINED_ROLES, Cluster, Workload
+from hfplan.layout import ROLLOUT, call_set, generation_role, layouts_of, nesting_problem, set_index
+from hfplan.spec import Cluster, Workload
+
+# ROLLOUT (re-exported): the pseudo-role of a separate generation engine (weights synced from the actor
+# each iteration, as OpenRLHF does). Without it the actor generates on its own GPUs (hybrid engine).
 
 PLAN_VERSION = 1
-# The pseudo-role of a separate generation engine (weights synced from the actor each iteration, as
-# OpenRLHF does). Without it the actor generates on its own GPUs through the hybrid engine.
-ROLLOUT = "rollout"
 
 
 class _Strict(BaseModel):
@@ -145,22 +146,19 @@ class Plan(_Strict):
         par = self.parallelism.get(role)
         if par is None:
             raise ValueError(f"{where}: missing (role placed in set {index})")
-        trained = role in TRAINED_ROLES
-        generates = role == ROLLOUT or (role == "actor" and ROLLOUT not in self.placed_roles)
-        wanted = {"train": trained, "infer": role != ROLLOUT, "gen": generates}
-        for kind, needed in wanted.items():
-            layout = getattr(par, kind)
+        wanted = layouts_of(self.workload, role, self.generation_role)
+        for kind in ("train", "infer", "gen"):
+            layout, needed = getattr(par, kind), kind in wanted
             if needed and layout is None:
                 raise ValueError(f"{where}.{kind}: required for role {role!r}")
             if not needed and layout is not None:
                 raise ValueError(f"{where}.{kind}: role {role!r} does not {kind}")
             if layout is not None and layout.gpus != gpus:
                 raise ValueError(f"{where}.{kind}: tp*pp*dp = {layout.gpus} but its set has {gpus} GPUs")
-        if role == "actor" and par.gen is not None and not (
-                nests(par.gen.tp, par.train.tp) and nests(par.gen.pp, par.train.pp)):
-            raise ValueError(f"{where}.gen: the hybrid engine needs the generation layout to nest with the training "
-                             f"layout (gen tp={par.gen.tp} vs train tp={par.train.tp}, gen pp={par.gen.pp} vs train "
-                             f"pp={par.train.pp}: one must divide the other)")
+        problem = nesting_problem(par.train, par.gen) if par.train is not None and par.gen is not None else None
+        if problem:
+            raise ValueError(f"{where}.gen: {problem}")
+        trained = par.train is not None
         if trained and par.infer is not None and (par.infer.tp, par.infer.pp) != (par.train.tp, par.train.pp):
             raise ValueError(f"{where}.infer: a trained role runs inference in its training layout "
                              f"(tp={par.train.tp}, pp={par.train.pp})")
@@ -170,23 +168,19 @@ class Plan(_Strict):
         return [role for group in self.placement for role in group.models]
 
     def set_of(self, role: str) -> int:
-        for index, group in enumerate(self.placement):
-            if role in group.models:
-                return index
-        raise KeyError(role)
+        return set_index([group.models for group in self.placement])[role]
+
+    def call_set(self, role: str, op: str) -> int:
+        """The set that runs `role.op`; layout.ON_CONTROLLER for controller steps and rules."""
+        return call_set(self.workload, [group.models for group in self.placement], role, op)
 
     @property
     def generation_role(self) -> str:
-        """The role whose GPUs run actor.generate: the rollout engine if placed, else the actor."""
-        return ROLLOUT if ROLLOUT in self.placed_roles else "actor"
+        """The role whose GPUs run `generate`: the rollout engine if placed, else the generating role."""
+        return generation_role(self.workload, self.placed_roles)
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2) + "\n"
-
-
-def nests(a: int, b: int) -> bool:
-    """Layout sizes nest when one divides the other (what the hybrid engine's resharding needs)."""
-    return a % b == 0 or b % a == 0
 
 
 def plan_from_dict(data: object, source: str) -> Plan:

@@ -4,30 +4,25 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from hfplan.dataflow.registry import BUILTIN_ALGORITHMS, get_algorithm
 from hfplan.errors import HfplanError, describe_validation_error, known_names
 from hfplan.files import read_mapping
 from hfplan.hyperparams import Hyperparameters
 from hfplan.profiles.hardware import HardwareProfile, load_hardware
 from hfplan.profiles.models import CATALOG, DEMO_MODELS, ModelArch, resolve_model
 
-Algorithm = Literal["ppo", "grpo", "remax", "safe-rlhf"]
-
-# The roles each algorithm's dataflow uses, in a stable order.
-ALGORITHM_ROLES: dict[str, tuple[str, ...]] = {
-    "ppo": ("actor", "critic", "reference", "reward"),
-    "grpo": ("actor", "reference", "reward"),
-    "remax": ("actor", "reference", "reward"),
-    "safe-rlhf": ("actor", "critic", "reference", "reward", "cost", "cost_critic"),
-}
-ALL_ROLES = ("actor", "critic", "reference", "reward", "cost", "cost_critic")
-TRAINED_ROLES = frozenset({"actor", "critic", "cost_critic"})
+# Views of the built-in algorithms' registry entries (hfplan.dataflow.registry), for the built-in
+# workload table and for tests; code that must handle any algorithm asks the registry (or
+# hfplan.layout.facts_of) about the workload's own algorithm.
+_BUILTIN = BUILTIN_ALGORITHMS
+ALGORITHM_ROLES: dict[str, tuple[str, ...]] = {name: tuple(a.roles) for name, a in _BUILTIN.items()}
+TRAINED_ROLES = frozenset(r for a in _BUILTIN.values() for r, f in a.roles.items() if f.trains)
 # Roles whose model ends in a scalar head (value or score) instead of the language-model head.
-SCALAR_HEAD_ROLES = frozenset({"critic", "reward", "cost", "cost_critic"})
-# A reward or cost role may be a registered rule computed on the controller instead of a model.
+SCALAR_HEAD_ROLES = frozenset(r for a in _BUILTIN.values() for r, f in a.roles.items() if f.head == "scalar")
+# A role whose facts allow it (a reward or a cost) may be a registered rule computed on the controller.
 RULE_PREFIX = "rule:"
 
 
@@ -37,7 +32,7 @@ class Workload(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    algorithm: Algorithm
+    algorithm: str = Field(description="a registered algorithm (built-in, or from the hfplan.algorithms entry points)")
     models: dict[str, str]
     prompt_len: int = Field(default=1024, gt=0)
     response_len: int = Field(default=1024, gt=0)
@@ -48,9 +43,19 @@ class Workload(BaseModel):
     hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters,
                                              description="what a real run learns with; ignored by the simulator")
 
+    @field_validator("algorithm")
+    @classmethod
+    def _known_algorithm(cls, name: str) -> str:
+        try:
+            get_algorithm(name)
+        except HfplanError as error:
+            raise ValueError(str(error)) from None
+        return name
+
     @model_validator(mode="after")
     def _check(self) -> Workload:
-        expected = ALGORITHM_ROLES[self.algorithm]
+        algorithm = get_algorithm(self.algorithm)
+        expected = tuple(algorithm.roles)
         for role in self.models:
             if role not in expected:
                 raise ValueError(f"role {role!r} is not used by {self.algorithm}; its roles: {', '.join(expected)}")
@@ -58,12 +63,11 @@ class Workload(BaseModel):
             if role not in self.models:
                 raise ValueError(f"{self.algorithm} needs a model for role {role!r}")
         for role, ref in self.models.items():
-            if ref.startswith(RULE_PREFIX) and role not in ("reward", "cost"):
-                raise ValueError(f"role {role!r} cannot be a rule; only reward and cost can")
-        if self.models["actor"].startswith(RULE_PREFIX) or self.models["reference"].startswith(RULE_PREFIX):
-            raise ValueError("actor and reference must be models")
-        if self.algorithm == "grpo" and self.samples_per_prompt < 2:
-            raise ValueError("grpo needs samples_per_prompt >= 2 (advantages are normalised within a group)")
+            if ref.startswith(RULE_PREFIX) and not algorithm.roles[role].may_be_rule:
+                rules = [r for r, f in algorithm.roles.items() if f.may_be_rule]
+                raise ValueError(f"role {role!r} cannot be a rule; only {' and '.join(rules) or 'no role'} can")
+        if self.samples_per_prompt < algorithm.min_samples_per_prompt:
+            raise ValueError(f"{self.algorithm} needs samples_per_prompt >= {algorithm.min_samples_per_prompt}")
         if self.sequences % self.mini_batches:
             raise ValueError(f"mini_batches ({self.mini_batches}) must divide the {self.sequences} sequences "
                              "per iteration")
@@ -71,7 +75,7 @@ class Workload(BaseModel):
 
     @property
     def roles(self) -> tuple[str, ...]:
-        return ALGORITHM_ROLES[self.algorithm]
+        return tuple(get_algorithm(self.algorithm).roles)
 
     @property
     def model_roles(self) -> tuple[str, ...]:
@@ -133,13 +137,13 @@ def _builtin_workloads() -> dict[str, dict]:
     for model in CATALOG:
         if model in DEMO_MODELS:
             continue
-        for algorithm, roles in ALGORITHM_ROLES.items():
-            spec: dict = {"algorithm": algorithm, "models": {role: model for role in roles}}
-            if algorithm == "grpo":
-                # Group-normalised advantages need n >= 2; 256 prompts x 4 keeps 1024 responses per
+        for algorithm in _BUILTIN.values():
+            spec: dict = {"algorithm": algorithm.name, "models": {role: model for role in algorithm.roles}}
+            if algorithm.min_samples_per_prompt > 1:
+                # Several responses per prompt (GRPO's groups): 256 prompts x 4 keeps 1024 responses per
                 # iteration, like the other algorithms' defaults.
                 spec |= {"batch_prompts": 256, "samples_per_prompt": 4}
-            table[f"{algorithm}-{model}"] = spec
+            table[f"{algorithm.name}-{model}"] = spec
     table["demo"] = {
         "algorithm": "ppo",
         "models": {"actor": "tiny", "critic": "tiny", "reference": "tiny", "reward": "rule:vowel-fraction"},
@@ -203,7 +207,7 @@ def load_workload(ref: str) -> Workload:
     path = Path(ref)
     if not (ref.endswith((".yaml", ".yml", ".json")) or "/" in ref):
         raise HfplanError(f"unknown workload {ref!r}; built-in workloads are <algorithm>-<model> "
-                          f"(algorithms: {known_names(ALGORITHM_ROLES)}; models: "
+                          f"(algorithms: {known_names(_BUILTIN)}; models: "
                           f"{known_names(m for m in CATALOG if m not in DEMO_MODELS)}) and demo, arith-grpo, "
                           "or give a .yaml/.json path")
     if not path.is_file():

@@ -17,7 +17,7 @@ from hfplan.planner import space
 from hfplan.planner.baselines import baselines, compare
 from hfplan.planner.search import search
 from hfplan.simulator import engine
-from hfplan.simulator.evaluate import PlanCosts
+from hfplan.simulator.mapping import PlanCosts
 from hfplan.simulator.trace import trace
 from hfplan.spec import ALGORITHM_ROLES, TRAINED_ROLES, load_workload, make_cluster, workload_from_dict
 

@@ -7,11 +7,13 @@ import math
 
 import pytest
 
+from hfplan import layout
+from hfplan.layout import resharding
 from hfplan.plan import GenConfig, InferConfig, TrainConfig
 from hfplan.profiles.hardware import load_hardware
 from hfplan.profiles.models import CATALOG
 from hfplan.simulator import costs, memory
-from hfplan.simulator.costs import Placement, resharding
+from hfplan.simulator.costs import SetShape
 from hfplan.simulator.kernels import gemm_time, kernel_time, memory_time
 
 FLOPS = 100e12 * 0.5
@@ -20,7 +22,7 @@ OVERHEAD = 5e-6
 INTRA_BW, INTRA_ALPHA = 100e9 * 0.5, 1e-6
 INTER_BW = 10e9 * 0.8
 LLAMA7 = CATALOG["llama2-7b"]
-ONE_NODE = Placement(gpus=8, gpus_per_node=8)
+ONE_NODE = SetShape(gpus=8, gpus_per_node=8)
 
 
 # -- kernels ------------------------------------------------------------------------------------------
@@ -86,7 +88,7 @@ def test_training_step_on_one_gpu_matches_6_params_tokens():
     # Adam step: read fp32 grad (4), read + write master, m, v (24), write bf16 weight (2): 30 B/param.
     optimizer = 30 * arch.params() / (2039e9 * 0.88)
     expected = (gemm_flops + attention_flops) / rate + optimizer
-    actual = costs.train_step_time(hw, arch, TrainConfig(micro_batch=1), Placement(1, 8), sequences, seq_len, "lm")
+    actual = costs.train_step_time(hw, arch, TrainConfig(micro_batch=1), SetShape(1, 8), sequences, seq_len, "lm")
     # Nothing can beat the roofline, so expected is a lower bound. On top of it come the memory-bound
     # elementwise kernels (norms 8h, rotary 4(q+kv), residual adds 12h, SwiGLU gating 6f bytes per token
     # and layer: 372,736 B forward, 3x that with backward = 0.62 us per token-layer at 1.79 TB/s, i.e.
@@ -96,8 +98,8 @@ def test_training_step_on_one_gpu_matches_6_params_tokens():
 
 
 def test_training_time_grows_with_tokens_like_the_flops(toy_hw):
-    one = costs.train_step_time(toy_hw, LLAMA7, TrainConfig(micro_batch=1), Placement(1, 8), 4, 1024, "lm")
-    two = costs.train_step_time(toy_hw, LLAMA7, TrainConfig(micro_batch=1), Placement(1, 8), 8, 1024, "lm")
+    one = costs.train_step_time(toy_hw, LLAMA7, TrainConfig(micro_batch=1), SetShape(1, 8), 4, 1024, "lm")
+    two = costs.train_step_time(toy_hw, LLAMA7, TrainConfig(micro_batch=1), SetShape(1, 8), 8, 1024, "lm")
     optimizer = OVERHEAD + 30 * LLAMA7.params() / BW
     assert (two - optimizer) == pytest.approx(2 * (one - optimizer), rel=1e-12)  # twice the micro-batches
 
@@ -106,7 +108,7 @@ def test_pipeline_bubble_in_training(toy_hw):
     """1F1B: a step of n micro-batches on pp stages takes (n + pp - 1) micro-batch slots, plus the
     optimizer step (memory traffic over the stage's parameters)."""
     cfg = TrainConfig(pp=4, micro_batch=1)
-    step = {n: costs.train_step_time(toy_hw, LLAMA7, cfg, Placement(4, 8), n, 512, "lm") for n in (1, 2, 8)}
+    step = {n: costs.train_step_time(toy_hw, LLAMA7, cfg, SetShape(4, 8), n, 512, "lm") for n in (1, 2, 8)}
     slot = step[2] - step[1]
     assert step[8] - step[1] == pytest.approx(7 * slot, rel=1e-9)
     # The most loaded stage: 32/4 = 8 layers, plus the larger of the embedding and the LM head (+ norm).
@@ -119,8 +121,8 @@ def test_pipeline_bubble_in_training(toy_hw):
 @pytest.mark.parametrize(("pp", "micro"), [(1, 8), (2, 8), (4, 8), (4, 1), (8, 3)])
 def test_pipeline_bubble_in_inference(toy_hw, pp, micro):
     cfg = InferConfig(pp=pp, dp=1, micro_batch=2)
-    one = costs.inference_time(toy_hw, LLAMA7, cfg, Placement(pp, 8), 2, 1024, "lm")
-    many = costs.inference_time(toy_hw, LLAMA7, cfg, Placement(pp, 8), 2 * micro, 1024, "lm")
+    one = costs.inference_time(toy_hw, LLAMA7, cfg, SetShape(pp, 8), 2, 1024, "lm")
+    many = costs.inference_time(toy_hw, LLAMA7, cfg, SetShape(pp, 8), 2 * micro, 1024, "lm")
     assert many / one == pytest.approx((micro + pp - 1) / pp, rel=1e-12)
 
 
@@ -128,15 +130,15 @@ def test_data_parallel_splits_the_batch(toy_hw):
     # Without communication terms on the critical path, 8 replicas of 1 micro-batch each take as long as
     # one replica with 1 micro-batch: the forward of 8 sequences on dp=8 equals that of 1 on dp=1.
     dp8 = costs.inference_time(toy_hw, LLAMA7, InferConfig(dp=8), ONE_NODE, 8, 1024, "lm")
-    dp1 = costs.inference_time(toy_hw, LLAMA7, InferConfig(dp=1), Placement(1, 8), 1, 1024, "lm")
+    dp1 = costs.inference_time(toy_hw, LLAMA7, InferConfig(dp=1), SetShape(1, 8), 1, 1024, "lm")
     assert dp8 == pytest.approx(dp1, rel=1e-12)
 
 
 def test_stage_params_by_hand(small_arch):
     per_layer = 36992
-    assert costs.stage_params(small_arch, 1, "lm") == 2 * per_layer + 16640 + 64 + 16640
-    assert costs.stage_params(small_arch, 2, "lm") == per_layer + max(16640, 16640 + 64)
-    assert costs.stage_params(small_arch, 2, "scalar") == per_layer + max(16640, 64 + 1 + 64)
+    assert layout.stage_params(small_arch, 1, "lm") == 2 * per_layer + 16640 + 64 + 16640
+    assert layout.stage_params(small_arch, 2, "lm") == per_layer + max(16640, 16640 + 64)
+    assert layout.stage_params(small_arch, 2, "scalar") == per_layer + max(16640, 64 + 1 + 64)
 
 
 # -- generation ------------------------------------------------------------------------------------------
@@ -150,7 +152,7 @@ def test_stage_params_by_hand(small_arch):
 )
 def test_kv_bytes_per_token_per_gpu(tp, pp, expected):
     arch = CATALOG["llama3.1-8b"]
-    assert costs.kv_bytes_per_token_per_gpu(arch, GenConfig(tp=tp, pp=pp)) == expected
+    assert memory.kv_bytes_per_token_per_gpu(arch, GenConfig(tp=tp, pp=pp)) == expected
 
 
 def test_decode_step_is_weight_and_kv_reads(toy_hw):
@@ -164,7 +166,7 @@ def test_decode_step_is_weight_and_kv_reads(toy_hw):
     # final norm, LM head, log-softmax and sampling.
     kernels = layers * 11 + 4
     expected = (weights + kv) / BW + kernels * OVERHEAD
-    actual = costs.decode_step_time(toy_hw, LLAMA7, GenConfig(), Placement(1, 8), batch, context)
+    actual = costs.decode_step_time(toy_hw, LLAMA7, GenConfig(), SetShape(1, 8), batch, context)
     # On top: activations (GEMM inputs/outputs ~1 MB, elementwise ~1.5 MB per layer against ~535 MB of
     # weights and KV per layer, ~0.5%) and the logits (~4 MB against 17 GB): well under 1%.
     assert expected <= actual <= 1.01 * expected
@@ -172,14 +174,14 @@ def test_decode_step_is_weight_and_kv_reads(toy_hw):
 
 def test_decode_step_grows_by_exactly_the_extra_kv_read(toy_hw):
     batch = 8
-    short = costs.decode_step_time(toy_hw, LLAMA7, GenConfig(), Placement(1, 8), batch, 1000)
-    long = costs.decode_step_time(toy_hw, LLAMA7, GenConfig(), Placement(1, 8), batch, 3000)
+    short = costs.decode_step_time(toy_hw, LLAMA7, GenConfig(), SetShape(1, 8), batch, 1000)
+    long = costs.decode_step_time(toy_hw, LLAMA7, GenConfig(), SetShape(1, 8), batch, 3000)
     assert long - short == pytest.approx(batch * 2000 * LLAMA7.kv_bytes_per_token() / BW, rel=1e-9)
 
 
 def test_decode_step_barely_depends_on_batch_when_weights_dominate(toy_hw):
-    one = costs.decode_step_time(toy_hw, LLAMA7, GenConfig(), Placement(1, 8), 1, 10)
-    two = costs.decode_step_time(toy_hw, LLAMA7, GenConfig(), Placement(1, 8), 2, 10)
+    one = costs.decode_step_time(toy_hw, LLAMA7, GenConfig(), SetShape(1, 8), 1, 10)
+    two = costs.decode_step_time(toy_hw, LLAMA7, GenConfig(), SetShape(1, 8), 2, 10)
     assert one < two < 1.01 * one
 
 
@@ -191,43 +193,43 @@ def test_tensor_parallel_decode_reads_fewer_weights_per_gpu(toy_hw):
 
 
 def _per_seq(arch, prompt, response) -> int:
-    return costs.kv_bytes_per_token_per_gpu(arch, GenConfig()) * (prompt + response)
+    return memory.kv_bytes_per_token_per_gpu(arch, GenConfig()) * (prompt + response)
 
 
 def test_generation_in_one_wave_when_the_budget_holds_everything(toy_hw, small_arch):
     # small_arch: 2 layers x K,V x 2 KV heads x 16 dims x 2 bytes = 256 bytes per token.
     assert _per_seq(small_arch, 16, 16) == 256 * 32
-    cost = costs.generation_time(toy_hw, small_arch, GenConfig(), Placement(1, 8), 64, 16, 16, 1e9)
+    cost = costs.generation_time(toy_hw, small_arch, GenConfig(), SetShape(1, 8), 64, 16, 16, 1e9)
     assert (cost.max_batch, cost.waves) == (64, 1)
 
 
 def test_generation_waves_when_the_kv_budget_is_small(toy_hw, small_arch):
     per_seq = 256 * 32
-    ample = costs.generation_time(toy_hw, small_arch, GenConfig(), Placement(1, 8), 16, 16, 16, 1e9)
-    tight = costs.generation_time(toy_hw, small_arch, GenConfig(), Placement(1, 8), 64, 16, 16, 16 * per_seq)
+    ample = costs.generation_time(toy_hw, small_arch, GenConfig(), SetShape(1, 8), 16, 16, 16, 1e9)
+    tight = costs.generation_time(toy_hw, small_arch, GenConfig(), SetShape(1, 8), 64, 16, 16, 16 * per_seq)
     assert (tight.max_batch, tight.waves) == (16, 4)
     assert tight.seconds == pytest.approx(4 * ample.seconds, rel=1e-12)
-    roomy = costs.generation_time(toy_hw, small_arch, GenConfig(), Placement(1, 8), 64, 16, 16, 1e9)
+    roomy = costs.generation_time(toy_hw, small_arch, GenConfig(), SetShape(1, 8), 64, 16, 16, 1e9)
     assert tight.seconds > 2 * roomy.seconds
 
 
 def test_generation_partial_last_wave(toy_hw, small_arch):
     per_seq = 256 * 32
-    cost = costs.generation_time(toy_hw, small_arch, GenConfig(), Placement(1, 8), 64, 16, 16, 10 * per_seq + 100)
+    cost = costs.generation_time(toy_hw, small_arch, GenConfig(), SetShape(1, 8), 64, 16, 16, 10 * per_seq + 100)
     assert (cost.max_batch, cost.waves) == (10, 7)  # 6 waves of 10, then 4
-    ten = costs.generation_time(toy_hw, small_arch, GenConfig(), Placement(1, 8), 10, 16, 16, 1e9).seconds
-    four = costs.generation_time(toy_hw, small_arch, GenConfig(), Placement(1, 8), 4, 16, 16, 1e9).seconds
+    ten = costs.generation_time(toy_hw, small_arch, GenConfig(), SetShape(1, 8), 10, 16, 16, 1e9).seconds
+    four = costs.generation_time(toy_hw, small_arch, GenConfig(), SetShape(1, 8), 4, 16, 16, 1e9).seconds
     assert cost.seconds == pytest.approx(6 * ten + four, rel=1e-12)
 
 
 def test_generation_replicas_split_the_sequences(toy_hw, small_arch):
     per_seq = 256 * 32
-    cost = costs.generation_time(toy_hw, small_arch, GenConfig(dp=2), Placement(2, 8), 64, 16, 16, 16 * per_seq)
+    cost = costs.generation_time(toy_hw, small_arch, GenConfig(dp=2), SetShape(2, 8), 64, 16, 16, 16 * per_seq)
     assert (cost.max_batch, cost.waves) == (16, 2)
 
 
 def test_generation_impossible_when_one_sequence_does_not_fit(toy_hw, small_arch):
-    cost = costs.generation_time(toy_hw, small_arch, GenConfig(), Placement(1, 8), 64, 16, 16, 256 * 32 - 1)
+    cost = costs.generation_time(toy_hw, small_arch, GenConfig(), SetShape(1, 8), 64, 16, 16, 256 * 32 - 1)
     assert cost.seconds == math.inf
     assert (cost.max_batch, cost.waves) == (0, 0)
 
@@ -301,7 +303,7 @@ def test_sharded_transition_across_nodes_pays_the_network(toy_hw):
     # dp index 0 is node 0 and dp index 1 is node 1. A GPU holds half of its tp shard; the other half
     # is on its dp peer in the other node. All 8 GPUs of a node fetch their missing halves at once
     # through the node's NICs, so the switch takes at least 8 x (1/16 of the bf16 weights) / 8e9 B/s.
-    train, gen, where = TrainConfig(tp=8, dp=2, shard=True), GenConfig(tp=8, dp=2), Placement(16, 8)
+    train, gen, where = TrainConfig(tp=8, dp=2, shard=True), GenConfig(tp=8, dp=2), SetShape(16, 8)
     received_per_gpu = 2 * LLAMA7.params() / 16
     lower_bound = 8 * received_per_gpu / INTER_BW
     assert costs.transition_time(toy_hw, LLAMA7, train, gen, where) >= lower_bound
@@ -309,7 +311,19 @@ def test_sharded_transition_across_nodes_pays_the_network(toy_hw):
 
 def test_weight_sync_by_hand(toy_hw):
     shard = 2 * LLAMA7.params() / 4  # tp 4 generation shard
-    same = costs.weight_sync_time(toy_hw, LLAMA7, GenConfig(tp=4, dp=2), Placement(8, 8), same_node=True)
+    same = costs.weight_sync_time(toy_hw, LLAMA7, GenConfig(tp=4, dp=2), SetShape(8, 8), same_node=True)
     assert same == pytest.approx(shard / INTRA_BW + INTRA_ALPHA)
-    other = costs.weight_sync_time(toy_hw, LLAMA7, GenConfig(tp=4, dp=2), Placement(8, 8), same_node=False)
+    other = costs.weight_sync_time(toy_hw, LLAMA7, GenConfig(tp=4, dp=2), SetShape(8, 8), same_node=False)
     assert other == pytest.approx(8 * shard / INTER_BW + 10e-6)  # the node's 8 GPUs share its NICs
+
+
+def test_a_cost_memo_answers_as_the_direct_computation_and_clears(toy_hw):
+    memo = costs.CostMemo()
+    cfg = TrainConfig(tp=2, dp=2, micro_batch=1)
+    direct = costs.update_time(toy_hw, LLAMA7, cfg, SetShape(4, 8), 16, 1024, "lm", 4, 1)
+    assert costs.update_time(toy_hw, LLAMA7, cfg, SetShape(4, 8), 16, 1024, "lm", 4, 1, memo=memo) == direct
+    assert set(memo.tables) == {"train_step_time", "stage_pass"}
+    assert costs.update_time(toy_hw, LLAMA7, cfg, SetShape(4, 8), 16, 1024, "lm", 4, 1, memo=memo) == direct
+    assert len(memo.tables["train_step_time"]) == 1
+    memo.clear()
+    assert memo.tables == {}

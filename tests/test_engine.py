@@ -11,7 +11,7 @@ from helpers_plans import build_plan, role_parallelism, small_workload
 from hfplan.errors import HfplanError
 from hfplan.plan import GenConfig, InferConfig, RoleParallelism, TrainConfig
 from hfplan.profiles.models import CATALOG
-from hfplan.simulator import costs, evaluate
+from hfplan.simulator import costs, mapping
 from hfplan.simulator.engine import critical_path, run, simulate_plan
 from hfplan.simulator.trace import trace
 from hfplan.spec import load_workload, make_cluster
@@ -164,7 +164,7 @@ def test_moving_the_reference_to_its_own_set():
     # done and the sequences have crossed to its node (set 0 takes nodes 0-1, set 1 node 2).
     ref_b = _span(b, "reference", "log_prob")
     assert ref_b.set == 1
-    expected = evaluate.call_seconds(w, hw, 8, ref_node, "reference", split_plan.parallelism["reference"], 8, 0.0)
+    expected = mapping.call_seconds(w, hw, 8, ref_node, "reference", split_plan.parallelism["reference"], 8, 0.0)
     assert ref_b.end - ref_b.start == pytest.approx(expected, rel=1e-9)
     hop = 1024 * 1024 * 20 / (hw.links.inter_node.bandwidth_gbytes_per_s * 1e9 * hw.links.inter_node.efficiency) \
         + hw.links.inter_node.latency_us * 1e-6
@@ -268,7 +268,7 @@ def test_rollout_engine_syncs_weights_before_generating():
     expected = 8 * (2 * LLAMA2_7B_LM_PARAMS / 2) / (25e9 * 0.9) + 6e-6
     assert sync.end - sync.start == pytest.approx(expected, rel=1e-9)
     assert costs.weight_sync_time(sim.costs.hw, CATALOG["llama2-7b"], plan.parallelism["rollout"].gen,
-                                  costs.Placement(8, 8), same_node=False) == pytest.approx(expected, rel=1e-12)
+                                  costs.SetShape(8, 8), same_node=False) == pytest.approx(expected, rel=1e-12)
 
 
 # -- controller and rules -------------------------------------------------------------------------------

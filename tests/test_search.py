@@ -19,12 +19,13 @@ import pytest
 import yaml
 from support import deadline as _deadline
 
+from hfplan.dataflow.registry import get_algorithm
 from hfplan.errors import HfplanError
 from hfplan.plan import Plan, RoleParallelism, plan_from_dict
 from hfplan.planner import space
 from hfplan.planner.search import search
 from hfplan.simulator import engine
-from hfplan.simulator.evaluate import PlanCosts
+from hfplan.simulator.mapping import PlanCosts
 from hfplan.simulator.trace import trace
 from hfplan.spec import ALGORITHM_ROLES, TRAINED_ROLES, Cluster, Workload, make_cluster, workload_from_dict
 
@@ -211,7 +212,7 @@ class Lab:
 
     def workload(self, case: Case) -> Workload:
         models = {role: ref if ref.startswith("rule:") else self.paths[ref] for role, ref in case.models.items()}
-        assert set(models) == set(ALGORITHM_ROLES[case.algorithm])
+        assert set(models) == set(get_algorithm(case.algorithm).roles)
         spec = {"algorithm": case.algorithm, "models": models, "prompt_len": case.prompt_len,
                 "response_len": case.response_len, "batch_prompts": case.batch_prompts,
                 "samples_per_prompt": case.samples_per_prompt, "mini_batches": case.mini_batches}

@@ -10,10 +10,10 @@ import math
 
 import pytest
 
-from hfplan.plan import nests
+from hfplan.layout import nests
 from hfplan.planner import space
 from hfplan.profiles.models import CATALOG, ModelArch
-from hfplan.simulator.evaluate import set_offsets
+from hfplan.simulator.mapping import set_offsets
 
 BELL = {0: 1, 1: 1, 2: 2, 3: 5, 4: 15, 5: 52, 6: 203}
 
@@ -146,7 +146,8 @@ def test_allocations_empty_when_too_many_sets():
 
 
 # -- layouts --------------------------------------------------------------------------------------
-def _brute_layouts(arch: ModelArch, gpus: int, per_node: int, training: bool) -> set[tuple[int, int, int]]:
+def _brute_layouts(arch: ModelArch, gpus: int, per_node: int, kind: str) -> set[tuple[int, int, int]]:
+    training = kind == "train"
     out = set()
     for tp in range(1, gpus + 1):
         if not _is_power_of_two(tp) or tp > per_node or arch.heads % tp:
@@ -156,18 +157,18 @@ def _brute_layouts(arch: ModelArch, gpus: int, per_node: int, training: bool) ->
         if not training and arch.kv_heads % tp and tp % arch.kv_heads:
             continue
         for pp in range(1, gpus + 1):
-            if arch.layers % pp == 0 and gpus % (tp * pp) == 0:
+            if arch.layers % pp == 0 and gpus % (tp * pp) == 0 and (kind != "gen" or pp == 1):
                 out.add((tp, pp, gpus // (tp * pp)))
     return out
 
 
 @pytest.mark.parametrize("arch", ARCHS, ids=lambda a: a.name)
 @pytest.mark.parametrize(("gpus", "per_node"), [(1, 8), (2, 8), (4, 4), (6, 8), (8, 8), (16, 8), (12, 4), (3, 2)])
-@pytest.mark.parametrize("training", [True, False])
-def test_model_layouts_match_brute_force(arch, gpus, per_node, training):
-    got = space.model_layouts(arch, gpus, per_node, training)
+@pytest.mark.parametrize("kind", ["train", "infer", "gen"])
+def test_model_layouts_match_brute_force(arch, gpus, per_node, kind):
+    got = space.model_layouts(arch, gpus, per_node, kind)
     assert len(got) == len(set(got))
-    assert set(got) == _brute_layouts(arch, gpus, per_node, training)
+    assert set(got) == _brute_layouts(arch, gpus, per_node, kind)
     for tp, pp, dp in got:
         assert tp * pp * dp == gpus
         assert tp <= per_node
@@ -176,21 +177,21 @@ def test_model_layouts_match_brute_force(arch, gpus, per_node, training):
 
 
 def test_training_tp_divides_kv_heads_but_inference_may_replicate_them():
-    train_tps = {tp for tp, _, _ in space.model_layouts(GQA, 8, 8, training=True)}
-    infer_tps = {tp for tp, _, _ in space.model_layouts(GQA, 8, 8, training=False)}
+    train_tps = {tp for tp, _, _ in space.model_layouts(GQA, 8, 8, "train")}
+    infer_tps = {tp for tp, _, _ in space.model_layouts(GQA, 8, 8, "infer")}
     assert train_tps == {1, 2}
     assert infer_tps == {1, 2, 4, 8}
 
 
 def test_tp_stays_within_a_node():
-    layouts = space.model_layouts(CATALOG["llama2-70b"], 32, 4, training=True)
+    layouts = space.model_layouts(CATALOG["llama2-70b"], 32, 4, "train")
     assert max(tp for tp, _, _ in layouts) == 4
     assert {pp for _, pp, _ in layouts} == {1, 2, 4, 8, 16}  # pp divides 80 layers and 32 / tp: not 32
     assert all(80 % pp == 0 for _, pp, _ in layouts)
 
 
 def test_qwen_tp_limited_by_fourteen_heads():
-    layouts = space.model_layouts(CATALOG["qwen2.5-0.5b"], 8, 8, training=True)
+    layouts = space.model_layouts(CATALOG["qwen2.5-0.5b"], 8, 8, "train")
     assert {tp for tp, _, _ in layouts} == {1, 2}
 
 
@@ -206,7 +207,7 @@ def test_train_configs(arch, gpus, per_node, per_step):
     keys = [(c.tp, c.pp, c.dp, c.micro_batch, c.shard, c.recompute) for c in configs]
     assert len(keys) == len(set(keys)), "duplicate training configs"
     expected = set()
-    for tp, pp, dp in _brute_layouts(arch, gpus, per_node, training=True):
+    for tp, pp, dp in _brute_layouts(arch, gpus, per_node, "train"):
         for micro in _powers_up_to(math.ceil(per_step / dp)):
             for shard in ((False, True) if dp > 1 else (False,)):
                 for recompute in (False, True):
@@ -221,7 +222,7 @@ def test_infer_configs_without_training_layout(gpus, sequences):
     configs = space.infer_configs(GQA, gpus, 8, sequences)
     keys = [(c.tp, c.pp, c.dp, c.micro_batch) for c in configs]
     assert len(keys) == len(set(keys))
-    expected = {(tp, pp, dp, micro) for tp, pp, dp in _brute_layouts(GQA, gpus, 8, training=False)
+    expected = {(tp, pp, dp, micro) for tp, pp, dp in _brute_layouts(GQA, gpus, 8, "infer")
                 for micro in _powers_up_to(math.ceil(sequences / dp))}
     assert set(keys) == expected
 
@@ -238,23 +239,23 @@ def test_infer_configs_of_a_trained_role_keep_the_training_layout(gpus, sequence
 @pytest.mark.parametrize("gpus", [1, 2, 4, 8])
 def test_gen_configs_nest_with_the_training_layout(arch, gpus):
     free = space.gen_configs(arch, gpus, 8)
-    assert {(g.tp, g.pp, g.dp) for g in free} == _brute_layouts(arch, gpus, 8, training=False)
+    assert {(g.tp, g.pp, g.dp) for g in free} == _brute_layouts(arch, gpus, 8, "gen")
     for train in space.train_configs(arch, gpus, 8, 2):
         nested = space.gen_configs(arch, gpus, 8, train)
-        expected = {(tp, pp, dp) for tp, pp, dp in _brute_layouts(arch, gpus, 8, training=False)
+        expected = {(tp, pp, dp) for tp, pp, dp in _brute_layouts(arch, gpus, 8, "gen")
                     if nests(tp, train.tp) and nests(pp, train.pp)}
         assert {(g.tp, g.pp, g.dp) for g in nested} == expected
-        assert (train.tp, train.pp, train.dp) in expected  # generating in the training layout is always possible
+        assert (train.tp, 1, gpus // train.tp) in expected  # generating at the training tp is always possible
         for g in nested:
             assert g.tp * g.pp * g.dp == gpus
 
 
-def test_gen_configs_exclude_non_nesting_layouts():
-    """6 layers on 6 GPUs: training pp=2 and generation pp=3 do not nest."""
+def test_gen_configs_of_a_pipelined_training_layout_run_one_stage():
+    """6 layers on 6 GPUs, training pp=2: generation layouts never pipeline (pp=3 would not even nest)."""
     arch = ModelArch("six", layers=6, hidden=64, heads=1, kv_heads=1, ffn=128, vocab=100)
     train = next(t for t in space.train_configs(arch, 6, 8, 6) if (t.tp, t.pp) == (1, 2))
     layouts = {(g.tp, g.pp, g.dp) for g in space.gen_configs(arch, 6, 8, train)}
-    assert (1, 3, 2) not in layouts and (1, 6, 1) in layouts and (1, 1, 6) in layouts and (1, 2, 3) in layouts
+    assert layouts == {(1, 1, 6)}
 
 
 def test_micro_batches():

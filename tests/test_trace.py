@@ -4,11 +4,28 @@ from __future__ import annotations
 
 import pytest
 
-from hfplan.dataflow import algorithms
 from hfplan.dataflow.batch import Batch
 from hfplan.dataflow.controller import STEPS, ControllerStep
+from hfplan.dataflow.registry import Algorithm, register_algorithm, unregister_algorithm
+from hfplan.dataflow.roles import ACTOR, CRITIC, REFERENCE, REWARD
 from hfplan.simulator.trace import field_bytes, trace
-from hfplan.spec import ALGORITHM_ROLES, Workload, load_workload, workload_from_dict
+from hfplan.spec import ALGORITHM_ROLES, load_workload, workload_from_dict
+
+GRPO_ROLES = {"actor": ACTOR, "reference": REFERENCE, "reward": REWARD}
+
+
+@pytest.fixture
+def registered():
+    """Register algorithms for one test only."""
+    names = []
+
+    def add(algorithm: Algorithm) -> Algorithm:
+        names.append(algorithm.name)
+        return register_algorithm(algorithm)
+
+    yield add
+    for name in names:
+        unregister_algorithm(name)
 
 # Written from hfplan/dataflow/algorithms.py, call by call, in program order.
 EXPECTED_LABELS = {
@@ -167,17 +184,66 @@ def test_rule_reward_still_traced_as_a_call():
     assert trace(w).signature() == EXPECTED_LABELS["ppo"]
 
 
-def test_tracer_refuses_untraced_values(monkeypatch):
+def _tiny(algorithm: str, **fields):
+    return workload_from_dict({"algorithm": algorithm, "models": {r: "tiny" for r in GRPO_ROLES}} | fields, "test")
+
+
+def test_tracer_refuses_untraced_values(registered):
     def bad(roles, prompts, ctl):
         roles["actor"].log_prob(Batch(prompts=[1, 2, 3]))
         return {}
 
-    monkeypatch.setitem(algorithms.ALGORITHMS, "ppo", bad)
+    registered(Algorithm("bad-values", bad, GRPO_ROLES))
     with pytest.raises(TypeError, match="actor.log_prob"):
-        trace(load_workload("demo"))
+        trace(_tiny("bad-values"))
 
 
-def test_a_new_algorithm_traces_without_tracer_changes(monkeypatch):
+@pytest.mark.parametrize(("call", "needle"), [
+    (lambda roles, b: roles["reward"].log_prob(b), "log_prob needs a model with a lm head; reward has a scalar"),
+    (lambda roles, b: roles["actor"].values(b), "values needs a model with a scalar head"),
+    (lambda roles, b: roles["reference"].generate(b), "reference.generate: role 'reference' does not generate"),
+    (lambda roles, b: roles["reference"].update(b), "role 'reference' is not trained"),
+])
+def test_calls_a_role_cannot_offer_are_refused_by_its_facts(registered, call, needle):
+    def program(roles, prompts, ctl):
+        call(roles, roles["actor"].generate(prompts))
+        return {}
+
+    registered(Algorithm("odd-call", program, GRPO_ROLES | {"critic": CRITIC}))
+    workload = workload_from_dict({"algorithm": "odd-call", "models": {r: "tiny" for r in (*GRPO_ROLES, "critic")}},
+                                  "test")
+    with pytest.raises(ValueError) as caught:
+        trace(workload)
+    assert needle in str(caught.value)
+
+
+def test_output_fields_follow_the_role_facts_not_the_role_name(registered):
+    """A role named `judge` with the reward's facts writes `rewards`; one named `anchor` with the
+    reference's facts writes `ref_log_probs`."""
+
+    def program(roles, prompts, ctl):
+        batch = roles["policy"].generate(prompts)
+        seqs = batch.select("prompts", "responses", "response_mask")
+        return batch | roles["judge"].score(seqs) | roles["anchor"].log_prob(seqs)
+
+    registered(Algorithm("renamed", program, {"policy": ACTOR, "anchor": REFERENCE, "judge": REWARD}))
+    w = workload_from_dict({"algorithm": "renamed", "models": {"policy": "tiny", "anchor": "tiny",
+                                                               "judge": "rule:vowel-fraction"}}, "test")
+    dag = trace(w)
+    assert [(n.label, n.writes) for n in dag.nodes] == [
+        ("policy.generate", ("prompts", "responses", "response_mask")), ("judge.score", ("rewards",)),
+        ("anchor.log_prob", ("ref_log_probs",))]
+    assert w.model_roles == ("policy", "anchor")
+
+
+def test_a_controller_step_receives_only_the_fields_it_reads():
+    """PPO hands gae the whole batch; the traced step depends only on its declared reads."""
+    dag = trace(load_workload("ppo-llama2-7b"))
+    step = _node(dag, "controller.gae")
+    assert {f for e in step.deps for f in e.fields} == set(STEPS["gae"].reads)
+
+
+def test_a_new_algorithm_traces_without_tracer_changes(monkeypatch, registered):
     """A toy algorithm (two generations, a pairwise comparison, a new controller step) registered only for
     this test: the tracer follows whatever the program calls."""
 
@@ -189,15 +255,13 @@ def test_a_new_algorithm_traces_without_tracer_changes(monkeypatch):
         b = reward.score(second.select("prompts", "responses", "response_mask")).rename(rewards="baseline_rewards")
         kl = reference.log_prob(first.select("prompts", "responses", "response_mask"))
         batch = first | a | kl
-        batch = batch | ctl.step("toy_step", (batch | b).select("rewards", "baseline_rewards", "ref_log_probs"))
+        batch = batch | ctl.step("toy_step", batch | b)
         return dict(actor.update(batch.select("prompts", "responses", "toy_advantages")))
 
-    monkeypatch.setitem(algorithms.ALGORITHMS, "toy", toy)
-    monkeypatch.setitem(ALGORITHM_ROLES, "toy", ("actor", "reference", "reward"))
-    monkeypatch.setitem(STEPS, "toy_step", ControllerStep("toy_step", ("toy_advantages",), lambda b, s: {}))
-    w = Workload.model_construct(algorithm="toy", models={r: "tiny" for r in ("actor", "reference", "reward")},
-                                 prompt_len=10, response_len=20, batch_prompts=3, samples_per_prompt=2,
-                                 mini_batches=1, epochs=1)
+    registered(Algorithm("toy", toy, GRPO_ROLES))
+    monkeypatch.setitem(STEPS, "toy_step", ControllerStep("toy_step", ("rewards", "baseline_rewards", "ref_log_probs"),
+                                                          ("toy_advantages",), lambda b, s: {}))
+    w = _tiny("toy", prompt_len=10, response_len=20, batch_prompts=3, samples_per_prompt=2, mini_batches=1)
     dag = trace(w)
     assert dag.algorithm == "toy"
     assert dag.signature() == ["actor.generate", "actor.generate(greedy)", "reward.score", "reward.score",

@@ -1,7 +1,8 @@
 """Steps the single controller runs itself between model calls (advantages, the Lagrange multiplier).
 
-Each step is registered with the fields it writes, so the tracer knows its outputs without running
-it; the executor runs the function on numpy arrays.
+Each step is registered with the fields it reads and the fields it writes: a program hands it the
+whole batch and gets back only what it writes, so the tracer knows the step's inputs and outputs
+without running it, and every backend passes it exactly the fields it reads (numpy arrays).
 """
 
 from __future__ import annotations
@@ -29,22 +30,38 @@ class ControllerState:
 @dataclass(frozen=True)
 class ControllerStep:
     name: str
+    reads: tuple[str, ...]
     writes: tuple[str, ...]
     run: Callable[[Arrays, ControllerState], Arrays]
+
+    def __call__(self, fields: Arrays, state: ControllerState) -> Arrays:
+        """Run on the fields it reads (taken from `fields`); returns exactly the fields it writes."""
+        missing = [name for name in self.reads if name not in fields]
+        if missing:
+            raise KeyError(f"controller step {self.name!r} reads {', '.join(missing)}, which the batch lacks")
+        out = self.run({name: fields[name] for name in self.reads}, state)
+        if set(out) != set(self.writes):
+            raise ValueError(f"controller step {self.name!r} wrote {sorted(out)}, not {list(self.writes)}")
+        return out
 
 
 STEPS: dict[str, ControllerStep] = {}
 
 
-def controller_step(name: str, writes: tuple[str, ...]):
+def controller_step(name: str, reads: tuple[str, ...], writes: tuple[str, ...]):
     def add(fn: Callable[[Arrays, ControllerState], Arrays]) -> Callable[[Arrays, ControllerState], Arrays]:
-        STEPS[name] = ControllerStep(name, writes, fn)
+        if name in STEPS:
+            raise ValueError(f"controller step {name!r} registered twice")
+        STEPS[name] = ControllerStep(name, reads, writes, fn)
         return fn
 
     return add
 
 
-@controller_step("gae", writes=("advantages", "returns"))
+_MASKED = ("old_log_probs", "ref_log_probs", "response_mask")
+
+
+@controller_step("gae", reads=("rewards", "values", *_MASKED), writes=("advantages", "returns"))
 def _gae(b: Arrays, state: ControllerState) -> Arrays:
     cfg, mask = state.cfg, b["response_mask"]
     rewards = adv.token_rewards(b["rewards"], b["old_log_probs"], b["ref_log_probs"], mask, cfg.kl_coef)
@@ -52,12 +69,12 @@ def _gae(b: Arrays, state: ControllerState) -> Arrays:
     return {"advantages": adv.whiten(advantages, mask), "returns": returns}
 
 
-@controller_step("group_norm", writes=("advantages",))
+@controller_step("group_norm", reads=("rewards", "response_mask"), writes=("advantages",))
 def _group_norm(b: Arrays, state: ControllerState) -> Arrays:
     return {"advantages": adv.group_advantages(b["rewards"], b["response_mask"], state.samples_per_prompt)}
 
 
-@controller_step("greedy_baseline", writes=("advantages",))
+@controller_step("greedy_baseline", reads=("rewards", "baseline_rewards", *_MASKED), writes=("advantages",))
 def _greedy_baseline(b: Arrays, state: ControllerState) -> Arrays:
     mask = b["response_mask"]
     # The KL penalty is folded into the score as in PPO: a per-sequence sum over its tokens.
@@ -66,7 +83,8 @@ def _greedy_baseline(b: Arrays, state: ControllerState) -> Arrays:
     return {"advantages": adv.baseline_advantages(score, b["baseline_rewards"], mask)}
 
 
-@controller_step("safe_gae", writes=("advantages", "returns", "cost_returns"))
+@controller_step("safe_gae", reads=("rewards", "costs", "values", "cost_values", *_MASKED),
+                 writes=("advantages", "returns", "cost_returns"))
 def _safe_gae(b: Arrays, state: ControllerState) -> Arrays:
     cfg, mask = state.cfg, b["response_mask"]
     if state.lagrange is None:

@@ -1,7 +1,8 @@
-"""The operations of RLHF roles: which stage each belongs to, which layout it runs in, what it writes.
+"""The operations of RLHF roles: which stage each belongs to and which of its role's layouts it runs in.
 
-Shared by both backends: the tracer records a node per call from this table, the executor dispatches
-the same method names to its workers.
+Shared by every backend: the tracer records a node per call, the executor dispatches the same method
+names to its workers in the layout named here. What a call writes follows from its role's facts
+(hfplan.dataflow.registry), never from the role's name.
 """
 
 from __future__ import annotations
@@ -16,40 +17,15 @@ PHASES = (GENERATION, PREPARATION, TRAINING)
 class RoleOp:
     phase: str
     layout: str  # "gen", "infer" or "train": which of the role's layouts the call runs in
-    kind: str  # cost-model kind: generate | forward | update
+    head: str | None = None  # the head the role's model needs for this call (None: any)
 
 
 ROLE_OPS: dict[str, RoleOp] = {
-    "generate": RoleOp(GENERATION, "gen", "generate"),
-    "log_prob": RoleOp(PREPARATION, "infer", "forward"),
-    "values": RoleOp(PREPARATION, "infer", "forward"),
-    "score": RoleOp(PREPARATION, "infer", "forward"),
-    "update": RoleOp(TRAINING, "train", "update"),
+    "generate": RoleOp(GENERATION, "gen", "lm"),
+    "log_prob": RoleOp(PREPARATION, "infer", "lm"),
+    "values": RoleOp(PREPARATION, "infer", "scalar"),
+    "score": RoleOp(PREPARATION, "infer", "scalar"),
+    "update": RoleOp(TRAINING, "train"),
 }
-
-# The field a forward call writes, by (role, op).
-OUTPUT_FIELD: dict[tuple[str, str], str] = {
-    ("actor", "log_prob"): "old_log_probs",
-    ("reference", "log_prob"): "ref_log_probs",
-    ("critic", "values"): "values",
-    ("cost_critic", "values"): "cost_values",
-    ("reward", "score"): "rewards",
-    ("cost", "score"): "costs",
-}
-
-# Field shapes, for the bytes an edge carries: token ids (int64), one fp32 per response token, one
-# fp32 per sequence. Anything else a controller step writes is per-token unless listed.
-FIELD_KIND: dict[str, str] = {
-    "prompts": "prompt_tokens",
-    "responses": "response_tokens",
-    "rewards": "per_sequence",
-    "costs": "per_sequence",
-    "baseline_rewards": "per_sequence",
-}
-
-
-def output_field(role: str, op: str) -> str:
-    try:
-        return OUTPUT_FIELD[(role, op)]
-    except KeyError:
-        raise ValueError(f"role {role!r} has no operation {op!r}") from None
+# The fields a generate call writes: the prompts repeated n times, the responses and their mask.
+GENERATED = ("prompts", "responses", "response_mask")

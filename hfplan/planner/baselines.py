@@ -54,7 +54,7 @@ def baselines(workload: Workload) -> list[Baseline]:
                  Rules("DeepSpeed-Chat-like", placements=together, train=_zero3, gen=_whole_model)),
         Baseline("OpenRLHF-like", "every role on its own power-of-two group of GPUs; ZeRO-3 training; a separate "
                  "generation engine (any tensor parallelism) receives the actor's weights each iteration",
-                 Rules("OpenRLHF-like", placements=apart, generator=ROLLOUT, train=_zero3, power_of_two_sets=True)),
+                 Rules("OpenRLHF-like", placements=apart, rollout=True, train=_zero3, power_of_two_sets=True)),
     ]
 
 

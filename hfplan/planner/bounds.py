@@ -1,7 +1,8 @@
 """Lower bounds of the iteration time over GPU allocations, for a best-first walk of the allocations.
 
-An allocation is built set by set (a prefix of sizes). Its bound is the schedule of the traced DAG
-with every call at its floor (the fastest any strategy that fits alone makes it) and free transfers.
+An allocation is built set by set (a prefix of sizes). Its bound is the schedule rule's longest path
+(hfplan.simulator.schedule) with every call at its floor (the fastest any strategy that fits alone
+makes it) and free transfers.
 For a set not yet sized, the floor is taken over every size it could still get, so the bound of a
 prefix is below the bound of every allocation that extends it: a prefix whose bound cannot beat the
 K-th best plan found so far can be dropped with everything below it.
@@ -13,8 +14,10 @@ from functools import cache
 
 import numpy as np
 
+from hfplan.layout import ON_CONTROLLER, set_index
 from hfplan.planner import space
 from hfplan.planner.strategies import SearchContext
+from hfplan.simulator.schedule import Precedence
 
 
 class PlacementBounds:
@@ -26,9 +29,10 @@ class PlacementBounds:
         self.sizes = sizes
         self.k = len(placement)
         n_nodes = len(ctx.dag.nodes)
-        self.node_set = [self._set_of(n) for n in ctx.dag.nodes]
-        self.deps = [[e.src for e in n.deps] for n in ctx.dag.nodes]
-        self.switch_node = ctx.switch_node
+        where = set_index(placement)
+        runners = [ctx.runs_on(n) for n in ctx.dag.nodes]
+        self.precedence = Precedence.of(ctx.dag, [ON_CONTROLLER if r is None else where[r] for r in runners])
+        self.switch_ids = ctx.switch_ids
         # rows[i, j]: floor seconds of set i's calls on sizes[j]; feasible[i, j]; switch[i, j]
         self.rows = np.zeros((self.k, len(sizes), n_nodes))
         self.switch = np.zeros((self.k, len(sizes)))
@@ -41,13 +45,6 @@ class PlacementBounds:
         masked = np.where(self.feasible[..., None], self.rows, np.inf)
         self.best_rows = np.minimum.accumulate(masked, axis=1)
         self.best_switch = np.minimum.accumulate(np.where(self.feasible, self.switch, np.inf), axis=1)
-
-    def _set_of(self, node) -> int:
-        role = self.ctx.runs_on(node)
-        for i, roles in enumerate(self.placement):
-            if role in roles:
-                return i
-        return -1
 
     def _fill(self, i: int, j: int, roles: tuple[str, ...], size: int) -> None:
         ctx = self.ctx
@@ -90,15 +87,10 @@ class PlacementBounds:
     def _makespan(self, seconds: np.ndarray, switch: float) -> float:
         if not np.all(np.isfinite(seconds)) or not np.isfinite(switch):
             return np.inf
-        finish = [0.0] * len(seconds)
-        last: dict[int, float] = {}
-        for i, secs in enumerate(seconds):
-            ready = last.get(self.node_set[i], 0.0)
-            for src in self.deps[i]:
-                ready = max(ready, finish[src])
-            finish[i] = ready + (switch if i == self.switch_node else 0.0) + float(secs)
-            last[self.node_set[i]] = finish[i]
-        return max(finish, default=0.0)
+        durations = [float(x) for x in seconds]
+        for i in self.switch_ids:
+            durations[i] += switch
+        return self.precedence.makespan(durations)
 
     def children(self, prefix: tuple[int, ...]) -> list[tuple[tuple[int, ...], str]]:
         """Sizes the next set can take: (child prefix, '' or why that size is infeasible)."""

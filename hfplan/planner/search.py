@@ -22,12 +22,14 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from hfplan.errors import HfplanError
-from hfplan.plan import ROLLOUT, PlacementSet, Plan, RoleParallelism
+from hfplan.layout import ROLLOUT, generating_role, set_index
+from hfplan.plan import PlacementSet, Plan, RoleParallelism
 from hfplan.planner import space
 from hfplan.planner.bounds import PlacementBounds
 from hfplan.planner.strategies import RoleChoices, RoleOption, Rules, SearchContext
 from hfplan.simulator import engine
-from hfplan.simulator.evaluate import PlanCosts, call_seconds, switch_seconds
+from hfplan.simulator.mapping import PlanCosts, call_seconds, switch_seconds
+from hfplan.simulator.schedule import Precedence
 from hfplan.simulator.trace import Dag, trace
 from hfplan.spec import Cluster, Workload
 
@@ -72,47 +74,33 @@ class SearchResult:
 
 
 class _Pair:
-    """Fast schedule of one (placement, allocation): durations by node, edges by allocation."""
+    """Fast schedule of one (placement, allocation): the schedule rule's precedence with the transfers
+    of this allocation; durations come per strategy choice, the generating role's switch added at
+    each switch point."""
 
     def __init__(self, ctx: SearchContext, placement: tuple[tuple[str, ...], ...], allocation: tuple[int, ...]):
         self.ctx = ctx
         self.placement = placement
         self.allocation = allocation
-        self.set_of_role = {r: i for i, roles in enumerate(placement) for r in roles}
-        dag = ctx.dag
-        self.node_set = [self.set_of_role.get(ctx.runs_on(n), -1) if ctx.runs_on(n) else -1 for n in dag.nodes]
+        self.set_of_role = set_index(placement)
         # Only the sets' positions matter for transfers: no parallelism needed.
         where = PlanCosts(ctx.workload, list(zip(placement, allocation, strict=True)), {}, ctx.hw, ctx.gpus_per_node)
-        self.edge_seconds = where.edge_seconds
         self.same_node = where.same_node
-        self.deps = [[(e.src, self.edge_seconds(self.node_set[e.src], self.node_set[n.id], e.nbytes)) for e in n.deps]
-                     for n in dag.nodes]
-        self.switch_node = ctx.switch_node
+        self.precedence = Precedence.of(ctx.dag, [where.set_of(n) for n in ctx.dag.nodes], where.edge_seconds)
+        self.switch_ids = ctx.switch_ids
 
     def makespan_many(self, seconds: np.ndarray, switch: np.ndarray) -> np.ndarray:
         """makespan() of many duration rows at once: seconds (rows x nodes), switch (rows,)."""
-        finish = np.zeros_like(seconds)
-        last: dict[int, np.ndarray] = {}
-        zero = np.zeros(len(seconds))
-        for i in range(seconds.shape[1]):
-            ready = last.get(self.node_set[i], zero)
-            for src, edge in self.deps[i]:
-                ready = np.maximum(ready, finish[:, src] + edge)
-            finish[:, i] = ready + seconds[:, i] + (switch if i == self.switch_node else 0.0)
-            last[self.node_set[i]] = finish[:, i]
-        return finish.max(axis=1) if seconds.shape[1] else zero
+        if self.switch_ids:
+            seconds = seconds.copy()
+            seconds[:, self.switch_ids] += switch[:, None]
+        return self.precedence.makespan_many(seconds)
 
     def makespan(self, seconds: Sequence[float], switch: float) -> float:
-        finish = [0.0] * len(seconds)
-        last: dict[int, float] = {}
-        for i, secs in enumerate(seconds):
-            s = self.node_set[i]
-            ready = last.get(s, 0.0)
-            for src, edge in self.deps[i]:
-                ready = max(ready, finish[src] + edge)
-            finish[i] = ready + (switch if i == self.switch_node else 0.0) + secs
-            last[s] = finish[i]
-        return max(finish, default=0.0)
+        durations = list(seconds)
+        for i in self.switch_ids:
+            durations[i] += switch
+        return self.precedence.makespan(durations)
 
 
 class _PairSearch:
@@ -127,7 +115,7 @@ class _PairSearch:
         # The generating role first, then the roles that share its GPUs (they decide its KV-cache room).
         gen_set = pair.set_of_role.get(ctx.generator, -1)
         self.roles = sorted(pair.set_of_role, key=lambda r: (r != ctx.generator, pair.set_of_role[r] != gen_set,
-                                                             r not in ("actor", "critic"), r))
+                                                             not ctx.trains(r), r))
         self.gen_set = gen_set
         self._gen_cache: dict[tuple, list[float]] = {}
         self.gpus = {r: pair.allocation[pair.set_of_role[r]] for r in self.roles}
@@ -164,9 +152,10 @@ class _PairSearch:
     def _with_weight_sync(self, choices: RoleChoices) -> RoleChoices:
         """Rollout options with the weight sync this placement really pays (same node as the actor?)."""
         ctx, pair = self.ctx, self.pair
-        same = pair.same_node(pair.set_of_role["actor"], pair.set_of_role[ROLLOUT])
+        same = pair.same_node(pair.set_of_role[generating_role(ctx.workload)], pair.set_of_role[ROLLOUT])
         gpus = self.gpus[ROLLOUT]
-        synced = [replace(o, switch=switch_seconds(ctx.workload, ctx.hw, ctx.gpus_per_node, ROLLOUT, o.par, gpus, same))
+        synced = [replace(o, switch=switch_seconds(ctx.workload, ctx.hw, ctx.gpus_per_node, ROLLOUT, o.par, gpus, same,
+                                                   ctx.memo))
                   for o in choices.options]
         return RoleChoices(synced)
 
@@ -177,7 +166,7 @@ class _PairSearch:
         if key not in self._gen_cache:
             ctx, gpus = self.ctx, self.gpus[option.role]
             self._gen_cache[key] = [call_seconds(ctx.workload, ctx.hw, ctx.gpus_per_node, n, option.role, option.par,
-                                                 gpus, kv_budget) for n in ctx.generate_nodes]
+                                                 gpus, kv_budget, ctx.memo) for n in ctx.generate_nodes]
         return self._gen_cache[key]
 
     def run(self) -> None:
@@ -282,7 +271,7 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
     placements = list(ctx.rules.placements or space.set_partitions(workload.model_roles))
     stats.placements = len(placements)
     if jobs > 1:
-        from hfplan.planner.parallel import warm_floors
+        from hfplan.planner.pool import warm_floors
 
         warm_floors(ctx, cluster.gpus, jobs, progress)
     candidates: list[Candidate] = []
@@ -368,7 +357,7 @@ def _evaluate_pair(ctx: SearchContext, placement, allocation, threshold: float, 
     sets = [(roles, gpus) for roles, gpus in zip(placement, allocation, strict=True)]
 
     def exact(pars: dict[str, RoleParallelism]) -> float:
-        plan_costs = PlanCosts(ctx.workload, sets, pars, ctx.hw, ctx.gpus_per_node)
+        plan_costs = PlanCosts(ctx.workload, sets, pars, ctx.hw, ctx.gpus_per_node, ctx.memo)
         return engine.run(ctx.dag, plan_costs).iteration_s
 
     bb = _PairSearch(pair, threshold, stats, exact)
@@ -382,7 +371,7 @@ def _evaluate_pair(ctx: SearchContext, placement, allocation, threshold: float, 
             return Candidate(placement, allocation, "infeasible", reason=reason)
         return Candidate(placement, allocation, "pruned", reason=f"no strategy choice beats {threshold:.4g} s")
     pars = {r: o.par for r, o in bb.best_choice.items()}
-    plan_costs = PlanCosts(ctx.workload, sets, pars, ctx.hw, ctx.gpus_per_node)
+    plan_costs = PlanCosts(ctx.workload, sets, pars, ctx.hw, ctx.gpus_per_node, ctx.memo)
     peaks = tuple(round(m.peak / 2**30, 2) for m in plan_costs.memory)
     return Candidate(placement, allocation, "evaluated", bb.best_time, pars=pars, peak_gib=peaks)
 

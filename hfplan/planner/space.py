@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from hfplan.plan import GenConfig, InferConfig, TrainConfig, nests
+from hfplan.layout import unsupported_layout
+from hfplan.plan import GenConfig, InferConfig, Layout, TrainConfig
 from hfplan.profiles.models import ModelArch
 
 
@@ -65,23 +66,15 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _tp_ok(arch: ModelArch, tp: int, training: bool) -> bool:
-    if arch.heads % tp:
-        return False
-    if training:
-        return arch.kv_heads % tp == 0
-    return arch.kv_heads % tp == 0 or tp % arch.kv_heads == 0  # inference replicates KV heads
-
-
-def model_layouts(arch: ModelArch, gpus: int, gpus_per_node: int, training: bool) -> list[tuple[int, int, int]]:
-    """(tp, pp, dp) with tp a power of two within a node, pp dividing the layer count (equal stages, as
-    Megatron-style pipelines require), tp*pp*dp = gpus."""
+def model_layouts(arch: ModelArch, gpus: int, gpus_per_node: int, kind: str) -> list[tuple[int, int, int]]:
+    """(tp, pp, dp) of a "train", "infer" or "gen" layout, tp*pp*dp = gpus: tp a power of two within a
+    node, and nothing the executor cannot run (hfplan.layout.unsupported_layout)."""
     out = []
     for tp in powers_of_two(min(gpus, gpus_per_node)):
-        if gpus % tp or not _tp_ok(arch, tp, training):
+        if gpus % tp:
             continue
         for pp in divisors(gpus // tp):
-            if arch.layers % pp == 0:
+            if unsupported_layout(arch, kind, Layout(tp=tp, pp=pp, dp=gpus // (tp * pp))) is None:
                 out.append((tp, pp, gpus // (tp * pp)))
     return out
 
@@ -92,7 +85,7 @@ def micro_batches(sequences_per_rank: int) -> list[int]:
 
 def train_configs(arch: ModelArch, gpus: int, gpus_per_node: int, sequences_per_step: int) -> list[TrainConfig]:
     out = []
-    for tp, pp, dp in model_layouts(arch, gpus, gpus_per_node, training=True):
+    for tp, pp, dp in model_layouts(arch, gpus, gpus_per_node, "train"):
         per_rank = -(-sequences_per_step // dp)
         for micro in micro_batches(per_rank):
             for shard in ((False, True) if dp > 1 else (False,)):
@@ -105,7 +98,7 @@ def infer_configs(arch: ModelArch, gpus: int, gpus_per_node: int, sequences: int
                   train: TrainConfig | None = None) -> list[InferConfig]:
     """Inference layouts; a trained role infers in its training layout, choosing only the micro-batch."""
     layouts = [(train.tp, train.pp, train.dp)] if train is not None else model_layouts(
-        arch, gpus, gpus_per_node, training=False)
+        arch, gpus, gpus_per_node, "infer")
     return [InferConfig(tp=tp, pp=pp, dp=dp, micro_batch=micro)
             for tp, pp, dp in layouts for micro in micro_batches(-(-sequences // dp))]
 
@@ -113,8 +106,8 @@ def infer_configs(arch: ModelArch, gpus: int, gpus_per_node: int, sequences: int
 def gen_configs(arch: ModelArch, gpus: int, gpus_per_node: int, train: TrainConfig | None = None) -> list[GenConfig]:
     """Generation layouts; for the hybrid engine they must nest with the training layout."""
     out = []
-    for tp, pp, dp in model_layouts(arch, gpus, gpus_per_node, training=False):
-        if train is not None and not (nests(tp, train.tp) and nests(pp, train.pp)):
-            continue
-        out.append(GenConfig(tp=tp, pp=pp, dp=dp))
+    for tp, pp, dp in model_layouts(arch, gpus, gpus_per_node, "gen"):
+        gen = GenConfig(tp=tp, pp=pp, dp=dp)
+        if train is None or unsupported_layout(arch, "gen", gen, train) is None:
+            out.append(gen)
     return out

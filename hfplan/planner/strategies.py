@@ -17,10 +17,12 @@ from functools import cached_property
 
 import numpy as np
 
-from hfplan.plan import ROLLOUT, GenConfig, InferConfig, RoleParallelism, TrainConfig
+from hfplan.layout import ROLLOUT, call_role, facts_of, generating_role, generation_role, model_role
+from hfplan.plan import GenConfig, InferConfig, RoleParallelism, TrainConfig
 from hfplan.planner import space
 from hfplan.profiles.hardware import HardwareProfile
-from hfplan.simulator.evaluate import (
+from hfplan.simulator.costs import CostMemo
+from hfplan.simulator.mapping import (
     RoleMemory,
     call_seconds,
     gen_memory,
@@ -29,8 +31,9 @@ from hfplan.simulator.evaluate import (
     switch_seconds,
     train_memory,
 )
-from hfplan.simulator.trace import CONTROLLER, Dag, Node
-from hfplan.spec import RULE_PREFIX, TRAINED_ROLES, Workload
+from hfplan.simulator.schedule import switch_points
+from hfplan.simulator.trace import Dag, Node
+from hfplan.spec import Workload
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,7 @@ class Rules:
 
     name: str = "hfplan"
     placements: tuple[tuple[tuple[str, ...], ...], ...] | None = None  # None: every set partition
-    generator: str = "actor"  # "rollout": a separate generation engine with weight sync
+    rollout: bool = False  # a separate generation engine with weight sync, instead of the hybrid engine
     power_of_two_sets: bool = False  # every colocated set gets a power-of-two GPU count
     train: Callable[[str, TrainConfig], bool] | None = None
     gen: Callable[[TrainConfig | None, GenConfig], bool] | None = None
@@ -93,15 +96,40 @@ class Rules:
 
 
 @dataclass(frozen=True)
+class TrainPart:
+    config: TrainConfig
+    seconds: tuple[float, ...]  # the role's update calls
+    transient: float  # bytes per GPU of one optimizer step
+
+
+@dataclass(frozen=True)
+class InferPart:
+    config: InferConfig
+    seconds: tuple[float, ...]  # the role's forward calls
+    transient: float  # bytes per GPU of one forward micro-batch
+
+
+@dataclass(frozen=True)
+class GenPart:
+    config: GenConfig | None  # None: the role does not generate
+    extra: float  # bytes per GPU generation needs beyond the training states
+    kv_per_sequence: float  # KV-cache bytes per GPU of one sequence
+    switch: float  # seconds of the switch into this layout
+    alone: tuple[float, ...]  # generate calls with all memory the role does not hold for the KV cache
+
+
+NO_GENERATION = GenPart(None, 0.0, 0.0, 0.0, ())
+
+
+@dataclass(frozen=True)
 class Family:
     """A trained role's strategies sharing one (tp, pp, dp, shard) layout: the same resident memory,
     and the same inference and generation choices. Each part is pruned on its own calls and memory."""
 
     resident: float
-    trains: list[tuple[TrainConfig, tuple[float, ...], float]]  # config, update calls' seconds, transient
-    infers: list[tuple[InferConfig, tuple[float, ...], float]]  # config, forward calls' seconds, transient
-    gens: list[tuple[GenConfig | None, float, float, float, tuple[float, ...]]]  # config, extra, kv/seq,
-    # switch seconds, generate calls' seconds with all memory the role does not hold for the KV cache
+    trains: list[TrainPart]
+    infers: list[InferPart]
+    gens: list[GenPart]
 
 
 class RoleChoices:
@@ -139,15 +167,36 @@ class SearchContext:
         self.gpus_per_node = gpus_per_node
         self.dag = dag
         self.rules = rules or Rules()
-        self.generator = self.rules.generator
+        self.generator = generation_role(workload, (ROLLOUT,) if self.rules.rollout else ())
         self.usable = hw.memory.usable_bytes
         self.value_bytes = hw.compute.value_bytes
+        self._own: dict[str, list[Node]] = {}
+        self.memo = CostMemo()
+        self.clear()
+
+    def clear(self) -> None:
+        """Drop every cached cost, strategy, floor and fit of this search."""
+        self.memo.clear()
         self._parts: dict[tuple[str, int], list[Family]] = {}
         self._choices: dict[tuple[str, int], RoleChoices] = {}
         self._floors: dict[tuple[str, int], Floor | None] = {}
         self._fits: dict[tuple[tuple[str, ...], int], bool] = {}
         self._set_floors: dict[tuple[tuple[str, ...], int], dict[int, float] | None] = {}
-        self._own: dict[str, list[Node]] = {}
+
+    def costed(self, role: str, gpus: int) -> tuple[list[Family] | None, RoleChoices | None, Floor | None]:
+        """Cost one (role, GPU count) and return what it cached, for a worker process to hand back."""
+        floor = self.floor(role, gpus)
+        return self._parts.get((role, gpus)), self._choices.get((role, gpus)), floor
+
+    def adopt(self, role: str, gpus: int, parts: list[Family] | None, choices: RoleChoices | None,
+              floor: Floor | None) -> None:
+        """Take what `costed` computed in another process."""
+        key = (role, gpus)
+        if parts is not None:
+            self._parts[key] = parts
+        if choices is not None:
+            self._choices[key] = choices
+        self._floors[key] = floor
 
     @cached_property
     def gpu_roles(self) -> tuple[str, ...]:
@@ -155,12 +204,10 @@ class SearchContext:
 
     def runs_on(self, node: Node) -> str | None:
         """The role whose GPUs run a call (None: the controller or a rule)."""
-        if node.role == CONTROLLER:
-            return None
-        if node.op == "generate":
-            return self.generator
-        ref = self.workload.models.get(node.role, "")
-        return None if ref.startswith(RULE_PREFIX) else node.role
+        return call_role(self.workload, self.generator, node.role, node.op)
+
+    def trains(self, role: str) -> bool:
+        return facts_of(self.workload, role).trains
 
     def own_nodes(self, role: str) -> list[Node]:
         if role not in self._own:
@@ -172,12 +219,13 @@ class SearchContext:
         return [n for n in self.dag.nodes if n.op == "generate"]
 
     @cached_property
-    def switch_node(self) -> int:
-        """The call before which the generating role switches to its generation layout (-1: none)."""
-        return self.generate_nodes[0].id if self.generate_nodes else -1
+    def switch_ids(self) -> list[int]:
+        """The calls before which the generating role switches into its generation layout (the schedule
+        rule's switch points; only the role that generates has a generation layout)."""
+        return list(switch_points(self.dag, self.runs_on, generating_role(self.workload)))
 
     def _seconds(self, node: Node, role: str, par: RoleParallelism, gpus: int, kv_budget: float = 0.0) -> float:
-        return call_seconds(self.workload, self.hw, self.gpus_per_node, node, role, par, gpus, kv_budget)
+        return call_seconds(self.workload, self.hw, self.gpus_per_node, node, role, par, gpus, kv_budget, self.memo)
 
     def _fits_alone(self, mem: RoleMemory) -> bool:
         return mem.resident + max(mem.transient, mem.gen_extra + mem.kv_per_sequence) <= self.usable
@@ -193,11 +241,8 @@ class SearchContext:
             self._choices[key] = RoleChoices(self._options(role, gpus))
         return self._choices[key]
 
-    def role_options(self, role: str, gpus: int) -> list[RoleOption]:
-        return self.choices(role, gpus).options
-
     def _options(self, role: str, gpus: int) -> list[RoleOption]:
-        if role in TRAINED_ROLES:
+        if self.trains(role):
             options = [o for family in self.parts(role, gpus) for o in self._family_options(role, family)]
         else:
             options = self._untrained_options(role, gpus)
@@ -207,7 +252,7 @@ class SearchContext:
         w, g = self.workload, self.gpus_per_node
         nodes = self.own_nodes(role)
         if role == ROLLOUT:
-            pars = [RoleParallelism(gen=gen) for gen in space.gen_configs(w.arch("actor"), gpus, g)
+            pars = [RoleParallelism(gen=gen) for gen in space.gen_configs(w.arch(model_role(w, role)), gpus, g)
                     if self.rules.gen_ok(None, gen)]
         else:
             pars = [RoleParallelism(infer=infer) for infer in space.infer_configs(w.arch(role), gpus, g, w.sequences)]
@@ -220,7 +265,7 @@ class SearchContext:
             if role == self.generator:
                 # A rollout engine's weight sync depends on whether it shares a node with the actor: the
                 # option carries the cheaper case; the search re-costs it for each placement.
-                switch = min(switch_seconds(w, self.hw, g, role, par, gpus, same)
+                switch = min(switch_seconds(w, self.hw, g, role, par, gpus, same, self.memo)
                              for same in (False, True)) if role == ROLLOUT else 0.0
                 alone = self._alone_gen(role, par, gpus, mem.resident, mem.gen_extra)
                 out.append(RoleOption(role, par, seconds, switch, mem, _gen_key(par.gen), alone))
@@ -241,7 +286,8 @@ class SearchContext:
         nodes = self.own_nodes(role)
         updates = [n for n in nodes if n.kind == "update"]
         forwards = [n for n in nodes if n.kind == "forward"]
-        grouped: dict[tuple, list[tuple[TrainConfig, tuple[float, ...], float, float]]] = {}
+        grouped: dict[tuple, list[TrainPart]] = {}
+        residents: dict[tuple, float] = {}
         for train in space.train_configs(arch, gpus, g, w.sequences // w.mini_batches):
             if not self.rules.train_ok(role, train):
                 continue
@@ -250,22 +296,24 @@ class SearchContext:
                 continue
             par = RoleParallelism(train=train)
             seconds = tuple(self._seconds(n, role, par, gpus) for n in updates)
-            grouped.setdefault((train.tp, train.pp, train.dp, train.shard), []).append(
-                (train, seconds, transient, resident))
+            key = (train.tp, train.pp, train.dp, train.shard)  # resident memory depends on these only
+            grouped.setdefault(key, []).append(TrainPart(train, seconds, transient))
+            residents[key] = resident
         families = []
-        for members in grouped.values():
-            kept = [members[i] for i in pareto(np.array([[*m[1], m[2]] for m in members]))]
-            layout, resident = kept[0][0], kept[0][3]
+        for key, members in grouped.items():
+            kept = _pareto_parts(members)
+            layout, resident = kept[0].config, residents[key]
             infers = []
             for infer in space.infer_configs(arch, gpus, g, w.sequences, layout):
                 par = RoleParallelism(train=layout, infer=infer)
                 transient = infer_transient(w, role, infer, layout, self.value_bytes)
                 if resident + transient <= self.usable:
-                    infers.append((infer, tuple(self._seconds(n, role, par, gpus) for n in forwards), transient))
+                    infers.append(InferPart(infer, tuple(self._seconds(n, role, par, gpus) for n in forwards),
+                                            transient))
             if not infers:
                 continue
-            infers = [infers[i] for i in pareto(np.array([[*m[1], m[2]] for m in infers]))]
-            gens: list[tuple] = [(None, 0.0, 0.0, 0.0, ())]
+            infers = _pareto_parts(infers)
+            gens = [NO_GENERATION]
             if role == self.generator:
                 gens = []
                 for gen in space.gen_configs(arch, gpus, g, layout):
@@ -275,11 +323,11 @@ class SearchContext:
                     extra, kv = gen_memory(w, gen, layout, self.value_bytes)
                     if resident + extra + kv > self.usable:
                         continue
-                    switch = switch_seconds(w, self.hw, g, role, par, gpus)
-                    gens.append((gen, extra, kv, switch, self._alone_gen(role, par, gpus, resident, extra)))
+                    switch = switch_seconds(w, self.hw, g, role, par, gpus, memo=self.memo)
+                    gens.append(GenPart(gen, extra, kv, switch, self._alone_gen(role, par, gpus, resident, extra)))
                 if not gens:
                     continue
-            families.append(Family(resident, [(t, sec, tr) for t, sec, tr, _ in kept], infers, gens))
+            families.append(Family(resident, kept, infers, gens))
         return families
 
     def _family_options(self, role: str, family: Family) -> list[RoleOption]:
@@ -287,18 +335,19 @@ class SearchContext:
         update_at = [k for k, n in enumerate(nodes) if n.kind == "update"]
         forward_at = [k for k, n in enumerate(nodes) if n.kind == "forward"]
         out = []
-        for (train, train_secs, train_tr), (infer, infer_secs, infer_tr), (gen, extra, kv, switch, alone) in (
-                itertools.product(family.trains, family.infers, family.gens)):
-            mem = RoleMemory(family.resident, max(train_tr, infer_tr), extra, kv, gen.dp if gen is not None else 1)
+        for train, infer, gen in itertools.product(family.trains, family.infers, family.gens):
+            replicas = gen.config.dp if gen.config is not None else 1
+            mem = RoleMemory(family.resident, max(train.transient, infer.transient), gen.extra, gen.kv_per_sequence,
+                             replicas)
             if not self._fits_alone(mem):
                 continue
             seconds = [0.0] * len(nodes)
-            for k, secs in zip(update_at, train_secs, strict=True):
+            for k, secs in zip(update_at, train.seconds, strict=True):
                 seconds[k] = secs
-            for k, secs in zip(forward_at, infer_secs, strict=True):
+            for k, secs in zip(forward_at, infer.seconds, strict=True):
                 seconds[k] = secs
-            par = RoleParallelism(train=train, infer=infer, gen=gen)
-            out.append(RoleOption(role, par, tuple(seconds), switch, mem, _gen_key(gen), alone))
+            par = RoleParallelism(train=train.config, infer=infer.config, gen=gen.config)
+            out.append(RoleOption(role, par, tuple(seconds), gen.switch, mem, _gen_key(gen.config), gen.alone))
         return out
 
     # -- memory of a colocated set ------------------------------------------------------------------
@@ -368,7 +417,7 @@ class SearchContext:
 
     def _floor(self, role: str, gpus: int) -> Floor | None:
         nodes = self.own_nodes(role)
-        if role not in TRAINED_ROLES:
+        if not self.trains(role):
             opts = self.choices(role, gpus)
             if not opts.options:
                 return None
@@ -383,14 +432,19 @@ class SearchContext:
         seconds = [math.inf] * len(nodes)
         gen = [math.inf] * len(self.generate_nodes) if role == self.generator else []
         for family in families:
-            for part, at in ((family.trains, update_at), (family.infers, forward_at)):
-                for _, secs, _ in part:
-                    for k, value in zip(at, secs, strict=True):
+            for parts, at in ((family.trains, update_at), (family.infers, forward_at)):
+                for part in parts:
+                    for k, value in zip(at, part.seconds, strict=True):
                         seconds[k] = min(seconds[k], value)
-            for *_, alone in family.gens:
-                gen = [min(a, b) for a, b in zip(gen, alone, strict=True)]
-        switch = min(s for family in families for *_, s, _ in family.gens)
+            for part in family.gens:
+                gen = [min(a, b) for a, b in zip(gen, part.alone, strict=True)]
+        switch = min(part.switch for family in families for part in family.gens)
         return Floor(tuple(seconds), tuple(gen), switch, min(f.resident for f in families))
+
+
+def _pareto_parts(parts: list):
+    """The train or infer parts not dominated on (seconds of each call, transient bytes)."""
+    return [parts[i] for i in pareto(np.array([[*p.seconds, p.transient] for p in parts]))]
 
 
 def _gen_key(gen: GenConfig | None) -> tuple[int, int, int] | None:

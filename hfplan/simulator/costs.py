@@ -1,22 +1,24 @@
 """Seconds of each RLHF call on a set of GPUs: training step, inference, generation, resharding.
 
-Ranks of a layout are numbered pipeline-major, then data-parallel, then tensor-parallel (fastest), so
-tensor-parallel groups are adjacent GPUs, data-parallel groups are strided by tp, and pipeline
-stages are blocks of tp*dp GPUs. Every rate comes from the hardware profile.
+Ranks of a layout are numbered as hfplan.layout says (pipeline-major, then data-parallel, then
+tensor-parallel fastest), so tensor-parallel groups are adjacent GPUs, data-parallel groups are strided
+by tp, and pipeline stages are blocks of tp*dp GPUs. Every rate comes from the hardware profile.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
-from hfplan.plan import GenConfig, InferConfig, Layout, TrainConfig, nests
+from hfplan.layout import resharding, stage_params
+from hfplan.plan import GenConfig, InferConfig, Layout, TrainConfig
 from hfplan.profiles.hardware import HardwareProfile
 from hfplan.profiles.models import ModelArch
 from hfplan.simulator import collectives as coll
 from hfplan.simulator.kernels import (
-    BF16,
     FP32,
     LayerCost,
     embedding_forward,
@@ -24,6 +26,7 @@ from hfplan.simulator.kernels import (
     layer_forward,
     memory_time,
 )
+from hfplan.simulator.memory import kv_bytes_per_token_per_gpu
 
 # Adam step traffic per parameter: read the fp32 gradient (4), read and write the fp32 master weight,
 # first and second moments (3 x 8), write the bf16 weight (2).
@@ -32,9 +35,44 @@ ADAM_BYTES_PER_PARAM = 4 + 3 * 8 + 2
 LOGSOFTMAX_REDUCTIONS = 2
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class CostMemo:
+    """Memo tables of the cost functions marked @memoized, owned by one search or one simulation and
+    passed in (`memo=`): the same arguments always cost the same, so each is computed once per owner.
+    Without a memo the functions compute directly."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, dict[tuple, Any]] = {}
+
+    def clear(self) -> None:
+        self.tables.clear()
+
+
+def memoized(fn: F) -> F:
+    """fn(*args, memo=None): with a CostMemo, answer from (and fill) its table for fn."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def wrapper(*args, memo: CostMemo | None = None):
+        if memo is None:
+            return fn(*args, memo=None)
+        table = memo.tables.get(name)
+        if table is None:
+            table = memo.tables[name] = {}
+        try:
+            return table[args]
+        except KeyError:
+            value = table[args] = fn(*args, memo=memo)
+            return value
+
+    return wrapper  # type: ignore[return-value]
+
+
 @dataclass(frozen=True)
-class Placement:
-    """Where a set's GPUs sit: how many of them share one node."""
+class SetShape:
+    """The shape of one placement set: its GPU count, and how many of them share one node."""
 
     gpus: int
     gpus_per_node: int
@@ -44,35 +82,26 @@ class Placement:
         return min(self.gpus, self.gpus_per_node)
 
 
-def stage_params(arch: ModelArch, pp: int, head: str) -> float:
-    """Parameters on the most loaded pipeline stage (before tensor-parallel division)."""
-    layers = math.ceil(arch.layers / pp) * arch.params_per_layer
-    ends = arch.embedding_params + arch.head_params(head) + arch.hidden
-    if pp == 1:
-        return layers + ends
-    return layers + max(arch.embedding_params, arch.head_params(head) + arch.hidden)
-
-
-def tp_group(tp: int, where: Placement) -> coll.Group:
+def tp_group(tp: int, where: SetShape) -> coll.Group:
     return coll.group_of(tp, 1, where.per_node)
 
 
-def dp_group(layout: Layout, where: Placement) -> coll.Group:
+def dp_group(layout: Layout, where: SetShape) -> coll.Group:
     return coll.group_of(layout.dp, layout.tp, where.per_node)
 
 
-def stages_share_node(layout: Layout, where: Placement) -> bool:
+def stages_share_node(layout: Layout, where: SetShape) -> bool:
     return layout.gpus <= where.per_node
 
 
-def _layer_tp_comm(hw: HardwareProfile, arch: ModelArch, tokens: float, tp: int, where: Placement) -> float:
+def _layer_tp_comm(hw: HardwareProfile, arch: ModelArch, tokens: float, tp: int, where: SetShape) -> float:
     """Two all-reduces of the hidden state per layer pass (after attention and after the MLP)."""
     if tp == 1:
         return 0.0
     return 2 * coll.all_reduce(hw, tp_group(tp, where), hw.compute.value_bytes * tokens * arch.hidden)
 
 
-def _head_tp_comm(hw: HardwareProfile, tokens: float, tp: int, where: Placement, head: str) -> float:
+def _head_tp_comm(hw: HardwareProfile, tokens: float, tp: int, where: SetShape, head: str) -> float:
     if tp == 1 or head != "lm":
         return 0.0
     return LOGSOFTMAX_REDUCTIONS * coll.all_reduce(hw, tp_group(tp, where), FP32 * tokens)
@@ -86,9 +115,9 @@ class StagePass:
     backward: float
 
 
-@functools.lru_cache(maxsize=65536)
-def stage_pass(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: Placement, micro_seqs: float,
-               seq_len: int, head: str) -> StagePass:
+@memoized
+def stage_pass(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, micro_seqs: float,
+               seq_len: int, head: str, *, memo: CostMemo | None = None) -> StagePass:
     tokens = micro_seqs * seq_len
     layer = layer_forward(hw, arch, tokens, keys_per_token=(seq_len + 1) / 2, tp=tp)
     comm = _layer_tp_comm(hw, arch, tokens, tp, where)
@@ -103,7 +132,7 @@ def stage_pass(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: Pl
     return StagePass(forward=forward, backward=backward)
 
 
-def _p2p(hw: HardwareProfile, arch: ModelArch, layout: Layout, where: Placement, tokens: float) -> float:
+def _p2p(hw: HardwareProfile, arch: ModelArch, layout: Layout, where: SetShape, tokens: float) -> float:
     if layout.pp == 1:
         return 0.0
     return coll.point_to_point(hw, hw.compute.value_bytes * tokens * arch.hidden / layout.tp,
@@ -118,18 +147,18 @@ def _per_rank(sequences: int, dp: int, micro_batch: int) -> tuple[int, int]:
     return micro, math.ceil(seqs / micro)
 
 
-def _param_gather(hw: HardwareProfile, arch: ModelArch, layout: Layout, where: Placement, head: str) -> float:
+def _param_gather(hw: HardwareProfile, arch: ModelArch, layout: Layout, where: SetShape, head: str) -> float:
     """All-gather of one stage's parameters across data-parallel ranks (sharded training)."""
     nbytes = hw.compute.value_bytes * stage_params(arch, layout.pp, head) / layout.tp
     return coll.all_gather(hw, dp_group(layout, where), nbytes)
 
 
-@functools.lru_cache(maxsize=262144)
-def train_step_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: Placement, sequences: int,
-                    seq_len: int, head: str) -> float:
+@memoized
+def train_step_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: SetShape, sequences: int,
+                    seq_len: int, head: str, *, memo: CostMemo | None = None) -> float:
     """One optimizer step over `sequences` sequences (one mini-batch), 1F1B pipeline schedule."""
     micro, n_micro = _per_rank(sequences, cfg.dp, cfg.micro_batch)
-    sp = stage_pass(hw, arch, cfg.tp, cfg.pp, where, micro, seq_len, head)
+    sp = stage_pass(hw, arch, cfg.tp, cfg.pp, where, micro, seq_len, head, memo=memo)
     fwd = sp.forward
     bwd = sp.backward + (sp.forward if cfg.recompute else 0.0)
     p2p = 2 * _p2p(hw, arch, cfg, where, micro * seq_len)
@@ -150,19 +179,19 @@ def train_step_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, wher
     return pipeline + exposed + optimizer
 
 
-def update_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: Placement, sequences: int,
-                seq_len: int, head: str, mini_batches: int, epochs: int) -> float:
-    step = train_step_time(hw, arch, cfg, where, sequences // mini_batches, seq_len, head)
+def update_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: SetShape, sequences: int,
+                seq_len: int, head: str, mini_batches: int, epochs: int, *, memo: CostMemo | None = None) -> float:
+    step = train_step_time(hw, arch, cfg, where, sequences // mini_batches, seq_len, head, memo=memo)
     return epochs * mini_batches * step
 
 
-@functools.lru_cache(maxsize=262144)
-def inference_time(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, where: Placement, sequences: int,
-                   seq_len: int, head: str, sharded_dp: bool = False) -> float:
+@memoized
+def inference_time(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, where: SetShape, sequences: int,
+                   seq_len: int, head: str, sharded_dp: bool = False, *, memo: CostMemo | None = None) -> float:
     """Forward passes over all sequences (log-probs, values or scores). `sharded_dp`: parameters are
     sharded across data-parallel ranks (a trained role in its FSDP layout) and gathered per micro-batch."""
     micro, n_micro = _per_rank(sequences, cfg.dp, cfg.micro_batch)
-    fwd = stage_pass(hw, arch, cfg.tp, cfg.pp, where, micro, seq_len, head).forward
+    fwd = stage_pass(hw, arch, cfg.tp, cfg.pp, where, micro, seq_len, head, memo=memo).forward
     p2p = _p2p(hw, arch, cfg, where, micro * seq_len)
     exposed = 0.0
     if sharded_dp and cfg.dp > 1:
@@ -170,14 +199,7 @@ def inference_time(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, where
     return (n_micro + cfg.pp - 1) * (fwd + p2p) + exposed
 
 
-def kv_bytes_per_token_per_gpu(arch: ModelArch, cfg: Layout, value_bytes: int = BF16) -> float:
-    """KV-cache bytes of one token on one GPU: KV heads split over tp (replicated when fewer than tp),
-    layers split over pp."""
-    heads_local = arch.kv_heads / cfg.tp if arch.kv_heads >= cfg.tp else 1
-    return 2 * value_bytes * heads_local * arch.dim_per_head * math.ceil(arch.layers / cfg.pp)
-
-
-def decode_step_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: Placement, batch: float,
+def decode_step_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetShape, batch: float,
                      context: float) -> float:
     """One decode step of `batch` sequences at `context` tokens, through all pipeline stages in turn."""
     layer = layer_forward(hw, arch, batch, keys_per_token=context, tp=cfg.tp, decode=True)
@@ -189,7 +211,7 @@ def decode_step_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: P
         + sample + p2p
 
 
-def prefill_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: Placement, batch: float,
+def prefill_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetShape, batch: float,
                  prompt_len: int) -> float:
     tokens = batch * prompt_len
     layer = layer_forward(hw, arch, tokens, keys_per_token=(prompt_len + 1) / 2, tp=cfg.tp)
@@ -199,9 +221,9 @@ def prefill_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: Place
     return arch.layers * (layer.total + comm) + head.total + embedding_forward(hw, arch, tokens).total + p2p
 
 
-@functools.lru_cache(maxsize=65536)
-def wave_time(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: Placement, batch: int,
-              prompt_len: int, response_len: int) -> float:
+@memoized
+def wave_time(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, batch: int,
+              prompt_len: int, response_len: int, *, memo: CostMemo | None = None) -> float:
     """One prefill of `batch` prompts, then response_len decode steps at the mean context length (the
     step cost is close to linear in the context)."""
     layout = Layout(tp=tp, pp=pp)
@@ -217,8 +239,9 @@ class GenerationCost:
     waves: int
 
 
-def generation_time(hw: HardwareProfile, arch: ModelArch, cfg: GenConfig, where: Placement, sequences: int,
-                    prompt_len: int, response_len: int, kv_budget_bytes: float) -> GenerationCost:
+def generation_time(hw: HardwareProfile, arch: ModelArch, cfg: GenConfig, where: SetShape, sequences: int,
+                    prompt_len: int, response_len: int, kv_budget_bytes: float, *, memo: CostMemo | None = None
+                    ) -> GenerationCost:
     """Batched generation on cfg.dp replicas (every response runs to response_len). Each replica runs
     its share in waves of at most as many sequences as its KV-cache budget holds; a wave is one prefill
     then response_len memory-bound decode steps, costed at the mean context length. The engine splits
@@ -230,64 +253,31 @@ def generation_time(hw: HardwareProfile, arch: ModelArch, cfg: GenConfig, where:
     if max_batch < 1:
         return GenerationCost(seconds=math.inf, max_batch=0, waves=0)
     seconds, waves, batch = _best_waves(hw, arch, cfg.tp, cfg.pp, where, per_replica, max_batch, prompt_len,
-                                        response_len)
+                                        response_len, memo=memo)
     return GenerationCost(seconds=seconds, max_batch=batch, waves=waves)
 
 
-@functools.lru_cache(maxsize=65536)
-def _best_waves(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: Placement, sequences: int,
-                max_batch: int, prompt_len: int, response_len: int) -> tuple[float, int, int]:
+@memoized
+def _best_waves(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, sequences: int,
+                max_batch: int, prompt_len: int, response_len: int, *, memo: CostMemo | None = None
+                ) -> tuple[float, int, int]:
     """(seconds, waves, largest wave) of the fastest split of `sequences` into equal waves of at most
     max_batch each."""
     best = (math.inf, 0, 0)
     for waves in sorted({-(-sequences // size) for size in range(1, max_batch + 1)}):
         small, bigger = divmod(sequences, waves)  # `bigger` waves of small + 1, the rest of small
-        seconds = bigger * wave_time(hw, arch, tp, pp, where, small + 1, prompt_len, response_len)
+        seconds = bigger * wave_time(hw, arch, tp, pp, where, small + 1, prompt_len, response_len, memo=memo)
         if small:
-            seconds += (waves - bigger) * wave_time(hw, arch, tp, pp, where, small, prompt_len, response_len)
+            seconds += (waves - bigger) * wave_time(hw, arch, tp, pp, where, small, prompt_len, response_len,
+                                                    memo=memo)
         if seconds < best[0]:
             best = (seconds, waves, small + (1 if bigger else 0))
     return best
 
 
-@dataclass(frozen=True)
-class Resharding:
-    """How the hybrid engine turns the actor's training shards into its generation shards.
-
-    Each GPU keeps its own training shard and all-gathers the rest of its generation shard from the
-    `group` GPUs that hold the other pieces (HybridFlow's zero-redundancy grouping): layouts must nest
-    (tp_g divides tp or tp divides tp_g; likewise pp).
-    """
-
-    gen_fraction: float  # share of the model one GPU holds for generation
-    own_fraction: float  # share of it that the GPU already holds from training
-    group: int  # GPUs taking part in one all-gather
-    dims: tuple[tuple[int, int], ...]  # (factor, rank stride) of the group along tp, dp and pp
-
-    @property
-    def received_fraction(self) -> float:
-        return self.gen_fraction - self.own_fraction
-
-
-def resharding(train: TrainConfig, gen: GenConfig) -> Resharding:
-    if not (nests(train.tp, gen.tp) and nests(train.pp, gen.pp)):
-        raise ValueError(f"generation layout tp={gen.tp} pp={gen.pp} does not nest with training layout "
-                         f"tp={train.tp} pp={train.pp}")
-    gen_fraction = 1.0 / (gen.tp * gen.pp)
-    own = 1.0 / (max(train.tp, gen.tp) * max(train.pp, gen.pp))
-    # Training ranks are numbered pp-major, then dp, then tp: the pieces of a generation shard sit on
-    # adjacent tp ranks, on data-parallel peers tp apart (when sharded), and on stages tp*dp apart.
-    dims = [(max(1, train.tp // gen.tp), 1), (max(1, train.pp // gen.pp), train.tp * train.dp)]
-    if train.shard:
-        own /= train.dp
-        dims.append((train.dp, train.tp))
-    group = max(1, round(gen_fraction / own))
-    return Resharding(gen_fraction=gen_fraction, own_fraction=own, group=group, dims=tuple(dims))
-
-
-@functools.lru_cache(maxsize=65536)
+@memoized
 def transition_time(hw: HardwareProfile, arch: ModelArch, train: TrainConfig, gen: GenConfig,
-                    where: Placement) -> float:
+                    where: SetShape, *, memo: CostMemo | None = None) -> float:
     """Training layout -> generation layout: an all-gather of each GPU's generation shard among the
     GPUs holding its pieces (adjacent ranks). Going back is free: the generation copy is dropped."""
     plan = resharding(train, gen)
@@ -297,7 +287,7 @@ def transition_time(hw: HardwareProfile, arch: ModelArch, train: TrainConfig, ge
     return coll.all_gather(hw, group, hw.compute.value_bytes * arch.params("lm") * plan.gen_fraction)
 
 
-def weight_sync_time(hw: HardwareProfile, arch: ModelArch, gen: GenConfig, rollout: Placement,
+def weight_sync_time(hw: HardwareProfile, arch: ModelArch, gen: GenConfig, rollout: SetShape,
                      same_node: bool) -> float:
     """Separate generation engine: every rollout GPU receives its generation shard of the freshly
     trained weights; the receiving node's links carry the shards of all its GPUs."""

@@ -1,12 +1,7 @@
 """The simpy engine: schedule a traced DAG on a mapping and produce its timeline.
 
-Rules (what the single controller does when it runs the program):
-- each placement set runs its calls one after another, in program order;
-- a call starts when its inputs have arrived: an input made on another set (or on the controller)
-  first crosses the link between them, as a transfer of the edge's bytes;
-- calls on disjoint sets overlap;
-- before a call that needs another layout of its role (the actor going from training to generation),
-  the set pays the switch (the hybrid engine's resharding, or a rollout engine's weight sync).
+It runs the schedule rule of hfplan.simulator.schedule (program order per set, inputs first, layout
+switches at the switch points) with simpy events, and records every call, transfer and switch.
 """
 
 from __future__ import annotations
@@ -18,9 +13,11 @@ import simpy
 
 from hfplan.dataflow.ops import PHASES
 from hfplan.errors import HfplanError
+from hfplan.layout import generating_role
 from hfplan.plan import Estimate, Plan, Span
-from hfplan.simulator.evaluate import PlanCosts
+from hfplan.simulator.mapping import PlanCosts
 from hfplan.simulator.memory import gib
+from hfplan.simulator.schedule import Precedence, switch_points
 from hfplan.simulator.trace import Dag, Node, trace
 
 
@@ -64,15 +61,11 @@ class Scheduled:
 
 def schedule(dag: Dag, plan_costs: PlanCosts) -> list[Scheduled]:
     """Durations and layout switches of every call, in program order."""
-    layouts: dict[str, str] = {}
+    points = switch_points(dag, plan_costs.layout_role, generating_role(plan_costs.workload))
     out = []
     for node in dag.nodes:
-        role = plan_costs.layout_role(node)
-        switch = 0.0
-        if role is not None:
-            current = layouts.get(role, plan_costs.initial_layout(role))
-            switch = plan_costs.switch_seconds(role, current, node.layout)
-            layouts[role] = node.layout
+        role = points.get(node.id)
+        switch = plan_costs.switch_seconds(role) if role is not None else 0.0
         out.append(Scheduled(node, plan_costs.set_of(node), plan_costs.node_seconds(node), switch, role))
     return out
 
@@ -127,23 +120,10 @@ def run_calls(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: int
 
 
 def critical_path(dag: Dag, plan_costs: PlanCosts) -> float:
-    """Longest path through the DAG plus each set's program-order chain: the iteration time the
-    engine must reproduce (computed without simpy, for checking it and as the search's bound)."""
-    return critical_path_of(schedule(dag, plan_costs), plan_costs.edge_seconds)
-
-
-def critical_path_of(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds) -> float:
-    by_id = {c.node.id: c for c in calls}
-    finish: dict[int, float] = {}
-    last_on_set: dict[int, float] = {}
-    for c in calls:
-        ready = last_on_set.get(c.set, 0.0)
-        for e in c.node.deps:
-            src = by_id[e.src]
-            ready = max(ready, finish[e.src] + edge_seconds(src.set, c.set, e.nbytes))
-        finish[c.node.id] = ready + c.switch + c.seconds
-        last_on_set[c.set] = finish[c.node.id]
-    return max(finish.values(), default=0.0)
+    """The iteration time the engine must reproduce, as the schedule rule's longest path (without simpy)."""
+    calls = schedule(dag, plan_costs)
+    precedence = Precedence.of(dag, [c.set for c in calls], plan_costs.edge_seconds)
+    return precedence.makespan([c.switch + c.seconds for c in calls])
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import math
 
+from hfplan.layout import resharding, stage_params
 from hfplan.plan import GenConfig, InferConfig, Layout, TrainConfig
 from hfplan.profiles.models import ModelArch
-from hfplan.simulator.costs import kv_bytes_per_token_per_gpu, resharding, stage_params
 from hfplan.simulator.kernels import BF16, FP32
 
 # Mixed-precision Adam: bf16 weights (2) + fp32 gradients (4) + fp32 master weights (4) + Adam first
@@ -100,6 +100,13 @@ def generation_working_bytes(arch: ModelArch, gen: GenConfig, prompt_len: int, v
     """Prefill of one sequence at a time bounds the live activations; logits of a decode batch are
     small next to them."""
     return value_bytes * prompt_len * layer_working_values_per_token(arch, gen.tp)
+
+
+def kv_bytes_per_token_per_gpu(arch: ModelArch, cfg: Layout, value_bytes: int = BF16) -> float:
+    """KV-cache bytes of one token on one GPU: KV heads split over tp (replicated when fewer than tp),
+    layers split over pp."""
+    heads_local = arch.kv_heads / cfg.tp if arch.kv_heads >= cfg.tp else 1
+    return 2 * value_bytes * heads_local * arch.dim_per_head * math.ceil(arch.layers / cfg.pp)
 
 
 def kv_cache_bytes(arch: ModelArch, gen: GenConfig, batch: int, seq_len: int, value_bytes: int = BF16) -> float:

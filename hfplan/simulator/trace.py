@@ -7,15 +7,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hfplan.dataflow.algorithms import ALGORITHMS
 from hfplan.dataflow.batch import Batch
 from hfplan.dataflow.controller import STEPS
-from hfplan.dataflow.ops import FIELD_KIND, PREPARATION, ROLE_OPS, output_field
+from hfplan.dataflow.ops import PREPARATION, ROLE_OPS
+from hfplan.dataflow.registry import get_algorithm
+from hfplan.dataflow.roles import RoleFacts, call_writes
+from hfplan.layout import CONTROLLER
 from hfplan.spec import Workload
 
-CONTROLLER = "controller"
 TOKEN_ID_BYTES = 8  # int64 token ids
 VALUE_BYTES = 4  # fp32 per-token and per-sequence values
+# Cost-model kind of each role operation.
+COST_KIND = {"generate": "generate", "log_prob": "forward", "values": "forward", "score": "forward",
+             "update": "update"}
+# Field shapes, for the bytes an edge carries: token ids (int64), one fp32 per response token, one
+# fp32 per sequence. Anything else is per-token unless listed.
+FIELD_KIND: dict[str, str] = {
+    "prompts": "prompt_tokens",
+    "responses": "response_tokens",
+    "rewards": "per_sequence",
+    "costs": "per_sequence",
+    "baseline_rewards": "per_sequence",
+}
 
 
 @dataclass(frozen=True)
@@ -44,10 +57,11 @@ class Node:
     deps: tuple[Edge, ...]
     writes: tuple[str, ...]
     greedy: bool = False
+    reads: tuple[str, ...] = ()  # every field the call received, inputs of the iteration included
 
     @property
     def kind(self) -> str:
-        return ROLE_OPS[self.op].kind if self.role != CONTROLLER else "controller"
+        return COST_KIND[self.op] if self.role != CONTROLLER else "controller"
 
     @property
     def layout(self) -> str:
@@ -95,7 +109,7 @@ class Tracer:
                  tuple(s.name for s in syms))
             for src, syms in sorted(by_producer.items())
         )
-        node = Node(len(self.nodes), role, op, phase, sequences, deps, writes, greedy)
+        node = Node(len(self.nodes), role, op, phase, sequences, deps, writes, greedy, tuple(batch))
         self.nodes.append(node)
         return Batch({name: Sym(node.id, name, sequences) for name in writes})
 
@@ -110,17 +124,21 @@ def _sequences_of(batch: Batch, call: str) -> int:
 
 
 class TracingRole:
-    def __init__(self, name: str, tracer: Tracer) -> None:
+    """The dataflow Role protocol (hfplan.dataflow.roles) over a tracer: each call records a node."""
+
+    def __init__(self, name: str, facts: RoleFacts, tracer: Tracer) -> None:
         self.name = name
+        self.facts = facts
         self.tracer = tracer
 
     def generate(self, batch: Batch, n: int = 1, greedy: bool = False) -> Batch:
+        writes = call_writes(self.name, self.facts, "generate")
         sequences = _sequences_of(batch, f"{self.name}.generate") * n
         return self.tracer.record(self.name, "generate", ROLE_OPS["generate"].phase, batch.select("prompts"),
-                                  ("prompts", "responses", "response_mask"), sequences, greedy)
+                                  writes, sequences, greedy)
 
     def _forward(self, op: str, batch: Batch) -> Batch:
-        return self.tracer.record(self.name, op, ROLE_OPS[op].phase, batch, (output_field(self.name, op),),
+        return self.tracer.record(self.name, op, ROLE_OPS[op].phase, batch, call_writes(self.name, self.facts, op),
                                   _sequences_of(batch, f"{self.name}.{op}"))
 
     def log_prob(self, batch: Batch) -> Batch:
@@ -134,7 +152,8 @@ class TracingRole:
 
     def update(self, batch: Batch) -> Batch:
         return self.tracer.record(self.name, "update", ROLE_OPS["update"].phase, batch,
-                                  (f"{self.name}_metrics",), _sequences_of(batch, f"{self.name}.update"))
+                                  call_writes(self.name, self.facts, "update"),
+                                  _sequences_of(batch, f"{self.name}.update"))
 
 
 class TracingController:
@@ -144,13 +163,15 @@ class TracingController:
 
     def step(self, name: str, batch: Batch) -> Batch:
         step = STEPS[name]
-        sequences = _sequences_of(batch, f"controller.{name}")
-        return self.tracer.record(CONTROLLER, name, PREPARATION, batch, step.writes, sequences)
+        inputs = batch.select(*step.reads)
+        return self.tracer.record(CONTROLLER, name, PREPARATION, inputs, step.writes,
+                                  _sequences_of(inputs, f"controller.{name}"))
 
 
 def trace(workload: Workload) -> Dag:
     tracer = Tracer(workload)
-    roles = {role: TracingRole(role, tracer) for role in workload.roles}
+    algorithm = get_algorithm(workload.algorithm)
+    roles = {role: TracingRole(role, facts, tracer) for role, facts in algorithm.roles.items()}
     prompts = Batch(prompts=Sym(None, "prompts", workload.batch_prompts))
-    ALGORITHMS[workload.algorithm](roles, prompts, TracingController(tracer, workload.samples_per_prompt))
+    algorithm.program(roles, prompts, TracingController(tracer, workload.samples_per_prompt))
     return Dag(workload.algorithm, tuple(tracer.nodes))

@@ -12,16 +12,23 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from hfplan.plan import ROLLOUT, GenConfig, InferConfig, Plan, RoleParallelism, TrainConfig
+from hfplan.layout import (
+    ON_CONTROLLER,
+    ROLLOUT,
+    call_role,
+    facts_of,
+    generating_role,
+    generation_role,
+    model_role,
+    transfer_path,
+)
+from hfplan.plan import GenConfig, InferConfig, Plan, RoleParallelism, TrainConfig
 from hfplan.profiles.hardware import HardwareProfile
 from hfplan.profiles.models import ModelArch
 from hfplan.simulator import collectives as coll
 from hfplan.simulator import costs, memory
-from hfplan.simulator.trace import CONTROLLER, Node
-from hfplan.spec import SCALAR_HEAD_ROLES, TRAINED_ROLES, Workload
-
-# Layout states a role can be in between calls (see PlanCosts.switch_seconds).
-STALE = "stale"  # a separate rollout engine before this iteration's weights reach it
+from hfplan.simulator.trace import Node
+from hfplan.spec import Workload
 
 
 @dataclass(frozen=True)
@@ -43,8 +50,8 @@ class SetMemory:
         return not self.reason
 
 
-def head_of(role: str) -> str:
-    return "scalar" if role in SCALAR_HEAD_ROLES else "lm"
+def head_of(workload: Workload, role: str) -> str:
+    return facts_of(workload, role).head
 
 
 def set_offsets(sizes: Sequence[int], gpus_per_node: int) -> list[int]:
@@ -60,13 +67,17 @@ def set_offsets(sizes: Sequence[int], gpus_per_node: int) -> list[int]:
 
 class PlanCosts:
     def __init__(self, workload: Workload, placement: Sequence[tuple[Sequence[str], int]],
-                 parallelism: Mapping[str, RoleParallelism], hw: HardwareProfile, gpus_per_node: int) -> None:
+                 parallelism: Mapping[str, RoleParallelism], hw: HardwareProfile, gpus_per_node: int,
+                 memo: costs.CostMemo | None = None) -> None:
+        """memo: the cost tables to share (a search passes its own); a fresh one by default."""
         self.workload = workload
+        self.memo = memo if memo is not None else costs.CostMemo()
         self.placement = [(tuple(roles), gpus) for roles, gpus in placement]
         self.parallelism = parallelism
         self.hw = hw
         self.gpus_per_node = gpus_per_node
         self.set_index = {role: i for i, (roles, _) in enumerate(self.placement) for role in roles}
+        self.generator = generation_role(workload, self.set_index)
         self.offsets = set_offsets([g for _, g in self.placement], gpus_per_node)
 
     @classmethod
@@ -75,19 +86,10 @@ class PlanCosts:
                    plan.cluster.profile, plan.cluster.gpus_per_node)
 
     # -- where things run -------------------------------------------------------------------------
-    @property
-    def generator(self) -> str:
-        return ROLLOUT if ROLLOUT in self.set_index else "actor"
-
     def set_of(self, node: Node) -> int:
-        """Placement set a call runs on; -1 for the controller and rule-based rewards."""
-        if node.role == CONTROLLER:
-            return -1
-        role = self.generator if node.op == "generate" else node.role
-        return self.set_index.get(role, -1)
-
-    def where(self, index: int) -> costs.Placement:
-        return costs.Placement(self.placement[index][1], self.gpus_per_node)
+        """Placement set a call runs on; ON_CONTROLLER for the controller's steps and rule-based rewards."""
+        role = self.layout_role(node)
+        return ON_CONTROLLER if role is None else self.set_index[role]
 
     def nodes_of(self, index: int) -> tuple[int, int]:
         start = self.offsets[index]
@@ -99,39 +101,36 @@ class PlanCosts:
         return first_a == last_a == first_b == last_b
 
     def arch(self, role: str) -> ModelArch:
-        return self.workload.arch("actor" if role == ROLLOUT else role)
+        return self.workload.arch(model_role(self.workload, role))
 
     # -- seconds ----------------------------------------------------------------------------------
     def node_seconds(self, node: Node) -> float:
         index = self.set_of(node)
         if index < 0:
             return 0.0  # controller steps and rules: host work, negligible next to GPU calls
-        role = self.generator if node.kind == "generate" else node.role
+        role = self.layout_role(node)
         return call_seconds(self.workload, self.hw, self.gpus_per_node, node, role, self.parallelism[role],
-                            self.placement[index][1], self.memory[index].kv_budget)
+                            self.placement[index][1], self.memory[index].kv_budget, self.memo)
 
     def layout_role(self, node: Node) -> str | None:
-        """The role whose layout state a call depends on (None: no switch can precede it)."""
-        if node.role == CONTROLLER or self.set_of(node) < 0:
-            return None
-        return self.generator if node.op == "generate" else node.role
+        """The placed role whose GPUs and layout run a call (None: the controller runs it)."""
+        return call_role(self.workload, self.generator, node.role, node.op)
 
-    def initial_layout(self, role: str) -> str:
-        return STALE if role == ROLLOUT else "train"
-
-    def switch_seconds(self, role: str, current: str, needed: str) -> float:
-        """Cost of moving `role` from layout `current` to `needed` before a call."""
-        if current == needed or needed != "gen":
-            return 0.0  # back to training: the generation copy is dropped; infer shares the train layout
+    def switch_seconds(self, role: str) -> float:
+        """Cost of one switch of `role` into its generation layout (schedule.switch_points says when):
+        the hybrid engine's resharding, or a rollout engine's weight sync. Going back is free: the
+        generation copy is dropped, and inference shares the training layout."""
         index = self.set_index[role]
-        same = role == ROLLOUT and self.same_node(self.set_index["actor"], index)
+        same = role == ROLLOUT and self.same_node(self.set_index[generating_role(self.workload)], index)
         return switch_seconds(self.workload, self.hw, self.gpus_per_node, role, self.parallelism[role],
-                              self.placement[index][1], same)
+                              self.placement[index][1], same, self.memo)
 
     def edge_seconds(self, src_set: int, dst_set: int, nbytes: float) -> float:
-        if src_set == dst_set or nbytes <= 0:
+        """Seconds to move `nbytes` of fields along the path the executor takes (layout.transfer_path)."""
+        path = transfer_path(src_set, dst_set)
+        if path == "none" or nbytes <= 0:
             return 0.0
-        if src_set < 0 or dst_set < 0:
+        if path == "host":
             return coll.host_transfer(self.hw, nbytes)
         return coll.point_to_point(self.hw, nbytes, self.same_node(src_set, dst_set))
 
@@ -165,7 +164,7 @@ class RoleMemory:
 
 def train_memory(workload: Workload, role: str, train: TrainConfig, value_bytes: int) -> tuple[float, float]:
     """(resident, transient) bytes per GPU of a trained role's states and of one optimizer step."""
-    w, arch, head = workload, workload.arch(role), head_of(role)
+    w, arch, head = workload, workload.arch(role), head_of(workload, role)
     return (memory.train_resident_bytes(arch, train, head, value_bytes),
             memory.train_transient_bytes(arch, train, w.sequences // w.mini_batches, w.seq_len, head, value_bytes))
 
@@ -174,14 +173,14 @@ def infer_transient(workload: Workload, role: str, infer: InferConfig, train: Tr
                     value_bytes: int) -> float:
     """Bytes per GPU of one forward micro-batch (a sharded trained role also gathers layer weights)."""
     sharded = train if train is not None and train.shard else None
-    return memory.infer_transient_bytes(workload.arch(role), infer, workload.seq_len, head_of(role), sharded,
+    return memory.infer_transient_bytes(workload.arch(role), infer, workload.seq_len, head_of(workload, role), sharded,
                                         value_bytes)
 
 
 def gen_memory(workload: Workload, gen: GenConfig, train: TrainConfig | None, value_bytes: int) -> tuple[float, float]:
     """(extra bytes while generating, KV-cache bytes of one sequence) per GPU. With a training layout
     (hybrid engine) only the part of the generation shard not already held is extra."""
-    arch = workload.arch("actor")
+    arch = workload.arch(generating_role(workload))
     extra = memory.generation_weights_bytes(arch, gen, train, value_bytes) if train is not None else 0.0
     extra += memory.generation_working_bytes(arch, gen, workload.prompt_len, value_bytes)
     return extra, memory.kv_cache_bytes(arch, gen, 1, workload.seq_len, value_bytes)
@@ -191,11 +190,13 @@ def role_memory(workload: Workload, role: str, par: RoleParallelism, value_bytes
     """value_bytes: the hardware's compute precision (HardwareProfile.compute.value_bytes)."""
     v = value_bytes
     if role == ROLLOUT:
-        resident, transient = memory.infer_resident_bytes(workload.arch("actor"), par.gen, "lm", v), 0.0
-    elif role in TRAINED_ROLES:
+        resident, transient = memory.infer_resident_bytes(workload.arch(model_role(workload, role)), par.gen, "lm",
+                                                          v), 0.0
+    elif facts_of(workload, role).trains:
         resident, transient = train_memory(workload, role, par.train, v)
     else:
-        resident, transient = memory.infer_resident_bytes(workload.arch(role), par.infer, head_of(role), v), 0.0
+        resident, transient = memory.infer_resident_bytes(workload.arch(role), par.infer, head_of(workload, role),
+                                                          v), 0.0
     if par.infer is not None:
         transient = max(transient, infer_transient(workload, role, par.infer, par.train, v))
     if par.gen is None:
@@ -234,28 +235,28 @@ def set_memory(workload: Workload, hw: HardwareProfile, index: int, roles: Seque
 
 
 def call_seconds(workload: Workload, hw: HardwareProfile, gpus_per_node: int, node: Node, role: str,
-                 par: RoleParallelism, gpus: int, kv_budget: float) -> float:
+                 par: RoleParallelism, gpus: int, kv_budget: float, memo: costs.CostMemo | None = None) -> float:
     """Seconds of one traced call of `role` (the generating role for generate) on its set of `gpus`."""
-    w, where = workload, costs.Placement(gpus, gpus_per_node)
-    arch = w.arch("actor" if role == ROLLOUT else role)
+    w, where = workload, costs.SetShape(gpus, gpus_per_node)
+    arch = w.arch(model_role(w, role))
     if node.kind == "generate":
         return costs.generation_time(hw, arch, par.gen, where, node.sequences, w.prompt_len, w.response_len,
-                                     kv_budget).seconds
-    head = head_of(role)
+                                     kv_budget, memo=memo).seconds
+    head = head_of(w, role)
     if node.kind == "forward":
         sharded = par.train is not None and par.train.shard
-        return costs.inference_time(hw, arch, par.infer, where, node.sequences, w.seq_len, head, sharded)
+        return costs.inference_time(hw, arch, par.infer, where, node.sequences, w.seq_len, head, sharded, memo=memo)
     if node.kind == "update":
         return costs.update_time(hw, arch, par.train, where, node.sequences, w.seq_len, head, w.mini_batches,
-                                 w.epochs)
+                                 w.epochs, memo=memo)
     raise ValueError(f"no cost for {node.label}")
 
 
 def switch_seconds(workload: Workload, hw: HardwareProfile, gpus_per_node: int, role: str, par: RoleParallelism,
-                   gpus: int, same_node_as_actor: bool = False) -> float:
+                   gpus: int, same_node_as_actor: bool = False, memo: costs.CostMemo | None = None) -> float:
     """Training -> generation layout: the hybrid engine's resharding of the actor, or the weight sync of
     a separate rollout engine."""
-    arch, where = workload.arch("actor"), costs.Placement(gpus, gpus_per_node)
+    arch, where = workload.arch(generating_role(workload)), costs.SetShape(gpus, gpus_per_node)
     if role == ROLLOUT:
         return costs.weight_sync_time(hw, arch, par.gen, where, same_node_as_actor)
-    return costs.transition_time(hw, arch, par.train, par.gen, where)
+    return costs.transition_time(hw, arch, par.train, par.gen, where, memo=memo)

@@ -1,0 +1,92 @@
+"""The schedule rule: when each traced call may start, stated once for every timing of a program.
+
+- Each placement set (and the controller) runs its calls one after another, in program order; calls on
+  disjoint sets overlap.
+- A call starts when its inputs have arrived: an input made elsewhere first crosses the link between
+  the two places (hfplan.layout.transfer_path), as a transfer of the edge's bytes.
+- A layout switch is paid by the set right before the call that needs it (`switch_points`): the hybrid
+  engine's resharding at every change of the generating role into its generation layout, wherever it
+  happens in the program; a separate rollout engine's weight sync before its first generation after
+  each update of the generating role (and before its first generation of the iteration).
+
+The simpy engine runs this rule with events; `makespan` and `makespan_many` compute the same finish
+time as a longest path (for checking the engine, and as the planner's fast schedule and bounds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hfplan.layout import ROLLOUT
+from hfplan.simulator.trace import Dag, Node
+
+RunsOn = Callable[[Node], "str | None"]  # the placed role whose GPUs run a call (None: the controller)
+
+
+def switch_points(dag: Dag, runs_on: RunsOn, trained_generator: str) -> dict[int, str]:
+    """Calls before which a role switches layout, with that role. `trained_generator`: the workload role
+    whose weights generation uses (its updates make a rollout engine's copy stale)."""
+    current: dict[str, str] = {}
+    stale = True  # a rollout engine starts the iteration without this iteration's weights
+    points: dict[int, str] = {}
+    for node in dag.nodes:
+        role = runs_on(node)
+        if role is None:
+            continue
+        if role == ROLLOUT:
+            if stale:
+                points[node.id] = role
+                stale = False
+            continue
+        if node.layout == "gen" and current.get(role, "train") != "gen":
+            points[node.id] = role
+        current[role] = node.layout
+        if role == trained_generator and node.layout == "train":
+            stale = True
+    return points
+
+
+@dataclass(frozen=True)
+class Precedence:
+    """What orders the calls of one placement: the set of each call, and the (producer, transfer
+    seconds) of each of its inputs."""
+
+    sets: tuple[int, ...]
+    deps: tuple[tuple[tuple[int, float], ...], ...]
+
+    @classmethod
+    def of(cls, dag: Dag, sets: Sequence[int], edge_seconds: Callable[[int, int, float], float] | None = None
+           ) -> Precedence:
+        """edge_seconds(source set, destination set, bytes); None: transfers are free (a lower bound)."""
+        deps = tuple(tuple((e.src, edge_seconds(sets[e.src], sets[n.id], e.nbytes) if edge_seconds else 0.0)
+                           for e in n.deps) for n in dag.nodes)
+        return cls(tuple(sets), deps)
+
+    def makespan(self, durations: Sequence[float]) -> float:
+        """Finish time of the last call; durations include each call's switch."""
+        finish = [0.0] * len(durations)
+        last: dict[int, float] = {}
+        for i, secs in enumerate(durations):
+            s = self.sets[i]
+            ready = last.get(s, 0.0)
+            for src, edge in self.deps[i]:
+                ready = max(ready, finish[src] + edge)
+            finish[i] = ready + secs
+            last[s] = finish[i]
+        return max(finish, default=0.0)
+
+    def makespan_many(self, durations: np.ndarray) -> np.ndarray:
+        """makespan() of many rows of durations at once (rows x calls)."""
+        finish = np.zeros_like(durations)
+        last: dict[int, np.ndarray] = {}
+        zero = np.zeros(len(durations))
+        for i in range(durations.shape[1]):
+            ready = last.get(self.sets[i], zero)
+            for src, edge in self.deps[i]:
+                ready = np.maximum(ready, finish[:, src] + edge)
+            finish[:, i] = ready + durations[:, i]
+            last[self.sets[i]] = finish[:, i]
+        return finish.max(axis=1) if durations.shape[1] else zero
