@@ -21,7 +21,7 @@ def tiny_workload(algorithm: str = "ppo", models: dict | None = None, **shape):
     return workload_from_dict(spec | shape, "test")
 
 
-def cpu_plan(workload, sets: Sequence[tuple[Sequence[str], int]], shard: bool = True, micro_batch: int = 2):
+def cpu_plan(workload, sets: Sequence[tuple[Sequence[str], int]], shard: bool = True, micro_batch: int = 1):
     """A data-parallel plan on CPU "GPUs": every layout tp = pp = 1."""
     gpus = sum(n for _, n in sets)
     return build_plan(workload, sets, cluster=make_cluster(gpus, "cpu"), tp=1, gen_tp=1, micro_batch=micro_batch,

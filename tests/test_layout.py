@@ -147,7 +147,8 @@ def test_supported_layouts(kind, lay, train):
 # -- routing ---------------------------------------------------------------------------------------
 def test_routing_of_a_ppo_workload_with_a_rule_reward():
     w = workload_from_dict({"algorithm": "ppo", "models": {"actor": "tiny", "critic": "tiny", "reference": "tiny",
-                                                          "reward": "rule:vowel-fraction"}}, "test")
+                                                          "reward": "rule:vowel-fraction"},
+                           "prompt_len": 16, "response_len": 16}, "test")
     hybrid = [("actor", "reference"), ("critic",)]
     assert generation_role(w, ["actor", "reference", "critic"]) == "actor"
     assert call_set(w, hybrid, "actor", "generate") == 0

@@ -185,7 +185,9 @@ def test_rule_reward_still_traced_as_a_call():
 
 
 def _tiny(algorithm: str, **fields):
-    return workload_from_dict({"algorithm": algorithm, "models": {r: "tiny" for r in GRPO_ROLES}} | fields, "test")
+    shape = {"prompt_len": 16, "response_len": 16}
+    return workload_from_dict({"algorithm": algorithm, "models": {r: "tiny" for r in GRPO_ROLES}} | shape | fields,
+                              "test")
 
 
 def test_tracer_refuses_untraced_values(registered):
@@ -210,8 +212,8 @@ def test_calls_a_role_cannot_offer_are_refused_by_its_facts(registered, call, ne
         return {}
 
     registered(Algorithm("odd-call", program, GRPO_ROLES | {"critic": CRITIC}))
-    workload = workload_from_dict({"algorithm": "odd-call", "models": {r: "tiny" for r in (*GRPO_ROLES, "critic")}},
-                                  "test")
+    workload = workload_from_dict({"algorithm": "odd-call", "models": {r: "tiny" for r in (*GRPO_ROLES, "critic")},
+                                   "prompt_len": 16, "response_len": 16}, "test")
     with pytest.raises(ValueError) as caught:
         trace(workload)
     assert needle in str(caught.value)
@@ -228,7 +230,8 @@ def test_output_fields_follow_the_role_facts_not_the_role_name(registered):
 
     registered(Algorithm("renamed", program, {"policy": ACTOR, "anchor": REFERENCE, "judge": REWARD}))
     w = workload_from_dict({"algorithm": "renamed", "models": {"policy": "tiny", "anchor": "tiny",
-                                                               "judge": "rule:vowel-fraction"}}, "test")
+                                                               "judge": "rule:vowel-fraction"},
+                           "prompt_len": 16, "response_len": 16}, "test")
     dag = trace(w)
     assert [(n.label, n.writes) for n in dag.nodes] == [
         ("policy.generate", ("prompts", "responses", "response_mask")), ("judge.score", ("rewards",)),

@@ -15,17 +15,19 @@ from pathlib import Path
 
 import numpy as np
 
-from hfplan.dataflow.algorithms import ALGORITHMS
-from hfplan.dataflow.batch import Batch
+from hfplan.dataflow.batch import Batch, resolved
 from hfplan.dataflow.controller import ControllerState
+from hfplan.dataflow.registry import get_algorithm
 from hfplan.dataflow.rewards import get_rule
+from hfplan.dataflow.roles import update_field
 from hfplan.errors import HfplanError
 from hfplan.executor import preflight
 from hfplan.executor.data import PromptStream
 from hfplan.executor.placement import check_capacity, clock_offsets, start_sets, stop_sets
 from hfplan.executor.roles import ActorRole, ExecutionController, Recorder, RuleRole, WorkerGroupRole
 from hfplan.files import write_atomically
-from hfplan.plan import ROLLOUT, Plan, Span
+from hfplan.layout import ROLLOUT, facts_of
+from hfplan.plan import Plan, Span
 from hfplan.spec import RULE_PREFIX
 
 log = logging.getLogger(__name__)
@@ -88,16 +90,15 @@ def execute(plan: Plan, options: ExecuteOptions,
         timeline: list[dict] = []
         metrics_path = out / METRICS_FILE
         metrics_path.write_text("")
-        algorithm = ALGORITHMS[plan.workload.algorithm]
+        algorithm = get_algorithm(plan.workload.algorithm)
         for iteration in range(options.iterations):
             texts = stream.next_batch()
             prompts = checked.encode(texts)
             recorder.start_iteration()
-            update_metrics = algorithm(roles, Batch(prompts=prompts), controller)
-            resolved = {name: value.result() if hasattr(value, "result") else value
-                        for name, value in update_metrics.items()}
+            updates = algorithm.program(roles, Batch(prompts=prompts), controller)
+            update_metrics = {name: resolved(value) for name, value in updates.items()}
             elapsed = time.time() - recorder.origin
-            metrics = iteration_metrics(plan, iteration, elapsed, recorder, resolved, state)
+            metrics = iteration_metrics(plan, iteration, elapsed, recorder, update_metrics, state)
             summary.iterations.append(metrics)
             with metrics_path.open("a") as sink:
                 sink.write(json.dumps(metrics) + "\n")
@@ -134,20 +135,23 @@ def _prepare_out(out: Path) -> None:
 
 
 def _build_roles(plan: Plan, sets, recorder: Recorder, checked: preflight.Checked, timeout_s: float) -> dict:
+    workload = plan.workload
     by_role = {role: sets[plan.set_of(role)] for role in plan.placed_roles}
     roles: dict = {}
     rollout = None
     if ROLLOUT in by_role:
-        rollout = WorkerGroupRole(ROLLOUT, by_role[ROLLOUT], _layouts(plan, ROLLOUT), recorder, timeout_s)
-    for role in plan.workload.roles:
-        ref = plan.workload.models[role]
+        rollout = WorkerGroupRole(ROLLOUT, facts_of(workload, ROLLOUT), by_role[ROLLOUT], _layouts(plan, ROLLOUT),
+                                  recorder, timeout_s)
+    for role in workload.roles:
+        ref, facts = workload.models[role], facts_of(workload, role)
         if ref.startswith(RULE_PREFIX):
-            roles[role] = RuleRole(role, get_rule(ref[len(RULE_PREFIX):]), checked.decode_responses,
+            roles[role] = RuleRole(role, facts, get_rule(ref[len(RULE_PREFIX):]), checked.decode_responses,
                                    checked.decode_prompts, recorder)
-        elif role == "actor":
-            roles[role] = ActorRole(role, by_role[role], _layouts(plan, role), recorder, timeout_s, rollout=rollout)
+        elif facts.generates:
+            roles[role] = ActorRole(role, facts, by_role[role], _layouts(plan, role), recorder, timeout_s,
+                                    rollout=rollout)
         else:
-            roles[role] = WorkerGroupRole(role, by_role[role], _layouts(plan, role), recorder, timeout_s)
+            roles[role] = WorkerGroupRole(role, facts, by_role[role], _layouts(plan, role), recorder, timeout_s)
     return roles
 
 
@@ -158,25 +162,25 @@ def _layouts(plan: Plan, role: str) -> dict:
 
 def iteration_metrics(plan: Plan, iteration: int, elapsed: float, recorder: Recorder, updates: dict,
                       state: ControllerState) -> dict:
-    workload = plan.workload
-    observed = recorder.observed
-    generated = observed[("actor", "generate", False)]
-    mask = generated["response_mask"]
+    """What one iteration did: speed, the sampled responses' scores and lengths, the KL to the
+    reference, each trained role's update metrics (`<role>/<name>`), and seconds per stage."""
+    seen: dict = {}  # the fields of this iteration's sampled (not greedy) responses, by name
+    for (_, _, greedy), outputs in recorder.observed.items():
+        if not greedy:
+            seen |= outputs
+    mask = seen["response_mask"]
     metrics: dict[str, float] = {"iteration": iteration, "iteration_s": elapsed,
-                                 "tokens_per_s": workload.tokens_per_iteration / elapsed,
+                                 "tokens_per_s": plan.workload.tokens_per_iteration / elapsed,
                                  "response_tokens_per_s": float(mask.sum()) / elapsed,
                                  "response_len": float(mask.sum(axis=1).mean())}
-    for role, field_name, key in (("reward", "rewards", "reward"), ("cost", "costs", "cost")):
-        scored = observed.get((role, "score", False))
-        if scored is not None:
-            metrics[key] = float(np.mean(scored[field_name]))
-    actor_lp, ref_lp = observed.get(("actor", "log_prob", False)), observed.get(("reference", "log_prob", False))
-    if actor_lp is not None and ref_lp is not None:
-        diff = (actor_lp["old_log_probs"] - ref_lp["ref_log_probs"]) * mask
+    for field_name, key in (("rewards", "reward"), ("costs", "cost")):
+        if field_name in seen:
+            metrics[key] = float(np.mean(seen[field_name]))
+    if "old_log_probs" in seen and "ref_log_probs" in seen:
+        diff = (seen["old_log_probs"] - seen["ref_log_probs"]) * mask
         metrics["kl"] = float(diff.sum() / max(mask.sum(), 1.0))
-    for name, values in updates.items():
-        role = name.removesuffix("_metrics")
-        for key, value in values.items():
+    for role in plan.workload.roles:
+        for key, value in updates.get(update_field(role), {}).items():
             metrics[f"{role}/{key}"] = float(value)
     if state.lagrange is not None:
         metrics["lagrange"] = float(state.lagrange)

@@ -11,6 +11,7 @@ import numpy as np
 
 from hfplan.errors import HfplanError
 from hfplan.hyperparams import Hyperparameters, with_overrides
+from hfplan.layout import generating_role, unsupported_role
 from hfplan.plan import Plan
 
 if TYPE_CHECKING:
@@ -55,8 +56,13 @@ def check_hardware(plan: Plan) -> tuple[str, str]:
 
 
 def check_layouts(plan: Plan) -> None:
-    """This executor runs data-parallel layouts (FSDP2 or replicated); tensor and pipeline parallelism
-    are refused here until they are built."""
+    """The contract's limits (hfplan.layout.unsupported_role: what no executor runs, and the search never
+    offers), then this executor's own: data-parallel layouts (FSDP2 or replicated) only, until tensor and
+    pipeline parallelism are built."""
+    for role, par in plan.parallelism.items():
+        problem = unsupported_role(plan.workload, role, par)
+        if problem:
+            raise HfplanError(f"parallelism.{role}: {problem}")
     for role, par in plan.parallelism.items():
         for kind in ("train", "infer", "gen"):
             layout = getattr(par, kind)
@@ -85,7 +91,7 @@ def check_batch_shapes(plan: Plan) -> None:
 def check_vocabularies(plan: Plan) -> None:
     """Every model reads the actor's token ids, so every model role must share the actor's vocabulary."""
     workload = plan.workload
-    actor_vocab = workload.arch("actor").vocab
+    actor_vocab = workload.arch(generating_role(workload)).vocab
     for role in workload.model_roles:
         vocab = workload.arch(role).vocab
         if vocab != actor_vocab:
@@ -97,7 +103,7 @@ def _prompts_and_codecs(plan: Plan, data: str | None):
     from hfplan.executor.data import read_prompts
     from hfplan.executor.tokenizers import build_tokenizer, builtin_prompts, decode_responses, encode_prompts
 
-    actor_ref = plan.workload.models["actor"]
+    actor_ref = plan.workload.models[generating_role(plan.workload)]
     if data is not None:
         prompts = read_prompts(data)
     else:

@@ -1,10 +1,14 @@
 """Worker-group roles: the dataflow's Role protocol over Ray actors.
 
-A call splits its batch across the data-parallel ranks of the call's layout (every rank of one
-data-parallel group gets the same share), dispatches to every worker of the set without waiting, and
-returns a Batch of futures. The results are collected from one rank per data-parallel group, in
-data-parallel order, when something reads them: so calls on disjoint sets overlap, as the simulator
-assumes. Batch fields move through the controller (Ray's object store), the path the simulator costs.
+A call splits its batch across the data-parallel replicas of the call's layout (hfplan.layout's
+replica groups: every rank of a replica gets the same share), dispatches to every worker of the set
+without waiting, and returns a Batch of futures. Outputs are read from one rank per replica (tensor
+rank 0 of the last pipeline stage), in data-parallel order.
+
+Data movement follows hfplan.layout.transfer_path: a field made by a role call reaches the next call
+directly, worker to worker through Ray's object store (the controller passes references and row ranges
+on, and never fetches the data); a field the controller made (a controller step's output, a rule's
+score) is sent from the controller.
 """
 
 from __future__ import annotations
@@ -17,22 +21,17 @@ import numpy as np
 
 from hfplan.dataflow.batch import Batch
 from hfplan.dataflow.controller import STEPS, ControllerState
-from hfplan.dataflow.ops import ROLE_OPS, output_field
+from hfplan.dataflow.ops import ROLE_OPS
+from hfplan.dataflow.roles import RoleFacts, call_writes
 from hfplan.executor.errors import RunFailed
+from hfplan.layout import CONTROLLER, ON_CONTROLLER, rank_coords, replica_groups
 from hfplan.plan import Layout, Span
-
-CONTROLLER_SET = -1
-
-
-def dp_index(layout: Layout, rank: int) -> int:
-    """The data-parallel group of a rank (ranks are pipeline-major, then data-parallel, then tensor-parallel)."""
-    return (rank // layout.tp) % layout.dp
 
 
 def collecting_ranks(layout: Layout) -> list[int]:
-    """One rank per data-parallel group, in data-parallel order: tensor rank 0 of the last pipeline stage."""
-    last_stage = (layout.pp - 1) * layout.dp * layout.tp
-    return [last_stage + d * layout.tp for d in range(layout.dp)]
+    """One rank per replica, in data-parallel order: the replica's tensor rank 0 of its last stage."""
+    return [next(r for r in group if rank_coords(layout, r)[0] == layout.pp - 1 and rank_coords(layout, r)[2] == 0)
+            for group in replica_groups(layout)]
 
 
 @dataclass
@@ -54,55 +53,79 @@ class Recorder:
         self.spans.append(Span(role=role, op=op, phase=phase, set=set_index, start=max(0.0, start - self.origin),
                                end=max(0.0, end - self.origin), kind=kind))
 
-    def worker_spans(self, role: str, set_index: int, dispatched: float, results: list[dict]) -> None:
+    def worker_spans(self, role: str, set_index: int, results: list[dict]) -> None:
         """One span per stretch of the call, from the first rank's start to the last rank's end."""
-        timed = [[(t, self.clock_offsets[(set_index, rank)]) for t in result["spans"]]
-                 for rank, result in enumerate(results)]
-        first_start = min(t.start - off for per_rank in timed for t, off in per_rank[:1])
-        self.span(role, timed[0][0][0].op, set_index, dispatched, first_start, kind="transfer")
-        for i, (t, _) in enumerate(timed[0]):
-            start = min(per_rank[i][0].start - per_rank[i][1] for per_rank in timed)
-            end = max(per_rank[i][0].end - per_rank[i][1] for per_rank in timed)
-            self.span(role, t.op, set_index, start, end, kind=t.kind)
+        per_rank = [[(t, self.clock_offsets[(set_index, rank)]) for t in result["spans"]]
+                    for rank, result in enumerate(results)]
+        for i, (first, _) in enumerate(per_rank[0]):
+            start = min(timed[i][0].start - timed[i][1] for timed in per_rank)
+            end = max(timed[i][0].end - timed[i][1] for timed in per_rank)
+            self.span(role, first.op, set_index, start, end, kind=first.kind)
+
+
+@dataclass(frozen=True)
+class RowsFrom:
+    """Rows of a field that a worker fetches itself from another call's outputs: (output ref, first
+    row, end row) pieces, concatenated in order."""
+
+    name: str
+    pieces: tuple[tuple[object, int, int], ...]
 
 
 class PendingCall:
-    """The outputs of one dispatched role call, fetched and merged on first use."""
+    """One dispatched role call: references to each rank's outputs, fetched and merged on first use."""
 
     def __init__(self, label: tuple[str, str, bool], set_index: int, refs: list, collect: list[int],
-                 recorder: Recorder, describe_failure: Callable[[Exception], str], timeout_s: float) -> None:
-        self.label, self.set_index, self.refs, self.collect = label, set_index, refs, collect
+                 rows: list[int], recorder: Recorder, describe_failure: Callable[[Exception], str],
+                 timeout_s: float) -> None:
+        self.label, self.set_index, self.refs, self.collect, self.rows = label, set_index, refs, collect, rows
         self.recorder, self.describe_failure, self.timeout_s = recorder, describe_failure, timeout_s
-        self.dispatched = time.time()
         self._outputs: dict | None = None
 
     @property
     def greedy(self) -> bool:
         return self.label[2]
 
-    def outputs(self) -> dict:
+    def done(self) -> bool:
+        if self._outputs is not None:
+            return True
+        import ray
+
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
+
+    def outputs(self, timeout: float | None = None) -> dict:
         if self._outputs is None:
             import ray
 
             try:
-                results = ray.get(self.refs, timeout=self.timeout_s)
+                results = ray.get(self.refs, timeout=self.timeout_s if timeout is None else timeout)
             except Exception as failure:  # a dead worker, a failed call, or a timeout: name who
                 raise RunFailed(self.describe_failure(failure)) from failure
-            role = self.label[0]
-            self.recorder.worker_spans(role, self.set_index, self.dispatched, results)
+            self.recorder.worker_spans(self.label[0], self.set_index, results)
             self._outputs = merge_outputs([results[r]["fields"] for r in self.collect])
             self.recorder.observed[self.label] = self._outputs
         return self._outputs
 
+    def rows_from(self, name: str, start: int, end: int) -> RowsFrom:
+        """Rows [start, end) of output `name` as pieces of the replicas' outputs that hold them."""
+        pieces, offset = [], 0
+        for rank, count in zip(self.collect, self.rows, strict=True):
+            lo, hi = max(start, offset), min(end, offset + count)
+            if lo < hi:
+                pieces.append((self.refs[rank], lo - offset, hi - offset))
+            offset += count
+        return RowsFrom(name, tuple(pieces))
 
-def merge_outputs(per_group: list[dict]) -> dict:
-    """Concatenate array fields in data-parallel order; average metric dicts over the groups."""
+
+def merge_outputs(per_replica: list[dict]) -> dict:
+    """Concatenate array fields in data-parallel order; average metric dicts over the replicas."""
     merged = {}
-    for name, first in per_group[0].items():
+    for name, first in per_replica[0].items():
         if isinstance(first, dict):
-            merged[name] = {key: float(np.mean([group[name][key] for group in per_group])) for key in first}
+            merged[name] = {key: float(np.mean([group[name][key] for group in per_replica])) for key in first}
         else:
-            merged[name] = np.concatenate([group[name] for group in per_group], axis=0)
+            merged[name] = np.concatenate([group[name] for group in per_replica], axis=0)
     return merged
 
 
@@ -114,17 +137,31 @@ class FieldFuture:
     def __init__(self, call: PendingCall, name: str) -> None:
         self.call, self.name = call, name
 
-    def result(self):
-        return self.call.outputs()[self.name]
+    def done(self) -> bool:
+        return self.call.done()
 
+    def result(self, timeout: float | None = None):
+        return self.call.outputs(timeout)[self.name]
 
-def resolve(batch: Batch) -> dict:
-    return {name: value.result() if isinstance(value, FieldFuture) else value for name, value in batch.items()}
+    @property
+    def rows(self) -> int:
+        return sum(self.call.rows)
 
 
 def from_greedy(batch: Batch) -> bool:
     responses = batch.get("responses")
     return isinstance(responses, FieldFuture) and responses.call.greedy
+
+
+def split_points(rows: int, parts: int) -> list[tuple[int, int]]:
+    """The row ranges of np.array_split / Batch.chunk: the first `rows % parts` parts one row longer."""
+    base, extra = divmod(rows, parts)
+    bounds, start = [], 0
+    for part in range(parts):
+        end = start + base + (part < extra)
+        bounds.append((start, end))
+        start = end
+    return bounds
 
 
 @dataclass
@@ -141,46 +178,57 @@ class WorkerSet:
 class WorkerGroupRole:
     """A model role placed on a set of workers."""
 
-    def __init__(self, name: str, workers: WorkerSet, layouts: dict[str, Layout], recorder: Recorder,
-                 timeout_s: float) -> None:
-        self.name, self.workers, self.layouts = name, workers, layouts
+    def __init__(self, name: str, facts: RoleFacts, workers: WorkerSet, layouts: dict[str, Layout],
+                 recorder: Recorder, timeout_s: float) -> None:
+        self.name, self.facts, self.workers, self.layouts = name, facts, workers, layouts
         self.recorder, self.timeout_s = recorder, timeout_s
 
-    def dispatch(self, op: str, batch: Batch, writes: tuple[str, ...], greedy: bool = False, **options) -> Batch:
+    def dispatch(self, op: str, batch: Batch, greedy: bool = False, n: int = 1) -> Batch:
         layout = self.layouts[ROLE_OPS[op].layout]
-        fields = resolve(batch)
-        shares = {name: np.array_split(value, layout.dp, axis=0) for name, value in fields.items()}
-        refs = []
-        for rank, worker in enumerate(self.workers.workers):
-            share = {name: parts[dp_index(layout, rank)] for name, parts in shares.items()}
-            refs.append(worker.call.remote(self.name, op, share, options | {"greedy": greedy}))
-        label = (self.name, op, greedy)
+        rows = _rows_of(batch)
+        bounds = split_points(rows, layout.dp)
+        shares = [{name: _share(value, start, end) for name, value in batch.items()} for start, end in bounds]
+        refs: list = [None] * len(self.workers.workers)
+        for replica, ranks in enumerate(replica_groups(layout)):
+            for rank in ranks:
+                refs[rank] = self.workers.workers[rank].call.remote(self.name, op, shares[replica],
+                                                                    {"greedy": greedy, "n": n})
 
         def describe(failure: Exception, op: str = op) -> str:
             return self.workers.describe_failure(self.name, op, failure)
 
-        call = PendingCall(label, self.workers.index, refs, collecting_ranks(layout), self.recorder, describe,
-                           self.timeout_s)
-        return Batch({name: FieldFuture(call, name) for name in writes})
+        out_rows = [(end - start) * (n if op == "generate" else 1) for start, end in bounds]
+        call = PendingCall((self.name, op, greedy), self.workers.index, refs, collecting_ranks(layout), out_rows,
+                           self.recorder, describe, self.timeout_s)
+        return Batch({name: FieldFuture(call, name) for name in call_writes(self.name, self.facts, op)})
 
     def generate(self, batch: Batch, n: int = 1, greedy: bool = False) -> Batch:
-        return self.dispatch("generate", batch.select("prompts"), ("prompts", "responses", "response_mask"),
-                             greedy=greedy, n=n)
-
-    def _forward(self, op: str, batch: Batch) -> Batch:
-        return self.dispatch(op, batch, (output_field(self.name, op),), greedy=from_greedy(batch))
+        return self.dispatch("generate", batch.select("prompts"), greedy=greedy, n=n)
 
     def log_prob(self, batch: Batch) -> Batch:
-        return self._forward("log_prob", batch)
+        return self.dispatch("log_prob", batch, greedy=from_greedy(batch))
 
     def values(self, batch: Batch) -> Batch:
-        return self._forward("values", batch)
+        return self.dispatch("values", batch, greedy=from_greedy(batch))
 
     def score(self, batch: Batch) -> Batch:
-        return self._forward("score", batch)
+        return self.dispatch("score", batch, greedy=from_greedy(batch))
 
     def update(self, batch: Batch) -> Batch:
-        return self.dispatch("update", batch, (f"{self.name}_metrics",))
+        return self.dispatch("update", batch)
+
+
+def _rows_of(batch: Batch) -> int:
+    counts = {value.rows if isinstance(value, FieldFuture) else len(value) for value in batch.values()}
+    if len(counts) != 1:
+        raise ValueError(f"batch fields disagree on their number of sequences: {sorted(counts)}")
+    return counts.pop()
+
+
+def _share(value, start: int, end: int):
+    if isinstance(value, FieldFuture):
+        return value.call.rows_from(value.name, start, end)
+    return np.ascontiguousarray(value[start:end])
 
 
 class ActorRole(WorkerGroupRole):
@@ -227,20 +275,21 @@ class ActorRole(WorkerGroupRole):
 class RuleRole:
     """A `rule:` reward or cost, computed on the controller from the decoded text."""
 
-    def __init__(self, name: str, rule: Callable[[str, str], float], decode: Callable[[np.ndarray, np.ndarray],
-                 list[str]], decode_prompts: Callable[[np.ndarray], list[str]], recorder: Recorder) -> None:
-        self.name, self.rule, self.decode, self.decode_prompts = name, rule, decode, decode_prompts
-        self.recorder = recorder
+    def __init__(self, name: str, facts: RoleFacts, rule: Callable[[str, str], float],
+                 decode: Callable[[np.ndarray, np.ndarray], list[str]], decode_prompts: Callable[[np.ndarray],
+                 list[str]], recorder: Recorder) -> None:
+        self.name, self.facts, self.rule = name, facts, rule
+        self.decode, self.decode_prompts, self.recorder = decode, decode_prompts, recorder
 
     def score(self, batch: Batch) -> Batch:
         greedy = from_greedy(batch)
-        fields = resolve(batch)
+        fields = batch.resolve()
         start = time.time()
         prompts = self.decode_prompts(fields["prompts"])
         responses = self.decode(fields["responses"], fields["response_mask"])
         scores = np.array([self.rule(p, r) for p, r in zip(prompts, responses, strict=True)], dtype=np.float32)
-        out = {output_field(self.name, "score"): scores}
-        self.recorder.span(self.name, "score", CONTROLLER_SET, start, time.time())
+        out = {self.facts.output: scores}
+        self.recorder.span(self.name, "score", ON_CONTROLLER, start, time.time())
         self.recorder.observed[(self.name, "score", greedy)] = out
         return Batch(out)
 
@@ -256,8 +305,9 @@ class ExecutionController:
         return self.state.samples_per_prompt
 
     def step(self, name: str, batch: Batch) -> Batch:
-        fields = resolve(batch)
+        step = STEPS[name]
+        fields = batch.select(*step.reads).resolve()
         start = time.time()
-        out = STEPS[name].run({k: np.asarray(v, dtype=np.float64) for k, v in fields.items()}, self.state)
-        self.recorder.span("controller", name, CONTROLLER_SET, start, time.time())
+        out = step({k: np.asarray(v, dtype=np.float64) for k, v in fields.items()}, self.state)
+        self.recorder.span(CONTROLLER, name, ON_CONTROLLER, start, time.time())
         return Batch({k: np.asarray(v, dtype=np.float32) for k, v in out.items()})

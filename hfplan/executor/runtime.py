@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hfplan.dataflow.ops import output_field
+from hfplan.dataflow.ops import GENERATED
+from hfplan.dataflow.roles import RoleFacts, update_field
 from hfplan.executor.engines.forward import sequence_scores, token_log_probs, token_values
 from hfplan.executor.engines.hybrid import SameLayoutHybridEngine
 from hfplan.executor.engines.training import TrainedModel
@@ -26,19 +27,22 @@ from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
 from hfplan.executor.tokenizers import build_tokenizer
 from hfplan.executor.worker import Timed
 from hfplan.hyperparams import Hyperparameters
-from hfplan.plan import ROLLOUT, Plan
-from hfplan.spec import SCALAR_HEAD_ROLES, TRAINED_ROLES
-
-SEQUENCE = ("prompts", "responses", "response_mask")
+from hfplan.layout import facts_of, model_role
+from hfplan.plan import Plan
 
 
 def learning_rate(role: str, hyper: Hyperparameters) -> float:
-    return {"actor": hyper.actor_lr, "critic": hyper.critic_lr, "cost_critic": hyper.cost_critic_lr}[role]
+    """The role's `<role>_lr` hyperparameter (actor_lr, critic_lr, cost_critic_lr)."""
+    lr = getattr(hyper, f"{role}_lr", None)
+    if lr is None:
+        raise ValueError(f"no learning rate for trained role {role!r} (hyperparameter {role}_lr)")
+    return lr
 
 
 @dataclass
 class RoleRuntime:
     role: str
+    facts: RoleFacts
     plan: Plan
     hyper: Hyperparameters
     device: torch.device
@@ -63,9 +67,9 @@ class RoleRuntime:
         tensors = {name: torch.from_numpy(np.ascontiguousarray(value)).to(self.device)
                    for name, value in fields.items()}
         if op == "update":
-            out = {f"{self.role}_metrics": self._update(tensors)}
+            out = {update_field(self.role): self._update(tensors)}
         else:
-            out = {output_field(self.role, op): self._forward(op, tensors).float().cpu().numpy()}
+            out = {self.facts.output: self._forward(op, tensors).float().cpu().numpy()}
         spans.append(Timed(op, "compute", start, time.time()))
         return out
 
@@ -89,10 +93,10 @@ class RoleRuntime:
     def _update(self, t: dict[str, torch.Tensor]) -> dict[str, float]:
         workload, train = self.plan.workload, self.plan.parallelism[self.role].train
         common = dict(mini_batches=workload.mini_batches, epochs=workload.epochs, micro_batch=train.micro_batch)
-        if self.role == "actor":
+        if self.facts.head == "lm":  # a policy: the clipped surrogate, with a KL loss when given the reference's
             return self.trained.update_actor(t, use_kl_loss="ref_log_probs" in t, **common)
-        value_key = output_field(self.role, "values")
-        (return_key,) = [name for name in t if name not in SEQUENCE and name != value_key]
+        value_key = self.facts.output
+        (return_key,) = [name for name in t if name not in GENERATED and name != value_key]
         return self.trained.update_critic(t, value_key, return_key, **common)
 
     def _generate(self, fields: dict[str, np.ndarray], options: dict, spans: list[Timed]) -> dict:
@@ -146,15 +150,16 @@ def build_runtimes(plan: Plan, hyper: Hyperparameters, set_index: int, seed: int
 
 def _build_role(role: str, plan: Plan, hyper: Hyperparameters, seed: int, device: torch.device,
                 rank: int) -> RoleRuntime:
-    model_ref = plan.workload.models["actor" if role == ROLLOUT else role]
-    head = "scalar" if role in SCALAR_HEAD_ROLES else "lm"
+    facts = facts_of(plan.workload, role)
+    model_ref = plan.workload.models[model_role(plan.workload, role)]
+    head = facts.head
     on_gpu = device.type == "cuda"
     # Every role is built from the same seed: the reference starts as the actor, the critic from its backbone.
     model = build_model(model_ref, head, seed=seed, dtype=torch.float32).to(device)
     tokenizer = build_tokenizer(model_ref)
-    runtime = RoleRuntime(role, plan, hyper, device, model, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    runtime = RoleRuntime(role, facts, plan, hyper, device, model, tokenizer.pad_token_id, tokenizer.eos_token_id)
     par = plan.parallelism[role]
-    if role in TRAINED_ROLES:
+    if facts.trains:
         runtime.trained = TrainedModel(model, training_mesh(par.train, device.type), learning_rate(role, hyper),
                                        hyper, device, torch.bfloat16 if on_gpu else torch.float32,
                                        pad_id=tokenizer.pad_token_id, recompute=par.train.recompute)

@@ -52,6 +52,22 @@ def free_port(host: str) -> int:
         return probe.getsockname()[1]
 
 
+def fetch_fields(fields: dict) -> dict[str, np.ndarray]:
+    """Arrays for every field: those sent inline as they are, RowsFrom pieces fetched and joined."""
+    import ray
+
+    from hfplan.executor.roles import RowsFrom
+
+    remote = {name: value for name, value in fields.items() if isinstance(value, RowsFrom)}
+    refs = list({id(ref): ref for value in remote.values() for ref, _, _ in value.pieces}.values())
+    outputs = dict(zip((id(ref) for ref in refs), ray.get(refs), strict=True)) if refs else {}
+    arrays = {name: value for name, value in fields.items() if name not in remote}
+    for name, value in remote.items():
+        parts = [outputs[id(ref)]["fields"][value.name][lo:hi] for ref, lo, hi in value.pieces]
+        arrays[name] = np.concatenate(parts, axis=0)  # a new, writable array
+    return arrays
+
+
 class SetWorker:
     """Instantiated by the controller as a Ray actor (see placement.py)."""
 
@@ -86,11 +102,13 @@ class SetWorker:
                                 world_size=spec.world_size, timeout=timedelta(seconds=spec.collective_timeout_s))
         self.runtimes = build_runtimes(self.plan, self.hyper, spec.set_index, spec.seed, spec.device)
 
-    def call(self, role: str, op: str, fields: dict[str, np.ndarray], options: dict) -> dict:
-        """Run one role call on this rank's share of the batch; returns {"fields", "spans"}."""
-        runtime = self.runtimes[role]
-        spans: list[Timed] = []
-        outputs = runtime.run(op, fields, options, spans)
+    def call(self, role: str, op: str, fields: dict, options: dict) -> dict:
+        """Run one role call on this rank's share of the batch; returns {"fields", "spans"}. Fields made by
+        other calls arrive as RowsFrom references and are fetched here, straight from their producers."""
+        start = time.time()
+        arrays = fetch_fields(fields)
+        spans: list[Timed] = [Timed(op, "transfer", start, time.time())]
+        outputs = self.runtimes[role].run(op, arrays, options, spans)
         return {"fields": outputs, "spans": spans}
 
     def full_weights(self, role: str) -> dict | None:
