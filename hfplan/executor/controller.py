@@ -98,6 +98,7 @@ def execute(plan: Plan, options: ExecuteOptions,
             updates = algorithm.program(roles, Batch(prompts=prompts), controller)
             update_metrics = {name: resolved(value) for name, value in updates.items()}
             elapsed = time.time() - recorder.origin
+            recorder.finish_iteration()
             metrics = iteration_metrics(plan, iteration, elapsed, recorder, update_metrics, state)
             summary.iterations.append(metrics)
             with metrics_path.open("a") as sink:

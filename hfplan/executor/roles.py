@@ -42,11 +42,19 @@ class Recorder:
     origin: float = 0.0
     spans: list[Span] = field(default_factory=list)
     observed: dict[tuple[str, str, bool], dict] = field(default_factory=dict)
+    calls: list[PendingCall] = field(default_factory=list)
 
     def start_iteration(self) -> None:
         self.origin = time.time()
         self.spans = []
         self.observed = {}
+        self.calls = []
+
+    def finish_iteration(self) -> None:
+        """Fetch what no later call or step fetched (fields only workers read): their spans and the
+        fields the metrics read. Every call has finished by then: the updates waited for them."""
+        for call in self.calls:
+            call.outputs()
 
     def span(self, role: str, op: str, set_index: int, start: float, end: float, kind: str = "compute") -> None:
         phase = ROLE_OPS[op].phase if op in ROLE_OPS else "preparation"
@@ -81,6 +89,7 @@ class PendingCall:
         self.label, self.set_index, self.refs, self.collect, self.rows = label, set_index, refs, collect, rows
         self.recorder, self.describe_failure, self.timeout_s = recorder, describe_failure, timeout_s
         self._outputs: dict | None = None
+        recorder.calls.append(self)
 
     @property
     def greedy(self) -> bool:
