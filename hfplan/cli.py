@@ -502,7 +502,7 @@ def render_run(summary, plan) -> None:
     console.print(table)
     if "reward" in rows[0]:
         before, after = summary.mean_of("reward", True), summary.mean_of("reward", False)
-        change = (after - before) / abs(before) * 100 if before else float("inf")
+        change = f" ({(after - before) / abs(before) * 100:+.1f}%)" if before else ""
         console.print(f"[bold]mean reward[/] of the last {count} iterations: {after:.4f} vs {before:.4f} in the "
-                      f"first {count} ({change:+.1f}%)")
+                      f"first {count}{change}")
     console.print(f"metrics and measured timeline written to {summary.out}/")

@@ -152,6 +152,8 @@ def _builtin_workloads() -> dict[str, dict]:
         "batch_prompts": 8,
         "mini_batches": 2,
         "epochs": 1,
+        # A 2-layer model learns in tens of iterations only with far larger steps than a real one.
+        "hyperparameters": {"actor_lr": 1e-3, "critic_lr": 1e-3},
     }
     # GRPO on the arithmetic model: 2 prompts x 4 samples, answers scored exactly.
     table["arith-grpo"] = {
@@ -163,6 +165,7 @@ def _builtin_workloads() -> dict[str, dict]:
         "samples_per_prompt": 4,
         "mini_batches": 1,
         "epochs": 1,
+        "hyperparameters": {"actor_lr": 1e-3},
     }
     return table
 

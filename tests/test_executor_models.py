@@ -237,3 +237,11 @@ def test_left_padded_forward_with_positions_matches_unpadded_and_has_no_nan(atte
     # A loss over real tokens only must give finite gradients (NaN in padded rows would leak through 0 * NaN).
     (out.log_softmax(-1)[..., 5] * mask).sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_byte_decoding_replaces_only_the_invalid_bytes():
+    from hfplan.executor.tokenizers import build_tokenizer
+
+    tokenizer = build_tokenizer("tiny")
+    # 'a' 'b' 'c', a lone continuation byte 0xC4, 'd': byte b is id 4 + b.
+    assert tokenizer.decode([4 + 97, 4 + 98, 4 + 99, 4 + 0xC4, 4 + 100]) == "abc\ufffdd"

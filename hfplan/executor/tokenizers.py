@@ -23,14 +23,30 @@ ARITH_WORDS = ("add", "sub", "=")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+def printable_bytes() -> list[str]:
+    """One printable character per byte value (the byte-level BPE convention): bytes that print stand for
+    themselves, the others are moved past 255 in order, so that every byte is a visible vocabulary entry."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, moved = {}, 0
+    for byte in range(256):
+        if byte in keep:
+            chars[byte] = chr(byte)
+        else:
+            chars[byte] = chr(256 + moved)
+            moved += 1
+    return [chars[byte] for byte in range(256)]
+
+
 def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """256 byte tokens and 4 specials (260 ids): every text encodes, byte by byte."""
+    """256 byte tokens and 4 specials (260 ids, byte b is id 4 + b): every text encodes, byte by byte.
+    Decoding replaces only the bytes that are not valid UTF-8, so a response of random bytes keeps its
+    ASCII characters (what a rule reward reads)."""
     specials = [PAD, BOS, EOS, UNK]
     vocab = {token: i for i, token in enumerate(specials)}
-    vocab |= {f"<0x{byte:02X}>": len(specials) + byte for byte in range(256)}
-    # No merges and no vocabulary entry but the bytes: every character falls back to its UTF-8 bytes.
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token=UNK))
-    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    vocab |= {char: len(specials) + byte for byte, char in enumerate(printable_bytes())}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
     return _wrap(backend, specials)
 
 
