@@ -1,0 +1,117 @@
+"""A single-process backend: every role of a one-device plan in this process, each call run at once.
+
+The floor the Ray executor is measured against (bench/execute_speed.py): the same engines
+(runtime.RoleRuntime), the same controller steps and rule rewards, the same prompts and seeds as
+`hfplan execute`, with no Ray, no dispatch and no serialisation. FSDP2 needs a process group even on
+one device, so the caller joins a world of size 1 first (`single_process_world`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+
+from hfplan.dataflow.batch import Batch, resolved
+from hfplan.dataflow.controller import ControllerState
+from hfplan.dataflow.registry import get_algorithm
+from hfplan.dataflow.rewards import get_rule
+from hfplan.errors import HfplanError
+from hfplan.executor import preflight
+from hfplan.executor.controller import ExecuteOptions, IterationReport, RunSummary, iteration_metrics
+from hfplan.executor.data import PromptStream
+from hfplan.executor.roles import ExecutionController, Recorder, RuleRole
+from hfplan.executor.runtime import RoleRuntime, build_runtimes
+from hfplan.executor.worker import Timed
+from hfplan.layout import facts_of
+from hfplan.plan import Plan
+from hfplan.spec import RULE_PREFIX
+
+LOCAL_SET = 0  # the plan's only set: its spans carry this index, as the executor's would
+
+
+@contextlib.contextmanager
+def single_process_world(timeout_s: float = 600.0) -> Iterator[None]:
+    """This process as rank 0 of a gloo world of size 1, for the duration. It meets itself through a file
+    store, and gloo listens on 127.0.0.1 only: a TCP store would listen on every interface."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    with tempfile.TemporaryDirectory(prefix="hfplan-world-") as folder:
+        store = dist.FileStore(str(Path(folder) / "store"), 1)
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout, pg_options=options)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+class LocalRole:
+    """A model role whose calls run in this process, on the arrays of the batch, before returning."""
+
+    def __init__(self, name: str, runtime: RoleRuntime, recorder: Recorder) -> None:
+        self.name, self.runtime, self.recorder = name, runtime, recorder
+
+    def _call(self, op: str, batch: Batch, greedy: bool = False, n: int = 1) -> Batch:
+        spans: list[Timed] = []
+        out = self.runtime.run(op, dict(batch.resolve()), {"greedy": greedy, "n": n}, spans)
+        for timed in spans:
+            self.recorder.span(self.name, timed.op, LOCAL_SET, timed.start, timed.end, kind=timed.kind)
+        self.recorder.observed[(self.name, op, greedy)] = out
+        return Batch(out)
+
+    def generate(self, batch: Batch, n: int = 1, greedy: bool = False) -> Batch:
+        return self._call("generate", batch.select("prompts"), greedy=greedy, n=n)
+
+    def log_prob(self, batch: Batch) -> Batch:
+        return self._call("log_prob", batch)
+
+    def values(self, batch: Batch) -> Batch:
+        return self._call("values", batch)
+
+    def score(self, batch: Batch) -> Batch:
+        return self._call("score", batch)
+
+    def update(self, batch: Batch) -> Batch:
+        return self._call("update", batch)
+
+
+def run_local(plan: Plan, options: ExecuteOptions,
+              on_iteration: Callable[[IterationReport], None] | None = None) -> RunSummary:
+    """`options.iterations` iterations of a plan with one set of one device, in this process (which must
+    have joined a world of size 1). Metrics as `execute` computes them; nothing is written to disk."""
+    if len(plan.placement) != 1 or plan.placement[0].gpus != 1:
+        shape = ", ".join(f"{'+'.join(g.models)} on {g.gpus}" for g in plan.placement)
+        raise HfplanError(f"the single-process backend runs plans of one set of one device, not {shape}")
+    checked = preflight.check(plan, options)
+    runtimes = build_runtimes(plan, checked.hyper, LOCAL_SET, options.seed, checked.device)
+    recorder = Recorder(clock_offsets={})
+    roles: dict = {}
+    for role in plan.workload.roles:
+        ref = plan.workload.models[role]
+        if ref.startswith(RULE_PREFIX):
+            roles[role] = RuleRole(role, facts_of(plan.workload, role), get_rule(ref[len(RULE_PREFIX):]),
+                                   checked.decode_responses, checked.decode_prompts, recorder)
+        else:
+            roles[role] = LocalRole(role, runtimes[role], recorder)
+    state = ControllerState(cfg=checked.hyper, samples_per_prompt=plan.workload.samples_per_prompt)
+    controller = ExecutionController(state, recorder)
+    stream = PromptStream(checked.prompts, plan.workload.batch_prompts, options.seed)
+    algorithm = get_algorithm(plan.workload.algorithm)
+    summary = RunSummary(options.out)
+    for iteration in range(options.iterations):
+        prompts = checked.encode(stream.next_batch())
+        recorder.start_iteration()
+        updates = algorithm.program(roles, Batch(prompts=prompts), controller)
+        update_metrics = {name: resolved(value) for name, value in updates.items()}
+        elapsed = time.time() - recorder.origin
+        metrics = iteration_metrics(plan, iteration, elapsed, recorder, update_metrics, state)
+        summary.iterations.append(metrics)
+        if on_iteration is not None:
+            on_iteration(IterationReport(iteration, metrics, list(recorder.spans)))
+    return summary
