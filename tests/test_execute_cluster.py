@@ -28,9 +28,11 @@ def two_node_cluster():
         "node_ip_address": "127.0.0.1"})
     cluster.add_node(num_cpus=2, resources={"node_b": 2}, node_ip_address="127.0.0.1", temp_dir=temp.name)
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+    # cluster.address names the machine's address, but the nodes listen on loopback only: connect as
+    # `hfplan execute --address 127.0.0.1:PORT` does.
+    address = f"127.0.0.1:{cluster.address.rsplit(':', 1)[1]}"
     try:
-        yield cluster
+        yield address
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -46,20 +48,15 @@ def test_each_set_is_packed_on_one_node(two_node_cluster, tmp_path):
 
     plan = cpu_plan(tiny_workload("grpo", ARITH_GRPO), [(("actor",), 2), (("reference",), 2)])
     plan = plan.model_copy(update={"cluster": plan.cluster.model_copy(update={"gpus_per_node": 2})})
-    placed: dict[int, set[str]] = {}
-
-    def on_iteration(report) -> None:
-        if placed:
-            return
-        from ray.util.state import list_actors
-
-        for actor in list_actors(filters=[("class_name", "=", "SetWorker"), ("state", "=", "ALIVE")]):
-            placed.setdefault(int(actor.name.split("-")[1]), set()).add(actor.node_id)
-
-    execute(plan, ExecuteOptions(iterations=1, out=tmp_path / "run", call_timeout_s=120, start_timeout_s=120),
-            on_iteration)
+    summary = execute(plan, ExecuteOptions(iterations=1, out=tmp_path / "run", address=two_node_cluster,
+                                           call_timeout_s=120, start_timeout_s=120))
+    ray.init(address=two_node_cluster, logging_level="ERROR", log_to_driver=False)
+    placed: dict[str, set[str]] = {}
+    for worker, node in summary.nodes.items():
+        placed.setdefault(worker.split(" rank")[0], set()).add(node)
     nodes = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
     assert len(nodes) == 2
-    assert set(placed) == {0, 1}
+    assert set(placed) == {"set 0", "set 1"}
     assert all(len(ids) == 1 for ids in placed.values()), placed
-    assert placed[0] != placed[1]
+    assert placed["set 0"] != placed["set 1"]
+    assert placed["set 0"] | placed["set 1"] == nodes

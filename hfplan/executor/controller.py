@@ -60,6 +60,7 @@ class RunSummary:
     out: Path
     iterations: list[dict] = field(default_factory=list)
     peak_memory_bytes: dict[str, int] = field(default_factory=dict)  # "set S rank R" -> bytes
+    nodes: dict[str, str] = field(default_factory=dict)  # "set S rank R" -> the Ray node it ran on
 
     def mean_of(self, key: str, first: bool, count: int = 10) -> float:
         values = [m[key] for m in self.iterations if key in m]
@@ -106,7 +107,8 @@ def execute(plan: Plan, options: ExecuteOptions,
             timeline.append({"iteration": iteration, "spans": [s.model_dump() for s in recorder.spans]})
             if on_iteration is not None:
                 on_iteration(IterationReport(iteration, metrics, list(recorder.spans)))
-        summary.peak_memory_bytes = peak_memory(sets, options.call_timeout_s)
+        summary.peak_memory_bytes = ask_workers(sets, "peak_memory_bytes", options.call_timeout_s)
+        summary.nodes = ask_workers(sets, "node_id", options.call_timeout_s)
         write_atomically(out / TIMELINE_FILE, json.dumps({"plan": plan.model_dump(mode="json"),
                                                           "iterations": timeline}) + "\n")
         return summary
@@ -116,10 +118,11 @@ def execute(plan: Plan, options: ExecuteOptions,
         ray_session.stop()
 
 
-def peak_memory(sets, timeout_s: float) -> dict[str, int]:
+def ask_workers(sets, method: str, timeout_s: float) -> dict:
+    """One answer per worker, keyed "set S rank R"."""
     import ray
 
-    refs = {f"set {s.index} rank {rank}": w.peak_memory_bytes.remote()
+    refs = {f"set {s.index} rank {rank}": getattr(w, method).remote()
             for s in sets for rank, w in enumerate(s.workers)}
     return dict(zip(refs, ray.get(list(refs.values()), timeout=timeout_s), strict=True))
 
@@ -213,6 +216,13 @@ class _RaySession:
         if ray.is_initialized():
             return  # the caller (a test, a notebook) owns the session
         if self.address is not None:
+            if self.address.rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
+                # Ray rewrites a loopback address to the machine's own address (reachable from other
+                # machines) unless it believes multi-machine clusters are off; a cluster whose nodes listen
+                # on loopback is reached only through loopback.
+                from ray._private import ray_constants
+
+                ray_constants.ENABLE_RAY_CLUSTER = False
             try:
                 ray.init(address=self.address, include_dashboard=False, logging_level=logging.WARNING,
                          log_to_driver=False)

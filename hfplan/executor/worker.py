@@ -121,6 +121,12 @@ class SetWorker:
         self.runtimes[role].load_weights(weights)
         return time.time() - start
 
+    def node_id(self) -> str:
+        """The Ray node this worker runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def peak_memory_bytes(self) -> int:
         """Peak resident memory of this process (CPU), or peak allocated device memory (CUDA)."""
         import resource
