@@ -8,6 +8,7 @@ store) and the spans it spent, timed on this process's clock.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -98,6 +99,8 @@ class SetWorker:
             torch.cuda.set_device(0)  # Ray exposes exactly the bundle's GPU to this process
         else:
             torch.set_num_threads(1)  # one core per "GPU": processes must not fight over the cores
+        if host.startswith("127."):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # a set on one machine talks over loopback
         dist.init_process_group(spec.backend, init_method=f"tcp://{host}:{port}", rank=spec.rank,
                                 world_size=spec.world_size, timeout=timedelta(seconds=spec.collective_timeout_s))
         self.runtimes = build_runtimes(self.plan, self.hyper, spec.set_index, spec.seed, spec.device)
