@@ -11,7 +11,7 @@ from transformers import LlamaForCausalLM
 
 from hfplan.executor.engines import forward
 from hfplan.executor.engines.hybrid import SameLayoutHybridEngine
-from hfplan.executor.engines.training import MESH_DIMS, TrainedModel
+from hfplan.executor.engines.training import FSDP_MESH_DIMS, TrainedModel
 from hfplan.hyperparams import Hyperparameters
 
 HP = Hyperparameters(entropy_coef=0.01, max_grad_norm=1.0)
@@ -39,7 +39,7 @@ def _full(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _switch(rank: int, world: int, builder: str, shard: bool) -> dict:
-    mesh = init_device_mesh("cpu", (1, world) if shard else (world, 1), mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh("cpu", (1, world) if shard else (world, 1), mesh_dim_names=FSDP_MESH_DIMS)
     make = BUILDERS[builder]
     trained = TrainedModel(make(), mesh, 1e-3, HP, "cpu", torch.float32, pad_id=PAD)
     plain_run = TrainedModel(make(), mesh, 1e-3, HP, "cpu", torch.float32, pad_id=PAD)
@@ -95,7 +95,7 @@ def test_generation_in_training_layout(builder, shard):
 
 
 def _bf16(rank: int, world: int) -> dict:
-    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=FSDP_MESH_DIMS)
     trained = TrainedModel(qwen2_actor(), mesh, 1e-3, HP, "cpu", torch.bfloat16, pad_id=PAD, recompute=True)
     engine = SameLayoutHybridEngine(trained)
     batch = _batch(rank)

@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from hfplan.executor import sequences
 from hfplan.executor.engines import forward
-from hfplan.executor.engines.training import MESH_DIMS, TrainedModel
+from hfplan.executor.engines.training import FSDP_MESH_DIMS, TrainedModel
 from hfplan.hyperparams import Hyperparameters
 
 LR = 1e-3
@@ -48,7 +48,7 @@ def critic_batch(size: int = 8) -> dict[str, torch.Tensor]:
 
 
 def _mesh(world: int, shard: bool):
-    return init_device_mesh("cpu", (1, world) if shard else (world, 1), mesh_dim_names=MESH_DIMS)
+    return init_device_mesh("cpu", (1, world) if shard else (world, 1), mesh_dim_names=FSDP_MESH_DIMS)
 
 
 def _dp_actor(rank: int, world: int, data: dict, mini_batches: int, epochs: int) -> list:

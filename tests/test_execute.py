@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from hfplan.executor.controller import METRICS_FILE, TIMELINE_FILE, ExecuteOptions, execute
+from hfplan.executor.controller import METRICS_FILE, TIMELINE_FILE, WORKERS_FILE, ExecuteOptions, execute
 from hfplan.plan import ROLLOUT
 from hfplan.simulator.trace import trace
 from tests.execute_support import ARITH_GRPO, cpu_plan, ray_session, tiny_workload
@@ -27,6 +27,9 @@ def run(plan, tmp_path, iterations=2, **options):
     lines = (tmp_path / "run" / METRICS_FILE).read_text().splitlines()
     timeline = json.loads((tmp_path / "run" / TIMELINE_FILE).read_text())
     assert len(lines) == iterations == len(summary.iterations) == len(timeline["iterations"])
+    workers = json.loads((tmp_path / "run" / WORKERS_FILE).read_text())
+    assert len(workers["peak_memory_bytes"]) == sum(group.gpus for group in plan.placement)
+    assert all(peak > 0 for peak in workers["peak_memory_bytes"].values())
     return summary, timeline
 
 

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 TIMELINE_FILE = "timeline.json"
+WORKERS_FILE = "workers.json"
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,8 @@ def execute(plan: Plan, options: ExecuteOptions,
                 on_iteration(IterationReport(iteration, metrics, list(recorder.spans)))
         summary.peak_memory_bytes = ask_workers(sets, "peak_memory_bytes", options.call_timeout_s)
         summary.nodes = ask_workers(sets, "node_id", options.call_timeout_s)
+        write_atomically(out / WORKERS_FILE, json.dumps({"peak_memory_bytes": summary.peak_memory_bytes,
+                                                         "nodes": summary.nodes}, indent=2) + "\n")
         write_atomically(out / TIMELINE_FILE, json.dumps({"plan": plan.model_dump(mode="json"),
                                                           "iterations": timeline}) + "\n")
         return summary

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from hfplan.executor.engines.training import MESH_DIMS
+from hfplan.executor.engines.training import FSDP_MESH_DIMS
 from hfplan.plan import TrainConfig
 
 
@@ -17,4 +17,4 @@ def fsdp_mesh_shape(train: TrainConfig) -> tuple[int, int]:
 
 
 def training_mesh(train: TrainConfig, device_type: str) -> DeviceMesh:
-    return init_device_mesh(device_type, fsdp_mesh_shape(train), mesh_dim_names=MESH_DIMS)
+    return init_device_mesh(device_type, fsdp_mesh_shape(train), mesh_dim_names=FSDP_MESH_DIMS)

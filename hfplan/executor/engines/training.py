@@ -27,7 +27,7 @@ from hfplan.hyperparams import Hyperparameters
 
 logger = logging.getLogger(__name__)
 
-MESH_DIMS = ("replicate", "shard")
+FSDP_MESH_DIMS = ("replicate", "shard")
 Batch = dict[str, torch.Tensor]
 # A micro-batch's loss function: (micro-batch, mini-batch token count) -> (loss, stats to sum).
 MicroLoss = Callable[[Batch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -70,8 +70,8 @@ class TrainedModel:
     def __init__(self, model: nn.Module, mesh: DeviceMesh, lr: float, hp: Hyperparameters,
                  device: torch.device | str, param_dtype: torch.dtype, *, pad_id: int,
                  recompute: bool = False) -> None:
-        if mesh.mesh_dim_names != MESH_DIMS:
-            raise ValueError(f"training mesh dims must be {MESH_DIMS}, got {mesh.mesh_dim_names}")
+        if mesh.mesh_dim_names != FSDP_MESH_DIMS:
+            raise ValueError(f"training mesh dims must be {FSDP_MESH_DIMS}, got {mesh.mesh_dim_names}")
         self.mesh, self.hp, self.pad_id = mesh, hp, pad_id
         self.device = torch.device(device)
         if mesh.device_type != self.device.type:
@@ -99,7 +99,7 @@ class TrainedModel:
 
     # Collectives over every data-parallel rank (both mesh dims).
     def _all_reduce(self, tensor: torch.Tensor, op=torch.distributed.ReduceOp.SUM) -> torch.Tensor:
-        for dim, name in enumerate(MESH_DIMS):
+        for dim, name in enumerate(FSDP_MESH_DIMS):
             if self.mesh.size(dim) > 1:
                 torch.distributed.all_reduce(tensor, op=op, group=self.mesh.get_group(name))
         return tensor
