@@ -80,6 +80,29 @@ class Controller(Protocol):
 Roles = Mapping[str, Role]
 
 
+class CallingRole:
+    """The Role protocol over one method, `call(op, batch, greedy, n)`: what a backend whose calls all
+    take the same path implements (the executor's worker groups, its single-process roles)."""
+
+    def call(self, op: str, batch: Batch, greedy: bool = False, n: int = 1) -> Batch:
+        raise NotImplementedError
+
+    def generate(self, batch: Batch, n: int = 1, greedy: bool = False) -> Batch:
+        return self.call("generate", batch.select("prompts"), greedy=greedy, n=n)
+
+    def log_prob(self, batch: Batch) -> Batch:
+        return self.call("log_prob", batch)
+
+    def values(self, batch: Batch) -> Batch:
+        return self.call("values", batch)
+
+    def score(self, batch: Batch) -> Batch:
+        return self.call("score", batch)
+
+    def update(self, batch: Batch) -> Batch:
+        return self.call("update", batch)
+
+
 def call_problem(role: str, facts: RoleFacts, op: str) -> str | None:
     """Why `role` cannot offer `op` (None when it can): generate needs a generating role, update a
     trained one, log_prob a language-model head, values and score a scalar head."""

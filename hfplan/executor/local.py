@@ -19,6 +19,7 @@ from hfplan.dataflow.batch import Batch, resolved
 from hfplan.dataflow.controller import ControllerState
 from hfplan.dataflow.registry import get_algorithm
 from hfplan.dataflow.rewards import get_rule
+from hfplan.dataflow.roles import CallingRole
 from hfplan.errors import HfplanError
 from hfplan.executor import preflight
 from hfplan.executor.controller import ExecuteOptions, IterationReport, RunSummary, iteration_metrics
@@ -51,34 +52,19 @@ def single_process_world(timeout_s: float = 600.0) -> Iterator[None]:
             dist.destroy_process_group()
 
 
-class LocalRole:
+class LocalRole(CallingRole):
     """A model role whose calls run in this process, on the arrays of the batch, before returning."""
 
     def __init__(self, name: str, runtime: RoleRuntime, recorder: Recorder) -> None:
         self.name, self.runtime, self.recorder = name, runtime, recorder
 
-    def _call(self, op: str, batch: Batch, greedy: bool = False, n: int = 1) -> Batch:
+    def call(self, op: str, batch: Batch, greedy: bool = False, n: int = 1) -> Batch:
         spans: list[Timed] = []
         out = self.runtime.run(op, dict(batch.resolve()), {"greedy": greedy, "n": n}, spans)
         for timed in spans:
             self.recorder.span(self.name, timed.op, LOCAL_SET, timed.start, timed.end, kind=timed.kind)
         self.recorder.observed[(self.name, op, greedy)] = out
         return Batch(out)
-
-    def generate(self, batch: Batch, n: int = 1, greedy: bool = False) -> Batch:
-        return self._call("generate", batch.select("prompts"), greedy=greedy, n=n)
-
-    def log_prob(self, batch: Batch) -> Batch:
-        return self._call("log_prob", batch)
-
-    def values(self, batch: Batch) -> Batch:
-        return self._call("values", batch)
-
-    def score(self, batch: Batch) -> Batch:
-        return self._call("score", batch)
-
-    def update(self, batch: Batch) -> Batch:
-        return self._call("update", batch)
 
 
 def run_local(plan: Plan, options: ExecuteOptions,

@@ -22,7 +22,7 @@ import numpy as np
 from hfplan.dataflow.batch import Batch
 from hfplan.dataflow.controller import STEPS, ControllerState
 from hfplan.dataflow.ops import ROLE_OPS
-from hfplan.dataflow.roles import RoleFacts, call_writes
+from hfplan.dataflow.roles import CallingRole, RoleFacts, call_writes
 from hfplan.executor.errors import RunFailed
 from hfplan.layout import CONTROLLER, ON_CONTROLLER, rank_coords, replica_groups
 from hfplan.plan import Layout, Span
@@ -184,7 +184,7 @@ class WorkerSet:
     placement_group: object = None
 
 
-class WorkerGroupRole:
+class WorkerGroupRole(CallingRole):
     """A model role placed on a set of workers."""
 
     def __init__(self, name: str, facts: RoleFacts, workers: WorkerSet, layouts: dict[str, Layout],
@@ -192,7 +192,9 @@ class WorkerGroupRole:
         self.name, self.facts, self.workers, self.layouts = name, facts, workers, layouts
         self.recorder, self.timeout_s = recorder, timeout_s
 
-    def dispatch(self, op: str, batch: Batch, greedy: bool = False, n: int = 1) -> Batch:
+    def call(self, op: str, batch: Batch, greedy: bool = False, n: int = 1) -> Batch:
+        if op != "generate":
+            greedy = from_greedy(batch)  # a forward call on greedy responses is labelled so (ReMax's baseline)
         layout = self.layouts[ROLE_OPS[op].layout]
         rows = _rows_of(batch)
         bounds = split_points(rows, layout.dp)
@@ -210,21 +212,6 @@ class WorkerGroupRole:
         call = PendingCall((self.name, op, greedy), self.workers.index, refs, collecting_ranks(layout), out_rows,
                            self.recorder, describe, self.timeout_s)
         return Batch({name: FieldFuture(call, name) for name in call_writes(self.name, self.facts, op)})
-
-    def generate(self, batch: Batch, n: int = 1, greedy: bool = False) -> Batch:
-        return self.dispatch("generate", batch.select("prompts"), greedy=greedy, n=n)
-
-    def log_prob(self, batch: Batch) -> Batch:
-        return self.dispatch("log_prob", batch, greedy=from_greedy(batch))
-
-    def values(self, batch: Batch) -> Batch:
-        return self.dispatch("values", batch, greedy=from_greedy(batch))
-
-    def score(self, batch: Batch) -> Batch:
-        return self.dispatch("score", batch, greedy=from_greedy(batch))
-
-    def update(self, batch: Batch) -> Batch:
-        return self.dispatch("update", batch)
 
 
 def _rows_of(batch: Batch) -> int:
