@@ -30,3 +30,13 @@ def small_arch() -> ModelArch:
     Per layer: q 64*64 + k,v 2*64*32 + o 64*64 = 12288; MLP 3*64*128 = 24576; two norms 128 -> 36992.
     Embedding 260*64 = 16640; final norm 64; untied LM head 16640."""
     return ModelArch("small", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=260)
+
+
+@pytest.fixture
+def plan_file(tmp_path):
+    """The sample plan (tests/helpers_plans.py) written to a file: what `simulate` reads."""
+    from tests.helpers_plans import sample_plan
+
+    path = tmp_path / "plan.json"
+    path.write_text(sample_plan().to_json())
+    return path

@@ -56,3 +56,10 @@ def build_plan(workload: Workload, sets: Sequence[tuple[Sequence[str], int]], cl
     return Plan(workload=workload, cluster=cluster,
                 placement=[PlacementSet(models=list(roles), gpus=gpus) for roles, gpus in sets],
                 parallelism=parallelism)
+
+
+def sample_plan() -> Plan:
+    """A PPO plan of Llama-2-7B on four roles in three sets (32 A100s): the CLI tests' plan."""
+    from hfplan.spec import load_workload
+
+    return build_plan(load_workload("ppo-llama2-7b"), [(["actor", "critic"], 16), (["reference"], 8), (["reward"], 8)])

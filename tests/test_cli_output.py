@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pandas as pd
 import pytest
-from helpers_plans import build_plan
+from helpers_plans import sample_plan
 from rich.console import Console
 from support import invoke
 
@@ -24,7 +24,6 @@ from hfplan.profiler import command, report
 from hfplan.profiler.fit import LinkFit, RooflineFit
 from hfplan.simulator import gantt
 from hfplan.simulator.engine import simulate_plan
-from hfplan.spec import load_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -136,15 +135,6 @@ def test_numbers_of_four_digits_or_more_have_thousands_separators(big_run):
 
 
 # -- simulate --------------------------------------------------------------------------------------
-def _plan():
-    return build_plan(load_workload("ppo-llama2-7b"), [(["actor", "critic"], 16), (["reference"], 8), (["reward"], 8)])
-
-
-@pytest.fixture
-def plan_file(tmp_path):
-    path = tmp_path / "plan.json"
-    path.write_text(_plan().to_json())
-    return path
 
 
 def _timeline_rows(text: str) -> list[str]:
@@ -153,7 +143,7 @@ def _timeline_rows(text: str) -> list[str]:
 
 def test_simulate_hides_zero_second_transfers_unless_all(plan_file, monkeypatch):
     _console(monkeypatch, 200)
-    spans = simulate_plan(_plan()).estimate.timeline
+    spans = simulate_plan(sample_plan()).estimate.timeline
     zero = [s for s in spans if s.kind == "transfer" and s.end - s.start < cli.ZERO_S]
     assert zero and len(zero) < len(spans)
     shown = _timeline_rows(invoke("simulate", plan_file).stdout)
@@ -188,7 +178,7 @@ def test_chart_titles_name_the_workload_and_hardware_not_paths(tmp_path, monkeyp
     profile = tmp_path / "profiles" / "my-site.yaml"
     profile.parent.mkdir()
     profile.write_text((ROOT / "hfplan/profiles/hardware/a100-80g.yaml").read_text())
-    plan = _plan()
+    plan = sample_plan()
     plan = plan.model_copy(update={"cluster": plan.cluster.model_copy(update={"hardware": str(profile)})})
     title = cli.plan_title(plan)
     assert title == "ppo llama2-7b, 1,024 prompts x 1, 1,024+1,024 tokens, on 32 x a100-80g"

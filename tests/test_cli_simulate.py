@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers_plans import build_plan
+from helpers_plans import build_plan, sample_plan
 from rich.console import Console
 from support import assert_user_error as _assert_user_error
 from support import invoke as _invoke
@@ -30,22 +30,13 @@ def wide_console(monkeypatch):
     monkeypatch.setattr(cli, "console", Console(width=200))
 
 
-def _plan():
-    return build_plan(load_workload("ppo-llama2-7b"), [(["actor", "critic"], 16), (["reference"], 8), (["reward"], 8)])
-
-
-@pytest.fixture
-def plan_file(tmp_path):
-    path = tmp_path / "plan.json"
-    path.write_text(_plan().to_json())
-    return path
 
 
 # -- happy paths ----------------------------------------------------------------------------------
 def test_simulate_prints_tables_and_iteration_time(plan_file, wide_console):
     result = _invoke("simulate", plan_file)
     assert result.exit_code == 0, result.output
-    expected = simulate_plan(_plan()).estimate
+    expected = simulate_plan(sample_plan()).estimate
     out = result.stdout
     for title in ("timeline (one iteration)", "stages", "peak memory per GPU"):
         assert title in out
@@ -65,7 +56,7 @@ def test_simulate_json_prints_the_estimate(plan_file):
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)  # nothing but JSON on stdout
     estimate = Estimate.model_validate(data)
-    expected = simulate_plan(_plan()).estimate
+    expected = simulate_plan(sample_plan()).estimate
     assert estimate.iteration_s == pytest.approx(expected.iteration_s, rel=1e-12)
     assert estimate.stages == pytest.approx(expected.stages)
     assert estimate.peak_memory_gib == expected.peak_memory_gib
@@ -136,7 +127,7 @@ def _write(tmp_path, data) -> Path:
 
 
 def _plan_dict() -> dict:
-    return json.loads(_plan().to_json())
+    return json.loads(sample_plan().to_json())
 
 
 def test_missing_plan_file(tmp_path):

@@ -1,6 +1,7 @@
-"""What a local run listens on. hfplan's own traffic (gloo between the workers of a set) stays on
-loopback; what listens beyond it belongs to Ray's processes (their gRPC servers bind every interface
-whatever the node address) and torch's rendezvous store, as the README's security section says."""
+"""What a local run listens on beyond loopback: only Ray's processes (their gRPC servers bind every
+interface whatever the node address; torch's rendezvous store runs inside a Ray worker) and the driver,
+as the README's security section says. The test cannot tell the store from Ray's own servers inside a
+worker process: it fails on a listener of any other process, not on one of those."""
 
 from __future__ import annotations
 

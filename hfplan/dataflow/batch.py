@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+
 
 @runtime_checkable
 class Future(Protocol):
@@ -46,15 +48,8 @@ def _concat(values: Sequence[Any], name: str) -> Any:
     first = values[0]
     if isinstance(first, list | tuple):
         return [item for value in values for item in value]
-    module = type(first).__module__.split(".")[0]
-    if module == "numpy":
-        import numpy as np
-
+    if isinstance(first, np.ndarray):
         return np.concatenate(values)
-    if module == "torch":
-        import torch
-
-        return torch.cat(list(values))
     raise TypeError(f"cannot concatenate field {name!r} of type {type(first).__name__}")
 
 

@@ -9,7 +9,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +19,7 @@ from hfplan.dataflow.batch import Batch, resolved
 from hfplan.dataflow.controller import ControllerState
 from hfplan.dataflow.registry import get_algorithm
 from hfplan.dataflow.rewards import get_rule
-from hfplan.dataflow.roles import update_field
+from hfplan.dataflow.roles import RoleFacts, update_field
 from hfplan.errors import HfplanError
 from hfplan.executor import preflight
 from hfplan.executor.data import PromptStream
@@ -29,8 +29,6 @@ from hfplan.files import write_atomically
 from hfplan.layout import ROLLOUT, facts_of
 from hfplan.plan import Plan, Span
 from hfplan.spec import RULE_PREFIX
-
-log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 TIMELINE_FILE = "timeline.json"
@@ -84,30 +82,18 @@ def execute(plan: Plan, options: ExecuteOptions,
         start_sets(plan, checked.hyper, options.seed, checked.device, checked.backend, options.call_timeout_s,
                    options.start_timeout_s, sets)
         recorder = Recorder(clock_offsets(sets, options.start_timeout_s))
-        roles = _build_roles(plan, sets, recorder, checked, options.call_timeout_s)
-        state = ControllerState(cfg=checked.hyper, samples_per_prompt=plan.workload.samples_per_prompt)
-        controller = ExecutionController(state, recorder)
-        stream = PromptStream(checked.prompts, plan.workload.batch_prompts, options.seed)
+        roles = build_roles(plan, checked, recorder, _worker_group_roles(plan, sets, recorder, options.call_timeout_s))
         summary = RunSummary(out)
         timeline: list[dict] = []
         metrics_path = out / METRICS_FILE
         metrics_path.write_text("")
-        algorithm = get_algorithm(plan.workload.algorithm)
-        for iteration in range(options.iterations):
-            texts = stream.next_batch()
-            prompts = checked.encode(texts)
-            recorder.start_iteration()
-            updates = algorithm.program(roles, Batch(prompts=prompts), controller)
-            update_metrics = {name: resolved(value) for name, value in updates.items()}
-            elapsed = time.time() - recorder.origin
-            recorder.finish_iteration()
-            metrics = iteration_metrics(plan, iteration, elapsed, recorder, update_metrics, state)
-            summary.iterations.append(metrics)
+        for report in run_iterations(plan, roles, checked, options, recorder):
+            summary.iterations.append(report.metrics)
             with metrics_path.open("a") as sink:
-                sink.write(json.dumps(metrics) + "\n")
-            timeline.append({"iteration": iteration, "spans": [s.model_dump() for s in recorder.spans]})
+                sink.write(json.dumps(report.metrics) + "\n")
+            timeline.append({"iteration": report.iteration, "spans": [s.model_dump() for s in report.spans]})
             if on_iteration is not None:
-                on_iteration(IterationReport(iteration, metrics, list(recorder.spans)))
+                on_iteration(report)
         summary.peak_memory_bytes = ask_workers(sets, "peak_memory_bytes", options.call_timeout_s)
         summary.nodes = ask_workers(sets, "node_id", options.call_timeout_s)
         write_atomically(out / WORKERS_FILE, json.dumps({"peak_memory_bytes": summary.peak_memory_bytes,
@@ -141,25 +127,55 @@ def _prepare_out(out: Path) -> None:
         raise HfplanError(f"--out {out}: folder is not writable")
 
 
-def _build_roles(plan: Plan, sets, recorder: Recorder, checked: preflight.Checked, timeout_s: float) -> dict:
-    workload = plan.workload
-    by_role = {role: sets[plan.set_of(role)] for role in plan.placed_roles}
+def build_roles(plan: Plan, checked: preflight.Checked, recorder: Recorder,
+                model_role: Callable[[str, RoleFacts], object]) -> dict:
+    """The roles the algorithm's program gets: `rule:` rewards on the controller, model roles from
+    `model_role(name, facts)` (the backend's: worker groups, or single-process roles)."""
     roles: dict = {}
-    rollout = None
-    if ROLLOUT in by_role:
-        rollout = WorkerGroupRole(ROLLOUT, facts_of(workload, ROLLOUT), by_role[ROLLOUT], _layouts(plan, ROLLOUT),
-                                  recorder, timeout_s)
-    for role in workload.roles:
-        ref, facts = workload.models[role], facts_of(workload, role)
+    for role in plan.workload.roles:
+        ref, facts = plan.workload.models[role], facts_of(plan.workload, role)
         if ref.startswith(RULE_PREFIX):
             roles[role] = RuleRole(role, facts, get_rule(ref[len(RULE_PREFIX):]), checked.decode_responses,
                                    checked.decode_prompts, recorder)
-        elif facts.generates:
-            roles[role] = ActorRole(role, facts, by_role[role], _layouts(plan, role), recorder, timeout_s,
-                                    rollout=rollout)
         else:
-            roles[role] = WorkerGroupRole(role, facts, by_role[role], _layouts(plan, role), recorder, timeout_s)
+            roles[role] = model_role(role, facts)
     return roles
+
+
+def run_iterations(plan: Plan, roles: dict, checked: preflight.Checked, options: ExecuteOptions,
+                   recorder: Recorder) -> Iterator[IterationReport]:
+    """The single controller's loop: each iteration's prompts through the registered program, then its
+    metrics and spans. The iteration's time ends when the updates' results are in."""
+    state = ControllerState(cfg=checked.hyper, samples_per_prompt=plan.workload.samples_per_prompt)
+    controller = ExecutionController(state, recorder)
+    stream = PromptStream(checked.prompts, plan.workload.batch_prompts, options.seed)
+    algorithm = get_algorithm(plan.workload.algorithm)
+    for iteration in range(options.iterations):
+        prompts = checked.encode(stream.next_batch())
+        recorder.start_iteration()
+        updates = algorithm.program(roles, Batch(prompts=prompts), controller)
+        update_metrics = {name: resolved(value) for name, value in updates.items()}
+        elapsed = time.time() - recorder.origin
+        recorder.finish_iteration()
+        metrics = iteration_metrics(plan, iteration, elapsed, recorder, update_metrics, state)
+        yield IterationReport(iteration, metrics, list(recorder.spans))
+
+
+def _worker_group_roles(plan: Plan, sets, recorder: Recorder, timeout_s: float
+                        ) -> Callable[[str, RoleFacts], WorkerGroupRole]:
+    """Model roles over the sets' workers; the generating role also drives a separate rollout set."""
+    by_role = {role: sets[plan.set_of(role)] for role in plan.placed_roles}
+    rollout = None
+    if ROLLOUT in by_role:
+        rollout = WorkerGroupRole(ROLLOUT, facts_of(plan.workload, ROLLOUT), by_role[ROLLOUT],
+                                  _layouts(plan, ROLLOUT), recorder, timeout_s)
+
+    def model_role(role: str, facts: RoleFacts) -> WorkerGroupRole:
+        if facts.generates:
+            return ActorRole(role, facts, by_role[role], _layouts(plan, role), recorder, timeout_s, rollout=rollout)
+        return WorkerGroupRole(role, facts, by_role[role], _layouts(plan, role), recorder, timeout_s)
+
+    return model_role
 
 
 def _layouts(plan: Plan, role: str) -> dict:

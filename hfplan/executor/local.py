@@ -10,26 +10,19 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
-from hfplan.dataflow.batch import Batch, resolved
-from hfplan.dataflow.controller import ControllerState
-from hfplan.dataflow.registry import get_algorithm
-from hfplan.dataflow.rewards import get_rule
+from hfplan.dataflow.batch import Batch
 from hfplan.dataflow.roles import CallingRole
 from hfplan.errors import HfplanError
 from hfplan.executor import preflight
-from hfplan.executor.controller import ExecuteOptions, IterationReport, RunSummary, iteration_metrics
-from hfplan.executor.data import PromptStream
-from hfplan.executor.roles import ExecutionController, Recorder, RuleRole
+from hfplan.executor.controller import ExecuteOptions, IterationReport, RunSummary, build_roles, run_iterations
+from hfplan.executor.roles import Recorder
 from hfplan.executor.runtime import RoleRuntime, build_runtimes
 from hfplan.executor.worker import Timed
-from hfplan.layout import facts_of
 from hfplan.plan import Plan
-from hfplan.spec import RULE_PREFIX
 
 LOCAL_SET = 0  # the plan's only set: its spans carry this index, as the executor's would
 
@@ -77,27 +70,10 @@ def run_local(plan: Plan, options: ExecuteOptions,
     checked = preflight.check(plan, options)
     runtimes = build_runtimes(plan, checked.hyper, LOCAL_SET, options.seed, checked.device)
     recorder = Recorder(clock_offsets={})
-    roles: dict = {}
-    for role in plan.workload.roles:
-        ref = plan.workload.models[role]
-        if ref.startswith(RULE_PREFIX):
-            roles[role] = RuleRole(role, facts_of(plan.workload, role), get_rule(ref[len(RULE_PREFIX):]),
-                                   checked.decode_responses, checked.decode_prompts, recorder)
-        else:
-            roles[role] = LocalRole(role, runtimes[role], recorder)
-    state = ControllerState(cfg=checked.hyper, samples_per_prompt=plan.workload.samples_per_prompt)
-    controller = ExecutionController(state, recorder)
-    stream = PromptStream(checked.prompts, plan.workload.batch_prompts, options.seed)
-    algorithm = get_algorithm(plan.workload.algorithm)
+    roles = build_roles(plan, checked, recorder, lambda role, facts: LocalRole(role, runtimes[role], recorder))
     summary = RunSummary(options.out)
-    for iteration in range(options.iterations):
-        prompts = checked.encode(stream.next_batch())
-        recorder.start_iteration()
-        updates = algorithm.program(roles, Batch(prompts=prompts), controller)
-        update_metrics = {name: resolved(value) for name, value in updates.items()}
-        elapsed = time.time() - recorder.origin
-        metrics = iteration_metrics(plan, iteration, elapsed, recorder, update_metrics, state)
-        summary.iterations.append(metrics)
+    for report in run_iterations(plan, roles, checked, options, recorder):
+        summary.iterations.append(report.metrics)
         if on_iteration is not None:
-            on_iteration(IterationReport(iteration, metrics, list(recorder.spans)))
+            on_iteration(report)
     return summary

@@ -24,14 +24,13 @@ from hfplan.dataflow.controller import STEPS, ControllerState
 from hfplan.dataflow.ops import ROLE_OPS
 from hfplan.dataflow.roles import CallingRole, RoleFacts, call_writes
 from hfplan.executor.errors import RunFailed
-from hfplan.layout import CONTROLLER, ON_CONTROLLER, rank_coords, replica_groups
+from hfplan.layout import CONTROLLER, ON_CONTROLLER, rank_of, replica_groups
 from hfplan.plan import Layout, Span
 
 
 def collecting_ranks(layout: Layout) -> list[int]:
     """One rank per replica, in data-parallel order: the replica's tensor rank 0 of its last stage."""
-    return [next(r for r in group if rank_coords(layout, r)[0] == layout.pp - 1 and rank_coords(layout, r)[2] == 0)
-            for group in replica_groups(layout)]
+    return [rank_of(layout, layout.pp - 1, replica, 0) for replica in range(layout.dp)]
 
 
 @dataclass

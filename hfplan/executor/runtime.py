@@ -10,7 +10,7 @@ through weights the controller sends it after each actor update.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -53,14 +53,12 @@ class RoleRuntime:
     engine: TorchRolloutEngine | None = None
     hybrid: SameLayoutHybridEngine | None = None
     generator: torch.Generator | None = None
-    calls: int = field(default=0)
 
     @property
     def forward_module(self) -> torch.nn.Module:
         return self.trained.module if self.trained is not None else self.model
 
     def run(self, op: str, fields: dict[str, np.ndarray], options: dict, spans: list[Timed]) -> dict:
-        self.calls += 1
         if op == "generate":
             return self._generate(fields, options, spans)
         start = time.time()

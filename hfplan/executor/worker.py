@@ -7,7 +7,6 @@ store) and the spans it spent, timed on this process's clock.
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import time
@@ -18,8 +17,6 @@ import numpy as np
 
 from hfplan.hyperparams import Hyperparameters
 from hfplan.plan import Plan
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

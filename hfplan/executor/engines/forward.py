@@ -9,8 +9,7 @@ InferConfig.micro_batch. Outputs are float32 whatever the model's compute dtype.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Literal, overload
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -62,59 +61,45 @@ def _micro_batches(size: int, micro_batch: int) -> Iterator[slice]:
         yield slice(start, min(start + micro_batch, size))
 
 
-@overload
-def token_log_probs(model: nn.Module, prompts: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor,
-                    pad_id: int, temperature: float, *, micro_batch: int,
-                    with_entropy: Literal[False] = False) -> torch.Tensor: ...
-
-
-@overload
-def token_log_probs(model: nn.Module, prompts: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor,
-                    pad_id: int, temperature: float, *, micro_batch: int,
-                    with_entropy: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
+def _per_micro_batch(model: nn.Module, prompts: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor,
+                     pad_id: int, micro_batch: int,
+                     output: Callable[[sequences.Joined, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`output(joined, responses, response_mask)` of each micro-batch, on the model's device, concatenated."""
+    prompts, responses, response_mask = _on_model_device(model, prompts, responses, response_mask)
+    parts = []
+    for part in _micro_batches(prompts.shape[0], micro_batch):
+        joined = sequences.join(prompts[part], responses[part], response_mask[part], pad_id)
+        parts.append(output(joined, responses[part], response_mask[part]))
+    return torch.cat(parts)
 
 
 @torch.no_grad()
-def token_log_probs(model, prompts, responses, response_mask, pad_id, temperature, *, micro_batch,
-                    with_entropy=False):
+def token_log_probs(model: nn.Module, prompts: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor,
+                    pad_id: int, temperature: float, *, micro_batch: int) -> torch.Tensor:
     """Log-probs of the response tokens at `temperature`, [B, R] float32 on the model's device, 0 where
-    the mask is 0; with `with_entropy`, also the per-token entropy (same layout) as a second tensor."""
-    prompts, responses, response_mask = _on_model_device(model, prompts, responses, response_mask)
-    log_probs, entropies = [], []
-    for part in _micro_batches(prompts.shape[0], micro_batch):
-        joined = sequences.join(prompts[part], responses[part], response_mask[part], pad_id)
-        lp, ent = response_log_probs(model, joined, responses[part], temperature, with_entropy=with_entropy)
-        keep = response_mask[part].bool()
-        log_probs.append(torch.where(keep, lp, 0.0))
-        if ent is not None:
-            entropies.append(torch.where(keep, ent, 0.0))
-    if with_entropy:
-        return torch.cat(log_probs), torch.cat(entropies)
-    return torch.cat(log_probs)
+    the mask is 0."""
+    def output(joined, resp, mask):
+        return torch.where(mask.bool(), response_log_probs(model, joined, resp, temperature)[0], 0.0)
+
+    return _per_micro_batch(model, prompts, responses, response_mask, pad_id, micro_batch, output)
 
 
 @torch.no_grad()
 def token_values(model: nn.Module, prompts: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor,
                  pad_id: int, *, micro_batch: int) -> torch.Tensor:
     """A critic's value of the state before each response token, [B, R] float32, 0 where the mask is 0."""
-    prompts, responses, response_mask = _on_model_device(model, prompts, responses, response_mask)
-    values = []
-    for part in _micro_batches(prompts.shape[0], micro_batch):
-        joined = sequences.join(prompts[part], responses[part], response_mask[part], pad_id)
-        v = response_values(model, joined, responses.shape[1])
-        values.append(torch.where(response_mask[part].bool(), v, 0.0))
-    return torch.cat(values)
+    def output(joined, resp, mask):
+        return torch.where(mask.bool(), response_values(model, joined, resp.shape[1]), 0.0)
+
+    return _per_micro_batch(model, prompts, responses, response_mask, pad_id, micro_batch, output)
 
 
 @torch.no_grad()
 def sequence_scores(model: nn.Module, prompts: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor,
                     pad_id: int, *, micro_batch: int) -> torch.Tensor:
     """A reward or cost model's score of each sequence: scalar-head output at its last real token, [B]."""
-    prompts, responses, response_mask = _on_model_device(model, prompts, responses, response_mask)
-    scores = []
-    for part in _micro_batches(prompts.shape[0], micro_batch):
-        joined = sequences.join(prompts[part], responses[part], response_mask[part], pad_id)
+    def output(joined, resp, mask):
         per_position = _forward(model, joined).squeeze(-1).float()
-        last = sequences.last_token_index(joined)
-        scores.append(per_position.gather(1, last.unsqueeze(1)).squeeze(1))
-    return torch.cat(scores)
+        return per_position.gather(1, sequences.last_token_index(joined).unsqueeze(1)).squeeze(1)
+
+    return _per_micro_batch(model, prompts, responses, response_mask, pad_id, micro_batch, output)
