@@ -26,7 +26,9 @@ INTERRUPTED = 130  # the shell's code for a command ended by Ctrl-C (128 + SIGIN
 # The notation of the parallelism cells, explained under every table that uses it.
 PARALLELISM_LEGEND = ("parallelism: tN pN dN = tensor-, pipeline- and data-parallel sizes (their product is the set's "
                       "GPUs); mbN = sequences per micro-batch per data-parallel rank; fsdp = parameters, gradients and "
-                      "optimizer states sharded over the data-parallel ranks (ZeRO-3), else replicated; recompute = "
+                      "optimizer states sharded over the data-parallel ranks (ZeRO-3); hsdpG = the same within groups "
+                      "of G ranks, replicated across groups; zero1 / zero2 = optimizer states (and gradients) sharded; "
+                      "none of these = replicated; recompute = "
                       "activations recomputed in the backward pass; train / infer / gen = the layouts for updates, "
                       "forward passes and the actor's generation (infer in the training layout when only mb is shown)")
 

@@ -42,7 +42,9 @@ class LayoutLike(Protocol):
 
 
 class TrainLayoutLike(LayoutLike, Protocol):
-    shard: bool
+    shard: str
+
+    def shards(self, state: str) -> int: ...
 
 
 # -- rank order ---------------------------------------------------------------------------------------
@@ -122,13 +124,14 @@ def gather_dims(train: TrainLayoutLike, gen: LayoutLike) -> tuple[tuple[int, int
     i_k * stride_k (0 <= i_k < factor_k). Each GPU keeps its own training shard and all-gathers the
     rest from the others (HybridFlow's zero-redundancy grouping): tp_g < tp joins tp / tp_g adjacent
     tensor-parallel ranks, pp_g < pp joins pp / pp_g consecutive stages, and sharded (FSDP) training
-    joins every data-parallel peer."""
+    joins the data-parallel peers of its weight shard group (every peer for full sharding, the group of
+    consecutive data-parallel ranks for hybrid sharding)."""
     problem = nesting_problem(train, gen)
     if problem:
         raise ValueError(problem)
     dims = [(max(1, train.tp // gen.tp), 1), (max(1, train.pp // gen.pp), train.tp * train.dp)]
-    if train.shard:
-        dims.append((train.dp, train.tp))
+    if train.shards("weights") > 1:
+        dims.append((train.shards("weights"), train.tp))
     return tuple(dims)
 
 
@@ -204,6 +207,9 @@ def unsupported_layout(arch: ModelArch, kind: str, layout: LayoutLike, train: La
         return f"generation with pp={pp}: rollout engines run one pipeline stage"
     if kind == "gen" and train is not None:
         return nesting_problem(train, layout)
+    if kind == "train" and getattr(layout, "shard", None) in ("zero1", "zero2"):
+        return (f"shard={layout.shard}: FSDP2 shards weights, gradients and optimizer states together, so the "
+                "executor trains replicated, full or hybrid only (ZeRO-1/2 plans are for other targets)")
     return None
 
 

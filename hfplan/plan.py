@@ -50,12 +50,61 @@ class Layout(_Strict):
         return self.tp * self.pp
 
 
+ShardMode = Literal["replicated", "zero1", "zero2", "full", "hybrid"]
+
+# The training states each mode splits over its shard group (the rest are replicated): ZeRO stages 1 to
+# 3 (full = ZeRO-3 / FSDP FULL_SHARD), and hybrid sharding (FSDP HYBRID_SHARD, verl's fsdp_size): ZeRO-3
+# within groups of `shard_group` data-parallel ranks, replicated across the groups.
+SHARDED_STATES: dict[str, tuple[str, ...]] = {
+    "replicated": (),
+    "zero1": ("optimizer",),
+    "zero2": ("grads", "optimizer"),
+    "full": ("weights", "grads", "optimizer"),
+    "hybrid": ("weights", "grads", "optimizer"),
+}
+
+
 class TrainConfig(Layout):
     micro_batch: int = Field(default=1, ge=1, description="sequences per micro-batch per data-parallel rank")
-    shard: bool = Field(default=True, description="shard parameters, gradients and optimizer states across "
-                                                  "data-parallel ranks (FSDP / ZeRO-3); false keeps them "
-                                                  "replicated (DDP)")
+    shard: ShardMode = Field(default="full", description="which training states are split over the "
+                                                         "data-parallel ranks: replicated (DDP), zero1 (optimizer "
+                                                         "states), zero2 (and gradients), full (and weights: ZeRO-3 "
+                                                         "/ FSDP), hybrid (full within groups of shard_group ranks)")
+    shard_group: int | None = Field(default=None, description="hybrid only: data-parallel ranks per shard group")
     recompute: bool = Field(default=False, description="recompute activations in the backward pass")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _migrate_boolean_shard(cls, data: object) -> object:
+        """Plans written before the modes said `shard: true` (ZeRO-3) or `false` (replicated)."""
+        if isinstance(data, dict) and isinstance(data.get("shard"), bool):
+            return {**data, "shard": "full" if data["shard"] else "replicated"}
+        return data
+
+    @model_validator(mode="after")
+    def _check_group(self) -> TrainConfig:
+        if self.shard != "hybrid":
+            if self.shard_group is not None:
+                raise ValueError(f"shard_group is for shard 'hybrid' only (shard is {self.shard!r})")
+            return self
+        g = self.shard_group
+        if g is None:
+            raise ValueError("shard 'hybrid' needs shard_group (data-parallel ranks per shard group)")
+        if not 1 < g < self.dp or self.dp % g:
+            raise ValueError(f"shard_group {g} must divide dp={self.dp} and lie strictly between 1 and dp "
+                             "(1 is 'replicated', dp is 'full')")
+        return self
+
+    @property
+    def shard_size(self) -> int:
+        """Data-parallel ranks each sharded state is split over."""
+        if self.shard == "replicated":
+            return 1
+        return self.shard_group if self.shard == "hybrid" else self.dp
+
+    def shards(self, state: str) -> int:
+        """Pieces `state` ("weights", "grads" or "optimizer") is split into across data-parallel ranks."""
+        return self.shard_size if state in SHARDED_STATES[self.shard] else 1
 
 
 class InferConfig(Layout):

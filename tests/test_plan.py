@@ -76,8 +76,8 @@ def test_valid_plan_validates():
     assert plan.generation_role == "actor"
     assert plan.parallelism["actor"].train.gpus == 4
     assert plan.parallelism["actor"].train.model_shards == 2
-    assert plan.parallelism["actor"].train.shard is True  # FSDP by default
-    assert plan.parallelism["critic"].train.shard is False
+    assert plan.parallelism["actor"].train.shard == "full"  # FSDP (ZeRO-3) by default
+    assert plan.parallelism["critic"].train.shard == "replicated"
 
 
 def test_valid_plan_with_estimate_validates():
@@ -164,8 +164,8 @@ BAD_PLANS = [
 # Hand-written plans are checked like the CLI's input.
 STRICT_PLANS = [
     # strict types: nothing is coerced from a string (or a bool from an int)
-    (_set("parallelism.critic.train.shard", "yes"), "field parallelism.critic.train.shard: Input should be a valid "
-                                                     "boolean, got 'yes'"),
+    (_set("parallelism.critic.train.shard", "yes"), "field parallelism.critic.train.shard: Input should be "
+                                                     "'replicated', 'zero1', 'zero2', 'full' or 'hybrid', got 'yes'"),
     (_set("parallelism.actor.train.recompute", 1), "field parallelism.actor.train.recompute"),
     (_set("parallelism.actor.train.tp", "2"), "field parallelism.actor.train.tp: Input should be a valid integer, "
                                               "got '2'"),

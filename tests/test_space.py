@@ -200,18 +200,29 @@ def _powers_up_to(n: int) -> set[int]:
     return {p for p in (2**i for i in range(12)) if p <= max(1, n)}
 
 
+def _brute_modes(tp: int, dp: int, per_node: int, executable: bool) -> list[tuple[str, int | None]]:
+    if dp == 1:
+        return [("replicated", None)]
+    modes = [("replicated", None), ("full", None)] + ([] if executable else [("zero1", None), ("zero2", None)])
+    # hybrid: shard groups of one node's GPUs (per_node / tp data-parallel ranks), when that splits dp
+    group = per_node // tp
+    return modes + ([("hybrid", group)] if 1 < group < dp and dp % group == 0 else [])
+
+
+@pytest.mark.parametrize("executable", [True, False])
 @pytest.mark.parametrize("arch", [GQA, CATALOG["qwen2.5-0.5b"]], ids=lambda a: a.name)
-@pytest.mark.parametrize(("gpus", "per_node", "per_step"), [(1, 8, 4), (2, 8, 8), (4, 4, 3), (8, 8, 16), (6, 8, 5)])
-def test_train_configs(arch, gpus, per_node, per_step):
-    configs = space.train_configs(arch, gpus, per_node, per_step)
-    keys = [(c.tp, c.pp, c.dp, c.micro_batch, c.shard, c.recompute) for c in configs]
+@pytest.mark.parametrize(("gpus", "per_node", "per_step"), [(1, 8, 4), (2, 8, 8), (4, 4, 3), (8, 8, 16), (6, 8, 5),
+                                                           (16, 4, 32)])
+def test_train_configs(arch, gpus, per_node, per_step, executable):
+    configs = space.train_configs(arch, gpus, per_node, per_step, executable)
+    keys = [(c.tp, c.pp, c.dp, c.micro_batch, c.shard, c.shard_group, c.recompute) for c in configs]
     assert len(keys) == len(set(keys)), "duplicate training configs"
     expected = set()
     for tp, pp, dp in _brute_layouts(arch, gpus, per_node, "train"):
         for micro in _powers_up_to(math.ceil(per_step / dp)):
-            for shard in ((False, True) if dp > 1 else (False,)):
+            for shard, group in _brute_modes(tp, dp, per_node, executable):
                 for recompute in (False, True):
-                    expected.add((tp, pp, dp, micro, shard, recompute))
+                    expected.add((tp, pp, dp, micro, shard, group, recompute))
     assert set(keys) == expected
     for c in configs:
         assert c.tp * c.pp * c.dp == gpus

@@ -1,7 +1,8 @@
 """Device meshes of a role's layouts, in the contract's rank order.
 
-Data-parallel training runs FSDP2 on a 2-D (replicate, shard) mesh: sharded plans (ZeRO-3) put every
-data-parallel rank on the shard dimension, replicated plans (DDP-like) on the replicate dimension.
+Data-parallel training runs FSDP2 on a 2-D (replicate, shard) mesh: the shard dimension is the plan's
+shard group (every data-parallel rank for full sharding, ZeRO-3; g ranks for hybrid sharding; one for
+replicated, DDP-like plans), the replicate dimension the groups.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from hfplan.plan import TrainConfig
 
 
 def fsdp_mesh_shape(train: TrainConfig) -> tuple[int, int]:
-    return (1, train.dp) if train.shard else (train.dp, 1)
+    group = train.shards("weights")
+    return (train.dp // group, group)
 
 
 def training_mesh(train: TrainConfig, device_type: str) -> DeviceMesh:

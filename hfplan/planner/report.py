@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from hfplan.plan import Layout, Plan, RoleParallelism
+from hfplan.plan import Layout, Plan, RoleParallelism, TrainConfig
 from hfplan.planner.search import Candidate, SearchResult
 from hfplan.spec import Workload
 
@@ -13,11 +13,19 @@ def _layout(layout: Layout) -> str:
     return f"t{layout.tp}p{layout.pp}d{layout.dp}"
 
 
+def _sharding(train: TrainConfig) -> str:
+    """The legend's names: nothing when no state is split; zero1, zero2; fsdp (ZeRO-3); hsdpG (hybrid)."""
+    if train.shard_size == 1:
+        return ""
+    names = {"zero1": " zero1", "zero2": " zero2", "full": " fsdp"}
+    return names.get(train.shard, f" hsdp{train.shard_group}")
+
+
 def describe_role(par: RoleParallelism) -> str:
     parts = []
     if par.train is not None:
         t = par.train
-        parts.append(f"train {_layout(t)} mb{t.micro_batch}{' fsdp' if t.shard and t.dp > 1 else ''}"
+        parts.append(f"train {_layout(t)} mb{t.micro_batch}{_sharding(t)}"
                      f"{' recompute' if t.recompute else ''}")
     if par.infer is not None:
         parts.append(f"infer {_layout(par.infer)} mb{par.infer.micro_batch}" if par.train is None

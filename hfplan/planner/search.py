@@ -26,7 +26,7 @@ from hfplan.layout import ROLLOUT, generating_role, set_index
 from hfplan.plan import PlacementSet, Plan, RoleParallelism
 from hfplan.planner import space
 from hfplan.planner.bounds import PlacementBounds
-from hfplan.planner.strategies import RoleChoices, RoleOption, Rules, SearchContext
+from hfplan.planner.strategies import RoleChoices, RoleOption, Rules, SearchContext, agrees
 from hfplan.simulator import engine
 from hfplan.simulator.mapping import PlanCosts, call_seconds, switch_seconds
 from hfplan.simulator.schedule import Precedence
@@ -204,6 +204,8 @@ class _PairSearch:
         held = held - self.min_resident[role] + arrays.resident
         transient = np.maximum(transient, arrays.transient)
         fits = held + transient <= self.usable
+        if self.ctx.rules.agree is not None:
+            fits &= self._agreeing(role, chosen, arrays)
         rows = np.tile(np.asarray(seconds, dtype=float), (len(arrays.options), 1))
         if self.own_ids[role]:
             rows[:, self.own_ids[role]] = arrays.seconds
@@ -217,6 +219,12 @@ class _PairSearch:
                 break
             option = arrays.options[k]
             self._descend(depth + 1, {**chosen, role: option}, rows[k].tolist(), float(switches[k]))
+
+    def _agreeing(self, role: str, chosen: dict[str, RoleOption], arrays: RoleChoices) -> np.ndarray:
+        """Which options of `role` agree with the facets of the roles chosen so far (Rules.agree)."""
+        rules = self.ctx.rules
+        values = {name: value for r, o in chosen.items() for name, value in rules.facets(r, o.par)}
+        return np.array([agrees(rules.facets(role, o.par), values) for o in arrays.options], dtype=bool)
 
     def _bound_generation(self, role: str, chosen: dict[str, RoleOption], arrays: RoleChoices, held: np.ndarray,
                           fits: np.ndarray, rows: np.ndarray) -> None:

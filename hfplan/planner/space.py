@@ -83,14 +83,34 @@ def micro_batches(sequences_per_rank: int) -> list[int]:
     return powers_of_two(max(1, sequences_per_rank))
 
 
-def train_configs(arch: ModelArch, gpus: int, gpus_per_node: int, sequences_per_step: int) -> list[TrainConfig]:
+def shard_modes(tp: int, dp: int, gpus_per_node: int) -> list[tuple[str, int | None]]:
+    """(shard, shard_group) of a training layout: nothing to shard on one data-parallel rank; else
+    replicated, ZeRO-1, ZeRO-2, full, and hybrid sharding with each shard group filling one node
+    (sharded within the node, replicated across nodes)."""
+    if dp == 1:
+        return [("replicated", None)]
+    modes: list[tuple[str, int | None]] = [("replicated", None), ("zero1", None), ("zero2", None), ("full", None)]
+    group = gpus_per_node // tp
+    if 1 < group < dp and dp % group == 0:
+        modes.append(("hybrid", group))
+    return modes
+
+
+def train_configs(arch: ModelArch, gpus: int, gpus_per_node: int, sequences_per_step: int,
+                  executable: bool = True) -> list[TrainConfig]:
+    """executable: only what hfplan's executor runs (hfplan.layout.unsupported_layout); other targets
+    run their plans on their own frameworks."""
     out = []
     for tp, pp, dp in model_layouts(arch, gpus, gpus_per_node, "train"):
         per_rank = -(-sequences_per_step // dp)
+        layouts = [TrainConfig(tp=tp, pp=pp, dp=dp, shard=shard, shard_group=group)
+                   for shard, group in shard_modes(tp, dp, gpus_per_node)]
+        if executable:
+            layouts = [lay for lay in layouts if unsupported_layout(arch, "train", lay) is None]
         for micro in micro_batches(per_rank):
-            for shard in ((False, True) if dp > 1 else (False,)):
+            for layout in layouts:
                 for recompute in (False, True):
-                    out.append(TrainConfig(tp=tp, pp=pp, dp=dp, micro_batch=micro, shard=shard, recompute=recompute))
+                    out.append(layout.model_copy(update={"micro_batch": micro, "recompute": recompute}))
     return out
 
 

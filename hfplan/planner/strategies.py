@@ -76,10 +76,14 @@ def pareto(vectors: np.ndarray, keys: Sequence[object] | None = None) -> list[in
     return sorted(keep)
 
 
+Facets = tuple[tuple[str, object], ...]  # (name, value) pairs that must agree across every role naming them
+
+
 @dataclass(frozen=True)
 class Rules:
-    """Limits on the strategy space. hfplan's own search has none; the fixed mappings of other RLHF
-    systems are expressed as rules (see planner/baselines.py)."""
+    """Limits on the strategy space. hfplan's own search has none but its executor's; the fixed mappings
+    of other RLHF systems and the target frameworks are expressed as rules (planner/baselines.py,
+    planner/targets.py)."""
 
     name: str = "hfplan"
     placements: tuple[tuple[tuple[str, ...], ...], ...] | None = None  # None: every set partition
@@ -87,12 +91,28 @@ class Rules:
     power_of_two_sets: bool = False  # every colocated set gets a power-of-two GPU count
     train: Callable[[str, TrainConfig], bool] | None = None
     gen: Callable[[TrainConfig | None, GenConfig], bool] | None = None
+    infer: Callable[[str, InferConfig], bool] | None = None  # inference layouts (trained roles: micro-batch)
+    # Settings one flag sets for several roles (e.g. one ZeRO stage for all): a role's facets, from any of
+    # its layouts; a choice of strategies is allowed only when every facet name has one value.
+    agree: Callable[[str, RoleParallelism], Facets] | None = None
+    executable: bool = True  # only layouts hfplan's executor runs (False: the plan runs on another framework)
 
     def train_ok(self, role: str, train: TrainConfig) -> bool:
         return self.train is None or self.train(role, train)
 
     def gen_ok(self, train: TrainConfig | None, gen: GenConfig) -> bool:
         return self.gen is None or self.gen(train, gen)
+
+    def infer_ok(self, role: str, infer: InferConfig) -> bool:
+        return self.infer is None or self.infer(role, infer)
+
+    def facets(self, role: str, par: RoleParallelism) -> Facets:
+        return () if self.agree is None else self.agree(role, par)
+
+
+def agrees(facets: Facets, chosen: dict[str, object]) -> bool:
+    """Whether `facets` agree with the facet values already chosen."""
+    return all(chosen.get(name, value) == value for name, value in facets)
 
 
 @dataclass(frozen=True)
@@ -246,7 +266,7 @@ class SearchContext:
             options = [o for family in self.parts(role, gpus) for o in self._family_options(role, family)]
         else:
             options = self._untrained_options(role, gpus)
-        return _prune(options)
+        return _prune(options, self.rules)
 
     def _untrained_options(self, role: str, gpus: int) -> list[RoleOption]:
         w, g = self.workload, self.gpus_per_node
@@ -255,7 +275,8 @@ class SearchContext:
             pars = [RoleParallelism(gen=gen) for gen in space.gen_configs(w.arch(model_role(w, role)), gpus, g)
                     if self.rules.gen_ok(None, gen)]
         else:
-            pars = [RoleParallelism(infer=infer) for infer in space.infer_configs(w.arch(role), gpus, g, w.sequences)]
+            pars = [RoleParallelism(infer=infer) for infer in space.infer_configs(w.arch(role), gpus, g, w.sequences)
+                    if self.rules.infer_ok(role, infer)]
         out = []
         for par in pars:
             mem = role_memory(w, role, par, self.value_bytes)
@@ -288,7 +309,7 @@ class SearchContext:
         forwards = [n for n in nodes if n.kind == "forward"]
         grouped: dict[tuple, list[TrainPart]] = {}
         residents: dict[tuple, float] = {}
-        for train in space.train_configs(arch, gpus, g, w.sequences // w.mini_batches):
+        for train in space.train_configs(arch, gpus, g, w.sequences // w.mini_batches, self.rules.executable):
             if not self.rules.train_ok(role, train):
                 continue
             resident, transient = train_memory(w, role, train, self.value_bytes)
@@ -301,10 +322,12 @@ class SearchContext:
             residents[key] = resident
         families = []
         for key, members in grouped.items():
-            kept = _pareto_parts(members)
+            kept = _pareto_parts(members, [self.rules.facets(role, RoleParallelism(train=m.config)) for m in members])
             layout, resident = kept[0].config, residents[key]
             infers = []
             for infer in space.infer_configs(arch, gpus, g, w.sequences, layout):
+                if not self.rules.infer_ok(role, infer):
+                    continue
                 par = RoleParallelism(train=layout, infer=infer)
                 transient = infer_transient(w, role, infer, layout, self.value_bytes)
                 if resident + transient <= self.usable:
@@ -312,7 +335,7 @@ class SearchContext:
                                             transient))
             if not infers:
                 continue
-            infers = _pareto_parts(infers)
+            infers = _pareto_parts(infers, [self.rules.facets(role, RoleParallelism(infer=i.config)) for i in infers])
             gens = [NO_GENERATION]
             if role == self.generator:
                 gens = []
@@ -442,19 +465,20 @@ class SearchContext:
         return Floor(tuple(seconds), tuple(gen), switch, min(f.resident for f in families))
 
 
-def _pareto_parts(parts: list):
-    """The train or infer parts not dominated on (seconds of each call, transient bytes)."""
-    return [parts[i] for i in pareto(np.array([[*p.seconds, p.transient] for p in parts]))]
+def _pareto_parts(parts: list, facets: list[Facets]):
+    """The train or infer parts not dominated on (seconds of each call, transient bytes) by one with the
+    same facets (a dominated part may be the only one that agrees with another role's choice)."""
+    return [parts[i] for i in pareto(np.array([[*p.seconds, p.transient] for p in parts]), facets)]
 
 
 def _gen_key(gen: GenConfig | None) -> tuple[int, int, int] | None:
     return (gen.tp, gen.pp, gen.dp) if gen is not None else None
 
 
-def _prune(options: list[RoleOption]) -> list[RoleOption]:
+def _prune(options: list[RoleOption], rules: Rules) -> list[RoleOption]:
     if not options:
         return options
     vectors = np.array([[*o.seconds, o.switch, o.memory.resident, o.memory.transient, o.memory.gen_extra]
                         for o in options])
-    keys = [o.gen_key for o in options]
+    keys = [(o.gen_key, rules.facets(o.role, o.par)) for o in options]
     return [options[i] for i in pareto(vectors, keys)]

@@ -18,6 +18,7 @@ from hfplan.plan import GenConfig, InferConfig, Layout, TrainConfig
 from hfplan.profiles.hardware import HardwareProfile
 from hfplan.profiles.models import ModelArch
 from hfplan.simulator import collectives as coll
+from hfplan.simulator import sharding
 from hfplan.simulator.kernels import (
     FP32,
     LayerCost,
@@ -86,10 +87,6 @@ def tp_group(tp: int, where: SetShape) -> coll.Group:
     return coll.group_of(tp, 1, where.per_node)
 
 
-def dp_group(layout: Layout, where: SetShape) -> coll.Group:
-    return coll.group_of(layout.dp, layout.tp, where.per_node)
-
-
 def stages_share_node(layout: Layout, where: SetShape) -> bool:
     return layout.gpus <= where.per_node
 
@@ -147,12 +144,6 @@ def _per_rank(sequences: int, dp: int, micro_batch: int) -> tuple[int, int]:
     return micro, math.ceil(seqs / micro)
 
 
-def _param_gather(hw: HardwareProfile, arch: ModelArch, layout: Layout, where: SetShape, head: str) -> float:
-    """All-gather of one stage's parameters across data-parallel ranks (sharded training)."""
-    nbytes = hw.compute.value_bytes * stage_params(arch, layout.pp, head) / layout.tp
-    return coll.all_gather(hw, dp_group(layout, where), nbytes)
-
-
 @memoized
 def train_step_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: SetShape, sequences: int,
                     seq_len: int, head: str, *, memo: CostMemo | None = None) -> float:
@@ -163,18 +154,9 @@ def train_step_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, wher
     bwd = sp.backward + (sp.forward if cfg.recompute else 0.0)
     p2p = 2 * _p2p(hw, arch, cfg, where, micro * seq_len)
     local_params = stage_params(arch, cfg.pp, head) / cfg.tp
-    grad_bytes = FP32 * local_params
-    dp = dp_group(cfg, where)
-    if cfg.shard and cfg.dp > 1:
-        gather = _param_gather(hw, arch, cfg, where, head)
-        scatter = coll.reduce_scatter(hw, dp, grad_bytes)
-        # Layer-wise prefetch hides the gathers behind compute where compute is longer.
-        exposed_per_micro = max(0.0, gather - fwd) + max(0.0, gather + scatter - bwd)
-        exposed = n_micro * exposed_per_micro
-    else:
-        exposed = max(0.0, coll.all_reduce(hw, dp, grad_bytes) - bwd)  # overlapped with the last backward
+    exposed = sharding.exposed_step_comm(hw, arch, cfg, where, head, fwd, bwd, n_micro)
     pipeline = (n_micro + cfg.pp - 1) * (fwd + bwd + p2p)
-    optimizer_params = local_params / (cfg.dp if cfg.shard else 1)
+    optimizer_params = local_params * sharding.optimizer_fraction(cfg)
     optimizer = memory_time(hw, ADAM_BYTES_PER_PARAM * optimizer_params)
     return pipeline + exposed + optimizer
 
@@ -187,15 +169,15 @@ def update_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: S
 
 @memoized
 def inference_time(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, where: SetShape, sequences: int,
-                   seq_len: int, head: str, sharded_dp: bool = False, *, memo: CostMemo | None = None) -> float:
-    """Forward passes over all sequences (log-probs, values or scores). `sharded_dp`: parameters are
-    sharded across data-parallel ranks (a trained role in its FSDP layout) and gathered per micro-batch."""
+                   seq_len: int, head: str, weight_shards: int = 1, *, memo: CostMemo | None = None) -> float:
+    """Forward passes over all sequences (log-probs, values or scores). `weight_shards`: the weights are
+    split over this many data-parallel ranks (a trained role in its FSDP layout) and gathered per micro-batch."""
     micro, n_micro = _per_rank(sequences, cfg.dp, cfg.micro_batch)
     fwd = stage_pass(hw, arch, cfg.tp, cfg.pp, where, micro, seq_len, head, memo=memo).forward
     p2p = _p2p(hw, arch, cfg, where, micro * seq_len)
     exposed = 0.0
-    if sharded_dp and cfg.dp > 1:
-        exposed = n_micro * max(0.0, _param_gather(hw, arch, cfg, where, head) - fwd)
+    if weight_shards > 1:
+        exposed = n_micro * max(0.0, sharding.weight_gather_seconds(hw, arch, cfg, where, head, weight_shards) - fwd)
     return (n_micro + cfg.pp - 1) * (fwd + p2p) + exposed
 
 

@@ -172,7 +172,7 @@ def train_memory(workload: Workload, role: str, train: TrainConfig, value_bytes:
 def infer_transient(workload: Workload, role: str, infer: InferConfig, train: TrainConfig | None,
                     value_bytes: int) -> float:
     """Bytes per GPU of one forward micro-batch (a sharded trained role also gathers layer weights)."""
-    sharded = train if train is not None and train.shard else None
+    sharded = train if train is not None and train.shards("weights") > 1 else None
     return memory.infer_transient_bytes(workload.arch(role), infer, workload.seq_len, head_of(workload, role), sharded,
                                         value_bytes)
 
@@ -244,8 +244,8 @@ def call_seconds(workload: Workload, hw: HardwareProfile, gpus_per_node: int, no
                                      kv_budget, memo=memo).seconds
     head = head_of(w, role)
     if node.kind == "forward":
-        sharded = par.train is not None and par.train.shard
-        return costs.inference_time(hw, arch, par.infer, where, node.sequences, w.seq_len, head, sharded, memo=memo)
+        shards = par.train.shards("weights") if par.train is not None else 1
+        return costs.inference_time(hw, arch, par.infer, where, node.sequences, w.seq_len, head, shards, memo=memo)
     if node.kind == "update":
         return costs.update_time(hw, arch, par.train, where, node.sequences, w.seq_len, head, w.mini_batches,
                                  w.epochs, memo=memo)

@@ -14,6 +14,7 @@ import math
 from hfplan.layout import resharding, stage_params
 from hfplan.plan import GenConfig, InferConfig, Layout, TrainConfig
 from hfplan.profiles.models import ModelArch
+from hfplan.simulator import sharding
 from hfplan.simulator.kernels import BF16, FP32
 
 # Mixed-precision Adam: bf16 weights (2) + fp32 gradients (4) + fp32 master weights (4) + Adam first
@@ -25,7 +26,7 @@ INFER_BYTES_PER_PARAM = 2
 def train_bytes_per_param(value_bytes: int = BF16) -> int:
     """Adam training state per parameter: the weights in compute precision, fp32 gradients, an fp32
     master copy when the weights are not already fp32, and the two fp32 moments."""
-    return value_bytes + FP32 + (FP32 if value_bytes < FP32 else 0) + 2 * FP32
+    return sum(sharding.state_bytes(value_bytes).values())
 
 
 def activation_values_per_token_layer(arch: ModelArch, tp: int) -> float:
@@ -43,7 +44,7 @@ def layer_working_values_per_token(arch: ModelArch, tp: int) -> float:
 
 def train_resident_bytes(arch: ModelArch, cfg: TrainConfig, head: str, value_bytes: int = BF16) -> float:
     local = stage_params(arch, cfg.pp, head) / cfg.tp
-    return train_bytes_per_param(value_bytes) * local / (cfg.dp if cfg.shard else 1)
+    return sharding.resident_bytes_per_param(cfg, value_bytes) * local
 
 
 def infer_resident_bytes(arch: ModelArch, cfg: Layout, head: str, value_bytes: int = BF16) -> float:
@@ -55,8 +56,8 @@ def _logits_bytes(arch: ModelArch, tokens: float, tp: int, head: str) -> float:
 
 
 def _gathered_layers_bytes(arch: ModelArch, cfg: TrainConfig, value_bytes: int) -> float:
-    """Sharded training gathers one layer's weights at a time and prefetches the next."""
-    if not cfg.shard or cfg.dp == 1:
+    """Training with sharded weights gathers one layer's weights at a time and prefetches the next."""
+    if cfg.shards("weights") == 1:
         return 0.0
     return 2 * value_bytes * arch.params_per_layer / cfg.tp
 

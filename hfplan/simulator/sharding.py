@@ -1,0 +1,89 @@
+"""What each sharding mode of a training layout keeps on one GPU and moves in one optimizer step.
+
+The modes (hfplan.plan.SHARDED_STATES) split some of the three training states over a shard group of
+data-parallel ranks: weights (compute precision), gradients (fp32) and optimizer states (the fp32
+master copy and Adam's two moments). Ranks of a shard group are consecutive data-parallel ranks, tp
+apart (the contract's rank order); hybrid sharding's replicas are the groups' counterparts, g * tp apart.
+
+Per step (one mini-batch of n micro-batches on each rank), with P the rank's parameters (after tp and
+pp), v the weight bytes and 4 the fp32 gradient bytes per parameter:
+- replicated: one all-reduce of 4P over dp, overlapped with the last backward;
+- zero1: one reduce-scatter of 4P over dp (overlapped with the last backward), then one all-gather
+  of the updated weights, vP, after the optimizer step;
+- zero2: a reduce-scatter of 4P after every micro-batch's backward (overlapped with it), and the
+  all-gather of the updated weights once per step;
+- full and hybrid: every micro-batch all-gathers the weights (vP) before its forward and again
+  before its backward, and reduce-scatters its gradients, in its shard group (layer-wise prefetch
+  overlaps them with compute); hybrid then all-reduces its gradient shard (4P / g) across the
+  replicas once per step, overlapped with the last backward.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hfplan.layout import stage_params
+from hfplan.plan import Layout, TrainConfig
+from hfplan.simulator import collectives as coll
+from hfplan.simulator.kernels import FP32
+
+if TYPE_CHECKING:
+    from hfplan.profiles.hardware import HardwareProfile
+    from hfplan.profiles.models import ModelArch
+    from hfplan.simulator.costs import SetShape
+
+
+def state_bytes(value_bytes: int) -> dict[str, int]:
+    """Bytes per parameter of each training state: weights in the compute precision, fp32 gradients, and
+    the optimizer's fp32 master copy (when the weights are not fp32 already) and two Adam moments."""
+    master = FP32 if value_bytes < FP32 else 0
+    return {"weights": value_bytes, "grads": FP32, "optimizer": master + 2 * FP32}
+
+
+def resident_bytes_per_param(cfg: TrainConfig, value_bytes: int) -> float:
+    """Training-state bytes one GPU keeps per parameter of its (tp, pp) shard."""
+    return sum(nbytes / cfg.shards(state) for state, nbytes in state_bytes(value_bytes).items())
+
+
+def optimizer_fraction(cfg: TrainConfig) -> float:
+    """Share of its (tp, pp) shard's parameters whose optimizer step one GPU runs."""
+    return 1.0 / cfg.shards("optimizer")
+
+
+def shard_group(layout: Layout, size: int, where: SetShape) -> coll.Group:
+    """`size` consecutive data-parallel ranks (tp apart): the group a sharded state is split over."""
+    return coll.group_of(size, layout.tp, where.per_node)
+
+
+def weight_gather_seconds(hw: HardwareProfile, arch: ModelArch, layout: Layout, where: SetShape, head: str,
+                          shards: int) -> float:
+    """All-gather of a stage's weights (compute precision) among `shards` data-parallel ranks."""
+    nbytes = hw.compute.value_bytes * stage_params(arch, layout.pp, head) / layout.tp
+    return coll.all_gather(hw, shard_group(layout, shards, where), nbytes)
+
+
+def exposed_step_comm(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: SetShape, head: str,
+                      forward: float, backward: float, n_micro: int) -> float:
+    """Seconds of data-parallel communication one optimizer step does not hide behind compute
+    (`forward`, `backward`: one micro-batch's passes through the stage)."""
+    if cfg.dp == 1:
+        return 0.0
+    local = stage_params(arch, cfg.pp, head) / cfg.tp
+    grads = FP32 * local
+    everyone = shard_group(cfg, cfg.dp, where)
+    if cfg.shard == "replicated":
+        return max(0.0, coll.all_reduce(hw, everyone, grads) - backward)
+    weights_back = coll.all_gather(hw, everyone, hw.compute.value_bytes * local)
+    if cfg.shard == "zero1":
+        return max(0.0, coll.reduce_scatter(hw, everyone, grads) - backward) + weights_back
+    if cfg.shard == "zero2":
+        return n_micro * max(0.0, coll.reduce_scatter(hw, everyone, grads) - backward) + weights_back
+    g = cfg.shard_size
+    group = shard_group(cfg, g, where)
+    gather = weight_gather_seconds(hw, arch, cfg, where, head, g)
+    scatter = coll.reduce_scatter(hw, group, grads)
+    exposed = n_micro * (max(0.0, gather - forward) + max(0.0, gather + scatter - backward))
+    if g < cfg.dp:
+        replicas = coll.group_of(cfg.dp // g, g * cfg.tp, where.per_node)
+        exposed += max(0.0, coll.all_reduce(hw, replicas, grads / g) - backward)
+    return exposed
