@@ -111,8 +111,9 @@ class Rules:
 
 
 def agrees(facets: Facets, chosen: dict[str, object]) -> bool:
-    """Whether `facets` agree with the facet values already chosen."""
-    return all(chosen.get(name, value) == value for name, value in facets)
+    """Whether `facets` agree among themselves and with the facet values already chosen."""
+    values = dict(chosen)
+    return all(values.setdefault(name, value) == value for name, value in facets)
 
 
 @dataclass(frozen=True)
@@ -335,7 +336,8 @@ class SearchContext:
                                             transient))
             if not infers:
                 continue
-            infers = _pareto_parts(infers, [self.rules.facets(role, RoleParallelism(infer=i.config)) for i in infers])
+            infers = _pareto_parts(infers, [self.rules.facets(role, RoleParallelism(train=layout, infer=i.config))
+                                            for i in infers])
             gens = [NO_GENERATION]
             if role == self.generator:
                 gens = []
