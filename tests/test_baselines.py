@@ -1,7 +1,7 @@
-"""Other systems' fixed mappings (hfplan/planner/baselines.py): each plan obeys its system's rules, the
+"""Other systems' mappings (hfplan/planner/baselines.py): each plan obeys its system's rules, the
 search within those rules finds the same optimum as a brute-force enumeration written here from the
-systems' descriptions, and hfplan's own search (a superset of the colocated mappings) is never slower
-than the colocated ones."""
+systems' descriptions (OpenRLHF's from openrlhf/cli/train_ppo_ray.py at 3c3be623), and hfplan's own
+search (a superset of the colocated mappings) is never slower than the colocated ones."""
 
 from __future__ import annotations
 
@@ -21,12 +21,9 @@ from hfplan.simulator.mapping import PlanCosts
 from hfplan.simulator.trace import trace
 from hfplan.spec import ALGORITHM_ROLES, TRAINED_ROLES, load_workload, make_cluster, workload_from_dict
 
-NEMO, DEEPSPEED, OPENRLHF = "NeMo-Aligner-like", "DeepSpeed-Chat-like", "OpenRLHF-like"
+NEMO, DEEPSPEED, OPENRLHF = "NeMo-Aligner-like", "DeepSpeed-Chat-like", "OpenRLHF"
+ZERO = ("replicated", "zero1", "zero2", "full")  # --ds.zero_stage 0..3
 RULE = "rule:vowel-fraction"
-
-
-def _is_power_of_two(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
 
 
 def _layout(x) -> tuple[int, int, int]:
@@ -36,7 +33,7 @@ def _layout(x) -> tuple[int, int, int]:
 def _zero3(train) -> bool:
     """ZeRO-3: no tensor or pipeline parallelism; states sharded over the data ranks (one rank: nothing to
     shard)."""
-    return train.tp == 1 and train.pp == 1 and (train.shard or train.dp == 1)
+    return train.tp == 1 and train.pp == 1 and (train.shard == "full" or train.dp == 1)
 
 
 # -- rules, as the systems are described ----------------------------------------------------------
@@ -48,7 +45,7 @@ def check_nemo(plan) -> None:
     assert plan.placement[0].gpus == plan.cluster.gpus
     for role, par in plan.parallelism.items():
         if role in TRAINED_ROLES:
-            assert par.train.shard is False, role
+            assert par.train.shard in ("replicated", "zero1"), role
     actor = plan.parallelism["actor"]
     assert _layout(actor.gen) == _layout(actor.train)
 
@@ -66,19 +63,48 @@ def check_deepspeed(plan) -> None:
     assert (gen.tp, gen.pp, gen.dp) == (1, 1, plan.cluster.gpus)
 
 
+def openrlhf_placements(roles) -> list[tuple[tuple[str, ...], ...]]:
+    """Everything on the actor's GPUs (--train.colocate_all, vLLM inside), or vLLM engines apart with actor
+    and reference together or not (--train.colocate_actor_ref), critic and reward together or not
+    (--train.colocate_critic_reward)."""
+    out = [(tuple(roles),)]
+    pairs = [p for p in (("actor", "reference"), ("critic", "reward")) if all(r in roles for r in p)]
+    for joined in itertools.product((False, True), repeat=len(pairs)):
+        together = [p for p, j in zip(pairs, joined, strict=True) if j]
+        alone = [(r,) for r in roles if not any(r in p for p in together)]
+        out.append(tuple(together) + tuple(alone) + ((ROLLOUT,),))
+    return out
+
+
+def openrlhf_settings_agree(workload, pars: dict) -> bool:
+    """One ZeRO stage (ranks > 1), one training micro-batch and gradient-checkpointing flag for the trained
+    roles, one forward micro-batch for every model; whole micro-batches, equal shares; at least one
+    forward micro-batch per actor GPU."""
+    trained = [p.train for p in pars.values() if p.train is not None]
+    infers = [p.infer for p in pars.values() if p.infer is not None]
+    per_step = workload.sequences // workload.mini_batches
+    actor = pars["actor"].infer
+    return (len({t.shard for t in trained if t.dp > 1}) <= 1 and len({t.micro_batch for t in trained}) <= 1
+            and len({t.recompute for t in trained}) <= 1 and len({i.micro_batch for i in infers}) <= 1
+            and all(per_step % (t.dp * t.micro_batch) == 0 for t in trained)
+            and workload.sequences // actor.micro_batch >= actor.dp)
+
+
 def check_openrlhf(plan) -> None:
-    """Every role alone on a power-of-two group, plus a separate rollout engine that generates."""
-    groups = sorted(tuple(g.models) for g in plan.placement)
-    assert groups == sorted([(r,) for r in plan.workload.model_roles] + [(ROLLOUT,)])
-    assert all(_is_power_of_two(g.gpus) for g in plan.placement)
-    assert sum(g.gpus for g in plan.placement) == plan.cluster.gpus
-    rollout = plan.parallelism[ROLLOUT]
-    assert rollout.gen is not None and rollout.train is None and rollout.infer is None
-    assert plan.parallelism["actor"].gen is None
-    assert plan.generation_role == ROLLOUT
+    groups = sorted(tuple(sorted(g.models)) for g in plan.placement)
+    allowed = [sorted(tuple(sorted(s)) for s in p) for p in openrlhf_placements(plan.workload.model_roles)]
+    assert groups in allowed
+    if len(plan.placement) > 1:
+        rollout = plan.parallelism[ROLLOUT]
+        assert rollout.gen is not None and rollout.train is None and rollout.infer is None
+        assert plan.parallelism["actor"].gen is None
+        assert plan.generation_role == ROLLOUT
     for role, par in plan.parallelism.items():
-        if role in TRAINED_ROLES:
-            assert _zero3(par.train), role
+        for layout in (par.train, par.infer):
+            assert layout is None or (layout.tp, layout.pp) == (1, 1), role
+        if par.train is not None:
+            assert par.train.shard in ZERO, role
+    assert openrlhf_settings_agree(plan.workload, plan.parallelism)
 
 
 CHECKS = {NEMO: check_nemo, DEEPSPEED: check_deepspeed, OPENRLHF: check_openrlhf}
@@ -109,6 +135,9 @@ def test_baseline_plans_obey_their_rules(name, gpus):
     workload, cluster, _, results = real(name, gpus)
     assert set(results) == set(CHECKS)
     for system, result in results.items():
+        if system == OPENRLHF and workload.algorithm == "remax":
+            assert result.plan is None and "no remax estimator" in result.reason
+            continue
         assert result.plan is not None, (system, result.reason)
         plan = result.plan
         CHECKS[system](plan)
@@ -126,15 +155,13 @@ def test_hfplan_never_slower_than_the_colocated_systems(name, gpus):
         assert best.estimate.iteration_s <= results[system].iteration_s * (1 + 1e-9), system
 
 
-def test_openrlhf_needs_a_group_per_role():
-    """PPO's four models and a rollout engine need five groups: on 4 GPUs only hfplan's mappings fit."""
-    workload, cluster = load_workload("ppo-qwen2.5-0.5b"), make_cluster(4, "a100-80g")
-    results = {r.baseline.name: r for r in compare(workload, cluster)}
-    assert results[OPENRLHF].plan is None and results[OPENRLHF].iteration_s is None
-    assert results[OPENRLHF].reason
-    assert results[NEMO].plan is not None and results[DEEPSPEED].plan is not None
-    best = search(workload, cluster, top_k=1).best
-    assert best.estimate.iteration_s <= min(results[NEMO].iteration_s, results[DEEPSPEED].iteration_s) * (1 + 1e-9)
+def test_openrlhf_runs_ppo_and_grpo_only():
+    """train_ppo_ray's estimators: gae (PPO) and group_norm (GRPO) among those hfplan models; ReMax's and
+    Safe-RLHF's workloads get the reason instead of a plan."""
+    for name in ("remax-qwen2.5-0.5b", "safe-rlhf-qwen2.5-0.5b"):
+        workload = load_workload(name)
+        result = next(r for r in compare(workload, make_cluster(8, "a100-80g")) if r.baseline.name == OPENRLHF)
+        assert result.plan is None and f"no {workload.algorithm} estimator" in result.reason
 
 
 # -- exhaustive search within each system's rules -------------------------------------------------
@@ -161,8 +188,10 @@ def model_paths(tmp_path_factory):
 
 def _train_ok(system: str, train) -> bool:
     if system == NEMO:
-        return not train.shard
-    return _zero3(train)  # DeepSpeed-Chat, OpenRLHF
+        return train.shard in ("replicated", "zero1")
+    if system == OPENRLHF:
+        return train.tp == 1 and train.pp == 1 and train.shard in ZERO
+    return _zero3(train)
 
 
 def _gen_ok(system: str, train, gen) -> bool:
@@ -173,17 +202,19 @@ def _gen_ok(system: str, train, gen) -> bool:
     return True
 
 
-def system_strategies(workload, role: str, gpus: int, per_node: int, system: str) -> list[RoleParallelism]:
+def system_strategies(workload, role: str, gpus: int, per_node: int, system: str,
+                      generates: bool) -> list[RoleParallelism]:
     if role == ROLLOUT:
         return [RoleParallelism(gen=gen) for gen in space.gen_configs(workload.arch("actor"), gpus, per_node)]
     arch = workload.arch(role)
     if role not in TRAINED_ROLES:
-        return [RoleParallelism(infer=i) for i in space.infer_configs(arch, gpus, per_node, workload.sequences)]
+        return [RoleParallelism(infer=i) for i in space.infer_configs(arch, gpus, per_node, workload.sequences)
+                if system != OPENRLHF or (i.tp, i.pp) == (1, 1)]
     out = []
-    for train in space.train_configs(arch, gpus, per_node, workload.sequences // workload.mini_batches):
+    steps = workload.sequences // workload.mini_batches
+    for train in space.train_configs(arch, gpus, per_node, steps, executable=False):
         if not _train_ok(system, train):
             continue
-        generates = role == "actor" and system != OPENRLHF
         gens = [g for g in space.gen_configs(arch, gpus, per_node, train) if _gen_ok(system, train, g)] \
             if generates else [None]
         for infer in space.infer_configs(arch, gpus, per_node, workload.sequences, train):
@@ -196,18 +227,23 @@ def exhaustive_system(workload, cluster, system: str) -> tuple[float, int]:
     per_node, dag = cluster.gpus_per_node, trace(workload)
     roles = tuple(workload.model_roles)
     if system == OPENRLHF:
-        placement = tuple((r,) for r in roles) + ((ROLLOUT,),)
-        allocations = list(space.allocations(len(placement), cluster.gpus, per_node, powers_only=True))
+        placements = openrlhf_placements(roles)
     else:
-        placement, allocations = (roles,), [(cluster.gpus,)]
+        placements = [(roles,)]
     best, tried = math.inf, 0
-    for allocation in allocations:
+    for placement, allocation in ((p, a) for p in placements
+                                  for a in space.allocations(len(p), cluster.gpus, per_node)):
         sets = list(zip(placement, allocation, strict=True))
         names = [r for group, _ in sets for r in group]
-        options = [system_strategies(workload, r, gpus, per_node, system) for group, gpus in sets for r in group]
+        hybrid = ROLLOUT not in names
+        options = [system_strategies(workload, r, gpus, per_node, system, generates=r == "actor" and hybrid)
+                   for group, gpus in sets for r in group]
         for combo in itertools.product(*options):
+            pars = dict(zip(names, combo, strict=True))
+            if system == OPENRLHF and not openrlhf_settings_agree(workload, pars):
+                continue
             tried += 1
-            plan_costs = PlanCosts(workload, sets, dict(zip(names, combo, strict=True)), cluster.profile, per_node)
+            plan_costs = PlanCosts(workload, sets, pars, cluster.profile, per_node)
             if plan_costs.infeasible_reason:
                 continue
             best = min(best, engine.run(dag, plan_costs).iteration_s)
@@ -218,6 +254,10 @@ SMALL = {
     "ppo-4gpu": ("ppo", {"actor": "kv1", "critic": "flat", "reference": "flat", "reward": "flat"}, 4, 4, 1),
     "ppo-8gpu-2nodes": ("ppo", {"actor": "wide", "critic": "flat", "reference": "flat", "reward": RULE}, 8, 4, 1),
     "grpo-4gpu": ("grpo", {"actor": "wide", "reference": "flat", "reward": "flat"}, 4, 2, 2),
+    # OpenRLHF loads the reference from the actor's path: these share one model
+    "ppo-4gpu-one-reference": ("ppo", {"actor": "kv1", "critic": "flat", "reference": "kv1", "reward": "flat"}, 4, 4,
+                               1),
+    "grpo-4gpu-one-reference": ("grpo", {"actor": "wide", "reference": "wide", "reward": "flat"}, 4, 2, 2),
     "remax-4gpu": ("remax", {"actor": "kv1", "reference": "kv1", "reward": RULE}, 4, 4, 1),
     "safe-rlhf-4gpu": ("safe-rlhf", {"actor": "kv1", "critic": "flat", "reference": "flat", "reward": RULE,
                                      "cost": RULE, "cost_critic": "flat"}, 4, 4, 1),
@@ -241,6 +281,12 @@ def test_each_system_search_equals_exhaustive_within_its_rules(model_paths, case
     results = {r.baseline.name: r for r in compare(workload, cluster)}
     own = search(workload, cluster, top_k=1).best.estimate.iteration_s
     for system in CHECKS:
+        if system == OPENRLHF and algorithm not in ("ppo", "grpo"):
+            assert results[system].plan is None and f"no {algorithm} estimator" in results[system].reason
+            continue
+        if system == OPENRLHF and models["reference"] != models["actor"]:
+            assert results[system].plan is None and "reference from the actor's model" in results[system].reason
+            continue
         expected, tried = exhaustive_system(workload, cluster, system)
         assert tried <= 20000
         got = results[system].iteration_s

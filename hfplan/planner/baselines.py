@@ -1,9 +1,10 @@
-"""Other RLHF systems' fixed mappings, searched on the same simulator within each system's own rules.
+"""Other RLHF systems' mappings, searched on the same simulator within each system's own rules.
 
 Each system is a set of rules on hfplan's strategy space; the best plan within those rules is found by
 the same exact search, so the comparison shows what the mapping itself costs, not a tuning gap.
-Roles that only run inference may use any layout in every system (each of these systems serves them
-with tensor or ZeRO parallelism of its own, which the cost model expresses as a layout).
+NeMo-Aligner and DeepSpeed-Chat are described by their mappings (their inference-only roles may use
+any layout: each serves them with tensor or ZeRO parallelism of its own, which the cost model
+expresses as a layout); OpenRLHF is the `--target openrlhf` rule set, read from its launcher.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hfplan.errors import HfplanError
-from hfplan.plan import ROLLOUT, GenConfig, Plan, TrainConfig
-from hfplan.planner.search import search
+from hfplan.plan import GenConfig, Plan, TrainConfig
 from hfplan.planner.strategies import Rules
+from hfplan.planner.targets import Target, openrlhf_target, search_target, simple_target
 from hfplan.spec import Cluster, Workload
 
 
@@ -21,7 +22,7 @@ from hfplan.spec import Cluster, Workload
 class Baseline:
     name: str
     description: str
-    rules: Rules
+    target: Target
 
 
 def _same_layout(train: TrainConfig | None, gen: GenConfig) -> bool:
@@ -33,28 +34,30 @@ def _whole_model(train: TrainConfig | None, gen: GenConfig) -> bool:
 
 
 def _megatron(role: str, train: TrainConfig) -> bool:
-    return not train.shard  # tensor, pipeline and data parallelism, weights replicated across data ranks
+    # tensor, pipeline and data parallelism; weights replicated across data ranks, the optimizer states
+    # too or sharded by Megatron's distributed optimizer (ZeRO-1)
+    return train.shard in ("replicated", "zero1")
 
 
 def _zero3(role: str, train: TrainConfig) -> bool:
-    # DeepSpeed ZeRO-3: no tensor or pipeline parallelism, parameters sharded over all data-parallel ranks
-    return train.tp == 1 and train.pp == 1 and (train.shard or train.dp == 1)
+    # DeepSpeed ZeRO-3: no tensor or pipeline parallelism, every state sharded over all data-parallel ranks
+    return train.tp == 1 and train.pp == 1 and (train.shard == "full" or train.dp == 1)
 
 
 def baselines(workload: Workload) -> list[Baseline]:
-    roles = tuple(workload.model_roles)
-    together = ((roles,),)
-    apart = (tuple((r,) for r in roles) + ((ROLLOUT,),),)
+    together = ((tuple(workload.model_roles),),)
+    openrlhf = openrlhf_target(workload)
     return [
-        Baseline("NeMo-Aligner-like", "all roles colocated; Megatron 3D parallelism; the actor generates in its "
-                 "training layout (no resharding)",
-                 Rules("NeMo-Aligner-like", placements=together, train=_megatron, gen=_same_layout)),
+        Baseline("NeMo-Aligner-like", "all roles colocated; Megatron 3D parallelism (weights replicated across data "
+                 "ranks, optimizer states replicated or ZeRO-1); the actor generates in its training layout (no "
+                 "resharding)",
+                 simple_target(Rules("NeMo-Aligner-like", placements=together, train=_megatron, gen=_same_layout,
+                                     executable=False))),
         Baseline("DeepSpeed-Chat-like", "all roles colocated; ZeRO-3 training; the whole actor is gathered on every "
                  "GPU for generation",
-                 Rules("DeepSpeed-Chat-like", placements=together, train=_zero3, gen=_whole_model)),
-        Baseline("OpenRLHF-like", "every role on its own power-of-two group of GPUs; ZeRO-3 training; a separate "
-                 "generation engine (any tensor parallelism) receives the actor's weights each iteration",
-                 Rules("OpenRLHF-like", placements=apart, rollout=True, train=_zero3, power_of_two_sets=True)),
+                 simple_target(Rules("DeepSpeed-Chat-like", placements=together, train=_zero3, gen=_whole_model,
+                                     executable=False))),
+        Baseline("OpenRLHF", f"--target openrlhf ({openrlhf.source.label}): {openrlhf.summary}", openrlhf),
     ]
 
 
@@ -72,8 +75,12 @@ class BaselineResult:
 def compare(workload: Workload, cluster: Cluster, jobs: int = 1) -> list[BaselineResult]:
     out = []
     for baseline in baselines(workload):
+        target = baseline.target
         try:
-            result = search(workload, cluster, top_k=1, jobs=jobs, rules=baseline.rules)
+            problem = target.workload_problem(workload)
+            if problem:
+                raise HfplanError(problem)
+            result = search_target(target, workload, cluster, top_k=1, jobs=jobs)
         except HfplanError as error:
             out.append(BaselineResult(baseline, None, str(error)))
             continue

@@ -158,7 +158,12 @@ def _nothing(*_: object) -> str | None:
     return None
 
 
-HFPLAN = Target("hfplan", "every placement and layout hfplan's executor runs", None, (Rules(),), _nothing, _nothing)
+def simple_target(rules: Rules, summary: str = "") -> Target:
+    """A target that is one rule set and nothing else (hfplan's own; the described mappings of --compare)."""
+    return Target(rules.name, summary, None, (rules,), _nothing, _nothing)
+
+
+HFPLAN = simple_target(Rules(), "every placement and layout hfplan's executor runs")
 
 
 # -- verl ------------------------------------------------------------------------------------------------
