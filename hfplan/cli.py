@@ -171,6 +171,8 @@ def search(
     csv: Annotated[Path | None, typer.Option(help="write every candidate (placement x allocation) to this CSV")] = None,
     jobs: Annotated[int | None, typer.Option(min=1, help="processes (default: all cores)")] = None,
     compare: Annotated[bool, typer.Option(help="also search other systems' fixed mappings and compare")] = True,
+    target: Annotated[str, typer.Option(help="search only what this framework runs: hfplan (all), verl or "
+                                             "openrlhf; then `hfplan export` writes its command")] = "hfplan",
 ) -> None:
     """Search placements and parallelism for the fastest RLHF iteration; write the best plan."""
     import os
@@ -178,14 +180,17 @@ def search(
     from hfplan.files import check_outputs, write_outputs
     from hfplan.planner.report import candidates_frame, status_counts
     from hfplan.planner.search import search as run_search
+    from hfplan.planner.targets import get_target, search_target
     from hfplan.spec import load_workload, make_cluster
 
     check_outputs([(out, "--out"), (csv, "--csv")])
     spec = load_workload(workload)
     cluster = make_cluster(gpus, hardware, gpus_per_node)
+    chosen = get_target(target, spec)
     jobs = jobs or os.cpu_count() or 1
     with _progress() as progress:
-        result = run_search(spec, cluster, top_k=top, progress=progress, jobs=jobs)
+        result = search_target(chosen, spec, cluster, top_k=top, progress=progress, jobs=jobs)
+        own = run_search(spec, cluster, top_k=1, jobs=jobs).best if target != "hfplan" else None
         comparison = []
         if compare:
             from hfplan.planner.baselines import compare as compare_systems
@@ -213,6 +218,41 @@ def search(
     console.print(f"[bold]best:[/] {seconds(result.best.estimate.iteration_s)} s per iteration, "
                   f"{result.best.estimate.tokens_per_s:,.0f} tokens/s; plan written to {escape(str(out))}"
                   + (f"; candidates to {escape(str(csv))}" if csv is not None else ""), highlight=False)
+    if own is not None:
+        render_target_gap(chosen, result.best, own, out)
+
+
+def render_target_gap(target, best, own, out: Path) -> None:
+    """How far the target's best is from hfplan's own best on the same simulator, and what to run next."""
+    gap = best.estimate.iteration_s / own.estimate.iteration_s
+    console.print(f"[bold]{escape(target.source.framework)}[/] ({escape(target.source.label)}): {target.summary}. "
+                  f"Its best takes {seconds(best.estimate.iteration_s)} s; hfplan's own best on the same simulator "
+                  f"{seconds(own.estimate.iteration_s)} s ({gap:.2f}x). Run it there: "
+                  f"hfplan export {escape(str(out))} --to {target.name}", highlight=False)
+
+
+@app.command("export")
+@user_errors
+def export_command(
+    plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="plan JSON (as written by `hfplan search`)")],
+    to: Annotated[str, typer.Option("--to", help="framework: verl or openrlhf")],
+    out: Annotated[Path | None, typer.Option(
+        help="also write verl's YAML config (run with --config-path/--config-name) or OpenRLHF's shell script")]
+        = None,
+) -> None:
+    """Print the command that runs a plan on verl or OpenRLHF; refuse, with the reason, a plan it cannot run."""
+    from hfplan.export import export_plan
+    from hfplan.files import check_outputs, write_outputs
+    from hfplan.plan import load_plan
+
+    check_outputs([(out, "--out")])
+    result = export_plan(load_plan(plan_path), to, str(plan_path))
+    if out is not None:
+        write_outputs([(out, result.file_text)])
+    typer.echo(result.command, nl=False)
+    if out is not None:
+        err_console.print(f"{result.framework} {'config' if to == 'verl' else 'script'} written to {escape(str(out))}",
+                          highlight=False)
 
 
 @app.command()

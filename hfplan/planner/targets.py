@@ -55,7 +55,8 @@ VERL = Source("verl", "volcengine/verl", "b178a3cd5", "2026-01-29",
               ("verl/trainer/config/_generated_ppo_trainer.yaml",
                "verl/trainer/config/_generated_ppo_megatron_trainer.yaml", "verl/trainer/main_ppo.py",
                "verl/workers/fsdp_workers.py"),
-              note="the issue names 1dda039b9 (2026-08-22); the snapshot read holds up to b178a3cd5")
+              note="the issue names verl 1dda039b9 (2026-08-22), which the snapshot read does not hold; "
+                   "b178a3cd5 is the nearest it has")
 OPENRLHF = Source("OpenRLHF", "OpenRLHF/OpenRLHF", "3c3be623", "2026-08-13",
                   ("openrlhf/cli/train_ppo_ray.py", "openrlhf/utils/utils.py", "openrlhf/trainer/ray/ppo_actor.py",
                    "openrlhf/trainer/ray/ppo_critic.py"))
