@@ -25,7 +25,7 @@ from hfplan.simulator.engine import simulate_plan
 from hfplan.spec import load_workload, make_cluster
 
 HFPLAN = Path(sys.executable).with_name("hfplan")
-SYSTEMS = ("NeMo-Aligner-like", "DeepSpeed-Chat-like", "OpenRLHF-like")
+SYSTEMS = ("NeMo-Aligner-like", "DeepSpeed-Chat-like", "OpenRLHF")
 STATUSES = {"evaluated", "pruned", "infeasible"}
 
 
