@@ -14,22 +14,20 @@ from pathlib import Path
 
 import pytest
 
-from hfplan.planner.baselines import baselines
-from hfplan.planner.search import search
+from hfplan.planner.targets import get_target, search_target
 from hfplan.spec import load_workload, make_cluster
 
 DATA = Path(__file__).parent / "data" / "regression_plans.json"
-# (workload, GPUs, system): the default workload at three sizes, one workload per algorithm, and a
-# separate rollout engine (OpenRLHF's mapping), whose weight sync the schedule pays.
+# (workload, GPUs, target): the default workload at three sizes, one workload per algorithm, and a
+# separate rollout engine (the OpenRLHF target), whose weight sync the schedule pays.
 CASES = [("ppo-llama2-7b", 16, "hfplan"), ("ppo-llama2-7b", 64, "hfplan"), ("ppo-llama2-7b", 128, "hfplan"),
          ("grpo-qwen2.5-1.5b", 16, "hfplan"), ("remax-qwen2.5-1.5b", 16, "hfplan"),
-         ("safe-rlhf-qwen2.5-0.5b", 8, "hfplan"), ("ppo-llama2-7b", 16, "OpenRLHF-like")]
+         ("safe-rlhf-qwen2.5-0.5b", 8, "hfplan"), ("ppo-llama2-7b", 16, "openrlhf")]
 
 
 def best_plan(workload: str, gpus: int, system: str) -> dict:
     spec = load_workload(workload)
-    rules = next((b.rules for b in baselines(spec) if b.name == system), None)
-    plan = search(spec, make_cluster(gpus), top_k=1, rules=rules).best
+    plan = search_target(get_target(system, spec), spec, make_cluster(gpus), top_k=1).best
     return {"placement": [{"models": g.models, "gpus": g.gpus} for g in plan.placement],
             "parallelism": {role: par.model_dump(mode="json") for role, par in plan.parallelism.items()},
             "iteration_s": plan.estimate.iteration_s}
