@@ -353,8 +353,10 @@ def search_target(target: Target, workload: Workload, cluster: Cluster, top_k: i
         except HfplanError as error:
             errors.append(str(error))
     if not results:
-        raise HfplanError(f"within {target.name}'s rules: {errors[0]}" if errors else
-                          f"{target.name} expresses no placement of this workload's roles")
+        if not errors:
+            raise HfplanError(f"{target.name} expresses no placement of this workload's roles")
+        # The variant that names the fewest GPUs that would fit says the most.
+        raise HfplanError(min(errors, key=lambda e: "at least" not in e))
     if len(results) == 1:
         return results[0]
     top = sorted((p for r in results for p in r.top), key=lambda p: p.estimate.iteration_s)[:top_k]
