@@ -225,9 +225,9 @@ def search(
 def render_target_gap(target, best, own, out: Path) -> None:
     """How far the target's best is from hfplan's own best on the same simulator, and what to run next."""
     gap = best.estimate.iteration_s / own.estimate.iteration_s
-    console.print(f"[bold]{escape(target.source.framework)}[/] ({escape(target.source.label)}): {target.summary}. "
-                  f"Its best takes {seconds(best.estimate.iteration_s)} s; hfplan's own best on the same simulator "
-                  f"{seconds(own.estimate.iteration_s)} s ({gap:.2f}x). Run it there: "
+    console.print(f"[bold]{escape(target.source.label)}[/]: {target.summary}. Its best takes "
+                  f"{seconds(best.estimate.iteration_s)} s per iteration; hfplan's own best on the same simulator "
+                  f"{seconds(own.estimate.iteration_s)} s (the target's takes {gap:.2f}x as long). Run it there: "
                   f"hfplan export {escape(str(out))} --to {target.name}", highlight=False)
 
 
