@@ -251,3 +251,16 @@ def test_demo_models_have_no_checkpoint_to_export(tmp_path):
     assert result.exit_code == 0, result.output
     assert_user_error(invoke("export", tmp_path / "demo.json", "--to", "verl"), "demo model")
     assert json.loads((tmp_path / "demo.json").read_text())["version"] == 1
+
+
+@pytest.mark.parametrize(("target", "name"), [("verl", "v.json"), ("openrlhf", "o.json")])
+def test_readme_worked_examples_are_what_export_prints(tmp_path, monkeypatch, target, name):
+    """The README's worked example for each target is the command of `hfplan search --gpus 64 --target ...`."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    monkeypatch.chdir(tmp_path)
+    assert invoke("search", "--gpus", 64, "--target", target, "--out", name, "--no-compare").exit_code == 0
+    result = invoke("export", name, "--to", target)
+    assert result.exit_code == 0
+    assert f"```bash\n{result.stdout}```" in readme
