@@ -89,6 +89,8 @@ class Target:
                 problem = check(role, layout) if check is not None and layout is not None else None
                 if problem:
                     return problem
+            if par.gen is not None and par.gen.pp > 1:  # the search never makes one (layout.unsupported_layout)
+                return f"{role} generates with pp={par.gen.pp}: the exported rollout engines run one pipeline stage"
         return facets_problem(self.variant_of(plan), plan.parallelism)
 
     def variant_of(self, plan: Plan) -> Rules:
