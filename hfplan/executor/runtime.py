@@ -202,7 +202,7 @@ def _build_pipelined(runtime: RoleRuntime, par, lr: float | None, seed: int, ran
         runtime.engine = TorchRolloutEngine(model, runtime.pad_id, runtime.eos_id)
         runtime.engine.release_weights()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    runtime.pipeline = PipelinedModel(model, pipeline_mesh(layout, getattr(layout, "shard", False), device.type),
+    runtime.pipeline = PipelinedModel(model, pipeline_mesh(layout, device.type),
                                       runtime.hyper, device, dtype, pad_id=runtime.pad_id, lr=lr,
                                       recompute=lr is not None and par.train.recompute)
     runtime.model = runtime.pipeline.module

@@ -40,8 +40,10 @@ from hfplan.executor import sequences
 from hfplan.executor.engines import losses
 from hfplan.executor.engines.pipeline_split import Readout, Stage, split_model, stage_names
 from hfplan.executor.engines.training import FSDP_MESH_DIMS, _split, fsdp_modules, plain_class
+from hfplan.executor.mesh import fsdp_mesh_shape
 from hfplan.hyperparams import Hyperparameters
 from hfplan.layout import LayoutLike
+from hfplan.plan import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +51,12 @@ PIPELINE_MESH_DIMS = ("pp", *FSDP_MESH_DIMS)
 Batch = dict[str, torch.Tensor]
 
 
-def pipeline_mesh(layout: LayoutLike, shard: bool, device_type: str) -> DeviceMesh:
-    """The (pp, replicate, shard) mesh of a layout with tp = 1; a sharded layout's dp on `shard`."""
+def pipeline_mesh(layout: LayoutLike, device_type: str) -> DeviceMesh:
+    """The (pp, replicate, shard) mesh of a layout with tp = 1: a training layout's dp as its FSDP mesh
+    (hfplan.executor.mesh), an inference layout's on `replicate` (inference holds plain copies)."""
     if layout.tp != 1:
         raise ValueError(f"pipeline meshes take tp = 1 so far, got tp={layout.tp}")
-    dp = (1, layout.dp) if shard else (layout.dp, 1)
+    dp = fsdp_mesh_shape(layout) if isinstance(layout, TrainConfig) else (layout.dp, 1)
     return init_device_mesh(device_type, (layout.pp, *dp), mesh_dim_names=PIPELINE_MESH_DIMS)
 
 
@@ -65,7 +68,7 @@ def equal_micro_batches(size: int, micro_batch: int) -> int:
 
 
 def pipeline_failure(stage: int, stages: int, what: str, failure: BaseException) -> str:
-    return f"pipeline stage {stage} of {stages} failed in {what}: {failure}"
+    return f"pipeline stage {stage} of {stages} failed in {what}: {type(failure).__name__}: {failure}"
 
 
 class PipelinedModel:
@@ -184,10 +187,16 @@ class PipelinedModel:
     def _run(self, schedule, readout: Readout, joined: sequences.Joined, target: torch.Tensor | None):
         self.module.readout = readout
         args = (joined.input_ids, joined.attention_mask, joined.position_ids) if self.first else ()
+        return schedule.step(*args, target=target if self.last else None)
+
+    @contextlib.contextmanager
+    def _named(self, what: str) -> Iterator[None]:
+        """A failure inside a pipelined call, naming this stage: the other stages wait for it until the
+        process group's timeout, and fail naming themselves."""
         try:
-            return schedule.step(*args, target=target if self.last else None)
+            yield
         except Exception as failure:
-            raise RuntimeError(pipeline_failure(self.stage, self.stages, "a pipeline step", failure)) from failure
+            raise RuntimeError(pipeline_failure(self.stage, self.stages, what, failure)) from failure
 
     # -- inference ----------------------------------------------------------------------------------
     def unshard(self) -> None:
@@ -219,7 +228,7 @@ class PipelinedModel:
         prompts, responses, response_mask = (t.to(self.device) for t in (prompts, responses, response_mask))
         joined = sequences.join(prompts, responses, response_mask.long(), self.pad_id)
         micro = equal_micro_batches(prompts.shape[0], micro_batch)
-        with self.inference():
+        with self._named(readout.kind), self.inference():
             schedule = self._schedule(False, micro, readout, tuple(joined.input_ids.shape))
             out = self._run(schedule, readout, joined, None)
         result = out.float() if self.last else torch.empty(out_shape, dtype=torch.float32, device=self.device)
@@ -308,8 +317,9 @@ class PipelinedModel:
         parts = _split(size, mini_batches, "mini_batches")
         equal_micro_batches(size, micro_batch)  # validates micro_batch before any collective
         self.module.train()
-        steps = [self._step({k: v[part] for k, v in batch.items()}, micro_batch, readout, target_keys, objective)
-                 for _ in range(epochs) for part in parts]
+        with self._named("an update"):
+            steps = [self._step({k: v[part] for k, v in batch.items()}, micro_batch, readout, target_keys,
+                                objective) for _ in range(epochs) for part in parts]
         names = [n for n in steps[0] if n != "grad_norm"]
         summed = torch.zeros((len(steps), len(names)), dtype=torch.float32, device=self.device)
         if self.last and names:
