@@ -6,9 +6,9 @@ import pytest
 
 from hfplan.executor import preflight
 from hfplan.layout import unsupported_role
-from hfplan.plan import GenConfig, InferConfig, RoleParallelism, TrainConfig
+from hfplan.plan import ROLLOUT, GenConfig, InferConfig, RoleParallelism, TrainConfig
 from hfplan.spec import make_cluster
-from tests.execute_support import cpu_plan, ray_session, tiny_workload
+from tests.execute_support import ARITH_GRPO, cpu_plan, ray_session, tiny_workload
 from tests.helpers_plans import build_plan
 from tests.test_execute import check_metrics, measured_calls, run, traced_calls
 
@@ -53,3 +53,19 @@ def test_ppo_with_two_pipeline_stages_matches_the_data_parallel_run(tmp_path):
     for key in ("reward", "kl", "response_len", "actor/policy_loss", "actor/grad_norm", "critic/value_loss",
                 "critic/grad_norm"):
         assert first[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
+
+
+def test_rollout_set_receives_the_weights_of_every_stage(tmp_path):
+    """GRPO with a separate rollout set: after the pipelined actor's update the rollout set generates with the
+    weights gathered from both stages, so the second iteration matches the one of a dp 2 actor."""
+    workload = tiny_workload("grpo", ARITH_GRPO)
+    sets = [(("actor", "reference"), 2), ((ROLLOUT,), 1)]
+    piped = {role: RoleParallelism(train=TrainConfig(pp=2, micro_batch=1) if role == "actor" else None,
+                                   infer=InferConfig(pp=2, micro_batch=4)) for role in ("actor", "reference")}
+    plan = build_plan(workload, sets, cluster=make_cluster(3, "cpu"), overrides=piped, tp=1, gen_tp=1)
+    first, timeline = run(plan, tmp_path / "pp")
+    second, _ = run(cpu_plan(workload, sets), tmp_path / "dp")
+    assert any(s["role"] == ROLLOUT and s["kind"] == "transfer" for s in timeline["iterations"][1]["spans"])
+    for a, b in zip(first.iterations, second.iterations, strict=True):
+        for key in ("response_len", "reward", "kl", "actor/policy_loss"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key

@@ -173,7 +173,8 @@ def _build_role(role: str, plan: Plan, hyper: Hyperparameters, seed: int, device
     tokenizer = build_tokenizer(model_ref)
     runtime = RoleRuntime(role, facts, plan, hyper, device, model, tokenizer.pad_token_id, tokenizer.eos_token_id)
     par = plan.parallelism[role]
-    if (par.train if facts.trains else par.infer).pp > 1:
+    staged = par.train if facts.trains else par.infer  # None for a rollout engine, which generates only
+    if staged is not None and staged.pp > 1:
         return _build_pipelined(runtime, par, learning_rate(role, hyper) if facts.trains else None, seed, rank)
     if facts.trains:
         runtime.trained = TrainedModel(model, training_mesh(par.train, device.type), learning_rate(role, hyper),
