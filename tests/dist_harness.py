@@ -4,7 +4,8 @@
 `init_process_group`, and returns the per-rank results in rank order. `fn` must be importable (a
 module-level function); its result may hold tensors, lists, dicts and numbers (it travels back
 through torch.save / torch.load(weights_only=True)). A rank that fails raises here with its
-traceback; every wait is bounded by `timeout`, after which the ranks are killed.
+traceback; every wait is bounded by `timeout`, after which the ranks are killed. `pg_timeout` (default:
+`timeout`) is the process group's own timeout, for tests of what a rank does when its peers stop answering.
 """
 
 from __future__ import annotations
@@ -46,12 +47,13 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ar
             dist.destroy_process_group()
 
 
-def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0) -> list[Any]:
+def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
+              pg_timeout: float | None = None) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, rank, world_size, port, args, results, timeout), daemon=True)
-             for rank in range(world_size)]
+    rank_args = (world_size, port, args, results, pg_timeout or timeout)
+    procs = [ctx.Process(target=_rank_main, args=(fn, rank, *rank_args), daemon=True) for rank in range(world_size)]
     for proc in procs:
         proc.start()
     deadline = time.monotonic() + timeout

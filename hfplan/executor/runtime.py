@@ -19,6 +19,8 @@ from hfplan.dataflow.ops import GENERATED
 from hfplan.dataflow.roles import RoleFacts, update_field
 from hfplan.executor.engines.forward import sequence_scores, token_log_probs, token_values
 from hfplan.executor.engines.hybrid import SameLayoutHybridEngine
+from hfplan.executor.engines.pipeline import PipelinedModel, pipeline_mesh
+from hfplan.executor.engines.pipeline_hybrid import PipelineHybridEngine
 from hfplan.executor.engines.training import TrainedModel
 from hfplan.executor.mesh import training_mesh
 from hfplan.executor.models import build_model
@@ -51,8 +53,9 @@ class RoleRuntime:
     eos_id: int
     trained: TrainedModel | None = None
     engine: TorchRolloutEngine | None = None
-    hybrid: SameLayoutHybridEngine | None = None
+    hybrid: SameLayoutHybridEngine | PipelineHybridEngine | None = None
     generator: torch.Generator | None = None
+    pipeline: PipelinedModel | None = None  # a role with pp > 1 (trained or not): this rank's stage
 
     @property
     def forward_module(self) -> torch.nn.Module:
@@ -74,6 +77,11 @@ class RoleRuntime:
     def _forward(self, op: str, t: dict[str, torch.Tensor]) -> torch.Tensor:
         par = self.plan.parallelism[self.role].infer
         sequence = (t["prompts"], t["responses"], t["response_mask"])
+        if self.pipeline is not None:
+            calls = {"log_prob": self.pipeline.log_probs, "values": self.pipeline.values, "score": self.pipeline.scores}
+            if op not in calls:
+                raise ValueError(f"role {self.role} has no operation {op!r}")
+            return calls[op](*sequence, micro_batch=par.micro_batch)
         if self.trained is not None:  # a trained role infers in its training layout, weights gathered once
             if op == "log_prob":
                 return self.trained.log_probs(*sequence, micro_batch=par.micro_batch)
@@ -122,6 +130,9 @@ class RoleRuntime:
     def full_weights(self, is_rank0: bool) -> dict[str, np.ndarray] | None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        if self.pipeline is not None:  # every stage's weights, gathered over the pipeline
+            state = self.pipeline.gathered(torch.float32)
+            return {name: tensor.cpu().numpy() for name, tensor in state.items()} if is_rank0 else None
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.forward_module, options=options)
         if not is_rank0:
@@ -132,6 +143,11 @@ class RoleRuntime:
         state = {name: torch.from_numpy(value) for name, value in weights.items()}
         self.model.load_state_dict(state)
         self.engine.load_weights(self.model)
+
+
+def rollout_generator(device: torch.device, seed: int, rank: int) -> torch.Generator:
+    """The sampling generator of one rank of the generating role (each rank samples its own share)."""
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + rank)
 
 
 def build_runtimes(plan: Plan, hyper: Hyperparameters, set_index: int, seed: int, device_kind: str
@@ -157,6 +173,9 @@ def _build_role(role: str, plan: Plan, hyper: Hyperparameters, seed: int, device
     tokenizer = build_tokenizer(model_ref)
     runtime = RoleRuntime(role, facts, plan, hyper, device, model, tokenizer.pad_token_id, tokenizer.eos_token_id)
     par = plan.parallelism[role]
+    staged = par.train if facts.trains else par.infer  # None for a rollout engine, which generates only
+    if staged is not None and staged.pp > 1:
+        return _build_pipelined(runtime, par, learning_rate(role, hyper) if facts.trains else None, seed, rank)
     if facts.trains:
         runtime.trained = TrainedModel(model, training_mesh(par.train, device.type), learning_rate(role, hyper),
                                        hyper, device, torch.bfloat16 if on_gpu else torch.float32,
@@ -166,8 +185,30 @@ def _build_role(role: str, plan: Plan, hyper: Hyperparameters, seed: int, device
         if on_gpu:
             model.to(torch.bfloat16)
     if role == plan.generation_role:
-        runtime.generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + rank)
+        runtime.generator = rollout_generator(device, seed, rank)
         runtime.engine = TorchRolloutEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
         if runtime.trained is not None:
             runtime.hybrid = SameLayoutHybridEngine(runtime.trained)
+    return runtime
+
+
+def _build_pipelined(runtime: RoleRuntime, par, lr: float | None, seed: int, rank: int) -> RoleRuntime:
+    """A role with pp > 1: this rank's stage (hfplan.executor.engines.pipeline), trained when `lr` is given.
+    A generating actor generates in a one-stage layout (gen pp = 1), through the pipeline's hybrid engine."""
+    device, model = runtime.device, runtime.model
+    layout = par.train if lr is not None else par.infer
+    generates = runtime.role == runtime.plan.generation_role
+    if generates:  # built over the whole model before it is split; generation loads the gathered weights
+        runtime.generator = rollout_generator(device, seed, rank)
+        runtime.engine = TorchRolloutEngine(model, runtime.pad_id, runtime.eos_id)
+        runtime.engine.release_weights()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    runtime.pipeline = PipelinedModel(model, pipeline_mesh(layout, device.type),
+                                      runtime.hyper, device, dtype, pad_id=runtime.pad_id, lr=lr,
+                                      recompute=lr is not None and par.train.recompute)
+    runtime.model = runtime.pipeline.module
+    if lr is not None:
+        runtime.trained = runtime.pipeline
+        if generates:
+            runtime.hybrid = PipelineHybridEngine(runtime.pipeline)
     return runtime

@@ -30,11 +30,16 @@ def response_log_probs(model: nn.Module, joined: sequences.Joined, responses: to
     """log_softmax(logits / temperature) of each response token, [B, R] float32 (not masked), and the
     per-token entropy of that distribution when asked. Keeps the graph when grad is enabled (for the
     entropy only with `entropy_grad`: a metric-only entropy need not hold a [B, R, V] graph)."""
-    response_len = responses.shape[1]
-    # Only the logits of the last R + 1 positions are computed: that window starts at column P - 1,
-    # so inside it the response predictions are those of a one-token prompt.
-    logits = _forward(model, joined, logits_to_keep=response_len + 1)
-    logits = sequences.response_predictions(logits, 1, response_len).float() / temperature
+    # Only the logits of the last R + 1 positions are computed (see window_log_probs).
+    logits = _forward(model, joined, logits_to_keep=responses.shape[1] + 1)
+    return window_log_probs(logits, responses, temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
+
+
+def window_log_probs(logits: torch.Tensor, responses: torch.Tensor, temperature: float, *,
+                     with_entropy: bool = False, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """response_log_probs from the logits of the last R + 1 positions of the joined sequences: that window
+    starts at column P - 1, so inside it the response predictions are those of a one-token prompt."""
+    logits = sequences.response_predictions(logits, 1, responses.shape[1]).float() / temperature
     log_probs = torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
     entropy = None
     if with_entropy:

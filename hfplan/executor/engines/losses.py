@@ -11,9 +11,12 @@ way, so they add up across micro-batches and ranks too.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from hfplan.hyperparams import Hyperparameters
 
 KlEstimator = Literal["k1", "k2", "k3"]
 
@@ -84,3 +87,31 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 def token_mean(values: torch.Tensor, mask: torch.Tensor, tokens: float | torch.Tensor) -> torch.Tensor:
     """A per-token term aggregated like the losses: masked sum / mini-batch token count."""
     return masked_sum(values, mask) / tokens
+
+
+# The objectives of the trained roles over one micro-batch (fields as in the update's batch), shared by
+# every engine that trains: (loss, statistics), each a sum of token terms / `tokens`.
+Objective = tuple[torch.Tensor, dict[str, torch.Tensor]]
+
+
+def actor_objective(log_probs: torch.Tensor, entropy: torch.Tensor, batch: dict[str, torch.Tensor],
+                    tokens: float | torch.Tensor, hp: Hyperparameters, use_kl_loss: bool) -> Objective:
+    """PPO clipped surrogate - entropy_coef * entropy (+ kl_loss_coef * KL to the reference)."""
+    mask = batch["response_mask"]
+    policy = policy_loss(log_probs, batch["old_log_probs"], batch["advantages"], mask, hp.clip_ratio, tokens)
+    entropy_term = token_mean(entropy, mask, tokens)
+    loss = policy.loss - hp.entropy_coef * entropy_term
+    stats = {"policy_loss": policy.loss, "entropy": entropy_term, "approx_kl": policy.approx_kl,
+             "clip_frac": policy.clip_frac}
+    if use_kl_loss:
+        kl = token_mean(kl_per_token(log_probs, batch["ref_log_probs"], hp.kl_estimator), mask, tokens)
+        loss = loss + hp.kl_loss_coef * kl
+        stats["kl"] = kl
+    return loss, stats
+
+
+def critic_objective(values: torch.Tensor, batch: dict[str, torch.Tensor], value_key: str, return_key: str,
+                     tokens: float | torch.Tensor, hp: Hyperparameters) -> Objective:
+    """Clipped value regression of `values` toward batch[return_key], around batch[value_key]."""
+    out = value_loss(values, batch[value_key], batch[return_key], batch["response_mask"], hp.value_clip, tokens)
+    return out.loss, {"value_loss": out.loss, "value_clip_frac": out.clip_frac}

@@ -205,22 +205,10 @@ class TrainedModel:
         hp = self.hp
 
         def micro_loss(mb: Batch, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            mask = mb["response_mask"]
-            joined = sequences.join(mb["prompts"], mb["responses"], mask, self.pad_id)
+            joined = sequences.join(mb["prompts"], mb["responses"], mb["response_mask"], self.pad_id)
             log_probs, entropy = forward.response_log_probs(self.module, joined, mb["responses"], hp.temperature,
                                                             with_entropy=True, entropy_grad=hp.entropy_coef > 0)
-            policy = losses.policy_loss(log_probs, mb["old_log_probs"], mb["advantages"], mask, hp.clip_ratio,
-                                        tokens)
-            entropy_term = losses.token_mean(entropy, mask, tokens)
-            loss = policy.loss - hp.entropy_coef * entropy_term
-            stats = {"policy_loss": policy.loss, "entropy": entropy_term, "approx_kl": policy.approx_kl,
-                     "clip_frac": policy.clip_frac}
-            if use_kl_loss:
-                kl = losses.token_mean(losses.kl_per_token(log_probs, mb["ref_log_probs"], hp.kl_estimator),
-                                       mask, tokens)
-                loss = loss + hp.kl_loss_coef * kl
-                stats["kl"] = kl
-            return loss, stats
+            return losses.actor_objective(log_probs, entropy, mb, tokens, hp, use_kl_loss)
 
         metrics = self._train(batch, mini_batches=mini_batches, epochs=epochs, micro_batch=micro_batch,
                               micro_loss=micro_loss)
@@ -238,8 +226,7 @@ class TrainedModel:
             mask = mb["response_mask"]
             joined = sequences.join(mb["prompts"], mb["responses"], mask, self.pad_id)
             values = forward.response_values(self.module, joined, mask.shape[1])
-            out = losses.value_loss(values, mb[value_key], mb[return_key], mask, hp.value_clip, tokens)
-            return out.loss, {"value_loss": out.loss, "value_clip_frac": out.clip_frac}
+            return losses.critic_objective(values, mb, value_key, return_key, tokens, hp)
 
         return self._train(batch, mini_batches=mini_batches, epochs=epochs, micro_batch=micro_batch,
                            micro_loss=micro_loss)

@@ -1,0 +1,140 @@
+"""The manual split of an HF decoder model into pipeline stages (hfplan.layout.stage_params' rule).
+
+Stage s of p holds the decoder layers [s * L/p, (s+1) * L/p); the first stage also the embedding,
+the last the final norm and the head (the LM head, or the scalar head of a critic, reward or cost
+model). Each stage runs the model's own backbone `forward` over its layers (so the architecture's
+masks and rotary embeddings are its own), and passes on the tuple
+
+    (hidden states, input ids, attention mask, position ids)
+
+the first stage starts from (input ids, attention mask, position ids). The ids travel with the
+activations so that the last stage reads its output itself (`Readout`): the response tokens' log-probs
+(and entropies), the values before each response token, or a sequence's score at its last real token.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from hfplan.executor import sequences
+from hfplan.executor.engines import forward
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+HEADS = ("lm_head", "score")  # the attribute of an HF causal LM's head, and of a token classifier's
+
+
+def stage_layers(num_layers: int, stages: int, stage: int) -> range:
+    if num_layers % stages:
+        raise ValueError(f"{stages} pipeline stages do not split {num_layers} layers equally")
+    per = num_layers // stages
+    return range(stage * per, (stage + 1) * per)
+
+
+def stage_of(name: str, num_layers: int, stages: int) -> int:
+    """The stage holding an HF model's parameter or buffer `name` (rotary tables: every stage; -1)."""
+    match = _LAYER.match(name)
+    if match:
+        return int(match.group(1)) // (num_layers // stages)
+    if name.startswith("model.embed_tokens."):
+        return 0
+    if name.startswith(("model.norm.", *(f"{head}." for head in HEADS))):
+        return stages - 1
+    if name.startswith("model.rotary_emb."):
+        return -1
+    raise ValueError(f"parameter {name} belongs to no pipeline stage")
+
+
+def stage_names(model: nn.Module, stages: int) -> list[list[str]]:
+    """The HF parameter names of each stage, in the model's order (tied names each on their own stage)."""
+    layers = model.config.num_hidden_layers
+    out: list[list[str]] = [[] for _ in range(stages)]
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        out[stage_of(name, layers, stages)].append(name)
+    return out
+
+
+@dataclass(frozen=True)
+class Readout:
+    """What the last stage returns for one call."""
+
+    kind: Literal["log_probs", "values", "scores"]
+    response_len: int
+    temperature: float = 1.0
+    with_entropy: bool = False
+    entropy_grad: bool = True
+
+
+class Stage(nn.Module):
+    """One pipeline stage of an HF `<Arch>ForCausalLM` or `<Arch>ForTokenClassification` model."""
+
+    def __init__(self, backbone: nn.Module, head: nn.Module | None, first: bool, last: bool) -> None:
+        super().__init__()
+        self.backbone, self.head, self.first, self.last = backbone, head, first, last
+        self.readout: Readout | None = None  # set before each schedule run
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return list(self.backbone.layers)
+
+    def forward(self, *inputs: torch.Tensor):
+        if self.first:
+            (input_ids, attention_mask, position_ids), hidden = inputs, None
+        else:
+            hidden, input_ids, attention_mask, position_ids = inputs
+        out = self.backbone(input_ids=input_ids if self.first else None, inputs_embeds=hidden,
+                            attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        hidden = out.last_hidden_state
+        if not self.last:
+            return hidden, input_ids, attention_mask, position_ids
+        return self._read(hidden, sequences.Joined(input_ids, attention_mask, position_ids, 0))
+
+    def _read(self, hidden: torch.Tensor, joined: sequences.Joined):
+        spec = self.readout
+        if spec is None:
+            raise RuntimeError("pipeline stage run without a readout")
+        input_ids, length = joined.input_ids, joined.input_ids.shape[1]
+        if spec.kind == "log_probs":  # the head over the last R + 1 positions only, as forward.response_log_probs
+            logits = self.head(hidden[:, length - spec.response_len - 1:])
+            log_probs, entropy = forward.window_log_probs(logits, input_ids[:, length - spec.response_len:],
+                                                          spec.temperature, with_entropy=spec.with_entropy,
+                                                          entropy_grad=spec.entropy_grad)
+            return (log_probs, entropy) if spec.with_entropy else log_probs
+        per_position = self.head(hidden).squeeze(-1)
+        if spec.kind == "values":
+            return sequences.response_predictions(per_position, length - spec.response_len, spec.response_len).float()
+        return per_position.float().gather(1, sequences.last_token_index(joined).unsqueeze(1)).squeeze(1)
+
+
+def split_model(model: nn.Module, stage: int, stages: int) -> tuple[Stage, dict[str, str], dict[str, str]]:
+    """This rank's stage of `model` (which it takes apart: use only the stage afterwards), and the HF names
+    of the stage's parameters and buffers (stage name -> HF name)."""
+    config = model.config
+    owned = set(stage_names(model, stages)[stage])
+    hf_params = {id(p): n for n, p in model.named_parameters(remove_duplicate=False) if n in owned}
+    hf_buffers = {id(b): n for n, b in model.named_buffers(remove_duplicate=False)}
+    backbone = model.model
+    ids = stage_layers(config.num_hidden_layers, stages, stage)
+    first, last = stage == 0, stage == stages - 1
+    backbone.layers = nn.ModuleList([backbone.layers[i] for i in ids])
+    stage_config = copy.copy(config)  # the backbone's forward reads num_hidden_layers and layer_types by position
+    stage_config.num_hidden_layers = len(ids)
+    if getattr(config, "layer_types", None) is not None:
+        stage_config.layer_types = [config.layer_types[i] for i in ids]
+    backbone.config = stage_config
+    if not first:
+        backbone.embed_tokens = None
+    if not last:
+        backbone.norm = nn.Identity()
+    head = next(getattr(model, name) for name in HEADS if hasattr(model, name)) if last else None
+    module = Stage(backbone, head, first, last)
+    params = {n: hf_params[id(p)] for n, p in module.named_parameters(remove_duplicate=False)}
+    buffers = {n: hf_buffers[id(b)] for n, b in module.named_buffers(remove_duplicate=False)}
+    if sorted(params.values()) != sorted(owned):
+        raise ValueError(f"stage {stage}: split holds {sorted(params.values())}, the rule says {sorted(owned)}")
+    return module, params, buffers

@@ -1,0 +1,206 @@
+"""Pipeline-parallel roles on real gloo worlds (pp 2, pp 2 x dp 2) against a single-process TrainedModel."""
+
+import pytest
+import torch
+from dist_harness import run_world
+from engine_models import PAD, llama_actor, llama_config, llama_critic, random_sequences
+from test_engine_training import HP, LR, actor_batch, critic_batch, full_params
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import LlamaForCausalLM
+
+from hfplan.executor.engines import forward
+from hfplan.executor.engines.pipeline import PipelinedModel, equal_micro_batches, pipeline_mesh
+from hfplan.executor.engines.pipeline_hybrid import PipelineHybridEngine
+from hfplan.executor.engines.pipeline_split import stage_layers, stage_of
+from hfplan.executor.engines.training import FSDP_MESH_DIMS, TrainedModel
+from hfplan.layout import rank_coords
+from hfplan.plan import InferConfig, Layout, TrainConfig
+
+
+def test_stage_rule_puts_the_ends_on_the_first_and_last_stage():
+    assert list(stage_layers(4, 2, 1)) == [2, 3]
+    assert stage_of("model.embed_tokens.weight", 4, 2) == 0
+    assert stage_of("model.layers.1.mlp.up_proj.weight", 4, 2) == 0
+    assert stage_of("model.layers.2.mlp.up_proj.weight", 4, 2) == 1
+    assert stage_of("model.norm.weight", 4, 2) == stage_of("lm_head.weight", 4, 2) == 1
+    assert stage_of("score.weight", 4, 2) == 1
+    with pytest.raises(ValueError, match="equally"):
+        stage_layers(3, 2, 0)
+
+
+def test_equal_micro_batches_never_exceed_the_plan_micro_batch():
+    assert equal_micro_batches(8, 2) == 4
+    assert equal_micro_batches(6, 4) == 2  # 3 + 3, not 4 + 2
+    assert equal_micro_batches(5, 2) == 5
+    assert equal_micro_batches(4, 8) == 1
+
+
+def tied_actor(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(llama_config(tie_word_embeddings=True)).float()
+
+
+BUILDERS = {"actor": llama_actor, "critic": llama_critic, "tied": tied_actor}
+# One training call: (model, shard, micro_batch, mini_batches, epochs, recompute). With 8 sequences,
+# micro_batch 1 gives 1F1B (micro-batches >= stages), micro_batch 4 on pp 2 and 2 on pp 2 x dp 2 one
+# micro-batch a mini-batch (GPipe).
+Case = tuple[str, bool, int, int, int, bool]
+PP2: list[Case] = [("actor", True, 1, 2, 1, False), ("actor", True, 4, 2, 1, True), ("critic", True, 1, 1, 2, False),
+                   ("tied", True, 1, 2, 1, False)]
+PP2_DP2: list[Case] = [("actor", True, 1, 2, 1, False), ("actor", False, 2, 2, 1, False),
+                       ("critic", True, 1, 1, 2, True)]
+
+
+def _data(kind: str) -> dict:
+    return critic_batch() if kind == "critic" else actor_batch()
+
+
+def _replica(rank: int, layout: Layout) -> int:
+    return rank_coords(layout, rank)[1]
+
+
+def _forward(model, data: dict, kind: str, micro_batch: int) -> torch.Tensor:
+    sequence = (data["prompts"], data["responses"], data["response_mask"])
+    if kind == "critic":
+        return model.values(*sequence, micro_batch=micro_batch)
+    return model.log_probs(*sequence, micro_batch=micro_batch)
+
+
+def _update(model, data: dict, kind: str, micro_batch: int, mini_batches: int, epochs: int) -> dict:
+    common = dict(mini_batches=mini_batches, epochs=epochs, micro_batch=micro_batch)
+    if kind == "critic":
+        return model.update_critic(data, "values", "returns", **common)
+    return model.update_actor(data, use_kl_loss=True, **common)
+
+
+def _pipelined(rank: int, world: int, cases: list[Case]) -> list[dict]:
+    out = []
+    for kind, shard, micro_batch, mini_batches, epochs, recompute in cases:
+        layout = TrainConfig(pp=2, dp=world // 2, shard=shard)
+        model = PipelinedModel(BUILDERS[kind](), pipeline_mesh(layout, "cpu"), HP, "cpu", torch.float32,
+                               pad_id=PAD, lr=LR, recompute=recompute)
+        local = {k: v.chunk(layout.dp)[_replica(rank, layout)] for k, v in _data(kind).items()}
+        before = _forward(model, local, kind, micro_batch)
+        metrics = _update(model, local, kind, micro_batch, mini_batches, epochs)
+        out.append({"before": before, "metrics": metrics, "params": model.gathered(torch.float32)})
+    return out
+
+
+def _in_global_order(data: dict, dp: int, mini_batches: int) -> dict:
+    """The batch as one rank must see it for its mini-batch k to be the k-th part of every replica's share."""
+    shares = [{k: v.chunk(dp)[d] for k, v in data.items()} for d in range(dp)]
+    return {k: torch.cat([s[k].chunk(mini_batches)[i] for i in range(mini_batches) for s in shares]) for k in data}
+
+
+def _references(rank: int, world: int, runs: list[tuple[int, Case]]) -> list[dict]:
+    """TrainedModel on one process: the forward over the whole batch, the update over it in the order whose
+    mini-batches are those of the pipelined run with `dp` replicas."""
+    out = []
+    for dp, (kind, _, micro_batch, mini_batches, epochs, _) in runs:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=FSDP_MESH_DIMS)
+        model = TrainedModel(BUILDERS[kind](), mesh, LR, HP, "cpu", torch.float32, pad_id=PAD)
+        data = _data(kind)
+        before = _forward(model, data, kind, micro_batch)
+        metrics = _update(model, _in_global_order(data, dp, mini_batches), kind, micro_batch, mini_batches, epochs)
+        out.append({"before": before, "metrics": metrics, "params": full_params(model.module)})
+    return out
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    runs = [(1, case) for case in PP2] + [(2, case) for case in PP2_DP2]
+    (results,) = run_world(_references, 1, runs, timeout=120)
+    return dict(zip(runs, results, strict=True))
+
+
+def _check(results: list[dict], ref: dict, dp: int, kind: str) -> None:
+    metric = "value_loss" if kind == "critic" else "policy_loss"
+    ref_before = ref["before"].chunk(dp)
+    layout = Layout(pp=2, dp=dp)
+    for rank, got in enumerate(results):
+        torch.testing.assert_close(got["before"], ref_before[_replica(rank, layout)], atol=1e-6, rtol=0)
+        assert set(got["metrics"]) == set(ref["metrics"])
+        assert got["metrics"][metric] == pytest.approx(ref["metrics"][metric], abs=1e-5)
+        assert got["metrics"]["grad_norm"] == pytest.approx(ref["metrics"]["grad_norm"], rel=1e-5)
+        assert got["metrics"] == results[0]["metrics"]  # every stage returns the last stage's metrics
+        for name, value in ref["params"].items():
+            torch.testing.assert_close(got["params"][name], value, atol=1e-5, rtol=0, msg=name)
+    initial = full_params(BUILDERS[kind]())
+    moved = max((ref["params"][n] - initial[n]).abs().max().item() for n in initial)
+    assert moved > 100 * 1e-5  # the step is large against the tolerance
+    assert ref["metrics"]["grad_norm"] > HP.max_grad_norm  # clipping is active
+
+
+@pytest.mark.slow
+def test_pp2_steps_and_forwards_match_single_process(references):
+    results = run_world(_pipelined, 2, PP2, timeout=180)
+    for index, case in enumerate(PP2):
+        _check([rank[index] for rank in results], references[(1, case)], 1, case[0])
+
+
+@pytest.mark.slow
+def test_pp2_dp2_steps_and_forwards_match_single_process(references):
+    results = run_world(_pipelined, 4, PP2_DP2, timeout=180)
+    for index, case in enumerate(PP2_DP2):
+        _check([rank[index] for rank in results], references[(2, case)], 2, case[0])
+
+
+def _sequences():
+    return random_sequences(6, 5, 6, seed=7)
+
+
+def _inference_and_generation(rank: int, world: int) -> dict:
+    """Inference-only stages (plain copies), then a trained tied actor's generation module."""
+    mesh = pipeline_mesh(InferConfig(pp=2), "cpu")
+    sequence = _sequences()
+    actor = PipelinedModel(llama_actor(), mesh, HP, "cpu", torch.float32, pad_id=PAD)
+    critic = PipelinedModel(llama_critic(), mesh, HP, "cpu", torch.float32, pad_id=PAD)
+    out = {"log_probs": actor.log_probs(*sequence, micro_batch=4),  # 6 sequences: 2 micro-batches of 3
+           "values": critic.values(*sequence, micro_batch=2), "scores": critic.scores(*sequence, micro_batch=6),
+           "trains": critic.optimizer is not None}
+    trained = PipelinedModel(tied_actor(), pipeline_mesh(TrainConfig(pp=2), "cpu"), HP, "cpu", torch.float32,
+                             pad_id=PAD, lr=LR)
+    hybrid = PipelineHybridEngine(trained)
+    generation = hybrid.enter_generation()
+    out["generation"] = {n: p.detach().clone() for n, p in generation.named_parameters(remove_duplicate=False)}
+    out["generation_log_probs"] = forward.token_log_probs(generation, *sequence, PAD, HP.temperature, micro_batch=6)
+    hybrid.exit_generation()
+    out["released"] = all(p.is_meta for p in generation.parameters())
+    return out
+
+
+@pytest.mark.slow
+def test_inference_stages_and_the_generation_module_match_the_whole_model():
+    results = run_world(_inference_and_generation, 2, timeout=120)
+    sequence = _sequences()
+    with torch.no_grad():
+        log_probs = forward.token_log_probs(llama_actor().eval(), *sequence, PAD, HP.temperature, micro_batch=6)
+        values = forward.token_values(llama_critic().eval(), *sequence, PAD, micro_batch=6)
+        scores = forward.sequence_scores(llama_critic().eval(), *sequence, PAD, micro_batch=6)
+        tied = tied_actor().eval()
+        tied_log_probs = forward.token_log_probs(tied, *sequence, PAD, HP.temperature, micro_batch=6)
+    for got in results:  # every stage returns the last stage's outputs
+        torch.testing.assert_close(got["log_probs"], log_probs, atol=1e-6, rtol=0)
+        torch.testing.assert_close(got["values"], values, atol=1e-6, rtol=0)
+        torch.testing.assert_close(got["scores"], scores, atol=1e-6, rtol=0)
+        assert not got["trains"] and got["released"]
+        for name, param in tied.named_parameters(remove_duplicate=False):
+            torch.testing.assert_close(got["generation"][name], param, atol=0, rtol=0, msg=name)
+        torch.testing.assert_close(got["generation_log_probs"], tied_log_probs, atol=1e-6, rtol=0)
+
+
+def _last_stage_fails(rank: int, world: int) -> None:
+    model = PipelinedModel(llama_actor(), pipeline_mesh(TrainConfig(pp=2), "cpu"), HP, "cpu", torch.float32,
+                           pad_id=PAD, lr=LR)
+    data = actor_batch()
+    if rank == 1:  # only the last stage reads the advantages: a wrong shape fails there, not on stage 0
+        data["advantages"] = data["advantages"][:, :2]
+    model.update_actor(data, mini_batches=1, epochs=1, micro_batch=4, use_kl_loss=False)
+
+
+@pytest.mark.slow
+def test_a_failing_stage_is_named():
+    """Stage 1 fails naming itself; stage 0, left waiting for it, is killed by the harness (in a run, the
+    process group's or the controller's call timeout ends the wait)."""
+    with pytest.raises(RuntimeError, match="(?s)rank 1 failed.*pipeline stage 1 of 2 failed in an update"):
+        run_world(_last_stage_fails, 2, timeout=60, pg_timeout=5)
