@@ -61,7 +61,8 @@ def start_sets(plan: Plan, hyper: Hyperparameters, seed: int, device: str, backe
             options = dict(num_cpus=1, num_gpus=1 if device == "cuda" else 0, name=f"set-{index}-rank-{rank}-{run_id}",
                            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank))
             workers.append(remote_worker.options(**options).remote(spec))
-        sets.append(WorkerSet(index, tuple(group.models), workers, _failure_namer(index, group.models, workers), pg))
+        sets.append(WorkerSet(index, tuple(group.models), workers, _failure_namer(index, group.models, workers, sets),
+                              pg))
     setups = []
     for worker_set in sets:
         host, port = _get(worker_set, worker_set.workers[0].rendezvous_address.remote(), ready_timeout_s, "start")
@@ -90,11 +91,45 @@ def _get(worker_set: WorkerSet, ref, timeout_s: float, what: str):
         raise RunFailed(worker_set.describe_failure("+".join(worker_set.roles), what, failure)) from failure
 
 
-def _failure_namer(index: int, roles, workers):
+def call_every_worker(sets: list[WorkerSet], method: str, timeout_s: float, *args, per_worker=None) -> list:
+    """Call `method` on every worker of every set at once (with `args`, then `per_worker(set, rank)`'s
+    arguments if given) and wait for all; a failure raises RunFailed naming the set and rank."""
+    calls = [(s, getattr(w, method).remote(*args, *(per_worker(s, rank) if per_worker else ())))
+             for s in sets for rank, w in enumerate(s.workers)]
+    return [_get(worker_set, ref, timeout_s, method) for worker_set, ref in calls]
+
+
+PROBE_S = 3.0  # how long a failure's description waits to learn which worker, if any, has died
+
+
+def dead_worker(sets: list[WorkerSet]) -> tuple[WorkerSet, int] | None:
+    """A worker of the run that has died, if any: a trivial call to each worker fails at once on a dead one
+    (a busy one answers later, harmlessly)."""
+    import ray
+
+    probes = [(s, rank, w.clock.remote()) for s in sets for rank, w in enumerate(s.workers)]
+    ray.wait([ref for *_, ref in probes], num_returns=len(probes), timeout=PROBE_S)
+    for worker_set, rank, ref in probes:
+        ready, _ = ray.wait([ref], timeout=0)
+        if ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                return worker_set, rank
+    return None
+
+
+def _failure_namer(index: int, roles, workers, sets: list[WorkerSet]):
     def describe(role: str, op: str, failure: Exception) -> str:
         import ray
 
         rank = _failed_rank(workers, failure)
+        if rank is None:  # a peer's collective may fail first: name the worker that died, on any set
+            dead = dead_worker(sets)
+            if dead is not None:
+                dead_set, dead_rank = dead
+                return (f"the worker of set {dead_set.index} ({'+'.join(dead_set.roles)}), rank {dead_rank} died "
+                        f"during {role}.{op}")
         where = f"set {index} ({'+'.join(roles)})" + (f", rank {rank}" if rank is not None else "")
         if isinstance(failure, ray.exceptions.GetTimeoutError):
             return f"{role}.{op} on {where} did not finish in time (a stuck collective or an overloaded machine)"
