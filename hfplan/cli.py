@@ -461,10 +461,10 @@ def execute(
             summary = run_plan(plan, options, on_iteration)
         except RunFailed as failure:
             err_console.print(f"[bold red]run failed:[/] {escape(str(failure))}", highlight=False, soft_wrap=True)
-            err_console.print(_resume_hint(plan_path, out, seed), highlight=False, soft_wrap=True)
+            err_console.print(_resume_hint(plan_path, options), highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
-            err_console.print(f"interrupted: the workers are stopped. {_resume_hint(plan_path, out, seed)}",
+            err_console.print(f"interrupted: the workers are stopped. {_resume_hint(plan_path, options)}",
                               highlight=False, soft_wrap=True)
             raise typer.Exit(INTERRUPTED) from None
     if timeline is not None and last_spans:
@@ -475,14 +475,18 @@ def execute(
         console.print(f"timeline written to {timeline}")
 
 
-def _resume_hint(plan_path: Path, out: Path, seed: int) -> str:
+def _resume_hint(plan_path: Path, options) -> str:
+    """Where the run can continue from, and the command that continues it with the same data, seed and length."""
     from hfplan.executor.resume import latest
 
-    found = latest(out)
+    found = latest(options.out)
     if found is None:
         return "No checkpoint was written yet (--checkpoint-every K writes them): rerun from the start."
-    again = f"hfplan execute {plan_path} --out {out} --resume" + (f" --seed {seed}" if seed else "")
-    return f"The last complete checkpoint is {found}; continue with: {again} (and the same --data)"
+    again = [f"hfplan execute {plan_path} --out {options.out} --resume --iterations {options.iterations}"]
+    again += [f"--data {options.data}"] if options.data else []
+    again += [f"--seed {options.seed}"] if options.seed else []
+    again += [f"--checkpoint-every {options.checkpoint_every}"] if options.checkpoint_every else []
+    return f"The last complete checkpoint is {found}; continue with: {' '.join(again)}"
 
 
 @app.command("export-model")

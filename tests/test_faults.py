@@ -6,13 +6,17 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
 
+from hfplan.executor.errors import RunFailed
 from hfplan.executor.export_model import export_checkpoint
+from hfplan.executor.placement import DeathWatch, failure_namer
 from hfplan.executor.resume import latest, read_checkpoint
-from tests.execute_support import cpu_plan, tiny_workload
+from hfplan.executor.roles import WorkerSet
+from tests.execute_support import cpu_plan, ray_session, tiny_workload
 from tests.process_support import start_cli, stop_all, tagged, wait_for
 
 pytestmark = pytest.mark.slow
@@ -69,3 +73,39 @@ def test_ctrl_c_stops_every_process_and_says_how_to_resume(tmp_path, plan_file):
     hint = next(line for line in output.splitlines() if line.startswith("interrupted"))
     assert f"--out {out} --resume" in hint, hint
     assert str(latest(out).parent) in hint
+
+
+def test_a_death_on_an_idle_set_stops_the_wait(tmp_path_factory):
+    import ray
+
+    class Sleeper:  # stands for a set's worker (`clock` is what the watch calls); defined here, Ray ships it by value
+        def clock(self) -> float:
+            return time.time()
+
+        def pid(self) -> int:
+            return os.getpid()
+
+        def sleep(self, seconds: float) -> float:
+            time.sleep(seconds)
+            return seconds
+
+    with ray_session(str(tmp_path_factory.mktemp("ray")), num_cpus=2):
+        remote = ray.remote(Sleeper)
+        busy, idle = remote.remote(), remote.remote()
+        sets: list = []
+        watch = DeathWatch(sets, period_s=0.5)
+        for index, (roles, worker) in enumerate([(("actor",), busy), (("critic", "reference"), idle)]):
+            sets.append(WorkerSet(index, roles, [worker], failure_namer(index, roles, [worker], sets, watch)))
+        pid = ray.get(idle.pid.remote(), timeout=60)
+        with watch:
+            waiting = busy.sleep.remote(120)
+            threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
+            started = time.monotonic()
+            with pytest.raises(RunFailed) as failed:
+                try:
+                    ray.get(waiting, timeout=150)
+                except ray.exceptions.RayError as failure:
+                    raise RunFailed(sets[0].describe_failure("actor", "update", failure)) from failure
+        assert time.monotonic() - started < 15
+        assert str(failed.value) == ("the worker of set 1 (critic+reference), rank 0 died while actor.update ran on "
+                                     "set 0")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import warnings
 from pathlib import Path
 
 import torch
@@ -128,7 +129,9 @@ def load_trained(trained, folder: Path) -> None:
 def load_model_weights(folder: Path, model: nn.Module) -> None:
     """Load the model part of a role's DCP folder into a plain (unsharded) model, in this process alone."""
     state = {"model": model.state_dict()}
-    dcp.load(state, storage_reader=SafeReader(str(folder)), planner=SafeLoadPlanner(), no_dist=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist: meant so
+        dcp.load(state, storage_reader=SafeReader(str(folder)), planner=SafeLoadPlanner(), no_dist=True)
     model.load_state_dict(state["model"])
 
 

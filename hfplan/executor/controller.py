@@ -23,7 +23,14 @@ from hfplan.dataflow.roles import RoleFacts, update_field
 from hfplan.errors import HfplanError
 from hfplan.executor import preflight, resume
 from hfplan.executor.data import PromptStream
-from hfplan.executor.placement import call_every_worker, check_capacity, clock_offsets, start_sets, stop_sets
+from hfplan.executor.placement import (
+    DeathWatch,
+    call_every_worker,
+    check_capacity,
+    clock_offsets,
+    start_sets,
+    stop_sets,
+)
 from hfplan.executor.roles import ActorRole, ExecutionController, Recorder, RuleRole, WorkerGroupRole
 from hfplan.files import write_atomically
 from hfplan.layout import ROLLOUT, facts_of
@@ -112,42 +119,16 @@ def execute(plan: Plan, options: ExecuteOptions,
     _prepare_out(out)
     resume.clear_partial(out)
     ray_session = _RaySession(options.address, plan, checked.device)
-    sets = []
+    sets: list = []
+    watch = DeathWatch(sets)
     summary = RunSummary(out, resumed_from=start.folder if start else None)
     try:
         ray_session.start()
         check_capacity(plan, checked.device)
         start_sets(plan, checked.hyper, options.seed, checked.device, checked.backend, options.call_timeout_s,
-                   options.start_timeout_s, sets)
-        summary.nodes = ask_workers(sets, "node_id", options.call_timeout_s)
-        pids = ask_workers(sets, "pid", options.call_timeout_s)
-        write_atomically(out / WORKERS_FILE, json.dumps({"pids": pids, "nodes": summary.nodes}, indent=2) + "\n")
-        if start is not None:
-            _load_checkpoint(sets, start, plan, options)
-        recorder = Recorder(clock_offsets(sets, options.start_timeout_s))
-        roles = build_roles(plan, checked, recorder, _worker_group_roles(plan, sets, recorder, options.call_timeout_s))
-        progress = start_progress(plan, checked, options, start.controller if start else None)
-        summary.iterations = list(start.controller.metrics) if start else []
-        timeline: list[dict] = list(start.controller.timeline) if start else []
-        metrics_path = out / METRICS_FILE
-        metrics_path.write_text("".join(json.dumps(m) + "\n" for m in summary.iterations))
-        for report in run_iterations(plan, roles, checked, options, recorder, progress):
-            summary.iterations.append(report.metrics)
-            with metrics_path.open("a") as sink:
-                sink.write(json.dumps(report.metrics) + "\n")
-            timeline.append({"iteration": report.iteration, "spans": [s.model_dump() for s in report.spans]})
-            every = options.checkpoint_every
-            if progress.iteration == options.iterations or (every and progress.iteration % every == 0):
-                summary.checkpoint = _write_checkpoint(sets, plan, run, progress, summary.iterations, timeline,
-                                                       options)
-            if on_iteration is not None:
-                on_iteration(report)
-        summary.peak_memory_bytes = ask_workers(sets, "peak_memory_bytes", options.call_timeout_s)
-        write_atomically(out / WORKERS_FILE, json.dumps({"pids": pids, "nodes": summary.nodes,
-                                                         "peak_memory_bytes": summary.peak_memory_bytes},
-                                                        indent=2) + "\n")
-        write_atomically(out / TIMELINE_FILE, json.dumps({"plan": plan.model_dump(mode="json"),
-                                                          "iterations": timeline}) + "\n")
+                   options.start_timeout_s, sets, watch)
+        with watch:
+            _run_on_sets(plan, checked, options, sets, run, start, summary, on_iteration)
     finally:
         if sets:
             stop_sets(sets)
@@ -156,6 +137,40 @@ def execute(plan: Plan, options: ExecuteOptions,
 
     summary.exported = export_checkpoint(summary.checkpoint, out / EXPORT_FOLDER)
     return summary
+
+
+def _run_on_sets(plan: Plan, checked: preflight.Checked, options: ExecuteOptions, sets, run: resume.RunIdentity,
+                 start: resume.Checkpoint | None, summary: RunSummary,
+                 on_iteration: Callable[[IterationReport], None] | None) -> None:
+    """The run once its workers are up: load the checkpoint, iterate, checkpoint, write the run folder."""
+    out = options.out
+    summary.nodes = ask_workers(sets, "node_id", options.call_timeout_s)
+    pids = ask_workers(sets, "pid", options.call_timeout_s)
+    write_atomically(out / WORKERS_FILE, json.dumps({"pids": pids, "nodes": summary.nodes}, indent=2) + "\n")
+    if start is not None:
+        _load_checkpoint(sets, start, plan, options)
+    recorder = Recorder(clock_offsets(sets, options.start_timeout_s))
+    roles = build_roles(plan, checked, recorder, _worker_group_roles(plan, sets, recorder, options.call_timeout_s))
+    progress = start_progress(plan, checked, options, start.controller if start else None)
+    summary.iterations = list(start.controller.metrics) if start else []
+    timeline: list[dict] = list(start.controller.timeline) if start else []
+    metrics_path = out / METRICS_FILE
+    metrics_path.write_text("".join(json.dumps(m) + "\n" for m in summary.iterations))
+    for report in run_iterations(plan, roles, checked, options, recorder, progress):
+        summary.iterations.append(report.metrics)
+        with metrics_path.open("a") as sink:
+            sink.write(json.dumps(report.metrics) + "\n")
+        timeline.append({"iteration": report.iteration, "spans": [s.model_dump() for s in report.spans]})
+        every = options.checkpoint_every
+        if progress.iteration == options.iterations or (every and progress.iteration % every == 0):
+            summary.checkpoint = _write_checkpoint(sets, plan, run, progress, summary.iterations, timeline, options)
+        if on_iteration is not None:
+            on_iteration(report)
+    summary.peak_memory_bytes = ask_workers(sets, "peak_memory_bytes", options.call_timeout_s)
+    write_atomically(out / WORKERS_FILE, json.dumps({"pids": pids, "nodes": summary.nodes,
+                                                     "peak_memory_bytes": summary.peak_memory_bytes}, indent=2) + "\n")
+    write_atomically(out / TIMELINE_FILE, json.dumps({"plan": plan.model_dump(mode="json"),
+                                                      "iterations": timeline}) + "\n")
 
 
 def _write_checkpoint(sets, plan: Plan, run: resume.RunIdentity, progress: Progress, metrics: list[dict],
