@@ -267,3 +267,19 @@ def test_export_model_command(tmp_path):
     assert (tmp_path / "run" / "hf" / "actor" / "model.safetensors").is_file()
     assert str(tmp_path / "run" / "hf" / "critic") in result.output
     assert_user_error(invoke("export-model", tmp_path / "nothing"), "not a run folder")
+
+
+def test_a_resumed_controller_continues_the_data_order_and_the_multiplier():
+    from hfplan.executor import preflight
+    from hfplan.executor.controller import ExecuteOptions, start_progress
+
+    plan = plan_one_rank()
+    options = ExecuteOptions(iterations=10, seed=4)
+    checked = preflight.check(plan, options)
+    whole = start_progress(plan, checked, options)
+    batches = [whole.stream.next_batch() for _ in range(15)]  # past the end of the data: a second shuffle
+    assert len(checked.prompts) < 15 * plan.workload.batch_prompts
+    snapshot = resume.controller_snapshot(5, 5 * plan.workload.batch_prompts, 0.125, [], [])
+    resumed = start_progress(plan, checked, options, snapshot)
+    assert (resumed.iteration, resumed.state.lagrange) == (5, 0.125)
+    assert [resumed.stream.next_batch() for _ in range(10)] == batches[5:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 
 import pytest
@@ -84,3 +85,25 @@ def test_a_two_rank_checkpoint_continues_on_one_rank(tmp_path, whole_run):
     after = metrics(whole_run)
     assert len(after) == 5 and after[:4] == before
     assert [p.name for p in (whole_run / "checkpoints").iterdir()] == ["iteration-000005"]
+
+
+def test_safe_rlhf_resumes_with_its_multiplier(tmp_path):
+    """A copy of a Safe-RLHF run's first checkpoint, resumed, ends with the run's own metrics (the multiplier too)."""
+    models = {"actor": "tiny", "critic": "tiny", "reference": "tiny", "reward": "rule:vowel-fraction",
+              "cost": "rule:distinct-chars", "cost_critic": "tiny"}
+    plan = tmp_path / "plan.json"
+    plan.write_text(cpu_plan(tiny_workload("safe-rlhf", models),
+                             [(("actor", "reference"), 1), (("critic", "cost_critic"), 1)]).to_json())
+    whole = tmp_path / "whole"
+    cli = run_cli(tmp_path / "log", "execute", plan, "--out", whole, "--iterations", 3, "--checkpoint-every", 1,
+                  "--keep", 3)
+    assert cli.proc.returncode == 0, cli.output()
+    copy = tmp_path / "copy"
+    shutil.copytree(whole / "checkpoints" / "iteration-000001", copy / "checkpoints" / "iteration-000001")
+    cli = run_cli(tmp_path / "log2", "execute", plan, "--out", copy, "--iterations", 3, "--resume")
+    assert cli.proc.returncode == 0, cli.output()
+    rows = metrics(whole)
+    assert rows[1]["lagrange"] != rows[2]["lagrange"]  # the multiplier moves: resuming it is seen
+    assert_same_metrics(rows, metrics(copy))
+    assert set(json.loads((copy / "checkpoints" / "iteration-000003" / "manifest.json").read_text())["heads"]) == {
+        "actor", "critic", "cost_critic"}
