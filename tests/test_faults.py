@@ -59,11 +59,12 @@ def test_a_killed_worker_stops_the_run_naming_its_set_and_rank(tmp_path, plan_fi
     assert set(export_checkpoint(last, tmp_path / "hf")) == {"actor", "critic"}
 
 
-def test_ctrl_c_stops_every_process_and_says_how_to_resume(tmp_path, plan_file):
+@pytest.mark.parametrize("to_group", [False, True], ids=["to the CLI", "to its process group, as a terminal does"])
+def test_ctrl_c_stops_every_process_and_says_how_to_resume(tmp_path, plan_file, to_group):
     cli, out = start_long_run(tmp_path, plan_file)
     try:
         assert len(tagged(cli.tag)) > 3  # the CLI, Ray's own processes and the two workers
-        os.kill(cli.proc.pid, signal.SIGINT)
+        (os.killpg if to_group else os.kill)(cli.proc.pid, signal.SIGINT)
         code = cli.wait(60)
         wait_for(lambda: not tagged(cli.tag), 30, "end of every process of the run")
     finally:
