@@ -472,6 +472,11 @@ def execute(
                                                         help="override a hyperparameter (repeatable)")] = None,
     timeline: Annotated[Path | None, typer.Option(help="draw the last iteration's measured timeline: .png or "
                                                        ".html")] = None,
+    checkpoint_every: Annotated[int | None, typer.Option(min=1, metavar="K", help="also checkpoint every K "
+                                                         "iterations (one is always written at the end)")] = None,
+    keep: Annotated[int, typer.Option(min=1, metavar="N", help="complete checkpoints kept")] = 2,
+    resume_run: Annotated[bool, typer.Option("--resume", help="continue from the latest complete checkpoint in "
+                                                              "--out")] = False,
 ) -> None:
     """Run a plan for real on Ray: the single controller, torch.distributed workers, the hybrid engine."""
     from hfplan.executor.controller import ExecuteOptions
@@ -486,7 +491,8 @@ def execute(
     check_outputs([(timeline, "--timeline")])
     plan = load_plan(plan_path)
     options = ExecuteOptions(iterations=iterations, data=data, out=out, address=address, seed=seed,
-                             overrides=tuple(overrides or ()))
+                             overrides=tuple(overrides or ()), checkpoint_every=checkpoint_every, keep=keep,
+                             resume=resume_run)
     last_spans: list = []
     with _IterationProgress(iterations) as progress:
         def on_iteration(report) -> None:
@@ -497,13 +503,53 @@ def execute(
             summary = run_plan(plan, options, on_iteration)
         except RunFailed as failure:
             err_console.print(f"[bold red]run failed:[/] {escape(str(failure))}", highlight=False, soft_wrap=True)
+            err_console.print(_resume_hint(plan_path, options), highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            err_console.print(f"interrupted: the workers are stopped. {_resume_hint(plan_path, options)}",
+                              highlight=False, soft_wrap=True)
+            raise typer.Exit(INTERRUPTED) from None
     if timeline is not None and last_spans:
         write_outputs([(timeline, timeline_chart(timeline, last_spans, set_labels(plan),
                                                  title=f"measured: {plan_title(plan)}"))])
     render_run(summary, plan)
     if timeline is not None:
         console.print(f"timeline written to {timeline}")
+
+
+def _resume_hint(plan_path: Path, options) -> str:
+    """Where the run can continue from, and the command that continues it with the same data, seed and length."""
+    from hfplan.executor.resume import latest
+
+    found = latest(options.out)
+    if found is None:
+        return "No checkpoint was written yet (--checkpoint-every K writes them): rerun from the start."
+    again = [f"hfplan execute {plan_path} --out {options.out} --resume --iterations {options.iterations}"]
+    again += [f"--data {options.data}"] if options.data else []
+    again += [f"--seed {options.seed}"] if options.seed else []
+    again += [f"--checkpoint-every {options.checkpoint_every}"] if options.checkpoint_every else []
+    return f"The last complete checkpoint is {found}; continue with: {' '.join(again)}"
+
+
+@app.command("export-model")
+@user_errors
+def export_model(
+    run_dir: Annotated[Path, typer.Argument(metavar="DIR", help="a run folder (its latest complete checkpoint) or "
+                                                                "one checkpoint folder")],
+    out: Annotated[Path | None, typer.Option(help="where the model folders go (default: the run folder's hf/)")]
+    = None,
+) -> None:
+    """Write a checkpoint's trained roles (actor, critics) as Hugging Face folders: safetensors, config, tokenizer."""
+    from hfplan.executor.controller import EXPORT_FOLDER
+    from hfplan.executor.export_model import checkpoint_of, export_checkpoint
+    from hfplan.executor.resume import CHECKPOINTS_FOLDER
+
+    folder = checkpoint_of(run_dir)
+    if out is None:
+        run_folder = folder.parent.parent if folder.parent.name == CHECKPOINTS_FOLDER else folder
+        out = run_folder / EXPORT_FOLDER
+    for role, path in export_checkpoint(folder, out).items():
+        console.print(f"{role}: {path}", highlight=False)
 
 
 class _IterationProgress:
@@ -548,3 +594,7 @@ def render_run(summary, plan) -> None:
         console.print(f"[bold]mean reward[/] of the last {count} iterations: {after:.4f} vs {before:.4f} in the "
                       f"first {count}{change}")
     console.print(f"metrics and measured timeline written to {summary.out}/")
+    if summary.checkpoint is not None:
+        console.print(f"checkpoint: {summary.checkpoint}", highlight=False)
+    for role, path in summary.exported.items():
+        console.print(f"{role} exported as a Hugging Face model: {path}", highlight=False)

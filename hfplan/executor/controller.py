@@ -21,9 +21,16 @@ from hfplan.dataflow.registry import get_algorithm
 from hfplan.dataflow.rewards import get_rule
 from hfplan.dataflow.roles import RoleFacts, update_field
 from hfplan.errors import HfplanError
-from hfplan.executor import preflight
+from hfplan.executor import preflight, resume
 from hfplan.executor.data import PromptStream
-from hfplan.executor.placement import check_capacity, clock_offsets, start_sets, stop_sets
+from hfplan.executor.placement import (
+    DeathWatch,
+    call_every_worker,
+    check_capacity,
+    clock_offsets,
+    start_sets,
+    stop_sets,
+)
 from hfplan.executor.roles import ActorRole, ExecutionController, Recorder, RuleRole, WorkerGroupRole
 from hfplan.files import write_atomically
 from hfplan.layout import ROLLOUT, facts_of
@@ -33,6 +40,9 @@ from hfplan.spec import RULE_PREFIX
 METRICS_FILE = "metrics.jsonl"
 TIMELINE_FILE = "timeline.json"
 WORKERS_FILE = "workers.json"
+EXPORT_FOLDER = "hf"  # the trained roles as Hugging Face model folders, one per role
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,9 @@ class ExecuteOptions:
     overrides: tuple[str, ...] = ()
     call_timeout_s: float = 600.0  # one role call, and every collective inside it
     start_timeout_s: float = 300.0  # placement groups and worker start-up
+    checkpoint_every: int | None = None  # also a checkpoint every K iterations (one is always written at the end)
+    keep: int = 2  # complete checkpoints kept
+    resume: bool = False  # continue from the latest complete checkpoint in `out`
 
 
 @dataclass
@@ -60,6 +73,9 @@ class RunSummary:
     iterations: list[dict] = field(default_factory=list)
     peak_memory_bytes: dict[str, int] = field(default_factory=dict)  # "set S rank R" -> bytes
     nodes: dict[str, str] = field(default_factory=dict)  # "set S rank R" -> the Ray node it ran on
+    resumed_from: Path | None = None  # the checkpoint the run continued from
+    checkpoint: Path | None = None  # the last checkpoint written
+    exported: dict[str, Path] = field(default_factory=dict)  # trained role -> its Hugging Face folder
 
     def mean_of(self, key: str, first: bool, count: int = 10) -> float:
         values = [m[key] for m in self.iterations if key in m]
@@ -67,44 +83,121 @@ class RunSummary:
         return float(np.mean(window)) if window else float("nan")
 
 
+@dataclass
+class Progress:
+    """What the single controller carries from one iteration to the next, and a checkpoint keeps of it."""
+
+    iteration: int  # iterations done
+    stream: PromptStream
+    state: ControllerState
+
+
+def start_progress(plan: Plan, checked: preflight.Checked, options: ExecuteOptions,
+                   snapshot: resume.ControllerSnapshot | None = None) -> Progress:
+    """Iteration 0's controller state, or the state a checkpoint's controller left."""
+    state = ControllerState(cfg=checked.hyper, samples_per_prompt=plan.workload.samples_per_prompt,
+                            lagrange=snapshot.lagrange if snapshot else None)
+    stream = PromptStream(checked.prompts, plan.workload.batch_prompts, options.seed,
+                          position=snapshot.data_position if snapshot else 0)
+    return Progress(snapshot.iteration if snapshot else 0, stream, state)
+
+
 def execute(plan: Plan, options: ExecuteOptions,
             on_iteration: Callable[[IterationReport], None] | None = None) -> RunSummary:
-    """Run `options.iterations` iterations of the plan. Every check of the input happens before any
-    worker starts (HfplanError); a failure after that raises RunFailed naming the role, set and rank."""
+    """Run the plan up to `options.iterations` iterations (from the latest checkpoint with `resume`),
+    checkpointing every `checkpoint_every` and at the end, then export the trained roles as Hugging Face
+    folders. Every check of the input happens before any worker starts (HfplanError); a failure after that
+    raises RunFailed naming the role, set and rank."""
     checked = preflight.check(plan, options)
+    if options.checkpoint_every is not None and options.checkpoint_every < 1:
+        raise HfplanError(f"--checkpoint-every must be at least 1, got {options.checkpoint_every}")
+    if options.keep < 1:
+        raise HfplanError(f"--keep must be at least 1, got {options.keep}")
     out = options.out
+    run = resume.run_identity(plan, options.seed, checked.prompts)
+    start = resume.starting_point(out, options.resume, run, options.iterations)
     _prepare_out(out)
+    resume.clear_partial(out)
     ray_session = _RaySession(options.address, plan, checked.device)
-    sets = []
+    sets: list = []
+    watch = DeathWatch(sets)
+    summary = RunSummary(out, resumed_from=start.folder if start else None)
     try:
         ray_session.start()
         check_capacity(plan, checked.device)
         start_sets(plan, checked.hyper, options.seed, checked.device, checked.backend, options.call_timeout_s,
-                   options.start_timeout_s, sets)
-        recorder = Recorder(clock_offsets(sets, options.start_timeout_s))
-        roles = build_roles(plan, checked, recorder, _worker_group_roles(plan, sets, recorder, options.call_timeout_s))
-        summary = RunSummary(out)
-        timeline: list[dict] = []
-        metrics_path = out / METRICS_FILE
-        metrics_path.write_text("")
-        for report in run_iterations(plan, roles, checked, options, recorder):
-            summary.iterations.append(report.metrics)
-            with metrics_path.open("a") as sink:
-                sink.write(json.dumps(report.metrics) + "\n")
-            timeline.append({"iteration": report.iteration, "spans": [s.model_dump() for s in report.spans]})
-            if on_iteration is not None:
-                on_iteration(report)
-        summary.peak_memory_bytes = ask_workers(sets, "peak_memory_bytes", options.call_timeout_s)
-        summary.nodes = ask_workers(sets, "node_id", options.call_timeout_s)
-        write_atomically(out / WORKERS_FILE, json.dumps({"peak_memory_bytes": summary.peak_memory_bytes,
-                                                         "nodes": summary.nodes}, indent=2) + "\n")
-        write_atomically(out / TIMELINE_FILE, json.dumps({"plan": plan.model_dump(mode="json"),
-                                                          "iterations": timeline}) + "\n")
-        return summary
+                   options.start_timeout_s, sets, watch)
+        with watch:
+            _run_on_sets(plan, checked, options, sets, run, start, summary, on_iteration)
     finally:
         if sets:
             stop_sets(sets)
         ray_session.stop()
+    from hfplan.executor.export_model import export_checkpoint
+
+    summary.exported = export_checkpoint(summary.checkpoint, out / EXPORT_FOLDER)
+    return summary
+
+
+def _run_on_sets(plan: Plan, checked: preflight.Checked, options: ExecuteOptions, sets, run: resume.RunIdentity,
+                 start: resume.Checkpoint | None, summary: RunSummary,
+                 on_iteration: Callable[[IterationReport], None] | None) -> None:
+    """The run once its workers are up: load the checkpoint, iterate, checkpoint, write the run folder."""
+    out = options.out
+    summary.nodes = ask_workers(sets, "node_id", options.call_timeout_s)
+    pids = ask_workers(sets, "pid", options.call_timeout_s)
+    write_atomically(out / WORKERS_FILE, json.dumps({"pids": pids, "nodes": summary.nodes}, indent=2) + "\n")
+    if start is not None:
+        _load_checkpoint(sets, start, plan, options)
+    recorder = Recorder(clock_offsets(sets, options.start_timeout_s))
+    roles = build_roles(plan, checked, recorder, _worker_group_roles(plan, sets, recorder, options.call_timeout_s))
+    progress = start_progress(plan, checked, options, start.controller if start else None)
+    summary.iterations = list(start.controller.metrics) if start else []
+    timeline: list[dict] = list(start.controller.timeline) if start else []
+    metrics_path = out / METRICS_FILE
+    metrics_path.write_text("".join(json.dumps(m) + "\n" for m in summary.iterations))
+    for report in run_iterations(plan, roles, checked, options, recorder, progress):
+        summary.iterations.append(report.metrics)
+        with metrics_path.open("a") as sink:
+            sink.write(json.dumps(report.metrics) + "\n")
+        timeline.append({"iteration": report.iteration, "spans": [s.model_dump() for s in report.spans]})
+        every = options.checkpoint_every
+        if progress.iteration == options.iterations or (every and progress.iteration % every == 0):
+            summary.checkpoint = _write_checkpoint(sets, plan, run, progress, summary.iterations, timeline, options)
+        if on_iteration is not None:
+            on_iteration(report)
+    summary.peak_memory_bytes = ask_workers(sets, "peak_memory_bytes", options.call_timeout_s)
+    write_atomically(out / WORKERS_FILE, json.dumps({"pids": pids, "nodes": summary.nodes,
+                                                     "peak_memory_bytes": summary.peak_memory_bytes}, indent=2) + "\n")
+    write_atomically(out / TIMELINE_FILE, json.dumps({"plan": plan.model_dump(mode="json"),
+                                                      "iterations": timeline}) + "\n")
+
+
+def _write_checkpoint(sets, plan: Plan, run: resume.RunIdentity, progress: Progress, metrics: list[dict],
+                      timeline: list[dict], options: ExecuteOptions) -> Path:
+    """Every worker writes its part into the checkpoint's temporary folder; then the controller's state and
+    the manifest go in, and the folder takes its final name."""
+    partial = resume.start_partial(options.out, progress.iteration)
+    call_every_worker(sets, "save_checkpoint", options.call_timeout_s, str(partial))
+    snapshot = resume.controller_snapshot(progress.iteration, progress.stream.position, progress.state.lagrange,
+                                          metrics, timeline)
+    return resume.commit(partial, resume.manifest_of(plan, run, progress.iteration), snapshot, options.keep)
+
+
+def _load_checkpoint(sets, start: resume.Checkpoint, plan: Plan, options: ExecuteOptions) -> None:
+    """Every worker loads its roles' states; its random streams are its own if the checkpoint ran on the same
+    sets and layouts, else fresh ones drawn from (seed, iteration, set, rank)."""
+    own = start.same_layout(plan)
+    if not own:
+        logger.warning("the plan's placement or layouts differ from checkpoint %s's: the weights and optimizer "
+                       "states are resharded, and the sampling streams start afresh", start.folder)
+    iteration = start.manifest.iteration
+
+    def reseed(worker_set, rank: int) -> tuple[int]:
+        entropy = [options.seed, iteration, worker_set.index, rank]
+        return (int(np.random.SeedSequence(entropy).generate_state(1)[0]),)
+
+    call_every_worker(sets, "load_checkpoint", options.call_timeout_s, str(start.folder), own, per_worker=reseed)
 
 
 def ask_workers(sets, method: str, timeout_s: float) -> dict:
@@ -143,21 +236,24 @@ def build_roles(plan: Plan, checked: preflight.Checked, recorder: Recorder,
 
 
 def run_iterations(plan: Plan, roles: dict, checked: preflight.Checked, options: ExecuteOptions,
-                   recorder: Recorder) -> Iterator[IterationReport]:
+                   recorder: Recorder, progress: Progress | None = None) -> Iterator[IterationReport]:
     """The single controller's loop: each iteration's prompts through the registered program, then its
-    metrics and spans. The iteration's time ends when the updates' results are in."""
-    state = ControllerState(cfg=checked.hyper, samples_per_prompt=plan.workload.samples_per_prompt)
-    controller = ExecutionController(state, recorder)
-    stream = PromptStream(checked.prompts, plan.workload.batch_prompts, options.seed)
+    metrics and spans, from `progress` (default: iteration 0) up to `options.iterations`; `progress` counts
+    the iteration as done before its report is yielded. The iteration's time ends when the updates' results
+    are in."""
+    progress = progress or start_progress(plan, checked, options)
+    controller = ExecutionController(progress.state, recorder)
     algorithm = get_algorithm(plan.workload.algorithm)
-    for iteration in range(options.iterations):
-        prompts = checked.encode(stream.next_batch())
+    while progress.iteration < options.iterations:
+        iteration = progress.iteration
+        prompts = checked.encode(progress.stream.next_batch())
         recorder.start_iteration()
         updates = algorithm.program(roles, Batch(prompts=prompts), controller)
         update_metrics = {name: resolved(value) for name, value in updates.items()}
         elapsed = time.time() - recorder.origin
         recorder.finish_iteration()
-        metrics = iteration_metrics(plan, iteration, elapsed, recorder, update_metrics, state)
+        metrics = iteration_metrics(plan, iteration, elapsed, recorder, update_metrics, progress.state)
+        progress.iteration += 1
         yield IterationReport(iteration, metrics, list(recorder.spans))
 
 

@@ -7,6 +7,7 @@ a larger set spans whole nodes (PACK). Every worker takes one CPU, and one GPU w
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import uuid
 
@@ -36,9 +37,10 @@ def check_capacity(plan: Plan, device: str) -> None:
 
 
 def start_sets(plan: Plan, hyper: Hyperparameters, seed: int, device: str, backend: str, timeout_s: float,
-               ready_timeout_s: float, sets: list[WorkerSet]) -> None:
+               ready_timeout_s: float, sets: list[WorkerSet], watch: DeathWatch | None = None) -> None:
     """Create every set's placement group and workers (appended to `sets` as they start, so that the
-    caller can stop what started when a later set fails) and join each set's torch.distributed world."""
+    caller can stop what started when a later set fails) and join each set's torch.distributed world.
+    Failures are described with `watch`'s record of the first worker that died, if it has one."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -61,7 +63,8 @@ def start_sets(plan: Plan, hyper: Hyperparameters, seed: int, device: str, backe
             options = dict(num_cpus=1, num_gpus=1 if device == "cuda" else 0, name=f"set-{index}-rank-{rank}-{run_id}",
                            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank))
             workers.append(remote_worker.options(**options).remote(spec))
-        sets.append(WorkerSet(index, tuple(group.models), workers, _failure_namer(index, group.models, workers), pg))
+        sets.append(WorkerSet(index, tuple(group.models), workers,
+                              failure_namer(index, group.models, workers, sets, watch), pg))
     setups = []
     for worker_set in sets:
         host, port = _get(worker_set, worker_set.workers[0].rendezvous_address.remote(), ready_timeout_s, "start")
@@ -90,11 +93,99 @@ def _get(worker_set: WorkerSet, ref, timeout_s: float, what: str):
         raise RunFailed(worker_set.describe_failure("+".join(worker_set.roles), what, failure)) from failure
 
 
-def _failure_namer(index: int, roles, workers):
+def call_every_worker(sets: list[WorkerSet], method: str, timeout_s: float, *args, per_worker=None) -> list:
+    """Call `method` on every worker of every set at once (with `args`, then `per_worker(set, rank)`'s
+    arguments if given) and wait for all; a failure raises RunFailed naming the set and rank."""
+    calls = [(s, getattr(w, method).remote(*args, *(per_worker(s, rank) if per_worker else ())))
+             for s in sets for rank, w in enumerate(s.workers)]
+    return [_get(worker_set, ref, timeout_s, method) for worker_set, ref in calls]
+
+
+PROBE_S = 3.0  # how long a failure's description waits to learn which worker, if any, has died
+
+
+class DeathWatch:
+    """Stops the run within seconds when a worker dies while the controller waits on another set: one trivial
+    call per worker is outstanding at a time (queued behind its work); one that fails means the worker died.
+    The watch records the first death and kills every other worker, so that whatever the controller waits on
+    fails at once, and each failure is described as that death (see `failure_namer`)."""
+
+    def __init__(self, sets: list[WorkerSet], period_s: float = 1.0) -> None:
+        self.sets, self.period_s = sets, period_s
+        self.dead: tuple[WorkerSet, int] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="hfplan-death-watch", daemon=True)
+
+    def __enter__(self) -> DeathWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10 * self.period_s)
+
+    def _watch(self) -> None:
+        import ray
+
+        probes: dict[tuple[int, int], object] = {}
+        while not self._stop.wait(self.period_s):
+            for worker_set in self.sets:
+                for rank, worker in enumerate(worker_set.workers):
+                    probe = probes.get((worker_set.index, rank))
+                    if probe is not None:
+                        if not ray.wait([probe], timeout=0)[0]:
+                            continue  # the worker is busy
+                        try:
+                            ray.get(probe)
+                        except ray.exceptions.RayActorError:
+                            if not self._stop.is_set():
+                                self._died(worker_set, rank)
+                            return
+                    probes[(worker_set.index, rank)] = worker.clock.remote()
+
+    def _died(self, worker_set: WorkerSet, rank: int) -> None:
+        import ray
+
+        self.dead = (worker_set, rank)
+        for other in self.sets:
+            for worker in other.workers:
+                with contextlib.suppress(Exception):
+                    ray.kill(worker)
+
+
+def dead_worker(sets: list[WorkerSet]) -> tuple[WorkerSet, int] | None:
+    """A worker of the run that has died, if any: a trivial call to each worker fails at once on a dead one
+    (a busy one answers later, harmlessly)."""
+    import ray
+
+    probes = [(s, rank, w.clock.remote()) for s in sets for rank, w in enumerate(s.workers)]
+    ray.wait([ref for *_, ref in probes], num_returns=len(probes), timeout=PROBE_S)
+    for worker_set, rank, ref in probes:
+        ready, _ = ray.wait([ref], timeout=0)
+        if ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                return worker_set, rank
+    return None
+
+
+def failure_namer(index: int, roles, workers, sets: list[WorkerSet], watch: DeathWatch | None = None):
+    """How a failed call on set `index` is described: the first worker that died if the watch saw one, else the
+    worker the failure names (a peer's collective may fail first: then any dead worker of the run), else the
+    call's own error."""
+
     def describe(role: str, op: str, failure: Exception) -> str:
         import ray
 
         rank = _failed_rank(workers, failure)
+        dead = watch.dead if watch is not None else None
+        if dead is None and rank is None:
+            dead = dead_worker(sets)
+        if dead is not None:
+            dead_set, dead_rank = dead
+            when = f"during {role}.{op}" if dead_set.index == index else f"while {role}.{op} ran on set {index}"
+            return f"the worker of set {dead_set.index} ({'+'.join(dead_set.roles)}), rank {dead_rank} died {when}"
         where = f"set {index} ({'+'.join(roles)})" + (f", rank {rank}" if rank is not None else "")
         if isinstance(failure, ray.exceptions.GetTimeoutError):
             return f"{role}.{op} on {where} did not finish in time (a stuck collective or an overloaded machine)"

@@ -12,6 +12,7 @@ import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 
@@ -119,6 +120,41 @@ class SetWorker:
         """Take weights sent by the controller (a separate rollout set's sync); returns seconds spent."""
         start = time.time()
         self.runtimes[role].load_weights(weights)
+        return time.time() - start
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def _generators(self) -> dict:
+        return {role: rt.generator for role, rt in self.runtimes.items() if rt.generator is not None}
+
+    def save_checkpoint(self, folder: str) -> float:
+        """Write this rank's part of a checkpoint: every trained role of the set (a collective over the set)
+        and this worker's random streams. Returns seconds spent."""
+        from hfplan.executor import checkpoint
+
+        start, root = time.time(), Path(folder)
+        for role, runtime in self.runtimes.items():
+            if runtime.trained is not None:
+                checkpoint.save_trained(runtime.trained, checkpoint.role_folder(root, role))
+        checkpoint.save_rng(checkpoint.rng_file(root, self.spec.set_index, self.spec.rank), self._generators())
+        return time.time() - start
+
+    def load_checkpoint(self, folder: str, own_streams: bool, reseed: int) -> float:
+        """Load every trained role of the set from a checkpoint (resharded to this layout; a collective), and
+        this worker's random streams: its own when the checkpoint has the same ranks (`own_streams`), else
+        fresh ones from `reseed`. Returns seconds spent."""
+        from hfplan.executor import checkpoint
+
+        start, root = time.time(), Path(folder)
+        for role, runtime in self.runtimes.items():
+            if runtime.trained is not None:
+                checkpoint.load_trained(runtime.trained, checkpoint.role_folder(root, role))
+        if own_streams:
+            checkpoint.restore_rng(checkpoint.rng_file(root, self.spec.set_index, self.spec.rank),
+                                   self._generators())
+        else:
+            checkpoint.reseed(self._generators(), reseed)
         return time.time() - start
 
     def node_id(self) -> str:

@@ -1,0 +1,112 @@
+"""Failures of a running `hfplan execute`: a worker killed mid-run stops the run within seconds, naming its
+role, set and rank, and leaves the last checkpoint loadable; Ctrl-C stops every process and says how to resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from hfplan.executor.errors import RunFailed
+from hfplan.executor.export_model import export_checkpoint
+from hfplan.executor.placement import DeathWatch, failure_namer
+from hfplan.executor.resume import latest, read_checkpoint
+from hfplan.executor.roles import WorkerSet
+from tests.execute_support import cpu_plan, ray_session, tiny_workload
+from tests.process_support import start_cli, stop_all, tagged, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def plan_file(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text(cpu_plan(tiny_workload("ppo"), [(("actor", "critic", "reference"), 2)]).to_json())
+    return path
+
+
+def start_long_run(tmp_path, plan_file):
+    """A run of many iterations, a checkpoint after each; returns once the first one is complete."""
+    out = tmp_path / "run"
+    cli = start_cli(tmp_path / "log", "execute", plan_file, "--out", out, "--iterations", 200, "--checkpoint-every", 1)
+    wait_for(lambda: latest(out) is not None, 300, "first checkpoint", cli)
+    return cli, out
+
+
+def test_a_killed_worker_stops_the_run_naming_its_set_and_rank(tmp_path, plan_file):
+    cli, out = start_long_run(tmp_path, plan_file)
+    try:
+        pid = json.loads((out / "workers.json").read_text())["pids"]["set 0 rank 1"]
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        code = cli.wait(60)
+        stopped_after = time.monotonic() - killed
+        wait_for(lambda: not tagged(cli.tag), 30, "end of every process of the run")
+    finally:
+        stop_all(cli)
+    output = cli.output()
+    assert code == 1, output
+    assert stopped_after < 20, stopped_after
+    failure = next(line for line in output.splitlines() if line.startswith("run failed:"))
+    assert "set 0 (actor+critic+reference), rank 1 died" in failure, failure
+    assert "--resume" in output
+    last = latest(out)
+    read_checkpoint(last)
+    assert set(export_checkpoint(last, tmp_path / "hf")) == {"actor", "critic"}
+
+
+@pytest.mark.parametrize("to_group", [False, True], ids=["to the CLI", "to its process group, as a terminal does"])
+def test_ctrl_c_stops_every_process_and_says_how_to_resume(tmp_path, plan_file, to_group):
+    cli, out = start_long_run(tmp_path, plan_file)
+    try:
+        assert len(tagged(cli.tag)) > 3  # the CLI, Ray's own processes and the two workers
+        (os.killpg if to_group else os.kill)(cli.proc.pid, signal.SIGINT)
+        code = cli.wait(60)
+        wait_for(lambda: not tagged(cli.tag), 30, "end of every process of the run")
+    finally:
+        stop_all(cli)
+    output = cli.output()
+    assert code == 130, output
+    hint = next(line for line in output.splitlines() if line.startswith("interrupted"))
+    assert f"--out {out} --resume" in hint, hint
+    assert str(latest(out).parent) in hint
+
+
+def test_a_death_on_an_idle_set_stops_the_wait(tmp_path_factory):
+    import ray
+
+    class Sleeper:  # stands for a set's worker (`clock` is what the watch calls); defined here, Ray ships it by value
+        def clock(self) -> float:
+            return time.time()
+
+        def pid(self) -> int:
+            return os.getpid()
+
+        def sleep(self, seconds: float) -> float:
+            time.sleep(seconds)
+            return seconds
+
+    with ray_session(str(tmp_path_factory.mktemp("ray")), num_cpus=2):
+        remote = ray.remote(Sleeper)
+        busy, idle = remote.remote(), remote.remote()
+        sets: list = []
+        watch = DeathWatch(sets, period_s=0.5)
+        for index, (roles, worker) in enumerate([(("actor",), busy), (("critic", "reference"), idle)]):
+            sets.append(WorkerSet(index, roles, [worker], failure_namer(index, roles, [worker], sets, watch)))
+        pid = ray.get(idle.pid.remote(), timeout=60)
+        with watch:
+            waiting = busy.sleep.remote(120)
+            threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
+            started = time.monotonic()
+            with pytest.raises(RunFailed) as failed:
+                try:
+                    ray.get(waiting, timeout=150)
+                except ray.exceptions.RayError as failure:
+                    raise RunFailed(sets[0].describe_failure("actor", "update", failure)) from failure
+        assert time.monotonic() - started < 15
+        assert str(failed.value) == ("the worker of set 1 (critic+reference), rank 0 died while actor.update ran on "
+                                     "set 0")

@@ -1,0 +1,109 @@
+"""Resume end to end: `hfplan execute` killed (SIGKILL) after a checkpoint and resumed gives the metrics of an
+uninterrupted run; a checkpoint continues on another data-parallel size; the run exports its trained roles."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+
+import pytest
+
+from hfplan.executor.resume import latest
+from tests.execute_support import cpu_plan, tiny_workload
+from tests.process_support import run_cli, start_cli, stop_all, wait_for
+
+pytestmark = pytest.mark.slow
+SETS = [(("actor", "critic", "reference"), 2)]
+
+
+def metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def not_timing(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.endswith("_s")}
+
+
+def assert_same_metrics(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        x, y = not_timing(x), not_timing(y)
+        assert x.keys() == y.keys()
+        for key in x:
+            assert y[key] == pytest.approx(x[key], rel=1e-6, abs=1e-6), (x["iteration"], key)
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    path.write_text(cpu_plan(tiny_workload("ppo"), SETS).to_json())
+    return path
+
+
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory, plan_file):
+    """4 iterations without interruption, a checkpoint every 2."""
+    out = tmp_path_factory.mktemp("whole") / "run"
+    cli = run_cli(out.parent / "log", "execute", plan_file, "--out", out, "--iterations", 4, "--checkpoint-every", 2)
+    assert cli.proc.returncode == 0, cli.output()
+    return out
+
+
+def test_a_killed_run_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path, plan_file, whole_run):
+    out = tmp_path / "run"
+    cli = start_cli(tmp_path / "log", "execute", plan_file, "--out", out, "--iterations", 4, "--checkpoint-every", 2)
+    try:
+        wait_for(lambda: (out / "checkpoints" / "iteration-000002" / "manifest.json").is_file(), 300,
+                 "checkpoint of iteration 2", cli)
+        os.kill(cli.proc.pid, signal.SIGKILL)
+        cli.wait(30)
+    finally:
+        stop_all(cli)
+    assert latest(out).name == "iteration-000002"
+    resumed = run_cli(tmp_path / "log2", "execute", plan_file, "--out", out, "--iterations", 4, "--resume")
+    assert resumed.proc.returncode == 0, resumed.output()
+    assert_same_metrics(metrics(whole_run), metrics(out))
+    assert len(json.loads((out / "timeline.json").read_text())["iterations"]) == 4
+
+
+def test_the_run_exports_its_actor_and_critic(whole_run):
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    AutoModelForCausalLM.from_pretrained(whole_run / "hf" / "actor")
+    AutoModelForTokenClassification.from_pretrained(whole_run / "hf" / "critic")
+    assert [p.name for p in sorted((whole_run / "checkpoints").iterdir())] == ["iteration-000002", "iteration-000004"]
+
+
+def test_a_two_rank_checkpoint_continues_on_one_rank(tmp_path, whole_run):
+    plan = tmp_path / "one.json"
+    plan.write_text(cpu_plan(tiny_workload("ppo"), [(("actor", "critic", "reference"), 1)]).to_json())
+    before = metrics(whole_run)
+    cli = run_cli(tmp_path / "log", "execute", plan, "--out", whole_run, "--iterations", 5, "--resume", "--keep", 1)
+    assert cli.proc.returncode == 0, cli.output()
+    after = metrics(whole_run)
+    assert len(after) == 5 and after[:4] == before
+    assert [p.name for p in (whole_run / "checkpoints").iterdir()] == ["iteration-000005"]
+
+
+def test_safe_rlhf_resumes_with_its_multiplier(tmp_path):
+    """A copy of a Safe-RLHF run's first checkpoint, resumed, ends with the run's own metrics (the multiplier too)."""
+    models = {"actor": "tiny", "critic": "tiny", "reference": "tiny", "reward": "rule:vowel-fraction",
+              "cost": "rule:distinct-chars", "cost_critic": "tiny"}
+    plan = tmp_path / "plan.json"
+    plan.write_text(cpu_plan(tiny_workload("safe-rlhf", models),
+                             [(("actor", "reference"), 1), (("critic", "cost_critic"), 1)]).to_json())
+    whole = tmp_path / "whole"
+    cli = run_cli(tmp_path / "log", "execute", plan, "--out", whole, "--iterations", 3, "--checkpoint-every", 1,
+                  "--keep", 3)
+    assert cli.proc.returncode == 0, cli.output()
+    copy = tmp_path / "copy"
+    shutil.copytree(whole / "checkpoints" / "iteration-000001", copy / "checkpoints" / "iteration-000001")
+    cli = run_cli(tmp_path / "log2", "execute", plan, "--out", copy, "--iterations", 3, "--resume")
+    assert cli.proc.returncode == 0, cli.output()
+    rows = metrics(whole)
+    assert rows[1]["lagrange"] != rows[2]["lagrange"]  # the multiplier moves: resuming it is seen
+    assert_same_metrics(rows, metrics(copy))
+    assert set(json.loads((copy / "checkpoints" / "iteration-000003" / "manifest.json").read_text())["heads"]) == {
+        "actor", "critic", "cost_critic"}
