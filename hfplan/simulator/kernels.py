@@ -4,30 +4,55 @@ Each kernel costs a fixed overhead plus the larger of its math time (FLOPs at th
 achievable matmul rate) and its memory time (bytes at the profile's achievable bandwidth). So
 efficiency falls by itself where per-GPU work is small: small GEMMs are memory- or overhead-bound,
 decode steps are weight-read bound, and large training GEMMs run near the measured matmul rate.
+Where the profile describes its GEMM kernels' tiling, a GEMM's math rate is further scaled by its
+shape (`gemm_shape_efficiency`): padded tiles, a last partial wave of tiles, a short reduction.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
-from hfplan.profiles.hardware import HardwareProfile
+from hfplan.profiles.hardware import GemmTiling, HardwareProfile
 from hfplan.profiles.models import ModelArch
 
 BF16 = 2  # bytes of a bf16 value (weights and activations on GPUs)
 FP32 = 4  # bytes of an fp32 value (gradients, optimizer states, logits; everything on CPUs)
 
 
-def kernel_time(hw: HardwareProfile, flops: float, nbytes: float) -> float:
-    math = flops / (hw.peak_flops * hw.compute.matmul_efficiency)
+def kernel_time(hw: HardwareProfile, flops: float, nbytes: float, shape_efficiency: float = 1.0) -> float:
+    """shape_efficiency: the fraction of the matmul rate this kernel's shape allows (GEMMs; 1 otherwise)."""
+    compute = flops / (hw.peak_flops * hw.compute.matmul_efficiency * shape_efficiency)
     memory = nbytes / (hw.memory.bandwidth_gbytes_per_s * 1e9 * hw.memory.efficiency)
-    return hw.compute.kernel_overhead_us * 1e-6 + max(math, memory)
+    return hw.compute.kernel_overhead_us * 1e-6 + max(compute, memory)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def gemm_shape_efficiency(tiling: GemmTiling | None, m: float, k: float, n: float) -> float:
+    """Useful fraction of the tensor cores' work for an (m x k)(k x n) GEMM, with the tile the library would
+    pick (the one with the least padded work): the output is covered by whole tiles (tile quantization), the
+    tiles run in whole waves of sm_count (wave quantization), and each tile walks K in whole blocks of tile_k
+    plus the stages - 1 blocks that fill its pipeline (the short-K loss). 1 without a tiling (CPUs)."""
+    if tiling is None:
+        return 1.0
+    k_blocks = math.ceil(k / tiling.tile_k)
+    k_work = (k_blocks + tiling.stages - 1) * tiling.tile_k
+    best = 0.0
+    for tile_m, tile_n in tiling.tiles:
+        tiles = math.ceil(m / tile_m) * math.ceil(n / tile_n)
+        waves = math.ceil(tiles / tiling.sm_count)
+        padded = waves * tiling.sm_count * tile_m * tile_n * k_work
+        best = max(best, m * n * k / padded)
+    return best
 
 
 def gemm_time(hw: HardwareProfile, m: float, k: float, n: float) -> float:
     """(m x k) @ (k x n) in the device's compute precision."""
     if m <= 0 or k <= 0 or n <= 0:
         return 0.0
-    return kernel_time(hw, 2.0 * m * k * n, hw.compute.value_bytes * (m * k + k * n + m * n))
+    return kernel_time(hw, 2.0 * m * k * n, hw.compute.value_bytes * (m * k + k * n + m * n),
+                       gemm_shape_efficiency(hw.compute.gemm, m, k, n))
 
 
 def memory_time(hw: HardwareProfile, nbytes: float) -> float:
