@@ -7,6 +7,7 @@ nothing in the cost model is a hard-coded hardware constant.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -57,6 +58,9 @@ class Compute(_Strict):
     kernel_overhead_us: float = Field(ge=0, description="fixed cost of one kernel (launch, tail effects)")
     value_bytes: int = Field(default=2, description="bytes of one weight or activation value in the precision "
                                                     "the device computes in: 2 (bf16) on GPUs, 4 (fp32) on CPUs")
+    attention: Literal["flash", "eager"] = Field(default="flash", description="attention kernel of the stack: "
+                                                                               "flash (fused, scores stay on chip) "
+                                                                               "or eager (scores through memory)")
     gemm: GemmTiling | None = Field(default=None, description="tile and wave quantization of GEMMs; none (CPUs): "
                                                               "every GEMM runs at matmul_efficiency")
 
@@ -101,6 +105,21 @@ class Links(_Strict):
     host: Link = Field(description="device <-> host (PCIe); data through the single controller")
 
 
+class Runtime(_Strict):
+    """Fixed host-side costs the kernels do not show: the software stack's, not the chip's. Zero where not
+    known; `hfplan profile` measures them on the executor's own engines."""
+
+    forward_pass_us: float = Field(default=0.0, ge=0, description="fixed cost of one forward pass (one micro-batch "
+                                                                  "through a training or inference engine) beyond "
+                                                                  "its kernels")
+    engine_step_us: float = Field(default=0.0, ge=0, description="fixed cost of one step of the generation engine "
+                                                                 "(a prefill or a decode step): scheduling, input "
+                                                                 "preparation, sampled tokens back to the host")
+    controller_call_us: float = Field(default=0.0, ge=0, description="fixed cost of one call of the single "
+                                                                     "controller to a worker group (dispatch and "
+                                                                     "collect)")
+
+
 class HardwareProfile(_Strict):
     name: str
     description: str = ""
@@ -111,6 +130,7 @@ class HardwareProfile(_Strict):
     compute: Compute
     memory: Memory
     links: Links
+    runtime: Runtime = Field(default_factory=Runtime)
 
     def __hash__(self) -> int:
         # Profiles key the cost caches: a cheap hash of a few fields (equal profiles still hash equal).
