@@ -93,6 +93,8 @@ class Link(_Strict):
                                                       "NICs together (inter): 200 Gb/s is 25")
     efficiency: float = Field(gt=0, le=1, description="fraction of bandwidth collectives reach (bus bandwidth)")
     latency_us: float = Field(ge=0, description="per-step latency (alpha)")
+    nvls: bool = Field(default=False, description="the switch reduces (NVLink SHARP): all-reduce sends each "
+                                                  "device's data once and receives the result once")
 
     @property
     def effective_bytes_per_s(self) -> float:
