@@ -353,3 +353,34 @@ def test_matmul_sweep_is_fitted_with_the_shape_model():
     assert fit.flops_per_s == pytest.approx(rate, rel=1e-3)
     plain = fit_roofline([r["flops"] for r in rows], [r["bytes"] for r in rows], seconds)
     assert plain.flops_per_s < 0.97 * rate  # the plain roofline mistakes the quantization loss for a slower rate
+
+
+def test_fixed_cost_is_what_the_kernels_leave_over():
+    from hfplan.profiler.runtime import fixed_us
+
+    assert fixed_us(0.63e-3, 0.15e-3) == pytest.approx(480.0)
+    assert fixed_us(1e-4, 2e-4) == 0.0  # faster than modelled: no negative fixed cost
+
+
+@pytest.mark.slow
+def test_runtime_costs_measured_on_the_executor_engine():
+    """The torch rollout engine's decode step and a forward pass of the demo model on CPU, less their modelled
+    kernels; no Ray round trip here (ray_calls=0)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from hfplan.plan import Layout
+    from hfplan.profiler import device as devices
+    from hfplan.profiler.runtime import LONG, PROMPT, SHORT, measure_runtime
+    from hfplan.simulator import costs
+
+    hw = load_hardware("cpu")
+    fit = measure_runtime(torch, devices.probe(torch, "cpu", 1), hw, 0.02, ray_calls=0)
+    assert not fit.ray and fit.runtime.controller_call_us == 0.0
+    rows = {r["op"]: r for r in fit.rows}
+    assert set(rows) == {"forward_pass", "engine_step"}
+    assert all(r["seconds"] > 0 for r in fit.rows)
+    step_model = costs.decode_step_time(hw, CATALOG["tiny"], Layout(), costs.SetShape(1, 1), 1,
+                                        PROMPT + (SHORT + LONG) / 2)
+    assert rows["engine_step"]["predicted_s"] == pytest.approx(step_model)
+    assert fit.runtime.engine_step_us == pytest.approx(max(0.0, rows["engine_step"]["seconds"] - step_model) * 1e6,
+                                                       abs=0.01)

@@ -9,7 +9,7 @@ from typing import Protocol
 
 import pandas as pd
 
-from hfplan.profiler import comm, compute, layers
+from hfplan.profiler import comm, compute, layers, runtime
 from hfplan.profiler.build import Fits, build_profile, device_tiling
 from hfplan.profiler.device import Device
 from hfplan.profiler.fit import COLLECTIVES, LinkFit, fit_alpha_beta, fit_roofline
@@ -109,6 +109,15 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
 
     versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
     profile = build_profile(device, fits, request.base, request.name, versions, note)
+    with _cpu_threads(torch, device):
+        fixed = runtime.measure_runtime(torch, device, profile, sweeps.min_time, sweeps.ray_calls)
+    profile = profile.model_copy(update={
+        "runtime": fixed.runtime,
+        "description": profile.description + " Runtime: a forward pass of the demo model and a decode step of the "
+                       "executor's torch rollout engine, less their modelled kernels"
+                       + (", and a round trip through a Ray actor" if fixed.ray else "; controller call not "
+                          "measured (ray not importable)") + "."})
+    rows += fixed.rows
 
     plan = layers.plan_layers(profile, request.model, sweeps.layers, device, esize, sweeps.min_time)
     with _cpu_threads(torch, device):
