@@ -204,7 +204,6 @@ def _controller(hw: HardwareProfile) -> Parts:
     return Parts(controller=hw.runtime.controller_call_us * 1e-6)
 
 
-@memoized
 def train_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: SetShape, sequences: int,
                      seq_len: int, head: str, *, memo: CostMemo | None = None) -> Parts:
     """One optimizer step over `sequences` sequences (one mini-batch), by part. 1F1B pipeline schedule; with
@@ -235,7 +234,6 @@ def train_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, whe
                                           "optimizer": optimizer})
 
 
-@memoized
 def train_step_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: SetShape, sequences: int,
                     seq_len: int, head: str, *, memo: CostMemo | None = None) -> float:
     return train_step_parts(hw, arch, cfg, where, sequences, seq_len, head, memo=memo).total
@@ -253,7 +251,6 @@ def update_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: S
     return update_parts(hw, arch, cfg, where, sequences, seq_len, head, mini_batches, epochs, memo=memo).total
 
 
-@memoized
 def inference_parts(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, where: SetShape, sequences: int,
                     seq_len: int, head: str, sharded_dp: bool = False, *, memo: CostMemo | None = None) -> Parts:
     """Forward passes over all sequences (log-probs, values or scores), by part. `sharded_dp`: parameters
