@@ -131,21 +131,17 @@ def _head_tp_comm(hw: HardwareProfile, tokens: float, tp: int, where: SetShape, 
 
 @dataclass(frozen=True)
 class StagePass:
-    """One micro-batch through the most loaded pipeline stage, by part; `layers` is the forward of its
-    transformer layers alone (kernels and TP all-reduces), what full recomputation repeats."""
+    """One micro-batch through the most loaded pipeline stage, by part (both passes have the same parts);
+    `layers` is the forward of its transformer layers alone (kernels and TP all-reduces), what full
+    recomputation repeats; `attention` the layers' forward attention kernels, what selective recomputation
+    repeats."""
 
     forward_parts: Parts
     backward_parts: Parts
     layers: float
-    attention: float  # the layers' attention kernels in the forward: what selective recomputation repeats
-
-    @property
-    def forward(self) -> float:
-        return self.forward_parts.total
-
-    @property
-    def backward(self) -> float:
-        return self.backward_parts.total
+    attention: float
+    forward: float  # totals of the two passes
+    backward: float
 
 
 @memoized
@@ -167,7 +163,8 @@ def stage_pass(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: Se
     forward = Parts(gemm=gemm, attention=attention, elementwise=elementwise, tp_comm=tp_comm)
     backward = Parts(gemm=2 * gemm, attention=layer.attention_backward * attention, elementwise=2 * elementwise,
                      tp_comm=tp_comm)
-    return StagePass(forward, backward, layers=n_layers * (layer.total + comm), attention=attention)
+    return StagePass(forward, backward, layers=n_layers * (layer.total + comm), attention=attention,
+                     forward=forward.total, backward=backward.total)
 
 
 def _p2p(hw: HardwareProfile, arch: ModelArch, layout: Layout, where: SetShape, tokens: float) -> float:
@@ -204,6 +201,16 @@ def _controller(hw: HardwareProfile) -> Parts:
     return Parts(controller=hw.runtime.controller_call_us * 1e-6)
 
 
+def _pipelined(per_micro: dict[str, float], n_micro: int, bubble_slots: float, **extra: float) -> Parts:
+    """n_micro micro-batches of per_micro each, bubble_slots micro-batch slots of pipeline fill and drain,
+    and the extra parts."""
+    out = Parts({name: n_micro * seconds for name, seconds in per_micro.items()})
+    out["bubble"] = bubble_slots * sum(per_micro.values())
+    for name, seconds in extra.items():
+        out[name] = out.get(name, 0.0) + seconds
+    return out
+
+
 def train_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: SetShape, sequences: int,
                      seq_len: int, head: str, *, memo: CostMemo | None = None) -> Parts:
     """One optimizer step over `sequences` sequences (one mini-batch), by part. 1F1B pipeline schedule; with
@@ -213,10 +220,11 @@ def train_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, whe
     micro, n_micro = _per_rank(sequences, cfg.dp, cfg.micro_batch)
     sp = stage_pass(hw, arch, cfg.tp, cfg.pp, where, micro, seq_len, head, memo=memo)
     v = cfg.virtual_stages
-    per_micro = (sp.forward_parts.plus(sp.backward_parts)
-                 .plus({"recompute": _recompute_seconds(sp, Recompute.of(cfg.recompute)),
-                        "pp_comm": 2 * v * _p2p(hw, arch, cfg, where, micro * seq_len),
-                        "runtime": v * hw.runtime.forward_pass_us * 1e-6}))
+    forward, backward = sp.forward_parts, sp.backward_parts
+    per_micro = {name: seconds + backward[name] for name, seconds in forward.items()}
+    per_micro["recompute"] = _recompute_seconds(sp, Recompute.of(cfg.recompute))
+    per_micro["pp_comm"] = 2 * v * _p2p(hw, arch, cfg, where, micro * seq_len)
+    per_micro["runtime"] = v * hw.runtime.forward_pass_us * 1e-6
     local_params = stage_params(arch, cfg.pp, head) / cfg.tp
     grad_bytes = FP32 * local_params
     dp = dp_group(cfg, where)
@@ -230,8 +238,7 @@ def train_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, whe
         exposed = max(0.0, coll.all_reduce(hw, dp, grad_bytes) - sp.backward)  # overlapped with the last backward
     optimizer_params = local_params / (cfg.dp if cfg.shard else 1)
     optimizer = memory_time(hw, ADAM_BYTES_PER_PARAM * optimizer_params)
-    return per_micro.times(n_micro).plus({"bubble": (cfg.pp - 1) / v * per_micro.total, "dp_comm": exposed,
-                                          "optimizer": optimizer})
+    return _pipelined(per_micro, n_micro, (cfg.pp - 1) / v, dp_comm=exposed, optimizer=optimizer)
 
 
 def train_step_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: SetShape, sequences: int,
@@ -242,7 +249,9 @@ def train_step_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, wher
 def update_parts(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: SetShape, sequences: int,
                  seq_len: int, head: str, mini_batches: int, epochs: int, *, memo: CostMemo | None = None) -> Parts:
     step = train_step_parts(hw, arch, cfg, where, sequences // mini_batches, seq_len, head, memo=memo)
-    return step.times(epochs * mini_batches).plus(_controller(hw))
+    out = step.times(epochs * mini_batches)
+    out["controller"] = hw.runtime.controller_call_us * 1e-6
+    return out
 
 
 @memoized
@@ -256,14 +265,14 @@ def inference_parts(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, wher
     """Forward passes over all sequences (log-probs, values or scores), by part. `sharded_dp`: parameters
     are sharded across data-parallel ranks (a trained role in its FSDP layout) and gathered per micro-batch."""
     micro, n_micro = _per_rank(sequences, cfg.dp, cfg.micro_batch)
-    fwd = stage_pass(hw, arch, cfg.tp, cfg.pp, where, micro, seq_len, head, memo=memo).forward_parts
-    per_micro = fwd.plus({"pp_comm": _p2p(hw, arch, cfg, where, micro * seq_len),
-                          "runtime": hw.runtime.forward_pass_us * 1e-6})
+    sp = stage_pass(hw, arch, cfg.tp, cfg.pp, where, micro, seq_len, head, memo=memo)
+    per_micro = dict(sp.forward_parts, pp_comm=_p2p(hw, arch, cfg, where, micro * seq_len),
+                     runtime=hw.runtime.forward_pass_us * 1e-6)
     exposed = 0.0
     if sharded_dp and cfg.dp > 1:
-        exposed = n_micro * max(0.0, _param_gather(hw, arch, cfg, where, head) - fwd.total)
-    return per_micro.times(n_micro).plus({"bubble": (cfg.pp - 1) * per_micro.total, "dp_comm": exposed}) \
-        .plus(_controller(hw))
+        exposed = n_micro * max(0.0, _param_gather(hw, arch, cfg, where, head) - sp.forward)
+    return _pipelined(per_micro, n_micro, cfg.pp - 1, dp_comm=exposed,
+                      controller=hw.runtime.controller_call_us * 1e-6)
 
 
 @memoized
