@@ -291,6 +291,70 @@ def profile(
                   f" use it with `hfplan search --hardware {escape(str(outcome.out))}`", highlight=False)
 
 
+@app.command()
+@user_errors
+def cost(
+    kind: Annotated[str, typer.Argument(metavar="CALL", help="train, forward, generate or collective")],
+    model: Annotated[str, typer.Option(help="catalog model or config.json")] = "llama2-7b",
+    hardware: Annotated[str, typer.Option(help="shipped profile name or profile .yaml")] = "a100-80g",
+    tp: Annotated[int, typer.Option(help="tensor-parallel size")] = 1,
+    pp: Annotated[int, typer.Option(help="pipeline-parallel size")] = 1,
+    dp: Annotated[int, typer.Option(help="data-parallel size (generate: engine replicas)")] = 1,
+    micro_batch: Annotated[int, typer.Option(help="sequences per micro-batch per data-parallel rank")] = 1,
+    batch: Annotated[int, typer.Option(help="sequences (train, forward) or prompts (generate) of the call")] = 8,
+    seq_len: Annotated[int, typer.Option(help="tokens per sequence (train, forward)")] = 2048,
+    prompt_len: Annotated[int, typer.Option(help="prompt tokens (generate)")] = 1024,
+    response_len: Annotated[int, typer.Option(help="longest response (generate)")] = 1024,
+    response_len_mean: Annotated[float | None, typer.Option(help="mean response length (generate)")] = None,
+    batching: Annotated[str, typer.Option(help="generate: static or continuous")] = "static",
+    recompute: Annotated[str, typer.Option(help="train: none, selective or full")] = "none",
+    virtual_stages: Annotated[int, typer.Option(help="train: model chunks per pipeline stage")] = 1,
+    shard: Annotated[bool, typer.Option("--shard/--no-shard", help="train: FSDP / ZeRO-3 or replicated")] = True,
+    head: Annotated[str, typer.Option(help="lm, or scalar (critic, reward)")] = "lm",
+    op: Annotated[str, typer.Option(help="collective: all_reduce, all_gather, reduce_scatter or p2p")]
+        = "all_reduce",
+    nbytes: Annotated[float, typer.Option("--bytes", help="collective: message bytes")] = 2.0**30,
+    gpus: Annotated[int | None, typer.Option(help="collective: group size (default tp * pp * dp)")] = None,
+    gpus_per_node: Annotated[int | None, typer.Option(help="GPUs per node (default: the profile's)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the cost as JSON instead of tables")] = False,
+) -> None:
+    """The cost of one call as the search computes it: seconds, FLOP/s per GPU, tokens/s, memory, parts."""
+    from hfplan.simulator.call_cost import CallRequest, call_cost
+
+    result = call_cost(CallRequest(
+        kind=kind, hardware=hardware, model=model, tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, batch=batch,
+        seq_len=seq_len, prompt_len=prompt_len, response_len=response_len, response_len_mean=response_len_mean,
+        recompute=recompute, virtual_stages=virtual_stages, shard=shard, head=head, batching=batching,
+        gpus_per_node=gpus_per_node, op=op, nbytes=nbytes, gpus=gpus))
+    if as_json:
+        sys.stdout.write(json.dumps(result.to_dict(), indent=2) + "\n")
+        return
+    render_cost(result)
+
+
+def render_cost(result) -> None:
+    totals = Table(title=f"{result.kind} on {result.gpus} GPU(s)", show_edge=False)
+    totals.add_column("measure")
+    totals.add_column("value", justify="right")
+    totals.add_row("seconds", seconds(result.seconds))
+    if result.flops_per_gpu_per_s is not None:
+        totals.add_row("TFLOP/s per GPU", f"{result.flops_per_gpu_per_s / 1e12:,.1f}")
+    if result.tokens_per_s is not None:
+        totals.add_row("tokens/s" + (" (response)" if result.kind == "generate" else ""), f"{result.tokens_per_s:,.0f}")
+    if result.memory_gib_per_gpu is not None:
+        totals.add_row("memory GiB per GPU", f"{result.memory_gib_per_gpu:,.2f}")
+    for name, value in result.detail.items():
+        totals.add_row(name.replace("_", " "), f"{value:,.1f}" if isinstance(value, float) else str(value))
+    console.print(totals)
+    parts = Table(title="seconds by part", show_edge=False)
+    for column in ("part", "seconds", "share %"):
+        parts.add_column(column, justify="left" if column == "part" else "right")
+    for name, value in sorted(result.parts.items(), key=lambda item: -item[1]):
+        if value > 0:
+            parts.add_row(name, seconds(value), f"{100 * value / result.seconds:.1f}")
+    console.print(parts)
+
+
 def seconds(value: float) -> str:
     """Seconds to the hundredth, or with 4 significant digits below one second: 42.28, 0.01234."""
     return f"{value:,.2f}" if value >= 1 else f"{value:.4g}"

@@ -9,10 +9,11 @@ user may write one by hand.
 from __future__ import annotations
 
 import json
+from enum import StrEnum
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hfplan.errors import HfplanError, describe_validation_error
 from hfplan.files import read_mapping
@@ -22,7 +23,10 @@ from hfplan.spec import Cluster, Workload
 # ROLLOUT (re-exported): the pseudo-role of a separate generation engine (weights synced from the actor
 # each iteration, as OpenRLHF does). Without it the actor generates on its own GPUs (hybrid engine).
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+# Version 1 plans (recompute a bool; no virtual stages, batching or response-length distributions) are
+# migrated on read: every field they have keeps its meaning, and the new ones take their defaults.
+READABLE_VERSIONS = (1, 2)
 
 
 class _Strict(BaseModel):
@@ -64,6 +68,26 @@ SHARDED_STATES: dict[str, tuple[str, ...]] = {
 }
 
 
+class Recompute(StrEnum):
+    """Activation recomputation in the backward pass. `selective`: only attention's score work (Korthikanti et
+    al., "Reducing Activation Recomputation in Large Transformer Models", 2022), `full`: every layer from its
+    input. False only for `none`, so `if cfg.recompute:` reads as before."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+    def __bool__(self) -> bool:
+        return self is not Recompute.NONE
+
+    @classmethod
+    def of(cls, value: object) -> Recompute:
+        """The mode of a value as version 1 (a bool) or version 2 (a mode name) writes it."""
+        if isinstance(value, bool):
+            return cls.FULL if value else cls.NONE
+        return cls(value)
+
+
 class TrainConfig(Layout):
     micro_batch: int = Field(default=1, ge=1, description="sequences per micro-batch per data-parallel rank")
     shard: ShardMode = Field(default="full", description="which training states are split over the "
@@ -71,7 +95,22 @@ class TrainConfig(Layout):
                                                          "states), zero2 (and gradients), full (and weights: ZeRO-3 "
                                                          "/ FSDP), hybrid (full within groups of shard_group ranks)")
     shard_group: int | None = Field(default=None, description="hybrid only: data-parallel ranks per shard group")
-    recompute: bool = Field(default=False, description="recompute activations in the backward pass")
+    recompute: Recompute = Field(default=Recompute.NONE, description="recompute activations in the backward pass: "
+                                                                     "none, selective (attention scores) or full "
+                                                                     "(true and false, as version 1 wrote them, "
+                                                                     "read as full and none)")
+    virtual_stages: int = Field(default=1, ge=1, description="model chunks per pipeline stage (interleaved 1F1B); "
+                                                             "1 is plain 1F1B")
+
+    @field_validator("recompute", mode="before")
+    @classmethod
+    def _recompute_mode(cls, value: object) -> object:
+        if isinstance(value, bool) or (isinstance(value, str) and not isinstance(value, Recompute)):
+            try:
+                return Recompute.of(value)
+            except ValueError:
+                raise ValueError(f"must be one of {', '.join(m.value for m in Recompute)}, got {value!r}") from None
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -114,6 +153,10 @@ class InferConfig(Layout):
 class GenConfig(Layout):
     """Generation layout of the actor; dp is the number of engine replicas."""
 
+    batching: Literal["static", "continuous"] = Field(
+        default="static", description="static: a batch runs until its longest response ends (the torch engine); "
+                                      "continuous: a finished sequence's slot takes the next one (vLLM)")
+
 
 class RoleParallelism(_Strict):
     train: TrainConfig | None = None
@@ -147,7 +190,7 @@ class Estimate(_Strict):
 
 
 class Plan(_Strict):
-    version: Literal[1] = PLAN_VERSION
+    version: Literal[2] = PLAN_VERSION
     workload: Workload
     cluster: Cluster
     placement: list[PlacementSet] = Field(min_length=1)
@@ -232,13 +275,32 @@ class Plan(_Strict):
         return json.dumps(self.model_dump(mode="json"), indent=2) + "\n"
 
 
+def migrate_plan(data: dict) -> dict:
+    """A version-1 plan as version 2: `train.recompute` true/false becomes full/none (the validator reads
+    both); every other version-1 field means the same, and the new fields take their defaults."""
+    if data.get("version") != 1:
+        return data
+    parallelism = data.get("parallelism")
+    if isinstance(parallelism, dict):
+        parallelism = {role: _migrated_role(par) for role, par in parallelism.items()}
+    return data | {"version": 2, "parallelism": parallelism}
+
+
+def _migrated_role(par: object) -> object:
+    train = par.get("train") if isinstance(par, dict) else None
+    if not isinstance(train, dict) or not isinstance(train.get("recompute"), bool):
+        return par
+    return par | {"train": train | {"recompute": "full" if train["recompute"] else "none"}}
+
+
 def plan_from_dict(data: object, source: str) -> Plan:
     if not isinstance(data, dict):
         raise HfplanError(f"plan {source}: expected a JSON object")
     version = data.get("version")
-    if version != PLAN_VERSION:
-        raise HfplanError(f"plan {source}: unsupported version {version!r}; this hfplan reads version "
-                          f"{PLAN_VERSION}")
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
+        raise HfplanError(f"plan {source}: unsupported version {version!r}; this hfplan reads versions "
+                          f"{', '.join(map(str, READABLE_VERSIONS))}")
+    data = migrate_plan(data)
     try:
         plan = Plan.model_validate(data)
     except ValidationError as bad:

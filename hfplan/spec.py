@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
@@ -26,6 +27,46 @@ SCALAR_HEAD_ROLES = frozenset(r for a in _BUILTIN.values() for r, f in a.roles.i
 RULE_PREFIX = "rule:"
 
 
+@dataclass(frozen=True)
+class ResponseLengths:
+    """How long responses are: at most `max_len`, with either a histogram (`points`: (length, probability),
+    probabilities summing to 1) or only a mean (`points` empty). A fixed length is the one-point histogram."""
+
+    max_len: int
+    mean: float
+    points: tuple[tuple[int, float], ...] = ()
+
+    @classmethod
+    def fixed(cls, length: int) -> ResponseLengths:
+        return cls(max_len=length, mean=float(length), points=((length, 1.0),))
+
+    @property
+    def mean_square(self) -> float:
+        """E[l^2]; with only a mean known, the mean times the maximum (the largest any distribution on
+        [0, max] with that mean can have: the conservative choice for the contexts it weighs)."""
+        if not self.points:
+            return self.mean * self.max_len
+        return sum(length * length * p for length, p in self.points)
+
+    def expected_max(self, draws: int) -> float:
+        """Expected longest of `draws` independent responses: the steps a static batch of that many runs.
+        With only a mean known, the maximum."""
+        if not self.points:
+            return float(self.max_len)
+        out, below = 0.0, 0.0
+        for length, p in self.points:
+            out += length * ((below + p) ** draws - below**draws)
+            below += p
+        return out
+
+
+class HistogramBin(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    length: int = Field(gt=0, description="response tokens")
+    weight: float = Field(gt=0, description="relative frequency (the bins' weights are normalised)")
+
+
 class Workload(BaseModel):
     """One RLHF iteration's shape. Field names are the file format (YAML or JSON). Strict types: a number
     written as a string is an error, never read as the number."""
@@ -35,7 +76,11 @@ class Workload(BaseModel):
     algorithm: str = Field(description="a registered algorithm (built-in, or from the hfplan.algorithms entry points)")
     models: dict[str, str]
     prompt_len: int = Field(default=1024, gt=0)
-    response_len: int = Field(default=1024, gt=0)
+    response_len: int = Field(default=1024, gt=0, description="the longest response (what generation may reach)")
+    response_len_mean: float | None = Field(default=None, gt=0, description="mean response length, if responses "
+                                                                            "end before response_len")
+    response_len_histogram: list[HistogramBin] | None = Field(
+        default=None, min_length=1, description="response lengths as a histogram (instead of a mean)")
     batch_prompts: int = Field(default=1024, gt=0, description="prompts per iteration")
     samples_per_prompt: int = Field(default=1, gt=0, description="responses per prompt (GRPO: n)")
     mini_batches: int = Field(default=8, gt=0, description="updates per epoch")
@@ -68,6 +113,13 @@ class Workload(BaseModel):
                 raise ValueError(f"role {role!r} cannot be a rule; only {' and '.join(rules) or 'no role'} can")
         if self.samples_per_prompt < algorithm.min_samples_per_prompt:
             raise ValueError(f"{self.algorithm} needs samples_per_prompt >= {algorithm.min_samples_per_prompt}")
+        if self.response_len_mean is not None and self.response_len_histogram is not None:
+            raise ValueError("give response_len_mean or response_len_histogram, not both")
+        if self.response_len_mean is not None and self.response_len_mean > self.response_len:
+            raise ValueError(f"response_len_mean {self.response_len_mean:g} exceeds response_len {self.response_len}")
+        for b in self.response_len_histogram or ():
+            if b.length > self.response_len:
+                raise ValueError(f"response_len_histogram has length {b.length} > response_len {self.response_len}")
         if self.sequences % self.mini_batches:
             raise ValueError(f"mini_batches ({self.mini_batches}) must divide the {self.sequences} sequences "
                              "per iteration")
@@ -90,6 +142,20 @@ class Workload(BaseModel):
     def train_sequences_per_rank(self, dp: int) -> int:
         """Sequences one of `dp` data-parallel ranks trains on per mini-batch: the most a micro-batch holds."""
         return -(-(self.sequences // self.mini_batches) // dp)
+
+    @cached_property
+    def response_lengths(self) -> ResponseLengths:
+        """The response-length distribution generation is costed with (fixed at response_len by default)."""
+        if self.response_len_histogram is not None:
+            merged: dict[int, float] = {}
+            for b in self.response_len_histogram:
+                merged[b.length] = merged.get(b.length, 0.0) + b.weight
+            total = sum(merged.values())
+            points = tuple((length, w / total) for length, w in sorted(merged.items()))
+            return ResponseLengths(self.response_len, sum(length * p for length, p in points), points)
+        if self.response_len_mean is not None:
+            return ResponseLengths(self.response_len, float(self.response_len_mean))
+        return ResponseLengths.fixed(self.response_len)
 
     @property
     def seq_len(self) -> int:

@@ -187,13 +187,13 @@ def test_generation_layout_that_does_not_nest(tmp_path):
 
 def test_real_script_reports_one_line_without_traceback(tmp_path):
     assert HFPLAN.exists()
-    data = _plan_dict() | {"version": 2}
+    data = _plan_dict() | {"version": 3}
     done = subprocess.run([str(HFPLAN), "simulate", str(_write(tmp_path, data))], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 2
     assert done.stdout == ""
     assert len(done.stderr.strip().splitlines()) == 1
-    assert "unsupported version 2" in done.stderr
+    assert "unsupported version 3" in done.stderr
     assert "Traceback" not in done.stderr
 
 

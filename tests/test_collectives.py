@@ -60,8 +60,11 @@ def test_all_reduce_spanning_two_nodes_by_hand(toy_hw):
     # the node (2 * 7/8 of N over NVLink). Inter part: a ring of 2 nodes over N/8 bytes per GPU, each
     # GPU getting 1/8 of the node's network bandwidth.
     intra = 2 * 7 * INTRA_ALPHA + 2 * 7 / 8 * N / INTRA_BW
-    inter = 2 * 1 * INTER_ALPHA + 2 * 1 / 2 * (N / 8) / (INTER_BW / 8)
-    assert coll.all_reduce(toy_hw, Group(16, 8, 8), N) == pytest.approx(intra + inter, rel=1e-12)
+    # NCCL pipelines the phases: every latency is paid, and the slower link's bandwidth term.
+    latency = 2 * 7 * INTRA_ALPHA + 2 * 1 * INTER_ALPHA
+    intra = 2 * 7 / 8 * N / INTRA_BW  # 35 ms
+    inter = 2 * 1 / 2 * (N / 8) / (INTER_BW / 8)  # 125 ms: the network is the bottleneck
+    assert coll.all_reduce(toy_hw, Group(16, 8, 8), N) == pytest.approx(latency + max(intra, inter), rel=1e-12)
 
 
 def test_all_gather_one_rank_per_node_by_hand(toy_hw):
@@ -72,9 +75,10 @@ def test_all_gather_one_rank_per_node_by_hand(toy_hw):
 
 def test_all_reduce_two_per_node_by_hand(toy_hw):
     # 8 ranks, 2 per node on 4 nodes, 2 busy GPUs per node.
-    intra = 2 * 1 * INTRA_ALPHA + 2 * 1 / 2 * N / INTRA_BW
-    inter = 2 * 3 * INTER_ALPHA + 2 * 3 / 4 * (N / 2) / (INTER_BW / 2)
-    assert coll.all_reduce(toy_hw, Group(8, 2, 2), N) == pytest.approx(intra + inter, rel=1e-12)
+    latency = 2 * 1 * INTRA_ALPHA + 2 * 3 * INTER_ALPHA
+    intra = 2 * 1 / 2 * N / INTRA_BW
+    inter = 2 * 3 / 4 * (N / 2) / (INTER_BW / 2)
+    assert coll.all_reduce(toy_hw, Group(8, 2, 2), N) == pytest.approx(latency + max(intra, inter), rel=1e-12)
 
 
 def test_more_busy_gpus_per_node_slow_inter_node_collectives(toy_hw):
@@ -108,3 +112,42 @@ def test_point_to_point_by_hand(toy_hw):
 
 def test_host_transfer_by_hand(toy_hw):
     assert coll.host_transfer(toy_hw, N) == pytest.approx(N / (20e9 * 0.5) + 3e-6)
+
+
+def test_two_level_phases_overlap_where_the_intra_node_link_is_the_slower(toy_hw):
+    # A fast network (80e9 B/s per node, 10 GPUs' worth): 16 ranks, 8 per node, all 8 GPUs busy.
+    fast = toy_hw.model_copy(update={"links": toy_hw.links.model_copy(update={
+        "inter_node": toy_hw.links.inter_node.model_copy(update={"bandwidth_gbytes_per_s": 100})})})
+    latency = 2 * 7 * INTRA_ALPHA + 2 * 1 * INTER_ALPHA
+    intra = 2 * 7 / 8 * N / INTRA_BW  # 35 ms over NVLink
+    inter = 2 * 1 / 2 * (N / 8) / (80e9 / 8)  # 12.5 ms over the network, hidden behind NVLink
+    assert coll.all_reduce(fast, Group(16, 8, 8), N) == pytest.approx(latency + intra, rel=1e-12)
+    assert intra > inter
+
+
+def nvls(hw):
+    return hw.model_copy(update={"links": hw.links.model_copy(update={
+        "intra_node": hw.links.intra_node.model_copy(update={"nvls": True})})})
+
+
+def test_nvls_all_reduce_in_a_node_by_hand(toy_hw):
+    # NVLink SHARP: each GPU sends N to the switch and receives the reduced N: two steps, N / bandwidth.
+    assert coll.all_reduce(nvls(toy_hw), Group(8, 8, 8), N) == pytest.approx(2 * INTRA_ALPHA + N / INTRA_BW)
+    ring = coll.all_reduce(toy_hw, Group(8, 8, 8), N)
+    assert ring / coll.all_reduce(nvls(toy_hw), Group(8, 8, 8), N) == pytest.approx(1.75, rel=1e-3)  # 2 x 7/8
+    # All-gather and reduce-scatter keep the ring.
+    assert coll.all_gather(nvls(toy_hw), Group(8, 8, 8), N) == coll.all_gather(toy_hw, Group(8, 8, 8), N)
+
+
+def test_nvls_two_level_all_reduce_by_hand(toy_hw):
+    latency = 2 * INTRA_ALPHA + 2 * 1 * INTER_ALPHA
+    intra = N / INTRA_BW
+    inter = 2 * 1 / 2 * (N / 8) / (INTER_BW / 8)
+    assert coll.all_reduce(nvls(toy_hw), Group(16, 8, 8), N) == pytest.approx(latency + max(intra, inter))
+
+
+def test_shipped_profiles_reduce_in_the_switch_only_on_hopper():
+    from hfplan.profiles.hardware import load_hardware
+
+    assert [load_hardware(n).links.intra_node.nvls for n in ("a100-80g", "h100-80g", "h200-141g", "cpu")] == [
+        False, True, True, False]

@@ -15,6 +15,7 @@ from support import assert_user_error, invoke
 
 from hfplan.export import export_plan
 from hfplan.layout import ROLLOUT
+from hfplan.plan import PLAN_VERSION
 from hfplan.planner.targets import get_target, search_target
 from hfplan.spec import load_workload, make_cluster
 from tests.helpers_plans import build_plan
@@ -250,7 +251,7 @@ def test_demo_models_have_no_checkpoint_to_export(tmp_path):
                     "--out", tmp_path / "demo.json", "--no-compare", "--jobs", 1)
     assert result.exit_code == 0, result.output
     assert_user_error(invoke("export", tmp_path / "demo.json", "--to", "verl"), "demo model")
-    assert json.loads((tmp_path / "demo.json").read_text())["version"] == 1
+    assert json.loads((tmp_path / "demo.json").read_text())["version"] == PLAN_VERSION
 
 
 @pytest.mark.parametrize(("target", "name"), [("verl", "v.json"), ("openrlhf", "o.json")])

@@ -176,3 +176,27 @@ def test_generation_working_bytes(small_arch):
 
 def test_gib():
     assert gib(3 * 1024**3) == 3.0
+
+
+def test_full_recompute_under_a_pipeline_recomputes_one_micro_batch_at_a_time(small_arch):
+    """pp 2 (one layer per stage), 4 micro-batches: 2 in flight keep their layer input each (h values per
+    token); only the micro-batch being recomputed has its layer's 832 values per token alive again."""
+    seq_len = 128
+    checkpoint = 2 * seq_len * 64  # one layer's bf16 input
+    per_layer = 2 * seq_len * 832
+    logits = 2 * 4 * seq_len * 260
+    full = train_transient_bytes(small_arch, TrainConfig(pp=2, recompute="full"), 4, seq_len, "lm")
+    assert full == pytest.approx(2 * checkpoint + per_layer + logits)
+
+
+def test_selective_recompute_keeps_what_flash_attention_keeps(small_arch):
+    # Flash attention never saves the score matrix, which is all that selective recomputation drops.
+    none = train_transient_bytes(small_arch, TrainConfig(), 4, 128, "lm")
+    assert train_transient_bytes(small_arch, TrainConfig(recompute="selective"), 4, 128, "lm") == none
+
+
+@pytest.mark.parametrize(("pp", "v", "n_micro", "in_flight"),
+                         [(4, 1, 8, 4), (4, 2, 8, 4 * (1 + 3 / 8)), (4, 4, 8, 4 * (1 + 3 / 16)), (4, 2, 2, 2 * 1.375),
+                          (1, 2, 8, 1)])
+def test_interleaved_stages_hold_more_micro_batches(pp, v, n_micro, in_flight):
+    assert memory.in_flight_micro_batches(TrainConfig(pp=pp, virtual_stages=v), n_micro) == pytest.approx(in_flight)

@@ -3,12 +3,13 @@
 import copy
 import json
 import os
+from pathlib import Path
 
 import pytest
 
 from hfplan.errors import HfplanError
 from hfplan.files import write_atomically
-from hfplan.plan import PLAN_VERSION, Plan, load_plan, plan_from_dict
+from hfplan.plan import PLAN_VERSION, Plan, Recompute, load_plan, plan_from_dict
 
 WORKLOAD = {
     "algorithm": "ppo",
@@ -70,7 +71,7 @@ def test_bad_plan_messages_are_one_line_without_pydantic_noise():
 
 def test_valid_plan_validates():
     plan = plan_from_dict(valid_plan(), "test")
-    assert plan.version == PLAN_VERSION == 1
+    assert plan.version == PLAN_VERSION == 2  # written as version 1, migrated on read
     assert plan.placed_roles == ["actor", "reference", "critic", "reward"]
     assert plan.set_of("critic") == 1
     assert plan.generation_role == "actor"
@@ -221,7 +222,7 @@ def test_rollout_cannot_train():
         plan_from_dict(data, "test")
 
 
-@pytest.mark.parametrize("version", [0, 2, "1", None])
+@pytest.mark.parametrize("version", [0, 3, "1", None, True])
 def test_wrong_version(version):
     data = valid_plan()
     data["version"] = version
@@ -268,7 +269,7 @@ def test_json_round_trip(tmp_path):
     again = load_plan(path)
     assert again == plan
     assert again.to_json() == plan.to_json()
-    assert json.loads(path.read_text())["version"] == 1
+    assert json.loads(path.read_text())["version"] == 2
 
 
 def test_to_json_is_the_model_dump():
@@ -306,3 +307,53 @@ def test_write_atomically_cleans_up_after_a_failed_write(tmp_path):
     with pytest.raises(TypeError):
         write_atomically(path, 123)  # type: ignore[arg-type]
     assert list(tmp_path.iterdir()) == []
+
+
+# -- version 2 and the migration of version 1 ----------------------------------------------------------
+
+
+def test_version_1_recompute_flags_become_modes():
+    data = valid_plan()
+    data["parallelism"]["actor"]["train"]["recompute"] = True
+    data["parallelism"]["critic"]["train"]["recompute"] = False
+    plan = plan_from_dict(data, "test")
+    assert plan.parallelism["actor"].train.recompute is Recompute.FULL
+    assert plan.parallelism["critic"].train.recompute is Recompute.NONE
+    assert not plan.parallelism["critic"].train.recompute and plan.parallelism["actor"].train.recompute
+    assert plan.parallelism["actor"].train.virtual_stages == 1
+    assert plan.parallelism["actor"].gen.batching == "static"
+    dumped = json.loads(plan.to_json())
+    assert dumped["version"] == 2 and dumped["parallelism"]["actor"]["train"]["recompute"] == "full"
+
+
+def test_kept_version_1_plan_loads_migrated():
+    """tests/data/plan_v1.json: the tests' sample plan as the version-1 hfplan wrote it."""
+    path = Path(__file__).parent / "data" / "plan_v1.json"
+    raw = json.loads(path.read_text())
+    assert raw["version"] == 1
+    plan = load_plan(path)
+    assert plan.version == 2
+    for role, par in raw["parallelism"].items():
+        if par.get("train") is not None:
+            assert plan.parallelism[role].train.recompute is (Recompute.FULL if par["train"]["recompute"]
+                                                              else Recompute.NONE)
+    assert plan.placed_roles == [r for group in raw["placement"] for r in group["models"]]
+    assert load_plan_text(plan.to_json()) == plan  # and reads back as version 2
+
+
+def load_plan_text(text: str):
+    return plan_from_dict(json.loads(text), "text")
+
+
+def test_version_2_fields_validate():
+    data = valid_plan()
+    data["version"] = 2
+    data["parallelism"]["actor"]["train"] |= {"recompute": "selective", "virtual_stages": 2}
+    data["parallelism"]["actor"]["gen"]["batching"] = "continuous"
+    plan = plan_from_dict(data, "test")
+    assert plan.parallelism["actor"].train.recompute is Recompute.SELECTIVE
+    assert plan.parallelism["actor"].train.virtual_stages == 2
+    assert plan.parallelism["actor"].gen.batching == "continuous"
+    data["parallelism"]["actor"]["train"]["recompute"] = "sometimes"
+    with pytest.raises(HfplanError, match="recompute: must be one of none, selective, full"):
+        plan_from_dict(data, "test")

@@ -323,3 +323,64 @@ def test_quick_cpu_profile_end_to_end(tmp_path):
     for op, group in layers.groupby("op"):
         label = PASS_LABEL[op]
         assert (f"{label} predictions (" in result.output) == bool((group["error_pct"].abs() > FLAG_PCT).any()), op
+
+
+def test_gpu_profile_carries_the_base_tiling_on_its_own_sm_count():
+    device = Device(kind="cuda", name="NVIDIA H100 80GB HBM3", world_size=1, count=8, threads=1,
+                    cache_bytes=50 * 2**20, capacity_bytes=80 * 2**30, used_bytes=0.6 * 2**30,
+                    nominal=nominal_rates("NVIDIA H100 80GB HBM3", "cuda"), sm_count=114)
+    base = load_hardware("h100-80g")
+    profile = build_profile(device, fake_fits(intra=False), base, "h100", "torch x", "note")
+    assert profile.compute.gemm == base.compute.gemm.model_copy(update={"sm_count": 114})
+    assert build_profile(fake_device(), fake_fits(), load_hardware("cpu"), "c", "t", "n").compute.gemm is None
+
+
+def test_matmul_sweep_is_fitted_with_the_shape_model():
+    """A sweep timed exactly as the cost model charges it (rate / shape efficiency) fits back the rate."""
+    from hfplan.profiler.run import effective_flops
+    from hfplan.simulator.kernels import gemm_shape_efficiency
+
+    tiling = load_hardware("a100-80g").compute.gemm
+    rate, overhead = 2.5e14, 4e-6
+    rows = [dict(kind="matmul", m=m, k=k, n=n, flops=2.0 * m * k * n, bytes=2.0 * (m * k + k * n + m * n))
+            for m, k, n in ((s, s, s) for s in (512, 1024, 2048, 3072, 4096, 6144, 8192))]
+    rows += [dict(kind="memory", flops=0.0, bytes=float(b)) for b in (2**20, 2**24, 2**28)]
+    seconds = [overhead + max(r["flops"] / (rate * (gemm_shape_efficiency(tiling, r["m"], r["k"], r["n"])
+                                                    if r["kind"] == "matmul" else 1.0)), r["bytes"] / 1.8e12)
+               for r in rows]
+    assert effective_flops(rows[0], None) == rows[0]["flops"]
+    fit = fit_roofline([effective_flops(r, tiling) for r in rows], [r["bytes"] for r in rows], seconds)
+    assert fit.flops_per_s == pytest.approx(rate, rel=1e-3)
+    plain = fit_roofline([r["flops"] for r in rows], [r["bytes"] for r in rows], seconds)
+    assert plain.flops_per_s < 0.97 * rate  # the plain roofline mistakes the quantization loss for a slower rate
+
+
+def test_fixed_cost_is_what_the_kernels_leave_over():
+    from hfplan.profiler.runtime import fixed_us
+
+    assert fixed_us(0.63e-3, 0.15e-3) == pytest.approx(480.0)
+    assert fixed_us(1e-4, 2e-4) == 0.0  # faster than modelled: no negative fixed cost
+
+
+@pytest.mark.slow
+def test_runtime_costs_measured_on_the_executor_engine():
+    """The torch rollout engine's decode step and a forward pass of the demo model on CPU, less their modelled
+    kernels; no Ray round trip here (ray_calls=0)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from hfplan.plan import Layout
+    from hfplan.profiler import device as devices
+    from hfplan.profiler.runtime import LONG, PROMPT, SHORT, measure_runtime
+    from hfplan.simulator import costs
+
+    hw = load_hardware("cpu")
+    fit = measure_runtime(torch, devices.probe(torch, "cpu", 1), hw, 0.02, ray_calls=0)
+    assert not fit.ray and fit.runtime.controller_call_us == 0.0
+    rows = {r["op"]: r for r in fit.rows}
+    assert set(rows) == {"forward_pass", "engine_step"}
+    assert all(r["seconds"] > 0 for r in fit.rows)
+    step_model = costs.decode_step_time(hw, CATALOG["tiny"], Layout(), costs.SetShape(1, 1), 1,
+                                        PROMPT + (SHORT + LONG) / 2)
+    assert rows["engine_step"]["predicted_s"] == pytest.approx(step_model)
+    assert fit.runtime.engine_step_us == pytest.approx(max(0.0, rows["engine_step"]["seconds"] - step_model) * 1e6,
+                                                       abs=0.01)

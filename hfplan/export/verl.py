@@ -46,6 +46,8 @@ def _recompute(megatron: str, train: TrainConfig, backend: str) -> list[tuple[st
     if backend != "megatron" or not train.recompute:
         return []
     config = f"{megatron}.override_transformer_config"
+    if train.recompute == "selective":  # Megatron's selective recomputation: attention's core only
+        return [(f"{config}.recompute_granularity", "selective")]
     return [(f"{config}.recompute_granularity", "full"), (f"{config}.recompute_method", "uniform"),
             (f"{config}.recompute_num_layers", 1)]
 
@@ -73,7 +75,7 @@ def overrides(plan: Plan) -> tuple[str, list[tuple[str, object]]]:
         ("data.max_response_length", w.response_len),
         ("algorithm.adv_estimator", VERL_ALGORITHMS[w.algorithm]),
         (f"{aro}.hybrid_engine", True), (f"{aro}.model.path", model_path(w.models["actor"])),
-        (f"{aro}.model.enable_gradient_checkpointing", actor.train.recompute),
+        (f"{aro}.model.enable_gradient_checkpointing", bool(actor.train.recompute)),
         (f"{aro}.rollout.name", "vllm"), (f"{aro}.rollout.n", w.samples_per_prompt),
         (f"{aro}.rollout.tensor_model_parallel_size", actor.gen.tp),
         (f"{aro}.rollout.log_prob_micro_batch_size_per_gpu", actor.infer.micro_batch),
@@ -106,7 +108,7 @@ def overrides(plan: Plan) -> tuple[str, list[tuple[str, object]]]:
                 *_recompute("critic.megatron", critic.train, backend)]
         if backend == "fsdp":  # Megatron's critic computes values with its ppo micro-batch
             out += [("critic.forward_micro_batch_size_per_gpu", critic.infer.micro_batch),
-                    ("critic.model.enable_gradient_checkpointing", critic.train.recompute)]
+                    ("critic.model.enable_gradient_checkpointing", bool(critic.train.recompute))]
     if w.models["reward"].startswith(RULE_PREFIX):
         out += [("reward_model.enable", False), ("custom_reward_function.path", REWARD_FN)]
     else:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from hfplan.layout import unsupported_layout
-from hfplan.plan import GenConfig, InferConfig, Layout, TrainConfig
+from hfplan.plan import GenConfig, InferConfig, Layout, Recompute, TrainConfig
 from hfplan.profiles.models import ModelArch
 
 
@@ -109,7 +109,7 @@ def train_configs(arch: ModelArch, gpus: int, gpus_per_node: int, sequences_per_
             layouts = [lay for lay in layouts if unsupported_layout(arch, "train", lay) is None]
         for micro in micro_batches(per_rank):
             for layout in layouts:
-                for recompute in (False, True):
+                for recompute in (Recompute.NONE, Recompute.FULL):
                     out.append(layout.model_copy(update={"micro_batch": micro, "recompute": recompute}))
     return out
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from hfplan.profiler.device import Device
 from hfplan.profiler.fit import LinkFit, RooflineFit
-from hfplan.profiles.hardware import GIB, Compute, HardwareProfile, Link, Links, Memory
+from hfplan.profiles.hardware import GIB, Compute, GemmTiling, HardwareProfile, Link, Links, Memory
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,14 @@ def _rate_and_efficiency(measured: float, nominal: float | None) -> tuple[float,
     if nominal is None or measured >= nominal:
         return measured, 1.0
     return nominal, measured / nominal
+
+
+def device_tiling(device: Device, base: HardwareProfile) -> GemmTiling | None:
+    """The GEMM tiling the measured profile carries (and its matmul sweep is fitted with): the base profile's
+    tiles on this device's own SM count; none on CPU, whose matmul rate is the plain roofline fit."""
+    if device.kind != "cuda" or device.sm_count is None or base.compute.gemm is None:
+        return None
+    return base.compute.gemm.model_copy(update={"sm_count": device.sm_count})
 
 
 def _round(value: float, digits: int = 4) -> float:
@@ -61,7 +69,10 @@ def build_profile(device: Device, fits: Fits, base: HardwareProfile, name: str, 
     description = (
         f"Measured by hfplan profile on {device.world_size} x {device.name} ({device.kind}, "
         f"{device.backend}; {versions}). Compute: {sweep_note}; kernel overhead, matmul rate and memory "
-        f"bandwidth fitted to the roofline by robust least squares on relative error; peak "
+        f"bandwidth fitted to the roofline by robust least squares on relative error"
+        + (f" (each matmul's FLOPs scaled by its tile, wave and short-K efficiency on {device.sm_count} SMs, "
+           f"tiles of base profile '{base.name}')" if device_tiling(device, base) is not None else "")
+        + "; peak "
         f"{'from the datasheet' if nominal.peak_tflops else 'is the best measured matmul rate'}. "
         + (f"Intra-node link: alpha-beta fit (bus bandwidth) of all-reduce, all-gather, reduce-scatter and "
            f"point-to-point across {device.world_size} processes. " if fits.intra is not None else "")
@@ -77,7 +88,8 @@ def build_profile(device: Device, fits: Fits, base: HardwareProfile, name: str, 
         gpus_per_node=device.count,
         compute=Compute(peak_tflops=_round(peak_flops / 1e12), matmul_efficiency=_round(matmul_efficiency),
                         kernel_overhead_us=_round(fits.roofline.overhead_s * 1e6),
-                        value_bytes=2 if device.kind == "cuda" else 4),  # bf16 on GPUs, fp32 on CPUs
+                        value_bytes=2 if device.kind == "cuda" else 4,  # bf16 on GPUs, fp32 on CPUs
+                        gemm=device_tiling(device, base)),
         memory=Memory(capacity_gib=_round(capacity), reserved_gib=_round(reserved, 3),
                       bandwidth_gbytes_per_s=_round(bandwidth), efficiency=_round(mem_eff)),
         links=Links(intra_node=intra, inter_node=base.links.inter_node, host=host),

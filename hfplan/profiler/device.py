@@ -64,6 +64,7 @@ class Device:
     capacity_bytes: float  # memory of one device
     used_bytes: float  # memory already taken on it before anything is allocated
     nominal: Nominal
+    sm_count: int | None = None  # streaming multiprocessors of a CUDA device (None on CPU)
 
     @property
     def backend(self) -> str:
@@ -98,7 +99,7 @@ def probe(torch, kind: str, world_size: int) -> Device:
         return Device(kind="cuda", name=props.name, world_size=world_size, count=count, threads=1,
                       cache_bytes=int(getattr(props, "L2_cache_size", 50 * 2**20) or 50 * 2**20),
                       capacity_bytes=float(total), used_bytes=float(total - free),
-                      nominal=nominal_rates(props.name, "cuda"))
+                      nominal=nominal_rates(props.name, "cuda"), sm_count=int(props.multi_processor_count))
     if world_size > 4:
         raise HfplanError(f"--world-size {world_size}: CPU worlds are kept to at most 4 processes")
     cores = os.cpu_count() or 1

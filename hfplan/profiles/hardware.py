@@ -7,6 +7,7 @@ nothing in the cost model is a hard-coded hardware constant.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -25,12 +26,43 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class GemmTiling(_Strict):
+    """How the device's GEMM kernels split work, for tile and wave quantization (NVIDIA, "Matrix Multiplication
+    Background User's Guide": an (M x K)(K x N) product runs as ceil(M/tile_m) x ceil(N/tile_n) output tiles, one
+    per SM at a time, in waves of sm_count tiles; each tile walks K in blocks of tile_k through a software pipeline
+    of `stages` blocks (CUTLASS, "Efficient GEMM in CUDA"), stages - 1 of which fill the pipeline before the
+    first multiply)."""
+
+    sm_count: int = Field(gt=0, description="streaming multiprocessors: tiles that run at once")
+    tiles: tuple[tuple[int, int], ...] = Field(min_length=1, description="(tile_m, tile_n) output tiles the GEMM "
+                                                                         "library chooses among, per shape")
+    tile_k: int = Field(gt=0, description="reduction-dimension block of one pipeline stage")
+    stages: int = Field(ge=1, description="pipeline stages of the mainloop")
+
+    @field_validator("tiles")
+    @classmethod
+    def _positive_tiles(cls, tiles: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+        if any(m <= 0 or n <= 0 for m, n in tiles):
+            raise ValueError("tile sides must be positive")
+        return tiles
+
+    def __hash__(self) -> int:
+        # Tilings key the GEMM efficiency cache: hash the plain field values, not through pydantic.
+        return hash((self.sm_count, self.tiles, self.tile_k, self.stages))
+
+
 class Compute(_Strict):
     peak_tflops: float = Field(gt=0, description="dense matmul peak per device, bf16 (fp32 on CPU)")
-    matmul_efficiency: float = Field(gt=0, le=1, description="fraction of peak reached by large matmuls")
+    matmul_efficiency: float = Field(gt=0, le=1, description="fraction of peak reached by large matmuls (with "
+                                                              "`gemm`: by one without tile, wave or short-K loss)")
     kernel_overhead_us: float = Field(ge=0, description="fixed cost of one kernel (launch, tail effects)")
     value_bytes: int = Field(default=2, description="bytes of one weight or activation value in the precision "
                                                     "the device computes in: 2 (bf16) on GPUs, 4 (fp32) on CPUs")
+    attention: Literal["flash", "eager"] = Field(default="flash", description="attention kernel of the stack: "
+                                                                               "flash (fused, scores stay on chip) "
+                                                                               "or eager (scores through memory)")
+    gemm: GemmTiling | None = Field(default=None, description="tile and wave quantization of GEMMs; none (CPUs): "
+                                                              "every GEMM runs at matmul_efficiency")
 
     @field_validator("value_bytes")
     @classmethod
@@ -61,6 +93,8 @@ class Link(_Strict):
                                                       "NICs together (inter): 200 Gb/s is 25")
     efficiency: float = Field(gt=0, le=1, description="fraction of bandwidth collectives reach (bus bandwidth)")
     latency_us: float = Field(ge=0, description="per-step latency (alpha)")
+    nvls: bool = Field(default=False, description="the switch reduces (NVLink SHARP): all-reduce sends each "
+                                                  "device's data once and receives the result once")
 
     @property
     def effective_bytes_per_s(self) -> float:
@@ -73,6 +107,21 @@ class Links(_Strict):
     host: Link = Field(description="device <-> host (PCIe); data through the single controller")
 
 
+class Runtime(_Strict):
+    """Fixed host-side costs the kernels do not show: the software stack's, not the chip's. Zero where not
+    known; `hfplan profile` measures them on the executor's own engines."""
+
+    forward_pass_us: float = Field(default=0.0, ge=0, description="fixed cost of one forward pass (one micro-batch "
+                                                                  "through a training or inference engine) beyond "
+                                                                  "its kernels")
+    engine_step_us: float = Field(default=0.0, ge=0, description="fixed cost of one step of the generation engine "
+                                                                 "(a prefill or a decode step): scheduling, input "
+                                                                 "preparation, sampled tokens back to the host")
+    controller_call_us: float = Field(default=0.0, ge=0, description="fixed cost of one call of the single "
+                                                                     "controller to a worker group (dispatch and "
+                                                                     "collect)")
+
+
 class HardwareProfile(_Strict):
     name: str
     description: str = ""
@@ -83,6 +132,7 @@ class HardwareProfile(_Strict):
     compute: Compute
     memory: Memory
     links: Links
+    runtime: Runtime = Field(default_factory=Runtime)
 
     def __hash__(self) -> int:
         # Profiles key the cost caches: a cheap hash of a few fields (equal profiles still hash equal).

@@ -5,6 +5,12 @@ GPUs of that node (this group's and others' running the same collective at the s
 data-parallel groups of a model) share the node's network interfaces. Collectives spanning nodes use
 the two-level scheme (reduce-scatter inside the node, the inter-node step on 1/per_node of the data
 per GPU, all-gather inside the node), which is what NCCL's tree and ring channels achieve in effect.
+NCCL pipelines those phases over chunks of the message (NCCL 2.4's pipelined trees; a ring's chunks
+cross NVLink and the network at once), so the intra- and inter-node links work at the same time: a
+two-level collective pays every phase's latency and the slower link's bandwidth term, not their sum.
+Where the intra-node link reduces in the switch (NVLink SHARP, `Link.nvls`: NVSwitch gen 3, H100/H200),
+an all-reduce inside a node sends each GPU's data to the switch once and receives the reduced result
+once (NCCL's NVLS algorithm): n bytes each way in two steps, against the ring's 2(r-1)/r n in 2(r-1).
 """
 
 from __future__ import annotations
@@ -72,17 +78,21 @@ def _ring(hw: HardwareProfile, group: Group, nbytes: float, passes: int) -> floa
         return 0.0
     intra = hw.links.intra_node
     r, n = group.per_node, group.nodes
-    time = 0.0
+    latency, intra_time, inter_time = 0.0, 0.0, 0.0
     if r > 1:
-        steps = passes * (r - 1)
-        time += steps * intra.latency_us * 1e-6 + passes * (r - 1) / r * nbytes / intra.effective_bytes_per_s
+        if passes == 2 and intra.nvls:
+            latency += 2 * intra.latency_us * 1e-6
+            intra_time = nbytes / intra.effective_bytes_per_s
+        else:
+            latency += passes * (r - 1) * intra.latency_us * 1e-6
+            intra_time = passes * (r - 1) / r * nbytes / intra.effective_bytes_per_s
     if n > 1:
         inter = hw.links.inter_node
         # Each of the r local GPUs carries 1/r of the data across nodes, all sharing the node's NICs.
         per_gpu = nbytes / r
-        steps = passes * (n - 1)
-        time += steps * inter.latency_us * 1e-6 + passes * (n - 1) / n * per_gpu / _inter_bandwidth(hw, group)
-    return time
+        latency += passes * (n - 1) * inter.latency_us * 1e-6
+        inter_time = passes * (n - 1) / n * per_gpu / _inter_bandwidth(hw, group)
+    return latency + max(intra_time, inter_time)
 
 
 def all_reduce(hw: HardwareProfile, group: Group, nbytes: float) -> float:

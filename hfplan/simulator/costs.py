@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from hfplan.layout import resharding, stage_params
-from hfplan.plan import GenConfig, InferConfig, Layout, TrainConfig
+from hfplan.plan import GenConfig, InferConfig, Layout, Recompute, TrainConfig
 from hfplan.profiles.hardware import HardwareProfile
 from hfplan.profiles.models import ModelArch
 from hfplan.simulator import collectives as coll
@@ -28,6 +28,7 @@ from hfplan.simulator.kernels import (
     memory_time,
 )
 from hfplan.simulator.memory import kv_bytes_per_token_per_gpu
+from hfplan.spec import ResponseLengths
 
 # Adam step traffic per parameter: read the fp32 gradient (4), read and write the fp32 master weight,
 # first and second moments (3 x 8), write the bf16 weight (2).
@@ -52,20 +53,21 @@ class CostMemo:
 
 
 def memoized(fn: F) -> F:
-    """fn(*args, memo=None): with a CostMemo, answer from (and fill) its table for fn."""
+    """fn(*args, memo=None, **kwargs): with a CostMemo, answer from (and fill) its table for fn."""
     name = fn.__name__
 
     @functools.wraps(fn)
-    def wrapper(*args, memo: CostMemo | None = None):
+    def wrapper(*args, memo: CostMemo | None = None, **kwargs):
         if memo is None:
-            return fn(*args, memo=None)
+            return fn(*args, memo=None, **kwargs)
         table = memo.tables.get(name)
         if table is None:
             table = memo.tables[name] = {}
+        key = args + tuple(sorted(kwargs.items())) if kwargs else args
         try:
-            return table[args]
+            return table[key]
         except KeyError:
-            value = table[args] = fn(*args, memo=memo)
+            value = table[key] = fn(*args, memo=memo, **kwargs)
             return value
 
     return wrapper  # type: ignore[return-value]
@@ -91,6 +93,26 @@ def stages_share_node(layout: Layout, where: SetShape) -> bool:
     return layout.gpus <= where.per_node
 
 
+class Parts(dict):
+    """Seconds of one call by part, adding up to the call's seconds: kernel kinds (gemm, attention,
+    elementwise), each collective (tp_comm, pp_comm, dp_comm), bubble, recompute, optimizer, runtime (fixed
+    costs of passes and engine steps) and controller. Read-only by convention: memoized values are shared."""
+
+    @property
+    def total(self) -> float:
+        return sum(self.values())
+
+    def plus(self, other: dict[str, float], times: float = 1.0) -> Parts:
+        out = Parts(self)
+        get = out.get
+        for name, seconds in other.items():
+            out[name] = get(name, 0.0) + times * seconds
+        return out
+
+    def times(self, factor: float) -> Parts:
+        return Parts({name: factor * seconds for name, seconds in self.items()})
+
+
 def _layer_tp_comm(hw: HardwareProfile, arch: ModelArch, tokens: float, tp: int, where: SetShape) -> float:
     """Two all-reduces of the hidden state per layer pass (after attention and after the MLP)."""
     if tp == 1:
@@ -106,9 +128,16 @@ def _head_tp_comm(hw: HardwareProfile, tokens: float, tp: int, where: SetShape, 
 
 @dataclass(frozen=True)
 class StagePass:
-    """Seconds of one micro-batch through the most loaded pipeline stage."""
+    """One micro-batch through the most loaded pipeline stage, by part (both passes have the same parts);
+    `layers` is the forward of its transformer layers alone (kernels and TP all-reduces), what full
+    recomputation repeats; `attention` the layers' forward attention kernels, what selective recomputation
+    repeats."""
 
-    forward: float
+    forward_parts: Parts
+    backward_parts: Parts
+    layers: float
+    attention: float
+    forward: float  # totals of the two passes
     backward: float
 
 
@@ -116,7 +145,7 @@ class StagePass:
 def stage_pass(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, micro_seqs: float,
                seq_len: int, head: str, *, memo: CostMemo | None = None) -> StagePass:
     tokens = micro_seqs * seq_len
-    layer = layer_forward(hw, arch, tokens, keys_per_token=(seq_len + 1) / 2, tp=tp)
+    layer = layer_forward(hw, arch, tokens, keys_per_token=(seq_len + 1) / 2, tp=tp, seq_len=seq_len)
     comm = _layer_tp_comm(hw, arch, tokens, tp, where)
     n_layers = math.ceil(arch.layers / pp)
     head_cost = head_forward(hw, arch, tokens, tp, head)
@@ -124,9 +153,15 @@ def stage_pass(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: Se
     embed = embedding_forward(hw, arch, tokens)
     # The last stage carries the head; with one stage it carries the embedding too.
     ends: list[LayerCost] = [head_cost] + ([embed] if pp == 1 else [])
-    forward = n_layers * (layer.total + comm) + sum(c.total for c in ends) + head_comm
-    backward = n_layers * (layer.backward() + comm) + sum(c.backward() for c in ends) + head_comm
-    return StagePass(forward=forward, backward=backward)
+    tp_comm = n_layers * comm + head_comm
+    gemm = n_layers * layer.gemm + sum(c.gemm for c in ends)
+    elementwise = n_layers * layer.elementwise + sum(c.elementwise for c in ends)
+    attention = n_layers * layer.attention
+    forward = Parts(gemm=gemm, attention=attention, elementwise=elementwise, tp_comm=tp_comm)
+    backward = Parts(gemm=2 * gemm, attention=layer.attention_backward * attention, elementwise=2 * elementwise,
+                     tp_comm=tp_comm)
+    return StagePass(forward, backward, layers=n_layers * (layer.total + comm), attention=attention,
+                     forward=forward.total, backward=backward.total)
 
 
 def _p2p(hw: HardwareProfile, arch: ModelArch, layout: Layout, where: SetShape, tokens: float) -> float:
@@ -144,74 +179,169 @@ def _per_rank(sequences: int, dp: int, micro_batch: int) -> tuple[int, int]:
     return micro, math.ceil(seqs / micro)
 
 
-@memoized
-def train_step_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: SetShape, sequences: int,
-                    seq_len: int, head: str, *, memo: CostMemo | None = None) -> float:
-    """One optimizer step over `sequences` sequences (one mini-batch), 1F1B pipeline schedule."""
+def _recompute_seconds(sp: StagePass, mode: Recompute) -> float:
+    """What the backward repeats: every layer's forward (full) or attention's score work (selective)."""
+    if mode is Recompute.FULL:
+        return sp.layers
+    if mode is Recompute.SELECTIVE:
+        return sp.attention
+    return 0.0
+
+
+def _controller(hw: HardwareProfile) -> Parts:
+    return Parts(controller=hw.runtime.controller_call_us * 1e-6)
+
+
+def _pipelined(per_micro: dict[str, float], n_micro: int, bubble_slots: float, **extra: float) -> Parts:
+    """n_micro micro-batches of per_micro each, bubble_slots micro-batch slots of pipeline fill and drain,
+    and the extra parts."""
+    out = Parts({name: n_micro * seconds for name, seconds in per_micro.items()})
+    out["bubble"] = bubble_slots * sum(per_micro.values())
+    for name, seconds in extra.items():
+        out[name] = out.get(name, 0.0) + seconds
+    return out
+
+
+def train_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: SetShape, sequences: int,
+                     seq_len: int, head: str, *, memo: CostMemo | None = None) -> Parts:
+    """One optimizer step over `sequences` sequences (one mini-batch), by part. 1F1B pipeline schedule; with
+    virtual_stages v > 1 the interleaved schedule of Narayanan et al. (SC'21): the bubble shrinks to (pp-1)/v
+    micro-batch slots, and every micro-batch crosses v times as many stage boundaries (and runs v chunk
+    passes, each paying the fixed cost of a forward pass)."""
     micro, n_micro = _per_rank(sequences, cfg.dp, cfg.micro_batch)
     sp = stage_pass(hw, arch, cfg.tp, cfg.pp, where, micro, seq_len, head, memo=memo)
-    fwd = sp.forward
-    bwd = sp.backward + (sp.forward if cfg.recompute else 0.0)
-    p2p = 2 * _p2p(hw, arch, cfg, where, micro * seq_len)
+    v = cfg.virtual_stages
+    forward, backward = sp.forward_parts, sp.backward_parts
+    per_micro = {name: seconds + backward[name] for name, seconds in forward.items()}
+    per_micro["recompute"] = _recompute_seconds(sp, Recompute.of(cfg.recompute))
+    per_micro["pp_comm"] = 2 * v * _p2p(hw, arch, cfg, where, micro * seq_len)
+    per_micro["runtime"] = v * hw.runtime.forward_pass_us * 1e-6
     local_params = stage_params(arch, cfg.pp, head) / cfg.tp
-    exposed = sharding.exposed_step_comm(hw, arch, cfg, where, head, fwd, bwd, n_micro)
-    pipeline = (n_micro + cfg.pp - 1) * (fwd + bwd + p2p)
+    exposed = sharding.exposed_step_comm(hw, arch, cfg, where, head, sp.forward,
+                                         sp.backward + per_micro["recompute"], n_micro)
     optimizer_params = local_params * sharding.optimizer_fraction(cfg)
     optimizer = memory_time(hw, ADAM_BYTES_PER_PARAM * optimizer_params)
-    return pipeline + exposed + optimizer
+    return _pipelined(per_micro, n_micro, (cfg.pp - 1) / v, dp_comm=exposed, optimizer=optimizer)
 
 
+def train_step_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: SetShape, sequences: int,
+                    seq_len: int, head: str, *, memo: CostMemo | None = None) -> float:
+    return train_step_parts(hw, arch, cfg, where, sequences, seq_len, head, memo=memo).total
+
+
+def update_parts(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: SetShape, sequences: int,
+                 seq_len: int, head: str, mini_batches: int, epochs: int, *, memo: CostMemo | None = None) -> Parts:
+    step = train_step_parts(hw, arch, cfg, where, sequences // mini_batches, seq_len, head, memo=memo)
+    out = step.times(epochs * mini_batches)
+    out["controller"] = hw.runtime.controller_call_us * 1e-6
+    return out
+
+
+@memoized
 def update_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: SetShape, sequences: int,
                 seq_len: int, head: str, mini_batches: int, epochs: int, *, memo: CostMemo | None = None) -> float:
-    step = train_step_time(hw, arch, cfg, where, sequences // mini_batches, seq_len, head, memo=memo)
-    return epochs * mini_batches * step
+    return update_parts(hw, arch, cfg, where, sequences, seq_len, head, mini_batches, epochs, memo=memo).total
+
+
+def inference_parts(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, where: SetShape, sequences: int,
+                    seq_len: int, head: str, weight_shards: int = 1, *, memo: CostMemo | None = None) -> Parts:
+    """Forward passes over all sequences (log-probs, values or scores), by part. `weight_shards`: the weights
+    are split over this many data-parallel ranks (a trained role in its FSDP layout) and gathered per
+    micro-batch."""
+    micro, n_micro = _per_rank(sequences, cfg.dp, cfg.micro_batch)
+    sp = stage_pass(hw, arch, cfg.tp, cfg.pp, where, micro, seq_len, head, memo=memo)
+    per_micro = dict(sp.forward_parts, pp_comm=_p2p(hw, arch, cfg, where, micro * seq_len),
+                     runtime=hw.runtime.forward_pass_us * 1e-6)
+    exposed = 0.0
+    if weight_shards > 1:
+        gather = sharding.weight_gather_seconds(hw, arch, cfg, where, head, weight_shards)
+        exposed = n_micro * max(0.0, gather - sp.forward)
+    return _pipelined(per_micro, n_micro, cfg.pp - 1, dp_comm=exposed,
+                      controller=hw.runtime.controller_call_us * 1e-6)
 
 
 @memoized
 def inference_time(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, where: SetShape, sequences: int,
                    seq_len: int, head: str, weight_shards: int = 1, *, memo: CostMemo | None = None) -> float:
-    """Forward passes over all sequences (log-probs, values or scores). `weight_shards`: the weights are
-    split over this many data-parallel ranks (a trained role in its FSDP layout) and gathered per micro-batch."""
-    micro, n_micro = _per_rank(sequences, cfg.dp, cfg.micro_batch)
-    fwd = stage_pass(hw, arch, cfg.tp, cfg.pp, where, micro, seq_len, head, memo=memo).forward
-    p2p = _p2p(hw, arch, cfg, where, micro * seq_len)
-    exposed = 0.0
-    if weight_shards > 1:
-        exposed = n_micro * max(0.0, sharding.weight_gather_seconds(hw, arch, cfg, where, head, weight_shards) - fwd)
-    return (n_micro + cfg.pp - 1) * (fwd + p2p) + exposed
+    return inference_parts(hw, arch, cfg, where, sequences, seq_len, head, weight_shards, memo=memo).total
+
+
+def decode_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetShape, batch: float,
+                      context: float) -> Parts:
+    """One decode step of `batch` sequences at `context` tokens, through all pipeline stages in turn."""
+    layer = layer_forward(hw, arch, batch, keys_per_token=context, tp=cfg.tp, decode=True)
+    head = head_forward(hw, arch, batch, cfg.tp, "lm")
+    sample = memory_time(hw, FP32 * batch * arch.vocab / cfg.tp)
+    n = arch.layers
+    return Parts(gemm=n * layer.gemm + head.gemm, attention=n * layer.attention,
+                 elementwise=n * layer.elementwise + head.elementwise + sample,
+                 tp_comm=n * _layer_tp_comm(hw, arch, batch, cfg.tp, where) + _head_tp_comm(hw, batch, cfg.tp, where,
+                                                                                            "lm"),
+                 pp_comm=(cfg.pp - 1) * _p2p(hw, arch, cfg, where, batch),
+                 runtime=hw.runtime.engine_step_us * 1e-6)
 
 
 def decode_step_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetShape, batch: float,
                      context: float) -> float:
-    """One decode step of `batch` sequences at `context` tokens, through all pipeline stages in turn."""
-    layer = layer_forward(hw, arch, batch, keys_per_token=context, tp=cfg.tp, decode=True)
-    comm = _layer_tp_comm(hw, arch, batch, cfg.tp, where)
-    head = head_forward(hw, arch, batch, cfg.tp, "lm")
-    sample = memory_time(hw, FP32 * batch * arch.vocab / cfg.tp)
-    p2p = (cfg.pp - 1) * _p2p(hw, arch, cfg, where, batch)
-    return arch.layers * (layer.total + comm) + head.total + _head_tp_comm(hw, batch, cfg.tp, where, "lm") \
-        + sample + p2p
+    return decode_step_parts(hw, arch, cfg, where, batch, context).total
+
+
+def prefill_parts(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetShape, batch: float,
+                  prompt_len: int) -> Parts:
+    """One prefill of `batch` prompts: one step of the generation engine."""
+    tokens = batch * prompt_len
+    layer = layer_forward(hw, arch, tokens, keys_per_token=(prompt_len + 1) / 2, tp=cfg.tp, seq_len=prompt_len)
+    head = head_forward(hw, arch, batch, cfg.tp, "lm")  # logits of the last prompt token only
+    embed = embedding_forward(hw, arch, tokens)
+    n = arch.layers
+    return Parts(gemm=n * layer.gemm + head.gemm, attention=n * layer.attention,
+                 elementwise=n * layer.elementwise + head.elementwise + embed.elementwise,
+                 tp_comm=n * _layer_tp_comm(hw, arch, tokens, cfg.tp, where),
+                 pp_comm=(cfg.pp - 1) * _p2p(hw, arch, cfg, where, tokens),
+                 runtime=hw.runtime.engine_step_us * 1e-6)
 
 
 def prefill_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetShape, batch: float,
                  prompt_len: int) -> float:
-    tokens = batch * prompt_len
-    layer = layer_forward(hw, arch, tokens, keys_per_token=(prompt_len + 1) / 2, tp=cfg.tp)
-    comm = _layer_tp_comm(hw, arch, tokens, cfg.tp, where)
-    head = head_forward(hw, arch, batch, cfg.tp, "lm")  # logits of the last prompt token only
-    p2p = (cfg.pp - 1) * _p2p(hw, arch, cfg, where, tokens)
-    return arch.layers * (layer.total + comm) + head.total + embedding_forward(hw, arch, tokens).total + p2p
+    return prefill_parts(hw, arch, cfg, where, batch, prompt_len).total
+
+
+def _lengths(response_len: int, lengths: ResponseLengths | None) -> ResponseLengths:
+    return lengths if lengths is not None else ResponseLengths.fixed(response_len)
 
 
 @memoized
-def wave_time(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, batch: int,
-              prompt_len: int, response_len: int, *, memo: CostMemo | None = None) -> float:
-    """One prefill of `batch` prompts, then response_len decode steps at the mean context length (the
-    step cost is close to linear in the context)."""
+def wave_parts(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, batch: int,
+               prompt_len: int, response_len: int, lengths: ResponseLengths | None = None, batching: str = "static",
+               sequences: int = 0, *, memo: CostMemo | None = None) -> Parts:
+    """Generation of `sequences` sequences (`batch` when 0) with `batch` of them in the engine at once.
+
+    static: one prefill, then as many decode steps as the longest of the batch's responses (expected, from
+    the length distribution), every row decoding until the batch ends; costed at the mean context length
+    (the step cost is close to linear in the context). continuous (sequences > batch): finished sequences
+    are replaced, so the batch stays full: sequences x mean / batch decode steps, plus the drain of the
+    last batch (its expected longest less the mean), at the token-weighted mean context; every sequence's
+    prompt is prefilled in batches of `batch`."""
+    dist = _lengths(response_len, lengths)
+    sequences = sequences or batch
     layout = Layout(tp=tp, pp=pp)
-    mean_context = prompt_len + (response_len - 1) / 2
-    return prefill_time(hw, arch, layout, where, batch, prompt_len) + response_len * decode_step_time(
-        hw, arch, layout, where, batch, mean_context)
+    if batching == "continuous" and sequences > batch:
+        steps = sequences * dist.mean / batch + max(0.0, dist.expected_max(batch) - dist.mean)
+        context = prompt_len + (dist.mean_square / dist.mean - 1) / 2
+        prefills = sequences / batch
+    else:
+        steps = dist.expected_max(batch)
+        context = prompt_len + (steps - 1) / 2
+        prefills = 1.0
+    return prefill_parts(hw, arch, layout, where, batch, prompt_len).times(prefills).plus(
+        decode_step_parts(hw, arch, layout, where, batch, context), times=steps)
+
+
+def wave_time(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, batch: int,
+              prompt_len: int, response_len: int, lengths: ResponseLengths | None = None, *,
+              memo: CostMemo | None = None) -> float:
+    """One static wave of `batch` prompts: a prefill, then decode steps until its longest response ends."""
+    return wave_parts(hw, arch, tp, pp, where, batch, prompt_len, response_len, lengths, memo=memo).total
 
 
 @dataclass(frozen=True)
@@ -219,42 +349,54 @@ class GenerationCost:
     seconds: float
     max_batch: int  # sequences one replica holds in its KV cache at once
     waves: int
+    parts: Parts | None = None  # by part (None when infeasible)
 
 
+@memoized
 def generation_time(hw: HardwareProfile, arch: ModelArch, cfg: GenConfig, where: SetShape, sequences: int,
-                    prompt_len: int, response_len: int, kv_budget_bytes: float, *, memo: CostMemo | None = None
-                    ) -> GenerationCost:
-    """Batched generation on cfg.dp replicas (every response runs to response_len). Each replica runs
-    its share in waves of at most as many sequences as its KV-cache budget holds; a wave is one prefill
-    then response_len memory-bound decode steps, costed at the mean context length. The engine splits
-    the share into equal waves and runs no more at once than is fastest, so more memory never makes
-    generation slower."""
+                    prompt_len: int, response_len: int, kv_budget_bytes: float, *, memo: CostMemo | None = None,
+                    lengths: ResponseLengths | None = None) -> GenerationCost:
+    """Batched generation on cfg.dp replicas, responses of `lengths` (every one response_len when None).
+    Each replica holds at most as many sequences as its KV-cache budget has room for at their longest. A
+    static engine (cfg.batching) runs its share in equal waves, no more at once than is fastest, so more
+    memory never makes generation slower; a continuous one keeps its slots full (`wave_parts`)."""
     per_replica = math.ceil(sequences / cfg.dp)
     per_seq = kv_bytes_per_token_per_gpu(arch, cfg, hw.compute.value_bytes) * (prompt_len + response_len)
     max_batch = min(per_replica, int(kv_budget_bytes // per_seq))
     if max_batch < 1:
         return GenerationCost(seconds=math.inf, max_batch=0, waves=0)
-    seconds, waves, batch = _best_waves(hw, arch, cfg.tp, cfg.pp, where, per_replica, max_batch, prompt_len,
-                                        response_len, memo=memo)
-    return GenerationCost(seconds=seconds, max_batch=batch, waves=waves)
+    parts, waves, batch = _best_waves(hw, arch, cfg.tp, cfg.pp, where, per_replica, max_batch, prompt_len,
+                                      response_len, lengths, cfg.batching, memo=memo)
+    parts = parts.plus(_controller(hw))
+    return GenerationCost(seconds=parts.total, max_batch=batch, waves=waves, parts=parts)
 
 
 @memoized
 def _best_waves(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, sequences: int,
-                max_batch: int, prompt_len: int, response_len: int, *, memo: CostMemo | None = None
-                ) -> tuple[float, int, int]:
-    """(seconds, waves, largest wave) of the fastest split of `sequences` into equal waves of at most
-    max_batch each."""
-    best = (math.inf, 0, 0)
-    for waves in sorted({-(-sequences // size) for size in range(1, max_batch + 1)}):
+                max_batch: int, prompt_len: int, response_len: int, lengths: ResponseLengths | None = None,
+                batching: str = "static", *, memo: CostMemo | None = None) -> tuple[Parts, int, int]:
+    """(parts, waves, largest batch) of the fastest way to run `sequences` with at most max_batch at once:
+    static, equal waves; continuous, a batch of slots kept full (its size chosen the same way)."""
+    def parts_of(waves: int) -> Parts:
         small, bigger = divmod(sequences, waves)  # `bigger` waves of small + 1, the rest of small
-        seconds = bigger * wave_time(hw, arch, tp, pp, where, small + 1, prompt_len, response_len, memo=memo)
+        if batching == "continuous":
+            return wave_parts(hw, arch, tp, pp, where, small + (1 if bigger else 0), prompt_len, response_len,
+                              lengths, batching, sequences, memo=memo)
+        out = Parts()
+        if bigger:
+            out = out.plus(wave_parts(hw, arch, tp, pp, where, small + 1, prompt_len, response_len, lengths,
+                                      memo=memo), times=bigger)
         if small:
-            seconds += (waves - bigger) * wave_time(hw, arch, tp, pp, where, small, prompt_len, response_len,
-                                                    memo=memo)
-        if seconds < best[0]:
-            best = (seconds, waves, small + (1 if bigger else 0))
-    return best
+            out = out.plus(wave_parts(hw, arch, tp, pp, where, small, prompt_len, response_len, lengths,
+                                      memo=memo), times=waves - bigger)
+        return out
+
+    best_seconds, best_waves = math.inf, 0
+    for waves in sorted({-(-sequences // size) for size in range(1, max_batch + 1)}):
+        seconds = parts_of(waves).total
+        if seconds < best_seconds:
+            best_seconds, best_waves = seconds, waves
+    return parts_of(best_waves), best_waves, -(-sequences // best_waves)
 
 
 @memoized

@@ -4,35 +4,66 @@ Each kernel costs a fixed overhead plus the larger of its math time (FLOPs at th
 achievable matmul rate) and its memory time (bytes at the profile's achievable bandwidth). So
 efficiency falls by itself where per-GPU work is small: small GEMMs are memory- or overhead-bound,
 decode steps are weight-read bound, and large training GEMMs run near the measured matmul rate.
+Where the profile describes its GEMM kernels' tiling, a GEMM's math rate is further scaled by its
+shape (`gemm_shape_efficiency`): padded tiles, a last partial wave of tiles, a short reduction.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
-from hfplan.profiles.hardware import HardwareProfile
+from hfplan.profiles.hardware import GemmTiling, HardwareProfile
 from hfplan.profiles.models import ModelArch
 
 BF16 = 2  # bytes of a bf16 value (weights and activations on GPUs)
 FP32 = 4  # bytes of an fp32 value (gradients, optimizer states, logits; everything on CPUs)
 
 
-def kernel_time(hw: HardwareProfile, flops: float, nbytes: float) -> float:
-    math = flops / (hw.peak_flops * hw.compute.matmul_efficiency)
+def kernel_time(hw: HardwareProfile, flops: float, nbytes: float, shape_efficiency: float = 1.0) -> float:
+    """shape_efficiency: the fraction of the matmul rate this kernel's shape allows (GEMMs; 1 otherwise)."""
+    compute = flops / (hw.peak_flops * hw.compute.matmul_efficiency * shape_efficiency)
     memory = nbytes / (hw.memory.bandwidth_gbytes_per_s * 1e9 * hw.memory.efficiency)
-    return hw.compute.kernel_overhead_us * 1e-6 + max(math, memory)
+    return hw.compute.kernel_overhead_us * 1e-6 + max(compute, memory)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def gemm_shape_efficiency(tiling: GemmTiling | None, m: float, k: float, n: float) -> float:
+    """Useful fraction of the tensor cores' work for an (m x k)(k x n) GEMM, with the tile the library would
+    pick (the one with the least padded work): the output is covered by whole tiles (tile quantization), the
+    tiles run in whole waves of sm_count (wave quantization), and each tile walks K in whole blocks of tile_k
+    plus the stages - 1 blocks that fill its pipeline (the short-K loss). 1 without a tiling (CPUs)."""
+    if tiling is None:
+        return 1.0
+    k_blocks = math.ceil(k / tiling.tile_k)
+    k_work = (k_blocks + tiling.stages - 1) * tiling.tile_k
+    best = 0.0
+    for tile_m, tile_n in tiling.tiles:
+        tiles = math.ceil(m / tile_m) * math.ceil(n / tile_n)
+        waves = math.ceil(tiles / tiling.sm_count)
+        padded = waves * tiling.sm_count * tile_m * tile_n * k_work
+        best = max(best, m * n * k / padded)
+    return best
 
 
 def gemm_time(hw: HardwareProfile, m: float, k: float, n: float) -> float:
     """(m x k) @ (k x n) in the device's compute precision."""
     if m <= 0 or k <= 0 or n <= 0:
         return 0.0
-    return kernel_time(hw, 2.0 * m * k * n, hw.compute.value_bytes * (m * k + k * n + m * n))
+    return kernel_time(hw, 2.0 * m * k * n, hw.compute.value_bytes * (m * k + k * n + m * n),
+                       gemm_shape_efficiency(hw.compute.gemm, m, k, n))
 
 
 def memory_time(hw: HardwareProfile, nbytes: float) -> float:
     """An elementwise (memory-bound) kernel moving nbytes."""
     return kernel_time(hw, 0.0, nbytes) if nbytes > 0 else 0.0
+
+
+# Backward-to-forward work of attention. Flash: 5 matmuls to the forward's 2 (Dao, FlashAttention-2, 2023).
+# Eager: 4 matmuls to 2 (dS V^T... the gradients of Q, K, V and the scores' product), and the softmax backward
+# reads the saved probabilities and their gradient and writes one gradient, as the forward's passes do.
+ATTENTION_BACKWARD = {"flash": 2.5, "eager": 2.0}
 
 
 @dataclass(frozen=True)
@@ -42,28 +73,56 @@ class LayerCost:
     gemm: float
     attention: float
     elementwise: float
+    attention_backward: float = ATTENTION_BACKWARD["flash"]
 
     @property
     def total(self) -> float:
         return self.gemm + self.attention + self.elementwise
 
     def backward(self) -> float:
-        """Backward: two GEMMs per forward GEMM (input and weight gradients); flash-attention backward
-        does 5 matmuls to the forward's 2 (Dao, FlashAttention-2, 2023); elementwise ops read the saved
-        input and the incoming gradient and write one gradient."""
-        return 2.0 * self.gemm + 2.5 * self.attention + 2.0 * self.elementwise
+        """Backward: two GEMMs per forward GEMM (input and weight gradients); attention by its kernel
+        (ATTENTION_BACKWARD); elementwise ops read the saved input and the incoming gradient and write one
+        gradient."""
+        return 2.0 * self.gemm + self.attention_backward * self.attention + 2.0 * self.elementwise
 
 
 def shard(dim: int, tp: int) -> float:
     return dim / tp
 
 
+def attention_time(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per_token: float, tp: int,
+                   decode: bool, seq_len: float | None = None) -> float:
+    """Attention of `tokens` queries on one of `tp` GPUs, with the profile's kernel (compute.attention).
+
+    flash: one fused kernel; q, k, v and the output cross memory once (decode: the whole KV cache is read),
+    scores never do. eager (the scores through memory, as a plain PyTorch attention): QK^T writes the score
+    matrix, the softmax reads it and writes the probabilities, PV reads them; a causal pass computes every
+    query against all `seq_len` keys of its sequence (the mask is applied, not skipped)."""
+    v = hw.compute.value_bytes
+    kv_local = shard(arch.kv_dim, tp) if arch.kv_heads >= tp else arch.dim_per_head
+    q_local = shard(arch.q_dim, tp)
+    if decode:
+        io_bytes = v * (tokens * keys_per_token * 2 * kv_local + 2 * tokens * q_local)
+    else:
+        io_bytes = v * tokens * (2 * q_local + 2 * kv_local)
+    if hw.compute.attention == "flash":
+        return kernel_time(hw, 4.0 * tokens * keys_per_token * q_local, io_bytes)
+    keys = keys_per_token if decode or seq_len is None else seq_len
+    heads_local = q_local / arch.dim_per_head
+    scores = v * tokens * keys * heads_local  # bytes of one score (or probability) matrix
+    half_flops = 2.0 * tokens * keys * q_local  # each of QK^T and PV
+    return (kernel_time(hw, half_flops, io_bytes / 2 + scores)  # QK^T: read q and k, write the scores
+            + memory_time(hw, 2 * scores)  # softmax: read the scores, write the probabilities
+            + kernel_time(hw, half_flops, io_bytes / 2 + scores))  # PV: read them and v, write the output
+
+
 def layer_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per_token: float, tp: int,
-                  decode: bool = False) -> LayerCost:
+                  decode: bool = False, seq_len: float | None = None) -> LayerCost:
     """One layer's forward over `tokens` tokens on one of `tp` tensor-parallel GPUs.
 
     keys_per_token: keys each query attends to (L/2 on average for causal prefill of length L; the
-    context length for a decode step). In decode, attention reads the KV cache of every key.
+    context length for a decode step). In decode, attention reads the KV cache of every key. seq_len:
+    the length of each sequence of a prefill pass (what an eager attention's score matrix spans).
     """
     h, q, kv, f = arch.hidden, arch.q_dim, arch.kv_dim, arch.ffn
     v = hw.compute.value_bytes
@@ -71,19 +130,15 @@ def layer_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per_
     gemm = (gemm_time(hw, tokens, h, qkv_out) + gemm_time(hw, tokens, shard(q, tp), h)
             + gemm_time(hw, tokens, h, shard(2 * f, tp)) + gemm_time(hw, tokens, shard(f, tp), h))
     kv_local = shard(kv, tp) if arch.kv_heads >= tp else arch.dim_per_head
-    attn_flops = 4.0 * tokens * keys_per_token * shard(q, tp)
-    if decode:
-        attn_bytes = v * (tokens * keys_per_token * 2 * kv_local + 2 * tokens * shard(q, tp))
-    else:
-        attn_bytes = v * tokens * (2 * shard(q, tp) + 2 * kv_local)
-    attention = kernel_time(hw, attn_flops, attn_bytes)
+    attention = attention_time(hw, arch, tokens, keys_per_token, tp, decode, seq_len)
     elementwise = (
         2 * memory_time(hw, v * 2 * tokens * h)  # two RMSNorms: read and write h
         + memory_time(hw, v * 2 * tokens * (shard(q, tp) + kv_local))  # rotary on q and k
         + 2 * memory_time(hw, v * 3 * tokens * h)  # two residual adds
         + memory_time(hw, v * 3 * tokens * shard(f, tp))  # silu(gate) * up
     )
-    return LayerCost(gemm=gemm, attention=attention, elementwise=elementwise)
+    return LayerCost(gemm=gemm, attention=attention, elementwise=elementwise,
+                     attention_backward=ATTENTION_BACKWARD[hw.compute.attention])
 
 
 def head_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, tp: int, head: str) -> LayerCost:

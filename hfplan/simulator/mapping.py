@@ -241,7 +241,7 @@ def call_seconds(workload: Workload, hw: HardwareProfile, gpus_per_node: int, no
     arch = w.arch(model_role(w, role))
     if node.kind == "generate":
         return costs.generation_time(hw, arch, par.gen, where, node.sequences, w.prompt_len, w.response_len,
-                                     kv_budget, memo=memo).seconds
+                                     kv_budget, memo=memo, lengths=w.response_lengths).seconds
     head = head_of(w, role)
     if node.kind == "forward":
         shards = par.train.shards("weights") if par.train is not None else 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from hfplan.layout import resharding, stage_params
-from hfplan.plan import GenConfig, InferConfig, Layout, TrainConfig
+from hfplan.plan import GenConfig, InferConfig, Layout, Recompute, TrainConfig
 from hfplan.profiles.models import ModelArch
 from hfplan.simulator import sharding
 from hfplan.simulator.kernels import BF16, FP32
@@ -62,21 +62,35 @@ def _gathered_layers_bytes(arch: ModelArch, cfg: TrainConfig, value_bytes: int) 
     return 2 * value_bytes * arch.params_per_layer / cfg.tp
 
 
+def in_flight_micro_batches(cfg: TrainConfig, n_micro: int) -> float:
+    """Micro-batches whose activations the first pipeline stage holds at once: up to pp under 1F1B; with v
+    virtual stages, (1 + (pp - 1) / (pp v)) times that (Korthikanti et al., "Reducing Activation Recomputation
+    in Large Transformer Models", 2022, section 4.2: the interleaved schedule's extra warm-up chunks)."""
+    in_flight = min(cfg.pp, n_micro)
+    if cfg.virtual_stages > 1 and cfg.pp > 1:
+        in_flight *= 1 + (cfg.pp - 1) / (cfg.pp * cfg.virtual_stages)
+    return in_flight
+
+
 def train_transient_bytes(arch: ModelArch, cfg: TrainConfig, sequences_per_step: int, seq_len: int,
                           head: str, value_bytes: int = BF16) -> float:
+    """Activations of one optimizer step's micro-batches in flight, the logits and, for sharded training, the
+    gathered layers. Full recomputation keeps only each layer's input per micro-batch; the one micro-batch
+    being recomputed has one layer's activations alive again (micro-batches are recomputed one at a time).
+    Selective recomputation drops what attention's score work saves, which flash attention never keeps: the
+    same memory as none."""
     micro = min(cfg.micro_batch, math.ceil(sequences_per_step / cfg.dp))
     n_micro = math.ceil(math.ceil(sequences_per_step / cfg.dp) / micro)
     tokens = micro * seq_len
     layers = math.ceil(arch.layers / cfg.pp)
     per_layer = value_bytes * tokens * activation_values_per_token_layer(arch, cfg.tp)
-    if cfg.recompute:
-        # Only each layer's input is kept; one layer's activations live again during its backward.
-        per_micro = layers * value_bytes * tokens * arch.hidden + per_layer
+    if Recompute.of(cfg.recompute) is Recompute.FULL:
+        per_micro, recomputing = layers * value_bytes * tokens * arch.hidden, per_layer
     else:
-        per_micro = layers * per_layer
-    in_flight = min(cfg.pp, n_micro)  # 1F1B: the first stage holds up to pp micro-batches
+        per_micro, recomputing = layers * per_layer, 0.0
     logits = 2 * _logits_bytes(arch, tokens, cfg.tp, head)  # logits and their gradient
-    return in_flight * per_micro + logits + _gathered_layers_bytes(arch, cfg, value_bytes)
+    return (in_flight_micro_batches(cfg, n_micro) * per_micro + recomputing + logits
+            + _gathered_layers_bytes(arch, cfg, value_bytes))
 
 
 def infer_transient_bytes(arch: ModelArch, cfg: InferConfig, seq_len: int, head: str,

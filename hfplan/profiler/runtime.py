@@ -1,0 +1,112 @@
+"""Fixed costs the kernels do not show (HardwareProfile.runtime), measured on the executor's own engines.
+
+Each is what one unit of work takes beyond what the cost model charges for its kernels on the profile just
+fitted: a forward pass of the demo model through its HF module, a decode step of the executor's torch rollout
+engine (the slope of generation time over response length, so the prefill drops out), and a round trip of a
+call through a Ray actor (how the controller reaches a worker). torch and ray are passed in or imported here,
+only when `hfplan profile` runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from dataclasses import dataclass
+
+from hfplan.plan import Layout
+from hfplan.profiler.compute import compute_dtype
+from hfplan.profiler.device import Device
+from hfplan.profiler.timing import Clock
+from hfplan.profiles.hardware import HardwareProfile, Runtime
+from hfplan.profiles.models import CATALOG
+from hfplan.simulator import costs
+
+MODEL = "tiny"  # the demo model: its kernels are tiny, so what it takes is mostly the fixed cost
+PROMPT = 8
+SHORT, LONG = 2, 34  # response lengths whose time difference is LONG - SHORT decode steps
+RAY_CALLS = 200
+
+
+@dataclass(frozen=True)
+class RuntimeFit:
+    runtime: Runtime
+    rows: list[dict]
+    ray: bool  # whether the controller call was measured (ray importable)
+
+
+def fixed_us(measured_s: float, predicted_s: float) -> float:
+    """Microseconds of a unit of work beyond its modelled kernels (never negative)."""
+    return max(0.0, measured_s - predicted_s) * 1e6
+
+
+def _row(op: str, seconds: float, predicted: float) -> dict:
+    return dict(kind="runtime", op=op, model=MODEL, seconds=seconds, predicted_s=predicted,
+                error_pct=100.0 * (predicted - seconds) / seconds)
+
+
+def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: float, ray_calls: int = RAY_CALLS
+                    ) -> RuntimeFit:
+    """Forward-pass, engine-step and (with ray) controller-call costs, with the rows behind them."""
+    from hfplan.executor.models import build_model
+    from hfplan.executor.rollout.base import SamplingParams
+    from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
+
+    bare = profile.model_copy(update={"runtime": Runtime()})  # kernels only
+    arch = CATALOG[MODEL]
+    one = costs.SetShape(1, 1)
+    clock = Clock(torch, device.kind)
+    model = build_model(MODEL, "lm", seed=0, dtype=compute_dtype(torch, device)).to(device.kind).eval()
+    prompts = torch.randint(1, arch.vocab, (1, PROMPT), device=device.kind)
+
+    with torch.inference_mode():
+        forward_s = clock.per_call(lambda: model(prompts), min_time)
+    forward_model = costs.stage_pass(bare, arch, 1, 1, one, 1, PROMPT, "lm").forward
+    engine = TorchRolloutEngine(model, pad_id=0, eos_id=-1)  # no token is -1: every response runs its length
+    timed = {}
+    for steps in (SHORT, LONG):
+        params = SamplingParams(max_new_tokens=steps, greedy=True)
+        timed[steps] = clock.per_call(lambda params=params: engine.generate(prompts, params), min_time)
+    step_s = (timed[LONG] - timed[SHORT]) / (LONG - SHORT)
+    step_model = costs.decode_step_time(bare, arch, Layout(), one, 1, PROMPT + (SHORT + LONG) / 2)
+    rows = [_row("forward_pass", forward_s, forward_model), _row("engine_step", step_s, step_model)]
+    controller_us, measured_ray = 0.0, False
+    call_s = _ray_round_trip(ray_calls)
+    if call_s is not None:
+        controller_us, measured_ray = call_s * 1e6, True
+        rows.append(_row("controller_call", call_s, 0.0))
+    runtime = Runtime(forward_pass_us=round(fixed_us(forward_s, forward_model), 2),
+                      engine_step_us=round(fixed_us(step_s, step_model), 2),
+                      controller_call_us=round(controller_us, 2))
+    return RuntimeFit(runtime, rows, measured_ray)
+
+
+def _ray_round_trip(calls: int) -> float | None:
+    """Seconds of one synchronous call to a Ray actor on this machine (best of three rounds); None without ray
+    or when a Ray session is already running in this process (it is not ours to measure or stop)."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    if calls < 1 or ray.is_initialized():
+        return None
+    with tempfile.TemporaryDirectory(prefix="hfplan-profile-ray-") as folder:
+        ray.init(num_cpus=1, _node_ip_address="127.0.0.1", include_dashboard=False, _temp_dir=folder,
+                 logging_level=logging.WARNING, log_to_driver=False)
+        try:
+            actor = ray.remote(_Echo).remote()
+            ray.get(actor.ping.remote(), timeout=120)
+            best = float("inf")
+            for _ in range(3):
+                start = time.perf_counter()
+                for _ in range(calls):
+                    ray.get(actor.ping.remote(), timeout=60)
+                best = min(best, (time.perf_counter() - start) / calls)
+            return best
+        finally:
+            ray.shutdown()
+
+
+class _Echo:
+    def ping(self) -> None:
+        return None

@@ -1,0 +1,155 @@
+"""Runtime costs, recomputation modes, interleaved 1F1B, eager attention and response-length distributions,
+by hand on the toy profile of conftest.py (matmul 5e13 FLOP/s, memory 5e11 B/s, 5 us per kernel, intra-node
+5e10 B/s with alpha 1 us)."""
+
+import pytest
+
+from hfplan.plan import GenConfig, InferConfig, Layout, TrainConfig
+from hfplan.profiles.hardware import Runtime
+from hfplan.profiles.models import CATALOG
+from hfplan.simulator import costs
+from hfplan.simulator.costs import SetShape
+from hfplan.simulator.kernels import attention_time, kernel_time, memory_time
+from hfplan.spec import ResponseLengths
+
+LLAMA7 = CATALOG["llama2-7b"]
+ONE = SetShape(1, 8)
+RUNTIME = Runtime(forward_pass_us=100, engine_step_us=50, controller_call_us=1000)
+
+
+def with_runtime(hw):
+    return hw.model_copy(update={"runtime": RUNTIME})
+
+
+# -- runtime costs ----------------------------------------------------------------------------------------
+
+
+def test_inference_pays_a_forward_pass_per_micro_batch_and_one_controller_call(toy_hw):
+    cfg = InferConfig(micro_batch=2)
+    plain = costs.inference_time(toy_hw, LLAMA7, cfg, ONE, 8, 256, "lm")
+    paid = costs.inference_time(with_runtime(toy_hw), LLAMA7, cfg, ONE, 8, 256, "lm")
+    assert paid - plain == pytest.approx(4 * 100e-6 + 1000e-6)  # 4 micro-batches, one call
+
+
+def test_generation_pays_an_engine_step_per_prefill_and_decode_step(toy_hw):
+    gen = GenConfig()
+    kv = 1e12  # room for everything: one wave of 4
+    plain = costs.generation_time(toy_hw, LLAMA7, gen, ONE, 4, 64, 16, kv)
+    paid = costs.generation_time(with_runtime(toy_hw), LLAMA7, gen, ONE, 4, 64, 16, kv)
+    assert plain.waves == paid.waves == 1
+    assert paid.seconds - plain.seconds == pytest.approx((1 + 16) * 50e-6 + 1000e-6)
+    assert paid.parts["runtime"] == pytest.approx(17 * 50e-6)
+    assert paid.parts["controller"] == pytest.approx(1000e-6)
+    assert paid.parts.total == pytest.approx(paid.seconds)
+
+
+def test_training_step_pays_a_forward_pass_per_micro_batch_chunk(toy_hw):
+    cfg = TrainConfig(pp=2, micro_batch=1, virtual_stages=2)
+    where = SetShape(2, 8)
+    plain = costs.train_step_parts(toy_hw, LLAMA7, cfg, where, 4, 128, "lm")
+    paid = costs.train_step_parts(with_runtime(toy_hw), LLAMA7, cfg, where, 4, 128, "lm")
+    # 4 micro-batches x 2 chunks, and the bubble's (pp-1)/v = 1/2 slot pays its share.
+    assert paid["runtime"] == pytest.approx(4 * 2 * 100e-6)
+    assert paid.total - plain.total == pytest.approx((4 + 0.5) * 2 * 100e-6)
+
+
+# -- pipeline schedules and recomputation ------------------------------------------------------------------
+
+
+def test_interleaved_1f1b_shrinks_the_bubble_and_multiplies_point_to_point(toy_hw):
+    where, seq, micro = SetShape(4, 8), 256, 8
+    one = costs.train_step_parts(toy_hw, LLAMA7, TrainConfig(pp=4), where, micro, seq, "lm")
+    two = costs.train_step_parts(toy_hw, LLAMA7, TrainConfig(pp=4, virtual_stages=2), where, micro, seq, "lm")
+    # One activation crossing: bf16 256 x 4096 = 2 MiB over NVLink: 1 us + 2,097,152 / 5e10 s.
+    crossing = 1e-6 + 2 * 256 * 4096 / 5e10
+    assert one["pp_comm"] == pytest.approx(micro * 2 * crossing)  # forward and backward
+    assert two["pp_comm"] == pytest.approx(micro * 2 * 2 * crossing)  # and twice as many boundaries
+    slot_one = (one.total - one["bubble"] - one["optimizer"] - one.get("dp_comm", 0.0)) / micro
+    slot_two = (two.total - two["bubble"] - two["optimizer"] - two.get("dp_comm", 0.0)) / micro
+    assert one["bubble"] == pytest.approx(3 * slot_one)
+    assert two["bubble"] == pytest.approx(3 / 2 * slot_two)
+    assert two.total < one.total
+
+
+def test_recompute_modes_add_the_layers_or_their_attention(toy_hw):
+    sp = costs.stage_pass(toy_hw, LLAMA7, 1, 1, ONE, 1, 512, "lm")
+    none = costs.train_step_parts(toy_hw, LLAMA7, TrainConfig(), ONE, 2, 512, "lm")
+    full = costs.train_step_parts(toy_hw, LLAMA7, TrainConfig(recompute="full"), ONE, 2, 512, "lm")
+    selective = costs.train_step_parts(toy_hw, LLAMA7, TrainConfig(recompute="selective"), ONE, 2, 512, "lm")
+    assert none.get("recompute", 0.0) == 0.0
+    assert full["recompute"] == pytest.approx(2 * sp.layers)  # every layer's forward, for both micro-batches
+    assert selective["recompute"] == pytest.approx(2 * sp.attention)
+    assert sp.attention < sp.layers
+    # Full recomputation repeats the layers only: the head and embedding are not recomputed.
+    assert sp.layers < sp.forward
+
+
+# -- attention kernels --------------------------------------------------------------------------------------
+
+
+def test_eager_attention_writes_and_reads_the_scores(toy_hw, small_arch):
+    """small_arch: 4 heads of 16 (q_dim 64), 2 KV heads (kv_dim 32). One sequence of 128 tokens, tp 1."""
+    eager = toy_hw.model_copy(update={"compute": toy_hw.compute.model_copy(update={"attention": "eager"})})
+    tokens, seq = 128, 128
+    io = 2 * tokens * (2 * 64 + 2 * 32)  # q and output, k and v, bf16
+    scores = 2 * tokens * seq * 4  # one bf16 score per (query, key, head): the full square, mask applied
+    half = 2.0 * tokens * seq * 64
+    expected = 2 * kernel_time(toy_hw, half, io / 2 + scores) + memory_time(toy_hw, 2 * scores)
+    assert attention_time(eager, small_arch, tokens, (seq + 1) / 2, 1, False, seq) == pytest.approx(expected)
+    flash = kernel_time(toy_hw, 4.0 * tokens * (seq + 1) / 2 * 64, io)
+    assert attention_time(toy_hw, small_arch, tokens, (seq + 1) / 2, 1, False, seq) == pytest.approx(flash)
+
+
+# -- response lengths and batching ---------------------------------------------------------------------------
+
+
+def test_expected_longest_response_by_hand():
+    lengths = ResponseLengths(max_len=30, mean=20.0, points=((10, 0.5), (30, 0.5)))
+    # Two draws: both 10 with probability 1/4.
+    assert lengths.expected_max(2) == pytest.approx(10 * 0.25 + 30 * 0.75)
+    assert lengths.expected_max(1) == pytest.approx(20.0)
+    assert lengths.mean_square == pytest.approx((100 + 900) / 2)
+    mean_only = ResponseLengths(max_len=30, mean=20.0)
+    assert mean_only.expected_max(4) == 30.0 and mean_only.mean_square == 20.0 * 30
+    assert ResponseLengths.fixed(16).expected_max(64) == 16.0
+
+
+def test_static_and_continuous_batching_by_hand(toy_hw):
+    lengths = ResponseLengths(max_len=30, mean=20.0, points=((10, 0.5), (30, 0.5)))
+    prompt, layout = 64, Layout()
+    prefill = costs.prefill_parts(toy_hw, LLAMA7, layout, ONE, 2, prompt).total
+    # Static, a batch of 2: the batch runs until its longest ends, 25 steps expected, at context 64 + 12.
+    static = costs.wave_parts(toy_hw, LLAMA7, 1, 1, ONE, 2, prompt, 30, lengths, "static").total
+    assert static == pytest.approx(prefill + 25 * costs.decode_step_time(toy_hw, LLAMA7, layout, ONE, 2, 64 + 12))
+    # Continuous, 8 sequences through 2 slots: 8 x 20 / 2 = 80 full steps plus the last batch's drain (25 - 20),
+    # at the token-weighted context 64 + (500 / 20 - 1) / 2 = 76; 4 prefills of 2 prompts.
+    continuous = costs.wave_parts(toy_hw, LLAMA7, 1, 1, ONE, 2, prompt, 30, lengths, "continuous", 8).total
+    assert continuous == pytest.approx(4 * prefill + 85 * costs.decode_step_time(toy_hw, LLAMA7, layout, ONE, 2, 76))
+
+
+def test_continuous_batching_beats_static_waves_when_lengths_vary(toy_hw):
+    lengths = ResponseLengths(max_len=512, mean=128.0, points=((64, 0.75), (320, 0.25)))
+    kv = 2 * 2 * 32 * 128 * 32 * (64 + 512) * 16  # room for 16 sequences of llama2-7b at their longest
+    static = costs.generation_time(toy_hw, LLAMA7, GenConfig(), ONE, 64, 64, 512, kv, lengths=lengths)
+    continuous = costs.generation_time(toy_hw, LLAMA7, GenConfig(batching="continuous"), ONE, 64, 64, 512, kv,
+                                       lengths=lengths)
+    assert static.max_batch == continuous.max_batch == 16
+    assert continuous.seconds < static.seconds
+    fixed = costs.generation_time(toy_hw, LLAMA7, GenConfig(), ONE, 64, 64, 512, kv)
+    assert static.seconds < fixed.seconds  # shorter responses end waves sooner
+
+
+# -- what the executor can run ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kind", "layout", "needle"), [
+    ("train", TrainConfig(pp=2, virtual_stages=2), "virtual_stages=2"),
+    ("train", TrainConfig(recompute="selective"), "recompute=selective"),
+    ("gen", GenConfig(batching="continuous"), "batching=continuous"),
+])
+def test_strategies_the_executor_lacks_stay_out_of_its_space(kind, layout, needle):
+    from hfplan.layout import unsupported_layout
+
+    assert needle in unsupported_layout(LLAMA7, kind, layout)
+    runnable = {"train": TrainConfig(pp=2, recompute="full"), "gen": GenConfig()}[kind]
+    assert unsupported_layout(LLAMA7, kind, runnable) is None
