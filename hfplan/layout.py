@@ -187,7 +187,11 @@ def stage_params(arch: ModelArch, pp: int, head: str) -> float:
 def unsupported_layout(arch: ModelArch, kind: str, layout: LayoutLike, train: LayoutLike | None = None
                        ) -> str | None:
     """Why a layout of a model can never be run (None when it can). kind: "train", "infer" or "gen";
-    `train`: the role's training layout, which a generation layout must nest with (hybrid engine)."""
+    `train`: the role's training layout, which a generation layout must nest with (hybrid engine).
+
+    Tensor parallelism splits whole heads, the MLP width and the vocabulary evenly over tp ranks (the
+    executor's DTensor column / row plans). Training splits the KV heads too; inference and generation
+    may instead give each rank a copy of one KV head (tp a multiple of the KV heads)."""
     if kind not in ("train", "infer", "gen"):
         raise ValueError(f"unknown layout kind {kind!r}")
     tp, pp = layout.tp, layout.pp
@@ -198,6 +202,10 @@ def unsupported_layout(arch: ModelArch, kind: str, layout: LayoutLike, train: La
     if kind != "train" and arch.kv_heads % tp and tp % arch.kv_heads:
         return (f"tp={tp} neither divides nor is a multiple of the {arch.kv_heads} KV heads of {arch.name} "
                 "(inference replicates KV heads only a whole number of times)")
+    if arch.ffn % tp:
+        return f"tp={tp} does not divide the MLP width {arch.ffn} of {arch.name}"
+    if arch.vocab % tp:
+        return f"tp={tp} does not divide the vocabulary of {arch.vocab} of {arch.name} (vocabulary-parallel head)"
     if arch.layers % pp:
         return f"pp={pp} does not divide the {arch.layers} layers of {arch.name} into equal stages"
     if kind == "gen" and pp > 1:

@@ -57,8 +57,7 @@ def check_hardware(plan: Plan) -> tuple[str, str]:
 
 def check_layouts(plan: Plan) -> None:
     """The contract's limits (hfplan.layout.unsupported_role: what no executor runs, and the search never
-    offers), then this executor's own: data-parallel layouts (FSDP2 or replicated) only, until tensor and
-    pipeline parallelism are built."""
+    offers), then this executor's own: no pipeline stages (pp = 1) until pipeline parallelism is built."""
     for role, par in plan.parallelism.items():
         problem = unsupported_role(plan.workload, role, par)
         if problem:
@@ -66,9 +65,9 @@ def check_layouts(plan: Plan) -> None:
     for role, par in plan.parallelism.items():
         for kind in ("train", "infer", "gen"):
             layout = getattr(par, kind)
-            if layout is not None and (layout.tp > 1 or layout.pp > 1):
-                raise HfplanError(f"parallelism.{role}.{kind}: tp={layout.tp}, pp={layout.pp}; `hfplan execute` runs "
-                                  "data-parallel layouts only so far (tp = pp = 1)")
+            if layout is not None and layout.pp > 1:
+                raise HfplanError(f"parallelism.{role}.{kind}: pp={layout.pp}; `hfplan execute` runs no pipeline "
+                                  "stages so far (pp = 1)")
 
 
 def check_batch_shapes(plan: Plan) -> None:

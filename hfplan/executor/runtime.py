@@ -1,10 +1,12 @@
 """One role on one worker: its model, its engines, and the calls the dataflow makes on it.
 
-A trained role (actor, critic, cost critic) holds its model in the training layout (FSDP2 on its
-data-parallel mesh) and runs its forward calls there too; an inference-only role (reference, reward,
-cost) holds a plain copy. The generating role also holds a rollout engine: the actor reaches it through
-the hybrid engine (the training layout's weights, gathered for generation), a separate rollout set
-through weights the controller sends it after each actor update.
+A trained role (actor, critic, cost critic) holds its model in the training layout (tensor parallel
+over its tp ranks, FSDP2 over its data-parallel ones) and runs its forward calls there too; an
+inference-only role (reference, reward, cost) holds a copy split over its inference layout's tp
+ranks (a whole one at tp = 1). The generating role also holds a rollout engine, tensor parallel over
+its generation layout's tp group: the actor reaches it through the hybrid engine (the training
+layout's weights, gathered over data-parallel ranks for generation), a separate rollout set through
+weights the controller sends it after each actor update.
 """
 
 from __future__ import annotations
@@ -19,15 +21,16 @@ from hfplan.dataflow.ops import GENERATED
 from hfplan.dataflow.roles import RoleFacts, update_field
 from hfplan.executor.engines.forward import sequence_scores, token_log_probs, token_values
 from hfplan.executor.engines.hybrid import SameLayoutHybridEngine
-from hfplan.executor.engines.training import TrainedModel
-from hfplan.executor.mesh import training_mesh
+from hfplan.executor.engines.tensor_parallel import apply_tensor_parallel
+from hfplan.executor.engines.training import TP_MESH_DIM, TrainedModel
+from hfplan.executor.mesh import parallel_training_mesh, tensor_parallel_mesh
 from hfplan.executor.models import build_model
 from hfplan.executor.rollout.base import SamplingParams
 from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
 from hfplan.executor.tokenizers import build_tokenizer
 from hfplan.executor.worker import Timed
 from hfplan.hyperparams import Hyperparameters
-from hfplan.layout import facts_of, model_role
+from hfplan.layout import facts_of, model_role, rank_coords
 from hfplan.plan import Plan
 
 
@@ -158,16 +161,28 @@ def _build_role(role: str, plan: Plan, hyper: Hyperparameters, seed: int, device
     runtime = RoleRuntime(role, facts, plan, hyper, device, model, tokenizer.pad_token_id, tokenizer.eos_token_id)
     par = plan.parallelism[role]
     if facts.trains:
-        runtime.trained = TrainedModel(model, training_mesh(par.train, device.type), learning_rate(role, hyper),
-                                       hyper, device, torch.bfloat16 if on_gpu else torch.float32,
+        runtime.trained = TrainedModel(model, parallel_training_mesh(par.train, device.type),
+                                       learning_rate(role, hyper), hyper, device,
+                                       torch.bfloat16 if on_gpu else torch.float32,
                                        pad_id=tokenizer.pad_token_id, recompute=par.train.recompute)
     else:
         model.eval()
         if on_gpu:
             model.to(torch.bfloat16)
+        if par.infer is not None and par.infer.tp > 1:
+            apply_tensor_parallel(model, tensor_parallel_mesh(par.infer, device.type), copy_kv_heads=True)
     if role == plan.generation_role:
-        runtime.generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + rank)
-        runtime.engine = TorchRolloutEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
+        gen = par.gen
+        # Every rank of a generation replica (its tp group) samples the same tokens: one generator state each.
+        replica = rank_coords(gen, rank)[1]
+        runtime.generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + replica)
+        group = None
+        if gen.tp > 1:
+            same = runtime.trained is not None and gen.tp == par.train.tp
+            group = (runtime.trained.mesh[TP_MESH_DIM] if same else tensor_parallel_mesh(gen, device.type)).get_group()
+        # The hybrid engine hands the engine its weights at each generation; a rollout set's model holds them.
+        runtime.engine = TorchRolloutEngine(None if runtime.trained is not None else model, tokenizer.pad_token_id,
+                                            tokenizer.eos_token_id, group)
         if runtime.trained is not None:
             runtime.hybrid = SameLayoutHybridEngine(runtime.trained)
     return runtime
