@@ -116,7 +116,7 @@ def test_non_nesting_generation_layout_has_no_groups():
 
 
 # -- what the executor can run ---------------------------------------------------------------------
-GQA12 = ModelArch("gqa12", layers=4, hidden=96, heads=12, kv_heads=4, ffn=128, vocab=100)
+GQA12 = ModelArch("gqa12", layers=4, hidden=96, heads=12, kv_heads=4, ffn=144, vocab=120)
 
 
 @pytest.mark.parametrize(
@@ -127,8 +127,12 @@ GQA12 = ModelArch("gqa12", layers=4, hidden=96, heads=12, kv_heads=4, ffn=128, v
         (GQA12, "infer", Layout(tp=6), None, "replicates KV heads"),
         (CATALOG["llama2-7b"], "infer", Layout(pp=3), None, "32 layers"),
         (CATALOG["llama2-7b"], "gen", Layout(pp=2), None, "pp=2"),
-        (ModelArch("m", layers=4, hidden=96, heads=12, kv_heads=12, ffn=128, vocab=100), "gen", Layout(tp=3),
+        (ModelArch("m", layers=4, hidden=96, heads=12, kv_heads=12, ffn=144, vocab=120), "gen", Layout(tp=3),
          TrainConfig(tp=4), "does not nest"),
+        (ModelArch("m", layers=4, hidden=96, heads=4, kv_heads=4, ffn=130, vocab=120), "infer", Layout(tp=4), None,
+         "MLP width 130"),
+        (ModelArch("m", layers=4, hidden=96, heads=4, kv_heads=4, ffn=144, vocab=258), "train", Layout(tp=4), None,
+         "vocabulary of 258"),
     ],
 )
 def test_unsupported_layouts_say_why(arch, kind, lay, train, needle):

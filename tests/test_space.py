@@ -150,7 +150,7 @@ def _brute_layouts(arch: ModelArch, gpus: int, per_node: int, kind: str) -> set[
     training = kind == "train"
     out = set()
     for tp in range(1, gpus + 1):
-        if not _is_power_of_two(tp) or tp > per_node or arch.heads % tp:
+        if not _is_power_of_two(tp) or tp > per_node or arch.heads % tp or arch.ffn % tp or arch.vocab % tp:
             continue
         if training and arch.kv_heads % tp:
             continue
