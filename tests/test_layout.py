@@ -148,6 +148,19 @@ def test_supported_layouts(kind, lay, train):
     assert unsupported_layout(GQA12, kind, lay, train) is None
 
 
+def test_batches_split_over_data_parallel_ranks():
+    assert layout.unsupported_split("train", 4, 8) is None
+    assert "6 sequences of a mini-batch do not split evenly over dp=4" in layout.unsupported_split("train", 4, 6)
+    assert layout.unsupported_split("gen", 4, 4) is None and layout.unsupported_split("infer", 2, 3) is None
+    assert "dp=4 gen replicas but only 2 prompts" in layout.unsupported_split("gen", 4, 2)
+    w = workload_from_dict({"algorithm": "ppo", "models": {"actor": "tiny", "critic": "tiny", "reference": "tiny",
+                                                          "reward": "rule:vowel-fraction"},
+                           "prompt_len": 16, "response_len": 16, "batch_prompts": 2, "mini_batches": 1}, "test")
+    assert (layout.split_rows(w, "gen"), layout.split_rows(w, "infer"), layout.split_rows(w, "train")) == (2, 2, 2)
+    many = RoleParallelism(train=TrainConfig(dp=4), infer=InferConfig(dp=4), gen=GenConfig(dp=4))
+    assert layout.unsupported_role(w, "actor", many).startswith("actor train layout: the 2 sequences")
+
+
 # -- routing ---------------------------------------------------------------------------------------
 def test_routing_of_a_ppo_workload_with_a_rule_reward():
     w = workload_from_dict({"algorithm": "ppo", "models": {"actor": "tiny", "critic": "tiny", "reference": "tiny",
