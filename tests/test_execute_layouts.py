@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from hfplan.plan import ROLLOUT
 from hfplan.spec import make_cluster
-from tests.execute_support import ray_session, tiny_workload
+from tests.execute_support import ARITH_GRPO, ray_session, tiny_workload
 from tests.helpers_plans import build_plan
 from tests.test_execute import check_metrics, measured_calls, run, traced_calls
 
@@ -39,3 +40,20 @@ def test_ppo_with_tensor_parallel_2_runs_as_one_process(tmp_path):
         assert got["response_len"] == want["response_len"]
         for key in ("reward", "kl", "actor/policy_loss", "critic/value_loss"):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+
+
+def test_rollout_set_at_tensor_parallel_2_generates_what_one_process_generates(tmp_path):
+    """The actor trains at tp 2 (its full weights gathered from the DTensor shards for the sync); a separate
+    rollout set generates at tp 2 from the synced weights, cut to its heads. Same run as one process."""
+    workload = tiny_workload("grpo", ARITH_GRPO)
+    single = build_plan(workload, [(("actor", "reference"), 1)], cluster=make_cluster(1, "cpu"), tp=1, gen_tp=1,
+                        micro_batch=1, infer_micro_batch=4)
+    split = build_plan(workload, [(("actor", "reference"), 2), ((ROLLOUT,), 2)], cluster=make_cluster(4, "cpu"),
+                       tp=2, gen_tp=2, micro_batch=1, infer_micro_batch=4)
+    assert split.parallelism[ROLLOUT].gen.tp == 2 and split.parallelism["actor"].train.tp == 2
+    first, _ = run(single, tmp_path / "single", iterations=2)
+    second, _ = run(split, tmp_path / "split", iterations=2)
+    for got, want in zip(second.iterations, first.iterations, strict=True):
+        assert got["response_len"] == want["response_len"]
+        assert got["reward"] == pytest.approx(want["reward"], abs=1e-6)
+        assert got["actor/policy_loss"] == pytest.approx(want["actor/policy_loss"], rel=1e-4, abs=1e-6)
