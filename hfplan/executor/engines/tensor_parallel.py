@@ -26,16 +26,21 @@ _ROWS = ("self_attn.o_proj", "mlp.down_proj")
 
 
 def _plan(model: nn.Module) -> dict[str, object]:
-    base = model.model
-    if not hasattr(base, "layers") or not hasattr(base, "embed_tokens"):
-        raise ValueError(f"{type(model).__name__}: tensor parallelism needs an HF decoder (model.layers, "
-                         "model.embed_tokens)")
-    plan: dict[str, object] = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate())}
-    for index in range(len(base.layers)):
-        plan |= {f"model.layers.{index}.{name}": ColwiseParallel() for name in _COLUMNS}
-        plan |= {f"model.layers.{index}.{name}": RowwiseParallel() for name in _ROWS}
-    if hasattr(model, "lm_head"):
-        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    """The plan of every module the model has by its HF name (a pipeline stage may lack the embedding,
+    the head or some layers)."""
+    plan: dict[str, object] = {}
+    for name, _ in model.named_modules():
+        if name.endswith(_COLUMNS):
+            plan[name] = ColwiseParallel()
+        elif name.endswith(_ROWS):
+            plan[name] = RowwiseParallel()
+        elif name == "model.embed_tokens":
+            plan[name] = RowwiseParallel(input_layouts=Replicate())
+        elif name == "lm_head":
+            plan[name] = ColwiseParallel(output_layouts=Replicate())
+    if not any(name.endswith(_COLUMNS) for name in plan):
+        raise ValueError(f"{type(model).__name__}: no attention or MLP projections to split (an HF decoder's "
+                         "model.layers.N.self_attn / .mlp)")
     return plan
 
 
@@ -95,7 +100,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, copy_kv_head
                        ("MLP width", config.intermediate_size), ("vocabulary", config.vocab_size)):
         if size % tp:
             raise ValueError(f"tp={tp} does not divide the {size} {what} of the model")
-    tied = bool(getattr(config, "tie_word_embeddings", False)) and hasattr(model, "lm_head")
+    tied = (bool(getattr(config, "tie_word_embeddings", False)) and getattr(model, "lm_head", None) is not None
+            and getattr(model.model, "embed_tokens", None) is not None)
     parallelize_module(model, tp_mesh, _plan(model))
     if tied:  # both split the [V, H] table by rows (Shard(0)): one parameter again
         model.lm_head.weight = model.model.embed_tokens.weight
