@@ -126,7 +126,7 @@ SLOW_CASES = {
     # does not fit on 2 GPUs; fits on 3 (one node and a partial one)
     "ppo-tight-3gpu-partial-node": Case("ppo", {"actor": "mha", "critic": "flatbig", "reference": "flatbig",
                                                 "reward": "flatbig"}, 3, 2, hardware=TIGHT, prompt_len=2048,
-                                        response_len=2048, batch_prompts=8, mini_batches=8, top_k=3),
+                                        response_len=2048, batch_prompts=2, mini_batches=1, top_k=3),
 }
 # Generation runs in waves of as many sequences as the KV cache holds, so the memory left by colocated roles
 # decides its time. This case once caught the search missing the optimum: with uneven waves (150 responses on
