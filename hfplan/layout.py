@@ -11,8 +11,8 @@ planner and the executor alike (pure Python; no torch, no ray).
 - Data movement: how a batch field reaches a call on another set (`transfer_path`).
 - Routing: which role generates, which set (or the controller) runs each call, which model each
   role holds; over (workload, placement), so the search can use it without building a Plan.
-- What the executor can run at all (`unsupported_layout`), consulted by the search space and by the
-  executor's pre-flight alike, so the search never returns a plan the executor refuses.
+- What the executor can run at all (`unsupported_layout`, `unsupported_split`), consulted by the search
+  space and by the executor's pre-flight alike, so the search never returns a plan the executor refuses.
 """
 
 from __future__ import annotations
@@ -190,7 +190,11 @@ def stage_params(arch: ModelArch, pp: int, head: str) -> float:
 def unsupported_layout(arch: ModelArch, kind: str, layout: LayoutLike, train: LayoutLike | None = None
                        ) -> str | None:
     """Why a layout of a model can never be run (None when it can). kind: "train", "infer" or "gen";
-    `train`: the role's training layout, which a generation layout must nest with (hybrid engine)."""
+    `train`: the role's training layout, which a generation layout must nest with (hybrid engine).
+
+    Tensor parallelism splits whole heads, the MLP width and the vocabulary evenly over tp ranks (the
+    executor's DTensor column / row plans). Training splits the KV heads too; inference and generation
+    may instead give each rank a copy of one KV head (tp a multiple of the KV heads)."""
     if kind not in ("train", "infer", "gen"):
         raise ValueError(f"unknown layout kind {kind!r}")
     tp, pp = layout.tp, layout.pp
@@ -201,6 +205,10 @@ def unsupported_layout(arch: ModelArch, kind: str, layout: LayoutLike, train: La
     if kind != "train" and arch.kv_heads % tp and tp % arch.kv_heads:
         return (f"tp={tp} neither divides nor is a multiple of the {arch.kv_heads} KV heads of {arch.name} "
                 "(inference replicates KV heads only a whole number of times)")
+    if arch.ffn % tp:
+        return f"tp={tp} does not divide the MLP width {arch.ffn} of {arch.name}"
+    if arch.vocab % tp:
+        return f"tp={tp} does not divide the vocabulary of {arch.vocab} of {arch.name} (vocabulary-parallel head)"
     if arch.layers % pp:
         return f"pp={pp} does not divide the {arch.layers} layers of {arch.name} into equal stages"
     if kind == "gen" and pp > 1:
@@ -219,13 +227,35 @@ def unsupported_layout(arch: ModelArch, kind: str, layout: LayoutLike, train: La
     return None
 
 
+def split_rows(workload: Workload, kind: str) -> int:
+    """What a layout's data-parallel ranks split: the prompts of an iteration ("gen"), its sequences
+    ("infer"), the sequences of one mini-batch ("train")."""
+    return {"gen": workload.batch_prompts, "infer": workload.sequences,
+            "train": workload.sequences // workload.mini_batches}[kind]
+
+
+def unsupported_split(kind: str, dp: int, rows: int) -> str | None:
+    """Why `rows` (split_rows) cannot be split over dp data-parallel ranks (None when they can).
+    Training needs equal shares: every rank runs the same micro-batches, or the collectives of FSDP
+    would wait forever; inference and generation need at least one row per replica."""
+    if kind == "train" and rows % dp:
+        return f"the {rows} sequences of a mini-batch do not split evenly over dp={dp} data-parallel ranks"
+    if kind != "train" and rows < dp:
+        what = "prompts" if kind == "gen" else "sequences"
+        return f"dp={dp} {kind} replicas but only {rows} {what} per iteration"
+    return None
+
+
 def unsupported_role(workload: Workload, role: str, par) -> str | None:
     """Why a placed role's layouts (par: train / infer / gen, each possibly None) cannot be run, naming
     the layout; None when every one can. The executor's pre-flight over a plan's parallelism."""
     arch = workload.arch(model_role(workload, role))
     for kind in ("train", "infer", "gen"):
         lay = getattr(par, kind)
-        problem = lay is not None and unsupported_layout(arch, kind, lay, par.train if kind == "gen" else None)
+        if lay is None:
+            continue
+        problem = (unsupported_layout(arch, kind, lay, par.train if kind == "gen" else None)
+                   or unsupported_split(kind, lay.dp, split_rows(workload, kind)))
         if problem:
             return f"{role} {kind} layout: {problem}"
     return None

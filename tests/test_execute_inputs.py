@@ -125,19 +125,24 @@ def test_cpu_plan_runs_on_gloo():
     assert preflight.check_hardware(demo_plan()) == ("cpu", "gloo")
 
 
-def test_tensor_parallel_layout_is_refused_until_built():
+def _with_critic(plan, **layouts):
+    par = plan.parallelism["critic"].model_copy(update=layouts)
+    return plan.model_copy(update={"parallelism": plan.parallelism | {"critic": par}})
+
+
+def test_tensor_and_pipeline_layouts_pass_and_their_composition_is_refused_until_built():
     plan = demo_plan()
-    par = plan.parallelism["critic"]
-    bad = par.model_copy(update={"train": TrainConfig(tp=2, dp=1), "infer": InferConfig(tp=2, dp=1)})
-    plan = plan.model_copy(update={"parallelism": plan.parallelism | {"critic": bad}})
-    with pytest.raises(HfplanError, match="parallelism.critic.train: tp=2"):
-        preflight.check_layouts(plan)
+    preflight.check_layouts(_with_critic(plan, train=TrainConfig(tp=2, dp=1), infer=InferConfig(tp=2, dp=1)))
+    preflight.check_layouts(_with_critic(plan, train=TrainConfig(pp=2, dp=1), infer=InferConfig(pp=2, dp=1)))
+    both = _with_critic(plan, train=TrainConfig(tp=2, pp=2, dp=1), infer=InferConfig(tp=2, pp=2, dp=1))
+    with pytest.raises(HfplanError, match="parallelism.critic.train: tp=2, pp=2"):
+        preflight.check_layouts(both)
 
 
 def test_mini_batches_must_split_on_every_rank():
     plan = demo_plan(micro_batch=1, mini_batches=8)
-    with pytest.raises(HfplanError, match="do not split into 8 mini-batches on each of 2"):
-        preflight.check_batch_shapes(plan)
+    with pytest.raises(HfplanError, match="the 1 sequences of a mini-batch do not split evenly over dp=2"):
+        preflight.check_layouts(plan)
 
 
 def test_models_must_share_the_actors_vocabulary():

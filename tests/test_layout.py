@@ -116,7 +116,7 @@ def test_non_nesting_generation_layout_has_no_groups():
 
 
 # -- what the executor can run ---------------------------------------------------------------------
-GQA12 = ModelArch("gqa12", layers=4, hidden=96, heads=12, kv_heads=4, ffn=128, vocab=100)
+GQA12 = ModelArch("gqa12", layers=4, hidden=96, heads=12, kv_heads=4, ffn=144, vocab=120)
 
 
 @pytest.mark.parametrize(
@@ -127,8 +127,12 @@ GQA12 = ModelArch("gqa12", layers=4, hidden=96, heads=12, kv_heads=4, ffn=128, v
         (GQA12, "infer", Layout(tp=6), None, "replicates KV heads"),
         (CATALOG["llama2-7b"], "infer", Layout(pp=3), None, "32 layers"),
         (CATALOG["llama2-7b"], "gen", Layout(pp=2), None, "pp=2"),
-        (ModelArch("m", layers=4, hidden=96, heads=12, kv_heads=12, ffn=128, vocab=100), "gen", Layout(tp=3),
+        (ModelArch("m", layers=4, hidden=96, heads=12, kv_heads=12, ffn=144, vocab=120), "gen", Layout(tp=3),
          TrainConfig(tp=4), "does not nest"),
+        (ModelArch("m", layers=4, hidden=96, heads=4, kv_heads=4, ffn=130, vocab=120), "infer", Layout(tp=4), None,
+         "MLP width 130"),
+        (ModelArch("m", layers=4, hidden=96, heads=4, kv_heads=4, ffn=144, vocab=258), "train", Layout(tp=4), None,
+         "vocabulary of 258"),
     ],
 )
 def test_unsupported_layouts_say_why(arch, kind, lay, train, needle):
@@ -142,6 +146,19 @@ def test_unsupported_layouts_say_why(arch, kind, lay, train, needle):
 )
 def test_supported_layouts(kind, lay, train):
     assert unsupported_layout(GQA12, kind, lay, train) is None
+
+
+def test_batches_split_over_data_parallel_ranks():
+    assert layout.unsupported_split("train", 4, 8) is None
+    assert "6 sequences of a mini-batch do not split evenly over dp=4" in layout.unsupported_split("train", 4, 6)
+    assert layout.unsupported_split("gen", 4, 4) is None and layout.unsupported_split("infer", 2, 3) is None
+    assert "dp=4 gen replicas but only 2 prompts" in layout.unsupported_split("gen", 4, 2)
+    w = workload_from_dict({"algorithm": "ppo", "models": {"actor": "tiny", "critic": "tiny", "reference": "tiny",
+                                                          "reward": "rule:vowel-fraction"},
+                           "prompt_len": 16, "response_len": 16, "batch_prompts": 2, "mini_batches": 1}, "test")
+    assert (layout.split_rows(w, "gen"), layout.split_rows(w, "infer"), layout.split_rows(w, "train")) == (2, 2, 2)
+    many = RoleParallelism(train=TrainConfig(dp=4), infer=InferConfig(dp=4), gen=GenConfig(dp=4))
+    assert layout.unsupported_role(w, "actor", many).startswith("actor train layout: the 2 sequences")
 
 
 # -- routing ---------------------------------------------------------------------------------------

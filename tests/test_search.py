@@ -107,7 +107,7 @@ CASES = {
     "ppo-4gpu-2nodes": Case("ppo", {"actor": "kv1", "critic": "flat", "reference": "flat", "reward": RULE}, 4, 2,
                             top_k=5),
     "ppo-12gpu-partial-node": Case("ppo", {"actor": "kv1", "critic": "flat", "reference": "flat", "reward": RULE},
-                                   12, 8, mini_batches=2, top_k=4),
+                                   12, 8, batch_prompts=4, mini_batches=1, top_k=4),
     "grpo-4gpu": Case("grpo", {"actor": "wide", "reference": "flat", "reward": "flat"}, 4, 4, samples_per_prompt=2),
     "grpo-4gpu-2nodes": Case("grpo", {"actor": "wide", "reference": "flat", "reward": "flat"}, 4, 2,
                              samples_per_prompt=2, prompt_len=1024, response_len=512, top_k=2),
@@ -116,8 +116,8 @@ CASES = {
                                          "cost": RULE, "cost_critic": "flat"}, 2, 2),
     # memory is tight: most candidates do not fit, some only with sharding or tensor parallelism
     "ppo-tight-2gpu": Case("ppo", {"actor": "mha", "critic": "flatbig", "reference": "flatbig", "reward": "flatbig"},
-                           2, 2, hardware=TIGHT, prompt_len=1024, response_len=1024, batch_prompts=8,
-                           mini_batches=8, top_k=2),
+                           2, 2, hardware=TIGHT, prompt_len=1024, response_len=1024, batch_prompts=2,
+                           mini_batches=1, top_k=2),
 }
 SLOW_CASES = {
     "ppo-all-kv1-2gpu": Case("ppo", {"actor": "kv1", "critic": "kv1", "reference": "kv1", "reward": "kv1"}, 2, 2),
@@ -126,7 +126,7 @@ SLOW_CASES = {
     # does not fit on 2 GPUs; fits on 3 (one node and a partial one)
     "ppo-tight-3gpu-partial-node": Case("ppo", {"actor": "mha", "critic": "flatbig", "reference": "flatbig",
                                                 "reward": "flatbig"}, 3, 2, hardware=TIGHT, prompt_len=2048,
-                                        response_len=2048, batch_prompts=8, mini_batches=8, top_k=3),
+                                        response_len=2048, batch_prompts=2, mini_batches=1, top_k=3),
 }
 # Generation runs in waves of as many sequences as the KV cache holds, so the memory left by colocated roles
 # decides its time. This case once caught the search missing the optimum: with uneven waves (150 responses on

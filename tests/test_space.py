@@ -150,7 +150,7 @@ def _brute_layouts(arch: ModelArch, gpus: int, per_node: int, kind: str) -> set[
     training = kind == "train"
     out = set()
     for tp in range(1, gpus + 1):
-        if not _is_power_of_two(tp) or tp > per_node or arch.heads % tp:
+        if not _is_power_of_two(tp) or tp > per_node or arch.heads % tp or arch.ffn % tp or arch.vocab % tp:
             continue
         if training and arch.kv_heads % tp:
             continue
@@ -219,6 +219,8 @@ def test_train_configs(arch, gpus, per_node, per_step, executable):
     assert len(keys) == len(set(keys)), "duplicate training configs"
     expected = set()
     for tp, pp, dp in _brute_layouts(arch, gpus, per_node, "train"):
+        if per_step % dp:  # every data-parallel rank gets an equal share of a mini-batch
+            continue
         for micro in _powers_up_to(math.ceil(per_step / dp)):
             for shard, group in _brute_modes(tp, dp, per_node, executable):
                 for recompute in ("none", "full"):  # modes since plan version 2
@@ -233,7 +235,7 @@ def test_infer_configs_without_training_layout(gpus, sequences):
     configs = space.infer_configs(GQA, gpus, 8, sequences)
     keys = [(c.tp, c.pp, c.dp, c.micro_batch) for c in configs]
     assert len(keys) == len(set(keys))
-    expected = {(tp, pp, dp, micro) for tp, pp, dp in _brute_layouts(GQA, gpus, 8, "infer")
+    expected = {(tp, pp, dp, micro) for tp, pp, dp in _brute_layouts(GQA, gpus, 8, "infer") if dp <= sequences
                 for micro in _powers_up_to(math.ceil(sequences / dp))}
     assert set(keys) == expected
 

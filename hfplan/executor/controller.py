@@ -33,7 +33,7 @@ from hfplan.executor.placement import (
 )
 from hfplan.executor.roles import ActorRole, ExecutionController, Recorder, RuleRole, WorkerGroupRole
 from hfplan.files import write_atomically
-from hfplan.layout import ROLLOUT, facts_of
+from hfplan.layout import ROLLOUT, facts_of, rank_coords
 from hfplan.plan import Plan, Span
 from hfplan.spec import RULE_PREFIX
 
@@ -194,7 +194,12 @@ def _load_checkpoint(sets, start: resume.Checkpoint, plan: Plan, options: Execut
     iteration = start.manifest.iteration
 
     def reseed(worker_set, rank: int) -> tuple[int]:
-        entropy = [options.seed, iteration, worker_set.index, rank]
+        # The ranks of one generation replica (its tp group) must sample the same tokens: one stream each.
+        generator = plan.generation_role
+        stream = rank
+        if generator in plan.placement[worker_set.index].models:
+            stream = rank_coords(plan.parallelism[generator].gen, rank)[1]
+        entropy = [options.seed, iteration, worker_set.index, stream]
         return (int(np.random.SeedSequence(entropy).generate_state(1)[0]),)
 
     call_every_worker(sets, "load_checkpoint", options.call_timeout_s, str(start.folder), own, per_worker=reseed)

@@ -37,7 +37,6 @@ def check(plan: Plan, options: ExecuteOptions) -> Checked:
     hyper = with_overrides(plan.workload.hyperparameters, list(options.overrides))
     device, backend = check_hardware(plan)
     check_layouts(plan)
-    check_batch_shapes(plan)
     check_vocabularies(plan)
     return Checked(device, backend, hyper, *_prompts_and_codecs(plan, options.data))
 
@@ -56,9 +55,9 @@ def check_hardware(plan: Plan) -> tuple[str, str]:
 
 
 def check_layouts(plan: Plan) -> None:
-    """The contract's limits (hfplan.layout.unsupported_role: what no executor runs, and the search never
-    offers; generation with pp > 1 among them), then this executor's own: no tensor parallelism until it
-    is built, and pipeline stages (training and inference) without it."""
+    """The contract's limits (hfplan.layout.unsupported_role: layouts and batch splits no executor runs, and
+    the search never offers; generation with pp > 1 among them), then this executor's own: pipeline stages
+    (training and inference) without tensor parallelism so far."""
     for role, par in plan.parallelism.items():
         problem = unsupported_role(plan.workload, role, par)
         if problem:
@@ -66,29 +65,9 @@ def check_layouts(plan: Plan) -> None:
     for role, par in plan.parallelism.items():
         for kind in ("train", "infer", "gen"):
             layout = getattr(par, kind)
-            if layout is not None and layout.tp > 1:
-                raise HfplanError(f"parallelism.{role}.{kind}: tp={layout.tp}, pp={layout.pp}; `hfplan execute` runs "
-                                  "layouts without tensor parallelism only so far (tp = 1)")
             if layout is not None and layout.pp > 1 and layout.tp > 1:
                 raise HfplanError(f"parallelism.{role}.{kind}: tp={layout.tp}, pp={layout.pp}; pipeline stages with "
                                   "tensor parallelism are not composed yet (pp > 1 needs tp = 1)")
-
-
-def check_batch_shapes(plan: Plan) -> None:
-    workload = plan.workload
-    for role, par in plan.parallelism.items():
-        if par.gen is not None and workload.batch_prompts < par.gen.dp:
-            raise HfplanError(f"parallelism.{role}.gen: {par.gen.dp} generation replicas but only "
-                              f"{workload.batch_prompts} prompts per iteration")
-        if par.infer is not None and workload.sequences < par.infer.dp:
-            raise HfplanError(f"parallelism.{role}.infer: dp={par.infer.dp} is more than the {workload.sequences} "
-                              "sequences per iteration")
-        if par.train is not None:
-            parts = par.train.dp * workload.mini_batches
-            if workload.sequences % parts:
-                raise HfplanError(f"parallelism.{role}.train: {workload.sequences} sequences do not split into "
-                                  f"{workload.mini_batches} mini-batches on each of {par.train.dp} data-parallel "
-                                  "ranks")
 
 
 def check_vocabularies(plan: Plan) -> None:

@@ -1,10 +1,12 @@
 """One role on one worker: its model, its engines, and the calls the dataflow makes on it.
 
-A trained role (actor, critic, cost critic) holds its model in the training layout (FSDP2 on its
-data-parallel mesh) and runs its forward calls there too; an inference-only role (reference, reward,
-cost) holds a plain copy. The generating role also holds a rollout engine: the actor reaches it through
-the hybrid engine (the training layout's weights, gathered for generation), a separate rollout set
-through weights the controller sends it after each actor update.
+A trained role (actor, critic, cost critic) holds its model in the training layout (tensor parallel
+over its tp ranks, FSDP2 over its data-parallel ones) and runs its forward calls there too; an
+inference-only role (reference, reward, cost) holds a copy split over its inference layout's tp
+ranks (a whole one at tp = 1). The generating role also holds a rollout engine, tensor parallel over
+its generation layout's tp group: the actor reaches it through the hybrid engine (the training
+layout's weights, gathered over data-parallel ranks for generation), a separate rollout set through
+weights the controller sends it after each actor update.
 """
 
 from __future__ import annotations
@@ -21,15 +23,16 @@ from hfplan.executor.engines.forward import sequence_scores, token_log_probs, to
 from hfplan.executor.engines.hybrid import SameLayoutHybridEngine
 from hfplan.executor.engines.pipeline import PipelinedModel, pipeline_mesh
 from hfplan.executor.engines.pipeline_hybrid import PipelineHybridEngine
-from hfplan.executor.engines.training import TrainedModel
-from hfplan.executor.mesh import training_mesh
+from hfplan.executor.engines.tensor_parallel import apply_tensor_parallel
+from hfplan.executor.engines.training import TP_MESH_DIM, TrainedModel
+from hfplan.executor.mesh import parallel_training_mesh, tensor_parallel_mesh
 from hfplan.executor.models import build_model
 from hfplan.executor.rollout.base import SamplingParams
 from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
 from hfplan.executor.tokenizers import build_tokenizer
 from hfplan.executor.worker import Timed
 from hfplan.hyperparams import Hyperparameters
-from hfplan.layout import facts_of, model_role
+from hfplan.layout import facts_of, model_role, rank_coords
 from hfplan.plan import Plan
 
 
@@ -145,9 +148,11 @@ class RoleRuntime:
         self.engine.load_weights(self.model)
 
 
-def rollout_generator(device: torch.device, seed: int, rank: int) -> torch.Generator:
-    """The sampling generator of one rank of the generating role (each rank samples its own share)."""
-    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + rank)
+def rollout_generator(device: torch.device, seed: int, gen, rank: int) -> torch.Generator:
+    """The sampling generator of one rank of the generating role: one stream per generation replica, so
+    every rank of a replica (its tp group) samples the same tokens; at tp = 1 one per rank."""
+    replica = rank_coords(gen, rank)[1]
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + replica)
 
 
 def build_runtimes(plan: Plan, hyper: Hyperparameters, set_index: int, seed: int, device_kind: str
@@ -177,16 +182,26 @@ def _build_role(role: str, plan: Plan, hyper: Hyperparameters, seed: int, device
     if staged is not None and staged.pp > 1:
         return _build_pipelined(runtime, par, learning_rate(role, hyper) if facts.trains else None, seed, rank)
     if facts.trains:
-        runtime.trained = TrainedModel(model, training_mesh(par.train, device.type), learning_rate(role, hyper),
-                                       hyper, device, torch.bfloat16 if on_gpu else torch.float32,
+        runtime.trained = TrainedModel(model, parallel_training_mesh(par.train, device.type),
+                                       learning_rate(role, hyper), hyper, device,
+                                       torch.bfloat16 if on_gpu else torch.float32,
                                        pad_id=tokenizer.pad_token_id, recompute=par.train.recompute)
     else:
         model.eval()
         if on_gpu:
             model.to(torch.bfloat16)
+        if par.infer is not None and par.infer.tp > 1:
+            apply_tensor_parallel(model, tensor_parallel_mesh(par.infer, device.type), copy_kv_heads=True)
     if role == plan.generation_role:
-        runtime.generator = rollout_generator(device, seed, rank)
-        runtime.engine = TorchRolloutEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
+        gen = par.gen
+        runtime.generator = rollout_generator(device, seed, gen, rank)
+        group = None
+        if gen.tp > 1:
+            same = runtime.trained is not None and gen.tp == par.train.tp
+            group = (runtime.trained.mesh[TP_MESH_DIM] if same else tensor_parallel_mesh(gen, device.type)).get_group()
+        # The hybrid engine hands the engine its weights at each generation; a rollout set's model holds them.
+        runtime.engine = TorchRolloutEngine(None if runtime.trained is not None else model, tokenizer.pad_token_id,
+                                            tokenizer.eos_token_id, group)
         if runtime.trained is not None:
             runtime.hybrid = SameLayoutHybridEngine(runtime.trained)
     return runtime
@@ -199,7 +214,7 @@ def _build_pipelined(runtime: RoleRuntime, par, lr: float | None, seed: int, ran
     layout = par.train if lr is not None else par.infer
     generates = runtime.role == runtime.plan.generation_role
     if generates:  # built over the whole model before it is split; generation loads the gathered weights
-        runtime.generator = rollout_generator(device, seed, rank)
+        runtime.generator = rollout_generator(device, seed, par.gen, rank)
         runtime.engine = TorchRolloutEngine(model, runtime.pad_id, runtime.eos_id)
         runtime.engine.release_weights()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

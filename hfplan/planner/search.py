@@ -408,8 +408,10 @@ def _no_plan_message(ctx: SearchContext, cluster: Cluster, candidates: list[Cand
 def minimum_gpus(ctx: SearchContext, limit: int = 4096) -> int | None:
     """Fewest GPUs on which some placement fits memory, trying every count up to `limit`; None when some
     role fits on no set of up to `limit` GPUs (or nothing fits up to there)."""
-    largest = space.set_sizes(limit, ctx.gpus_per_node)[-1]
-    if any(ctx.floor(role, largest) is None for role in ctx.gpu_roles):
+    # A larger set does not always fit what a smaller one does (its data-parallel ranks may outnumber the
+    # batch: hfplan.layout.unsupported_split), so a role that fits nowhere is found by trying every size.
+    sizes = space.set_sizes(limit, ctx.gpus_per_node)
+    if any(all(ctx.floor(role, size) is None for size in sizes) for role in ctx.gpu_roles):
         return None
     placements = ctx.rules.placements or space.set_partitions(ctx.workload.model_roles)
     for gpus in range(1, limit + 1):

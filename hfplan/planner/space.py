@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from hfplan.layout import unsupported_layout
+from hfplan.layout import unsupported_layout, unsupported_split
 from hfplan.plan import GenConfig, InferConfig, Layout, Recompute, TrainConfig
 from hfplan.profiles.models import ModelArch
 
@@ -102,6 +102,8 @@ def train_configs(arch: ModelArch, gpus: int, gpus_per_node: int, sequences_per_
     run their plans on their own frameworks."""
     out = []
     for tp, pp, dp in model_layouts(arch, gpus, gpus_per_node, "train"):
+        if unsupported_split("train", dp, sequences_per_step):
+            continue
         per_rank = -(-sequences_per_step // dp)
         layouts = [TrainConfig(tp=tp, pp=pp, dp=dp, shard=shard, shard_group=group)
                    for shard, group in shard_modes(tp, dp, gpus_per_node)]
@@ -120,13 +122,18 @@ def infer_configs(arch: ModelArch, gpus: int, gpus_per_node: int, sequences: int
     layouts = [(train.tp, train.pp, train.dp)] if train is not None else model_layouts(
         arch, gpus, gpus_per_node, "infer")
     return [InferConfig(tp=tp, pp=pp, dp=dp, micro_batch=micro)
-            for tp, pp, dp in layouts for micro in micro_batches(-(-sequences // dp))]
+            for tp, pp, dp in layouts if not unsupported_split("infer", dp, sequences)
+            for micro in micro_batches(-(-sequences // dp))]
 
 
-def gen_configs(arch: ModelArch, gpus: int, gpus_per_node: int, train: TrainConfig | None = None) -> list[GenConfig]:
-    """Generation layouts; for the hybrid engine they must nest with the training layout."""
+def gen_configs(arch: ModelArch, gpus: int, gpus_per_node: int, train: TrainConfig | None = None,
+                prompts: int | None = None) -> list[GenConfig]:
+    """Generation layouts; for the hybrid engine they must nest with the training layout; given the
+    prompts of an iteration, no more replicas than prompts."""
     out = []
     for tp, pp, dp in model_layouts(arch, gpus, gpus_per_node, "gen"):
+        if prompts is not None and unsupported_split("gen", dp, prompts):
+            continue
         gen = GenConfig(tp=tp, pp=pp, dp=dp)
         if train is None or unsupported_layout(arch, "gen", gen, train) is None:
             out.append(gen)

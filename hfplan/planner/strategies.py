@@ -273,7 +273,8 @@ class SearchContext:
         w, g = self.workload, self.gpus_per_node
         nodes = self.own_nodes(role)
         if role == ROLLOUT:
-            pars = [RoleParallelism(gen=gen) for gen in space.gen_configs(w.arch(model_role(w, role)), gpus, g)
+            pars = [RoleParallelism(gen=gen) for gen in space.gen_configs(w.arch(model_role(w, role)), gpus, g,
+                                                                         prompts=w.batch_prompts)
                     if self.rules.gen_ok(None, gen)]
         else:
             pars = [RoleParallelism(infer=infer) for infer in space.infer_configs(w.arch(role), gpus, g, w.sequences)
@@ -341,7 +342,7 @@ class SearchContext:
             gens = [NO_GENERATION]
             if role == self.generator:
                 gens = []
-                for gen in space.gen_configs(arch, gpus, g, layout):
+                for gen in space.gen_configs(arch, gpus, g, layout, prompts=w.batch_prompts):
                     if not self.rules.gen_ok(layout, gen):
                         continue
                     par = RoleParallelism(train=layout, gen=gen)

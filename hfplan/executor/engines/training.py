@@ -1,8 +1,12 @@
-"""A trained role's engine: FSDP2 over a (replicate, shard) mesh, AdamW, the PPO actor and critic updates.
+"""A trained role's engine: FSDP2 over a (replicate, shard) mesh, optionally composed with tensor
+parallelism on a third mesh dimension "tp"; AdamW; the PPO actor and critic updates.
 
 The mesh decides the data-parallel flavour: (1, dp) shards parameters, gradients and optimizer
-states (ZeRO-3), (dp, 1) keeps them replicated and all-reduces gradients (DDP-like). Every rank
-must pass identical initial weights. Each update receives this rank's shard of the global batch;
+states (ZeRO-3), (dp, 1) keeps them replicated and all-reduces gradients (DDP-like). With a "tp"
+dimension of size > 1 the model is first split by `tensor_parallel.apply_tensor_parallel` over it,
+then FSDP2 shards the resulting DTensors over the data-parallel dims (2-D / 3-D parallelism); the
+ranks of one tensor-parallel group receive the same batch share. Every rank must pass identical
+initial weights. Each update receives this rank's shard of the global batch;
 `mini_batches` is the number of optimizer steps per epoch, the same on every rank. The losses are
 token means over a whole mini-batch on all ranks (see `losses`), so FSDP's gradient reduction sums
 instead of averaging and a step equals the single-process step on the full mini-batch.
@@ -23,11 +27,13 @@ from torch.distributed.tensor import DTensor
 
 from hfplan.executor import sequences
 from hfplan.executor.engines import forward, losses
+from hfplan.executor.engines.tensor_parallel import apply_tensor_parallel
 from hfplan.hyperparams import Hyperparameters
 
 logger = logging.getLogger(__name__)
 
 FSDP_MESH_DIMS = ("replicate", "shard")
+TP_MESH_DIM = "tp"
 Batch = dict[str, torch.Tensor]
 # A micro-batch's loss function: (micro-batch, mini-batch token count) -> (loss, stats to sum).
 MicroLoss = Callable[[Batch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -70,8 +76,10 @@ class TrainedModel:
     def __init__(self, model: nn.Module, mesh: DeviceMesh, lr: float, hp: Hyperparameters,
                  device: torch.device | str, param_dtype: torch.dtype, *, pad_id: int,
                  recompute: bool = False) -> None:
-        if mesh.mesh_dim_names != FSDP_MESH_DIMS:
-            raise ValueError(f"training mesh dims must be {FSDP_MESH_DIMS}, got {mesh.mesh_dim_names}")
+        names = tuple(mesh.mesh_dim_names or ())
+        if names not in (FSDP_MESH_DIMS, (*FSDP_MESH_DIMS, TP_MESH_DIM)):
+            raise ValueError(f"training mesh dims must be {FSDP_MESH_DIMS}, optionally followed by "
+                             f"{TP_MESH_DIM!r}; got {names}")
         self.mesh, self.hp, self.pad_id = mesh, hp, pad_id
         self.device = torch.device(device)
         if mesh.device_type != self.device.type:
@@ -85,11 +93,15 @@ class TrainedModel:
                 module.p = 0.0
         if recompute:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.tp = mesh.size(names.index(TP_MESH_DIM)) if TP_MESH_DIM in names else 1
+        if self.tp > 1:
+            apply_tensor_parallel(model, mesh[TP_MESH_DIM])
+        dp_mesh = mesh[FSDP_MESH_DIMS] if TP_MESH_DIM in names else mesh
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         self.layers = decoder_layers(model)
         for layer in self.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+            fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
+        fully_shard(model, mesh=dp_mesh, mp_policy=policy)
         for module in fsdp_modules(model):  # sum the gradients (plain SUM collectives, gloo has no PREMUL_SUM)
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
@@ -97,10 +109,10 @@ class TrainedModel:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=hp.weight_decay)
         self.module.train()
 
-    # Collectives over every data-parallel rank (both mesh dims).
+    # Collectives over every data-parallel rank (both FSDP mesh dims; tensor-parallel peers hold the same batch).
     def _all_reduce(self, tensor: torch.Tensor, op=torch.distributed.ReduceOp.SUM) -> torch.Tensor:
-        for dim, name in enumerate(FSDP_MESH_DIMS):
-            if self.mesh.size(dim) > 1:
+        for name in FSDP_MESH_DIMS:
+            if self.mesh[name].size() > 1:
                 torch.distributed.all_reduce(tensor, op=op, group=self.mesh.get_group(name))
         return tensor
 

@@ -2,10 +2,19 @@
 
 One prefill over the left-padded prompts fills a KV cache preallocated for P + max_new_tokens
 columns; each decode step then runs one token per row through the layers, reading the weights the
-model holds (shared, not copied; sharded DTensor parameters are gathered whole). The model's train or
-eval mode does not matter: the loop has no dropout. The arithmetic follows the HF modules it replaces (RMSNorm in
-fp32, rotary tables from the model's own inverse frequencies, grouped-query attention, SwiGLU), so the
-log-probs it returns match a training-side forward over `sequences.join(...)`.
+model holds (shared, not copied). The model's train or eval mode does not matter: the loop has no
+dropout. The arithmetic follows the HF modules it replaces (RMSNorm in fp32, rotary tables from the
+model's own inverse frequencies, grouped-query attention, SwiGLU), so the log-probs it returns match a
+training-side forward over `sequences.join(...)`.
+
+Tensor parallel generation: given a tensor-parallel process group, a rank keeps its own heads/tp query
+heads and their KV heads (the KV cache holds only those), ffn/tp MLP columns, and a vocabulary slice
+of the embedding and the head (Megatron's column / row splits, as `engines.tensor_parallel` lays
+them out); o and down outputs and embedding lookups are all-reduced, the head's logits all-gathered, so
+every rank of the group samples the same tokens from the same generator state. A tp larger than the
+KV heads gives each rank a copy of the one KV head its query heads read. Weights come from DTensor
+shards of the same group as they are (no gather), from any other DTensor gathered whole then cut, or
+from plain tensors cut.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
@@ -33,17 +43,82 @@ def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return tensor.detach()
 
 
+def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, end) of chunk `index` of `size` rows split as torch.chunk (and DTensor's Shard) splits them."""
+    step = -(-size // parts)
+    return min(index * step, size), min((index + 1) * step, size)
+
+
+@dataclass(frozen=True)
+class _TensorParallel:
+    """This rank's place in a tensor-parallel group (size 1: no group, no collectives)."""
+
+    group: dist.ProcessGroup | None
+    size: int = 1
+    rank: int = 0
+
+    @staticmethod
+    def of(group: dist.ProcessGroup | None) -> _TensorParallel:
+        if group is None or dist.get_world_size(group) == 1:
+            return _TensorParallel(None)
+        return _TensorParallel(group, dist.get_world_size(group), dist.get_rank(group))
+
+    def shard(self, tensor: torch.Tensor | None, dim: int, rows: tuple[int, int] | None = None
+              ) -> torch.Tensor | None:
+        """This rank's chunk of `tensor` along `dim` (or, given `rows`, that [start, end) range of it)."""
+        if tensor is None:
+            return None
+        if self.size == 1 and rows is None:
+            return _full(tensor)
+        if rows is None and self._own_shard(tensor, dim):
+            return tensor.to_local().detach()
+        full = _full(tensor)
+        start, end = rows or chunk_range(full.shape[dim], self.size, self.rank)
+        return full.narrow(dim, start, end - start)
+
+    def _own_shard(self, tensor: torch.Tensor, dim: int) -> bool:
+        from torch.distributed.tensor import DTensor, Shard
+
+        return (isinstance(tensor, DTensor) and tensor.device_mesh.ndim == 1
+                and tuple(tensor.placements) == (Shard(dim),)
+                and dist.get_process_group_ranks(tensor.device_mesh.get_group())
+                == dist.get_process_group_ranks(self.group))
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor, full: int) -> torch.Tensor:
+        """The pieces of every rank along the last dim, joined (chunk_range pieces, padded to one width)."""
+        if self.group is None:
+            return x
+        width = -(-full // self.size)
+        padded = F.pad(x, (0, width - x.shape[-1]))
+        pieces = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(pieces, padded.contiguous(), group=self.group)
+        return torch.cat(pieces, dim=-1)[..., :full]
+
+
 @dataclass(frozen=True)
 class _Linear:
     weight: torch.Tensor
     bias: torch.Tensor | None
+    reduce: _TensorParallel | None = None  # row-parallel: partial outputs summed over the group, then the bias
 
     @staticmethod
-    def of(module: torch.nn.Module) -> _Linear:
-        return _Linear(_full(module.weight), _full(module.bias))
+    def columns(module: torch.nn.Module, tp: _TensorParallel, rows: tuple[int, int] | None = None) -> _Linear:
+        return _Linear(tp.shard(module.weight, 0, rows), tp.shard(module.bias, 0, rows))
+
+    @staticmethod
+    def rows(module: torch.nn.Module, tp: _TensorParallel) -> _Linear:
+        return _Linear(tp.shard(module.weight, 1), _full(module.bias), tp if tp.size > 1 else None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.reduce is None:
+            return F.linear(x, self.weight, self.bias)
+        out = self.reduce.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
 
 
 @dataclass(frozen=True)
@@ -77,45 +152,70 @@ class _Layer:
 
 @dataclass(frozen=True)
 class _Weights:
-    embed: torch.Tensor
+    embed: torch.Tensor  # this rank's vocabulary rows [embed_start, embed_start + rows)
+    embed_start: int
     layers: list[_Layer]
     norm: _Norm
-    lm_head: torch.Tensor
+    lm_head: torch.Tensor  # this rank's vocabulary rows of the head
+    vocab: int
+    tp: _TensorParallel
     inv_freq: torch.Tensor
     rope_scale: float  # the rotary tables' post-scaling (attention_scaling of the HF rotary module)
-    heads: int
-    kv_heads: int
+    heads: int  # query heads on this rank
+    kv_heads: int  # KV heads on this rank (the KV cache's)
     head_dim: int
     scaling: float
     act: torch.nn.Module
     sliding_window: int | None
 
     @staticmethod
-    def of(model: torch.nn.Module) -> _Weights:
+    def of(model: torch.nn.Module, tp: _TensorParallel) -> _Weights:
         config = model.config
         base = model.model
         rotary = base.rotary_emb
         if getattr(rotary, "rope_type", "default") in _DYNAMIC_ROPE:
             raise HfplanError(f"the torch rollout engine does not run rotary type {rotary.rope_type!r}")
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        if heads % tp.size or (kv_heads % tp.size and tp.size % kv_heads):
+            raise ValueError(f"tensor-parallel generation with tp={tp.size}: it must divide the {heads} heads "
+                             f"and divide or be a multiple of the {kv_heads} KV heads")
+        attn = base.layers[0].self_attn
+        kv_rows = None  # tp > KV heads: the rows of the one KV head this rank's query heads read
+        if tp.size > kv_heads:
+            head = tp.rank * kv_heads // tp.size
+            kv_rows = (head * attn.head_dim, (head + 1) * attn.head_dim)
         layers = [
             _Layer(
                 attn_norm=_Norm.of(layer.input_layernorm),
-                q=_Linear.of(layer.self_attn.q_proj), k=_Linear.of(layer.self_attn.k_proj),
-                v=_Linear.of(layer.self_attn.v_proj), o=_Linear.of(layer.self_attn.o_proj),
+                q=_Linear.columns(layer.self_attn.q_proj, tp), k=_Linear.columns(layer.self_attn.k_proj, tp, kv_rows),
+                v=_Linear.columns(layer.self_attn.v_proj, tp, kv_rows), o=_Linear.rows(layer.self_attn.o_proj, tp),
                 mlp_norm=_Norm.of(layer.post_attention_layernorm),
-                gate=_Linear.of(layer.mlp.gate_proj), up=_Linear.of(layer.mlp.up_proj),
-                down=_Linear.of(layer.mlp.down_proj),
+                gate=_Linear.columns(layer.mlp.gate_proj, tp), up=_Linear.columns(layer.mlp.up_proj, tp),
+                down=_Linear.rows(layer.mlp.down_proj, tp),
             )
             for layer in base.layers[: config.num_hidden_layers]
         ]
-        attn = base.layers[0].self_attn
+        vocab = config.vocab_size
         return _Weights(
-            embed=_full(base.embed_tokens.weight), layers=layers, norm=_Norm.of(base.norm),
-            lm_head=_full(model.lm_head.weight), inv_freq=rotary.inv_freq, rope_scale=float(rotary.attention_scaling),
-            heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, head_dim=attn.head_dim,
+            embed=tp.shard(base.embed_tokens.weight, 0), embed_start=chunk_range(vocab, tp.size, tp.rank)[0],
+            layers=layers, norm=_Norm.of(base.norm), lm_head=tp.shard(model.lm_head.weight, 0), vocab=vocab, tp=tp,
+            inv_freq=rotary.inv_freq, rope_scale=float(rotary.attention_scaling),
+            heads=heads // tp.size, kv_heads=max(1, kv_heads // tp.size), head_dim=attn.head_dim,
             scaling=float(attn.scaling), act=ACT2FN[config.hidden_act],
             sliding_window=getattr(config, "sliding_window", None),
         )
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Embeddings of flat token ids; vocabulary-parallel: each rank looks up its rows, the lookups summed."""
+        if self.tp.size == 1:
+            return F.embedding(tokens, self.embed)
+        local = tokens - self.embed_start
+        outside = (local < 0) | (local >= self.embed.shape[0])
+        h = F.embedding(local.masked_fill(outside, 0), self.embed).masked_fill(outside[:, None], 0.0)
+        return self.tp.all_reduce(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_gather_last(F.linear(h, self.lm_head), self.vocab)
 
 
 def top_p_keep(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -145,13 +245,20 @@ def sample_tokens(
 class TorchRolloutEngine:
     """Batched generation with a preallocated KV cache; see the module docstring."""
 
-    def __init__(self, model: torch.nn.Module, pad_id: int, eos_id: int) -> None:
+    def __init__(self, model: torch.nn.Module | None, pad_id: int, eos_id: int,
+                 tp_group: dist.ProcessGroup | None = None) -> None:
+        """`model`: the weights to start with (None: none until `load_weights`). `tp_group`: the
+        tensor-parallel group this rank generates with (None: alone, whole weights); every rank of a group
+        must call `load_weights` and `generate` together, with the same prompts."""
         self.pad_id = pad_id
         self.eos_id = eos_id
-        self.load_weights(model)
+        self._tp = _TensorParallel.of(tp_group)
+        self._w: _Weights | None = None
+        if model is not None:
+            self.load_weights(model)
 
     def load_weights(self, model: torch.nn.Module) -> None:
-        self._w: _Weights | None = _Weights.of(model)
+        self._w = _Weights.of(model, self._tp)
 
     def release_weights(self) -> None:
         """Drop the engine's hold on the weights: frees gathered copies of sharded parameters (ZeRO-3
@@ -237,7 +344,7 @@ class TorchRolloutEngine:
         end = start + length
         half = w.head_dim // 2
         cos, sin = cos[:, None], sin[:, None]
-        h = F.embedding(tokens.reshape(-1), w.embed)  # [B*T, hidden]: 2-D matmuls are the cheapest on CPU
+        h = w.embed_tokens(tokens.reshape(-1))  # [B*T, hidden]: 2-D matmuls are the cheapest on CPU
         for layer, (keys, values) in zip(w.layers, cache, strict=True):
             x = layer.attn_norm(h)
             q = layer.q(x).view(rows, length, w.heads, w.head_dim).transpose(1, 2)
@@ -255,4 +362,4 @@ class TorchRolloutEngine:
             x = layer.mlp_norm(h)
             h = h + layer.down(w.act(layer.gate(x)) * layer.up(x))
         last = h.view(rows, length, -1)[:, -1]
-        return F.linear(w.norm(last), w.lm_head).float()
+        return w.logits(w.norm(last)).float()
