@@ -144,9 +144,9 @@ def test_remax_reference_on_its_own_set_overlaps_the_greedy_generation():
     reference = _span(tl, "reference", "log_prob")
     assert greedy.start == pytest.approx(sampled.end)
     assert sampled.end < reference.start < greedy.end
-    # Phases overlap, so the stage times add up to more than the iteration.
+    # Phases overlap in time; the stages follow the critical path, so they still add up to the iteration.
     stages = tl.stages()
-    assert stages["generation"] + stages["preparation"] + stages["training"] > tl.iteration_s
+    assert sum(stages.values()) == pytest.approx(tl.iteration_s, rel=1e-12)
 
 
 # -- colocated versus standalone ------------------------------------------------------------------------

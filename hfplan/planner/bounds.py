@@ -1,7 +1,7 @@
 """Lower bounds of the iteration time over GPU allocations, for a best-first walk of the allocations.
 
-An allocation is built set by set (a prefix of sizes). Its bound is the schedule rule's longest path
-(hfplan.simulator.schedule) with every call at its floor (the fastest any strategy that fits alone
+An allocation is built set by set (a prefix of sizes), using at most the cluster's GPUs. Its bound is
+the schedule rule's longest path (hfplan.simulator.schedule) with every call at its floor (the fastest any strategy that fits alone
 makes it) and free transfers.
 For a set not yet sized, the floor is taken over every size it could still get, so the bound of a
 prefix is below the bound of every allocation that extends it: a prefix whose bound cannot beat the
@@ -101,8 +101,6 @@ class PlacementBounds:
         for j, size in enumerate(self.sizes):
             if size > left - unsized_after:
                 break
-            if unsized_after == 0 and size != left:
-                continue
             out.append((prefix + (size,), "" if self.feasible[index, j] else self.why[(index, j)]))
         return out
 
@@ -113,7 +111,7 @@ class PlacementBounds:
 
 @cache
 def _count(sizes: tuple[int, ...], sets: int, gpus: int) -> int:
-    """Ways to give `sets` sets sizes from `sizes` summing to `gpus`."""
+    """Ways to give `sets` sets sizes from `sizes` using at most `gpus` GPUs."""
     if sets == 0:
-        return 1 if gpus == 0 else 0
+        return 1
     return sum(_count(sizes, sets - 1, gpus - s) for s in sizes if s <= gpus - (sets - 1))
