@@ -1,8 +1,10 @@
 """Lower bounds of the iteration time over GPU allocations, for a best-first walk of the allocations.
 
 An allocation is built set by set (a prefix of sizes), using at most the cluster's GPUs. Its bound is
-the schedule rule's longest path (hfplan.simulator.schedule) with every call at its floor (the fastest any strategy that fits alone
-makes it) and free transfers.
+the schedule rule's longest path (hfplan.simulator.schedule) with every call at its floor (the fastest
+any strategy that fits alone makes it; a rollout set's weight sync at its cheaper case) and free
+transfers. Idle GPUs change nothing here: the floor of a set not yet sized is over every size it can
+still get, at most what is left.
 For a set not yet sized, the floor is taken over every size it could still get, so the bound of a
 prefix is below the bound of every allocation that extends it: a prefix whose bound cannot beat the
 K-th best plan found so far can be dropped with everything below it.

@@ -415,21 +415,20 @@ def twin_key(workload: Workload, c: Candidate) -> tuple:
                         for roles, gpus in zip(c.placement, c.allocation, strict=True)))
 
 
-# The most whole-node set sizes the search covers. Every role is costed at every size a set can take, and
-# the allocations multiply with them: measured on the development machine (one core), the default workload
-# takes MEASURED_S at LIMIT_NOTE.
-MAX_SET_SIZES = 512
+# The most whole nodes the search covers. Every role is costed at every set size (each whole-node count up
+# to the cluster), and the allocations walked multiply with them; see README "How the search works" for the
+# measurements behind this number.
+MAX_NODES = 512
 
 
 def check_scale(cluster: Cluster) -> None:
-    """Refuse a cluster with more set sizes than the search covers (MAX_SET_SIZES), naming why."""
-    sizes = len(space.set_sizes(cluster.gpus, cluster.gpus_per_node))
-    if sizes > MAX_SET_SIZES + cluster.gpus_per_node.bit_length():
-        most = MAX_SET_SIZES * cluster.gpus_per_node
-        raise HfplanError(f"--gpus {cluster.gpus:,} with {cluster.gpus_per_node} per node is beyond the search: it "
-                          f"costs every role at each of the {sizes:,} set sizes up to the cluster and walks "
-                          f"allocations over them; it covers at most {MAX_SET_SIZES} nodes ({most:,} GPUs here). "
-                          f"Plan for fewer GPUs: a plan may leave GPUs idle")
+    """Refuse a cluster of more whole nodes than the search covers (MAX_NODES), naming why."""
+    nodes = cluster.gpus // cluster.gpus_per_node
+    if nodes > MAX_NODES:
+        raise HfplanError(f"--gpus {cluster.gpus:,} is beyond the search: {nodes:,} nodes of {cluster.gpus_per_node} "
+                          f"GPUs, and it costs every role at each whole-node set size and walks the allocations "
+                          f"over them; it covers at most {MAX_NODES} nodes ({MAX_NODES * cluster.gpus_per_node:,} "
+                          f"GPUs here). Plan for fewer GPUs: a plan may leave GPUs idle")
 
 
 def _unbounded_reason(pb: PlacementBounds, prefix: tuple[int, ...]) -> str:
