@@ -162,4 +162,4 @@ def test_progress_covers_bounding_and_the_walk():
     stages = [stage for stage, _, _ in seen]
     assert "bounding placements" in stages and "searching allocations" in stages
     bounding = [(done, total) for stage, done, total in seen if stage == "bounding placements"]
-    assert bounding[-1][0] == bounding[-1][1] == 52 + 15
+    assert bounding[-1][0] == bounding[-1][1] == 5 + 15  # GRPO: three roles, with and without a rollout set

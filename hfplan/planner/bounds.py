@@ -49,19 +49,13 @@ class PlacementBounds:
         self.best_switch = np.minimum.accumulate(np.where(self.feasible, self.switch, np.inf), axis=1)
 
     def _fill(self, i: int, j: int, roles: tuple[str, ...], size: int) -> None:
-        ctx = self.ctx
-        for role in roles:
-            floor = ctx.floor(role, size)
-            if floor is None:
-                self.feasible[i, j] = False
-                self.why[(i, j)] = f"{role} alone does not fit on {size} GPUs with any parallel layout"
-                return
-            for node, secs in zip(ctx.own_nodes(role), floor.seconds, strict=True):
-                self.rows[i, j, node.id] = secs
-            if role == ctx.generator:
-                for node, secs in zip(ctx.generate_nodes, floor.gen, strict=True):
-                    self.rows[i, j, node.id] = secs
-                self.switch[i, j] = floor.switch
+        row, switch, why = self.ctx.set_bound(roles, size)
+        if why:
+            self.feasible[i, j] = False
+            self.why[(i, j)] = why
+            return
+        self.rows[i, j] = row
+        self.switch[i, j] = switch
 
     def _largest_index(self, limit: int) -> int:
         """Index of the largest allowed size <= limit (-1 if none)."""

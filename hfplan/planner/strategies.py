@@ -209,7 +209,7 @@ class SearchContext:
         self._choices: dict[tuple, RoleChoices] = {}
         self._floors: dict[tuple, Floor | None] = {}
         self._fits: dict[tuple, bool] = {}
-        self._set_floors: dict[tuple, dict[int, float] | RoleChoices | None] = {}  # and joint choices
+        self._set_floors: dict[tuple, object] = {}  # set floors, joint choices and bound rows, by kind
         self._fronts: dict[tuple, np.ndarray] = {}
 
     def _role_key(self, role: str, gpus: int) -> tuple:
@@ -322,7 +322,12 @@ class SearchContext:
             self._parts[key] = self._families(role, gpus)
         return self._parts[key]
 
-    def _families(self, role: str, gpus: int) -> list[Family]:
+    def _layouts(self, role: str, gpus: int) -> list[tuple[float, list[TrainPart], list[InferPart]]]:
+        """(resident bytes, pruned training parts, pruned inference parts) of each (tp, pp, dp, shard) layout
+        of a trained role that fits: the same whichever engine generates, so cached once for both."""
+        key = ("layouts", role, gpus)
+        if key in self._parts:
+            return self._parts[key]
         w, g = self.workload, self.gpus_per_node
         arch = w.arch(role)
         nodes = self.own_nodes(role)
@@ -338,13 +343,13 @@ class SearchContext:
                 continue
             par = RoleParallelism(train=train)
             seconds = tuple(self._seconds(n, role, par, gpus) for n in updates)
-            key = (train.tp, train.pp, train.dp, train.shard)  # resident memory depends on these only
-            grouped.setdefault(key, []).append(TrainPart(train, seconds, transient))
-            residents[key] = resident
-        families = []
-        for key, members in grouped.items():
+            key_ = (train.tp, train.pp, train.dp, train.shard)  # resident memory depends on these only
+            grouped.setdefault(key_, []).append(TrainPart(train, seconds, transient))
+            residents[key_] = resident
+        out = []
+        for key_, members in grouped.items():
             kept = _pareto_parts(members)
-            layout, resident = kept[0].config, residents[key]
+            layout, resident = kept[0].config, residents[key_]
             infers = []
             for infer in space.infer_configs(arch, gpus, g, w.sequences, layout):
                 par = RoleParallelism(train=layout, infer=infer)
@@ -352,9 +357,17 @@ class SearchContext:
                 if resident + transient <= self.usable:
                     infers.append(InferPart(infer, tuple(self._seconds(n, role, par, gpus) for n in forwards),
                                             transient))
-            if not infers:
-                continue
-            infers = _pareto_parts(infers)
+            if infers:
+                out.append((resident, kept, _pareto_parts(infers)))
+        self._parts[key] = out
+        return out
+
+    def _families(self, role: str, gpus: int) -> list[Family]:
+        w, g = self.workload, self.gpus_per_node
+        arch = w.arch(role)
+        families = []
+        for resident, kept, infers in self._layouts(role, gpus):
+            layout = kept[0].config
             gens = [NO_GENERATION]
             if role == self.generator:
                 gens = []
@@ -492,6 +505,26 @@ class SearchContext:
         return result
 
     # -- floors ---------------------------------------------------------------------------------------
+    def set_bound(self, roles: tuple[str, ...], gpus: int) -> tuple[np.ndarray, float, str]:
+        """A set's part of an allocation bound: the floor of every call it runs (0 for the others), the
+        generating role's least switch if it holds it, and why it cannot fit ('' when each role can alone)."""
+        key = ("bound", *self._set_key(roles, gpus))
+        if key not in self._set_floors:
+            row, switch, why = np.zeros(len(self.dag.nodes)), 0.0, ""
+            for role in roles:
+                floor = self.floor(role, gpus)
+                if floor is None:
+                    why = f"{role} alone does not fit on {gpus} GPUs with any parallel layout"
+                    break
+                for node, secs in zip(self.own_nodes(role), floor.seconds, strict=True):
+                    row[node.id] = secs
+                if role == self.generator:
+                    for node, secs in zip(self.generate_nodes, floor.gen, strict=True):
+                        row[node.id] = secs
+                    switch = floor.switch
+            self._set_floors[key] = (row, switch, why)
+        return self._set_floors[key]
+
     def floor(self, role: str, gpus: int) -> Floor | None:
         """Lower bounds of the role's calls on `gpus` GPUs; None when no strategy fits. For trained roles
         it comes from the parts (the minimum of each part), without building every combination."""
