@@ -88,17 +88,35 @@ class PlacementBounds:
             durations[i] += switch
         return self.precedence.makespan(durations)
 
-    def children(self, prefix: tuple[int, ...]) -> list[tuple[tuple[int, ...], str]]:
-        """Sizes the next set can take: (child prefix, '' or why that size is infeasible)."""
+    def children(self, prefix: tuple[int, ...]) -> list[tuple[tuple[int, ...], float, str]]:
+        """Sizes the next set can take: (child prefix, its bound, '' or why that size is infeasible), the
+        bounds of all children in one schedule (bound() of each, at once)."""
         index = len(prefix)
         left = self.gpus - sum(prefix)
         unsized_after = self.k - index - 1
-        out = []
-        for j, size in enumerate(self.sizes):
-            if size > left - unsized_after:
-                break
-            out.append((prefix + (size,), "" if self.feasible[index, j] else self.why[(index, j)]))
-        return out
+        js = [j for j, size in enumerate(self.sizes) if size <= left - unsized_after]
+        if not js:
+            return []
+        base = np.zeros(self.rows.shape[2])
+        switch = 0.0
+        for i, size in enumerate(prefix):
+            j = self.sizes.index(size)
+            base = base + self.rows[i, j]
+            switch += self.switch[i, j]
+        rows = base + self.rows[index, js]
+        switches = switch + self.switch[index, js]
+        if unsized_after:
+            for n, j in enumerate(js):
+                limit = self._largest_index(left - self.sizes[j] - (unsized_after - 1))  # >= 0: size 1 exists
+                for i in range(index + 1, self.k):
+                    rows[n] += self.best_rows[i, limit]
+                    switches[n] += self.best_switch[i, limit]
+        rows[~self.feasible[index, js]] = np.inf
+        if self.switch_ids:
+            rows[:, self.switch_ids] += switches[:, None]
+        bounds = self.precedence.makespan_many(rows)  # an infinite floor anywhere makes its bound infinite
+        return [(prefix + (self.sizes[j],), float(b), "" if self.feasible[index, j] else self.why[(index, j)])
+                for j, b in zip(js, bounds, strict=True)]
 
     def completions(self, prefix: tuple[int, ...]) -> int:
         """How many complete allocations start with `prefix`."""

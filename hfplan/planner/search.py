@@ -359,8 +359,7 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
                 stats.pruned += bounds[i].completions(p)
             break
         if len(prefix) < pb.k:
-            for child, why in pb.children(prefix):
-                child_bound = pb.bound(child) if not why else math.inf
+            for child, child_bound, why in pb.children(prefix):
                 if math.isinf(child_bound):
                     stats.infeasible += pb.completions(child)
                     key = (index, len(prefix), child[-1])
