@@ -525,6 +525,10 @@ class SearchContext:
             self._set_floors[key] = (row, switch, why)
         return self._set_floors[key]
 
+    def has_floor(self, role: str, gpus: int) -> bool:
+        """Whether floor(role, gpus) is cached already."""
+        return self._role_key(role, gpus) in self._floors
+
     def floor(self, role: str, gpus: int) -> Floor | None:
         """Lower bounds of the role's calls on `gpus` GPUs; None when no strategy fits. For trained roles
         it comes from the parts (the minimum of each part), without building every combination."""
