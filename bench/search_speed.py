@@ -90,7 +90,8 @@ def seconds_per_choice(workload: Workload, gpus: int, per_node: int, samples: in
     for _ in range(samples):  # draw the choices first: only their costing and simulation is timed
         placement = rng.choice(every)
         rollout = any(ROLLOUT in group for group in placement)
-        allocation = rng.choice(list(itertools.islice(space.allocations(len(placement), gpus, per_node), 2000)))
+        allocation = rng.choice(list(itertools.islice(space.allocations(len(placement), gpus, per_node, idle=True),
+                                                      2000)))
         sets = list(zip(placement, allocation, strict=True))
         pars = {}
         for roles_of_set, size in sets:

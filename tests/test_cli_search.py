@@ -97,7 +97,7 @@ def test_search_csv_accounts_for_every_allocation_with_status_and_reason(default
     workload = load_workload("ppo-llama2-7b")
     roles = tuple(workload.model_roles)
     for placement in space.set_partitions(roles) + space.set_partitions((*roles, ROLLOUT)):
-        for allocation in space.allocations(len(placement), 16, 8):
+        for allocation in space.allocations(len(placement), 16, 8, idle=True):
             assert any(_covers(r, placement, allocation) for r in rows), (placement, allocation)
     # the plan written is the fastest row
     plan = load_plan(out)

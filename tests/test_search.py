@@ -187,7 +187,7 @@ def exhaustive(workload: Workload, cluster: Cluster) -> dict[tuple, PairResult]:
     out = {}
     for placement in placements_of(workload):
         rollout = any(ROLLOUT in group for group in placement)
-        for allocation in space.allocations(len(placement), cluster.gpus, per_node):
+        for allocation in space.allocations(len(placement), cluster.gpus, per_node, idle=True):
             assert sum(allocation) <= cluster.gpus
             sets = list(zip(placement, allocation, strict=True))
             roles = [role for group, _ in sets for role in group]
@@ -432,7 +432,8 @@ def test_top_plans_sorted_distinct_and_valid(qwen_result):
 def test_stats_cover_every_allocation(qwen_result):
     workload, cluster, result = qwen_result
     placements = placements_of(workload)
-    total = sum(len(list(space.allocations(len(p), cluster.gpus, cluster.gpus_per_node))) for p in placements)
+    total = sum(len(list(space.allocations(len(p), cluster.gpus, cluster.gpus_per_node, idle=True)))
+                for p in placements)
     stats = result.stats
     assert stats.placements == BELL[4] + BELL[5] == 67
     assert stats.allocations == total

@@ -24,8 +24,8 @@ from hfplan.spec import load_workload, make_cluster
 @pytest.mark.parametrize(("gpus", "per_node"), [(8, 8), (12, 8), (9, 8), (16, 4), (7, 4)])
 def test_a_larger_cluster_holds_every_allocation_of_a_smaller_one(gpus, per_node):
     for sets in (1, 2, 3):
-        smaller = set(space.allocations(sets, gpus, per_node))
-        larger = set(space.allocations(sets, gpus + 1, per_node))
+        smaller = set(space.allocations(sets, gpus, per_node, idle=True))
+        larger = set(space.allocations(sets, gpus + 1, per_node, idle=True))
         assert smaller <= larger
         assert all(sum(a) <= gpus for a in smaller)
         assert any(sum(a) < gpus for a in smaller)  # idle GPUs are part of the space

@@ -3,8 +3,8 @@
 An allocation is built set by set (a prefix of sizes), using at most the cluster's GPUs. Its bound is
 the schedule rule's longest path (hfplan.simulator.schedule) with every call at its floor (the fastest
 any strategy that fits alone makes it; a rollout set's weight sync at its cheaper case) and free
-transfers. Idle GPUs change nothing here: the floor of a set not yet sized is over every size it can
-still get, at most what is left.
+transfers. Idle GPUs (Rules.idle_gpus) change nothing here: the floor of a set not yet sized is over
+every size it can still get, at most what is left.
 For a set not yet sized, the floor is taken over every size it could still get, so the bound of a
 prefix is below the bound of every allocation that extends it: a prefix whose bound cannot beat the
 K-th best plan found so far can be dropped with everything below it.
@@ -95,6 +95,8 @@ class PlacementBounds:
         left = self.gpus - sum(prefix)
         unsized_after = self.k - index - 1
         js = [j for j, size in enumerate(self.sizes) if size <= left - unsized_after]
+        if not unsized_after and not self.ctx.rules.idle_gpus:
+            js = [j for j in js if self.sizes[j] == left]  # the last set takes every GPU left
         if not js:
             return []
         base = np.zeros(self.rows.shape[2])
@@ -120,12 +122,12 @@ class PlacementBounds:
 
     def completions(self, prefix: tuple[int, ...]) -> int:
         """How many complete allocations start with `prefix`."""
-        return _count(tuple(self.sizes), self.k - len(prefix), self.gpus - sum(prefix))
+        return _count(tuple(self.sizes), self.k - len(prefix), self.gpus - sum(prefix), self.ctx.rules.idle_gpus)
 
 
 @cache
-def _count(sizes: tuple[int, ...], sets: int, gpus: int) -> int:
-    """Ways to give `sets` sets sizes from `sizes` using at most `gpus` GPUs."""
+def _count(sizes: tuple[int, ...], sets: int, gpus: int, idle: bool) -> int:
+    """Ways to give `sets` sets sizes from `sizes` using all `gpus` GPUs (with `idle`, at most `gpus`)."""
     if sets == 0:
-        return 1
-    return sum(_count(sizes, sets - 1, gpus - s) for s in sizes if s <= gpus - (sets - 1))
+        return 1 if idle or gpus == 0 else 0
+    return sum(_count(sizes, sets - 1, gpus - s, idle) for s in sizes if s <= gpus - (sets - 1))

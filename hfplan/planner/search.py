@@ -308,16 +308,17 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
            jobs: int = 1, rules: Rules | None = None) -> SearchResult:
     """Best plans for `workload` on `cluster`, best first (at most top_k; twins counted once), within
     `rules`; None: hfplan's own space, every placement both with the hybrid engine and with a separate
-    rollout set. Plans use at most the cluster's GPUs. Raises HfplanError when nothing fits, or when the
+    rollout set, using at most the cluster's GPUs. Raises HfplanError when nothing fits, or when the
     cluster is more than the search can cover (check_scale)."""
     started = time.perf_counter()
     check_scale(cluster)
     hw, per_node = cluster.profile, cluster.gpus_per_node
     dag = trace(workload)
-    hybrid = SearchContext(workload, hw, per_node, dag, rules)
+    own = rules is None
+    hybrid = SearchContext(workload, hw, per_node, dag, Rules(idle_gpus=True) if own else rules)
     contexts = [hybrid]
-    if rules is None:
-        contexts.append(SearchContext(workload, hw, per_node, dag, Rules(rollout=True), shared=hybrid))
+    if own:
+        contexts.append(SearchContext(workload, hw, per_node, dag, Rules(rollout=True, idle_gpus=True), shared=hybrid))
     stats = SearchStats()
     entries = [(ctx, placement) for ctx in contexts for placement in ctx.placements]
     stats.placements = len(entries)
@@ -499,7 +500,7 @@ def minimum_gpus(ctx: SearchContext, limit: int = 4096) -> int | None:
     for gpus in range(1, limit + 1):
         for placement in ctx.placements:
             for allocation in space.allocations(len(placement), gpus, ctx.gpus_per_node, ctx.rules.power_of_two_sets):
-                if sum(allocation) == gpus and all(ctx.set_fits(roles, size)
+                if all(ctx.set_fits(roles, size)
                                                    for roles, size in zip(placement, allocation, strict=True)):
                     return gpus
     return None

@@ -102,6 +102,7 @@ class Rules:
     placements: tuple[tuple[tuple[str, ...], ...], ...] | None = None  # None: every set partition
     rollout: bool = False  # a separate generation engine with weight sync, instead of the hybrid engine
     power_of_two_sets: bool = False  # every colocated set gets a power-of-two GPU count
+    idle_gpus: bool = False  # plans may leave GPUs unused (hfplan's own search: more GPUs never give a worse plan)
     train: Callable[[str, TrainConfig], bool] | None = None
     gen: Callable[[TrainConfig | None, GenConfig], bool] | None = None
 
