@@ -4,7 +4,8 @@ For each case it times the search (wall seconds, median of --repeat runs, each c
 cost tables) and counts the space it covers: (placement, allocation) candidates and complete strategy
 choices (every role's raw training, inference and generation configs, multiplied out). The baseline is
 exhaustive enumeration: the time one complete choice takes to cost and simulate (measured here, on a
-sample of real choices) times the number of choices. Prints both and their ratio; asserts nothing about time.
+sample of real choices) times the number of choices. Prints both and their ratio, and each case's budget
+(issue 10) beside its measured time; asserts nothing about time.
 
     python bench/search_speed.py            # the three cases with a budget (issue 10)
     python bench/search_speed.py --quick    # the 64-GPU case only
@@ -120,11 +121,12 @@ def main() -> None:
     for name, gpus, target in CASES[:1] if args.quick else CASES:
         workload = load_workload(name)
         cluster = make_cluster(gpus)
-        walls = []
+        walls, cpus = [], []
         for _ in range(args.repeat):
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             result = search(workload, cluster, top_k=5, jobs=args.jobs)
             walls.append(time.perf_counter() - started)
+            cpus.append(time.process_time() - cpu)
         wall = statistics.median(walls)
         pairs, choices = count_space(workload, gpus, cluster.gpus_per_node)
         per_choice = seconds_per_choice(workload, gpus, cluster.gpus_per_node, args.samples)
@@ -133,6 +135,8 @@ def main() -> None:
         print(f"{name} on {gpus} GPUs: search {wall:.2f} s (median of {args.repeat}: "
               f"{', '.join(f'{w:.2f}' for w in walls)}), budget {target:.0f} s: {verdict} ({wall / target:.2f} of it); "
               f"best {result.best.estimate.iteration_s:.2f} s/iteration")
+        print(f"  CPU seconds of this process (what a shared machine's load does not inflate, --jobs 1): median "
+              f"{statistics.median(cpus):.2f} ({', '.join(f'{c:.2f}' for c in cpus)})")
         print(f"  space: {pairs:,} placement x allocation candidates ({pairs / wall:,.0f} per second), "
               f"{choices:.3e} complete strategy choices ({choices / wall:.3e} per second)")
         print(f"  exhaustive baseline: {per_choice * 1e3:.2f} ms per choice (measured on {args.samples}) x "
