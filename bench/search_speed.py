@@ -4,9 +4,10 @@ For each case it times the search (wall seconds, median of --repeat runs, each c
 cost tables) and counts the space it covers: (placement, allocation) candidates and complete strategy
 choices (every role's raw training, inference and generation configs, multiplied out). The baseline is
 exhaustive enumeration: the time one complete choice takes to cost and simulate (measured here, on a
-sample of real choices) times the number of choices. Prints both and their ratio; asserts nothing about time.
+sample of real choices) times the number of choices. Prints both and their ratio, and each case's budget
+(issue 10) beside its measured time; asserts nothing about time.
 
-    python bench/search_speed.py            # the two cases of the issue
+    python bench/search_speed.py            # the three cases with a budget (issue 10)
     python bench/search_speed.py --quick    # the 64-GPU case only
 """
 
@@ -21,6 +22,7 @@ import time
 
 import numpy as np
 
+from hfplan.layout import ROLLOUT, model_role
 from hfplan.plan import RoleParallelism
 from hfplan.planner import space
 from hfplan.planner.search import search
@@ -29,36 +31,52 @@ from hfplan.simulator.mapping import PlanCosts
 from hfplan.simulator.trace import trace
 from hfplan.spec import TRAINED_ROLES, Workload, load_workload, make_cluster
 
-CASES = [("ppo-llama2-7b", 64, 2.0), ("ppo-llama2-70b", 1024, 30.0)]
+# (workload, GPUs, budget in seconds)
+CASES = [("ppo-llama2-7b", 64, 2.0), ("ppo-llama2-70b", 1024, 30.0), ("safe-rlhf-llama2-7b", 8, 5.0)]
 
 
-def raw_strategies(workload: Workload, role: str, gpus: int, per_node: int) -> list[RoleParallelism]:
+def raw_strategies(workload: Workload, role: str, gpus: int, per_node: int, rollout: bool = False
+                   ) -> list[RoleParallelism]:
+    if role == ROLLOUT:
+        return [RoleParallelism(gen=g) for g in space.gen_configs(workload.arch(model_role(workload, role)), gpus,
+                                                                   per_node)]
     arch = workload.arch(role)
     if role not in TRAINED_ROLES:
         return [RoleParallelism(infer=i) for i in space.infer_configs(arch, gpus, per_node, workload.sequences)]
     out = []
     for train in space.train_configs(arch, gpus, per_node, workload.sequences // workload.mini_batches):
         infers = space.infer_configs(arch, gpus, per_node, workload.sequences, train)
-        gens = space.gen_configs(arch, gpus, per_node, train) if role == "actor" else [None]
+        gens = space.gen_configs(arch, gpus, per_node, train) if role == "actor" and not rollout else [None]
         out.extend(RoleParallelism(train=train, infer=i, gen=g) for i, g in itertools.product(infers, gens))
     return out
 
 
+def placements(workload: Workload) -> list[tuple[tuple[str, ...], ...]]:
+    roles = tuple(workload.model_roles)
+    return space.set_partitions(roles) + space.set_partitions((*roles, ROLLOUT))
+
+
 def count_space(workload: Workload, gpus: int, per_node: int) -> tuple[int, float]:
-    """(placement x allocation candidates, complete strategy choices) of the unpruned space."""
+    """(placement x allocation candidates, complete strategy choices) of the unpruned space, counted by
+    dynamic programming over the GPUs used (allocations using at most `gpus`)."""
     sizes = space.set_sizes(gpus, per_node)
-    counts = {(r, s): len(raw_strategies(workload, r, s, per_node)) for r in workload.model_roles for s in sizes}
+    counts = {(r, s, rollout): len(raw_strategies(workload, r, s, per_node, rollout))
+              for r in (*workload.model_roles, ROLLOUT) for s in sizes for rollout in (False, True)}
     pairs, choices = 0, 0.0
-    for placement in space.set_partitions(workload.model_roles):
-        allocations = np.array(list(space.allocations(len(placement), gpus, per_node)), dtype=np.int64)
-        if allocations.size == 0:
-            continue
-        pairs += len(allocations)
-        per_set = np.ones(len(allocations))
-        for i, roles in enumerate(placement):
-            per_size = {s: math.prod(counts[(r, s)] for r in roles) for s in sizes}
-            per_set *= np.vectorize(per_size.get)(allocations[:, i]).astype(float)
-        choices += float(per_set.sum())
+    for placement in placements(workload):
+        rollout = any(ROLLOUT in group for group in placement)
+        ways = np.zeros(gpus + 1)  # allocations of the sets so far by GPUs used
+        weighted = np.zeros(gpus + 1)  # the same, each weighted by its strategy choices
+        ways[0] = weighted[0] = 1.0
+        for roles in placement:
+            next_ways, next_weighted = np.zeros(gpus + 1), np.zeros(gpus + 1)
+            for s in sizes:
+                per = float(math.prod(counts[(r, s, rollout)] for r in roles))
+                next_ways[s:] += ways[:gpus + 1 - s]
+                next_weighted[s:] += weighted[:gpus + 1 - s] * per
+            ways, weighted = next_ways, next_weighted
+        pairs += int(ways.sum())
+        choices += float(weighted.sum())
     return pairs, choices
 
 
@@ -67,19 +85,22 @@ def seconds_per_choice(workload: Workload, gpus: int, per_node: int, samples: in
     rng = random.Random(seed)
     cluster = make_cluster(gpus, "a100-80g", per_node)
     dag = trace(workload)
-    roles = workload.model_roles
-    strategies: dict[tuple[str, int], list[RoleParallelism]] = {}
+    strategies: dict[tuple[str, int, bool], list[RoleParallelism]] = {}
     chosen = []
+    every = placements(workload)
     for _ in range(samples):  # draw the choices first: only their costing and simulation is timed
-        placement = rng.choice(space.set_partitions(roles))
-        allocation = rng.choice(list(itertools.islice(space.allocations(len(placement), gpus, per_node), 2000)))
+        placement = rng.choice(every)
+        rollout = any(ROLLOUT in group for group in placement)
+        allocation = rng.choice(list(itertools.islice(space.allocations(len(placement), gpus, per_node, idle=True),
+                                                      2000)))
         sets = list(zip(placement, allocation, strict=True))
         pars = {}
         for roles_of_set, size in sets:
             for role in roles_of_set:
-                if (role, size) not in strategies:
-                    strategies[(role, size)] = raw_strategies(workload, role, size, per_node)
-                pars[role] = rng.choice(strategies[(role, size)])
+                key = (role, size, rollout)
+                if key not in strategies:
+                    strategies[key] = raw_strategies(workload, role, size, per_node, rollout)
+                pars[role] = rng.choice(strategies[key])
         chosen.append((sets, pars))
     memo = costs.CostMemo()  # exhaustive enumeration shares its cost tables too
     started = time.perf_counter()
@@ -100,17 +121,22 @@ def main() -> None:
     for name, gpus, target in CASES[:1] if args.quick else CASES:
         workload = load_workload(name)
         cluster = make_cluster(gpus)
-        walls = []
+        walls, cpus = [], []
         for _ in range(args.repeat):
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             result = search(workload, cluster, top_k=5, jobs=args.jobs)
             walls.append(time.perf_counter() - started)
+            cpus.append(time.process_time() - cpu)
         wall = statistics.median(walls)
         pairs, choices = count_space(workload, gpus, cluster.gpus_per_node)
         per_choice = seconds_per_choice(workload, gpus, cluster.gpus_per_node, args.samples)
         exhaustive = per_choice * choices
-        print(f"{name} on {gpus} GPUs: search {wall:.2f} s (median of {args.repeat}; issue target {target:.0f} s, "
-              f"{wall / target:.2f} of it), best {result.best.estimate.iteration_s:.2f} s/iteration")
+        verdict = "within" if wall <= target else "OVER"
+        print(f"{name} on {gpus} GPUs: search {wall:.2f} s (median of {args.repeat}: "
+              f"{', '.join(f'{w:.2f}' for w in walls)}), budget {target:.0f} s: {verdict} ({wall / target:.2f} of it); "
+              f"best {result.best.estimate.iteration_s:.2f} s/iteration")
+        print(f"  CPU seconds of this process (what a shared machine's load does not inflate, --jobs 1): median "
+              f"{statistics.median(cpus):.2f} ({', '.join(f'{c:.2f}' for c in cpus)})")
         print(f"  space: {pairs:,} placement x allocation candidates ({pairs / wall:,.0f} per second), "
               f"{choices:.3e} complete strategy choices ({choices / wall:.3e} per second)")
         print(f"  exhaustive baseline: {per_choice * 1e3:.2f} ms per choice (measured on {args.samples}) x "

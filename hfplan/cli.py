@@ -214,7 +214,7 @@ def search(
                   f"{stats.seconds:.2f} s ({stats.simpy_runs:,} simpy runs): {sum(counts.values()):,} candidates, "
                   f"{counts['evaluated']:,} evaluated, {counts['pruned']:,} pruned by bounds, "
                   f"{counts['infeasible']:,} infeasible (a pruned or infeasible candidate may stand for many "
-                  "allocations)", highlight=False)
+                  f"allocations); {stats.twins:,} twins of a shown plan left out", highlight=False)
     console.print(f"[bold]best:[/] {seconds(result.best.estimate.iteration_s)} s per iteration, "
                   f"{result.best.estimate.tokens_per_s:,.0f} tokens/s; plan written to {escape(str(out))}"
                   + (f"; candidates to {escape(str(csv))}" if csv is not None else ""), highlight=False)
@@ -382,8 +382,10 @@ def _plan_columns(table: Table, first: str, width: int = 0) -> None:
 def _placement_lines(plan) -> str:
     """One line per colocated set, with its peak memory: roles spaced so that a narrow table wraps between them."""
     peaks = plan.estimate.peak_memory_gib
-    return "\n".join(f"{' + '.join(g.models)} ({g.gpus:,} GPUs, {peak:.1f} GiB)"
-                     for g, peak in zip(plan.placement, peaks, strict=True))
+    lines = [f"{' + '.join(g.models)} ({g.gpus:,} GPUs, {peak:.1f} GiB)"
+             for g, peak in zip(plan.placement, peaks, strict=True)]
+    idle = plan.estimate.idle_gpus
+    return "\n".join(lines + ([f"idle ({idle:,} GPU{'s' if idle > 1 else ''})"] if idle else []))
 
 
 def _plan_cells(plan) -> tuple[str, str, str, str]:

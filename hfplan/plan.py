@@ -184,7 +184,12 @@ class Span(_Strict):
 class Estimate(_Strict):
     iteration_s: float
     tokens_per_s: float
-    stages: dict[str, float] = Field(description="wall seconds from the first to the last call of each phase")
+    stages: dict[str, float] = Field(description="seconds of each phase along the critical path (each call's "
+                                                 "phase covers it, its layout switch and the transfer it waited "
+                                                 "for last): they add up to iteration_s")
+    busy_s: list[float] = Field(default_factory=list, description="seconds each placement set computes (calls "
+                                                                  "and layout switches), in set order")
+    idle_gpus: int = Field(default=0, ge=0, description="GPUs of the cluster that no placement set uses")
     peak_memory_gib: list[float] = Field(description="peak memory per GPU of each placement set")
     timeline: list[Span] = Field(default_factory=list)
 

@@ -17,7 +17,7 @@ from support import invoke as _invoke
 
 from hfplan import cli
 from hfplan.cli import PARALLELISM_LEGEND
-from hfplan.plan import load_plan
+from hfplan.plan import ROLLOUT, load_plan
 from hfplan.planner import space
 from hfplan.planner.baselines import compare
 from hfplan.planner.report import describe_role
@@ -71,7 +71,7 @@ def test_search_writes_a_valid_plan_with_estimate_and_timeline(default_run):
     assert plan.workload == load_workload("ppo-llama2-7b")
     assert plan.cluster.gpus == 16 and plan.cluster.hardware == "a100-80g"
     assert plan.estimate is not None and plan.estimate.timeline
-    assert sum(s.gpus for s in plan.placement) == 16
+    assert sum(s.gpus for s in plan.placement) + plan.estimate.idle_gpus == 16
     simulated = simulate_plan(plan).estimate
     assert plan.estimate.iteration_s == pytest.approx(simulated.iteration_s, rel=1e-12)
     assert plan.estimate.timeline == simulated.timeline
@@ -95,8 +95,9 @@ def test_search_csv_accounts_for_every_allocation_with_status_and_reason(default
     assert len(evaluated) == len(set(evaluated))
     # every (placement, allocation) of the space is accounted for by some row
     workload = load_workload("ppo-llama2-7b")
-    for placement in space.set_partitions(workload.model_roles):
-        for allocation in space.allocations(len(placement), 16, 8):
+    roles = tuple(workload.model_roles)
+    for placement in space.set_partitions(roles) + space.set_partitions((*roles, ROLLOUT)):
+        for allocation in space.allocations(len(placement), 16, 8, idle=True):
             assert any(_covers(r, placement, allocation) for r in rows), (placement, allocation)
     # the plan written is the fastest row
     plan = load_plan(out)
@@ -126,8 +127,10 @@ def table_rows(lines: list[str], first: str = r"\d+") -> list[list[list[str]]]:
 
 
 def placement_lines(plan) -> list[str]:
+    idle = plan.estimate.idle_gpus
     return [f"{' + '.join(s.models)} ({s.gpus} GPUs, {peak:.1f} GiB)"
-            for s, peak in zip(plan.placement, plan.estimate.peak_memory_gib, strict=True)]
+            for s, peak in zip(plan.placement, plan.estimate.peak_memory_gib, strict=True)] + (
+        [f"idle ({idle} GPU{'s' if idle > 1 else ''})"] if idle else [])
 
 
 def test_search_prints_the_top_table_and_the_comparison(default_run):
@@ -160,7 +163,7 @@ def test_search_prints_the_top_table_and_the_comparison(default_run):
         assert row[2] == [f"{item.iteration_s:.2f}"]
         assert row[4] == [f"{item.iteration_s / plan.estimate.iteration_s:.2f}x"]
         assert f"{item.baseline.name}: {item.baseline.description}" in " ".join(text.split())
-    assert "searched 15 placements" in text
+    assert "searched 67 placements" in text  # PPO's 15 with the hybrid engine, 52 with a rollout set
     assert PARALLELISM_LEGEND in " ".join(text.split())
 
 
@@ -183,7 +186,7 @@ def test_partial_node_twelve_gpus(tmp_path, wide_console):
     assert result.exit_code == 0, (result.output, result.exception)
     plan = load_plan(out)
     assert plan.cluster.gpus == 12 and plan.cluster.gpus_per_node == 8
-    assert sum(s.gpus for s in plan.placement) == 12
+    assert sum(s.gpus for s in plan.placement) + plan.estimate.idle_gpus == 12
     assert all(s.gpus in space.set_sizes(12, 8) for s in plan.placement)
 
 
@@ -269,3 +272,40 @@ def test_real_script_reports_one_line_without_traceback(tmp_path):
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ")
     assert not out.exists()
+
+
+def test_idle_gpus_are_shown_in_the_table(tmp_path, wide_console):
+    """65 GPUs: the best plan is the 64-GPU one, with one GPU idle, said in its placement cell and the plan."""
+    out = tmp_path / "best.json"
+    result = _invoke("search", "--gpus", 65, "--out", out, "--no-compare", "--top", 2, "--jobs", 1)
+    assert result.exit_code == 0, (result.output, result.exception)
+    plan = load_plan(out)
+    assert plan.estimate.idle_gpus == 65 - sum(s.gpus for s in plan.placement) > 0
+    rows = table_rows(result.stdout.splitlines())
+    assert rows[0][1] == placement_lines(plan)
+    assert rows[0][1][-1].startswith("idle (")
+
+
+def test_a_cluster_beyond_the_search_is_refused_with_the_reason(tmp_path):
+    out = tmp_path / "best.json"
+    result = _invoke("search", "--gpus", 1_000_000, "--out", out, "--jobs", 1)
+    _assert_user_error(result, "1,000,000", "beyond the search", "nodes")
+    assert not out.exists()
+
+
+def test_a_long_search_shows_its_progress(monkeypatch):
+    """The CLI's bar appears once a search has run past its delay (here at once), fed by the library's
+    progress callback: a bar per stage, the walk ending complete."""
+    from hfplan.planner.search import search
+
+    monkeypatch.setattr(cli._progress, "DELAY_S", 0.0)
+    shown = cli._progress()
+    progress = shown.__enter__()
+    try:
+        search(load_workload("ppo-qwen2.5-0.5b"), make_cluster(8), top_k=1, progress=progress)
+        assert shown._live
+        assert {"bounding placements", "searching allocations"} <= set(shown._tasks)
+        walk = shown._bar.tasks[shown._tasks["searching allocations"]]
+        assert walk.completed == walk.total > 0
+    finally:
+        shown.__exit__(None, None, None)

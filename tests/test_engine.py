@@ -144,9 +144,9 @@ def test_remax_reference_on_its_own_set_overlaps_the_greedy_generation():
     reference = _span(tl, "reference", "log_prob")
     assert greedy.start == pytest.approx(sampled.end)
     assert sampled.end < reference.start < greedy.end
-    # Phases overlap, so the stage times add up to more than the iteration.
+    # Phases overlap in time; the stages follow the critical path, so they still add up to the iteration.
     stages = tl.stages()
-    assert stages["generation"] + stages["preparation"] + stages["training"] > tl.iteration_s
+    assert sum(stages.values()) == pytest.approx(tl.iteration_s, rel=1e-12)
 
 
 # -- colocated versus standalone ------------------------------------------------------------------------
@@ -216,12 +216,13 @@ def test_resharding_transition_before_generate_by_hand():
     # Training shard per GPU: 1/(tp 4) of the model, split again over dp 4 by FSDP = 1/16; generation
     # shard = 1/2. Ranks are pp-major, then dp, then tp: the pieces of a GPU's half sit on its tp
     # neighbour (stride 1) and on its 4 FSDP peers (stride 4) = 8 GPUs, 4 on each of the 2 nodes.
-    # Two-level all-gather of the half model's bf16 bytes: inside the node 3 steps of 2 us + 3/4 of
-    # the bytes at 300 GB/s x 0.77; across the 2 nodes 1 step of 6 us + 1/2 of the GPU's quarter of
-    # the bytes at its share (1/8) of the node's 25 GB/s x 0.9.
+    # Two-level all-gather of the half model's bf16 bytes, its phases pipelined (every latency, the
+    # slower bandwidth term): inside the node 3 steps of 2 us and 3/4 of the bytes at 300 GB/s x 0.77;
+    # across the 2 nodes 1 step of 6 us and 1/2 of the GPU's quarter of the bytes at its share (1/8)
+    # of the node's 25 GB/s x 0.9.
     nbytes = 2 * LLAMA2_7B_LM_PARAMS / 2
     assert CATALOG["llama2-7b"].params("lm") == LLAMA2_7B_LM_PARAMS
-    expected = (3 * 2e-6 + 3 / 4 * nbytes / (300e9 * 0.77)) + (6e-6 + 1 / 2 * (nbytes / 4) / (25e9 * 0.9 / 8))
+    expected = 3 * 2e-6 + 6e-6 + max(3 / 4 * nbytes / (300e9 * 0.77), 1 / 2 * (nbytes / 4) / (25e9 * 0.9 / 8))
     assert switch.end - switch.start == pytest.approx(expected, rel=1e-9)
     assert len([s for s in tl.spans if s.kind == "transition"]) == 1
 
@@ -238,10 +239,10 @@ def test_fsdp_training_pays_a_gather_even_with_the_same_tp():
     plan = _actor_plan(TrainConfig(tp=4, dp=4, micro_batch=2, shard=True), GenConfig(tp=4, dp=4))
     switch = _span(simulate_plan(plan).timeline, "actor", "reshard", kind="transition")
     # The 1/4 generation shard is gathered from its dp = 4 FSDP peers, tp = 4 ranks apart: ranks 0, 4 on
-    # node 0 and 8, 12 on node 1. Inside the node: 1 step of 2 us + 1/2 of the bytes at 300 GB/s x
-    # 0.77; across 2 nodes: 1 step of 6 us + 1/2 of the GPU's half at 1/8 of 25 GB/s x 0.9.
+    # node 0 and 8, 12 on node 1. Inside the node: 1 step of 2 us and 1/2 of the bytes at 300 GB/s x
+    # 0.77; across 2 nodes: 1 step of 6 us and 1/2 of the GPU's half at 1/8 of 25 GB/s x 0.9; pipelined.
     nbytes = 2 * LLAMA2_7B_LM_PARAMS / 4
-    expected = (2e-6 + 1 / 2 * nbytes / (300e9 * 0.77)) + (6e-6 + 1 / 2 * (nbytes / 2) / (25e9 * 0.9 / 8))
+    expected = 2e-6 + 6e-6 + max(1 / 2 * nbytes / (300e9 * 0.77), 1 / 2 * (nbytes / 2) / (25e9 * 0.9 / 8))
     assert switch.end - switch.start == pytest.approx(expected, rel=1e-9)
 
 

@@ -21,16 +21,16 @@ from support import deadline as _deadline
 
 from hfplan.dataflow.registry import get_algorithm
 from hfplan.errors import HfplanError
-from hfplan.plan import Plan, RoleParallelism, plan_from_dict
+from hfplan.plan import ROLLOUT, Plan, RoleParallelism, plan_from_dict
 from hfplan.planner import space
-from hfplan.planner.search import search
+from hfplan.planner.search import Candidate, search, twin_key
 from hfplan.simulator import engine
 from hfplan.simulator.mapping import PlanCosts
 from hfplan.simulator.trace import trace
 from hfplan.spec import ALGORITHM_ROLES, TRAINED_ROLES, Cluster, Workload, make_cluster, workload_from_dict
 
 RULE = "rule:vowel-fraction"
-BELL = {1: 1, 2: 2, 3: 5, 4: 15, 5: 52, 6: 203}
+BELL = {1: 1, 2: 2, 3: 5, 4: 15, 5: 52, 6: 203, 7: 877}
 
 # Small decoder-only models written as HF config.json files. Few layers and heads keep the strategy
 # product small enough for an exhaustive search; hidden sizes are large enough that the choices matter.
@@ -138,20 +138,27 @@ KV_WAVES = {
                                 prompt_len=8192, response_len=2048, batch_prompts=150, mini_batches=150, top_k=1),
 }
 CASES |= KV_WAVES
+# With the rollout placements and idle GPUs the reference of these takes a minute or more each on 2 cores.
+for _name in ("ppo-12gpu-partial-node", "grpo-4gpu", "grpo-4gpu-2nodes", "safe-rlhf-2gpu"):
+    SLOW_CASES[_name] = CASES.pop(_name)
 ALL_CASES = {**CASES, **SLOW_CASES}
 CASE_PARAMS = [pytest.param(name, id=name) for name in CASES] + [
     pytest.param(name, id=name, marks=pytest.mark.slow) for name in SLOW_CASES]
 
 
 # -- the exhaustive reference ---------------------------------------------------------------------
-def raw_strategies(workload: Workload, role: str, gpus: int, per_node: int) -> list[RoleParallelism]:
-    """Every parallel strategy of one role on `gpus` GPUs, unpruned."""
+def raw_strategies(workload: Workload, role: str, gpus: int, per_node: int, rollout: bool = False
+                   ) -> list[RoleParallelism]:
+    """Every parallel strategy of one role on `gpus` GPUs, unpruned; `rollout`: a separate rollout set
+    generates (ROLLOUT's strategies are generation layouts; the actor then has none)."""
+    if role == ROLLOUT:
+        return [RoleParallelism(gen=gen) for gen in space.gen_configs(workload.arch("actor"), gpus, per_node)]
     arch = workload.arch(role)
     if role not in TRAINED_ROLES:
         return [RoleParallelism(infer=infer) for infer in space.infer_configs(arch, gpus, per_node, workload.sequences)]
     out = []
     for train in space.train_configs(arch, gpus, per_node, workload.sequences // workload.mini_batches):
-        gens = space.gen_configs(arch, gpus, per_node, train) if role == "actor" else [None]
+        gens = space.gen_configs(arch, gpus, per_node, train) if role == "actor" and not rollout else [None]
         for infer in space.infer_configs(arch, gpus, per_node, workload.sequences, train):
             assert (infer.tp, infer.pp, infer.dp) == (train.tp, train.pp, train.dp)
             out.extend(RoleParallelism(train=train, infer=infer, gen=gen) for gen in gens)
@@ -166,15 +173,26 @@ class PairResult:
     infeasible: int
 
 
+def placements_of(workload: Workload) -> list[tuple[tuple[str, ...], ...]]:
+    """hfplan's placements: every set partition of the model roles (hybrid engine), and of the model roles
+    with a rollout set."""
+    roles = tuple(workload.model_roles)
+    return space.set_partitions(roles) + space.set_partitions((*roles, ROLLOUT))
+
+
 def exhaustive(workload: Workload, cluster: Cluster) -> dict[tuple, PairResult]:
-    """The best iteration time of every (placement, allocation), by brute force."""
+    """The best iteration time of every (placement, allocation) using at most the cluster's GPUs, by brute
+    force."""
     per_node, hw, dag = cluster.gpus_per_node, cluster.profile, trace(workload)
     out = {}
-    for placement in space.set_partitions(workload.model_roles):
-        for allocation in space.allocations(len(placement), cluster.gpus, per_node):
+    for placement in placements_of(workload):
+        rollout = any(ROLLOUT in group for group in placement)
+        for allocation in space.allocations(len(placement), cluster.gpus, per_node, idle=True):
+            assert sum(allocation) <= cluster.gpus
             sets = list(zip(placement, allocation, strict=True))
             roles = [role for group, _ in sets for role in group]
-            options = [raw_strategies(workload, role, gpus, per_node) for group, gpus in sets for role in group]
+            options = [raw_strategies(workload, role, gpus, per_node, rollout) for group, gpus in sets
+                       for role in group]
             result = PairResult(math.inf, None, 0, 0)
             for combo in itertools.product(*options):
                 pars = dict(zip(roles, combo, strict=True))
@@ -251,12 +269,16 @@ def test_cases_are_nontrivial(lab):
         assert len(reference) >= 1
         assert any(r.feasible for r in reference.values()), name
         evaluated = sum(r.feasible + r.infeasible for r in reference.values())
-        assert evaluated <= 20000, (name, evaluated)  # stays tractable
+        assert evaluated <= 40000, (name, evaluated)  # stays tractable
+    with_rollout = [name for name in CASES if any(r.feasible and any(ROLLOUT in group for group in placement)
+                                                  for (placement, _), r in lab.reference(name).items())]
+    assert len(with_rollout) >= 3, with_rollout  # rollout sets that fit, so the cases check them too
     tight = lab.reference("ppo-tight-2gpu")
     assert sum(r.infeasible for r in tight.values()) > sum(r.feasible for r in tight.values()) > 0
     assert any(r.best_s == math.inf for r in tight.values())  # whole pairs that cannot fit
     allocations = {allocation for _, allocation in lab.reference("ppo-4gpu-2nodes")}
     assert (4,) in allocations and (2, 2) in allocations and (1, 1, 2) in allocations  # two nodes, and within one
+    assert (1,) in allocations and (2, 1) in allocations  # GPUs left idle
 
 
 # -- the key comparison ---------------------------------------------------------------------------
@@ -269,12 +291,27 @@ def test_search_best_equals_exhaustive(lab, name):
     assert best.estimate.iteration_s == pytest.approx(expected, rel=1e-9), _describe_best(reference)
 
 
+def _distinct_best(workload: Workload, reference: dict[tuple, PairResult], k: int) -> list[float]:
+    """The k best pair times, twins (the same pair up to swapping roles of one model, the same time) once."""
+    seen: dict[tuple, list[float]] = {}
+    out = []
+    for (placement, allocation), r in sorted(reference.items(), key=lambda item: item[1].best_s):
+        if r.best_s == math.inf or len(out) == k:
+            break
+        key = twin_key(workload, Candidate(placement, allocation, "evaluated"))
+        if any(math.isclose(t, r.best_s, rel_tol=1e-9) for t in seen.get(key, ())):
+            continue
+        seen.setdefault(key, []).append(r.best_s)
+        out.append(r.best_s)
+    return out
+
+
 @pytest.mark.parametrize("name", CASE_PARAMS)
 def test_top_k_equals_the_k_best_pairs(lab, name):
-    """The top-K plans are the K best (placement, allocation) pairs, each at its own optimum."""
+    """The top-K plans are the K best (placement, allocation) pairs, each at its own optimum, twins once."""
     reference = lab.reference(name)
     result = lab.search(name)
-    expected = sorted(r.best_s for r in reference.values() if r.best_s < math.inf)[:ALL_CASES[name].top_k]
+    expected = _distinct_best(lab.workload(ALL_CASES[name]), reference, ALL_CASES[name].top_k)
     got = [plan.estimate.iteration_s for plan in result.top]
     assert got == pytest.approx(expected, rel=1e-9)
     for plan in result.top:
@@ -324,7 +361,8 @@ def test_stats_count_every_allocation_once(lab, name):
     reference = lab.reference(name)
     result = lab.search(name)
     stats = result.stats
-    assert stats.placements == BELL[len(lab.workload(ALL_CASES[name]).model_roles)]
+    roles = len(lab.workload(ALL_CASES[name]).model_roles)
+    assert stats.placements == BELL[roles] + BELL[roles + 1]  # hybrid engine, and a rollout set
     assert stats.allocations == len(reference)
     assert stats.evaluated == sum(c.status == "evaluated" for c in result.candidates)
     assert stats.evaluated + stats.pruned + stats.infeasible == stats.allocations
@@ -382,8 +420,8 @@ def test_top_plans_sorted_distinct_and_valid(qwen_result):
         again = plan_from_dict(json.loads(plan.to_json()), "round trip")  # validates
         assert again == plan
         assert plan.workload == workload and plan.cluster == cluster
-        assert sum(s.gpus for s in plan.placement) == cluster.gpus
-        assert sorted(r for s in plan.placement for r in s.models) == sorted(workload.model_roles)
+        assert sum(s.gpus for s in plan.placement) + plan.estimate.idle_gpus == cluster.gpus
+        assert set(workload.model_roles) <= {r for s in plan.placement for r in s.models}
         simulated = engine.simulate_plan(plan).estimate
         assert plan.estimate.iteration_s == pytest.approx(simulated.iteration_s, rel=1e-12)
         assert plan.estimate.timeline == simulated.timeline
@@ -393,10 +431,11 @@ def test_top_plans_sorted_distinct_and_valid(qwen_result):
 
 def test_stats_cover_every_allocation(qwen_result):
     workload, cluster, result = qwen_result
-    placements = space.set_partitions(workload.model_roles)
-    total = sum(len(list(space.allocations(len(p), cluster.gpus, cluster.gpus_per_node))) for p in placements)
+    placements = placements_of(workload)
+    total = sum(len(list(space.allocations(len(p), cluster.gpus, cluster.gpus_per_node, idle=True)))
+                for p in placements)
     stats = result.stats
-    assert stats.placements == BELL[len(workload.model_roles)] == 15
+    assert stats.placements == BELL[4] + BELL[5] == 67
     assert stats.allocations == total
     assert stats.evaluated == sum(c.status == "evaluated" for c in result.candidates)
     assert stats.evaluated + stats.pruned + stats.infeasible == stats.allocations
@@ -478,7 +517,7 @@ def test_partial_node_cluster_twelve_gpus_eight_per_node():
     result = search(workload, cluster, top_k=3)
     sizes = set(space.set_sizes(12, 8))
     for plan in result.top:
-        assert sum(s.gpus for s in plan.placement) == 12
+        assert sum(s.gpus for s in plan.placement) <= 12
         assert all(s.gpus in sizes for s in plan.placement)
         assert plan.estimate.iteration_s == pytest.approx(engine.simulate_plan(plan).estimate.iteration_s)
 

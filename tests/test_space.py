@@ -78,11 +78,13 @@ def _allowed_size(size: int, gpus: int, per_node: int) -> bool:
     return (size < per_node and _is_power_of_two(size)) or size % per_node == 0
 
 
-def _brute_allocations(sets: int, gpus: int, per_node: int, powers_only: bool = False) -> set[tuple[int, ...]]:
+def _brute_allocations(sets: int, gpus: int, per_node: int, powers_only: bool = False, idle: bool = False
+                       ) -> set[tuple[int, ...]]:
     sizes = [s for s in range(1, gpus + 1) if _allowed_size(s, gpus, per_node)]
     if powers_only:
         sizes = [s for s in sizes if _is_power_of_two(s)]
-    return {combo for combo in itertools.product(sizes, repeat=sets) if sum(combo) == gpus}
+    return {combo for combo in itertools.product(sizes, repeat=sets)
+            if sum(combo) == gpus or idle and sum(combo) < gpus}
 
 
 @pytest.mark.parametrize(("gpus", "per_node"), [(1, 1), (1, 8), (2, 2), (3, 2), (4, 4), (6, 4), (8, 8), (12, 8),
@@ -95,12 +97,13 @@ def test_set_sizes_are_sub_node_powers_of_two_or_whole_nodes(gpus, per_node):
 @pytest.mark.parametrize(("gpus", "per_node"), [(1, 1), (2, 2), (3, 2), (4, 2), (4, 4), (6, 4), (8, 8), (12, 8),
                                                  (16, 8), (20, 8), (24, 8), (32, 8), (7, 4)])
 @pytest.mark.parametrize("sets", [1, 2, 3, 4])
-def test_allocations_match_brute_force(sets, gpus, per_node):
-    got = list(space.allocations(sets, gpus, per_node))
+@pytest.mark.parametrize("idle", [False, True])
+def test_allocations_match_brute_force(sets, gpus, per_node, idle):
+    got = list(space.allocations(sets, gpus, per_node, idle=idle))
     assert len(got) == len(set(got)), "duplicate allocations"
-    assert set(got) == _brute_allocations(sets, gpus, per_node)
+    assert set(got) == _brute_allocations(sets, gpus, per_node, idle=idle)
     for allocation in got:
-        assert sum(allocation) == gpus
+        assert sum(allocation) == gpus or idle and sum(allocation) < gpus  # with idle, the rest unused
         assert len(allocation) == sets
 
 
@@ -116,6 +119,7 @@ def test_allocations_powers_only_drop_three_node_sets():
     assert (24,) in space.allocations(1, 24, 8)
     assert list(space.allocations(1, 24, 8, powers_only=True)) == []
     assert set(space.allocations(2, 24, 8, powers_only=True)) == {(8, 16), (16, 8)}
+    assert (16,) in space.allocations(1, 24, 8, powers_only=True, idle=True)  # 8 GPUs idle
 
 
 def test_partial_node_remainder():

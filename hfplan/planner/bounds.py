@@ -1,8 +1,10 @@
 """Lower bounds of the iteration time over GPU allocations, for a best-first walk of the allocations.
 
-An allocation is built set by set (a prefix of sizes). Its bound is the schedule rule's longest path
-(hfplan.simulator.schedule) with every call at its floor (the fastest any strategy that fits alone
-makes it) and free transfers.
+An allocation is built set by set (a prefix of sizes), using at most the cluster's GPUs. Its bound is
+the schedule rule's longest path (hfplan.simulator.schedule) with every call at its floor (the fastest
+any strategy that fits alone makes it; a rollout set's weight sync at its cheaper case) and free
+transfers. Idle GPUs (Rules.idle_gpus) change nothing here: the floor of a set not yet sized is over
+every size it can still get, at most what is left.
 For a set not yet sized, the floor is taken over every size it could still get, so the bound of a
 prefix is below the bound of every allocation that extends it: a prefix whose bound cannot beat the
 K-th best plan found so far can be dropped with everything below it.
@@ -47,19 +49,13 @@ class PlacementBounds:
         self.best_switch = np.minimum.accumulate(np.where(self.feasible, self.switch, np.inf), axis=1)
 
     def _fill(self, i: int, j: int, roles: tuple[str, ...], size: int) -> None:
-        ctx = self.ctx
-        for role in roles:
-            floor = ctx.floor(role, size)
-            if floor is None:
-                self.feasible[i, j] = False
-                self.why[(i, j)] = f"{role} alone does not fit on {size} GPUs with any parallel layout"
-                return
-            for node, secs in zip(ctx.own_nodes(role), floor.seconds, strict=True):
-                self.rows[i, j, node.id] = secs
-            if role == ctx.generator:
-                for node, secs in zip(ctx.generate_nodes, floor.gen, strict=True):
-                    self.rows[i, j, node.id] = secs
-                self.switch[i, j] = floor.switch
+        row, switch, why = self.ctx.set_bound(roles, size)
+        if why:
+            self.feasible[i, j] = False
+            self.why[(i, j)] = why
+            return
+        self.rows[i, j] = row
+        self.switch[i, j] = switch
 
     def _largest_index(self, limit: int) -> int:
         """Index of the largest allowed size <= limit (-1 if none)."""
@@ -92,28 +88,46 @@ class PlacementBounds:
             durations[i] += switch
         return self.precedence.makespan(durations)
 
-    def children(self, prefix: tuple[int, ...]) -> list[tuple[tuple[int, ...], str]]:
-        """Sizes the next set can take: (child prefix, '' or why that size is infeasible)."""
+    def children(self, prefix: tuple[int, ...]) -> list[tuple[tuple[int, ...], float, str]]:
+        """Sizes the next set can take: (child prefix, its bound, '' or why that size is infeasible), the
+        bounds of all children in one schedule (bound() of each, at once)."""
         index = len(prefix)
         left = self.gpus - sum(prefix)
         unsized_after = self.k - index - 1
-        out = []
-        for j, size in enumerate(self.sizes):
-            if size > left - unsized_after:
-                break
-            if unsized_after == 0 and size != left:
-                continue
-            out.append((prefix + (size,), "" if self.feasible[index, j] else self.why[(index, j)]))
-        return out
+        js = [j for j, size in enumerate(self.sizes) if size <= left - unsized_after]
+        if not unsized_after and not self.ctx.rules.idle_gpus:
+            js = [j for j in js if self.sizes[j] == left]  # the last set takes every GPU left
+        if not js:
+            return []
+        base = np.zeros(self.rows.shape[2])
+        switch = 0.0
+        for i, size in enumerate(prefix):
+            j = self.sizes.index(size)
+            base = base + self.rows[i, j]
+            switch += self.switch[i, j]
+        rows = base + self.rows[index, js]
+        switches = switch + self.switch[index, js]
+        if unsized_after:
+            for n, j in enumerate(js):
+                limit = self._largest_index(left - self.sizes[j] - (unsized_after - 1))  # >= 0: size 1 exists
+                for i in range(index + 1, self.k):
+                    rows[n] += self.best_rows[i, limit]
+                    switches[n] += self.best_switch[i, limit]
+        rows[~self.feasible[index, js]] = np.inf
+        if self.switch_ids:
+            rows[:, self.switch_ids] += switches[:, None]
+        bounds = self.precedence.makespan_many(rows)  # an infinite floor anywhere makes its bound infinite
+        return [(prefix + (self.sizes[j],), float(b), "" if self.feasible[index, j] else self.why[(index, j)])
+                for j, b in zip(js, bounds, strict=True)]
 
     def completions(self, prefix: tuple[int, ...]) -> int:
         """How many complete allocations start with `prefix`."""
-        return _count(tuple(self.sizes), self.k - len(prefix), self.gpus - sum(prefix))
+        return _count(tuple(self.sizes), self.k - len(prefix), self.gpus - sum(prefix), self.ctx.rules.idle_gpus)
 
 
 @cache
-def _count(sizes: tuple[int, ...], sets: int, gpus: int) -> int:
-    """Ways to give `sets` sets sizes from `sizes` summing to `gpus`."""
+def _count(sizes: tuple[int, ...], sets: int, gpus: int, idle: bool) -> int:
+    """Ways to give `sets` sets sizes from `sizes` using all `gpus` GPUs (with `idle`, at most `gpus`)."""
     if sets == 0:
-        return 1 if gpus == 0 else 0
-    return sum(_count(sizes, sets - 1, gpus - s) for s in sizes if s <= gpus - (sets - 1))
+        return 1 if idle or gpus == 0 else 0
+    return sum(_count(sizes, sets - 1, gpus - s, idle) for s in sizes if s <= gpus - (sets - 1))

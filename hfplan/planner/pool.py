@@ -33,7 +33,10 @@ def warm_floors(ctx: SearchContext, gpus: int, jobs: int,
     sizes = space.set_sizes(gpus, ctx.gpus_per_node)
     if ctx.rules.power_of_two_sets:
         sizes = [s for s in sizes if s & (s - 1) == 0]
-    keys = [(role, size) for role in ctx.gpu_roles for size in sorted(sizes, reverse=True)]
+    keys = [(role, size) for role in ctx.gpu_roles for size in sorted(sizes, reverse=True)
+            if not ctx.has_floor(role, size)]  # a context sharing another's caches costs only what is new
+    if not keys:
+        return
     if "fork" not in multiprocessing.get_all_start_methods():
         return  # costed lazily in this process instead
     with multiprocessing.get_context("fork").Pool(jobs, initializer=_start_worker, initargs=(ctx,)) as pool:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from hfplan.errors import HfplanError
-from hfplan.layout import ROLLOUT, generating_role, set_index
+from hfplan.layout import ROLLOUT, facts_of, generating_role, model_role, set_index
 from hfplan.plan import PlacementSet, Plan, RoleParallelism
 from hfplan.planner import space
 from hfplan.planner.bounds import PlacementBounds
@@ -57,6 +57,7 @@ class SearchStats:
     evaluated: int = 0
     pruned: int = 0
     infeasible: int = 0
+    twins: int = 0  # evaluated pairs left out of the top as twins of a kept plan
     strategy_choices: int = 0  # complete strategy choices reached by the branch and bound
     simpy_runs: int = 0
     seconds: float = 0.0
@@ -104,47 +105,66 @@ class _Pair:
 
 
 class _PairSearch:
-    """Branch and bound over the strategies of every role of one (placement, allocation)."""
+    """Branch and bound over the strategies of every role of one (placement, allocation).
 
-    def __init__(self, pair: _Pair, threshold: float, stats: SearchStats, exact: Callable[[dict], float] | None):
-        """exact: the simpy iteration time of a complete choice; None to stop at the first choice that fits."""
+    It descends unit by unit: the generating role first, then each role that shares its GPUs (they decide
+    its KV-cache room), then every other set as one unit of joint choices (ctx.joint_choices; its roles
+    one by one when those are too many)."""
+
+    def __init__(self, pair: _Pair, threshold: float, stats: SearchStats, exact: Callable[[dict], float]):
+        """exact: the simpy iteration time of a complete choice."""
         self.pair, self.threshold, self.stats, self.exact = pair, threshold, stats, exact
         ctx = pair.ctx
         self.ctx = ctx
         self.usable = ctx.hw.memory.usable_bytes
-        # The generating role first, then the roles that share its GPUs (they decide its KV-cache room).
         gen_set = pair.set_of_role.get(ctx.generator, -1)
-        self.roles = sorted(pair.set_of_role, key=lambda r: (r != ctx.generator, pair.set_of_role[r] != gen_set,
-                                                             not ctx.trains(r), r))
         self.gen_set = gen_set
-        self._gen_cache: dict[tuple, list[float]] = {}
-        self.gpus = {r: pair.allocation[pair.set_of_role[r]] for r in self.roles}
-        self.own_ids = {r: [n.id for n in ctx.own_nodes(r)] for r in self.roles}
+        self.gpus = {r: pair.allocation[pair.set_of_role[r]] for r in pair.set_of_role}
         self.gen_ids = [n.id for n in ctx.generate_nodes]
-        self.arrays = {r: ctx.choices(r, self.gpus[r]) for r in self.roles}
-        if ROLLOUT in self.arrays:
-            self.arrays[ROLLOUT] = self._with_weight_sync(self.arrays[ROLLOUT])
-        self.options = {r: a.options for r, a in self.arrays.items()}
+        roles = sorted(pair.set_of_role, key=lambda r: (r != ctx.generator, pair.set_of_role[r] != gen_set,
+                                                        not ctx.trains(r), r))
+        role_arrays = {r: ctx.choices(r, self.gpus[r]) for r in roles}
+        if ROLLOUT in role_arrays:
+            role_arrays[ROLLOUT] = self._with_weight_sync(role_arrays[ROLLOUT])
+        self.options = {r: a.options for r, a in role_arrays.items()}
+        # units: (name, roles, set index, own call ids, choices) in descent order
+        self.units: list[tuple[str, tuple[str, ...], int, list[int], RoleChoices]] = []
+        joined: set[int] = set()
+        for r in roles:
+            index = pair.set_of_role[r]
+            group = pair.placement[index]
+            # Joint options are pruned on seconds alone, so a rule set whose roles must agree (Rules.agree) chooses
+            # role by role.
+            alone = index == gen_set or len(group) == 1 or ctx.rules.agree is not None
+            joint = None if alone else ctx.joint_choices(group, self.gpus[r])
+            if joint is None:
+                self.units.append((r, (r,), index, [n.id for n in ctx.own_nodes(r)], role_arrays[r]))
+            elif index not in joined:
+                joined.add(index)
+                ids = [n.id for member in group for n in ctx.own_nodes(member)]
+                self.units.append(("+".join(group), group, index, ids, joint))
+        # For each unit, the least memory the units of its set after it in the descent can take together
+        self.rest_front = []
+        for depth, (_, _, index, _, _) in enumerate(self.units):
+            later = tuple(r for _, members, i, _, _ in self.units[depth + 1:] if i == index for r in members)
+            self.rest_front.append(ctx.memory_front(later, pair.allocation[index]))
+        self._gen_cache: dict[tuple, list[float]] = {}
         self.floor = [0.0] * len(ctx.dag.nodes)  # fastest any option can make each call
         self.min_switch = 0.0
-        self.min_resident: dict[str, float] = {}
-        for r in self.roles:
+        for r in roles:
             floor = ctx.floor(r, self.gpus[r])
             if floor is None:
                 continue
-            for node_id, secs in zip(self.own_ids[r], floor.seconds, strict=True):
-                self.floor[node_id] = secs
+            for node, secs in zip(ctx.own_nodes(r), floor.seconds, strict=True):
+                self.floor[node.id] = secs
             if r == ctx.generator:
                 for node_id, secs in zip(self.gen_ids, floor.gen, strict=True):
                     self.floor[node_id] = secs
                 self.min_switch = floor.switch
-            self.min_resident[r] = floor.resident
-        for roles, gpus in zip(pair.placement, pair.allocation, strict=True):
-            if len(roles) > 1:
-                for node_id, secs in (ctx.set_floor(roles, gpus) or {}).items():
+        for group, gpus in zip(pair.placement, pair.allocation, strict=True):
+            if len(group) > 1:
+                for node_id, secs in (ctx.set_floor(group, gpus) or {}).items():
                     self.floor[node_id] = max(self.floor[node_id], secs)
-        self.min_transient = {r: float(a.transient.min()) if len(a.options) else math.inf
-                              for r, a in self.arrays.items()}
         self.best_time = math.inf
         self.best_choice: dict[str, RoleOption] | None = None
         self.unfit: tuple[tuple[str, ...], int] | None = None  # a set no strategy choice fits
@@ -178,47 +198,53 @@ class _PairSearch:
                 return
         self._descend(0, {}, list(self.floor), self.min_switch)
 
-    def _set_state(self, chosen: dict[str, RoleOption], index: int) -> tuple[float, float, bool]:
-        """(held resident bytes, largest transient, complete?) of one set, the unchosen roles counted at
-        their least memory."""
-        held, transient, complete = 0.0, 0.0, True
-        for r in self.pair.placement[index]:
-            if r in chosen:
-                held += chosen[r].memory.resident
-                transient = max(transient, chosen[r].memory.transient)
-            else:
-                held += self.min_resident[r]
-                transient = max(transient, self.min_transient[r])
-                complete = False
-        return held, transient, complete
+    def _set_state(self, chosen: dict[str, RoleOption], index: int) -> tuple[float, float]:
+        """(held resident bytes, largest transient) of the chosen units of one set."""
+        held, transient = 0.0, 0.0
+        for name, _, i, _, _ in self.units:
+            if i == index and name in chosen:
+                held += chosen[name].memory.resident
+                transient = max(transient, chosen[name].memory.transient)
+        return held, transient
 
     def _descend(self, depth: int, chosen: dict[str, RoleOption], seconds: list[float], switch: float) -> None:
-        """Try every option of the next role, most promising first, while its bound (the schedule with
-        the unchosen calls at their fastest) can still beat the best choice found."""
-        if depth == len(self.roles):
+        """Try every option of the next unit, most promising first, while its bound (the schedule with
+        the unchosen calls at their fastest) can still beat the best choice found. An option is tried
+        only if the units of its set still to choose can fit beside it (rest_front)."""
+        if depth == len(self.units):
             self._leaf(chosen, seconds, switch)
             return
-        role = self.roles[depth]
-        arrays = self.arrays[role]
-        held, transient, _ = self._set_state(chosen, self.pair.set_of_role[role])
-        held = held - self.min_resident[role] + arrays.resident
-        transient = np.maximum(transient, arrays.transient)
-        fits = held + transient <= self.usable
+        name, _, index, own_ids, arrays = self.units[depth]
+        front = self.rest_front[depth]
+        if not len(front):
+            return  # the units after it in its set fit together with no choice
+        held, transient = self._set_state(chosen, index)
+        mine = held + arrays.resident
+        room = self.usable - mine[:, None] - front[None, :, 0]
+        ok = room >= np.maximum(np.maximum(transient, arrays.transient)[:, None], front[None, :, 1])
+        gen = self.ctx.generator
+        if index == self.gen_set:
+            need = arrays.gen_need if name == gen else chosen[gen].memory.gen_extra + chosen[gen].memory.kv_per_sequence
+            ok &= room >= np.reshape(need, (-1, 1))
+        fits = ok.any(axis=1)
         if self.ctx.rules.agree is not None:
-            fits &= self._agreeing(role, chosen, arrays)
+            fits &= self._agreeing(name, chosen, arrays)
         rows = np.tile(np.asarray(seconds, dtype=float), (len(arrays.options), 1))
-        if self.own_ids[role]:
-            rows[:, self.own_ids[role]] = arrays.seconds
-        is_gen = role == self.ctx.generator
-        if self.pair.set_of_role[role] == self.gen_set:
-            self._bound_generation(role, chosen, arrays, held, fits, rows)
-        switches = arrays.switch if is_gen else np.full(len(arrays.options), switch)
+        if own_ids:
+            rows[:, own_ids] = arrays.seconds
+        if index == self.gen_set:
+            self._bound_generation(name, chosen, arrays, mine + float(front[:, 0].min()), fits, rows)
+        switches = arrays.switch if name == gen else np.full(len(arrays.options), switch)
         bounds = self.pair.makespan_many(rows, switches)
-        for k in np.argsort(np.where(fits, bounds, np.inf), kind="stable"):
-            if not fits[k] or bounds[k] >= min(self.best_time, self.threshold):
+        order = [int(k) for k in np.argsort(np.where(fits, bounds, np.inf), kind="stable")
+                 if fits[k] and bounds[k] < min(self.best_time, self.threshold)]
+        if depth == len(self.units) - 2 and self.units[-1][2] != self.gen_set:
+            self._last_two(depth, chosen, order, rows, switches)
+            return
+        for k in order:
+            if bounds[k] >= min(self.best_time, self.threshold):
                 break
-            option = arrays.options[k]
-            self._descend(depth + 1, {**chosen, role: option}, rows[k].tolist(), float(switches[k]))
+            self._descend(depth + 1, {**chosen, name: arrays.options[k]}, rows[k].tolist(), float(switches[k]))
 
     def _agreeing(self, role: str, chosen: dict[str, RoleOption], arrays: RoleChoices) -> np.ndarray:
         """Which options of `role` agree with the facets of the roles chosen so far (Rules.agree)."""
@@ -226,13 +252,42 @@ class _PairSearch:
         values = {name: value for r, o in chosen.items() for name, value in rules.facets(r, o.par)}
         return np.array([agrees(rules.facets(role, o.par), values) for o in arrays.options], dtype=bool)
 
-    def _bound_generation(self, role: str, chosen: dict[str, RoleOption], arrays: RoleChoices, held: np.ndarray,
+    def _last_two(self, depth: int, chosen: dict[str, RoleOption], order: list[int], rows: np.ndarray,
+                  switches: np.ndarray, batch_rows: int = 20_000) -> None:
+        """The last two units at once: every option of the last (outside the generating set, so it leaves
+        generation alone) beside each option `order` keeps of the one before, in one schedule over all
+        pairs; then leaves in the same order the descent would take them."""
+        name, _, _, _, arrays = self.units[depth]
+        last_name, _, last_index, last_ids, last = self.units[-1]
+        n = len(last.options)
+        per_batch = max(1, batch_rows // max(1, n))
+        for start in range(0, len(order), per_batch):
+            ks = order[start:start + per_batch]
+            grid = np.repeat(rows[ks], n, axis=0)
+            if last_ids:
+                grid[:, last_ids] = np.tile(last.seconds, (len(ks), 1))
+            spans = self.pair.makespan_many(grid, np.repeat(switches[ks], n)).reshape(len(ks), n)
+            for row, k in enumerate(ks):
+                if float(spans[row].min()) >= min(self.best_time, self.threshold):
+                    continue
+                picked = {**chosen, name: arrays.options[k]}
+                held, transient = self._set_state(picked, last_index)
+                fits = held + last.resident + np.maximum(transient, last.transient) <= self.usable
+                if self.ctx.rules.agree is not None:
+                    fits &= self._agreeing(last_name, picked, last)
+                for m in np.argsort(np.where(fits, spans[row], np.inf), kind="stable"):
+                    if not fits[m] or spans[row, m] >= min(self.best_time, self.threshold):
+                        break
+                    self._leaf({**picked, last_name: last.options[m]}, grid[row * n + m].tolist(),
+                               float(switches[k]))
+
+    def _bound_generation(self, name: str, chosen: dict[str, RoleOption], arrays: RoleChoices, held: np.ndarray,
                           fits: np.ndarray, rows: np.ndarray) -> None:
-        """Generation calls at the KV-cache room left by the roles of its set chosen so far (the others
-        at their least memory): more room never slows generation, so this stays a lower bound."""
+        """Generation calls at the KV-cache room left by the units of its set chosen so far (the others
+        at their least memory, `held`): more room never slows generation, so this stays a lower bound."""
         gen = self.ctx.generator
         for k in np.flatnonzero(fits):
-            option = arrays.options[k] if role == gen else chosen[gen]
+            option = arrays.options[k] if name == gen else chosen[gen]
             need = option.memory
             budget = self.usable - float(held[k]) - need.gen_extra
             if budget < need.kv_per_sequence:
@@ -244,59 +299,65 @@ class _PairSearch:
         self.stats.strategy_choices += 1
         seconds = list(seconds)
         gen = self.ctx.generator
-        if gen in chosen:
-            index = self.pair.set_of_role[gen]
-            held, transient, _ = self._set_state(chosen, index)
-            need = chosen[gen].memory
-            kv_budget = self.usable - held - need.gen_extra
-            if kv_budget < need.kv_per_sequence:
-                return
-            for node_id, secs in zip(self.gen_ids, self._gen_seconds(chosen[gen], kv_budget), strict=True):
-                seconds[node_id] = secs
-        if self.exact is None:  # only asked whether anything fits
-            self.best_time, self.best_choice = -math.inf, dict(chosen)
+        held, _ = self._set_state(chosen, self.gen_set)
+        need = chosen[gen].memory
+        kv_budget = self.usable - held - need.gen_extra
+        if kv_budget < need.kv_per_sequence:
             return
+        for node_id, secs in zip(self.gen_ids, self._gen_seconds(chosen[gen], kv_budget), strict=True):
+            seconds[node_id] = secs
         fast = self.pair.makespan(seconds, switch)
         if fast >= min(self.best_time, self.threshold):
             return
-        pars = {r: o.par for r, o in chosen.items()}
-        measured = self.exact(pars)
+        picked = {r: o for unit in chosen.values() for r, o in unit.parts.items()}
+        measured = self.exact({r: o.par for r, o in picked.items()})
         self.stats.simpy_runs += 1
         if not math.isclose(measured, fast, rel_tol=1e-9, abs_tol=1e-12):
             raise AssertionError(f"search bound {fast} disagrees with the simpy engine {measured}")
-        self.best_time, self.best_choice = measured, dict(chosen)
+        self.best_time, self.best_choice = measured, picked
 
 
 def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progress | None = None,
            jobs: int = 1, rules: Rules | None = None) -> SearchResult:
-    """Best plans for `workload` on `cluster`, best first (at most top_k), within `rules` (none by
-    default). Raises HfplanError when nothing fits."""
+    """Best plans for `workload` on `cluster`, best first (at most top_k; twins counted once), within
+    `rules`; None: hfplan's own space, every placement both with the hybrid engine and with a separate
+    rollout set, using at most the cluster's GPUs. Raises HfplanError when nothing fits, or when the
+    cluster is more than the search can cover (check_scale)."""
     started = time.perf_counter()
+    check_scale(cluster)
     hw, per_node = cluster.profile, cluster.gpus_per_node
     dag = trace(workload)
-    ctx = SearchContext(workload, hw, per_node, dag, rules)
+    own = rules is None
+    hybrid = SearchContext(workload, hw, per_node, dag, Rules(idle_gpus=True) if own else rules)
+    contexts = [hybrid]
+    if own:
+        contexts.append(SearchContext(workload, hw, per_node, dag, Rules(rollout=True, idle_gpus=True), shared=hybrid))
     stats = SearchStats()
-    placements = list(ctx.rules.placements or space.set_partitions(workload.model_roles))
-    stats.placements = len(placements)
+    entries = [(ctx, placement) for ctx in contexts for placement in ctx.placements]
+    stats.placements = len(entries)
     if jobs > 1:
         from hfplan.planner.pool import warm_floors
 
-        warm_floors(ctx, cluster.gpus, jobs, progress)
+        for ctx in contexts:
+            warm_floors(ctx, cluster.gpus, jobs, progress)
     candidates: list[Candidate] = []
     kept: list[tuple[float, int, Candidate]] = []  # max-heap by time of the top_k best
+    kept_twins: dict[tuple, list[float]] = {}  # twin key -> times of the kept plans with it
     heap: list[tuple[float, int, int, tuple[int, ...]]] = []
     bounds = []
     seen_infeasible: set[tuple[int, int, int]] = set()
-    for index, placement in enumerate(placements):
+    for index, (ctx, placement) in enumerate(entries):
         pb = PlacementBounds(ctx, placement, cluster.gpus)
         bounds.append(pb)
         stats.allocations += pb.completions(())
         heapq.heappush(heap, (pb.bound(()), len(heap), index, ()))
+        if progress is not None:
+            progress("bounding placements", index + 1, len(entries))
     order = len(heap)
     while heap:
         threshold = -kept[0][0] if len(kept) >= top_k else math.inf
         bound, _, index, prefix = heapq.heappop(heap)
-        pb, placement = bounds[index], placements[index]
+        pb, (ctx, placement) = bounds[index], entries[index]
         if progress is not None:
             progress("searching allocations", stats.evaluated + stats.pruned + stats.infeasible, stats.allocations)
         if bound >= threshold:
@@ -304,16 +365,15 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
             # means no allocation under it fits at all.
             for b, _, i, p in [(bound, 0, index, prefix), *heap]:
                 if math.isinf(b):
-                    candidates.append(Candidate(placements[i], p, "infeasible", reason=_unbounded_reason(bounds[i], p)))
+                    candidates.append(Candidate(entries[i][1], p, "infeasible", reason=_unbounded_reason(bounds[i], p)))
                     stats.infeasible += bounds[i].completions(p)
                     continue
                 reason = f"bound {b:.4g} s >= {threshold:.4g} s, the slowest of the top {top_k}"
-                candidates.append(Candidate(placements[i], p, "pruned", reason=reason))
+                candidates.append(Candidate(entries[i][1], p, "pruned", reason=reason))
                 stats.pruned += bounds[i].completions(p)
             break
         if len(prefix) < pb.k:
-            for child, why in pb.children(prefix):
-                child_bound = pb.bound(child) if not why else math.inf
+            for child, child_bound, why in pb.children(prefix):
                 if math.isinf(child_bound):
                     stats.infeasible += pb.completions(child)
                     key = (index, len(prefix), child[-1])
@@ -326,24 +386,63 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
                 heapq.heappush(heap, (child_bound, order, index, child))
             continue
         candidate = _evaluate_pair(ctx, placement, prefix, threshold, stats)
-        candidates.append(candidate)
         if candidate.status == "evaluated":
             stats.evaluated += 1
-            heapq.heappush(kept, (-candidate.iteration_s, len(candidates), candidate))
-            if len(kept) > top_k:
-                heapq.heappop(kept)
+            key = twin_key(workload, candidate)
+            if any(math.isclose(t, candidate.iteration_s, rel_tol=1e-9) for t in kept_twins.get(key, ())):
+                stats.twins += 1
+                candidate = replace(candidate, reason="twin of a plan kept: the same with roles holding one model "
+                                                      "swapped, and the same time")
+            else:
+                kept_twins.setdefault(key, []).append(candidate.iteration_s)
+                heapq.heappush(kept, (-candidate.iteration_s, len(candidates), candidate))
+                if len(kept) > top_k:
+                    _, _, dropped = heapq.heappop(kept)
+                    kept_twins[twin_key(workload, dropped)].remove(dropped.iteration_s)
         elif candidate.status == "infeasible":
             stats.infeasible += 1
         else:
             stats.pruned += 1
+        candidates.append(candidate)
     if progress is not None:
         progress("searching allocations", stats.allocations, stats.allocations)
     if not kept:
-        raise HfplanError(_no_plan_message(ctx, cluster, candidates))
+        raise HfplanError(_no_plan_message(contexts, cluster))
     best = sorted((c for _, _, c in kept), key=lambda c: c.iteration_s)
     top = [_to_plan(workload, cluster, dag, c) for c in best]
     stats.seconds = time.perf_counter() - started
     return SearchResult(top, candidates, stats)
+
+
+def twin_key(workload: Workload, c: Candidate) -> tuple:
+    """The (placement, allocation) with each role replaced by what it is (its model, whether it trains
+    or generates, its head): pairs that map onto each other by swapping roles holding the same model
+    have one key. Two evaluated pairs with one key and the same time are twins, shown once."""
+
+    def what(role: str) -> tuple:
+        facts = facts_of(workload, role)
+        return (role == ROLLOUT, workload.models[model_role(workload, role)], facts.trains, facts.generates,
+                facts.head)
+
+    return tuple(sorted((gpus, tuple(sorted(what(r) for r in roles)))
+                        for roles, gpus in zip(c.placement, c.allocation, strict=True)))
+
+
+# The most whole nodes the search covers. Every role is costed at every set size (each whole-node count up
+# to the cluster), and with idle GPUs allowed the allocations whose bounds tie grow fast with the sizes:
+# measured on the 2-core development machine, the default workload at 256 nodes (2,048 GPUs) takes 44 s of
+# CPU, and at 512 nodes (4,096 GPUs) it had not finished after 10 minutes.
+MAX_NODES = 256
+
+
+def check_scale(cluster: Cluster) -> None:
+    """Refuse a cluster of more whole nodes than the search covers (MAX_NODES), naming why."""
+    nodes = cluster.gpus // cluster.gpus_per_node
+    if nodes > MAX_NODES:
+        raise HfplanError(f"--gpus {cluster.gpus:,} is beyond the search: {nodes:,} nodes of {cluster.gpus_per_node} "
+                          f"GPUs, and it costs every role at each whole-node set size and walks the allocations "
+                          f"over them; it covers at most {MAX_NODES} nodes ({MAX_NODES * cluster.gpus_per_node:,} "
+                          f"GPUs here). Plan for fewer GPUs: a plan may leave GPUs idle")
 
 
 def _unbounded_reason(pb: PlacementBounds, prefix: tuple[int, ...]) -> str:
@@ -378,7 +477,7 @@ def _evaluate_pair(ctx: SearchContext, placement, allocation, threshold: float, 
             reason = f"{'+'.join(roles)} together fit on {gpus} GPUs with no strategies (memory per GPU)"
             return Candidate(placement, allocation, "infeasible", reason=reason)
         return Candidate(placement, allocation, "pruned", reason=f"no strategy choice beats {threshold:.4g} s")
-    pars = {r: o.par for r, o in bb.best_choice.items()}
+    pars = {r: bb.best_choice[r].par for roles in placement for r in roles}  # in placement order
     plan_costs = PlanCosts(ctx.workload, sets, pars, ctx.hw, ctx.gpus_per_node, ctx.memo)
     peaks = tuple(round(m.peak / 2**30, 2) for m in plan_costs.memory)
     return Candidate(placement, allocation, "evaluated", bb.best_time, pars=pars, peak_gib=peaks)
@@ -393,16 +492,16 @@ def _to_plan(workload: Workload, cluster: Cluster, dag: Dag, c: Candidate) -> Pl
     return plan.model_copy(update={"estimate": result.estimate})
 
 
-def _no_plan_message(ctx: SearchContext, cluster: Cluster, candidates: list[Candidate]) -> str:
+def _no_plan_message(contexts: list[SearchContext], cluster: Cluster) -> str:
     """Why nothing fits: the fewest GPUs that would, and the memory that decides it."""
-    minimum = minimum_gpus(ctx)
-    usable = ctx.hw.memory.usable_bytes / 2**30
-    if minimum is None:
+    found = [m for m in (minimum_gpus(ctx) for ctx in contexts) if m is not None]
+    usable = contexts[0].hw.memory.usable_bytes / 2**30
+    if not found:
         return (f"no plan fits on {cluster.gpus} GPUs of {cluster.hardware} ({usable:.1f} GiB usable per GPU), nor on "
                 f"any count up to 4096: some role fits on no set of GPUs (its weights, states or one sequence's "
                 f"activations exceed the memory of every layout)")
     return (f"no plan fits on {cluster.gpus} GPUs of {cluster.hardware} ({usable:.1f} GiB usable per GPU): the "
-            f"models need at least {minimum} GPUs (weights, optimizer states and KV cache per GPU)")
+            f"models need at least {min(found)} GPUs (weights, optimizer states and KV cache per GPU)")
 
 
 def minimum_gpus(ctx: SearchContext, limit: int = 4096) -> int | None:
@@ -413,9 +512,8 @@ def minimum_gpus(ctx: SearchContext, limit: int = 4096) -> int | None:
     sizes = space.set_sizes(limit, ctx.gpus_per_node)
     if any(all(ctx.floor(role, size) is None for size in sizes) for role in ctx.gpu_roles):
         return None
-    placements = ctx.rules.placements or space.set_partitions(ctx.workload.model_roles)
     for gpus in range(1, limit + 1):
-        for placement in placements:
+        for placement in ctx.placements:
             for allocation in space.allocations(len(placement), gpus, ctx.gpus_per_node, ctx.rules.power_of_two_sets):
                 if all(ctx.set_fits(roles, size) for roles, size in zip(placement, allocation, strict=True)):
                     return gpus

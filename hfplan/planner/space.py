@@ -41,21 +41,24 @@ def set_sizes(gpus: int, gpus_per_node: int) -> list[int]:
     return [s for s in sub_node + whole if s <= gpus]
 
 
-def allocations(sets: int, gpus: int, gpus_per_node: int, powers_only: bool = False) -> Iterator[tuple[int, ...]]:
-    """GPU counts for `sets` colocated sets using all `gpus` GPUs. Sets smaller than a node are powers
-    of two, so laid out largest first each starts at a multiple of its size and never straddles a node
-    boundary; a remainder of gpus_per_node forms a partial last node."""
+def allocations(sets: int, gpus: int, gpus_per_node: int, powers_only: bool = False, idle: bool = False
+                ) -> Iterator[tuple[int, ...]]:
+    """GPU counts for `sets` colocated sets using all `gpus` GPUs, or with `idle` at most `gpus` (the rest
+    stay idle, so a larger cluster holds every allocation of a smaller one). Sets smaller than a node are
+    powers of two, so laid out largest first each starts at a multiple of its size and never straddles a
+    node boundary; a remainder of gpus_per_node forms a partial last node."""
     sizes = set_sizes(gpus, gpus_per_node)
     if powers_only:
         sizes = [s for s in sizes if s & (s - 1) == 0]
 
     def rec(k: int, left: int) -> Iterator[tuple[int, ...]]:
-        if k == 1:
-            if left in sizes:
-                yield (left,)
-            return
         for size in sizes:
-            if size < left:
+            if size > left - (k - 1):
+                break
+            if k == 1:
+                if idle or size == left:
+                    yield (size,)
+            else:
                 for rest in rec(k - 1, left - size):
                     yield (size, *rest)
 

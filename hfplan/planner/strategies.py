@@ -50,6 +50,23 @@ class RoleOption:
     def own_seconds(self) -> float:
         return sum(self.seconds) + self.switch
 
+    @property
+    def parts(self) -> dict[str, RoleOption]:
+        """The option of each role this option chooses for."""
+        return {self.role: self}
+
+
+@dataclass(frozen=True)
+class JointOption(RoleOption):
+    """One choice for every role of a colocated set that does not generate, as one option: its seconds
+    are the roles' own calls one role after another, its memory their sum (resident) and largest call."""
+
+    members: tuple[RoleOption, ...] = ()
+
+    @property
+    def parts(self) -> dict[str, RoleOption]:
+        return {o.role: o for o in self.members}
+
 
 def pareto(vectors: np.ndarray, keys: Sequence[object] | None = None) -> list[int]:
     """Indices of rows not dominated by another row with the same key (<= everywhere, < somewhere).
@@ -89,6 +106,7 @@ class Rules:
     placements: tuple[tuple[tuple[str, ...], ...], ...] | None = None  # None: every set partition
     rollout: bool = False  # a separate generation engine with weight sync, instead of the hybrid engine
     power_of_two_sets: bool = False  # every colocated set gets a power-of-two GPU count
+    idle_gpus: bool = False  # plans may leave GPUs unused (hfplan's own search: more GPUs never give a worse plan)
     train: Callable[[str, TrainConfig], bool] | None = None
     gen: Callable[[TrainConfig | None, GenConfig], bool] | None = None
     infer: Callable[[str, InferConfig], bool] | None = None  # inference layouts (trained roles: micro-batch)
@@ -165,6 +183,8 @@ class RoleChoices:
         self.switch = np.array([o.switch for o in self.options], dtype=float)
         self.resident = np.array([o.memory.resident for o in self.options], dtype=float)
         self.transient = np.array([o.memory.transient for o in self.options], dtype=float)
+        # bytes generation needs beside the held states: its extra weights and one sequence's KV cache
+        self.gen_need = np.array([o.memory.gen_extra + o.memory.kv_per_sequence for o in self.options], dtype=float)
 
 
 @dataclass(frozen=True)
@@ -182,37 +202,55 @@ class SearchContext:
     """Everything fixed during one search, with caches of role strategies by GPU count."""
 
     def __init__(self, workload: Workload, hw: HardwareProfile, gpus_per_node: int, dag: Dag,
-                 rules: Rules | None = None) -> None:
+                 rules: Rules | None = None, shared: SearchContext | None = None) -> None:
+        """shared: a context of the same search with the other generation engine (same rules otherwise),
+        whose cost tables and role caches this one uses too: only the generating role's strategies and
+        the sets holding it depend on the engine, and their keys say which."""
         self.workload = workload
         self.hw = hw
         self.gpus_per_node = gpus_per_node
         self.dag = dag
         self.rules = rules or Rules()
         self.generator = generation_role(workload, (ROLLOUT,) if self.rules.rollout else ())
+        self.trained_generator = generating_role(workload)
         self.usable = hw.memory.usable_bytes
         self.value_bytes = hw.compute.value_bytes
         self._own: dict[str, list[Node]] = {}
-        self.memo = CostMemo()
-        self.clear()
+        if shared is None:
+            self.memo = CostMemo()
+            self.clear()
+        else:
+            self.memo = shared.memo
+            self._parts, self._choices, self._floors = shared._parts, shared._choices, shared._floors
+            self._fits, self._set_floors, self._fronts = shared._fits, shared._set_floors, shared._fronts
 
     def clear(self) -> None:
         """Drop every cached cost, strategy, floor and fit of this search."""
         self.memo.clear()
-        self._parts: dict[tuple[str, int], list[Family]] = {}
-        self._choices: dict[tuple[str, int], RoleChoices] = {}
-        self._floors: dict[tuple[str, int], Floor | None] = {}
-        self._fits: dict[tuple[tuple[str, ...], int], bool] = {}
-        self._set_floors: dict[tuple[tuple[str, ...], int], dict[int, float] | None] = {}
+        self._parts: dict[tuple, list[Family]] = {}
+        self._choices: dict[tuple, RoleChoices] = {}
+        self._floors: dict[tuple, Floor | None] = {}
+        self._fits: dict[tuple, bool] = {}
+        self._set_floors: dict[tuple, object] = {}  # set floors, joint choices and bound rows, by kind
+        self._fronts: dict[tuple, np.ndarray] = {}
+
+    def _role_key(self, role: str, gpus: int) -> tuple:
+        """Cache key of one role's strategies: the generating role's depend on the engine."""
+        return (role, gpus, self.generator) if role == self.trained_generator else (role, gpus)
+
+    def _set_key(self, roles: tuple[str, ...], gpus: int) -> tuple:
+        return (roles, gpus, self.generator) if self.trained_generator in roles else (roles, gpus)
 
     def costed(self, role: str, gpus: int) -> tuple[list[Family] | None, RoleChoices | None, Floor | None]:
         """Cost one (role, GPU count) and return what it cached, for a worker process to hand back."""
         floor = self.floor(role, gpus)
-        return self._parts.get((role, gpus)), self._choices.get((role, gpus)), floor
+        key = self._role_key(role, gpus)
+        return self._parts.get(key), self._choices.get(key), floor
 
     def adopt(self, role: str, gpus: int, parts: list[Family] | None, choices: RoleChoices | None,
               floor: Floor | None) -> None:
         """Take what `costed` computed in another process."""
-        key = (role, gpus)
+        key = self._role_key(role, gpus)
         if parts is not None:
             self._parts[key] = parts
         if choices is not None:
@@ -222,6 +260,11 @@ class SearchContext:
     @cached_property
     def gpu_roles(self) -> tuple[str, ...]:
         return tuple(self.workload.model_roles) + ((ROLLOUT,) if self.generator == ROLLOUT else ())
+
+    @cached_property
+    def placements(self) -> tuple[tuple[tuple[str, ...], ...], ...]:
+        """The rules' placements, or every set partition of the roles on GPUs (the rollout set included)."""
+        return tuple(self.rules.placements or space.set_partitions(self.gpu_roles))
 
     def runs_on(self, node: Node) -> str | None:
         """The role whose GPUs run a call (None: the controller or a rule)."""
@@ -257,7 +300,7 @@ class SearchContext:
 
     # -- options --------------------------------------------------------------------------------------
     def choices(self, role: str, gpus: int) -> RoleChoices:
-        key = (role, gpus)
+        key = self._role_key(role, gpus)
         if key not in self._choices:
             self._choices[key] = RoleChoices(self._options(role, gpus))
         return self._choices[key]
@@ -298,12 +341,17 @@ class SearchContext:
 
     def parts(self, role: str, gpus: int) -> list[Family]:
         """The layout families of a trained role on `gpus` GPUs, each with its pruned parts."""
-        key = (role, gpus)
+        key = self._role_key(role, gpus)
         if key not in self._parts:
             self._parts[key] = self._families(role, gpus)
         return self._parts[key]
 
-    def _families(self, role: str, gpus: int) -> list[Family]:
+    def _layouts(self, role: str, gpus: int) -> list[tuple[float, list[TrainPart], list[InferPart]]]:
+        """(resident bytes, pruned training parts, pruned inference parts) of each (tp, pp, dp, shard) layout
+        of a trained role that fits: the same whichever engine generates, so cached once for both."""
+        key = ("layouts", role, gpus)
+        if key in self._parts:
+            return self._parts[key]
         w, g = self.workload, self.gpus_per_node
         arch = w.arch(role)
         nodes = self.own_nodes(role)
@@ -319,13 +367,14 @@ class SearchContext:
                 continue
             par = RoleParallelism(train=train)
             seconds = tuple(self._seconds(n, role, par, gpus) for n in updates)
-            key = (train.tp, train.pp, train.dp, train.shard)  # resident memory depends on these only
-            grouped.setdefault(key, []).append(TrainPart(train, seconds, transient))
-            residents[key] = resident
-        families = []
-        for key, members in grouped.items():
-            kept = _pareto_parts(members, [self.rules.facets(role, RoleParallelism(train=m.config)) for m in members])
-            layout, resident = kept[0].config, residents[key]
+            key_ = (train.tp, train.pp, train.dp, train.shard)  # resident memory depends on these only
+            grouped.setdefault(key_, []).append(TrainPart(train, seconds, transient))
+            residents[key_] = resident
+        out = []
+        for key_, members in grouped.items():
+            kept = _pareto_parts(members, [self.rules.facets(role, RoleParallelism(train=m.config))
+                                           for m in members])
+            layout, resident = kept[0].config, residents[key_]
             infers = []
             for infer in space.infer_configs(arch, gpus, g, w.sequences, layout):
                 if not self.rules.infer_ok(role, infer):
@@ -335,10 +384,18 @@ class SearchContext:
                 if resident + transient <= self.usable:
                     infers.append(InferPart(infer, tuple(self._seconds(n, role, par, gpus) for n in forwards),
                                             transient))
-            if not infers:
-                continue
-            infers = _pareto_parts(infers, [self.rules.facets(role, RoleParallelism(train=layout, infer=i.config))
-                                            for i in infers])
+            if infers:
+                facets = [self.rules.facets(role, RoleParallelism(train=layout, infer=i.config)) for i in infers]
+                out.append((resident, kept, _pareto_parts(infers, facets)))
+        self._parts[key] = out
+        return out
+
+    def _families(self, role: str, gpus: int) -> list[Family]:
+        w, g = self.workload, self.gpus_per_node
+        arch = w.arch(role)
+        families = []
+        for resident, kept, infers in self._layouts(role, gpus):
+            layout = kept[0].config
             gens = [NO_GENERATION]
             if role == self.generator:
                 gens = []
@@ -380,7 +437,7 @@ class SearchContext:
     def set_fits(self, roles: tuple[str, ...], gpus: int) -> bool:
         """Whether some choice of strategies for these colocated roles fits one GPU's memory (their
         resident states, the largest call, and for the generating role one sequence's KV cache)."""
-        key = (roles, gpus)
+        key = self._set_key(roles, gpus)
         if key not in self._fits:
             choices = [self.choices(r, gpus) for r in roles]
             self._fits[key] = all(c.options for c in choices) and self._fits_from(roles, choices, 0, 0.0, 0.0, None)
@@ -408,11 +465,54 @@ class SearchContext:
                 return True
         return False
 
+    def memory_front(self, roles: tuple[str, ...], gpus: int) -> np.ndarray:
+        """The least memory these colocated roles can take together: rows (resident bytes summed, largest
+        transient) of their joint choices, none needing more of both than another, none over a GPU.
+        No roles: one row of zeros. A partial choice whose held bytes leave room for no row cannot be
+        completed, so the search drops it (an exact cut: it prunes only choices that cannot fit)."""
+        key = self._set_key(roles, gpus)
+        if key not in self._fronts:
+            front = np.zeros((1, 2))
+            for role in roles:
+                c = self.choices(role, gpus)
+                resident = (c.resident[:, None] + front[None, :, 0]).ravel()
+                transient = np.maximum(c.transient[:, None], front[None, :, 1]).ravel()
+                keep = resident + transient <= self.usable
+                front = _front_2d(resident[keep], transient[keep])
+            self._fronts[key] = front
+        return self._fronts[key]
+
+    def joint_choices(self, roles: tuple[str, ...], gpus: int, limit: int = 200_000) -> RoleChoices | None:
+        """The choices of colocated roles that do not generate, taken together: every combination that fits
+        one GPU, none slower on every call than another (their memory no longer matters once they fit,
+        since nothing else shares their GPUs). None when the combinations are more than `limit`."""
+        key = ("joint", *self._set_key(roles, gpus))
+        if key not in self._set_floors:
+            choices = [self.choices(r, gpus) for r in roles]
+            sizes = [len(c.options) for c in choices]
+            result = None
+            if self.generator not in roles and math.prod(sizes) <= limit:
+                grid = np.indices(sizes).reshape(len(roles), -1)
+                held = sum(c.resident[g] for c, g in zip(choices, grid, strict=True))
+                transient = np.max([c.transient[g] for c, g in zip(choices, grid, strict=True)], axis=0)
+                fits = np.flatnonzero(held + transient <= self.usable)
+                seconds = np.concatenate([c.seconds[g[fits]] for c, g in zip(choices, grid, strict=True)], axis=1)
+                options = []
+                for i in pareto(seconds):
+                    k = fits[i]
+                    members = tuple(c.options[g[k]] for c, g in zip(choices, grid, strict=True))
+                    options.append(JointOption("+".join(roles), members[0].par, tuple(seconds[i]), 0.0,
+                                               RoleMemory(float(held[k]), float(transient[k])), None,
+                                               members=members))
+                result = RoleChoices(options)
+            self._set_floors[key] = result
+        return self._set_floors[key]
+
     def set_floor(self, roles: tuple[str, ...], gpus: int, limit: int = 200_000) -> dict[int, float] | None:
         """For colocated roles that do not generate: the fastest each call can be over the choices that fit
         together (tighter than each role alone, since colocation takes memory away). None when the
         choices are too many to enumerate (`limit`) or nothing fits."""
-        key = (roles, gpus)
+        key = self._set_key(roles, gpus)
         if key in self._set_floors:
             return self._set_floors[key]
         choices = [self.choices(r, gpus) for r in roles]
@@ -433,10 +533,34 @@ class SearchContext:
         return result
 
     # -- floors ---------------------------------------------------------------------------------------
+    def set_bound(self, roles: tuple[str, ...], gpus: int) -> tuple[np.ndarray, float, str]:
+        """A set's part of an allocation bound: the floor of every call it runs (0 for the others), the
+        generating role's least switch if it holds it, and why it cannot fit ('' when each role can alone)."""
+        key = ("bound", *self._set_key(roles, gpus))
+        if key not in self._set_floors:
+            row, switch, why = np.zeros(len(self.dag.nodes)), 0.0, ""
+            for role in roles:
+                floor = self.floor(role, gpus)
+                if floor is None:
+                    why = f"{role} alone does not fit on {gpus} GPUs with any parallel layout"
+                    break
+                for node, secs in zip(self.own_nodes(role), floor.seconds, strict=True):
+                    row[node.id] = secs
+                if role == self.generator:
+                    for node, secs in zip(self.generate_nodes, floor.gen, strict=True):
+                        row[node.id] = secs
+                    switch = floor.switch
+            self._set_floors[key] = (row, switch, why)
+        return self._set_floors[key]
+
+    def has_floor(self, role: str, gpus: int) -> bool:
+        """Whether floor(role, gpus) is cached already."""
+        return self._role_key(role, gpus) in self._floors
+
     def floor(self, role: str, gpus: int) -> Floor | None:
         """Lower bounds of the role's calls on `gpus` GPUs; None when no strategy fits. For trained roles
         it comes from the parts (the minimum of each part), without building every combination."""
-        key = (role, gpus)
+        key = self._role_key(role, gpus)
         if key not in self._floors:
             self._floors[key] = self._floor(role, gpus)
         return self._floors[key]
@@ -472,6 +596,15 @@ def _pareto_parts(parts: list, facets: list[Facets]):
     """The train or infer parts not dominated on (seconds of each call, transient bytes) by one with the
     same facets (a dominated part may be the only one that agrees with another role's choice)."""
     return [parts[i] for i in pareto(np.array([[*p.seconds, p.transient] for p in parts]), facets)]
+
+
+def _front_2d(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """The rows of (first, second) no other row beats on both (ties: one kept), sorted by `first`."""
+    order = np.lexsort((second, first))
+    first, second = first[order], second[order]
+    best_before = np.minimum.accumulate(np.concatenate(([np.inf], second)))[:-1]
+    keep = second < best_before
+    return np.stack([first[keep], second[keep]], axis=1)
 
 
 def _gen_key(gen: GenConfig | None) -> tuple[int, int, int] | None:

@@ -345,7 +345,10 @@ def get_target(name: str, workload: Workload) -> Target:
 
 def search_target(target: Target, workload: Workload, cluster: Cluster, top_k: int = 5,
                   progress: Progress | None = None, jobs: int = 1) -> SearchResult:
-    """The best plans within the target's rules: each variant searched exactly, the best of all kept."""
+    """The best plans within the target's rules: each variant searched exactly, the best of all kept.
+    hfplan's own target is the search's default space (both engines, idle GPUs allowed)."""
+    if target is HFPLAN:
+        return search(workload, cluster, top_k=top_k, progress=progress, jobs=jobs)
     results, errors = [], []
     for rules in target.variants:
         if rules.placements == ():

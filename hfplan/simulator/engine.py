@@ -25,6 +25,7 @@ from hfplan.simulator.trace import Dag, Node, trace
 class Timeline:
     spans: tuple[Span, ...]
     tokens: int
+    critical: tuple[tuple[str, float], ...] = ()  # (phase, seconds) of each call on the critical path
 
     @property
     def iteration_s(self) -> float:
@@ -35,16 +36,26 @@ class Timeline:
         return self.tokens / self.iteration_s if self.iteration_s > 0 else 0.0
 
     def stages(self) -> dict[str, float]:
-        """Wall seconds from the first start to the last end of each phase's calls."""
-        out: dict[str, float] = {}
-        for phase in PHASES:
-            spans = [s for s in self.spans if s.phase == phase]
-            if spans:
-                out[phase] = max(s.end for s in spans) - min(s.start for s in spans)
+        """Seconds of each phase along the critical path (a call's phase covers the call, its switch and
+        the transfer it waited for last): they add up to the iteration. Every phase with calls is listed,
+        at 0 when none of them is on the path."""
+        present = {s.phase for s in self.spans if s.kind != "transfer"}
+        out = {phase: 0.0 for phase in PHASES if phase in present}
+        for phase, secs in self.critical:
+            out[phase] = out.get(phase, 0.0) + secs
         return out
 
-    def estimate(self, peak_memory_gib: list[float]) -> Estimate:
+    def busy(self, sets: int) -> list[float]:
+        """Seconds each set computes (calls and layout switches; transfers excluded), by set index."""
+        out = [0.0] * sets
+        for s in self.spans:
+            if s.set >= 0 and s.kind != "transfer":
+                out[s.set] += s.end - s.start
+        return out
+
+    def estimate(self, peak_memory_gib: list[float], idle_gpus: int = 0) -> Estimate:
         return Estimate(iteration_s=self.iteration_s, tokens_per_s=self.tokens_per_s, stages=self.stages(),
+                        busy_s=self.busy(len(peak_memory_gib)), idle_gpus=idle_gpus,
                         peak_memory_gib=peak_memory_gib, timeline=list(self.spans))
 
 
@@ -116,7 +127,11 @@ def run_calls(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: int
         last_on_set[c.set] = done[c.node.id]
     env.run()
     spans.sort(key=lambda s: (s.start, s.set, s.end))
-    return Timeline(tuple(spans), tokens)
+    index = {c.node.id: i for i, c in enumerate(calls)}
+    precedence = Precedence(tuple(c.set for c in calls), tuple(
+        tuple((index[e.src], edge_seconds(by_id[e.src].set, c.set, e.nbytes)) for e in c.node.deps) for c in calls))
+    path = precedence.critical_path([c.switch + c.seconds for c in calls])
+    return Timeline(tuple(spans), tokens, tuple((calls[i].node.phase, secs) for i, secs in path))
 
 
 def critical_path(dag: Dag, plan_costs: PlanCosts) -> float:
@@ -141,4 +156,5 @@ def simulate_plan(plan: Plan) -> Simulation:
     if reason:
         raise HfplanError(f"plan does not fit: {reason}")
     timeline = run(trace(plan.workload), plan_costs)
-    return Simulation(timeline, plan_costs, timeline.estimate([round(gib(m.peak), 3) for m in plan_costs.memory]))
+    idle = plan.cluster.gpus - sum(group.gpus for group in plan.placement)
+    return Simulation(timeline, plan_costs, timeline.estimate([round(gib(m.peak), 3) for m in plan_costs.memory], idle))

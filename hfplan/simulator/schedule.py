@@ -10,7 +10,9 @@
   each update of the generating role (and before its first generation of the iteration).
 
 The simpy engine runs this rule with events; `makespan` and `makespan_many` compute the same finish
-time as a longest path (for checking the engine, and as the planner's fast schedule and bounds).
+time as a longest path (for checking the engine, and as the planner's fast schedule and bounds), and
+`critical_path` names that path: the stage times of an estimate are its seconds by phase, so they
+partition the iteration.
 """
 
 from __future__ import annotations
@@ -77,6 +79,34 @@ class Precedence:
             finish[i] = ready + secs
             last[s] = finish[i]
         return max(finish, default=0.0)
+
+    def critical_path(self, durations: Sequence[float]) -> list[tuple[int, float]]:
+        """The calls of the longest path, last first, each with the seconds of the path it covers: its
+        duration (switch included) and the transfer that delivered the input it waited for last (or, for
+        the first call, everything before it). The seconds add up to makespan(durations)."""
+        finish = [0.0] * len(durations)
+        via: list[tuple[int, float]] = []  # (call whose end released this one, transfer seconds); -1: none
+        last: dict[int, int] = {}
+        for i, secs in enumerate(durations):
+            before = last.get(self.sets[i], -1)
+            ready, why = (finish[before], (before, 0.0)) if before >= 0 else (0.0, (-1, 0.0))
+            for src, edge in self.deps[i]:
+                if finish[src] + edge > ready:
+                    ready, why = finish[src] + edge, (src, edge)
+            finish[i] = ready + secs
+            via.append(why)
+            last[self.sets[i]] = i
+        if not finish:
+            return []
+        i = max(range(len(finish)), key=finish.__getitem__)
+        path = []
+        while True:
+            src, edge = via[i]
+            if src < 0:
+                path.append((i, finish[i]))
+                return path
+            path.append((i, finish[i] - finish[src]))
+            i = src
 
     def makespan_many(self, durations: np.ndarray) -> np.ndarray:
         """makespan() of many rows of durations at once (rows x calls)."""
