@@ -1,6 +1,8 @@
 """Pipeline-parallel roles on real gloo worlds (pp 2, pp 2 x dp 2, pp 2 x tp 2) against a single-process
 TrainedModel."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from dist_harness import run_world
@@ -9,6 +11,7 @@ from test_engine_training import HP, LR, actor_batch, critic_batch, full_params
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import LlamaForCausalLM
 
+from hfplan.executor import checkpoint
 from hfplan.executor.engines import forward
 from hfplan.executor.engines.pipeline import PipelinedModel, equal_micro_batches, pipeline_mesh
 from hfplan.executor.engines.pipeline_hybrid import PipelineHybridEngine
@@ -256,3 +259,32 @@ def test_a_failing_stage_is_named():
     process group's or the controller's call timeout ends the wait)."""
     with pytest.raises(RuntimeError, match="(?s)rank 1 failed.*pipeline stage 1 of 2 failed in an update"):
         run_world(_last_stage_fails, 2, timeout=60, pg_timeout=5)
+
+
+def _checkpointed(rank: int, world: int, folder: str) -> dict:
+    """A trained stage saved by every rank, then loaded into a fresh pipeline of the other model's seed."""
+    layout = TrainConfig(pp=2, tp=world // 2)
+    trained = PipelinedModel(tied_actor(), pipeline_mesh(layout, "cpu"), HP, "cpu", torch.float32, pad_id=PAD, lr=LR)
+    trained.update_actor(actor_batch(), mini_batches=1, epochs=1, micro_batch=4, use_kl_loss=False)
+    checkpoint.save_trained(trained, Path(folder))
+    fresh = PipelinedModel(tied_actor(seed=1), pipeline_mesh(layout, "cpu"), HP, "cpu", torch.float32, pad_id=PAD,
+                           lr=LR)
+    checkpoint.load_trained(fresh, Path(folder))
+    moments = [state["exp_avg"].full_tensor() for state in fresh.optimizer.state.values()]
+    return {"saved": trained.gathered(torch.float32), "loaded": fresh.gathered(torch.float32),
+            "moments": len(moments) and all(bool(m.abs().sum() > 0) for m in moments)}
+
+
+@pytest.mark.slow
+def test_a_pipeline_checkpoint_holds_the_whole_models_names(tmp_path):
+    """Stages save their parameters by the HF names (stage 1's first layer is model.layers.1, not a second
+    layers.0): the checkpoint loads back into the stages and into one plain model, as export does."""
+    folder = tmp_path / "actor"
+    results = run_world(_checkpointed, 4, str(folder), timeout=120)
+    plain = tied_actor(seed=1)
+    checkpoint.load_model_weights(folder, plain)
+    for got in results:
+        assert got["moments"]
+        for name, param in plain.named_parameters(remove_duplicate=False):
+            torch.testing.assert_close(got["saved"][name], param, atol=0, rtol=0, msg=name)
+            torch.testing.assert_close(got["loaded"][name], param, atol=0, rtol=0, msg=name)
