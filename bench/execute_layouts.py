@@ -1,12 +1,14 @@
 """Measured seconds of each call of `hfplan execute` beside the simulator's estimate, per parallel layout.
 
 The built-in `demo` workload (PPO on the tiny model, rule reward) with every role on one set, in the layouts
-tp x dp = 1 x 1, 1 x 2, 2 x 1 and 2 x 2 (training, inference and generation all in that layout, ZeRO-3 where
-dp > 1). Each plan runs through the executor's library API on one Ray session; the first iterations are
+tp x pp x dp = 1 x 1 x 1, 1 x 1 x 2, 2 x 1 x 1, 2 x 1 x 2, 1 x 2 x 1 and 2 x 2 x 1 (training and inference in
+that layout, ZeRO-3 where dp > 1, a pipeline's mini-batch in pp micro-batches; generation at the same tp in one
+stage, pp x dp replicas). Each plan runs through the executor's library API on one Ray session; the first iterations are
 warm-up. Per call: the median compute seconds per iteration measured on the workers, the simulator's
 seconds for the same call (hfplan.simulator.engine.simulate_plan on the hardware profile given, `cpu` by
 default: pass the name of a measured one, from `hfplan profile --device cpu`), and their ratio; the same
-for the whole iteration. The first figures of the simulator's fidelity on tensor-parallel layouts.
+for the whole iteration. The first figures of the simulator's fidelity on tensor- and pipeline-parallel
+layouts.
 Prints figures; asserts nothing about time.
 
     RAY_AUTH_MODE=disabled python bench/execute_layouts.py [--iterations N] [--hardware NAME] [--max-processes N]
@@ -29,23 +31,26 @@ from hfplan.plan import GenConfig, InferConfig, PlacementSet, Plan, RoleParallel
 from hfplan.simulator.engine import simulate_plan
 from hfplan.spec import Workload, load_workload, make_cluster
 
-LAYOUTS = ((1, 1), (1, 2), (2, 1), (2, 2))  # (tp, dp)
+LAYOUTS = ((1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 2, 1), (2, 2, 1))  # (tp, pp, dp)
 
 
-def layout_plan(workload: Workload, tp: int, dp: int, hardware: str) -> Plan:
-    """Every model role on one set of tp * dp processes, each of its layouts tp x dp."""
+def layout_plan(workload: Workload, tp: int, pp: int, dp: int, hardware: str) -> Plan:
+    """Every model role on one set of tp * pp * dp processes: training and inference tp x pp x dp, generation
+    tp x (pp * dp) (one stage)."""
     generator = generating_role(workload)
     per_rank = workload.sequences // workload.mini_batches // dp
     parallelism = {}
     for role in workload.model_roles:
         kinds = layouts_of(workload, role, generator)
         parallelism[role] = RoleParallelism(
-            train=TrainConfig(tp=tp, dp=dp, micro_batch=per_rank, shard=dp > 1) if "train" in kinds else None,
-            infer=InferConfig(tp=tp, dp=dp, micro_batch=workload.sequences // dp),
-            gen=GenConfig(tp=tp, dp=dp) if "gen" in kinds else None,
+            train=TrainConfig(tp=tp, pp=pp, dp=dp, micro_batch=per_rank // pp, shard=dp > 1)
+            if "train" in kinds else None,
+            infer=InferConfig(tp=tp, pp=pp, dp=dp, micro_batch=workload.sequences // dp // pp),
+            gen=GenConfig(tp=tp, dp=pp * dp) if "gen" in kinds else None,
         )
-    return Plan(workload=workload, cluster=make_cluster(tp * dp, hardware),
-                placement=[PlacementSet(models=list(workload.model_roles), gpus=tp * dp)], parallelism=parallelism)
+    gpus = tp * pp * dp
+    return Plan(workload=workload, cluster=make_cluster(gpus, hardware),
+                placement=[PlacementSet(models=list(workload.model_roles), gpus=gpus)], parallelism=parallelism)
 
 
 def simulated_per_call(plan: Plan) -> dict[str, float]:
@@ -82,16 +87,17 @@ def main() -> None:
         print(f"hfplan execute per layout against the simulator on {args.hardware!r}: workload demo, "
               f"{args.iterations - warmup} measured iterations after {warmup} warm-up; {os.cpu_count()} cores, "
               f"load average {os.getloadavg()[0]:.1f}")
-        for tp, dp in LAYOUTS:
-            if tp * dp > args.max_processes:
+        for tp, pp, dp in LAYOUTS:
+            gpus = tp * pp * dp
+            if gpus > args.max_processes:
                 continue
-            plan = layout_plan(workload, tp, dp, args.hardware)
+            plan = layout_plan(workload, tp, pp, dp, args.hardware)
             simulated = simulated_per_call(plan)
             started = time.perf_counter()
-            run = run_executor(f"tp{tp} dp{dp}", tp * dp, plan, args.iterations, warmup, args.seed,
-                               out / f"tp{tp}-dp{dp}")
+            name = f"tp{tp} pp{pp} dp{dp}"
+            run = run_executor(name, gpus, plan, args.iterations, warmup, args.seed, out / name.replace(" ", "-"))
             measured = compute_per_call(run)
-            print(f"\ntp={tp} dp={dp} ({tp * dp} processes, run {time.perf_counter() - started:.0f} s)")
+            print(f"\ntp={tp} pp={pp} dp={dp} ({gpus} processes, run {time.perf_counter() - started:.0f} s)")
             print(f"  {'call':<22}{'measured s':>11}{'simulated s':>12}{'ratio':>8}")
             for call in sorted(set(measured) | set(simulated)):
                 got, want = measured.get(call, 0.0), simulated.get(call, 0.0)

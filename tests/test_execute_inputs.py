@@ -130,13 +130,13 @@ def _with_critic(plan, **layouts):
     return plan.model_copy(update={"parallelism": plan.parallelism | {"critic": par}})
 
 
-def test_tensor_and_pipeline_layouts_pass_and_their_composition_is_refused_until_built():
+def test_tensor_and_pipeline_layouts_and_their_composition_pass():
     plan = demo_plan()
-    preflight.check_layouts(_with_critic(plan, train=TrainConfig(tp=2, dp=1), infer=InferConfig(tp=2, dp=1)))
-    preflight.check_layouts(_with_critic(plan, train=TrainConfig(pp=2, dp=1), infer=InferConfig(pp=2, dp=1)))
-    both = _with_critic(plan, train=TrainConfig(tp=2, pp=2, dp=1), infer=InferConfig(tp=2, pp=2, dp=1))
-    with pytest.raises(HfplanError, match="parallelism.critic.train: tp=2, pp=2"):
-        preflight.check_layouts(both)
+    for tp, pp in ((2, 1), (1, 2), (2, 2)):
+        preflight.check_layouts(_with_critic(plan, train=TrainConfig(tp=tp, pp=pp, dp=1),
+                                             infer=InferConfig(tp=tp, pp=pp, dp=1)))
+    with pytest.raises(HfplanError, match="parallelism.critic: .*pp=4 does not divide the 2 layers"):
+        preflight.check_layouts(_with_critic(plan, train=TrainConfig(tp=2, pp=4, dp=1)))  # the contract's rule
 
 
 def test_mini_batches_must_split_on_every_rank():

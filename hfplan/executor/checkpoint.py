@@ -27,6 +27,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from hfplan.executor.engines.pipeline import PipelinedModel
+
 ROLES_FOLDER = "roles"
 RNG_FOLDER = "rng"
 METADATA_FILE = ".metadata"
@@ -106,10 +108,35 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = loaded
 
 
+def _state_dicts(trained) -> dict:
+    """The role's model and optimizer state dicts by the HF model's FQNs: a pipeline stage's own names
+    (`backbone.layers.0...` on every stage) are mapped to the whole model's, so that stages never collide
+    and a checkpoint loads into a plain model or another layout."""
+    model_state, optim_state = get_state_dict(trained.module, trained.optimizer)
+    names = trained.names if isinstance(trained, PipelinedModel) else None
+    if names is None:
+        return {"model": model_state, "optim": optim_state}
+    return {"model": {names[k]: v for k, v in model_state.items()},
+            "optim": {"state": {names[k]: v for k, v in optim_state["state"].items()},
+                      "param_groups": [group | {"params": [names[p] for p in group["params"]]}
+                                       for group in optim_state["param_groups"]]}}
+
+
+def _stage_state_dicts(trained, state: dict) -> dict:
+    """`_state_dicts`' inverse, after a load."""
+    if not isinstance(trained, PipelinedModel):
+        return state
+    back = {hf: own for own, hf in trained.names.items()}
+    optim = state["optim"]
+    return {"model": {back[k]: v for k, v in state["model"].items()},
+            "optim": {"state": {back[k]: v for k, v in optim["state"].items()},
+                      "param_groups": [group | {"params": [back[p] for p in group["params"]]}
+                                       for group in optim["param_groups"]]}}
+
+
 def save_trained(trained, folder: Path) -> None:
     """Save a trained role's model and optimizer into a DCP folder. A collective over the role's set."""
-    model_state, optim_state = get_state_dict(trained.module, trained.optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, storage_writer=FileSystemWriter(str(folder)))
+    dcp.save(_state_dicts(trained), storage_writer=FileSystemWriter(str(folder)))
 
 
 def load_trained(trained, folder: Path) -> None:
@@ -117,9 +144,13 @@ def load_trained(trained, folder: Path) -> None:
     as needed). The optimizer's settings (learning rate, weight decay) stay this run's: only its state (moments,
     step counts) comes from the checkpoint. A collective over the role's set."""
     settings = [{k: v for k, v in group.items() if k != "params"} for group in trained.optimizer.param_groups]
-    model_state, optim_state = get_state_dict(trained.module, trained.optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    state = _state_dicts(trained)
+    # This run's parameter groups: a checkpoint holds one list of names per group, and of pipeline stages
+    # (each with its own list) only one stage's.
+    groups = [dict(group) for group in state["optim"]["param_groups"]]
     dcp.load(state, storage_reader=SafeReader(str(folder)), planner=SafeLoadPlanner())
+    state["optim"]["param_groups"] = groups
+    state = _stage_state_dicts(trained, state)
     set_state_dict(trained.module, trained.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     for group, kept in zip(trained.optimizer.param_groups, settings, strict=True):

@@ -56,18 +56,12 @@ def check_hardware(plan: Plan) -> tuple[str, str]:
 
 def check_layouts(plan: Plan) -> None:
     """The contract's limits (hfplan.layout.unsupported_role: layouts and batch splits no executor runs, and
-    the search never offers; generation with pp > 1 among them), then this executor's own: pipeline stages
-    (training and inference) without tensor parallelism so far."""
+    the search never offers; generation with pp > 1 among them). This executor runs every other layout,
+    pipeline stages with tensor and data parallelism included."""
     for role, par in plan.parallelism.items():
         problem = unsupported_role(plan.workload, role, par)
         if problem:
             raise HfplanError(f"parallelism.{role}: {problem}")
-    for role, par in plan.parallelism.items():
-        for kind in ("train", "infer", "gen"):
-            layout = getattr(par, kind)
-            if layout is not None and layout.pp > 1 and layout.tp > 1:
-                raise HfplanError(f"parallelism.{role}.{kind}: tp={layout.tp}, pp={layout.pp}; pipeline stages with "
-                                  "tensor parallelism are not composed yet (pp > 1 needs tp = 1)")
 
 
 def check_vocabularies(plan: Plan) -> None:

@@ -1,12 +1,13 @@
 """One role on one worker: its model, its engines, and the calls the dataflow makes on it.
 
-A trained role (actor, critic, cost critic) holds its model in the training layout (tensor parallel
-over its tp ranks, FSDP2 over its data-parallel ones) and runs its forward calls there too; an
-inference-only role (reference, reward, cost) holds a copy split over its inference layout's tp
-ranks (a whole one at tp = 1). The generating role also holds a rollout engine, tensor parallel over
-its generation layout's tp group: the actor reaches it through the hybrid engine (the training
-layout's weights, gathered over data-parallel ranks for generation), a separate rollout set through
-weights the controller sends it after each actor update.
+A trained role (actor, critic, cost critic) holds its model in the training layout (a pipeline stage
+with pp > 1, tensor parallel over its tp ranks, FSDP2 over its data-parallel ones) and runs its forward
+calls there too; an inference-only role (reference, reward, cost) holds a copy (or a stage of one) split
+over its inference layout's tp ranks (a whole one at tp = 1). The generating role also holds a rollout
+engine, tensor parallel over its generation layout's tp group: the actor reaches it through the hybrid
+engine (the training layout's weights, gathered over data-parallel ranks, and over pipeline stages with
+pp > 1, for generation), a separate rollout set through weights the controller sends it after each
+actor update.
 """
 
 from __future__ import annotations
@@ -208,14 +209,17 @@ def _build_role(role: str, plan: Plan, hyper: Hyperparameters, seed: int, device
 
 
 def _build_pipelined(runtime: RoleRuntime, par, lr: float | None, seed: int, rank: int) -> RoleRuntime:
-    """A role with pp > 1: this rank's stage (hfplan.executor.engines.pipeline), trained when `lr` is given.
-    A generating actor generates in a one-stage layout (gen pp = 1), through the pipeline's hybrid engine."""
+    """A role with pp > 1: this rank's stage (hfplan.executor.engines.pipeline), tensor parallel over the
+    layout's tp ranks, trained when `lr` is given. A generating actor generates in a one-stage layout
+    (gen pp = 1) through the pipeline's hybrid engine, which gathers the whole weights; the rollout engine
+    cuts its own shards of them for the generation layout's tp group."""
     device, model = runtime.device, runtime.model
     layout = par.train if lr is not None else par.infer
     generates = runtime.role == runtime.plan.generation_role
     if generates:  # built over the whole model before it is split; generation loads the gathered weights
         runtime.generator = rollout_generator(device, seed, par.gen, rank)
-        runtime.engine = TorchRolloutEngine(model, runtime.pad_id, runtime.eos_id)
+        group = tensor_parallel_mesh(par.gen, device.type).get_group() if par.gen.tp > 1 else None
+        runtime.engine = TorchRolloutEngine(model, runtime.pad_id, runtime.eos_id, group)
         runtime.engine.release_weights()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     runtime.pipeline = PipelinedModel(model, pipeline_mesh(layout, device.type),

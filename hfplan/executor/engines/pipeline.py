@@ -1,10 +1,17 @@
-"""Pipeline-parallel roles: torch.distributed.pipelining stages over a (pp, replicate, shard) mesh.
+"""Pipeline-parallel roles: torch.distributed.pipelining stages over a (pp, replicate, shard, tp) mesh.
 
-Each rank holds one stage of the model (`pipeline_split`), FSDP2 over its stage's data-parallel ranks
-(the mesh's (replicate, shard) dims, as `training.TrainedModel`) when the role trains, a plain copy
-when it only infers. Mesh dims, slowest first: PIPELINE_MESH_DIMS = ("pp", "replicate", "shard"), the
-contract's rank order (hfplan.layout: pp, dp, tp) with dp as replicate x shard, one of them 1; a
-tensor-parallel dim, when composed, goes last ("tp", fastest).
+Each rank holds one stage of the model (`pipeline_split`), tensor parallel over the mesh's tp dim
+(`tensor_parallel.apply_tensor_parallel`, applied to the whole model before it is split, so that the
+plan reads the HF module names) and FSDP2 over its stage's data-parallel ranks (the (replicate, shard)
+dims, as `training.TrainedModel`) when the role trains, a plain (or tensor-parallel) copy when it only
+infers. Mesh dims, slowest first: PIPELINE_MESH_DIMS = ("pp", "replicate", "shard", "tp"), the
+contract's rank order (hfplan.layout: pp, dp, tp) with dp as replicate x shard, one of them 1.
+
+The hidden states passed between stages are plain tensors, the same on every rank of a tensor-parallel
+group (the row-parallel outputs are all-reduced), and so are their gradients: the pipeline's group is
+the mesh's pp dim, the ranks with this rank's (replicate, shard, tp) coordinates, so each stage sends
+to and receives from the same tensor-parallel rank of its neighbours (torch.distributed.pipelining
+maps a stage to its rank in that group, and that to the global rank, for every send and receive).
 
 Every rank of a replica receives the replica's whole share of the batch; the first stage feeds it
 to the pipeline, the last reads the outputs and computes the losses, and the results (outputs and
@@ -39,7 +46,8 @@ from torch.distributed.tensor import DTensor
 from hfplan.executor import sequences
 from hfplan.executor.engines import losses
 from hfplan.executor.engines.pipeline_split import Readout, Stage, split_model, stage_names
-from hfplan.executor.engines.training import FSDP_MESH_DIMS, _split, fsdp_modules, plain_class
+from hfplan.executor.engines.tensor_parallel import apply_tensor_parallel
+from hfplan.executor.engines.training import FSDP_MESH_DIMS, TP_MESH_DIM, _split, fsdp_modules, plain_class
 from hfplan.executor.mesh import fsdp_mesh_shape
 from hfplan.hyperparams import Hyperparameters
 from hfplan.layout import LayoutLike
@@ -47,17 +55,15 @@ from hfplan.plan import TrainConfig
 
 logger = logging.getLogger(__name__)
 
-PIPELINE_MESH_DIMS = ("pp", *FSDP_MESH_DIMS)
+PIPELINE_MESH_DIMS = ("pp", *FSDP_MESH_DIMS, TP_MESH_DIM)
 Batch = dict[str, torch.Tensor]
 
 
 def pipeline_mesh(layout: LayoutLike, device_type: str) -> DeviceMesh:
-    """The (pp, replicate, shard) mesh of a layout with tp = 1: a training layout's dp as its FSDP mesh
-    (hfplan.executor.mesh), an inference layout's on `replicate` (inference holds plain copies)."""
-    if layout.tp != 1:
-        raise ValueError(f"pipeline meshes take tp = 1 so far, got tp={layout.tp}")
+    """The (pp, replicate, shard, tp) mesh of a layout: a training layout's dp as its FSDP mesh
+    (hfplan.executor.mesh), an inference layout's on `replicate` (inference holds unsharded copies)."""
     dp = fsdp_mesh_shape(layout) if isinstance(layout, TrainConfig) else (layout.dp, 1)
-    return init_device_mesh(device_type, (layout.pp, *dp), mesh_dim_names=PIPELINE_MESH_DIMS)
+    return init_device_mesh(device_type, (layout.pp, *dp, layout.tp), mesh_dim_names=PIPELINE_MESH_DIMS)
 
 
 def equal_micro_batches(size: int, micro_batch: int) -> int:
@@ -88,8 +94,6 @@ class PipelinedModel:
         self.first, self.last = self.stage == 0, self.stage == self.stages - 1
         self.trains = lr is not None
         self.hf_class, self.config = plain_class(model), model.config
-        self.all_names = stage_names(model, self.stages)  # every stage's HF parameter names, and their shapes
-        self.shapes = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
         self.param_dtype = param_dtype
         self.tied = self.stages > 1 and getattr(model.config, "tie_word_embeddings", False) and hasattr(
             model, "lm_head")
@@ -99,6 +103,10 @@ class PipelinedModel:
                 module.p = 0.0
         if recompute and self.trains:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if mesh.size(PIPELINE_MESH_DIMS.index(TP_MESH_DIM)) > 1:  # KV-head copies would drift apart in training
+            apply_tensor_parallel(model, mesh[TP_MESH_DIM], copy_kv_heads=not self.trains)
+        self.all_names = stage_names(model, self.stages)  # every stage's HF parameter names, and (global) shapes
+        self.shapes = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
         module, self.names, self.buffer_names = split_model(model, self.stage, self.stages)
         module.to(self.device)
         self.module: Stage = module
@@ -378,7 +386,8 @@ class PipelinedModel:
     # -- whole-model weights ------------------------------------------------------------------------
     def gathered(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Every stage's full parameters on every rank, by HF name, in `dtype` (a collective over the
-        pipeline and its data-parallel ranks): one broadcast of a flat buffer per stage."""
+        pipeline and its data- and tensor-parallel ranks: DTensors gathered whole within their stage, then
+        one broadcast of a flat buffer per stage)."""
         mine = {self.names[name]: p for name, p in self.module.named_parameters(remove_duplicate=False)}
         local = [(mine[name].full_tensor() if isinstance(mine[name], DTensor) else mine[name]).detach().to(dtype)
                  .reshape(-1) for name in self.all_names[self.stage]]

@@ -1,9 +1,10 @@
 """The hybrid engine of a pipelined actor: generation in a layout of one stage (gen pp = 1).
 
-Rollout engines run whole models, so an actor trained with pp > 1 generates with every rank holding
-the full weights: entering generation gathers each stage's weights (all-gathered over its data-parallel
-ranks) and broadcasts them over the pipeline, into a plain module of the model's class built once on
-the meta device; exiting points that module back at meta tensors, which frees the gathered copies.
+Rollout engines run whole models (a tensor-parallel engine cuts its own shards), so an actor trained
+with pp > 1 generates with every rank holding the full weights: entering generation gathers each stage's
+weights (DTensors made whole over the stage's data- and tensor-parallel ranks) and broadcasts them over
+the pipeline, into a plain module of the model's class built once on the meta device; exiting points
+that module back at meta tensors, which frees the gathered copies.
 """
 
 from __future__ import annotations
