@@ -1,5 +1,7 @@
 """Shared fixtures: a hardware profile with round numbers, so hand computations stay readable."""
 
+import os
+
 import pytest
 
 from hfplan.profiles.hardware import Compute, HardwareProfile, Link, Links, Memory
@@ -40,3 +42,13 @@ def plan_file(tmp_path):
     path = tmp_path / "plan.json"
     path.write_text(sample_plan().to_json())
     return path
+
+
+def pytest_collection_modifyitems(config, items):
+    """Exhaustive cross-checks of the search (minutes each on 2 cores) run only with HFPLAN_EXHAUSTIVE=1."""
+    if os.environ.get("HFPLAN_EXHAUSTIVE") == "1":
+        return
+    skip = pytest.mark.skip(reason="exhaustive search reference; run with HFPLAN_EXHAUSTIVE=1")
+    for item in items:
+        if "exhaustive" in item.keywords:
+            item.add_marker(skip)

@@ -143,7 +143,7 @@ for _name in ("ppo-12gpu-partial-node", "grpo-4gpu", "grpo-4gpu-2nodes", "safe-r
     SLOW_CASES[_name] = CASES.pop(_name)
 ALL_CASES = {**CASES, **SLOW_CASES}
 CASE_PARAMS = [pytest.param(name, id=name) for name in CASES] + [
-    pytest.param(name, id=name, marks=pytest.mark.slow) for name in SLOW_CASES]
+    pytest.param(name, id=name, marks=[pytest.mark.slow, pytest.mark.exhaustive]) for name in SLOW_CASES]
 
 
 # -- the exhaustive reference ---------------------------------------------------------------------
