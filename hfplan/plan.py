@@ -281,21 +281,9 @@ class Plan(_Strict):
 
 
 def migrate_plan(data: dict) -> dict:
-    """A version-1 plan as version 2: `train.recompute` true/false becomes full/none (the validator reads
-    both); every other version-1 field means the same, and the new fields take their defaults."""
-    if data.get("version") != 1:
-        return data
-    parallelism = data.get("parallelism")
-    if isinstance(parallelism, dict):
-        parallelism = {role: _migrated_role(par) for role, par in parallelism.items()}
-    return data | {"version": 2, "parallelism": parallelism}
-
-
-def _migrated_role(par: object) -> object:
-    train = par.get("train") if isinstance(par, dict) else None
-    if not isinstance(train, dict) or not isinstance(train.get("recompute"), bool):
-        return par
-    return par | {"train": train | {"recompute": "full" if train["recompute"] else "none"}}
+    """A version-1 plan as version 2. Every version-1 field means the same; its booleans (`train.shard`,
+    `train.recompute`) are read by those fields' own validators, and the new fields take their defaults."""
+    return data | {"version": 2} if data.get("version") == 1 else data
 
 
 def plan_from_dict(data: object, source: str) -> Plan:
