@@ -369,9 +369,9 @@ def test_runtime_costs_measured_on_the_executor_engine():
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from hfplan.plan import Layout
-    from hfplan.profiles.hardware import Runtime
     from hfplan.profiler import device as devices
     from hfplan.profiler.runtime import LONG, PROMPT, SHORT, measure_runtime
+    from hfplan.profiles.hardware import Runtime
     from hfplan.simulator import costs
 
     hw = load_hardware("cpu")
