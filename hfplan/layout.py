@@ -194,7 +194,9 @@ def unsupported_layout(arch: ModelArch, kind: str, layout: LayoutLike, train: La
 
     Tensor parallelism splits whole heads, the MLP width and the vocabulary evenly over tp ranks (the
     executor's DTensor column / row plans). Training splits the KV heads too; inference and generation
-    may instead give each rank a copy of one KV head (tp a multiple of the KV heads)."""
+    may instead give each rank a copy of one KV head (tp a multiple of the KV heads). A pipeline cuts the
+    layers into pp equal stages, a training pipeline with virtual stages into pp * virtual_stages (rank r
+    holding stages r, r + pp, ...: interleaved 1F1B)."""
     if kind not in ("train", "infer", "gen"):
         raise ValueError(f"unknown layout kind {kind!r}")
     tp, pp = layout.tp, layout.pp
@@ -211,10 +213,14 @@ def unsupported_layout(arch: ModelArch, kind: str, layout: LayoutLike, train: La
         return f"tp={tp} does not divide the vocabulary of {arch.vocab} of {arch.name} (vocabulary-parallel head)"
     if arch.layers % pp:
         return f"pp={pp} does not divide the {arch.layers} layers of {arch.name} into equal stages"
+    virtual = getattr(layout, "virtual_stages", 1) if kind == "train" else 1
+    if virtual > 1 and pp == 1:
+        return f"virtual_stages={virtual} with pp=1: virtual stages interleave the stages of a pipeline"
+    if arch.layers % (pp * virtual):
+        return (f"pp={pp} x virtual_stages={virtual} = {pp * virtual} stages do not divide the {arch.layers} "
+                f"layers of {arch.name} equally")
     if kind == "gen" and pp > 1:
         return f"generation with pp={pp}: rollout engines run one pipeline stage"
-    if kind == "train" and getattr(layout, "virtual_stages", 1) > 1:
-        return f"virtual_stages={layout.virtual_stages}: the executor runs plain 1F1B, not interleaved stages"
     if kind == "train" and getattr(layout, "recompute", None) == "selective":
         return "recompute=selective: the executor recomputes whole layers (full) or nothing"
     if kind == "gen" and getattr(layout, "batching", "static") == "continuous":

@@ -224,7 +224,8 @@ def _build_pipelined(runtime: RoleRuntime, par, lr: float | None, seed: int, ran
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     runtime.pipeline = PipelinedModel(model, pipeline_mesh(layout, device.type),
                                       runtime.hyper, device, dtype, pad_id=runtime.pad_id, lr=lr,
-                                      recompute=lr is not None and par.train.recompute)
+                                      recompute=lr is not None and par.train.recompute,
+                                      virtual_stages=par.train.virtual_stages if lr is not None else 1)
     runtime.model = runtime.pipeline.module
     if lr is not None:
         runtime.trained = runtime.pipeline
