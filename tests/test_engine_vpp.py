@@ -140,7 +140,7 @@ def _sequences():
 
 def _inference_generation_checkpoint(rank: int, world: int, folder: str) -> dict:
     """A trained tied actor with virtual stages: its log-probs, its generation module (the gathered whole
-    model), and its checkpoint loaded into a fresh pipeline of another seed."""
+    model), and its checkpoint loaded into fresh pipelines of another seed, with virtual stages and without."""
     layout = TrainConfig(pp=2)
     build = dict(pad_id=PAD, lr=LR, virtual_stages=V)
     trained = PipelinedModel(actor(tied=True), pipeline_mesh(layout, "cpu"), HP, "cpu", torch.float32, **build)
@@ -155,6 +155,10 @@ def _inference_generation_checkpoint(rank: int, world: int, folder: str) -> dict
     fresh = PipelinedModel(actor(seed=1, tied=True), pipeline_mesh(layout, "cpu"), HP, "cpu", torch.float32, **build)
     checkpoint.load_trained(fresh, Path(folder))
     out["loaded"] = fresh.gathered(torch.float32)
+    plain_stages = PipelinedModel(actor(seed=1, tied=True), pipeline_mesh(layout, "cpu"), HP, "cpu", torch.float32,
+                                  pad_id=PAD, lr=LR)  # one stage per rank: DCP reshards by the whole model's names
+    checkpoint.load_trained(plain_stages, Path(folder))
+    out["loaded_one_stage_each"] = plain_stages.gathered(torch.float32)
     out["moments"] = all(bool(s["exp_avg"].full_tensor().abs().sum() > 0) for s in fresh.optimizer.state.values())
     return out
 
@@ -178,4 +182,5 @@ def test_pp2_v2_inference_generation_weights_and_checkpoint_match_the_whole_mode
         for name, param in plain.named_parameters(remove_duplicate=False):
             torch.testing.assert_close(got["generation"][name], param, atol=0, rtol=0, msg=name)
             torch.testing.assert_close(got["loaded"][name], param, atol=0, rtol=0, msg=name)
+            torch.testing.assert_close(got["loaded_one_stage_each"][name], param, atol=0, rtol=0, msg=name)
 
