@@ -186,6 +186,19 @@ def stage_params(arch: ModelArch, pp: int, head: str) -> float:
     return layers + max(arch.embedding_params, arch.head_params(head) + arch.hidden)
 
 
+def uneven_stages(arch: ModelArch, pp: int, virtual_stages: int = 1) -> str | None:
+    """Why a pipeline of pp ranks with `virtual_stages` stages each cannot cut the model's layers into
+    pp * virtual_stages equal stages (None when it can): stage_params' rule, and the executor's split."""
+    if arch.layers % pp:
+        return f"pp={pp} does not divide the {arch.layers} layers of {arch.name} into equal stages"
+    if virtual_stages > 1 and pp == 1:
+        return f"virtual_stages={virtual_stages} with pp=1: virtual stages interleave the stages of a pipeline"
+    if arch.layers % (pp * virtual_stages):
+        return (f"pp={pp} x virtual_stages={virtual_stages} = {pp * virtual_stages} stages do not divide the "
+                f"{arch.layers} layers of {arch.name} equally")
+    return None
+
+
 # -- what the executor can run ------------------------------------------------------------------------
 def unsupported_layout(arch: ModelArch, kind: str, layout: LayoutLike, train: LayoutLike | None = None
                        ) -> str | None:
@@ -211,14 +224,9 @@ def unsupported_layout(arch: ModelArch, kind: str, layout: LayoutLike, train: La
         return f"tp={tp} does not divide the MLP width {arch.ffn} of {arch.name}"
     if arch.vocab % tp:
         return f"tp={tp} does not divide the vocabulary of {arch.vocab} of {arch.name} (vocabulary-parallel head)"
-    if arch.layers % pp:
-        return f"pp={pp} does not divide the {arch.layers} layers of {arch.name} into equal stages"
-    virtual = getattr(layout, "virtual_stages", 1) if kind == "train" else 1
-    if virtual > 1 and pp == 1:
-        return f"virtual_stages={virtual} with pp=1: virtual stages interleave the stages of a pipeline"
-    if arch.layers % (pp * virtual):
-        return (f"pp={pp} x virtual_stages={virtual} = {pp * virtual} stages do not divide the {arch.layers} "
-                f"layers of {arch.name} equally")
+    problem = uneven_stages(arch, pp, getattr(layout, "virtual_stages", 1) if kind == "train" else 1)
+    if problem:
+        return problem
     if kind == "gen" and pp > 1:
         return f"generation with pp={pp}: rollout engines run one pipeline stage"
     if kind == "train" and getattr(layout, "recompute", None) == "selective":

@@ -198,6 +198,9 @@ class PipelinedModel:
                 stages.append(PipelineStage(module, index, self.total, self.device, input_args=inputs,
                                             output_args=outputs, group=self.pp_group))
             kind = schedule_class(train, micro_batches, self.stages, len(stages))
+            if train and kind is ScheduleLoopedBFS:
+                logger.info("interleaved 1F1B does not take %d micro-batches on %d ranks: training breadth-first "
+                            "(all micro-batches' activations held at once)", micro_batches, self.stages)
             loss = dict(loss_fn=self._loss, scale_grads=False) if train else {}
             self._schedules[key] = kind(stages[0] if len(stages) == 1 else stages, micro_batches, **loss)
         return self._schedules[key]
