@@ -17,7 +17,7 @@ HP = Hyperparameters(entropy_coef=0.01, kl_loss_coef=0.1, kl_estimator="k3", max
                      temperature=0.8, clip_ratio=0.2, value_clip=0.1)
 WORLD = 2
 # (shard, micro_batch, recompute) on every data-parallel run.
-CONFIGS = [(True, 1, "none"), (True, 2, "full"), (True, 1, "selective"), (False, 1, "none"), (False, 2, "selective")]
+CONFIGS = [(True, 1, "none"), (True, 2, "selective"), (False, 1, "none"), (False, 2, "full")]
 
 
 def full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
