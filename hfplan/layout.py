@@ -229,8 +229,6 @@ def unsupported_layout(arch: ModelArch, kind: str, layout: LayoutLike, train: La
         return problem
     if kind == "gen" and pp > 1:
         return f"generation with pp={pp}: rollout engines run one pipeline stage"
-    if kind == "train" and getattr(layout, "recompute", None) == "selective":
-        return "recompute=selective: the executor recomputes whole layers (full) or nothing"
     if kind == "gen" and getattr(layout, "batching", "static") == "continuous":
         return "batching=continuous: the executor's torch rollout engine batches statically"
     if kind == "gen" and train is not None:

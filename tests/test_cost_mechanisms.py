@@ -143,7 +143,6 @@ def test_continuous_batching_beats_static_waves_when_lengths_vary(toy_hw):
 
 
 @pytest.mark.parametrize(("kind", "layout", "needle"), [
-    ("train", TrainConfig(recompute="selective"), "recompute=selective"),
     ("gen", GenConfig(batching="continuous"), "batching=continuous"),
 ])
 def test_strategies_the_executor_lacks_stay_out_of_its_space(kind, layout, needle):

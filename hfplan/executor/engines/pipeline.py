@@ -60,12 +60,13 @@ from torch.distributed.tensor import DTensor
 from hfplan.executor import sequences
 from hfplan.executor.engines import losses
 from hfplan.executor.engines.pipeline_split import RankStages, Readout, rank_stages, split_model, stage_names
+from hfplan.executor.engines.recompute import apply_recompute
 from hfplan.executor.engines.tensor_parallel import apply_tensor_parallel
 from hfplan.executor.engines.training import FSDP_MESH_DIMS, TP_MESH_DIM, _split, fsdp_modules, plain_class
 from hfplan.executor.mesh import fsdp_mesh_shape
 from hfplan.hyperparams import Hyperparameters
 from hfplan.layout import LayoutLike
-from hfplan.plan import TrainConfig
+from hfplan.plan import Recompute, TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +112,8 @@ class PipelinedModel:
     unshard / reshard / inference(); every rank of the pipeline must make the same calls."""
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, hp: Hyperparameters, device: torch.device | str,
-                 param_dtype: torch.dtype, *, pad_id: int, lr: float | None = None, recompute: bool = False,
-                 virtual_stages: int = 1) -> None:
+                 param_dtype: torch.dtype, *, pad_id: int, lr: float | None = None,
+                 recompute: Recompute | str = Recompute.NONE, virtual_stages: int = 1) -> None:
         if mesh.mesh_dim_names != PIPELINE_MESH_DIMS:
             raise ValueError(f"pipeline mesh dims must be {PIPELINE_MESH_DIMS}, got {mesh.mesh_dim_names}")
         self.mesh, self.hp, self.pad_id, self.device = mesh, hp, pad_id, torch.device(device)
@@ -131,8 +132,8 @@ class PipelinedModel:
         for module in model.modules():  # the losses compare with log-probs and values computed without dropout
             if isinstance(module, nn.Dropout):
                 module.p = 0.0
-        if recompute and self.trains:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.trains:
+            apply_recompute(model, recompute)
         if mesh.size(PIPELINE_MESH_DIMS.index(TP_MESH_DIM)) > 1:  # KV-head copies would drift apart in training
             apply_tensor_parallel(model, mesh[TP_MESH_DIM], copy_kv_heads=not self.trains)
         self.all_names = stage_names(model, self.total)  # every stage's HF parameter names, and (global) shapes
