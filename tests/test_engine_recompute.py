@@ -113,7 +113,8 @@ def test_selective_recomputes_the_core_attention_and_nothing_else(attention):
 
 def test_pipeline_stages_keep_the_selective_attention():
     model = _model(llama_actor, "selective")
-    stage, _, _ = split_model(model, 1, 2)  # the last stage: one decoder layer, the norm and the head
+    held, _, _ = split_model(model, [1], 2)  # the last stage: one decoder layer, the norm and the head
+    (stage,) = held.stages
     assert stage.backbone.config._attn_implementation == SELECTIVE_PREFIX + "sdpa"
     stage.readout = Readout("log_probs", 3)
     hidden = torch.randn(2, 6, model.config.hidden_size, requires_grad=True)
