@@ -384,10 +384,9 @@ def test_cases_are_nontrivial(lab):
                                               ("remax-kv-waves-4gpu", 1000), ("grpo-4gpu-2nodes", 1000)])
 def test_reference_equals_brute_force(lab, name, budget):
     """exhaustive() leaves out the combinations of a set that are no faster on any call than another: on
-    the pairs whose full product is small (up to `budget` choices in all; those where something fits first,
-    smallest first), multiplying
-    everything out gives the same best time and the same counts. The pairs checked include several sets,
-    and some where the reference left choices out."""
+    pairs whose full product is small (up to `budget` choices in all; pairs where something fits first,
+    smallest first), multiplying everything out gives the same best time and the same counts. The pairs
+    checked include some of several sets, and some where the reference left choices out."""
     case = ALL_CASES[name]
     workload, cluster = lab.workload(case), lab.cluster(case)
     reference, memo = lab.reference(name), CostMemo()
