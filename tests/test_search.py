@@ -124,6 +124,10 @@ CASES = {
     "ppo-tight-2gpu": Case("ppo", {"actor": "mha", "critic": "flatbig", "reference": "flatbig", "reward": "flatbig"},
                            2, 2, hardware=TIGHT, prompt_len=1024, response_len=1024, batch_prompts=2,
                            mini_batches=1, top_k=2),
+    # two nodes of the tight profile: some pairs are best with the actor sharded within each node (hybrid)
+    "ppo-tight-4gpu-2nodes": Case("ppo", {"actor": "mha", "critic": "flatbig", "reference": "flatbig", "reward": RULE},
+                                  4, 2, hardware=TIGHT, prompt_len=1024, response_len=512, batch_prompts=4,
+                                  mini_batches=1, top_k=3),
     # does not fit on 2 GPUs; fits on 3 (one node and a partial one)
     "ppo-tight-3gpu-partial-node": Case("ppo", {"actor": "mha", "critic": "flatbig", "reference": "flatbig",
                                                 "reward": "flatbig"}, 3, 2, hardware=TIGHT, prompt_len=2048,
@@ -372,6 +376,9 @@ def test_cases_are_nontrivial(lab):
     with_rollout = [name for name in CASES if any(r.feasible and any(ROLLOUT in group for group in placement)
                                                   for (placement, _), r in lab.reference(name).items())]
     assert len(with_rollout) >= 3, with_rollout  # rollout sets that fit, so the cases check them too
+    shards = {par.train.shard for name in CASES for r in lab.reference(name).values() if r.pars
+              for par in r.pars.values() if par.train}
+    assert {"replicated", "full", "hybrid"} <= shards, shards  # the executor's shard modes each win some pair
     tight = lab.reference("ppo-tight-2gpu")
     assert sum(r.infeasible for r in tight.values()) > sum(r.feasible for r in tight.values()) > 0
     assert any(r.best_s == math.inf for r in tight.values())  # whole pairs that cannot fit
