@@ -16,13 +16,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import os
 import random
+import resource
 import statistics
 import time
 
 import numpy as np
 
-from hfplan.layout import ROLLOUT, model_role
+from hfplan.layout import ROLLOUT, model_role, unsupported_role
 from hfplan.plan import RoleParallelism
 from hfplan.planner import space
 from hfplan.planner.search import search
@@ -37,18 +39,20 @@ CASES = [("ppo-llama2-7b", 64, 2.0), ("ppo-llama2-70b", 1024, 30.0), ("safe-rlhf
 
 def raw_strategies(workload: Workload, role: str, gpus: int, per_node: int, rollout: bool = False
                    ) -> list[RoleParallelism]:
+    """Every strategy of one role on `gpus` GPUs that the executor's pre-flight accepts, unpruned."""
     if role == ROLLOUT:
-        return [RoleParallelism(gen=g) for g in space.gen_configs(workload.arch(model_role(workload, role)), gpus,
-                                                                   per_node)]
-    arch = workload.arch(role)
-    if role not in TRAINED_ROLES:
-        return [RoleParallelism(infer=i) for i in space.infer_configs(arch, gpus, per_node, workload.sequences)]
-    out = []
-    for train in space.train_configs(arch, gpus, per_node, workload.sequences // workload.mini_batches):
-        infers = space.infer_configs(arch, gpus, per_node, workload.sequences, train)
-        gens = space.gen_configs(arch, gpus, per_node, train) if role == "actor" and not rollout else [None]
-        out.extend(RoleParallelism(train=train, infer=i, gen=g) for i, g in itertools.product(infers, gens))
-    return out
+        out = [RoleParallelism(gen=g) for g in space.gen_configs(workload.arch(model_role(workload, role)), gpus,
+                                                                  per_node)]
+    elif role not in TRAINED_ROLES:
+        out = [RoleParallelism(infer=i)
+               for i in space.infer_configs(workload.arch(role), gpus, per_node, workload.sequences)]
+    else:
+        arch, out = workload.arch(role), []
+        for train in space.train_configs(arch, gpus, per_node, workload.sequences // workload.mini_batches):
+            infers = space.infer_configs(arch, gpus, per_node, workload.sequences, train)
+            gens = space.gen_configs(arch, gpus, per_node, train) if role == "actor" and not rollout else [None]
+            out.extend(RoleParallelism(train=train, infer=i, gen=g) for i, g in itertools.product(infers, gens))
+    return [par for par in out if unsupported_role(workload, role, par) is None]
 
 
 def placements(workload: Workload) -> list[tuple[tuple[str, ...], ...]]:
@@ -88,20 +92,19 @@ def seconds_per_choice(workload: Workload, gpus: int, per_node: int, samples: in
     strategies: dict[tuple[str, int, bool], list[RoleParallelism]] = {}
     chosen = []
     every = placements(workload)
-    for _ in range(samples):  # draw the choices first: only their costing and simulation is timed
+    while len(chosen) < samples:  # draw the choices first: only their costing and simulation is timed
         placement = rng.choice(every)
         rollout = any(ROLLOUT in group for group in placement)
         allocation = rng.choice(list(itertools.islice(space.allocations(len(placement), gpus, per_node, idle=True),
                                                       2000)))
         sets = list(zip(placement, allocation, strict=True))
-        pars = {}
         for roles_of_set, size in sets:
             for role in roles_of_set:
-                key = (role, size, rollout)
-                if key not in strategies:
-                    strategies[key] = raw_strategies(workload, role, size, per_node, rollout)
-                pars[role] = rng.choice(strategies[key])
-        chosen.append((sets, pars))
+                if (role, size, rollout) not in strategies:
+                    strategies[(role, size, rollout)] = raw_strategies(workload, role, size, per_node, rollout)
+        options = {role: strategies[(role, size, rollout)] for roles_of_set, size in sets for role in roles_of_set}
+        if all(options.values()):  # a role with no strategy on its set size: no choice to draw here
+            chosen.append((sets, {role: rng.choice(pars) for role, pars in options.items()}))
     memo = costs.CostMemo()  # exhaustive enumeration shares its cost tables too
     started = time.perf_counter()
     for sets, pars in chosen:
@@ -109,6 +112,12 @@ def seconds_per_choice(workload: Workload, gpus: int, per_node: int, samples: in
         if not plan_costs.infeasible_reason:
             engine.run(dag, plan_costs)
     return (time.perf_counter() - started) / samples
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process and of its finished children (the workers of --jobs)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
 
 
 def main() -> None:
@@ -123,10 +132,10 @@ def main() -> None:
         cluster = make_cluster(gpus)
         walls, cpus = [], []
         for _ in range(args.repeat):
-            started, cpu = time.perf_counter(), time.process_time()
+            started, cpu = time.perf_counter(), cpu_seconds()
             result = search(workload, cluster, top_k=5, jobs=args.jobs)
             walls.append(time.perf_counter() - started)
-            cpus.append(time.process_time() - cpu)
+            cpus.append(cpu_seconds() - cpu)
         wall = statistics.median(walls)
         pairs, choices = count_space(workload, gpus, cluster.gpus_per_node)
         per_choice = seconds_per_choice(workload, gpus, cluster.gpus_per_node, args.samples)
@@ -135,8 +144,10 @@ def main() -> None:
         print(f"{name} on {gpus} GPUs: search {wall:.2f} s (median of {args.repeat}: "
               f"{', '.join(f'{w:.2f}' for w in walls)}), budget {target:.0f} s: {verdict} ({wall / target:.2f} of it); "
               f"best {result.best.estimate.iteration_s:.2f} s/iteration")
-        print(f"  CPU seconds of this process (what a shared machine's load does not inflate, --jobs 1): median "
-              f"{statistics.median(cpus):.2f} ({', '.join(f'{c:.2f}' for c in cpus)})")
+        cpu = statistics.median(cpus)
+        print(f"  CPU seconds, workers included (what a shared machine's load inflates least): median {cpu:.2f} "
+              f"({', '.join(f'{c:.2f}' for c in cpus)}), {'within' if cpu <= target else 'OVER'} the budget "
+              f"({cpu / target:.2f} of it); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
         print(f"  space: {pairs:,} placement x allocation candidates ({pairs / wall:,.0f} per second), "
               f"{choices:.3e} complete strategy choices ({choices / wall:.3e} per second)")
         print(f"  exhaustive baseline: {per_choice * 1e3:.2f} ms per choice (measured on {args.samples}) x "

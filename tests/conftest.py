@@ -45,7 +45,7 @@ def plan_file(tmp_path):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Exhaustive cross-checks of the search (minutes each on 2 cores) run only with HFPLAN_EXHAUSTIVE=1."""
+    """The search's largest exhaustive cross-checks (30-60 s each on 2 cores) run only with HFPLAN_EXHAUSTIVE=1."""
     if os.environ.get("HFPLAN_EXHAUSTIVE") == "1":
         return
     skip = pytest.mark.skip(reason="exhaustive search reference; run with HFPLAN_EXHAUSTIVE=1")
