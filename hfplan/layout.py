@@ -217,8 +217,6 @@ def unsupported_layout(arch: ModelArch, kind: str, layout: LayoutLike, train: La
         return f"virtual_stages={layout.virtual_stages}: the executor runs plain 1F1B, not interleaved stages"
     if kind == "train" and getattr(layout, "recompute", None) == "selective":
         return "recompute=selective: the executor recomputes whole layers (full) or nothing"
-    if kind == "gen" and getattr(layout, "batching", "static") == "continuous":
-        return "batching=continuous: the executor's torch rollout engine batches statically"
     if kind == "gen" and train is not None:
         return nesting_problem(train, layout)
     if kind == "train" and getattr(layout, "shard", None) in ("zero1", "zero2"):

@@ -145,7 +145,6 @@ def test_continuous_batching_beats_static_waves_when_lengths_vary(toy_hw):
 @pytest.mark.parametrize(("kind", "layout", "needle"), [
     ("train", TrainConfig(pp=2, virtual_stages=2), "virtual_stages=2"),
     ("train", TrainConfig(recompute="selective"), "recompute=selective"),
-    ("gen", GenConfig(batching="continuous"), "batching=continuous"),
 ])
 def test_strategies_the_executor_lacks_stay_out_of_its_space(kind, layout, needle):
     from hfplan.layout import unsupported_layout

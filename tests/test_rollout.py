@@ -366,3 +366,28 @@ def test_tensor_parallel_continuous_batching_equals_one_process(tmp_path):
     for got in run_world(_tp2_continuous, 2, {"path": str(path)}, eos, timeout=120):
         assert torch.equal(got["responses"], want.responses) and torch.equal(got["mask"], want.response_mask)
         torch.testing.assert_close(got["log_probs"], want.log_probs, atol=1e-5, rtol=0)
+
+
+def test_a_rollout_set_generates_with_the_batching_its_plan_gives():
+    import numpy as np
+
+    from hfplan.executor.runtime import _build_role
+    from hfplan.plan import ROLLOUT, GenConfig, RoleParallelism
+    from hfplan.spec import make_cluster
+    from tests.execute_support import tiny_workload
+    from tests.helpers_plans import build_plan
+
+    workload = tiny_workload("ppo")
+    prompts = uneven_prompts(rows=workload.batch_prompts, width=workload.prompt_len, seed=11, vocab=260).numpy()
+    outputs = {}
+    for gen in (GenConfig(), GenConfig(batching="continuous", max_batch=3)):
+        plan = build_plan(workload, [(("actor", "critic", "reference"), 1), ((ROLLOUT,), 1)],
+                          cluster=make_cluster(2, "cpu"), tp=1, gen_tp=1, overrides={ROLLOUT: RoleParallelism(gen=gen)})
+        runtime = _build_role(ROLLOUT, plan, workload.hyperparameters, 0, torch.device("cpu"), 0)
+        assert (runtime.engine.batching, runtime.engine.max_batch) == (gen.batching, gen.max_batch)
+        outputs[gen.batching] = runtime.run("generate", {"prompts": prompts}, {"greedy": True, "n": 2}, [])
+        # 8 rows: one prefill of them all, or, with 3 slots, prefills of at most 3 rows each.
+        prefills = runtime.engine.stats.prefills
+        assert prefills == 1 if gen.max_batch is None else prefills >= 3
+    for name, value in outputs["static"].items():
+        assert np.array_equal(outputs["continuous"][name], value), name
