@@ -400,8 +400,9 @@ class TorchRolloutEngine:
             if not any(going) and not refill:
                 return responses, log_probs
             if any(going):
-                offset = torch.tensor([made[s] - 1 if going[s] else 0 for s in range(slots)], device=device)
-                width = prompt_len + int(offset.max()) + 1
+                offsets = [made[s] - 1 if going[s] else 0 for s in range(slots)]
+                offset = torch.tensor(offsets, device=device)
+                width = prompt_len + max(offsets) + 1
                 seen = torch.arange(width - prompt_len, device=device)[None, :] <= offset[:, None]
                 mask = torch.cat([slot_mask, seen], dim=1)[:, None, None]
                 feed = torch.where(torch.tensor(going, device=device), tokens, self.pad_id)[:, None]
@@ -461,7 +462,8 @@ class TorchRolloutEngine:
         width = mask.shape[-1]
         half = w.head_dim // 2
         cos, sin = cos[:, None], sin[:, None]
-        each_row = None if isinstance(start, int) else torch.arange(rows, device=tokens.device)
+        # Per-row columns: one scatter index [B, KV, 1, D] for every layer's keys and values.
+        column = None if isinstance(start, int) else start.view(rows, 1, 1, 1).expand(rows, w.kv_heads, 1, w.head_dim)
         h = w.embed_tokens(tokens.reshape(-1))  # [B*T, hidden]: 2-D matmuls are the cheapest on CPU
         for layer, (keys, values) in zip(w.layers, cache, strict=True):
             x = layer.attn_norm(h)
@@ -470,12 +472,12 @@ class TorchRolloutEngine:
             v = layer.v(x).view(rows, length, w.kv_heads, w.head_dim).transpose(1, 2)
             q = q * cos + q.roll(half, dims=-1) * sin
             k = k * cos + k.roll(half, dims=-1) * sin
-            if each_row is None:
+            if column is None:
                 keys.narrow(2, start, length).copy_(k)
                 values.narrow(2, start, length).copy_(v)
             else:
-                keys[each_row, :, start] = k[:, :, 0]
-                values[each_row, :, start] = v[:, :, 0]
+                keys.scatter_(2, column, k)
+                values.scatter_(2, column, v)
             attn = F.scaled_dot_product_attention(
                 q, keys.narrow(2, 0, width), values.narrow(2, 0, width), attn_mask=mask, scale=w.scaling,
                 enable_gqa=w.heads != w.kv_heads,
