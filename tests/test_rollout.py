@@ -391,3 +391,25 @@ def test_a_rollout_set_generates_with_the_batching_its_plan_gives():
         assert prefills == 1 if gen.max_batch is None else prefills >= 3
     for name, value in outputs["static"].items():
         assert np.array_equal(outputs["continuous"][name], value), name
+
+
+@pytest.mark.slow
+def test_a_continuous_batching_plan_runs_as_its_static_twin_when_sampling_is_argmax():
+    """GRPO on one device (the hybrid engine): a top_p that keeps only the likeliest token makes sampling pick
+    the argmax, so a plan with 3 continuous slots for its 8 rollouts runs as the static one does."""
+    from hfplan.executor.controller import ExecuteOptions
+    from hfplan.executor.local import run_local, single_process_world
+    from hfplan.plan import GenConfig
+    from tests.execute_support import ARITH_GRPO, cpu_plan, tiny_workload
+
+    static = cpu_plan(tiny_workload("grpo", ARITH_GRPO), [(("actor", "reference"), 1)])
+    actor = static.parallelism["actor"]
+    continuous = static.model_copy(update={"parallelism": static.parallelism | {"actor": actor.model_copy(
+        update={"gen": GenConfig(batching="continuous", max_batch=3)})}})
+    options = ExecuteOptions(iterations=2, overrides=("top_p=1e-6",))
+    with single_process_world():
+        runs = [run_local(plan, options).iterations for plan in (static, continuous)]
+    assert any(0 < it["response_len"] < static.workload.response_len for it in runs[0])  # lengths vary
+    for got, want in zip(runs[1], runs[0], strict=True):
+        for key in ("response_len", "reward", "actor/policy_loss", "actor/grad_norm"):
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
