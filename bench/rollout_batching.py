@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--response-len", type=int, default=64)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu")
     args = parser.parse_args()
     if args.threads:

@@ -385,11 +385,11 @@ class TorchRolloutEngine:
         while True:
             tokens, token_log_probs = sample_tokens(logits, params, generator)
             live = [s for s in range(slots) if row_of[s] is not None]
-            at = (torch.tensor([row_of[s] for s in live], device=device),
-                  torch.tensor([made[s] for s in live], device=device))
-            live_slots = torch.tensor(live, device=device)
-            responses[at] = tokens[live_slots]
-            log_probs[at] = token_log_probs[live_slots]
+            # One host-to-device copy a step: (row, response column, slot) of each live sequence.
+            row, column, slot = torch.tensor([[row_of[s] for s in live], [made[s] for s in live], live],
+                                             device=device)
+            responses[row, column] = tokens[slot]
+            log_probs[row, column] = token_log_probs[slot]
             ended = (tokens == self.eos_id).tolist()
             for s in live:
                 made[s] += 1
@@ -401,11 +401,11 @@ class TorchRolloutEngine:
                 return responses, log_probs
             if any(going):
                 offsets = [made[s] - 1 if going[s] else 0 for s in range(slots)]
-                offset = torch.tensor(offsets, device=device)
+                offset, decodes = torch.tensor([offsets, going], device=device)
                 width = prompt_len + max(offsets) + 1
                 seen = torch.arange(width - prompt_len, device=device)[None, :] <= offset[:, None]
                 mask = torch.cat([slot_mask, seen], dim=1)[:, None, None]
-                feed = torch.where(torch.tensor(going, device=device), tokens, self.pad_id)[:, None]
+                feed = torch.where(decodes.bool(), tokens, self.pad_id)[:, None]
                 where = (slot_len + offset)[:, None]
                 self.stats.decode_steps += 1
                 logits = self._forward(feed, cos[where], sin[where], cache, prompt_len + offset, mask)
