@@ -186,6 +186,19 @@ def stage_params(arch: ModelArch, pp: int, head: str) -> float:
     return layers + max(arch.embedding_params, arch.head_params(head) + arch.hidden)
 
 
+def uneven_stages(arch: ModelArch, pp: int, virtual_stages: int = 1) -> str | None:
+    """Why a pipeline of pp ranks with `virtual_stages` stages each cannot cut the model's layers into
+    pp * virtual_stages equal stages (None when it can): stage_params' rule, and the executor's split."""
+    if arch.layers % pp:
+        return f"pp={pp} does not divide the {arch.layers} layers of {arch.name} into equal stages"
+    if virtual_stages > 1 and pp == 1:
+        return f"virtual_stages={virtual_stages} with pp=1: virtual stages interleave the stages of a pipeline"
+    if arch.layers % (pp * virtual_stages):
+        return (f"pp={pp} x virtual_stages={virtual_stages} = {pp * virtual_stages} stages do not divide the "
+                f"{arch.layers} layers of {arch.name} equally")
+    return None
+
+
 # -- what the executor can run ------------------------------------------------------------------------
 def unsupported_layout(arch: ModelArch, kind: str, layout: LayoutLike, train: LayoutLike | None = None
                        ) -> str | None:
@@ -194,7 +207,9 @@ def unsupported_layout(arch: ModelArch, kind: str, layout: LayoutLike, train: La
 
     Tensor parallelism splits whole heads, the MLP width and the vocabulary evenly over tp ranks (the
     executor's DTensor column / row plans). Training splits the KV heads too; inference and generation
-    may instead give each rank a copy of one KV head (tp a multiple of the KV heads)."""
+    may instead give each rank a copy of one KV head (tp a multiple of the KV heads). A pipeline cuts the
+    layers into pp equal stages, a training pipeline with virtual stages into pp * virtual_stages (rank r
+    holding stages r, r + pp, ...: interleaved 1F1B)."""
     if kind not in ("train", "infer", "gen"):
         raise ValueError(f"unknown layout kind {kind!r}")
     tp, pp = layout.tp, layout.pp
@@ -209,14 +224,11 @@ def unsupported_layout(arch: ModelArch, kind: str, layout: LayoutLike, train: La
         return f"tp={tp} does not divide the MLP width {arch.ffn} of {arch.name}"
     if arch.vocab % tp:
         return f"tp={tp} does not divide the vocabulary of {arch.vocab} of {arch.name} (vocabulary-parallel head)"
-    if arch.layers % pp:
-        return f"pp={pp} does not divide the {arch.layers} layers of {arch.name} into equal stages"
+    problem = uneven_stages(arch, pp, getattr(layout, "virtual_stages", 1) if kind == "train" else 1)
+    if problem:
+        return problem
     if kind == "gen" and pp > 1:
         return f"generation with pp={pp}: rollout engines run one pipeline stage"
-    if kind == "train" and getattr(layout, "virtual_stages", 1) > 1:
-        return f"virtual_stages={layout.virtual_stages}: the executor runs plain 1F1B, not interleaved stages"
-    if kind == "train" and getattr(layout, "recompute", None) == "selective":
-        return "recompute=selective: the executor recomputes whole layers (full) or nothing"
     if kind == "gen" and train is not None:
         return nesting_problem(train, layout)
     if kind == "train" and getattr(layout, "shard", None) in ("zero1", "zero2"):

@@ -96,7 +96,7 @@ def test_generation_in_training_layout(builder, shard):
 
 def _bf16(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=FSDP_MESH_DIMS)
-    trained = TrainedModel(qwen2_actor(), mesh, 1e-3, HP, "cpu", torch.bfloat16, pad_id=PAD, recompute=True)
+    trained = TrainedModel(qwen2_actor(), mesh, 1e-3, HP, "cpu", torch.bfloat16, pad_id=PAD, recompute="full")
     engine = SameLayoutHybridEngine(trained)
     batch = _batch(rank)
     before = _full(trained.module)

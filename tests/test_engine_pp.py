@@ -52,14 +52,14 @@ GREEDY = SamplingParams(max_new_tokens=6, greedy=True)
 # One training call: (model, shard, micro_batch, mini_batches, epochs, recompute). With 8 sequences,
 # micro_batch 1 gives 1F1B (micro-batches >= stages), micro_batch 4 on pp 2 and 2 on pp 2 x dp 2 one
 # micro-batch a mini-batch (GPipe).
-Case = tuple[str, bool, int, int, int, bool]
-PP2: list[Case] = [("actor", True, 1, 2, 1, False), ("actor", True, 4, 2, 1, True), ("critic", True, 1, 1, 2, False),
-                   ("tied", True, 1, 2, 1, False)]
-PP2_DP2: list[Case] = [("actor", True, 1, 2, 1, False), ("actor", False, 2, 2, 1, False),
-                       ("critic", True, 1, 1, 2, True)]
+Case = tuple[str, bool, int, int, int, str]
+PP2: list[Case] = [("actor", True, 1, 2, 1, "none"), ("actor", True, 4, 2, 1, "full"),
+                   ("critic", True, 1, 1, 2, "selective"), ("tied", True, 1, 2, 1, "none")]
+PP2_DP2: list[Case] = [("actor", True, 1, 2, 1, "selective"), ("actor", False, 2, 2, 1, "none"),
+                       ("critic", True, 1, 1, 2, "full")]
 # pp 2 x tp 2 (dp 1): 1F1B, and GPipe with the tied embedding and head split over the tensor-parallel ranks.
-PP2_TP2: list[Case] = [("actor", True, 1, 2, 1, False), ("critic", True, 2, 1, 2, True),
-                       ("tied", True, 4, 2, 1, False)]
+PP2_TP2: list[Case] = [("actor", True, 1, 2, 1, "none"), ("critic", True, 2, 1, 2, "full"),
+                       ("tied", True, 4, 2, 1, "selective")]
 
 
 def _data(kind: str) -> dict:

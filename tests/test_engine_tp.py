@@ -54,7 +54,7 @@ def _generate(model, group=None) -> dict:
     return {"responses": rollout.responses, "log_probs": rollout.log_probs}
 
 
-def _trained(make, train: TrainConfig, recompute: bool = False) -> TrainedModel:
+def _trained(make, train: TrainConfig, recompute: str = "none") -> TrainedModel:
     return TrainedModel(make(), parallel_training_mesh(train, "cpu"), LR, HP, "cpu", torch.float32, pad_id=PAD,
                         recompute=recompute)
 
@@ -85,7 +85,7 @@ def _tp2_world(rank: int, world: int, actor_data: dict, critic_data: dict) -> di
     """tp = 2, dp = 1: every rank holds half of each layer and the whole batch."""
     train = TrainConfig(tp=2, dp=1, shard=False)
     out: dict = {"actor": [], "critic": []}
-    for micro_batch, recompute in ((1, False), (2, True)):
+    for micro_batch, recompute in ((1, "none"), (2, "selective")):
         trained = _trained(llama_actor, train, recompute)
         metrics = _update(trained, "actor", actor_data, 1, 2, micro_batch)
         out["actor"].append({"metrics": metrics, "params": full_params(trained.module)})
@@ -116,7 +116,7 @@ def _dp2_tp2_world(rank: int, world: int, actor_data: dict, critic_data: dict) -
     out: dict = {"actor": [], "critic": []}
     for shard in (True, False):
         train = TrainConfig(tp=2, dp=2, shard=shard)
-        trained = _trained(llama_actor, train, recompute=shard)
+        trained = _trained(llama_actor, train, recompute="full" if shard else "selective")
         local = {k: v.chunk(2)[replica] for k, v in actor_data.items()}
         metrics = _update(trained, "actor", local, 2, 1, 2)
         out["actor"].append({"metrics": metrics, "params": full_params(trained.module)})

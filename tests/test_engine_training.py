@@ -9,6 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from hfplan.executor import sequences
 from hfplan.executor.engines import forward
+from hfplan.executor.engines.recompute import SELECTIVE_PREFIX
 from hfplan.executor.engines.training import FSDP_MESH_DIMS, TrainedModel
 from hfplan.hyperparams import Hyperparameters
 
@@ -17,7 +18,7 @@ HP = Hyperparameters(entropy_coef=0.01, kl_loss_coef=0.1, kl_estimator="k3", max
                      temperature=0.8, clip_ratio=0.2, value_clip=0.1)
 WORLD = 2
 # (shard, micro_batch, recompute) on every data-parallel run.
-CONFIGS = [(True, 1, False), (True, 2, True), (False, 1, False), (False, 2, False)]
+CONFIGS = [(True, 1, "none"), (True, 2, "selective"), (False, 1, "none"), (False, 2, "full")]
 
 
 def full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -51,6 +52,14 @@ def _mesh(world: int, shard: bool):
     return init_device_mesh("cpu", (1, world) if shard else (world, 1), mesh_dim_names=FSDP_MESH_DIMS)
 
 
+def _recompute(trained: TrainedModel) -> str:
+    """The recomputation the wrapped module really does (engines.recompute's marks on it)."""
+    module = trained.module
+    if module.is_gradient_checkpointing:
+        return "full"
+    return "selective" if module.config._attn_implementation.startswith(SELECTIVE_PREFIX) else "none"
+
+
 def _dp_actor(rank: int, world: int, data: dict, mini_batches: int, epochs: int) -> list:
     out = []
     local = {k: v.chunk(world)[rank] for k, v in data.items()}
@@ -59,7 +68,7 @@ def _dp_actor(rank: int, world: int, data: dict, mini_batches: int, epochs: int)
                                recompute=recompute)
         metrics = trained.update_actor(local, mini_batches=mini_batches, epochs=epochs, micro_batch=micro_batch,
                                        use_kl_loss=True)
-        out.append({"metrics": metrics, "params": full_params(trained.module)})
+        out.append({"metrics": metrics, "params": full_params(trained.module), "recompute": _recompute(trained)})
     return out
 
 
@@ -71,7 +80,7 @@ def _dp_critic(rank: int, world: int, data: dict, mini_batches: int, epochs: int
                                recompute=recompute)
         metrics = trained.update_critic(local, "values", "returns", mini_batches=mini_batches, epochs=epochs,
                                         micro_batch=micro_batch)
-        out.append({"metrics": metrics, "params": full_params(trained.module)})
+        out.append({"metrics": metrics, "params": full_params(trained.module), "recompute": _recompute(trained)})
     out.append(_bad_updates(trained, local, rank))
     return out
 
@@ -140,6 +149,7 @@ def _assert_matches(results, ref_params, ref_metric, ref_norm, metric_name, init
     for index, config in enumerate(CONFIGS):
         for rank_out in results:
             got = rank_out[index]
+            assert got["recompute"] == config[2]
             assert got["metrics"][metric_name] == pytest.approx(ref_metric, abs=1e-5), config
             assert got["metrics"]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5), config
             for name, value in ref_params.items():

@@ -21,17 +21,19 @@ def ray_for_module(tmp_path_factory):
         yield
 
 
-def tp_plan(gpus: int, tp: int):
+def tp_plan(gpus: int, tp: int, recompute: str = "none"):
     """PPO with every role on one set: training, inference and generation all at `tp`."""
     return build_plan(tiny_workload("ppo"), [(PPO_ROLES, gpus)], cluster=make_cluster(gpus, "cpu"), tp=tp,
-                      gen_tp=tp, micro_batch=1, infer_micro_batch=4)
+                      gen_tp=tp, micro_batch=1, infer_micro_batch=4, recompute=recompute)
 
 
 def test_ppo_with_tensor_parallel_2_runs_as_one_process(tmp_path):
     """tp 2 splits every model over two processes; the run equals the same plan on one process: the same
-    responses (both ranks of the group sample from one generator state), rewards, losses."""
-    split = tp_plan(2, 2)
+    responses (both ranks of the group sample from one generator state), rewards, losses. The split plan
+    trains with selective recomputation, which changes no number."""
+    split = tp_plan(2, 2, recompute="selective")
     assert all(par.infer.tp == 2 for par in split.parallelism.values())
+    assert split.parallelism["actor"].train.recompute == "selective"
     summary, timeline = run(split, tmp_path / "tp2")
     single, _ = run(tp_plan(1, 1), tmp_path / "tp1")
     check_metrics(summary, "reward", "kl", "actor/policy_loss", "critic/value_loss", "response_len")

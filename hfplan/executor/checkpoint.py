@@ -109,9 +109,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def _state_dicts(trained) -> dict:
-    """The role's model and optimizer state dicts by the HF model's FQNs: a pipeline stage's own names
-    (`backbone.layers.0...` on every stage) are mapped to the whole model's, so that stages never collide
-    and a checkpoint loads into a plain model or another layout."""
+    """The role's model and optimizer state dicts by the HF model's FQNs: a pipeline rank's own names
+    (`stages.0.backbone.layers.0...` on every rank, for each of its stages) are mapped to the whole model's,
+    so that stages never collide and a checkpoint loads into a plain model or another layout (another pp or
+    number of virtual stages)."""
     model_state, optim_state = get_state_dict(trained.module, trained.optimizer)
     names = trained.names if isinstance(trained, PipelinedModel) else None
     if names is None:

@@ -34,7 +34,7 @@ from hfplan.executor.tokenizers import build_tokenizer
 from hfplan.executor.worker import Timed
 from hfplan.hyperparams import Hyperparameters
 from hfplan.layout import facts_of, model_role, rank_coords
-from hfplan.plan import Plan
+from hfplan.plan import Plan, Recompute
 
 
 def learning_rate(role: str, hyper: Hyperparameters) -> float:
@@ -225,7 +225,8 @@ def _build_pipelined(runtime: RoleRuntime, par, lr: float | None, seed: int, ran
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     runtime.pipeline = PipelinedModel(model, pipeline_mesh(layout, device.type),
                                       runtime.hyper, device, dtype, pad_id=runtime.pad_id, lr=lr,
-                                      recompute=lr is not None and par.train.recompute)
+                                      recompute=par.train.recompute if lr is not None else Recompute.NONE,
+                                      virtual_stages=par.train.virtual_stages if lr is not None else 1)
     runtime.model = runtime.pipeline.module
     if lr is not None:
         runtime.trained = runtime.pipeline

@@ -1,11 +1,13 @@
 """Pipeline-parallel roles: torch.distributed.pipelining stages over a (pp, replicate, shard, tp) mesh.
 
-Each rank holds one stage of the model (`pipeline_split`), tensor parallel over the mesh's tp dim
+Each rank holds one stage of the model, or with v virtual stages v of the model's pp * v stages
+(`pipeline_split`: rank r the stages r, r + pp, ...), tensor parallel over the mesh's tp dim
 (`tensor_parallel.apply_tensor_parallel`, applied to the whole model before it is split, so that the
-plan reads the HF module names) and FSDP2 over its stage's data-parallel ranks (the (replicate, shard)
-dims, as `training.TrainedModel`) when the role trains, a plain (or tensor-parallel) copy when it only
-infers. Mesh dims, slowest first: PIPELINE_MESH_DIMS = ("pp", "replicate", "shard", "tp"), the
-contract's rank order (hfplan.layout: pp, dp, tp) with dp as replicate x shard, one of them 1.
+plan reads the HF module names) and FSDP2 over its data-parallel ranks (the (replicate, shard) dims,
+each stage a root of its own, as `training.TrainedModel`) when the role trains, a plain (or
+tensor-parallel) copy when it only infers. Mesh dims, slowest first: PIPELINE_MESH_DIMS = ("pp",
+"replicate", "shard", "tp"), the contract's rank order (hfplan.layout: pp, dp, tp) with dp as
+replicate x shard, one of them 1.
 
 The hidden states passed between stages are plain tensors, the same on every rank of a tensor-parallel
 group (the row-parallel outputs are all-reduced), and so are their gradients: the pipeline's group is
@@ -17,11 +19,17 @@ Every rank of a replica receives the replica's whole share of the batch; the fir
 to the pipeline, the last reads the outputs and computes the losses, and the results (outputs and
 metrics) are broadcast to every stage, so each rank returns what a TrainedModel rank returns.
 
-Schedules: 1F1B for training when a mini-batch has at least as many micro-batches as stages, else
-GPipe (the same gradients; with fewer micro-batches than stages it holds no more activations than
-1F1B would). Forward-only calls run GPipe without a loss. Interleaved 1F1B needs virtual stages per
-rank, which the plan cannot express. Micro-batches are equal-sized (the pipeline's buffers have one
-shape): the fewest that keep each at most the plan's micro_batch. The loss target is one tensor
+Schedules (`schedule_class`): with one stage per rank, 1F1B for training when a mini-batch has at
+least as many micro-batches as stages, else GPipe (the same gradients; with fewer micro-batches than
+stages it holds no more activations than 1F1B would); forward-only calls run GPipe without a loss.
+With v > 1 virtual stages, interleaved 1F1B (Narayanan et al., SC'21) for training wherever torch's
+version of it takes the micro-batch count: it runs rounds of up to pp micro-batches, max(1, m // pp) of
+them, and needs m to be a multiple of the number of rounds (any m below 2 pp, and every multiple of pp,
+qualify). Other counts (m = 5 on pp 2) train breadth-first (ScheduleLoopedBFS: every micro-batch
+through a rank's first stage, then its next: the same gradients, with all m micro-batches' activations
+held at once, as GPipe's), and so do forward-only calls, which hold no activations. Micro-batches are
+equal-sized (the pipeline's buffers have one shape): the fewest that keep each at most the plan's
+micro_batch. The loss target is one tensor
 packing the per-token fields the loss needs; the losses are token means over the whole mini-batch
 on all data-parallel ranks (`losses`), so gradients are summed, never averaged (scale_grads=False).
 A stage that fails leaves the others waiting in a point-to-point receive until the process group's
@@ -40,18 +48,25 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
 from torch.distributed.tensor import DTensor
 
 from hfplan.executor import sequences
 from hfplan.executor.engines import losses
-from hfplan.executor.engines.pipeline_split import Readout, Stage, split_model, stage_names
+from hfplan.executor.engines.pipeline_split import RankStages, Readout, rank_stages, split_model, stage_names
+from hfplan.executor.engines.recompute import apply_recompute
 from hfplan.executor.engines.tensor_parallel import apply_tensor_parallel
 from hfplan.executor.engines.training import FSDP_MESH_DIMS, TP_MESH_DIM, _split, fsdp_modules, plain_class
 from hfplan.executor.mesh import fsdp_mesh_shape
 from hfplan.hyperparams import Hyperparameters
 from hfplan.layout import LayoutLike
-from hfplan.plan import TrainConfig
+from hfplan.plan import Recompute, TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -73,22 +88,38 @@ def equal_micro_batches(size: int, micro_batch: int) -> int:
     return next(n for n in range(-(-size // micro_batch), size + 1) if size % n == 0)
 
 
+def interleaved_takes(micro_batches: int, pp: int) -> bool:
+    """Whether torch's interleaved 1F1B runs `micro_batches` on `pp` ranks: its rounds of up to pp
+    micro-batches, max(1, m // pp) of them, must split m equally."""
+    return micro_batches % max(1, micro_batches // pp) == 0
+
+
+def schedule_class(train: bool, micro_batches: int, pp: int, virtual_stages: int) -> type:
+    """The torch schedule of a call (see the module docstring)."""
+    if virtual_stages == 1:
+        return Schedule1F1B if train and micro_batches >= pp else ScheduleGPipe
+    return ScheduleInterleaved1F1B if train and interleaved_takes(micro_batches, pp) else ScheduleLoopedBFS
+
+
 def pipeline_failure(stage: int, stages: int, what: str, failure: BaseException) -> str:
     return f"pipeline stage {stage} of {stages} failed in {what}: {type(failure).__name__}: {failure}"
 
 
 class PipelinedModel:
-    """One role's pipeline stage on this rank: `.module` (the stage), `.optimizer` (None when it only infers).
+    """One role's pipeline stages on this rank: `.module` (RankStages), `.optimizer` (None when it only infers).
 
     The public calls mirror TrainedModel: log_probs, values (and scores), update_actor, update_critic,
     unshard / reshard / inference(); every rank of the pipeline must make the same calls."""
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, hp: Hyperparameters, device: torch.device | str,
-                 param_dtype: torch.dtype, *, pad_id: int, lr: float | None = None, recompute: bool = False) -> None:
+                 param_dtype: torch.dtype, *, pad_id: int, lr: float | None = None,
+                 recompute: Recompute | str = Recompute.NONE, virtual_stages: int = 1) -> None:
         if mesh.mesh_dim_names != PIPELINE_MESH_DIMS:
             raise ValueError(f"pipeline mesh dims must be {PIPELINE_MESH_DIMS}, got {mesh.mesh_dim_names}")
         self.mesh, self.hp, self.pad_id, self.device = mesh, hp, pad_id, torch.device(device)
-        self.stages, self.stage = mesh.size(0), mesh.get_local_rank("pp")
+        self.stages, self.stage = mesh.size(0), mesh.get_local_rank("pp")  # pipeline ranks, and this one's
+        self.total = self.stages * virtual_stages  # model stages: `stage_ids` on this rank
+        self.stage_ids = rank_stages(self.stage, self.stages, virtual_stages)
         self.pp_group = mesh.get_group("pp")
         self.dp_mesh = mesh[FSDP_MESH_DIMS]
         self.first, self.last = self.stage == 0, self.stage == self.stages - 1
@@ -101,22 +132,23 @@ class PipelinedModel:
         for module in model.modules():  # the losses compare with log-probs and values computed without dropout
             if isinstance(module, nn.Dropout):
                 module.p = 0.0
-        if recompute and self.trains:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.trains:
+            apply_recompute(model, recompute)
         if mesh.size(PIPELINE_MESH_DIMS.index(TP_MESH_DIM)) > 1:  # KV-head copies would drift apart in training
             apply_tensor_parallel(model, mesh[TP_MESH_DIM], copy_kv_heads=not self.trains)
-        self.all_names = stage_names(model, self.stages)  # every stage's HF parameter names, and (global) shapes
+        self.all_names = stage_names(model, self.total)  # every stage's HF parameter names, and (global) shapes
         self.shapes = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
-        module, self.names, self.buffer_names = split_model(model, self.stage, self.stages)
+        module, self.names, self.buffer_names = split_model(model, self.stage_ids, self.total)
         module.to(self.device)
-        self.module: Stage = module
+        self.module: RankStages = module
         self.optimizer: torch.optim.Optimizer | None = None
         if self.trains:
             policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
             self.layers = module.layers
             for layer in self.layers:
                 fully_shard(layer, mesh=self.dp_mesh, mp_policy=policy)
-            fully_shard(module, mesh=self.dp_mesh, mp_policy=policy)
+            for stage in module.stages:  # each stage a root of its own: the schedule runs them one by one
+                fully_shard(stage, mesh=self.dp_mesh, mp_policy=policy)
             for fsdp in fsdp_modules(module):  # sum the gradients (see training.py)
                 fsdp.set_gradient_divide_factor(1.0)
                 fsdp.set_force_sum_reduction_for_comms(True)
@@ -125,7 +157,7 @@ class PipelinedModel:
             module.train()
         else:
             module.eval().requires_grad_(False)
-        self._schedules: dict[tuple, tuple[PipelineStage, object]] = {}
+        self._schedules: dict[tuple, object] = {}
         self._objective: Callable[[object, torch.Tensor], torch.Tensor] | None = None
 
     # -- groups and collectives ---------------------------------------------------------------------
@@ -161,25 +193,27 @@ class PipelinedModel:
     def _schedule(self, train: bool, micro_batches: int, readout: Readout, shape: tuple[int, ...]):
         key = (train, micro_batches, readout, shape)
         if key not in self._schedules:
-            inputs, outputs = self._stage_io(shape[0] // micro_batches, shape[1], readout, train)
-            stage = PipelineStage(self.module, self.stage, self.stages, self.device, input_args=inputs,
-                                  output_args=outputs, group=self.pp_group)
-            if not train:
-                schedule = ScheduleGPipe(stage, micro_batches)
-            else:
-                kind = Schedule1F1B if micro_batches >= self.stages else ScheduleGPipe
-                schedule = kind(stage, micro_batches, loss_fn=self._loss, scale_grads=False)
-            self._schedules[key] = (stage, schedule)
-        return self._schedules[key][1]
+            stages = []
+            for index, module in zip(self.stage_ids, self.module.stages, strict=True):
+                inputs, outputs = self._stage_io(index, shape[0] // micro_batches, shape[1], readout, train)
+                stages.append(PipelineStage(module, index, self.total, self.device, input_args=inputs,
+                                            output_args=outputs, group=self.pp_group))
+            kind = schedule_class(train, micro_batches, self.stages, len(stages))
+            if train and kind is ScheduleLoopedBFS:
+                logger.info("interleaved 1F1B does not take %d micro-batches on %d ranks: training breadth-first "
+                            "(all micro-batches' activations held at once)", micro_batches, self.stages)
+            loss = dict(loss_fn=self._loss, scale_grads=False) if train else {}
+            self._schedules[key] = kind(stages[0] if len(stages) == 1 else stages, micro_batches, **loss)
+        return self._schedules[key]
 
-    def _stage_io(self, rows: int, length: int, readout: Readout, train: bool):
-        """Example (meta) inputs and outputs of this stage for one micro-batch: the stage's buffers are made
+    def _stage_io(self, stage: int, rows: int, length: int, readout: Readout, train: bool):
+        """Example (meta) inputs and outputs of model stage `stage` for one micro-batch: its buffers are made
         from them (static shapes; shape inference would run the stage on uninitialised token ids)."""
         ids = torch.empty((rows, length), dtype=torch.long, device="meta")
         hidden = torch.empty((rows, length, self.config.hidden_size), dtype=self.param_dtype, device="meta")
         hidden.requires_grad_(train)
-        inputs = (ids, ids, ids) if self.first else (hidden, ids, ids, ids)
-        if not self.last:
+        inputs = (ids, ids, ids) if stage == 0 else (hidden, ids, ids, ids)
+        if stage < self.total - 1:
             return inputs, (hidden, ids, ids, ids)
         per_token = torch.empty((rows, readout.response_len), dtype=torch.float32, device="meta")
         if readout.kind == "scores":
@@ -193,7 +227,7 @@ class PipelinedModel:
         return self._objective(output, target)
 
     def _run(self, schedule, readout: Readout, joined: sequences.Joined, target: torch.Tensor | None):
-        self.module.readout = readout
+        self.module.set_readout(readout)
         args = (joined.input_ids, joined.attention_mask, joined.position_ids) if self.first else ()
         return schedule.step(*args, target=target if self.last else None)
 
@@ -219,7 +253,7 @@ class PipelinedModel:
             module.set_reshard_after_forward(id(module) in layers, recurse=False)
 
     @contextlib.contextmanager
-    def inference(self) -> Iterator[Stage]:
+    def inference(self) -> Iterator[RankStages]:
         self.module.eval()
         if self.trains:
             self.unshard()
@@ -267,7 +301,7 @@ class PipelinedModel:
         """Clip by the norm of the whole model's gradient (every stage; tied embeddings counted once)."""
         params = [p for p in self.module.parameters() if p.grad is not None]
         if self.tied:
-            tied = self.module.backbone.embed_tokens.weight if self.first else self.module.head.weight
+            tied = self.module.embedding.weight if self.first else self.module.head.weight
             if self.first or self.last:
                 with torch.no_grad():
                     grad = tied.grad.to_local() if isinstance(tied.grad, DTensor) else tied.grad
@@ -385,18 +419,19 @@ class PipelinedModel:
 
     # -- whole-model weights ------------------------------------------------------------------------
     def gathered(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Every stage's full parameters on every rank, by HF name, in `dtype` (a collective over the
+        """Every model stage's full parameters on every rank, by HF name, in `dtype` (a collective over the
         pipeline and its data- and tensor-parallel ranks: DTensors gathered whole within their stage, then
         one broadcast of a flat buffer per stage)."""
         mine = {self.names[name]: p for name, p in self.module.named_parameters(remove_duplicate=False)}
-        local = [(mine[name].full_tensor() if isinstance(mine[name], DTensor) else mine[name]).detach().to(dtype)
-                 .reshape(-1) for name in self.all_names[self.stage]]
         out: dict[str, torch.Tensor] = {}
         for stage, names in enumerate(self.all_names):
             sizes = [math.prod(self.shapes[n]) for n in names]
-            flat = torch.cat(local) if stage == self.stage else torch.empty(sum(sizes), dtype=dtype,
-                                                                            device=self.device)
-            dist.broadcast(flat, group=self.pp_group, group_src=stage)
+            if stage in self.stage_ids:
+                flat = torch.cat([(mine[n].full_tensor() if isinstance(mine[n], DTensor) else mine[n]).detach()
+                                  .to(dtype).reshape(-1) for n in names])
+            else:
+                flat = torch.empty(sum(sizes), dtype=dtype, device=self.device)
+            dist.broadcast(flat, group=self.pp_group, group_src=stage % self.stages)
             for name, part in zip(names, flat.split(sizes), strict=True):
                 out[name] = part.view(self.shapes[name])
         return out

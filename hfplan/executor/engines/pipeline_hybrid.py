@@ -2,9 +2,10 @@
 
 Rollout engines run whole models (a tensor-parallel engine cuts its own shards), so an actor trained
 with pp > 1 generates with every rank holding the full weights: entering generation gathers each stage's
-weights (DTensors made whole over the stage's data- and tensor-parallel ranks) and broadcasts them over
-the pipeline, into a plain module of the model's class built once on the meta device; exiting points
-that module back at meta tensors, which frees the gathered copies.
+weights (DTensors made whole over the stage's data- and tensor-parallel ranks; with virtual stages, each
+of a rank's stages) and broadcasts them over the pipeline, into a plain module of the model's class
+built once on the meta device; exiting points that module back at meta tensors, which frees the
+gathered copies.
 """
 
 from __future__ import annotations

@@ -1,15 +1,18 @@
 """The manual split of an HF decoder model into pipeline stages (hfplan.layout.stage_params' rule).
 
-Stage s of p holds the decoder layers [s * L/p, (s+1) * L/p); the first stage also the embedding,
-the last the final norm and the head (the LM head, or the scalar head of a critic, reward or cost
-model). Each stage runs the model's own backbone `forward` over its layers (so the architecture's
-masks and rotary embeddings are its own), and passes on the tuple
+A pipeline of pp ranks with v virtual stages cuts the model into n = pp * v stages (torch.distributed.
+pipelining's word for a model chunk) of equal layers: stage s of n holds the decoder layers
+[s * L/n, (s+1) * L/n), stage 0 also the embedding, the last stage the final norm and the head (the LM
+head, or the scalar head of a critic, reward or cost model). Rank r holds the stages r, r + pp,
+r + 2 pp, ... (`rank_stages`, the stage-to-rank rule of torch's looped schedules); with v = 1 the
+stage of rank r is r. Each stage runs the model's own backbone `forward` over its layers (so the
+architecture's masks and rotary embeddings are its own), and passes on the tuple
 
     (hidden states, input ids, attention mask, position ids)
 
-the first stage starts from (input ids, attention mask, position ids). The ids travel with the
-activations so that the last stage reads its output itself (`Readout`): the response tokens' log-probs
-(and entropies), the values before each response token, or a sequence's score at its last real token.
+stage 0 starts from (input ids, attention mask, position ids). The ids travel with the activations so
+that the last stage reads its output itself (`Readout`): the response tokens' log-probs (and entropies),
+the values before each response token, or a sequence's score at its last real token.
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ from hfplan.executor.engines import forward
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 HEADS = ("lm_head", "score")  # the attribute of an HF causal LM's head, and of a token classifier's
+
+
+def rank_stages(rank: int, pp: int, virtual_stages: int) -> list[int]:
+    """The stages pipeline rank `rank` of `pp` holds, `virtual_stages` of them, in pipeline order."""
+    return [rank + k * pp for k in range(virtual_stages)]
 
 
 def stage_layers(num_layers: int, stages: int, stage: int) -> range:
@@ -111,17 +119,49 @@ class Stage(nn.Module):
         return per_position.float().gather(1, sequences.last_token_index(joined).unsqueeze(1)).squeeze(1)
 
 
-def split_model(model: nn.Module, stage: int, stages: int) -> tuple[Stage, dict[str, str], dict[str, str]]:
-    """This rank's stage of `model` (which it takes apart: use only the stage afterwards), and the HF names
-    of the stage's parameters and buffers (stage name -> HF name)."""
-    config = model.config
-    owned = set(stage_names(model, stages)[stage])
-    hf_params = {id(p): n for n, p in model.named_parameters(remove_duplicate=False) if n in owned}
-    hf_buffers = {id(b): n for n, b in model.named_buffers(remove_duplicate=False)}
-    backbone = model.model
+class RankStages(nn.Module):
+    """The stages one pipeline rank holds (`.stages`, in pipeline order): what its optimizer steps and its
+    checkpoint saves."""
+
+    def __init__(self, stages: list[Stage]) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return [layer for stage in self.stages for layer in stage.layers]
+
+    @property
+    def embedding(self) -> nn.Module:
+        """The embedding (on the rank holding stage 0)."""
+        return self.stages[0].backbone.embed_tokens
+
+    @property
+    def head(self) -> nn.Module:
+        """The head (on the rank holding the last stage)."""
+        return self.stages[-1].head
+
+    def set_readout(self, readout: Readout) -> None:
+        for stage in self.stages:
+            stage.readout = readout
+
+
+def _own_children(module: nn.Module) -> nn.Module:
+    """A shallow copy of `module` with its own registries of children, parameters and buffers (the
+    children themselves shared): replacing a child of the copy leaves the original's in place."""
+    clone = copy.copy(module)
+    clone._modules = dict(module._modules)
+    clone._parameters = dict(module._parameters)
+    clone._buffers = dict(module._buffers)
+    clone._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
+    return clone
+
+
+def _stage(model: nn.Module, stage: int, stages: int) -> Stage:
+    config, backbone = model.config, _own_children(model.model)
     ids = stage_layers(config.num_hidden_layers, stages, stage)
     first, last = stage == 0, stage == stages - 1
-    backbone.layers = nn.ModuleList([backbone.layers[i] for i in ids])
+    backbone.layers = nn.ModuleList([model.model.layers[i] for i in ids])
     stage_config = copy.copy(config)  # the backbone's forward reads num_hidden_layers and layer_types by position
     stage_config.num_hidden_layers = len(ids)
     if getattr(config, "layer_types", None) is not None:
@@ -132,9 +172,19 @@ def split_model(model: nn.Module, stage: int, stages: int) -> tuple[Stage, dict[
     if not last:
         backbone.norm = nn.Identity()
     head = next(getattr(model, name) for name in HEADS if hasattr(model, name)) if last else None
-    module = Stage(backbone, head, first, last)
+    return Stage(backbone, head, first, last)
+
+
+def split_model(model: nn.Module, stages: list[int], total: int) -> tuple[RankStages, dict[str, str], dict[str, str]]:
+    """This rank's `stages` of `total` of `model` (which it takes apart: use only the stages afterwards),
+    and the HF names of their parameters and buffers (RankStages name -> HF name)."""
+    owned = {name for stage in stages for name in stage_names(model, total)[stage]}
+    hf_params = {id(p): n for n, p in model.named_parameters(remove_duplicate=False) if n in owned}
+    hf_buffers = {id(b): n for n, b in model.named_buffers(remove_duplicate=False)}
+    module = RankStages([_stage(model, stage, total) for stage in stages])
+    model.model.layers = nn.ModuleList()  # the layers now live in the stages (others are freed with the model)
     params = {n: hf_params[id(p)] for n, p in module.named_parameters(remove_duplicate=False)}
     buffers = {n: hf_buffers[id(b)] for n, b in module.named_buffers(remove_duplicate=False)}
     if sorted(params.values()) != sorted(owned):
-        raise ValueError(f"stage {stage}: split holds {sorted(params.values())}, the rule says {sorted(owned)}")
+        raise ValueError(f"stages {stages}: split holds {sorted(params.values())}, the rule says {sorted(owned)}")
     return module, params, buffers

@@ -27,8 +27,10 @@ from torch.distributed.tensor import DTensor
 
 from hfplan.executor import sequences
 from hfplan.executor.engines import forward, losses
+from hfplan.executor.engines.recompute import apply_recompute
 from hfplan.executor.engines.tensor_parallel import apply_tensor_parallel
 from hfplan.hyperparams import Hyperparameters
+from hfplan.plan import Recompute
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +77,7 @@ class TrainedModel:
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, lr: float, hp: Hyperparameters,
                  device: torch.device | str, param_dtype: torch.dtype, *, pad_id: int,
-                 recompute: bool = False) -> None:
+                 recompute: Recompute | str = Recompute.NONE) -> None:
         names = tuple(mesh.mesh_dim_names or ())
         if names not in (FSDP_MESH_DIMS, (*FSDP_MESH_DIMS, TP_MESH_DIM)):
             raise ValueError(f"training mesh dims must be {FSDP_MESH_DIMS}, optionally followed by "
@@ -91,8 +93,7 @@ class TrainedModel:
         for module in model.modules():
             if isinstance(module, nn.Dropout):
                 module.p = 0.0
-        if recompute:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        apply_recompute(model, recompute)
         self.tp = mesh.size(names.index(TP_MESH_DIM)) if TP_MESH_DIM in names else 1
         if self.tp > 1:
             apply_tensor_parallel(model, mesh[TP_MESH_DIM])
