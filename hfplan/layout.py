@@ -229,8 +229,6 @@ def unsupported_layout(arch: ModelArch, kind: str, layout: LayoutLike, train: La
         return problem
     if kind == "gen" and pp > 1:
         return f"generation with pp={pp}: rollout engines run one pipeline stage"
-    if kind == "gen" and getattr(layout, "batching", "static") == "continuous":
-        return "batching=continuous: the executor's torch rollout engine batches statically"
     if kind == "gen" and train is not None:
         return nesting_problem(train, layout)
     if kind == "train" and getattr(layout, "shard", None) in ("zero1", "zero2"):

@@ -24,7 +24,7 @@ from hfplan.spec import Cluster, Workload
 # each iteration, as OpenRLHF does). Without it the actor generates on its own GPUs (hybrid engine).
 
 PLAN_VERSION = 2
-# Version 1 plans (recompute a bool; no virtual stages, batching or response-length distributions) are
+# Version 1 plans (recompute a bool; no virtual stages, batching, max_batch or response-length distributions) are
 # migrated on read: every field they have keeps its meaning, and the new ones take their defaults.
 READABLE_VERSIONS = (1, 2)
 
@@ -54,6 +54,7 @@ class Layout(_Strict):
         return self.tp * self.pp
 
 
+Batching = Literal["static", "continuous"]  # how a rollout engine batches (GenConfig.batching)
 ShardMode = Literal["replicated", "zero1", "zero2", "full", "hybrid"]
 
 # The training states each mode splits over its shard group (the rest are replicated): ZeRO stages 1 to
@@ -153,9 +154,13 @@ class InferConfig(Layout):
 class GenConfig(Layout):
     """Generation layout of the actor; dp is the number of engine replicas."""
 
-    batching: Literal["static", "continuous"] = Field(
-        default="static", description="static: a batch runs until its longest response ends (the torch engine); "
-                                      "continuous: a finished sequence's slot takes the next one (vLLM)")
+    batching: Batching = Field(
+        default="static", description="static: a batch runs until its longest response ends; "
+                                      "continuous: a finished sequence's slot takes the next waiting one")
+    max_batch: int | None = Field(
+        default=None, ge=1, description="sequences one engine replica runs at once: static, waves of at most that "
+                                        "many (as equal as can be); continuous, that many slots; null: all of the "
+                                        "replica's sequences (prompts x samples) at once")
 
 
 class RoleParallelism(_Strict):

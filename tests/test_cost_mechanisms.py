@@ -137,17 +137,3 @@ def test_continuous_batching_beats_static_waves_when_lengths_vary(toy_hw):
     assert continuous.seconds < static.seconds
     fixed = costs.generation_time(toy_hw, LLAMA7, GenConfig(), ONE, 64, 64, 512, kv)
     assert static.seconds < fixed.seconds  # shorter responses end waves sooner
-
-
-# -- what the executor can run ----------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(("kind", "layout", "needle"), [
-    ("gen", GenConfig(batching="continuous"), "batching=continuous"),
-])
-def test_strategies_the_executor_lacks_stay_out_of_its_space(kind, layout, needle):
-    from hfplan.layout import unsupported_layout
-
-    assert needle in unsupported_layout(LLAMA7, kind, layout)
-    runnable = {"train": TrainConfig(pp=2, recompute="full"), "gen": GenConfig()}[kind]
-    assert unsupported_layout(LLAMA7, kind, runnable) is None

@@ -143,6 +143,7 @@ def test_unsupported_layouts_say_why(arch, kind, lay, train, needle):
     ("kind", "lay", "train"),
     [("train", TrainConfig(tp=4, pp=2), None), ("infer", InferConfig(tp=12), None),  # 3 copies of each KV head
      ("gen", GenConfig(tp=2, dp=2), TrainConfig(tp=4)), ("gen", GenConfig(tp=4), TrainConfig(tp=1, pp=2, dp=2)),
+     ("gen", GenConfig(tp=2, dp=2, batching="continuous", max_batch=4), TrainConfig(tp=4)),
      *(("train", TrainConfig(tp=2, pp=2, recompute=mode), None) for mode in ("none", "selective", "full"))],
 )
 def test_supported_layouts(kind, lay, train):

@@ -357,3 +357,16 @@ def test_version_2_fields_validate():
     data["parallelism"]["actor"]["train"]["recompute"] = "sometimes"
     with pytest.raises(HfplanError, match="recompute: must be one of none, selective, full"):
         plan_from_dict(data, "test")
+
+
+def test_gen_max_batch_is_optional_and_at_least_one():
+    data = valid_plan()
+    assert plan_from_dict(data, "test").parallelism["actor"].gen.max_batch is None  # absent: all at once
+    data["parallelism"]["actor"]["gen"] |= {"batching": "continuous", "max_batch": 3}
+    plan = plan_from_dict(data, "test")
+    assert plan.parallelism["actor"].gen.max_batch == 3
+    assert load_plan_text(plan.to_json()) == plan
+    for bad in (0, "3"):
+        data["parallelism"]["actor"]["gen"]["max_batch"] = bad
+        with pytest.raises(HfplanError, match="max_batch"):
+            plan_from_dict(data, "test")

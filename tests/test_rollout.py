@@ -257,3 +257,159 @@ def test_fsdp2_sharded_parameters_are_gathered(tmp_path):
         dist.destroy_process_group()
     assert torch.equal(sharded.responses, plain.responses)
     torch.testing.assert_close(sharded.log_probs, plain.log_probs, atol=1e-6, rtol=0)
+
+
+# -- static waves and continuous batching ---------------------------------------------------------------------------
+def varied_eos(responses: torch.Tensor) -> int:
+    """The token that, taken as EOS, ends the rows at the most distinct lengths (the first such id)."""
+    steps = responses.shape[1]
+
+    def lengths(token: int) -> set[int]:
+        hits = responses == token
+        return set(torch.where(hits.any(1), hits.int().argmax(1) + 1, steps).tolist())
+
+    return max(responses.unique().tolist(), key=lambda token: len(lengths(token)))
+
+
+def _early_eos_case(model, rows: int = 9, steps: int = 12, n: int = 1):
+    """Prompts, greedy params and an EOS that ends the model's responses at varied lengths."""
+    prompts, params = uneven_prompts(rows=rows, seed=3), SamplingParams(max_new_tokens=steps, greedy=True, n=n)
+    probe = TorchRolloutEngine(model, PAD, eos_id=-1).generate(prompts, params)
+    return prompts, params, varied_eos(probe.responses)
+
+
+def _same_rollout(got, want) -> None:
+    assert torch.equal(got.prompts, want.prompts)
+    assert torch.equal(got.responses, want.responses)
+    assert torch.equal(got.response_mask, want.response_mask)
+    torch.testing.assert_close(got.log_probs, want.log_probs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("max_batch", "n"), [(3, 1), (4, 2)])
+def test_greedy_continuous_batching_equals_one_static_batch(model, max_batch, n):
+    prompts, params, eos = _early_eos_case(model, n=n)
+    whole = TorchRolloutEngine(model, PAD, eos).generate(prompts, params)
+    lengths = check_padding_after_eos(whole, eos, params.max_new_tokens)
+    assert lengths.min() < params.max_new_tokens and len(set(lengths.tolist())) >= 2  # mixed lengths
+    engine = TorchRolloutEngine(model, PAD, eos, batching="continuous", max_batch=max_batch)
+    continuous = engine.generate(prompts, params)
+    _same_rollout(continuous, whole)
+    assert engine.stats.prefills > 1  # slots were refilled
+    torch.testing.assert_close(continuous.log_probs, training_log_probs(model, continuous, 1.0), atol=1e-5, rtol=0)
+
+
+def test_static_waves_equal_one_batch_and_split_as_evenly_as_they_can(model):
+    prompts, params, eos = _early_eos_case(model, rows=8)
+    whole = TorchRolloutEngine(model, PAD, eos).generate(prompts, params)
+    engine = TorchRolloutEngine(model, PAD, eos, max_batch=3)
+    waved = engine.generate(prompts, params)
+    _same_rollout(waved, whole)
+    # 8 rows, at most 3 at once: waves of 3, 3 and 2, each decoding until its longest response ends.
+    lengths = whole.response_mask.sum(1).long().tolist()
+    assert engine.stats.prefills == 3
+    assert engine.stats.decode_steps == sum(max(lengths[a:b]) - 1 for a, b in [(0, 3), (3, 6), (6, 8)])
+
+
+def test_continuous_batching_refills_slots_instead_of_waiting_for_the_longest(model):
+    prompts, params, eos = _early_eos_case(model, rows=10)
+    static = TorchRolloutEngine(model, PAD, eos, batching="static", max_batch=3)
+    continuous = TorchRolloutEngine(model, PAD, eos, batching="continuous", max_batch=3)
+    lengths = static.generate(prompts, params).response_mask.sum(1).long().tolist()
+    continuous.generate(prompts, params)
+    assert continuous.stats.decode_steps < static.stats.decode_steps
+    # Each step decodes at most 3 rows, and the longest response needs its own steps one after another.
+    assert continuous.stats.decode_steps >= max(max(lengths) - 1, -(-sum(lengths) // 3) - continuous.stats.prefills)
+
+
+def test_continuous_sampling_is_reproducible_and_its_log_probs_equal_a_training_forward(model):
+    prompts, steps = uneven_prompts(rows=6, seed=10), 10
+    params = SamplingParams(max_new_tokens=steps, temperature=0.8, top_p=0.9, n=2)
+    probe = TorchRolloutEngine(model, PAD, eos_id=-1).generate(prompts, params, torch.Generator().manual_seed(2))
+    eos = most_common_token(probe.responses)
+    engine = TorchRolloutEngine(model, PAD, eos, batching="continuous", max_batch=4)
+    first = engine.generate(prompts, params, torch.Generator().manual_seed(3))
+    again = engine.generate(prompts, params, torch.Generator().manual_seed(3))
+    assert engine.stats.prefills > 1
+    assert torch.equal(first.responses, again.responses) and torch.equal(first.log_probs, again.log_probs)
+    check_padding_after_eos(first, eos, steps)
+    expected = training_log_probs(model, first, params.temperature)
+    torch.testing.assert_close(first.log_probs, expected, atol=1e-5, rtol=0)
+
+
+def test_batching_options_are_checked():
+    with pytest.raises(ValueError, match="batching"):
+        TorchRolloutEngine(None, PAD, 2, batching="dynamic")
+    with pytest.raises(ValueError, match="max_batch"):
+        TorchRolloutEngine(None, PAD, 2, max_batch=0)
+
+
+def _tp2_continuous(rank: int, world: int, config: dict, eos: int) -> dict:
+    import torch.distributed as dist
+
+    model = build_model(config["path"], "lm", seed=0).eval()
+    engine = TorchRolloutEngine(model, PAD, eos, tp_group=dist.group.WORLD, batching="continuous", max_batch=3)
+    rollout = engine.generate(uneven_prompts(rows=9, seed=3), SamplingParams(max_new_tokens=12, greedy=True))
+    assert engine._w.kv_heads == 1  # this rank's share of the two KV heads
+    return {"responses": rollout.responses, "mask": rollout.response_mask, "log_probs": rollout.log_probs}
+
+
+@pytest.mark.slow
+def test_tensor_parallel_continuous_batching_equals_one_process(tmp_path):
+    from dist_harness import run_world
+
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps(CONFIGS["llama"] | SMALL))
+    model = build_model(str(path), "lm", seed=0).eval()
+    prompts, params, eos = _early_eos_case(model)
+    want = TorchRolloutEngine(model, PAD, eos).generate(prompts, params)
+    assert len(set(want.response_mask.sum(1).tolist())) >= 3
+    for got in run_world(_tp2_continuous, 2, {"path": str(path)}, eos, timeout=120):
+        assert torch.equal(got["responses"], want.responses) and torch.equal(got["mask"], want.response_mask)
+        torch.testing.assert_close(got["log_probs"], want.log_probs, atol=1e-5, rtol=0)
+
+
+def test_a_rollout_set_generates_with_the_batching_its_plan_gives():
+    import numpy as np
+
+    from hfplan.executor.runtime import _build_role
+    from hfplan.plan import ROLLOUT, GenConfig, RoleParallelism
+    from hfplan.spec import make_cluster
+    from tests.execute_support import tiny_workload
+    from tests.helpers_plans import build_plan
+
+    workload = tiny_workload("ppo")
+    prompts = uneven_prompts(rows=workload.batch_prompts, width=workload.prompt_len, seed=11, vocab=260).numpy()
+    outputs = {}
+    for gen in (GenConfig(), GenConfig(batching="continuous", max_batch=3)):
+        plan = build_plan(workload, [(("actor", "critic", "reference"), 1), ((ROLLOUT,), 1)],
+                          cluster=make_cluster(2, "cpu"), tp=1, gen_tp=1, overrides={ROLLOUT: RoleParallelism(gen=gen)})
+        runtime = _build_role(ROLLOUT, plan, workload.hyperparameters, 0, torch.device("cpu"), 0)
+        assert (runtime.engine.batching, runtime.engine.max_batch) == (gen.batching, gen.max_batch)
+        outputs[gen.batching] = runtime.run("generate", {"prompts": prompts}, {"greedy": True, "n": 2}, [])
+        # 8 rows: one prefill of them all, or, with 3 slots, prefills of at most 3 rows each.
+        prefills = runtime.engine.stats.prefills
+        assert prefills == 1 if gen.max_batch is None else prefills >= 3
+    for name, value in outputs["static"].items():
+        assert np.array_equal(outputs["continuous"][name], value), name
+
+
+@pytest.mark.slow
+def test_a_continuous_batching_plan_runs_as_its_static_twin_when_sampling_is_argmax():
+    """GRPO on one device (the hybrid engine): a top_p that keeps only the likeliest token makes sampling pick
+    the argmax, so a plan with 3 continuous slots for its 8 rollouts runs as the static one does."""
+    from hfplan.executor.controller import ExecuteOptions
+    from hfplan.executor.local import run_local, single_process_world
+    from hfplan.plan import GenConfig
+    from tests.execute_support import ARITH_GRPO, cpu_plan, tiny_workload
+
+    static = cpu_plan(tiny_workload("grpo", ARITH_GRPO), [(("actor", "reference"), 1)])
+    actor = static.parallelism["actor"]
+    continuous = static.model_copy(update={"parallelism": static.parallelism | {"actor": actor.model_copy(
+        update={"gen": GenConfig(batching="continuous", max_batch=3)})}})
+    options = ExecuteOptions(iterations=2, overrides=("top_p=1e-6",))
+    with single_process_world():
+        runs = [run_local(plan, options).iterations for plan in (static, continuous)]
+    assert any(0 < it["response_len"] < static.workload.response_len for it in runs[0])  # lengths vary
+    for got, want in zip(runs[1], runs[0], strict=True):
+        for key in ("response_len", "reward", "actor/policy_loss", "actor/grad_norm"):
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key

@@ -4,10 +4,10 @@ A trained role (actor, critic, cost critic) holds its model in the training layo
 with pp > 1, tensor parallel over its tp ranks, FSDP2 over its data-parallel ones) and runs its forward
 calls there too; an inference-only role (reference, reward, cost) holds a copy (or a stage of one) split
 over its inference layout's tp ranks (a whole one at tp = 1). The generating role also holds a rollout
-engine, tensor parallel over its generation layout's tp group: the actor reaches it through the hybrid
-engine (the training layout's weights, gathered over data-parallel ranks, and over pipeline stages with
-pp > 1, for generation), a separate rollout set through weights the controller sends it after each
-actor update.
+engine, tensor parallel over its generation layout's tp group and batching as that layout says (batching,
+max_batch): the actor reaches it through the hybrid engine (the training layout's weights, gathered over
+data-parallel ranks, and over pipeline stages with pp > 1, for generation), a separate rollout set
+through weights the controller sends it after each actor update.
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def _build_role(role: str, plan: Plan, hyper: Hyperparameters, seed: int, device
             group = (runtime.trained.mesh[TP_MESH_DIM] if same else tensor_parallel_mesh(gen, device.type)).get_group()
         # The hybrid engine hands the engine its weights at each generation; a rollout set's model holds them.
         runtime.engine = TorchRolloutEngine(None if runtime.trained is not None else model, tokenizer.pad_token_id,
-                                            tokenizer.eos_token_id, group)
+                                            tokenizer.eos_token_id, group, gen.batching, gen.max_batch)
         if runtime.trained is not None:
             runtime.hybrid = SameLayoutHybridEngine(runtime.trained)
     return runtime
@@ -219,7 +219,8 @@ def _build_pipelined(runtime: RoleRuntime, par, lr: float | None, seed: int, ran
     if generates:  # built over the whole model before it is split; generation loads the gathered weights
         runtime.generator = rollout_generator(device, seed, par.gen, rank)
         group = tensor_parallel_mesh(par.gen, device.type).get_group() if par.gen.tp > 1 else None
-        runtime.engine = TorchRolloutEngine(model, runtime.pad_id, runtime.eos_id, group)
+        runtime.engine = TorchRolloutEngine(model, runtime.pad_id, runtime.eos_id, group, par.gen.batching,
+                                            par.gen.max_batch)
         runtime.engine.release_weights()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     runtime.pipeline = PipelinedModel(model, pipeline_mesh(layout, device.type),

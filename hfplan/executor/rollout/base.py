@@ -1,7 +1,9 @@
 """The rollout-engine interface every generation backend implements (torch engine, vLLM).
 
 Tensors follow hfplan.executor.sequences: prompts left-padded, responses right-padded with the pad id
-after EOS, `response_mask` 1 on real response tokens (EOS included).
+after EOS, `response_mask` 1 on real response tokens (EOS included). However an engine batches (the plan's
+`gen.batching` and `gen.max_batch`: static waves or continuously refilled slots), the rollout's rows keep
+the order of the prompts.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """A native torch rollout engine: its own decode loop over an HF Llama / Qwen2 / Mistral model's weights.
 
-One prefill over the left-padded prompts fills a KV cache preallocated for P + max_new_tokens
-columns; each decode step then runs one token per row through the layers, reading the weights the
-model holds (shared, not copied). The model's train or eval mode does not matter: the loop has no
-dropout. The arithmetic follows the HF modules it replaces (RMSNorm in fp32, rotary tables from the
-model's own inverse frequencies, grouped-query attention, SwiGLU), so the log-probs it returns match a
-training-side forward over `sequences.join(...)`.
+A prefill over left-padded prompts fills a KV cache preallocated for P + max_new_tokens columns; each
+decode step then runs one token per row through the layers, reading the weights the model holds (shared,
+not copied). Rows run in static waves or through continuously refilled slots (TorchRolloutEngine). The
+model's train or eval mode does not matter: the loop has no dropout. The arithmetic follows the HF modules
+it replaces (RMSNorm in fp32, rotary tables from the model's own inverse frequencies, grouped-query
+attention, SwiGLU), so the log-probs it returns match a training-side forward over `sequences.join(...)`.
 
 Tensor parallel generation: given a tensor-parallel process group, a rank keeps its own heads/tp query
 heads and their KV heads (the KV cache holds only those), ffn/tp MLP columns, and a vocabulary slice
@@ -20,6 +20,7 @@ from plain tensors cut.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ from transformers.activations import ACT2FN
 from hfplan.errors import HfplanError
 from hfplan.executor.rollout.base import Rollout, SamplingParams
 from hfplan.executor.sequences import positions
+from hfplan.plan import Batching
 
 # Rotary types whose frequencies change with the sequence length at run time; a fixed table cannot follow them.
 _DYNAMIC_ROPE = ("dynamic", "longrope")
@@ -242,16 +244,43 @@ def sample_tokens(
     return tokens, log_probs.gather(1, tokens[:, None]).squeeze(1)
 
 
+@dataclass
+class GenerationStats:
+    """The forward passes of the last `generate`: prefills (one per batch of prompts taken in) and decode steps
+    (one token for every row of the running batch)."""
+
+    prefills: int = 0
+    decode_steps: int = 0
+
+
+Tables = tuple[torch.Tensor, torch.Tensor]  # rotary cos and signed sin [columns, D]
+Cache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer, (keys, values) [B, KV, columns, D]
+
+
 class TorchRolloutEngine:
-    """Batched generation with a preallocated KV cache; see the module docstring."""
+    """Batched generation with a preallocated KV cache; see the module docstring.
+
+    `batching`: "static" runs the rows in waves of at most `max_batch` (as equal as can be; the first ones a
+    row larger), each until its longest response ends; "continuous" keeps `max_batch` KV-cache slots busy:
+    when a sequence ends (EOS or max_new_tokens) its slot takes the next waiting prompt, prefilled into that
+    slot, and the slots decode together, each at its own column and rotary position. `max_batch` None: every
+    row at once (both then run one batch). Either way the rollout has the same layout, rows in their order."""
 
     def __init__(self, model: torch.nn.Module | None, pad_id: int, eos_id: int,
-                 tp_group: dist.ProcessGroup | None = None) -> None:
+                 tp_group: dist.ProcessGroup | None = None, batching: Batching = "static",
+                 max_batch: int | None = None) -> None:
         """`model`: the weights to start with (None: none until `load_weights`). `tp_group`: the
         tensor-parallel group this rank generates with (None: alone, whole weights); every rank of a group
         must call `load_weights` and `generate` together, with the same prompts."""
+        if batching not in get_args(Batching):
+            raise ValueError(f"batching must be one of {', '.join(get_args(Batching))}, got {batching!r}")
+        if max_batch is not None and max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.pad_id = pad_id
         self.eos_id = eos_id
+        self.batching = batching
+        self.max_batch = max_batch
+        self.stats = GenerationStats()
         self._tp = _TensorParallel.of(tp_group)
         self._w: _Weights | None = None
         if model is not None:
@@ -274,33 +303,44 @@ class TorchRolloutEngine:
         w = self._w
         if w is None:
             raise RuntimeError("the rollout engine holds no weights: call load_weights(model) first")
-        if prompts.dim() != 2 or prompts.dtype != torch.long:
-            raise ValueError(f"prompts must be a [B, P] long tensor, got {tuple(prompts.shape)} {prompts.dtype}")
+        if prompts.dim() != 2 or prompts.dtype != torch.long or prompts.shape[0] == 0:
+            raise ValueError(f"prompts must be a non-empty [B, P] long tensor, got {tuple(prompts.shape)} "
+                             f"{prompts.dtype}")
         device = w.embed.device
         prompts = prompts.to(device).repeat_interleave(params.n, dim=0)
         rows, prompt_len = prompts.shape
-        steps = params.max_new_tokens
-        total = prompt_len + steps
+        total = prompt_len + params.max_new_tokens
         if w.sliding_window is not None and total > w.sliding_window:
             raise HfplanError(f"prompt + response length {total} exceeds the model's sliding window {w.sliding_window}")
+        tables = self._rope_tables(total, device)
+        self.stats = GenerationStats()
+        slots = min(self.max_batch or rows, rows)
+        if self.batching == "continuous" and slots < rows:
+            responses, log_probs = self._continuous(prompts, params, generator, slots, tables)
+        else:
+            waves = [self._static(wave, params, generator, tables) for wave in prompts.tensor_split(-(-rows // slots))]
+            responses, log_probs = (torch.cat(parts) for parts in zip(*waves, strict=True))
+        # A row's tokens are real up to its first EOS included; what a finished row went on sampling is dropped.
+        is_eos = responses == self.eos_id
+        ended = (is_eos.cumsum(dim=1) - is_eos.long()) > 0
+        responses.masked_fill_(ended, self.pad_id)
+        log_probs.masked_fill_(ended, 0.0)
+        return Rollout(prompts, responses, (~ended).float(), log_probs)
 
+    def _static(self, prompts: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                tables: Tables) -> tuple[torch.Tensor, torch.Tensor]:
+        """Responses and log-probs [B, R] of one batch, decoded until every row has sampled EOS or R tokens."""
+        rows, prompt_len = prompts.shape
+        steps = params.max_new_tokens
+        device = prompts.device
         prompt_mask = prompts != self.pad_id
-        cos, sin = self._rope_tables(total, device)
-        # One allocation; each layer keeps (keys, values) views of [B, KV, P+R, D].
-        storage = w.embed.new_empty((len(w.layers), 2, rows, w.kv_heads, total, w.head_dim))
-        cache = [(storage[i, 0], storage[i, 1]) for i in range(len(w.layers))]
-        # Prefill: causal over real prompt tokens; a padded query also sees itself, so no row is empty.
-        columns = torch.arange(prompt_len, device=device)
-        allowed = (columns[None, :] <= columns[:, None])[None] & prompt_mask[:, None, :]
-        allowed |= torch.eye(prompt_len, dtype=torch.bool, device=device)
-        prompt_positions = positions(prompt_mask.long())
-        logits = self._forward(prompts, cos[prompt_positions], sin[prompt_positions], cache, 0, allowed[:, None])
-
+        cache = self._new_cache(rows, prompt_len + steps)[1]
+        logits = self._prefill(prompts, prompt_mask, tables, cache)
         # Decode: response token i sits at column P+i, rotary position (real prompt length + i); it sees
         # the real prompt tokens and every response column up to its own.
         key_mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, steps)], dim=1)[:, None, None]
         response_positions = prompt_mask.sum(dim=1, keepdim=True) + torch.arange(steps, device=device)
-        step_cos, step_sin = cos[response_positions], sin[response_positions]
+        step_cos, step_sin = (table[response_positions] for table in tables)
         responses = prompts.new_full((rows, steps), self.pad_id)
         log_probs = torch.zeros(rows, steps, device=device)
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -311,16 +351,94 @@ class TorchRolloutEngine:
             if step + 1 == steps or bool(finished.all()):
                 break
             column = prompt_len + step
+            self.stats.decode_steps += 1
             logits = self._forward(
                 responses[:, step: step + 1], step_cos[:, step: step + 1], step_sin[:, step: step + 1], cache,
                 column, key_mask[..., : column + 1],
             )
-        # A row's tokens are real up to its first EOS included; what a finished row went on sampling is dropped.
-        is_eos = responses == self.eos_id
-        ended = (is_eos.cumsum(dim=1) - is_eos.long()) > 0
-        responses.masked_fill_(ended, self.pad_id)
-        log_probs.masked_fill_(ended, 0.0)
-        return Rollout(prompts, responses, (~ended).float(), log_probs)
+        return responses, log_probs
+
+    def _continuous(self, prompts: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                    slots: int, tables: Tables) -> tuple[torch.Tensor, torch.Tensor]:
+        """Responses and log-probs [B, R] of B > `slots` rows through `slots` KV-cache slots, taken in row order.
+
+        A slot's prompt fills cache columns 0..P-1 (left-padded, as a static batch's) and its response token
+        i column P+i, so each step every running slot writes its own column and its query sees its real
+        prompt tokens and its response columns up to its own. A slot that does not decode this step (it has
+        just ended, or is idle) still runs through the batch, as a pad token at column P seeing its prompt;
+        its output is dropped, and a slot's next sequence overwrites column P before it reads it. Every rank
+        of a tensor-parallel group samples the same tokens, so all take the same host-side decisions."""
+        rows, prompt_len = prompts.shape
+        steps = params.max_new_tokens
+        device = prompts.device
+        cos, sin = tables
+        prompt_mask = prompts != self.pad_id
+        storage, cache = self._new_cache(slots, prompt_len + steps)
+        slot_mask = prompt_mask[:slots].clone()  # the prompt mask of each slot's sequence
+        slot_len = slot_mask.sum(dim=1)  # its real prompt length: the rotary position of response token 0
+        logits = self._prefill(prompts[:slots], slot_mask, tables, cache)
+        row_of: list[int | None] = list(range(slots))  # the row each slot holds; None once idle
+        made = [0] * slots  # response tokens the slot's sequence has sampled
+        waiting = slots  # the next row to take in
+        responses = prompts.new_full((rows, steps), self.pad_id)
+        log_probs = torch.zeros(rows, steps, device=device)
+        while True:
+            tokens, token_log_probs = sample_tokens(logits, params, generator)
+            live = [s for s in range(slots) if row_of[s] is not None]
+            # One host-to-device copy a step: (row, response column, slot) of each live sequence.
+            row, column, slot = torch.tensor([[row_of[s] for s in live], [made[s] for s in live], live],
+                                             device=device)
+            responses[row, column] = tokens[slot]
+            log_probs[row, column] = token_log_probs[slot]
+            ended = (tokens == self.eos_id).tolist()
+            for s in live:
+                made[s] += 1
+                if ended[s] or made[s] == steps:
+                    row_of[s] = None
+            going = [row_of[s] is not None for s in range(slots)]
+            refill = [s for s in live if row_of[s] is None][: rows - waiting]
+            if not any(going) and not refill:
+                return responses, log_probs
+            if any(going):
+                offsets = [made[s] - 1 if going[s] else 0 for s in range(slots)]
+                offset, decodes = torch.tensor([offsets, going], device=device)
+                width = prompt_len + max(offsets) + 1
+                seen = torch.arange(width - prompt_len, device=device)[None, :] <= offset[:, None]
+                mask = torch.cat([slot_mask, seen], dim=1)[:, None, None]
+                feed = torch.where(decodes.bool(), tokens, self.pad_id)[:, None]
+                where = (slot_len + offset)[:, None]
+                self.stats.decode_steps += 1
+                logits = self._forward(feed, cos[where], sin[where], cache, prompt_len + offset, mask)
+            if refill:
+                taken = slice(waiting, waiting + len(refill))
+                waiting = taken.stop
+                into = torch.tensor(refill, device=device)
+                new_storage, new_cache = self._new_cache(len(refill), prompt_len)
+                logits[into] = self._prefill(prompts[taken], prompt_mask[taken], tables, new_cache)
+                storage[:, :, into, :, :prompt_len] = new_storage
+                slot_mask[into] = prompt_mask[taken]
+                slot_len[into] = prompt_mask[taken].sum(dim=1)
+                for s, row in zip(refill, range(taken.start, taken.stop), strict=True):
+                    row_of[s], made[s] = row, 0
+
+    def _new_cache(self, rows: int, columns: int) -> tuple[torch.Tensor, Cache]:
+        """One allocation [layers, 2, rows, KV, columns, D] and each layer's (keys, values) views of it. Zeroed:
+        a masked key still enters attention's product (weight 0), so it must not hold a stray NaN or inf."""
+        w = self._w
+        storage = w.embed.new_zeros((len(w.layers), 2, rows, w.kv_heads, columns, w.head_dim))
+        return storage, [(storage[i, 0], storage[i, 1]) for i in range(len(w.layers))]
+
+    def _prefill(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, tables: Tables, cache: Cache
+                 ) -> torch.Tensor:
+        """Logits [B, V] after the left-padded `prompts` [B, P], their keys and values in cache columns 0..P-1.
+        Causal over real prompt tokens; a padded query also sees itself, so no row is empty."""
+        prompt_len = prompts.shape[1]
+        columns = torch.arange(prompt_len, device=prompts.device)
+        allowed = (columns[None, :] <= columns[:, None])[None] & prompt_mask[:, None, :]
+        allowed |= torch.eye(prompt_len, dtype=torch.bool, device=prompts.device)
+        where = positions(prompt_mask.long())
+        self.stats.prefills += 1
+        return self._forward(prompts, tables[0][where], tables[1][where], cache, 0, allowed[:, None])
 
     def _rope_tables(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [length, D] of positions 0..length-1, computed as HF's rotary module does. The sin
@@ -333,17 +451,19 @@ class TorchRolloutEngine:
         return cos.to(w.embed.dtype), signed_sin.to(w.embed.dtype)
 
     def _forward(
-        self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        cache: list[tuple[torch.Tensor, torch.Tensor]], start: int,
+        self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Cache, start: int | torch.Tensor,
         mask: torch.Tensor,
     ) -> torch.Tensor:
-        """Run `tokens` [B, T] (cache columns start..start+T-1; rotary tables cos, sin [B, T, D]) through the
-        model; fp32 logits [B, V] of the last one. `mask` [B, 1, T, start+T]: the cached keys each query sees."""
+        """Run `tokens` [B, T] through the model; fp32 logits [B, V] of the last one. Their keys and values go
+        to cache columns start..start+T-1, or with `start` a tensor [B] (T = 1), each row's to its own column;
+        rotary tables cos, sin [B, T, D]. `mask` [B, 1, T, W]: which of the first W cached keys each query sees."""
         w = self._w
         rows, length = tokens.shape
-        end = start + length
+        width = mask.shape[-1]
         half = w.head_dim // 2
         cos, sin = cos[:, None], sin[:, None]
+        # Per-row columns: one scatter index [B, KV, 1, D] for every layer's keys and values.
+        column = None if isinstance(start, int) else start.view(rows, 1, 1, 1).expand(rows, w.kv_heads, 1, w.head_dim)
         h = w.embed_tokens(tokens.reshape(-1))  # [B*T, hidden]: 2-D matmuls are the cheapest on CPU
         for layer, (keys, values) in zip(w.layers, cache, strict=True):
             x = layer.attn_norm(h)
@@ -352,10 +472,14 @@ class TorchRolloutEngine:
             v = layer.v(x).view(rows, length, w.kv_heads, w.head_dim).transpose(1, 2)
             q = q * cos + q.roll(half, dims=-1) * sin
             k = k * cos + k.roll(half, dims=-1) * sin
-            keys.narrow(2, start, length).copy_(k)
-            values.narrow(2, start, length).copy_(v)
+            if column is None:
+                keys.narrow(2, start, length).copy_(k)
+                values.narrow(2, start, length).copy_(v)
+            else:
+                keys.scatter_(2, column, k)
+                values.scatter_(2, column, v)
             attn = F.scaled_dot_product_attention(
-                q, keys.narrow(2, 0, end), values.narrow(2, 0, end), attn_mask=mask, scale=w.scaling,
+                q, keys.narrow(2, 0, width), values.narrow(2, 0, width), attn_mask=mask, scale=w.scaling,
                 enable_gqa=w.heads != w.kv_heads,
             )
             h = h + layer.o(attn.transpose(1, 2).reshape(rows * length, -1))
