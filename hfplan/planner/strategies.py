@@ -215,6 +215,7 @@ class SearchContext:
         self.trained_generator = generating_role(workload)
         self.usable = hw.memory.usable_bytes
         self.value_bytes = hw.compute.value_bytes
+        self.attention = hw.compute.attention
         self._own: dict[str, list[Node]] = {}
         if shared is None:
             self.memo = CostMemo()
@@ -324,7 +325,7 @@ class SearchContext:
                     if self.rules.infer_ok(role, infer)]
         out = []
         for par in pars:
-            mem = role_memory(w, role, par, self.value_bytes)
+            mem = role_memory(w, role, par, self.value_bytes, self.attention)
             if not self._fits_alone(mem):
                 continue
             seconds = tuple(self._seconds(n, role, par, gpus) for n in nodes)
@@ -362,7 +363,7 @@ class SearchContext:
         for train in space.train_configs(arch, gpus, g, w.sequences // w.mini_batches, self.rules.executable):
             if not self.rules.train_ok(role, train):
                 continue
-            resident, transient = train_memory(w, role, train, self.value_bytes)
+            resident, transient = train_memory(w, role, train, self.value_bytes, self.attention)
             if resident + transient > self.usable:
                 continue
             par = RoleParallelism(train=train)
@@ -380,7 +381,7 @@ class SearchContext:
                 if not self.rules.infer_ok(role, infer):
                     continue
                 par = RoleParallelism(train=layout, infer=infer)
-                transient = infer_transient(w, role, infer, layout, self.value_bytes)
+                transient = infer_transient(w, role, infer, layout, self.value_bytes, self.attention)
                 if resident + transient <= self.usable:
                     infers.append(InferPart(infer, tuple(self._seconds(n, role, par, gpus) for n in forwards),
                                             transient))
@@ -403,7 +404,7 @@ class SearchContext:
                     if not self.rules.gen_ok(layout, gen):
                         continue
                     par = RoleParallelism(train=layout, gen=gen)
-                    extra, kv = gen_memory(w, gen, layout, self.value_bytes)
+                    extra, kv = gen_memory(w, gen, layout, self.value_bytes, self.attention)
                     if resident + extra + kv > self.usable:
                         continue
                     switch = switch_seconds(w, self.hw, g, role, par, gpus, memo=self.memo)
