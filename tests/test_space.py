@@ -10,7 +10,8 @@ import math
 
 import pytest
 
-from hfplan.layout import nests
+from hfplan.layout import nests, unsupported_layout
+from hfplan.plan import GenConfig, TrainConfig
 from hfplan.planner import space
 from hfplan.profiles.models import CATALOG, ModelArch
 from hfplan.simulator.mapping import set_offsets
@@ -219,16 +220,23 @@ def _brute_modes(tp: int, dp: int, per_node: int, executable: bool) -> list[tupl
                                                            (16, 4, 32)])
 def test_train_configs(arch, gpus, per_node, per_step, executable):
     configs = space.train_configs(arch, gpus, per_node, per_step, executable)
-    keys = [(c.tp, c.pp, c.dp, c.micro_batch, c.shard, c.shard_group, c.recompute) for c in configs]
+    keys = [(c.tp, c.pp, c.dp, c.micro_batch, c.shard, c.shard_group, c.recompute, c.virtual_stages) for c in configs]
     assert len(keys) == len(set(keys)), "duplicate training configs"
     expected = set()
     for tp, pp, dp in _brute_layouts(arch, gpus, per_node, "train"):
         if per_step % dp:  # every data-parallel rank gets an equal share of a mini-batch
             continue
+        # interleaved 1F1B: v equal chunks of each stage's layers
+        chunks = [v for v in range(1, arch.layers + 1) if pp > 1 and arch.layers % (pp * v) == 0] or [1]
         for micro in _powers_up_to(math.ceil(per_step / dp)):
             for shard, group in _brute_modes(tp, dp, per_node, executable):
-                for recompute in ("none", "full"):  # modes since plan version 2
-                    expected.add((tp, pp, dp, micro, shard, group, recompute))
+                for recompute in ("none", "selective", "full"):
+                    for v in chunks:
+                        config = TrainConfig(tp=tp, pp=pp, dp=dp, micro_batch=micro, shard=shard, shard_group=group,
+                                             recompute=recompute, virtual_stages=v)
+                        # the executor's rule decides what hfplan's own space offers, whatever it says today
+                        if not executable or unsupported_layout(arch, "train", config) is None:
+                            expected.add((tp, pp, dp, micro, shard, group, recompute, v))
     assert set(keys) == expected
     for c in configs:
         assert c.tp * c.pp * c.dp == gpus
@@ -273,6 +281,36 @@ def test_gen_configs_of_a_pipelined_training_layout_run_one_stage():
     train = next(t for t in space.train_configs(arch, 6, 8, 6) if (t.tp, t.pp) == (1, 2))
     layouts = {(g.tp, g.pp, g.dp) for g in space.gen_configs(arch, 6, 8, train)}
     assert layouts == {(1, 1, 6)}
+
+
+@pytest.mark.parametrize(("arch", "pp", "counts"), [
+    (GQA, 1, [1]),  # no pipeline, nothing to interleave
+    (GQA, 2, [1, 3]),  # 3 layers a stage: 1 chunk of 3 or 3 of 1
+    (GQA, 3, [1, 2]),
+    (CATALOG["llama2-70b"], 8, [1, 2, 5, 10]),  # 10 layers a stage
+])
+def test_virtual_stage_counts_split_each_stage_into_equal_chunks(arch, pp, counts):
+    assert space.virtual_stage_counts(arch, pp) == counts
+
+
+@pytest.mark.parametrize("executable", [True, False])
+def test_gen_configs_offer_each_batching_the_rule_allows(executable):
+    got = {(g.tp, g.pp, g.dp, g.batching) for g in space.gen_configs(GQA, 4, 8, executable=executable)}
+    expected = {(tp, pp, dp, batching) for tp, pp, dp in _brute_layouts(GQA, 4, 8, "gen")
+                for batching in ("static", "continuous")
+                if not executable or unsupported_layout(GQA, "gen", GenConfig(tp=tp, dp=dp, batching=batching)) is None}
+    assert got == expected
+    assert {b for *_, b in got} == ({"static", "continuous"} if not executable else
+                                    {b for b in ("static", "continuous")
+                                     if unsupported_layout(GQA, "gen", GenConfig(batching=b)) is None})
+
+
+def test_train_configs_offer_every_recompute_mode_and_chunk_count_outside_the_executor():
+    configs = space.train_configs(GQA, 2, 8, 2, executable=False)
+    pipelined = {(c.recompute.value, c.virtual_stages) for c in configs if c.pp == 2}
+    assert pipelined == {(r, v) for r in ("none", "selective", "full") for v in (1, 3)}
+    flat = {(c.recompute.value, c.virtual_stages) for c in configs if c.pp == 1}
+    assert flat == {(r, 1) for r in ("none", "selective", "full")}
 
 
 def test_micro_batches():
