@@ -11,7 +11,7 @@ import math
 import pytest
 
 from hfplan.layout import nests, unsupported_layout
-from hfplan.plan import GenConfig, TrainConfig
+from hfplan.plan import GenConfig, RoleParallelism, TrainConfig
 from hfplan.planner import space
 from hfplan.profiles.models import CATALOG, ModelArch
 from hfplan.simulator.mapping import set_offsets
@@ -318,3 +318,55 @@ def test_micro_batches():
     assert space.micro_batches(1) == [1]
     assert space.micro_batches(6) == [1, 2, 4]
     assert space.micro_batches(8) == [1, 2, 4, 8]
+
+
+# -- the search's local choices of recompute, virtual stages and batching (planner/strategies.py) ----------------
+def _context(attention: str, **workload):
+    from hfplan.planner.strategies import Rules, SearchContext
+    from hfplan.profiles.hardware import load_hardware
+    from hfplan.simulator.trace import trace
+    from tests.helpers_plans import small_workload
+
+    w = small_workload(**workload)
+    hw = load_hardware("a100-80g")
+    hw = hw.model_copy(update={"compute": hw.compute.model_copy(update={"attention": attention})})
+    return SearchContext(w, hw, 8, trace(w), Rules(executable=False))
+
+
+@pytest.mark.parametrize("attention", ["flash", "eager"])
+def test_training_variants_costed_are_every_non_dominated_one(attention):
+    """The parts kept for each (tp, pp, dp, shard) layout are the Pareto front (seconds of each update, activation
+    bytes) of every recompute mode and virtual-stage count that fits, costed one by one here."""
+    from hfplan.planner.strategies import TrainPart, _pareto_parts
+    from hfplan.simulator.mapping import train_memory
+
+    ctx = _context(attention, prompt_len=1024, response_len=1024)
+    w, role, gpus = ctx.workload, "actor", 8
+    updates = [n for n in ctx.own_nodes(role) if n.kind == "update"]
+    got = {}
+    for family in ctx.parts(role, gpus):
+        t = family.trains[0].config
+        got[(t.tp, t.pp, t.dp, t.shard)] = sorted((*p.seconds, p.transient) for p in family.trains)
+    expected: dict[tuple, list] = {}
+    for train in space.train_configs(w.arch(role), gpus, 8, w.sequences // w.mini_batches, executable=False):
+        resident, transient = train_memory(w, role, train, ctx.value_bytes, attention)
+        if resident + transient <= ctx.usable:
+            seconds = tuple(ctx._seconds(n, role, RoleParallelism(train=train), gpus) for n in updates)
+            expected.setdefault((train.tp, train.pp, train.dp, train.shard), []).append((train, seconds, transient))
+    assert set(expected) >= set(got)
+    pipelined = False
+    for key, rows in expected.items():
+        parts = [TrainPart(c, s, m) for c, s, m in rows]
+        front = sorted((*p.seconds, p.transient) for p in _pareto_parts(parts, [()] * len(parts)))
+        if key in got:
+            assert got[key] == front  # the same cost tables: equal to the last bit
+            pipelined |= key[1] > 1
+    assert pipelined  # the case has interleaving to choose
+
+
+def test_generation_keeps_one_batching_where_it_is_never_slower():
+    """Responses of very different lengths: continuous batching is never slower than static at any KV room, so
+    the generating role's options have continuous generation layouts only."""
+    ctx = _context("flash", response_len=512, response_len_mean=64.0)
+    options = ctx.choices("actor", 8).options
+    assert options and {o.par.gen.batching for o in options} == {"continuous"}
