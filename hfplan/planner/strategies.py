@@ -300,19 +300,20 @@ class SearchContext:
         budget = self.usable - resident - extra
         return tuple(self._seconds(n, role, par, gpus, budget) for n in self.generate_nodes)
 
-    def _fastest_batching(self, role: str, memories: dict[GenConfig, tuple[float, float]], resident: float,
-                          gpus: int) -> list[GenConfig]:
+    def _fastest_batching(self, role: str, rooms: dict[GenConfig, tuple[float, float]], gpus: int
+                          ) -> list[GenConfig]:
         """Per generation layout, the batchings that can be the fastest: one never slower than another at any
-        KV-cache room up to what the GPU has beside `resident` (memories: each config's extra bytes and KV
-        cache of one sequence), on every generate call, replaces it (ties keep the first), so the engine is a
-        local choice and multiplies the options only where neither wins everywhere."""
+        KV-cache room up to the most the GPU can have (rooms: each config's bytes left for the KV cache with the
+        role alone on its GPUs, and the KV cache of one sequence), on every generate call, replaces it (ties keep
+        the first), so the engine is a local choice and multiplies the options only where neither wins
+        everywhere. Colocated roles only take room away, so this holds in every set."""
         by_layout: dict[tuple[int, int, int], list[GenConfig]] = {}
-        for gen in memories:
+        for gen in rooms:
             by_layout.setdefault((gen.tp, gen.pp, gen.dp), []).append(gen)
         out = []
         for group in by_layout.values():
-            extra, kv = memories[group[0]]  # batching changes neither
-            most = int((self.usable - resident - extra) // kv) if kv > 0 else 1 << 30
+            room, kv = rooms[group[0]]  # batching changes neither
+            most = int(room // kv) if kv > 0 else 1 << 30
             kept: list[GenConfig] = []
             for gen in group:
                 if any(self._never_slower(k, gen, role, gpus, most) for k in kept):
@@ -349,15 +350,13 @@ class SearchContext:
         w, g = self.workload, self.gpus_per_node
         nodes = self.own_nodes(role)
         if role == ROLLOUT:
-            memories = {}
+            rooms = {}
             for gen in space.gen_configs(w.arch(model_role(w, role)), gpus, g, prompts=w.batch_prompts,
                                          executable=self.rules.executable):
                 if self.rules.gen_ok(None, gen):
                     mem = role_memory(w, role, RoleParallelism(gen=gen), self.value_bytes, self.attention)
-                    memories[gen] = (mem.gen_extra, mem.kv_per_sequence)
-            resident = (role_memory(w, role, RoleParallelism(gen=next(iter(memories))), self.value_bytes,
-                                    self.attention).resident if memories else 0.0)
-            pars = [RoleParallelism(gen=gen) for gen in self._fastest_batching(role, memories, resident, gpus)]
+                    rooms[gen] = (self.usable - mem.resident - mem.gen_extra, mem.kv_per_sequence)
+            pars = [RoleParallelism(gen=gen) for gen in self._fastest_batching(role, rooms, gpus)]
         else:
             pars = [RoleParallelism(infer=infer) for infer in space.infer_configs(w.arch(role), gpus, g, w.sequences)
                     if self.rules.infer_ok(role, infer)]
@@ -489,7 +488,8 @@ class SearchContext:
                         extra, kv = gen_memory(w, gen, layout, self.value_bytes, self.attention)
                         if resident + extra + kv <= self.usable:
                             memories[gen] = (extra, kv)
-                for gen in self._fastest_batching(role, memories, resident, gpus):
+                rooms = {gen: (self.usable - resident - extra, kv) for gen, (extra, kv) in memories.items()}
+                for gen in self._fastest_batching(role, rooms, gpus):
                     extra, kv = memories[gen]
                     par = RoleParallelism(train=layout, gen=gen)
                     switch = switch_seconds(w, self.hw, g, role, par, gpus, memo=self.memo)
