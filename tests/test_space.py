@@ -226,9 +226,11 @@ def test_train_configs(arch, gpus, per_node, per_step, executable):
     for tp, pp, dp in _brute_layouts(arch, gpus, per_node, "train"):
         if per_step % dp:  # every data-parallel rank gets an equal share of a mini-batch
             continue
-        # interleaved 1F1B: v equal chunks of each stage's layers
-        chunks = [v for v in range(1, arch.layers + 1) if pp > 1 and arch.layers % (pp * v) == 0] or [1]
         for micro in _powers_up_to(math.ceil(per_step / dp)):
+            # interleaved 1F1B: v equal chunks of each stage's layers, micro-batches a multiple of pp
+            n_micro = math.ceil(math.ceil(per_step / dp) / micro)
+            chunks = [v for v in range(1, arch.layers + 1)
+                      if pp > 1 and arch.layers % (pp * v) == 0 and n_micro % pp == 0] or [1]
             for shard, group in _brute_modes(tp, dp, per_node, executable):
                 for recompute in ("none", "selective", "full"):
                     for v in chunks:
@@ -283,14 +285,17 @@ def test_gen_configs_of_a_pipelined_training_layout_run_one_stage():
     assert layouts == {(1, 1, 6)}
 
 
-@pytest.mark.parametrize(("arch", "pp", "counts"), [
-    (GQA, 1, [1]),  # no pipeline, nothing to interleave
-    (GQA, 2, [1, 3]),  # 3 layers a stage: 1 chunk of 3 or 3 of 1
-    (GQA, 3, [1, 2]),
-    (CATALOG["llama2-70b"], 8, [1, 2, 5, 10]),  # 10 layers a stage
+@pytest.mark.parametrize(("arch", "pp", "n_micro", "counts"), [
+    (GQA, 1, None, [1]),  # no pipeline, nothing to interleave
+    (GQA, 2, None, [1, 3]),  # 3 layers a stage: 1 chunk of 3 or 3 of 1
+    (GQA, 3, None, [1, 2]),
+    (GQA, 2, 4, [1, 3]),
+    (GQA, 2, 3, [1]),  # 3 micro-batches are no multiple of 2 stages: plain 1F1B only
+    (CATALOG["llama2-70b"], 8, None, [1, 2, 5, 10]),  # 10 layers a stage
+    (CATALOG["llama2-70b"], 8, 4, [1]),
 ])
-def test_virtual_stage_counts_split_each_stage_into_equal_chunks(arch, pp, counts):
-    assert space.virtual_stage_counts(arch, pp) == counts
+def test_virtual_stage_counts_split_each_stage_into_equal_chunks(arch, pp, n_micro, counts):
+    assert space.virtual_stage_counts(arch, pp, n_micro) == counts
 
 
 @pytest.mark.parametrize("executable", [True, False])

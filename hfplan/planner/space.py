@@ -102,10 +102,11 @@ def shard_modes(tp: int, dp: int, gpus_per_node: int) -> list[tuple[str, int | N
     return modes
 
 
-def virtual_stage_counts(arch: ModelArch, pp: int) -> list[int]:
+def virtual_stage_counts(arch: ModelArch, pp: int, n_micro: int | None = None) -> list[int]:
     """Model chunks per pipeline stage: 1, and with a pipeline every count that splits each stage's layers
-    into equal chunks (interleaved 1F1B, Narayanan et al. SC'21)."""
-    if pp == 1 or arch.layers % pp:
+    into equal chunks (interleaved 1F1B, Narayanan et al. SC'21), where the step's `n_micro` micro-batches are
+    a multiple of pp, as that schedule requires (section 2.2.2)."""
+    if pp == 1 or arch.layers % pp or (n_micro is not None and n_micro % pp):
         return [1]
     return divisors(arch.layers // pp)
 
@@ -120,8 +121,9 @@ def train_configs(arch: ModelArch, gpus: int, gpus_per_node: int, sequences_per_
         if unsupported_split("train", dp, sequences_per_step):
             continue
         per_rank = -(-sequences_per_step // dp)
-        variants = [(recompute, v) for v in virtual_stage_counts(arch, pp) for recompute in Recompute]
         for micro in micro_batches(per_rank):
+            n_micro = -(-per_rank // micro)
+            variants = [(recompute, v) for v in virtual_stage_counts(arch, pp, n_micro) for recompute in Recompute]
             for shard, group in shard_modes(tp, dp, gpus_per_node):
                 for recompute, v in variants:
                     config = TrainConfig(tp=tp, pp=pp, dp=dp, shard=shard, shard_group=group, micro_batch=micro,

@@ -428,6 +428,7 @@ def _best_waves(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: S
     return parts, best_waves, -(-sequences // best_waves)
 
 
+@memoized
 def batching_never_slower(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, sequences: int,
                           most: int, prompt_len: int, response_len: int, lengths: ResponseLengths | None, first: str,
                           second: str, *, memo: CostMemo | None = None) -> bool:
