@@ -137,3 +137,23 @@ def test_continuous_batching_beats_static_waves_when_lengths_vary(toy_hw):
     assert continuous.seconds < static.seconds
     fixed = costs.generation_time(toy_hw, LLAMA7, GenConfig(), ONE, 64, 64, 512, kv)
     assert static.seconds < fixed.seconds  # shorter responses end waves sooner
+
+
+@pytest.mark.parametrize("lengths", [ResponseLengths(max_len=512, mean=128.0, points=((64, 0.75), (320, 0.25))),
+                                     ResponseLengths.fixed(512), ResponseLengths(max_len=512, mean=400.0)],
+                         ids=["bimodal", "fixed", "mean"])
+@pytest.mark.parametrize("most", [1, 5, 24])
+def test_batching_never_slower_is_generation_time_compared_at_every_room(toy_hw, lengths, most):
+    """The search keeps one engine per layout where it is never slower: checked here against generation_time at
+    the KV room of every batch size from 1 to `most`."""
+    per_seq = 2 * 2 * 32 * 128 * 32 * (64 + 512)  # llama2-7b's KV cache of one sequence at its longest
+    rooms = [per_seq * k for k in range(1, most + 1)]
+
+    def seconds(batching: str, room: float) -> float:
+        return costs.generation_time(toy_hw, LLAMA7, GenConfig(batching=batching), ONE, 24, 64, 512, room,
+                                     lengths=lengths).seconds
+
+    for first, second in (("continuous", "static"), ("static", "continuous")):
+        expected = all(seconds(first, r) <= seconds(second, r) for r in rooms)
+        assert costs.batching_never_slower(toy_hw, LLAMA7, 1, 1, ONE, 24, most, 64, 512, lengths, first,
+                                           second) == expected

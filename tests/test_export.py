@@ -155,7 +155,8 @@ def test_hybrid_and_zero2_fsdp_plans_write_fsdp_size_and_reshard(tmp_path):
 
     workload = load_workload("ppo-llama2-7b")
     actor = RoleParallelism(train=TrainConfig(dp=32, micro_batch=2, shard="hybrid", shard_group=8),
-                            infer=InferConfig(dp=32, micro_batch=4), gen=GenConfig(tp=4, dp=8))
+                            infer=InferConfig(dp=32, micro_batch=4),
+                            gen=GenConfig(tp=4, dp=8, batching="continuous"))
     critic = RoleParallelism(train=TrainConfig(dp=32, micro_batch=4, shard="zero2"), infer=InferConfig(dp=32))
     plan = build_plan(workload, [(["actor", "critic", "reference", "reward"], 32)], tp=1,
                       overrides={"actor": actor, "critic": critic})
@@ -265,3 +266,27 @@ def test_readme_worked_examples_are_what_export_prints(tmp_path, monkeypatch, ta
     result = invoke("export", name, "--to", target)
     assert result.exit_code == 0
     assert f"```bash\n{result.stdout}```" in readme
+
+
+def test_megatron_plans_write_virtual_stages_and_selective_recomputation():
+    """verl's Megatron keys by hand: 3 chunks a stage -> virtual_pipeline_model_parallel_size 3 (written only above
+    1, verl's default null); selective -> recompute_granularity selective; plain stages write no such key."""
+    from hfplan.plan import GenConfig, InferConfig, RoleParallelism, TrainConfig
+    from tests.helpers_plans import small_workload
+
+    workload = small_workload()  # qwen2.5-0.5b, 24 layers: 12 a stage at pp 2
+    interleaved = TrainConfig(pp=2, dp=4, micro_batch=2, shard="zero1", recompute="selective", virtual_stages=3)
+    plain = interleaved.model_copy(update={"recompute": "full", "virtual_stages": 1})
+    infer = InferConfig(pp=2, dp=4, micro_batch=2)
+    plan = build_plan(workload, [(["actor", "critic", "reference", "reward"], 8)], overrides={
+        "actor": RoleParallelism(train=interleaved, infer=infer, gen=GenConfig(tp=2, dp=4, batching="continuous")),
+        "critic": RoleParallelism(train=plain, infer=infer), "reference": RoleParallelism(infer=infer),
+        "reward": RoleParallelism(infer=infer)})
+    config, o = verl_overrides(export_plan(plan, "verl").command)
+    assert config == "ppo_megatron_trainer"
+    megatron = "actor_rollout_ref.actor.megatron"
+    assert o[f"{megatron}.virtual_pipeline_model_parallel_size"] == "3"
+    assert o[f"{megatron}.override_transformer_config.recompute_granularity"] == "selective"
+    assert "critic.megatron.virtual_pipeline_model_parallel_size" not in o
+    assert o["critic.megatron.override_transformer_config.recompute_granularity"] == "full"
+    assert set(o) <= known("verl-megatron")

@@ -200,3 +200,48 @@ def test_selective_recompute_keeps_what_flash_attention_keeps(small_arch):
                           (1, 2, 8, 1)])
 def test_interleaved_stages_hold_more_micro_batches(pp, v, n_micro, in_flight):
     assert memory.in_flight_micro_batches(TrainConfig(pp=pp, virtual_stages=v), n_micro) == pytest.approx(in_flight)
+
+
+# Eager attention's score matrices, by hand on small_arch (4 heads, 2 layers): 2 bf16 matrices of
+# micro x heads/tp x seq x seq per layer.
+def test_eager_training_saves_two_score_matrices_per_layer(small_arch):
+    seq_len, micro = 16, 2
+    scores = 2 * 2 * micro * 4 * seq_len * seq_len  # 8192 bytes per layer
+    flash = train_transient_bytes(small_arch, TrainConfig(micro_batch=micro), 2, seq_len, "lm")
+    eager = train_transient_bytes(small_arch, TrainConfig(micro_batch=micro), 2, seq_len, "lm", attention="eager")
+    assert eager - flash == pytest.approx(2 * scores)  # both layers keep theirs
+    # tp 2: two heads per GPU, half the scores
+    flash2 = train_transient_bytes(small_arch, TrainConfig(tp=2, micro_batch=micro), 2, seq_len, "lm")
+    eager2 = train_transient_bytes(small_arch, TrainConfig(tp=2, micro_batch=micro), 2, seq_len, "lm",
+                                   attention="eager")
+    assert eager2 - flash2 == pytest.approx(scores)
+
+
+def test_selective_recompute_drops_the_saved_scores_but_one_layer_recomputes_them(small_arch):
+    seq_len = 16
+    scores = 2 * 2 * 1 * 4 * seq_len * seq_len
+    none = train_transient_bytes(small_arch, TrainConfig(), 1, seq_len, "lm", attention="eager")
+    selective = train_transient_bytes(small_arch, TrainConfig(recompute="selective"), 1, seq_len, "lm",
+                                      attention="eager")
+    flash = train_transient_bytes(small_arch, TrainConfig(), 1, seq_len, "lm")
+    # none: 2 layers' scores; selective: only the layer in its backward holds them again
+    assert none - flash == pytest.approx(2 * scores)
+    assert selective - flash == pytest.approx(scores)
+
+
+def test_full_recompute_with_eager_scores_brings_one_layer_back(small_arch):
+    seq_len = 16
+    scores = 2 * 2 * 1 * 4 * seq_len * seq_len
+    flash = train_transient_bytes(small_arch, TrainConfig(recompute="full"), 1, seq_len, "lm")
+    eager = train_transient_bytes(small_arch, TrainConfig(recompute="full"), 1, seq_len, "lm", attention="eager")
+    assert eager - flash == pytest.approx(scores)
+
+
+def test_eager_inference_and_prefill_hold_the_scores_of_one_layer(small_arch):
+    seq_len = 16
+    flash = memory.infer_transient_bytes(small_arch, InferConfig(micro_batch=2), seq_len, "lm")
+    eager = memory.infer_transient_bytes(small_arch, InferConfig(micro_batch=2), seq_len, "lm", attention="eager")
+    assert eager - flash == pytest.approx(2 * 2 * 2 * 4 * seq_len * seq_len)
+    prefill = memory.generation_working_bytes(small_arch, GenConfig(tp=2), 100, attention="eager")
+    assert prefill - memory.generation_working_bytes(small_arch, GenConfig(tp=2), 100) == pytest.approx(
+        2 * 2 * 1 * 2 * 100 * 100)

@@ -10,7 +10,8 @@ import math
 
 import pytest
 
-from hfplan.layout import nests
+from hfplan.layout import nests, unsupported_layout
+from hfplan.plan import GenConfig, RoleParallelism, TrainConfig
 from hfplan.planner import space
 from hfplan.profiles.models import CATALOG, ModelArch
 from hfplan.simulator.mapping import set_offsets
@@ -219,16 +220,25 @@ def _brute_modes(tp: int, dp: int, per_node: int, executable: bool) -> list[tupl
                                                            (16, 4, 32)])
 def test_train_configs(arch, gpus, per_node, per_step, executable):
     configs = space.train_configs(arch, gpus, per_node, per_step, executable)
-    keys = [(c.tp, c.pp, c.dp, c.micro_batch, c.shard, c.shard_group, c.recompute) for c in configs]
+    keys = [(c.tp, c.pp, c.dp, c.micro_batch, c.shard, c.shard_group, c.recompute, c.virtual_stages) for c in configs]
     assert len(keys) == len(set(keys)), "duplicate training configs"
     expected = set()
     for tp, pp, dp in _brute_layouts(arch, gpus, per_node, "train"):
         if per_step % dp:  # every data-parallel rank gets an equal share of a mini-batch
             continue
         for micro in _powers_up_to(math.ceil(per_step / dp)):
+            # interleaved 1F1B: v equal chunks of each stage's layers, micro-batches a multiple of pp
+            n_micro = math.ceil(math.ceil(per_step / dp) / micro)
+            chunks = [v for v in range(1, arch.layers + 1)
+                      if pp > 1 and arch.layers % (pp * v) == 0 and n_micro % pp == 0] or [1]
             for shard, group in _brute_modes(tp, dp, per_node, executable):
-                for recompute in ("none", "full"):  # modes since plan version 2
-                    expected.add((tp, pp, dp, micro, shard, group, recompute))
+                for recompute in ("none", "selective", "full"):
+                    for v in chunks:
+                        config = TrainConfig(tp=tp, pp=pp, dp=dp, micro_batch=micro, shard=shard, shard_group=group,
+                                             recompute=recompute, virtual_stages=v)
+                        # the executor's rule decides what hfplan's own space offers, whatever it says today
+                        if not executable or unsupported_layout(arch, "train", config) is None:
+                            expected.add((tp, pp, dp, micro, shard, group, recompute, v))
     assert set(keys) == expected
     for c in configs:
         assert c.tp * c.pp * c.dp == gpus
@@ -275,8 +285,93 @@ def test_gen_configs_of_a_pipelined_training_layout_run_one_stage():
     assert layouts == {(1, 1, 6)}
 
 
+@pytest.mark.parametrize(("arch", "pp", "n_micro", "counts"), [
+    (GQA, 1, None, [1]),  # no pipeline, nothing to interleave
+    (GQA, 2, None, [1, 3]),  # 3 layers a stage: 1 chunk of 3 or 3 of 1
+    (GQA, 3, None, [1, 2]),
+    (GQA, 2, 4, [1, 3]),
+    (GQA, 2, 3, [1]),  # 3 micro-batches are no multiple of 2 stages: plain 1F1B only
+    (CATALOG["llama2-70b"], 8, None, [1, 2, 5, 10]),  # 10 layers a stage
+    (CATALOG["llama2-70b"], 8, 4, [1]),
+])
+def test_virtual_stage_counts_split_each_stage_into_equal_chunks(arch, pp, n_micro, counts):
+    assert space.virtual_stage_counts(arch, pp, n_micro) == counts
+
+
+@pytest.mark.parametrize("executable", [True, False])
+def test_gen_configs_offer_each_batching_the_rule_allows(executable):
+    got = {(g.tp, g.pp, g.dp, g.batching) for g in space.gen_configs(GQA, 4, 8, executable=executable)}
+    expected = {(tp, pp, dp, batching) for tp, pp, dp in _brute_layouts(GQA, 4, 8, "gen")
+                for batching in ("static", "continuous")
+                if not executable or unsupported_layout(GQA, "gen", GenConfig(tp=tp, dp=dp, batching=batching)) is None}
+    assert got == expected
+    assert {b for *_, b in got} == ({"static", "continuous"} if not executable else
+                                    {b for b in ("static", "continuous")
+                                     if unsupported_layout(GQA, "gen", GenConfig(batching=b)) is None})
+
+
+def test_train_configs_offer_every_recompute_mode_and_chunk_count_outside_the_executor():
+    configs = space.train_configs(GQA, 2, 8, 2, executable=False)
+    pipelined = {(c.recompute.value, c.virtual_stages) for c in configs if c.pp == 2}
+    assert pipelined == {(r, v) for r in ("none", "selective", "full") for v in (1, 3)}
+    flat = {(c.recompute.value, c.virtual_stages) for c in configs if c.pp == 1}
+    assert flat == {(r, 1) for r in ("none", "selective", "full")}
+
+
 def test_micro_batches():
     assert space.micro_batches(0) == [1]
     assert space.micro_batches(1) == [1]
     assert space.micro_batches(6) == [1, 2, 4]
     assert space.micro_batches(8) == [1, 2, 4, 8]
+
+
+# -- the search's local choices of recompute, virtual stages and batching (planner/strategies.py) ----------------
+def _context(attention: str, **workload):
+    from hfplan.planner.strategies import Rules, SearchContext
+    from hfplan.profiles.hardware import load_hardware
+    from hfplan.simulator.trace import trace
+    from tests.helpers_plans import small_workload
+
+    w = small_workload(**workload)
+    hw = load_hardware("a100-80g")
+    hw = hw.model_copy(update={"compute": hw.compute.model_copy(update={"attention": attention})})
+    return SearchContext(w, hw, 8, trace(w), Rules(executable=False))
+
+
+@pytest.mark.parametrize("attention", ["flash", "eager"])
+def test_training_variants_costed_are_every_non_dominated_one(attention):
+    """The parts kept for each (tp, pp, dp, shard) layout are the Pareto front (seconds of each update, activation
+    bytes) of every recompute mode and virtual-stage count that fits, costed one by one here."""
+    from hfplan.planner.strategies import TrainPart, _pareto_parts
+    from hfplan.simulator.mapping import train_memory
+
+    ctx = _context(attention, prompt_len=1024, response_len=1024)
+    w, role, gpus = ctx.workload, "actor", 8
+    updates = [n for n in ctx.own_nodes(role) if n.kind == "update"]
+    got = {}
+    for family in ctx.parts(role, gpus):
+        t = family.trains[0].config
+        got[(t.tp, t.pp, t.dp, t.shard)] = sorted((*p.seconds, p.transient) for p in family.trains)
+    expected: dict[tuple, list] = {}
+    for train in space.train_configs(w.arch(role), gpus, 8, w.sequences // w.mini_batches, executable=False):
+        resident, transient = train_memory(w, role, train, ctx.value_bytes, attention)
+        if resident + transient <= ctx.usable:
+            seconds = tuple(ctx._seconds(n, role, RoleParallelism(train=train), gpus) for n in updates)
+            expected.setdefault((train.tp, train.pp, train.dp, train.shard), []).append((train, seconds, transient))
+    assert set(expected) >= set(got)
+    pipelined = False
+    for key, rows in expected.items():
+        parts = [TrainPart(c, s, m) for c, s, m in rows]
+        front = sorted((*p.seconds, p.transient) for p in _pareto_parts(parts, [()] * len(parts)))
+        if key in got:
+            assert got[key] == front  # the same cost tables: equal to the last bit
+            pipelined |= key[1] > 1
+    assert pipelined  # the case has interleaving to choose
+
+
+def test_generation_keeps_one_batching_where_it_is_never_slower():
+    """Responses of very different lengths: continuous batching is never slower than static at any KV room, so
+    the generating role's options have continuous generation layouts only."""
+    ctx = _context("flash", response_len=512, response_len_mean=64.0)
+    options = ctx.choices("actor", 8).options
+    assert options and {o.par.gen.batching for o in options} == {"continuous"}

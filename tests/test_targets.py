@@ -34,14 +34,16 @@ def verl_placements(roles) -> list[tuple[tuple[str, ...], ...]]:
 
 
 def verl_backends(role: str, par) -> set[str]:
-    """FSDP: tp = pp = 1, weights sharded (fsdp_size -1 or a group; reshard_after_forward off = ZeRO-2).
-    Megatron: any tp, pp, weights replicated, optimizer states sharded or not (use_distributed_optimizer).
-    Megatron's critic computes values with its training micro-batch."""
+    """FSDP: tp = pp = 1, weights sharded (fsdp_size -1 or a group; reshard_after_forward off = ZeRO-2), whole
+    layers recomputed (enable_gradient_checkpointing) or none. Megatron: any tp, pp, virtual stages, weights
+    replicated, optimizer states sharded or not (use_distributed_optimizer), recompute_granularity selective
+    or full. Megatron's critic computes values with its training micro-batch."""
     if par.train is None:
         flat = (par.infer.tp, par.infer.pp) == (1, 1)
         return {"fsdp", "megatron"} if flat else {"megatron"}
     t, out = par.train, set()
-    if (t.tp, t.pp) == (1, 1) and (t.dp == 1 or t.shard in ("full", "zero2", "hybrid")):
+    if (t.tp, t.pp) == (1, 1) and (t.dp == 1 or t.shard in ("full", "zero2", "hybrid")) and \
+            t.recompute != "selective" and t.virtual_stages == 1:
         out.add("fsdp")
     if (t.dp == 1 or t.shard in ("replicated", "zero1")) and \
             (role != "critic" or par.infer.micro_batch == t.micro_batch):
@@ -64,7 +66,9 @@ def verl_strategies(workload, role, gpus, per_node) -> list[RoleParallelism]:
     out = []
     for train in space.train_configs(arch, gpus, per_node, workload.sequences // workload.mini_batches,
                                      executable=False):
-        gens = space.gen_configs(arch, gpus, per_node, train) if role == "actor" else [None]
+        # vLLM (or SGLang) generates: continuous batching only
+        gens = [g for g in space.gen_configs(arch, gpus, per_node, train, executable=False)
+                if g.batching == "continuous"] if role == "actor" else [None]
         for infer in space.infer_configs(arch, gpus, per_node, workload.sequences, train):
             out.extend(RoleParallelism(train=train, infer=infer, gen=g) for g in gens)
     return out
@@ -141,7 +145,8 @@ def test_zero1_and_zero2_plans_are_for_the_targets_not_the_executor():
                                    infer=InferConfig(dp=16, micro_batch=4)) for shard in ("zero1", "zero2")}
     for shard in zero:
         plan = build_plan(workload, [(["actor", "reference"], 16), (["critic", "reward"], 16), ([ROLLOUT], 32)],
-                          tp=1, micro_batch=2, overrides={"actor": zero[shard], "critic": zero[shard]})
+                          tp=1, micro_batch=2, batching="continuous", overrides={"actor": zero[shard],
+                                                                                  "critic": zero[shard]})
         assert get_target("openrlhf", workload).plan_problem(plan) is None
         assert "FSDP2" in unsupported_role(workload, "actor", plan.parallelism["actor"])
     assert all(not rules.executable for target in ("verl", "openrlhf")
@@ -170,14 +175,51 @@ def test_verl_refuses_a_separate_rollout_engine_and_sharded_megatron():
     plan = build_plan(workload, [(["actor", "critic", "reference", "reward"], 32), ([ROLLOUT], 16)])
     assert "hybrid engine" in _refusal("verl", plan) and "on 16 GPUs" in _refusal("verl", plan)
     plan = build_plan(workload, [(["actor", "critic", "reference", "reward"], 32)], tp=4, gen_tp=4, shard=True)
-    assert "tp=4 pp=1 and shard=full" in _refusal("verl", plan)
+    assert "tp=4 pp=1, shard=full" in _refusal("verl", plan)
+
+
+def test_verl_recomputes_selectively_and_interleaves_only_under_megatron_and_generates_with_vllm():
+    workload = small_workload()  # 16 sequences a mini-batch step; qwen2.5-0.5b has 24 layers
+    sets = [(["actor", "critic", "reference", "reward"], 8)]
+
+    def plan_of(train: TrainConfig, batching: str = "continuous"):
+        actor = RoleParallelism(train=train, infer=InferConfig(tp=train.tp, pp=train.pp, dp=train.dp),
+                                gen=GenConfig(tp=2, dp=4, batching=batching))
+        critic = RoleParallelism(train=train, infer=InferConfig(tp=train.tp, pp=train.pp, dp=train.dp,
+                                                                micro_batch=train.micro_batch))
+        return build_plan(workload, sets, overrides={"actor": actor, "critic": critic, "reference": critic.model_copy(
+            update={"train": None}), "reward": critic.model_copy(update={"train": None})})
+
+    megatron = TrainConfig(pp=2, dp=4, micro_batch=2, shard="zero1", recompute="selective", virtual_stages=3)
+    assert get_target("verl", workload).plan_problem(plan_of(megatron)) is None
+    fsdp_selective = TrainConfig(dp=8, micro_batch=2, shard="full", recompute="selective")
+    assert "recompute=selective" in _refusal("verl", plan_of(fsdp_selective))
+    assert get_target("verl", workload).plan_problem(plan_of(fsdp_selective.model_copy(
+        update={"recompute": "full"}))) is None
+    assert "batching=static" in _refusal("verl", plan_of(megatron, batching="static"))
+
+
+def test_openrlhf_checkpoints_whole_layers_and_generates_with_vllm():
+    workload = load_workload("ppo-llama2-7b")
+    sets = [(["actor", "reference"], 16), (["critic", "reward"], 16), ([ROLLOUT], 32)]
+    full = RoleParallelism(train=TrainConfig(dp=16, micro_batch=2, shard="full", recompute="full"),
+                           infer=InferConfig(dp=16, micro_batch=4))
+    plan = build_plan(workload, sets, tp=1, micro_batch=2, batching="continuous",
+                      overrides={"actor": full, "critic": full})
+    assert get_target("openrlhf", workload).plan_problem(plan) is None
+    selective = full.model_copy(update={"train": full.train.model_copy(update={"recompute": "selective"})})
+    plan = build_plan(workload, sets, tp=1, micro_batch=2, batching="continuous",
+                      overrides={"actor": selective, "critic": selective})
+    assert "recompute=selective" in _refusal("openrlhf", plan)
+    plan = build_plan(workload, sets, tp=1, micro_batch=2, overrides={"actor": full, "critic": full})
+    assert "batching=static" in _refusal("openrlhf", plan)
 
 
 def test_verl_refuses_mixed_backends_and_uneven_micro_batches():
     workload = small_workload()  # 64 prompts, 4 mini-batches: 16 sequences a step
     sets = [(["actor", "critic", "reference", "reward"], 8)]
     fsdp = RoleParallelism(train=TrainConfig(dp=8, micro_batch=2, shard="full"), infer=InferConfig(dp=8),
-                           gen=GenConfig(tp=2, dp=4))
+                           gen=GenConfig(tp=2, dp=4, batching="continuous"))
     megatron = RoleParallelism(train=TrainConfig(tp=2, dp=4, micro_batch=2, shard="zero1"),
                                infer=InferConfig(tp=2, dp=4, micro_batch=2))
     plan = build_plan(workload, sets, overrides={"actor": fsdp, "critic": megatron})
@@ -201,7 +243,7 @@ def test_openrlhf_refuses_what_its_flags_cannot_say():
     stage2 = RoleParallelism(train=TrainConfig(dp=16, micro_batch=2, shard="zero2"), infer=InferConfig(dp=16,
                                                                                                        micro_batch=4))
     plan = build_plan(workload, [(["actor", "reference"], 16), (["critic", "reward"], 16), ([ROLLOUT], 32)], tp=1,
-                      micro_batch=2, overrides={"actor": stage3, "critic": stage2})
+                      micro_batch=2, batching="continuous", overrides={"actor": stage3, "critic": stage2})
     assert _refusal("openrlhf", plan) == ("OpenRLHF has one ZeRO stage (--ds.zero_stage); this plan gives actor full "
                                           "and critic zero2")
 

@@ -33,13 +33,16 @@ def backend_of(plan: Plan) -> str:
 
 def _training(prefix: str, train: TrainConfig, backend: str, megatron: str) -> list[tuple[str, object]]:
     """A trained role's layout keys: FSDP's fsdp_size (-1: every rank) and reshard_after_forward (False:
-    ZeRO-2), or Megatron's tp, pp and distributed optimizer (ZeRO-1)."""
+    ZeRO-2), or Megatron's tp, pp, virtual stages and distributed optimizer (ZeRO-1)."""
     if backend == "fsdp":
         size = train.shard_group if train.shard == "hybrid" else -1
         return [(f"{prefix}.fsdp_size", size), (f"{prefix}.reshard_after_forward", train.shard != "zero2")]
-    return [(f"{megatron}.tensor_model_parallel_size", train.tp),
-            (f"{megatron}.pipeline_model_parallel_size", train.pp),
-            (f"{megatron}.use_distributed_optimizer", train.shard == "zero1")]
+    out = [(f"{megatron}.tensor_model_parallel_size", train.tp),
+           (f"{megatron}.pipeline_model_parallel_size", train.pp),
+           (f"{megatron}.use_distributed_optimizer", train.shard == "zero1")]
+    if train.virtual_stages > 1:  # interleaved 1F1B: model chunks per pipeline stage (verl's default null: 1)
+        out.append((f"{megatron}.virtual_pipeline_model_parallel_size", train.virtual_stages))
+    return out
 
 
 def _recompute(megatron: str, train: TrainConfig, backend: str) -> list[tuple[str, object]]:

@@ -4,10 +4,13 @@ and the parallel layouts of one role on A GPUs."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import get_args
 
-from hfplan.layout import unsupported_layout, unsupported_split
+from hfplan.layout import nesting_problem, unsupported_layout, unsupported_split
 from hfplan.plan import GenConfig, InferConfig, Layout, Recompute, TrainConfig
 from hfplan.profiles.models import ModelArch
+
+BATCHING: tuple[str, ...] = get_args(GenConfig.model_fields["batching"].annotation)  # static, continuous
 
 
 def set_partitions(items: Sequence[str]) -> list[tuple[tuple[str, ...], ...]]:
@@ -99,23 +102,34 @@ def shard_modes(tp: int, dp: int, gpus_per_node: int) -> list[tuple[str, int | N
     return modes
 
 
+def virtual_stage_counts(arch: ModelArch, pp: int, n_micro: int | None = None) -> list[int]:
+    """Model chunks per pipeline stage: 1, and with a pipeline every count that splits each stage's layers
+    into equal chunks (interleaved 1F1B, Narayanan et al. SC'21), where the step's `n_micro` micro-batches are
+    a multiple of pp, as that schedule requires (section 2.2.2)."""
+    if pp == 1 or arch.layers % pp or (n_micro is not None and n_micro % pp):
+        return [1]
+    return divisors(arch.layers // pp)
+
+
 def train_configs(arch: ModelArch, gpus: int, gpus_per_node: int, sequences_per_step: int,
                   executable: bool = True) -> list[TrainConfig]:
-    """executable: only what hfplan's executor runs (hfplan.layout.unsupported_layout); other targets
-    run their plans on their own frameworks."""
+    """Every training layout: (tp, pp, dp), shard mode, micro-batch, recomputation none | selective | full and
+    virtual stages. executable: only what hfplan's executor runs (hfplan.layout.unsupported_layout, asked of
+    each complete config); other targets run their plans on their own frameworks, and their rules choose."""
     out = []
     for tp, pp, dp in model_layouts(arch, gpus, gpus_per_node, "train"):
         if unsupported_split("train", dp, sequences_per_step):
             continue
         per_rank = -(-sequences_per_step // dp)
-        layouts = [TrainConfig(tp=tp, pp=pp, dp=dp, shard=shard, shard_group=group)
-                   for shard, group in shard_modes(tp, dp, gpus_per_node)]
-        if executable:
-            layouts = [lay for lay in layouts if unsupported_layout(arch, "train", lay) is None]
         for micro in micro_batches(per_rank):
-            for layout in layouts:
-                for recompute in (Recompute.NONE, Recompute.FULL):
-                    out.append(layout.model_copy(update={"micro_batch": micro, "recompute": recompute}))
+            n_micro = -(-per_rank // micro)
+            variants = [(recompute, v) for v in virtual_stage_counts(arch, pp, n_micro) for recompute in Recompute]
+            for shard, group in shard_modes(tp, dp, gpus_per_node):
+                for recompute, v in variants:
+                    config = TrainConfig(tp=tp, pp=pp, dp=dp, shard=shard, shard_group=group, micro_batch=micro,
+                                         recompute=recompute, virtual_stages=v)
+                    if not executable or unsupported_layout(arch, "train", config) is None:
+                        out.append(config)
     return out
 
 
@@ -130,14 +144,18 @@ def infer_configs(arch: ModelArch, gpus: int, gpus_per_node: int, sequences: int
 
 
 def gen_configs(arch: ModelArch, gpus: int, gpus_per_node: int, train: TrainConfig | None = None,
-                prompts: int | None = None) -> list[GenConfig]:
-    """Generation layouts; for the hybrid engine they must nest with the training layout; given the
-    prompts of an iteration, no more replicas than prompts."""
+                prompts: int | None = None, executable: bool = True) -> list[GenConfig]:
+    """Generation layouts, each with static and continuous batching; for the hybrid engine they must nest with
+    the training layout; given the prompts of an iteration, no more replicas than prompts. executable: only the
+    batching hfplan's executor runs (hfplan.layout.unsupported_layout)."""
     out = []
     for tp, pp, dp in model_layouts(arch, gpus, gpus_per_node, "gen"):
         if prompts is not None and unsupported_split("gen", dp, prompts):
             continue
-        gen = GenConfig(tp=tp, pp=pp, dp=dp)
-        if train is None or unsupported_layout(arch, "gen", gen, train) is None:
-            out.append(gen)
+        for batching in BATCHING:
+            gen = GenConfig(tp=tp, pp=pp, dp=dp, batching=batching)
+            if train is not None and nesting_problem(train, gen):
+                continue
+            if not executable or unsupported_layout(arch, "gen", gen, train) is None:
+                out.append(gen)
     return out

@@ -18,10 +18,10 @@ from functools import cached_property
 import numpy as np
 
 from hfplan.layout import ROLLOUT, call_role, facts_of, generating_role, generation_role, model_role
-from hfplan.plan import GenConfig, InferConfig, RoleParallelism, TrainConfig
+from hfplan.plan import GenConfig, InferConfig, Recompute, RoleParallelism, TrainConfig
 from hfplan.planner import space
 from hfplan.profiles.hardware import HardwareProfile
-from hfplan.simulator.costs import CostMemo
+from hfplan.simulator.costs import CostMemo, SetShape, batching_never_slower
 from hfplan.simulator.mapping import (
     RoleMemory,
     call_seconds,
@@ -32,6 +32,7 @@ from hfplan.simulator.mapping import (
     train_memory,
 )
 from hfplan.simulator.schedule import switch_points
+from hfplan.simulator.sharding import backward_hides_at_most_once_per_micro_batch
 from hfplan.simulator.trace import Dag, Node
 from hfplan.spec import Workload
 
@@ -43,7 +44,7 @@ class RoleOption:
     seconds: tuple[float, ...]  # each of the role's own calls (generation excluded), in program order
     switch: float  # layout switch before generating (generating role only)
     memory: RoleMemory
-    gen_key: tuple[int, int, int] | None  # generation layout, for the generating role
+    gen_key: tuple[int, int, int, str] | None  # generation layout and batching, for the generating role
     alone_gen: tuple[float, ...] = ()  # generate calls with all memory not held by this role for the KV cache
 
     @property
@@ -215,6 +216,7 @@ class SearchContext:
         self.trained_generator = generating_role(workload)
         self.usable = hw.memory.usable_bytes
         self.value_bytes = hw.compute.value_bytes
+        self.attention = hw.compute.attention
         self._own: dict[str, list[Node]] = {}
         if shared is None:
             self.memo = CostMemo()
@@ -298,6 +300,38 @@ class SearchContext:
         budget = self.usable - resident - extra
         return tuple(self._seconds(n, role, par, gpus, budget) for n in self.generate_nodes)
 
+    def _fastest_batching(self, role: str, rooms: dict[GenConfig, tuple[float, float]], gpus: int
+                          ) -> list[GenConfig]:
+        """Per generation layout, the batchings that can be the fastest: one never slower than another at any
+        KV-cache room up to the most the GPU can have (rooms: each config's bytes left for the KV cache with the
+        role alone on its GPUs, and the KV cache of one sequence), on every generate call, replaces it (ties keep
+        the first), so the engine is a local choice and multiplies the options only where neither wins
+        everywhere. Colocated roles only take room away, so this holds in every set."""
+        by_layout: dict[tuple[int, int, int], list[GenConfig]] = {}
+        for gen in rooms:
+            by_layout.setdefault((gen.tp, gen.pp, gen.dp), []).append(gen)
+        out = []
+        for group in by_layout.values():
+            room, kv = rooms[group[0]]  # batching changes neither
+            most = int(room // kv) if kv > 0 else 1 << 30
+            kept: list[GenConfig] = []
+            for gen in group:
+                if any(self._never_slower(k, gen, role, gpus, most) for k in kept):
+                    continue
+                kept = [k for k in kept if not self._never_slower(gen, k, role, gpus, most)] + [gen]
+            out += kept
+        return out
+
+    def _never_slower(self, first: GenConfig, second: GenConfig, role: str, gpus: int, most: int) -> bool:
+        """Whether `first` generates every call at most as slowly as `second` with room for at most `most`
+        sequences per GPU (KV-cache bytes of one sequence are the same for both)."""
+        w = self.workload
+        arch, where = w.arch(model_role(w, role)), SetShape(gpus, self.gpus_per_node)
+        return all(batching_never_slower(self.hw, arch, first.tp, first.pp, where, -(-n.sequences // first.dp),
+                                         most, w.prompt_len, w.response_len, w.response_lengths, first.batching,
+                                         second.batching, memo=self.memo)
+                   for n in self.generate_nodes)
+
     # -- options --------------------------------------------------------------------------------------
     def choices(self, role: str, gpus: int) -> RoleChoices:
         key = self._role_key(role, gpus)
@@ -316,15 +350,19 @@ class SearchContext:
         w, g = self.workload, self.gpus_per_node
         nodes = self.own_nodes(role)
         if role == ROLLOUT:
-            pars = [RoleParallelism(gen=gen) for gen in space.gen_configs(w.arch(model_role(w, role)), gpus, g,
-                                                                         prompts=w.batch_prompts)
-                    if self.rules.gen_ok(None, gen)]
+            rooms = {}
+            for gen in space.gen_configs(w.arch(model_role(w, role)), gpus, g, prompts=w.batch_prompts,
+                                         executable=self.rules.executable):
+                if self.rules.gen_ok(None, gen):
+                    mem = role_memory(w, role, RoleParallelism(gen=gen), self.value_bytes, self.attention)
+                    rooms[gen] = (self.usable - mem.resident - mem.gen_extra, mem.kv_per_sequence)
+            pars = [RoleParallelism(gen=gen) for gen in self._fastest_batching(role, rooms, gpus)]
         else:
             pars = [RoleParallelism(infer=infer) for infer in space.infer_configs(w.arch(role), gpus, g, w.sequences)
                     if self.rules.infer_ok(role, infer)]
         out = []
         for par in pars:
-            mem = role_memory(w, role, par, self.value_bytes)
+            mem = role_memory(w, role, par, self.value_bytes, self.attention)
             if not self._fits_alone(mem):
                 continue
             seconds = tuple(self._seconds(n, role, par, gpus) for n in nodes)
@@ -359,17 +397,16 @@ class SearchContext:
         forwards = [n for n in nodes if n.kind == "forward"]
         grouped: dict[tuple, list[TrainPart]] = {}
         residents: dict[tuple, float] = {}
+        variants: dict[tuple, list[TrainConfig]] = {}  # configs differing only in recompute and virtual stages
         for train in space.train_configs(arch, gpus, g, w.sequences // w.mini_batches, self.rules.executable):
-            if not self.rules.train_ok(role, train):
-                continue
-            resident, transient = train_memory(w, role, train, self.value_bytes)
-            if resident + transient > self.usable:
-                continue
-            par = RoleParallelism(train=train)
-            seconds = tuple(self._seconds(n, role, par, gpus) for n in updates)
-            key_ = (train.tp, train.pp, train.dp, train.shard)  # resident memory depends on these only
-            grouped.setdefault(key_, []).append(TrainPart(train, seconds, transient))
-            residents[key_] = resident
+            if self.rules.train_ok(role, train):
+                variants.setdefault((train.tp, train.pp, train.dp, train.shard, train.shard_group,
+                                     train.micro_batch), []).append(train)
+        for configs in variants.values():
+            for train, resident, part in self._variant_parts(role, configs, updates, gpus):
+                key_ = (train.tp, train.pp, train.dp, train.shard)  # resident memory depends on these only
+                grouped.setdefault(key_, []).append(part)
+                residents[key_] = resident
         out = []
         for key_, members in grouped.items():
             kept = _pareto_parts(members, [self.rules.facets(role, RoleParallelism(train=m.config))
@@ -380,7 +417,7 @@ class SearchContext:
                 if not self.rules.infer_ok(role, infer):
                     continue
                 par = RoleParallelism(train=layout, infer=infer)
-                transient = infer_transient(w, role, infer, layout, self.value_bytes)
+                transient = infer_transient(w, role, infer, layout, self.value_bytes, self.attention)
                 if resident + transient <= self.usable:
                     infers.append(InferPart(infer, tuple(self._seconds(n, role, par, gpus) for n in forwards),
                                             transient))
@@ -388,6 +425,51 @@ class SearchContext:
                 facets = [self.rules.facets(role, RoleParallelism(train=layout, infer=i.config)) for i in infers]
                 out.append((resident, kept, _pareto_parts(infers, facets)))
         self._parts[key] = out
+        return out
+
+    def _variant_parts(self, role: str, configs: list[TrainConfig], updates: list[Node], gpus: int
+                       ) -> list[tuple[TrainConfig, float, TrainPart]]:
+        """(config, resident, part) of one layout and micro-batch's recomputation modes and virtual-stage counts
+        that fit and are not dominated by another of them with the same facets (Rules.agree). Two facts of the
+        cost model spare costing the dominated ones:
+        - recomputation none, selective, full repeats 0, attention's, then every layer's forward work, so at one
+          virtual-stage count each is no faster than the one before on every call (where more backward work
+          never shortens a step: sharding.backward_hides_at_most_once_per_micro_batch): one needing no less
+          memory than a faster one kept is dominated;
+        - more chunks (v > 1) take more activation memory than plain 1F1B (in_flight_micro_batches), and a step
+          costs (n + (pp - 1) / v)(B + v c) + const (costs.train_step_parts: a bubble of (pp - 1) / v slots, c of
+          point-to-point and pass overhead per chunk), convex in v: once some v is no faster on a call than
+          v = 1, no larger v is either, so when that holds for every call the larger counts are dominated."""
+        w = self.workload
+        out: list[tuple[TrainConfig, float, TrainPart]] = []
+        plain: dict[str, tuple[TrainPart, Facets]] = {}  # v = 1, by recompute mode
+        slower: dict[str, list[bool]] = {}  # by mode: the calls on which some v > 1 was no faster than v = 1
+        for v in sorted({c.virtual_stages for c in configs}):
+            kept: list[tuple[TrainPart, Facets]] = []  # at this v, faster recomputation first
+            at_v = sorted((c for c in configs if c.virtual_stages == v), key=lambda c: _RECOMPUTE_ORDER[c.recompute])
+            for train in at_v:
+                mode = train.recompute
+                if mode in slower and all(slower[mode]):
+                    continue
+                resident, transient = train_memory(w, role, train, self.value_bytes, self.attention)
+                if resident + transient > self.usable:
+                    continue
+                par = RoleParallelism(train=train)
+                facets = self.rules.facets(role, par)
+                if backward_hides_at_most_once_per_micro_batch(train) and any(
+                        p.transient <= transient and f == facets for p, f in kept):
+                    continue
+                part = TrainPart(train, tuple(self._seconds(n, role, par, gpus) for n in updates), transient)
+                kept.append((part, facets))
+                if v == 1:
+                    plain[mode] = (part, facets)
+                elif mode in plain and plain[mode][1] == facets:
+                    base = plain[mode][0].seconds
+                    slower[mode] = [was or secs >= b for was, secs, b in
+                                    zip(slower.get(mode, [False] * len(base)), part.seconds, base, strict=True)]
+                    if all(slower[mode]):
+                        continue  # dominated by v = 1, as every larger count is
+                out.append((train, resident, part))
         return out
 
     def _families(self, role: str, gpus: int) -> list[Family]:
@@ -399,13 +481,17 @@ class SearchContext:
             gens = [NO_GENERATION]
             if role == self.generator:
                 gens = []
-                for gen in space.gen_configs(arch, gpus, g, layout, prompts=w.batch_prompts):
-                    if not self.rules.gen_ok(layout, gen):
-                        continue
+                memories = {}
+                for gen in space.gen_configs(arch, gpus, g, layout, prompts=w.batch_prompts,
+                                             executable=self.rules.executable):
+                    if self.rules.gen_ok(layout, gen):
+                        extra, kv = gen_memory(w, gen, layout, self.value_bytes, self.attention)
+                        if resident + extra + kv <= self.usable:
+                            memories[gen] = (extra, kv)
+                rooms = {gen: (self.usable - resident - extra, kv) for gen, (extra, kv) in memories.items()}
+                for gen in self._fastest_batching(role, rooms, gpus):
+                    extra, kv = memories[gen]
                     par = RoleParallelism(train=layout, gen=gen)
-                    extra, kv = gen_memory(w, gen, layout, self.value_bytes)
-                    if resident + extra + kv > self.usable:
-                        continue
                     switch = switch_seconds(w, self.hw, g, role, par, gpus, memo=self.memo)
                     gens.append(GenPart(gen, extra, kv, switch, self._alone_gen(role, par, gpus, resident, extra)))
                 if not gens:
@@ -607,8 +693,11 @@ def _front_2d(first: np.ndarray, second: np.ndarray) -> np.ndarray:
     return np.stack([first[keep], second[keep]], axis=1)
 
 
-def _gen_key(gen: GenConfig | None) -> tuple[int, int, int] | None:
-    return (gen.tp, gen.pp, gen.dp) if gen is not None else None
+_RECOMPUTE_ORDER = {mode: k for k, mode in enumerate(Recompute)}  # none, selective, full: ever more repeated work
+
+
+def _gen_key(gen: GenConfig | None) -> tuple[int, int, int, str] | None:
+    return (gen.tp, gen.pp, gen.dp, gen.batching) if gen is not None else None
 
 
 def _prune(options: list[RoleOption], rules: Rules) -> list[RoleOption]:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 from hfplan.errors import HfplanError
 from hfplan.layout import ROLLOUT
-from hfplan.plan import InferConfig, Plan, RoleParallelism, TrainConfig
+from hfplan.plan import GenConfig, InferConfig, Plan, RoleParallelism, TrainConfig
 from hfplan.planner.search import Progress, SearchResult, SearchStats, search
 from hfplan.planner.space import set_partitions
 from hfplan.planner.strategies import Facets, Rules
@@ -74,6 +74,7 @@ class Target:
     placement_problem: Callable[[Workload, Sets], str | None]
     train_problem: Callable[[str, TrainConfig], str | None] | None = None  # behind every variant's Rules.train
     infer_problem: Callable[[str, InferConfig], str | None] | None = None  # behind Rules.infer
+    gen_problem: Callable[[GenConfig], str | None] | None = None  # behind Rules.gen
 
     def plan_problem(self, plan: Plan) -> str | None:
         """Why this target cannot run `plan` (None when it can)."""
@@ -91,6 +92,9 @@ class Target:
                     return problem
             if par.gen is not None and par.gen.pp > 1:  # the search never makes one (layout.unsupported_layout)
                 return f"{role} generates with pp={par.gen.pp}: the exported rollout engines run one pipeline stage"
+            problem = self.gen_problem(par.gen) if self.gen_problem is not None and par.gen is not None else None
+            if problem:
+                return f"{role}: {problem}"
         return facets_problem(self.variant_of(plan), plan.parallelism)
 
     def variant_of(self, plan: Plan) -> Rules:
@@ -104,12 +108,26 @@ def _ok(problem: Callable[..., str | None], *args: object) -> bool:
     return problem(*args) is None
 
 
-def _rules(name: str, placements, *, rollout: bool, train=None, infer=None, agree=None) -> Rules:
+def _gen_ok(problem: Callable[[GenConfig], str | None], train: TrainConfig | None, gen: GenConfig) -> bool:
+    return problem(gen) is None
+
+
+def _rules(name: str, placements, *, rollout: bool, train=None, infer=None, gen=None, agree=None) -> Rules:
     """Rules from problem functions (module-level functions and partials: the process pool pickles them)."""
     return Rules(name, placements=placements, rollout=rollout, executable=False,
                  train=functools.partial(_ok, train) if train else None,
                  infer=functools.partial(_ok, infer) if infer else None,
+                 gen=functools.partial(_gen_ok, gen) if gen else None,
                  agree=agree)
+
+
+def _vllm_batching(framework: str, gen: GenConfig) -> str | None:
+    """Both frameworks generate with vLLM (verl also SGLang), whose scheduler replaces finished sequences:
+    continuous batching."""
+    if gen.batching != "continuous":
+        return (f"generation batching={gen.batching}: {framework}'s rollout engines (vLLM) batch continuously, "
+                "so a plan costed with static waves would not describe them")
+    return None
 
 
 def facets_problem(rules: Rules, parallelism: dict[str, RoleParallelism]) -> str | None:
@@ -175,14 +193,17 @@ VERL_ALGORITHMS = {"ppo": "gae", "grpo": "grpo", "remax": "remax"}  # algorithm.
 
 def verl_backends(par: RoleParallelism) -> set[str]:
     """verl's training backends that express a role's layout: FSDP (tp = pp = 1; fsdp_size and
-    reshard_after_forward give full, hybrid and ZeRO-2 sharding) and Megatron (tp, pp; weights
-    replicated over data ranks, optimizer states sharded with use_distributed_optimizer)."""
+    reshard_after_forward give full, hybrid and ZeRO-2 sharding; model.enable_gradient_checkpointing recomputes
+    whole layers, full only) and Megatron (tp, pp; weights replicated over data ranks, optimizer states sharded
+    with use_distributed_optimizer; override_transformer_config.recompute_granularity selective or full;
+    virtual_pipeline_model_parallel_size for interleaved stages)."""
     layout = par.train if par.train is not None else par.infer
     flat = layout.tp == 1 and layout.pp == 1
     if par.train is None:
         return {"fsdp", "megatron"} if flat else {"megatron"}
     t, out = par.train, set()
-    if flat and (t.dp == 1 or t.shard in ("full", "zero2", "hybrid")):
+    if flat and (t.dp == 1 or t.shard in ("full", "zero2", "hybrid")) and t.recompute != "selective" \
+            and t.virtual_stages == 1:
         out.add("fsdp")
     if t.dp == 1 or t.shard in ("replicated", "zero1"):
         out.add("megatron")
@@ -219,9 +240,10 @@ def _verl_placement(workload: Workload, sets: Sets) -> str | None:
 
 def _verl_train(per_step: int, role: str, train: TrainConfig) -> str | None:
     if not verl_backends(RoleParallelism(train=train)):
-        return (f"{role} trains with tp={train.tp} pp={train.pp} and shard={train.shard}: verl's Megatron backend "
-                "(tensor and pipeline parallelism) shards at most the optimizer states (use_distributed_optimizer), "
-                "and its FSDP backend has no tensor or pipeline parallelism")
+        return (f"{role} trains with tp={train.tp} pp={train.pp}, shard={train.shard} and recompute={train.recompute}: "
+                "verl's Megatron backend (tensor and pipeline parallelism, selective recomputation) shards at most "
+                "the optimizer states (use_distributed_optimizer), and its FSDP backend has no tensor or pipeline "
+                "parallelism and recomputes whole layers only")
     return _even_steps("verl", per_step, role, train)
 
 
@@ -244,12 +266,14 @@ def _verl_facets(role: str, par: RoleParallelism) -> Facets:
 def verl_target(workload: Workload) -> Target:
     per_step = workload.sequences // workload.mini_batches
     train = functools.partial(_verl_train, per_step)
+    gen = functools.partial(_vllm_batching, "verl")
     rules = _rules("verl", allowed_placements(workload, _verl_placement, rollout=False), rollout=False, train=train,
-                   agree=_verl_facets)
+                   gen=gen, agree=_verl_facets)
     return Target("verl", "actor, critic and reference in one pool with the hybrid engine (the reward model there "
-                  "or in its own pool); FSDP training (tp = pp = 1; full, hybrid of any fsdp_size, or ZeRO-2) or "
-                  "Megatron (tp x pp; replicated or ZeRO-1); any rollout tensor-parallel size", VERL,
-                  (rules,), _verl_workload, _verl_placement, train)
+                  "or in its own pool); FSDP training (tp = pp = 1; full, hybrid of any fsdp_size, or ZeRO-2; full "
+                  "recomputation) or Megatron (tp x pp, virtual stages; replicated or ZeRO-1; selective or full "
+                  "recomputation); vLLM rollout, continuous batching, any tensor-parallel size", VERL,
+                  (rules,), _verl_workload, _verl_placement, train, gen_problem=gen)
 
 
 # -- OpenRLHF --------------------------------------------------------------------------------------------
@@ -290,6 +314,9 @@ def _openrlhf_train(per_step: int, role: str, train: TrainConfig) -> str | None:
                 "parallel only")
     if train.shard not in ZERO_STAGES:
         return f"{role} shard={train.shard}: OpenRLHF's --ds.zero_stage is 0 to 3 (no hybrid sharding groups)"
+    if train.recompute == "selective":
+        return (f"{role} recompute=selective: OpenRLHF's --actor.gradient_checkpointing_enable recomputes whole "
+                "layers (full)")
     return _even_steps("OpenRLHF", per_step, role, train)
 
 
@@ -318,16 +345,17 @@ def openrlhf_target(workload: Workload) -> Target:
     per_step = workload.sequences // workload.mini_batches
     train = functools.partial(_openrlhf_train, per_step)
     infer = functools.partial(_openrlhf_infer, workload.sequences)
+    gen = functools.partial(_vllm_batching, "OpenRLHF")
     variants = []
     for rollout in (True, False):
         placements = allowed_placements(workload, _openrlhf_placement, rollout)
-        variants.append(_rules("OpenRLHF", placements, rollout=rollout, train=train, infer=infer,
+        variants.append(_rules("OpenRLHF", placements, rollout=rollout, train=train, infer=infer, gen=gen,
                                agree=_openrlhf_facets))
-    return Target("openrlhf", "vLLM engines (any tensor-parallel size) on their own GPUs, actor with or without "
-                  "the reference, critic with or without the reward model, or everything colocated "
+    return Target("openrlhf", "vLLM engines (continuous batching, any tensor-parallel size) on their own GPUs, actor "
+                  "with or without the reference, critic with or without the reward model, or everything colocated "
                   "(--train.colocate_all); DeepSpeed ZeRO stage 0-3 for every model, data parallel only; one "
-                  "training and one forward micro-batch for all", OPENRLHF, tuple(variants), _openrlhf_workload,
-                  _openrlhf_placement, train, infer)
+                  "training and one forward micro-batch and gradient checkpointing (full) for all", OPENRLHF,
+                  tuple(variants), _openrlhf_workload, _openrlhf_placement, train, infer, gen_problem=gen)
 
 
 # -- lookup and search -----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ Parameter counts are derived from the architecture, never stored.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,19 +48,19 @@ class ModelArch:
         if self.context_len is not None and self.context_len <= 0:
             raise HfplanError(f"model {self.name}: context length (max_position_embeddings) must be positive")
 
-    @property
+    @functools.cached_property  # the cost model reads these in its inner loops
     def dim_per_head(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden // self.heads
 
-    @property
+    @functools.cached_property  # the cost model reads these in its inner loops
     def q_dim(self) -> int:
         return self.heads * self.dim_per_head
 
-    @property
+    @functools.cached_property  # the cost model reads these in its inner loops
     def kv_dim(self) -> int:
         return self.kv_heads * self.dim_per_head
 
-    @property
+    @functools.cached_property  # the cost model reads these in its inner loops
     def params_per_layer(self) -> int:
         h = self.hidden
         attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
@@ -69,7 +70,7 @@ class ModelArch:
         norms = 2 * h
         return attn + mlp + norms
 
-    @property
+    @functools.cached_property  # the cost model reads these in its inner loops
     def embedding_params(self) -> int:
         return self.vocab * self.hidden
 

@@ -123,7 +123,7 @@ def _train(hw: HardwareProfile, arch: ModelArch, req: CallRequest, where: costs.
     flops = 3.0 * _forward_flops(arch, req.head, tokens, (req.seq_len + 1) / 2)  # forward 1, backward 2
     v = hw.compute.value_bytes
     mem = (memory.train_resident_bytes(arch, cfg, req.head, v)
-           + memory.train_transient_bytes(arch, cfg, req.batch, req.seq_len, req.head, v))
+           + memory.train_transient_bytes(arch, cfg, req.batch, req.seq_len, req.head, v, hw.compute.attention))
     seconds = parts.total
     return CallCost("train", seconds, where.gpus, parts, flops / (where.gpus * seconds), tokens / seconds, _gib(mem))
 
@@ -135,7 +135,8 @@ def _forward(hw: HardwareProfile, arch: ModelArch, req: CallRequest, where: cost
     flops = _forward_flops(arch, req.head, tokens, (req.seq_len + 1) / 2)
     v = hw.compute.value_bytes
     mem = (memory.infer_resident_bytes(arch, cfg, req.head, v)
-           + memory.infer_transient_bytes(arch, cfg, req.seq_len, req.head, value_bytes=v))
+           + memory.infer_transient_bytes(arch, cfg, req.seq_len, req.head, value_bytes=v,
+                                            attention=hw.compute.attention))
     seconds = parts.total
     return CallCost("forward", seconds, where.gpus, parts, flops / (where.gpus * seconds), tokens / seconds,
                     _gib(mem))
@@ -145,8 +146,8 @@ def _generate(hw: HardwareProfile, arch: ModelArch, req: CallRequest, where: cos
     """A standalone generation engine (weights of its own, the rest of the usable memory for the KV cache)."""
     gen = GenConfig(tp=req.tp, pp=req.pp, dp=req.dp, batching=req.batching)
     v = hw.compute.value_bytes
-    held = memory.infer_resident_bytes(arch, gen, "lm", v) + memory.generation_working_bytes(arch, gen,
-                                                                                             req.prompt_len, v)
+    held = (memory.infer_resident_bytes(arch, gen, "lm", v)
+            + memory.generation_working_bytes(arch, gen, req.prompt_len, v, hw.compute.attention))
     kv_budget = max(0.0, hw.memory.usable_bytes - held)
     lengths = (ResponseLengths(req.response_len, float(req.response_len_mean)) if req.response_len_mean is not None
                else ResponseLengths.fixed(req.response_len))

@@ -371,32 +371,82 @@ def generation_time(hw: HardwareProfile, arch: ModelArch, cfg: GenConfig, where:
     return GenerationCost(seconds=parts.total, max_batch=batch, waves=waves, parts=parts)
 
 
+def _waves_parts(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, sequences: int,
+                 waves: int, prompt_len: int, response_len: int, lengths: ResponseLengths | None, batching: str,
+                 memo: CostMemo | None) -> Parts:
+    """`sequences` in `waves` equal static waves, or through a continuous batch of as many slots."""
+    small, bigger = divmod(sequences, waves)  # `bigger` waves of small + 1, the rest of small
+    if batching == "continuous":
+        return wave_parts(hw, arch, tp, pp, where, small + (1 if bigger else 0), prompt_len, response_len,
+                          lengths, batching, sequences, memo=memo)
+    out = Parts()
+    if bigger:
+        out = out.plus(wave_parts(hw, arch, tp, pp, where, small + 1, prompt_len, response_len, lengths,
+                                  memo=memo), times=bigger)
+    if small:
+        out = out.plus(wave_parts(hw, arch, tp, pp, where, small, prompt_len, response_len, lengths,
+                                  memo=memo), times=waves - bigger)
+    return out
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _wave_counts(sequences: int) -> tuple[int, ...]:
+    """The wave counts equal batches of `sequences` can make, fewest first."""
+    return tuple(sorted({-(-sequences // size) for size in range(1, sequences + 1)}))
+
+
+@memoized
+def _wave_total(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, sequences: int,
+                waves: int, prompt_len: int, response_len: int, lengths: ResponseLengths | None, batching: str, *,
+                memo: CostMemo | None = None) -> float:
+    return _waves_parts(hw, arch, tp, pp, where, sequences, waves, prompt_len, response_len, lengths, batching,
+                        memo).total
+
+
+def _fewest_waves(sequences: int, max_batch: int) -> int:
+    """Batches of at most max_batch sequences make at least this many waves (every count above it too)."""
+    return -(-sequences // max(1, min(sequences, max_batch)))
+
+
 @memoized
 def _best_waves(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, sequences: int,
                 max_batch: int, prompt_len: int, response_len: int, lengths: ResponseLengths | None = None,
                 batching: str = "static", *, memo: CostMemo | None = None) -> tuple[Parts, int, int]:
     """(parts, waves, largest batch) of the fastest way to run `sequences` with at most max_batch at once:
     static, equal waves; continuous, a batch of slots kept full (its size chosen the same way)."""
-    def parts_of(waves: int) -> Parts:
-        small, bigger = divmod(sequences, waves)  # `bigger` waves of small + 1, the rest of small
-        if batching == "continuous":
-            return wave_parts(hw, arch, tp, pp, where, small + (1 if bigger else 0), prompt_len, response_len,
-                              lengths, batching, sequences, memo=memo)
-        out = Parts()
-        if bigger:
-            out = out.plus(wave_parts(hw, arch, tp, pp, where, small + 1, prompt_len, response_len, lengths,
-                                      memo=memo), times=bigger)
-        if small:
-            out = out.plus(wave_parts(hw, arch, tp, pp, where, small, prompt_len, response_len, lengths,
-                                      memo=memo), times=waves - bigger)
-        return out
-
+    fewest = _fewest_waves(sequences, max_batch)
     best_seconds, best_waves = math.inf, 0
-    for waves in sorted({-(-sequences // size) for size in range(1, max_batch + 1)}):
-        seconds = parts_of(waves).total
+    for waves in _wave_counts(sequences):
+        if waves < fewest:
+            continue
+        seconds = _wave_total(hw, arch, tp, pp, where, sequences, waves, prompt_len, response_len, lengths, batching,
+                              memo=memo)
         if seconds < best_seconds:
             best_seconds, best_waves = seconds, waves
-    return parts_of(best_waves), best_waves, -(-sequences // best_waves)
+    parts = _waves_parts(hw, arch, tp, pp, where, sequences, best_waves, prompt_len, response_len, lengths,
+                         batching, memo)
+    return parts, best_waves, -(-sequences // best_waves)
+
+
+@memoized
+def batching_never_slower(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, sequences: int,
+                          most: int, prompt_len: int, response_len: int, lengths: ResponseLengths | None, first: str,
+                          second: str, *, memo: CostMemo | None = None) -> bool:
+    """Whether generating `sequences` on one replica with batching `first` is at most as slow as with `second`
+    whatever KV-cache room up to `most` sequences at once: generation_time takes the fastest wave count the room
+    allows (every count from ceil(sequences / max_batch) up), so compare the two engines' best over each such
+    range, from one sequence at a time up to `most`."""
+    fewest = _fewest_waves(sequences, most)
+    best_first = best_second = math.inf
+    for waves in reversed(_wave_counts(sequences)):
+        if waves < fewest:
+            break
+        args = (hw, arch, tp, pp, where, sequences, waves, prompt_len, response_len, lengths)
+        best_first = min(best_first, _wave_total(*args, first, memo=memo))
+        best_second = min(best_second, _wave_total(*args, second, memo=memo))
+        if best_first > best_second:
+            return False
+    return True
 
 
 @memoized

@@ -139,7 +139,8 @@ class PlanCosts:
     def memory(self) -> list[SetMemory]:
         return [
             set_memory(self.workload, self.hw, index, roles, gpus,
-                       {r: role_memory(self.workload, r, self.parallelism[r], self.hw.compute.value_bytes)
+                       {r: role_memory(self.workload, r, self.parallelism[r], self.hw.compute.value_bytes,
+                                       self.hw.compute.attention)
                         for r in roles}, self.generator)
             for index, (roles, gpus) in enumerate(self.placement)
         ]
@@ -162,46 +163,52 @@ class RoleMemory:
     gen_replicas: int = 1
 
 
-def train_memory(workload: Workload, role: str, train: TrainConfig, value_bytes: int) -> tuple[float, float]:
-    """(resident, transient) bytes per GPU of a trained role's states and of one optimizer step."""
+def train_memory(workload: Workload, role: str, train: TrainConfig, value_bytes: int,
+                 attention: str = "flash") -> tuple[float, float]:
+    """(resident, transient) bytes per GPU of a trained role's states and of one optimizer step.
+    attention: the hardware's attention kernel (HardwareProfile.compute.attention), as below."""
     w, arch, head = workload, workload.arch(role), head_of(workload, role)
     return (memory.train_resident_bytes(arch, train, head, value_bytes),
-            memory.train_transient_bytes(arch, train, w.sequences // w.mini_batches, w.seq_len, head, value_bytes))
+            memory.train_transient_bytes(arch, train, w.sequences // w.mini_batches, w.seq_len, head, value_bytes,
+                                         attention))
 
 
 def infer_transient(workload: Workload, role: str, infer: InferConfig, train: TrainConfig | None,
-                    value_bytes: int) -> float:
+                    value_bytes: int, attention: str = "flash") -> float:
     """Bytes per GPU of one forward micro-batch (a sharded trained role also gathers layer weights)."""
     sharded = train if train is not None and train.shards("weights") > 1 else None
     return memory.infer_transient_bytes(workload.arch(role), infer, workload.seq_len, head_of(workload, role), sharded,
-                                        value_bytes)
+                                        value_bytes, attention)
 
 
-def gen_memory(workload: Workload, gen: GenConfig, train: TrainConfig | None, value_bytes: int) -> tuple[float, float]:
+def gen_memory(workload: Workload, gen: GenConfig, train: TrainConfig | None, value_bytes: int,
+               attention: str = "flash") -> tuple[float, float]:
     """(extra bytes while generating, KV-cache bytes of one sequence) per GPU. With a training layout
     (hybrid engine) only the part of the generation shard not already held is extra."""
     arch = workload.arch(generating_role(workload))
     extra = memory.generation_weights_bytes(arch, gen, train, value_bytes) if train is not None else 0.0
-    extra += memory.generation_working_bytes(arch, gen, workload.prompt_len, value_bytes)
+    extra += memory.generation_working_bytes(arch, gen, workload.prompt_len, value_bytes, attention)
     return extra, memory.kv_cache_bytes(arch, gen, 1, workload.seq_len, value_bytes)
 
 
-def role_memory(workload: Workload, role: str, par: RoleParallelism, value_bytes: int) -> RoleMemory:
-    """value_bytes: the hardware's compute precision (HardwareProfile.compute.value_bytes)."""
+def role_memory(workload: Workload, role: str, par: RoleParallelism, value_bytes: int,
+                attention: str = "flash") -> RoleMemory:
+    """value_bytes: the hardware's compute precision (HardwareProfile.compute.value_bytes); attention: its
+    attention kernel (compute.attention: eager keeps score matrices, flash does not)."""
     v = value_bytes
     if role == ROLLOUT:
         resident, transient = memory.infer_resident_bytes(workload.arch(model_role(workload, role)), par.gen, "lm",
                                                           v), 0.0
     elif facts_of(workload, role).trains:
-        resident, transient = train_memory(workload, role, par.train, v)
+        resident, transient = train_memory(workload, role, par.train, v, attention)
     else:
         resident, transient = memory.infer_resident_bytes(workload.arch(role), par.infer, head_of(workload, role),
                                                           v), 0.0
     if par.infer is not None:
-        transient = max(transient, infer_transient(workload, role, par.infer, par.train, v))
+        transient = max(transient, infer_transient(workload, role, par.infer, par.train, v, attention))
     if par.gen is None:
         return RoleMemory(resident, transient)
-    extra, kv = gen_memory(workload, par.gen, par.train if role != ROLLOUT else None, v)
+    extra, kv = gen_memory(workload, par.gen, par.train if role != ROLLOUT else None, v, attention)
     return RoleMemory(resident, transient, extra, kv, par.gen.dp)
 
 

@@ -42,6 +42,18 @@ def layer_working_values_per_token(arch: ModelArch, tp: int) -> float:
     return 2 * arch.hidden + (arch.q_dim + 2 * arch.kv_dim) / tp + 3 * arch.ffn / tp
 
 
+def score_bytes(arch: ModelArch, tp: int, sequences: float, seq_len: float, attention: str,
+                value_bytes: int = BF16) -> float:
+    """Bytes of eager attention's score matrices in one layer: the softmax's output, which its backward reads,
+    and the probabilities PV reads (Korthikanti et al. 2022, section 4.1: 2as^2b bytes each in 16 bits; no
+    dropout mask, RLHF models train without attention dropout), each sequences x heads/tp x seq_len x seq_len
+    values. Inference holds the same two at once (the scores and their softmax). Flash attention keeps them on
+    chip: 0."""
+    if attention == "flash":
+        return 0.0
+    return 2 * value_bytes * sequences * (arch.heads / tp) * seq_len * seq_len
+
+
 def train_resident_bytes(arch: ModelArch, cfg: TrainConfig, head: str, value_bytes: int = BF16) -> float:
     local = stage_params(arch, cfg.pp, head) / cfg.tp
     return sharding.resident_bytes_per_param(cfg, value_bytes) * local
@@ -73,30 +85,37 @@ def in_flight_micro_batches(cfg: TrainConfig, n_micro: int) -> float:
 
 
 def train_transient_bytes(arch: ModelArch, cfg: TrainConfig, sequences_per_step: int, seq_len: int,
-                          head: str, value_bytes: int = BF16) -> float:
+                          head: str, value_bytes: int = BF16, attention: str = "flash") -> float:
     """Activations of one optimizer step's micro-batches in flight, the logits and, for sharded training, the
-    gathered layers. Full recomputation keeps only each layer's input per micro-batch; the one micro-batch
-    being recomputed has one layer's activations alive again (micro-batches are recomputed one at a time).
-    Selective recomputation drops what attention's score work saves, which flash attention never keeps: the
-    same memory as none."""
+    gathered layers. Eager attention also saves each layer's score matrices (score_bytes). Full recomputation
+    keeps only each layer's input per micro-batch; the one micro-batch being recomputed has one layer's
+    activations alive again (micro-batches are recomputed one at a time). Selective recomputation drops the
+    saved scores and recomputes them in the backward, one layer at a time; flash attention never keeps them,
+    so there it needs what none needs."""
     micro = min(cfg.micro_batch, math.ceil(sequences_per_step / cfg.dp))
     n_micro = math.ceil(math.ceil(sequences_per_step / cfg.dp) / micro)
     tokens = micro * seq_len
     layers = math.ceil(arch.layers / cfg.pp)
-    per_layer = value_bytes * tokens * activation_values_per_token_layer(arch, cfg.tp)
-    if Recompute.of(cfg.recompute) is Recompute.FULL:
-        per_micro, recomputing = layers * value_bytes * tokens * arch.hidden, per_layer
+    saved = value_bytes * tokens * activation_values_per_token_layer(arch, cfg.tp)
+    scores = score_bytes(arch, cfg.tp, micro, seq_len, attention, value_bytes)
+    mode = Recompute.of(cfg.recompute)
+    if mode is Recompute.FULL:
+        per_micro, recomputing = layers * value_bytes * tokens * arch.hidden, saved + scores
+    elif mode is Recompute.SELECTIVE:
+        per_micro, recomputing = layers * saved, scores
     else:
-        per_micro, recomputing = layers * per_layer, 0.0
+        per_micro, recomputing = layers * (saved + scores), 0.0
     logits = 2 * _logits_bytes(arch, tokens, cfg.tp, head)  # logits and their gradient
     return (in_flight_micro_batches(cfg, n_micro) * per_micro + recomputing + logits
             + _gathered_layers_bytes(arch, cfg, value_bytes))
 
 
 def infer_transient_bytes(arch: ModelArch, cfg: InferConfig, seq_len: int, head: str,
-                          sharded: TrainConfig | None = None, value_bytes: int = BF16) -> float:
+                          sharded: TrainConfig | None = None, value_bytes: int = BF16,
+                          attention: str = "flash") -> float:
     tokens = cfg.micro_batch * seq_len
-    working = value_bytes * tokens * layer_working_values_per_token(arch, cfg.tp)
+    working = (value_bytes * tokens * layer_working_values_per_token(arch, cfg.tp)
+               + score_bytes(arch, cfg.tp, cfg.micro_batch, seq_len, attention, value_bytes))
     gathered = _gathered_layers_bytes(arch, sharded, value_bytes) if sharded is not None else 0.0
     return working + 2 * _logits_bytes(arch, tokens, cfg.tp, head) + gathered
 
@@ -111,10 +130,12 @@ def generation_weights_bytes(arch: ModelArch, gen: GenConfig, train: TrainConfig
     return full * resharding(train, gen).received_fraction
 
 
-def generation_working_bytes(arch: ModelArch, gen: GenConfig, prompt_len: int, value_bytes: int = BF16) -> float:
-    """Prefill of one sequence at a time bounds the live activations; logits of a decode batch are
-    small next to them."""
-    return value_bytes * prompt_len * layer_working_values_per_token(arch, gen.tp)
+def generation_working_bytes(arch: ModelArch, gen: GenConfig, prompt_len: int, value_bytes: int = BF16,
+                             attention: str = "flash") -> float:
+    """Prefill of one sequence at a time bounds the live activations (with eager attention, its score
+    matrices too); logits of a decode batch are small next to them."""
+    return (value_bytes * prompt_len * layer_working_values_per_token(arch, gen.tp)
+            + score_bytes(arch, gen.tp, 1, prompt_len, attention, value_bytes))
 
 
 def kv_bytes_per_token_per_gpu(arch: ModelArch, cfg: Layout, value_bytes: int = BF16) -> float:

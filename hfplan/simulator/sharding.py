@@ -20,6 +20,7 @@ pp), v the weight bytes and 4 the fp32 gradient bytes per parameter:
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 from hfplan.layout import stage_params
@@ -62,28 +63,53 @@ def weight_gather_seconds(hw: HardwareProfile, arch: ModelArch, layout: Layout, 
     return coll.all_gather(hw, shard_group(layout, shards, where), nbytes)
 
 
+@functools.lru_cache(maxsize=1 << 14)
+def _step_collectives(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, dp: int, shard: str, size: int,
+                      where: SetShape, head: str) -> tuple[float, float, float]:
+    """Seconds of one step's collectives, which depend on the layout alone (not on the micro-batch, the
+    recomputation or the virtual stages), for exposed_step_comm: replicated (all-reduce, 0, 0); zero1 and
+    zero2 (reduce-scatter, weight all-gather, 0); full and hybrid (layer gather, reduce-scatter, replica
+    all-reduce)."""
+    layout = Layout(tp=tp, pp=pp, dp=dp)
+    local = stage_params(arch, pp, head) / tp
+    grads = FP32 * local
+    everyone = shard_group(layout, dp, where)
+    if shard == "replicated":
+        return coll.all_reduce(hw, everyone, grads), 0.0, 0.0
+    if shard in ("zero1", "zero2"):
+        return (coll.reduce_scatter(hw, everyone, grads),
+                coll.all_gather(hw, everyone, hw.compute.value_bytes * local), 0.0)
+    gather = weight_gather_seconds(hw, arch, layout, where, head, size)
+    scatter = coll.reduce_scatter(hw, shard_group(layout, size, where), grads)
+    replicas = 0.0
+    if size < dp:
+        replicas = coll.all_reduce(hw, coll.group_of(dp // size, size * tp, where.per_node), grads / size)
+    return gather, scatter, replicas
+
+
+def backward_hides_at_most_once_per_micro_batch(cfg: TrainConfig) -> bool:
+    """Whether exposed_step_comm's overlap with the backward counts each micro-batch's backward at most once,
+    so that more backward work (recomputation) can never make a step shorter: every mode but hybrid, whose
+    replica all-reduce overlaps the last backward a second time."""
+    return cfg.dp == 1 or cfg.shard != "hybrid" or cfg.shard_size == cfg.dp
+
+
 def exposed_step_comm(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: SetShape, head: str,
                       forward: float, backward: float, n_micro: int) -> float:
     """Seconds of data-parallel communication one optimizer step does not hide behind compute
     (`forward`, `backward`: one micro-batch's passes through the stage)."""
     if cfg.dp == 1:
         return 0.0
-    local = stage_params(arch, cfg.pp, head) / cfg.tp
-    grads = FP32 * local
-    everyone = shard_group(cfg, cfg.dp, where)
+    first, second, third = _step_collectives(hw, arch, cfg.tp, cfg.pp, cfg.dp, cfg.shard, cfg.shard_size, where,
+                                             head)
     if cfg.shard == "replicated":
-        return max(0.0, coll.all_reduce(hw, everyone, grads) - backward)
-    weights_back = coll.all_gather(hw, everyone, hw.compute.value_bytes * local)
+        return max(0.0, first - backward)
     if cfg.shard == "zero1":
-        return max(0.0, coll.reduce_scatter(hw, everyone, grads) - backward) + weights_back
+        return max(0.0, first - backward) + second
     if cfg.shard == "zero2":
-        return n_micro * max(0.0, coll.reduce_scatter(hw, everyone, grads) - backward) + weights_back
-    g = cfg.shard_size
-    group = shard_group(cfg, g, where)
-    gather = weight_gather_seconds(hw, arch, cfg, where, head, g)
-    scatter = coll.reduce_scatter(hw, group, grads)
+        return n_micro * max(0.0, first - backward) + second
+    gather, scatter, replicas = first, second, third
     exposed = n_micro * (max(0.0, gather - forward) + max(0.0, gather + scatter - backward))
-    if g < cfg.dp:
-        replicas = coll.group_of(cfg.dp // g, g * cfg.tp, where.per_node)
-        exposed += max(0.0, coll.all_reduce(hw, replicas, grads / g) - backward)
+    if cfg.shard_size < cfg.dp:
+        exposed += max(0.0, replicas - backward)
     return exposed
