@@ -28,8 +28,10 @@ PARALLELISM_LEGEND = ("parallelism: tN pN dN = tensor-, pipeline- and data-paral
                       "GPUs); mbN = sequences per micro-batch per data-parallel rank; fsdp = parameters, gradients and "
                       "optimizer states sharded over the data-parallel ranks (ZeRO-3); hsdpG = the same within groups "
                       "of G ranks, replicated across groups; zero1 / zero2 = optimizer states (and gradients) sharded; "
-                      "none of these = replicated; recompute = "
-                      "activations recomputed in the backward pass; train / infer / gen = the layouts for updates, "
+                      "none of these = replicated; selective-recompute / full-recompute = attention's core / every "
+                      "layer recomputed in the backward pass; vN = N virtual stages per pipeline rank (interleaved "
+                      "1F1B); cb = continuous batching; maxN = at most N sequences per engine replica at once; "
+                      "train / infer / gen = the layouts for updates, "
                       "forward passes and the actor's generation (infer in the training layout when only mb is shown)")
 
 

@@ -157,3 +157,14 @@ def test_batching_never_slower_is_generation_time_compared_at_every_room(toy_hw,
         expected = all(seconds(first, r) <= seconds(second, r) for r in rooms)
         assert costs.batching_never_slower(toy_hw, LLAMA7, 1, 1, ONE, 24, most, 64, 512, lengths, first,
                                            second) == expected
+
+
+def test_a_plans_engine_cap_limits_the_batch_and_the_waves(toy_hw):
+    """GenConfig.max_batch caps what the KV room allows: 10 sequences with room for 16 run at once; capped at 4
+    they run in ceil(10 / 4) = 3 static waves (4, 3, 3 sequences), the largest of 4."""
+    kv = 2 * 2 * 32 * 128 * 32 * (64 + 64) * 16  # room for 16 sequences of llama2-7b at their longest
+    free = costs.generation_time(toy_hw, LLAMA7, GenConfig(), ONE, 10, 64, 64, kv)
+    capped = costs.generation_time(toy_hw, LLAMA7, GenConfig(max_batch=4), ONE, 10, 64, 64, kv)
+    assert free.max_batch == 10 and free.waves == 1
+    assert capped.max_batch == 4 and capped.waves == 3
+    assert capped.seconds > free.seconds

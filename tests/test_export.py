@@ -87,6 +87,9 @@ def check_verl_command(plan, command: str) -> None:
     assert int(o["actor_rollout_ref.actor.ppo_mini_batch_size"]) * w.mini_batches == w.batch_prompts
     assert int(o["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"]) == par["actor"].train.micro_batch
     assert int(o["actor_rollout_ref.rollout.tensor_model_parallel_size"]) == par["actor"].gen.tp
+    cap = par["actor"].gen.max_batch  # the search sets it: vLLM's concurrent sequences per engine
+    assert (int(o["actor_rollout_ref.rollout.max_num_seqs"]) if "actor_rollout_ref.rollout.max_num_seqs" in o
+            else None) == cap
     assert int(o["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"]) == par["actor"].infer.micro_batch
     assert int(o["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"]) == par["reference"].infer.micro_batch
     assert int(o["data.max_response_length"]) == w.response_len

@@ -387,7 +387,7 @@ def test_cases_are_nontrivial(lab):
     assert (1,) in allocations and (2, 1) in allocations  # GPUs left idle
 
 
-@pytest.mark.parametrize(("name", "budget"), [("ppo-2gpu", 1000), ("ppo-tight-3gpu-partial-node", 1000),
+@pytest.mark.parametrize(("name", "budget"), [("ppo-2gpu", 3200), ("ppo-tight-3gpu-partial-node", 1000),
                                               ("remax-kv-waves-4gpu", 1000), ("grpo-4gpu-2nodes", 1000)])
 def test_reference_equals_brute_force(lab, name, budget):
     """exhaustive() leaves out the combinations of a set that are no faster on any call than another: on

@@ -39,3 +39,23 @@ def test_every_best_plan_on_the_cpu_profile_passes_the_pre_flight(name, tmp_path
         preflight.check(plans[0], ExecuteOptions(iterations=1, data=str(data)))
     assert found > 0
 
+
+
+@pytest.mark.parametrize("name", ["ppo-qwen2.5-0.5b", "grpo-qwen2.5-0.5b"])
+def test_best_plans_cap_their_engine_at_the_simulated_batch_without_changing_the_estimate(name):
+    """The search writes the batch its simulation chose into gen.max_batch (so the executor runs those waves or
+    slots): the cap is the largest batch of any generate call, and simulating without it gives the same time."""
+    from hfplan.simulator import engine
+    from hfplan.simulator.mapping import PlanCosts
+    from hfplan.simulator.trace import trace
+
+    workload = workload_from_dict(WORKLOADS[name], name)
+    best = search(workload, make_cluster(4, "a100-80g"), top_k=1).top[0]
+    generator = PlanCosts.of_plan(best).generator
+    gen = best.parallelism[generator].gen
+    assert gen.max_batch is not None and gen.max_batch >= 1
+    par = best.parallelism[generator]
+    uncapped = best.model_copy(update={"parallelism": {**best.parallelism, generator: par.model_copy(
+        update={"gen": gen.model_copy(update={"max_batch": None})})}, "estimate": None})
+    assert PlanCosts.of_plan(uncapped).engine_batch(trace(workload)) == gen.max_batch
+    assert engine.simulate_plan(uncapped).estimate.iteration_s == pytest.approx(best.estimate.iteration_s, rel=1e-12)

@@ -81,6 +81,7 @@ def overrides(plan: Plan) -> tuple[str, list[tuple[str, object]]]:
         (f"{aro}.model.enable_gradient_checkpointing", bool(actor.train.recompute)),
         (f"{aro}.rollout.name", "vllm"), (f"{aro}.rollout.n", w.samples_per_prompt),
         (f"{aro}.rollout.tensor_model_parallel_size", actor.gen.tp),
+        *([(f"{aro}.rollout.max_num_seqs", actor.gen.max_batch)] if actor.gen.max_batch is not None else []),
         (f"{aro}.rollout.log_prob_micro_batch_size_per_gpu", actor.infer.micro_batch),
         (f"{aro}.rollout.temperature", hp.temperature), (f"{aro}.rollout.top_p", hp.top_p),
         (f"{aro}.actor.ppo_mini_batch_size", w.batch_prompts // w.mini_batches),

@@ -25,13 +25,15 @@ def describe_role(par: RoleParallelism) -> str:
     parts = []
     if par.train is not None:
         t = par.train
-        parts.append(f"train {_layout(t)} mb{t.micro_batch}{_sharding(t)}"
-                     f"{' recompute' if t.recompute else ''}")
+        parts.append(f"train {_layout(t)}{f'v{t.virtual_stages}' if t.virtual_stages > 1 else ''} "
+                     f"mb{t.micro_batch}{_sharding(t)}{f' {t.recompute}-recompute' if t.recompute else ''}")
     if par.infer is not None:
         parts.append(f"infer {_layout(par.infer)} mb{par.infer.micro_batch}" if par.train is None
                      else f"infer mb{par.infer.micro_batch}")
     if par.gen is not None:
-        parts.append(f"gen {_layout(par.gen)}")
+        g = par.gen
+        cap = f" max{g.max_batch}" if g.max_batch is not None else ""
+        parts.append(f"gen {_layout(g)}{' cb' if g.batching == 'continuous' else ''}{cap}")
     return ", ".join(parts)
 
 

@@ -488,8 +488,22 @@ def _to_plan(workload: Workload, cluster: Cluster, dag: Dag, c: Candidate) -> Pl
                 placement=[PlacementSet(models=list(roles), gpus=gpus)
                            for roles, gpus in zip(c.placement, c.allocation, strict=True)],
                 parallelism=c.pars)
+    plan = _with_engine_batch(plan, dag)
     result = engine.simulate_plan(plan)
     return plan.model_copy(update={"estimate": result.estimate})
+
+
+def _with_engine_batch(plan: Plan, dag: Dag) -> Plan:
+    """The plan with its generation engine capped at the batch the simulator chose (GenConfig.max_batch),
+    so that `hfplan execute` runs the waves or slots the estimate assumes."""
+    plan_costs = PlanCosts.of_plan(plan)
+    batch = plan_costs.engine_batch(dag)
+    if batch is None:
+        return plan
+    role = plan_costs.generator
+    par = plan.parallelism[role]
+    capped = par.model_copy(update={"gen": par.gen.model_copy(update={"max_batch": batch})})
+    return plan.model_copy(update={"parallelism": {**plan.parallelism, role: capped}})
 
 
 def _no_plan_message(contexts: list[SearchContext], cluster: Cluster) -> str:

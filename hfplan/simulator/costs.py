@@ -357,12 +357,13 @@ def generation_time(hw: HardwareProfile, arch: ModelArch, cfg: GenConfig, where:
                     prompt_len: int, response_len: int, kv_budget_bytes: float, *, memo: CostMemo | None = None,
                     lengths: ResponseLengths | None = None) -> GenerationCost:
     """Batched generation on cfg.dp replicas, responses of `lengths` (every one response_len when None).
-    Each replica holds at most as many sequences as its KV-cache budget has room for at their longest. A
+    Each replica holds at most as many sequences as its KV-cache budget has room for at their longest (and
+    no more than cfg.max_batch, where the plan caps its engine). A
     static engine (cfg.batching) runs its share in equal waves, no more at once than is fastest, so more
     memory never makes generation slower; a continuous one keeps its slots full (`wave_parts`)."""
     per_replica = math.ceil(sequences / cfg.dp)
     per_seq = kv_bytes_per_token_per_gpu(arch, cfg, hw.compute.value_bytes) * (prompt_len + response_len)
-    max_batch = min(per_replica, int(kv_budget_bytes // per_seq))
+    max_batch = min(per_replica, int(kv_budget_bytes // per_seq), cfg.max_batch or per_replica)
     if max_batch < 1:
         return GenerationCost(seconds=math.inf, max_batch=0, waves=0)
     parts, waves, batch = _best_waves(hw, arch, cfg.tp, cfg.pp, where, per_replica, max_batch, prompt_len,

@@ -27,7 +27,7 @@ from hfplan.profiles.hardware import HardwareProfile
 from hfplan.profiles.models import ModelArch
 from hfplan.simulator import collectives as coll
 from hfplan.simulator import costs, memory
-from hfplan.simulator.trace import Node
+from hfplan.simulator.trace import Dag, Node
 from hfplan.spec import Workload
 
 
@@ -111,6 +111,16 @@ class PlanCosts:
         role = self.layout_role(node)
         return call_seconds(self.workload, self.hw, self.gpus_per_node, node, role, self.parallelism[role],
                             self.placement[index][1], self.memory[index].kv_budget, self.memo)
+
+    def engine_batch(self, dag: Dag) -> int | None:
+        """Sequences a generation replica runs at once: the largest batch any generate call of `dag` chose
+        (every call's own fastest batch fits under it, so capping the engine there changes no call's cost);
+        None when nothing generates on GPUs."""
+        batches = [generation_cost(self.workload, self.hw, self.gpus_per_node, node, self.generator,
+                                   self.parallelism[self.generator], self.placement[self.set_of(node)][1],
+                                   self.memory[self.set_of(node)].kv_budget, self.memo).max_batch
+                   for node in dag.nodes if node.kind == "generate" and self.set_of(node) >= 0]
+        return max(batches, default=None)
 
     def layout_role(self, node: Node) -> str | None:
         """The placed role whose GPUs and layout run a call (None: the controller runs it)."""
@@ -244,11 +254,10 @@ def set_memory(workload: Workload, hw: HardwareProfile, index: int, roles: Seque
 def call_seconds(workload: Workload, hw: HardwareProfile, gpus_per_node: int, node: Node, role: str,
                  par: RoleParallelism, gpus: int, kv_budget: float, memo: costs.CostMemo | None = None) -> float:
     """Seconds of one traced call of `role` (the generating role for generate) on its set of `gpus`."""
+    if node.kind == "generate":
+        return generation_cost(workload, hw, gpus_per_node, node, role, par, gpus, kv_budget, memo).seconds
     w, where = workload, costs.SetShape(gpus, gpus_per_node)
     arch = w.arch(model_role(w, role))
-    if node.kind == "generate":
-        return costs.generation_time(hw, arch, par.gen, where, node.sequences, w.prompt_len, w.response_len,
-                                     kv_budget, memo=memo, lengths=w.response_lengths).seconds
     head = head_of(w, role)
     if node.kind == "forward":
         shards = par.train.shards("weights") if par.train is not None else 1
@@ -257,6 +266,16 @@ def call_seconds(workload: Workload, hw: HardwareProfile, gpus_per_node: int, no
         return costs.update_time(hw, arch, par.train, where, node.sequences, w.seq_len, head, w.mini_batches,
                                  w.epochs, memo=memo)
     raise ValueError(f"no cost for {node.label}")
+
+
+def generation_cost(workload: Workload, hw: HardwareProfile, gpus_per_node: int, node: Node, role: str,
+                    par: RoleParallelism, gpus: int, kv_budget: float,
+                    memo: costs.CostMemo | None = None) -> costs.GenerationCost:
+    """One traced generate call of the generating `role` on its set of `gpus` (seconds, batch, waves)."""
+    w = workload
+    return costs.generation_time(hw, w.arch(model_role(w, role)), par.gen, costs.SetShape(gpus, gpus_per_node),
+                                 node.sequences, w.prompt_len, w.response_len, kv_budget, memo=memo,
+                                 lengths=w.response_lengths)
 
 
 def switch_seconds(workload: Workload, hw: HardwareProfile, gpus_per_node: int, role: str, par: RoleParallelism,
