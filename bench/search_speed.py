@@ -24,50 +24,27 @@ import time
 
 import numpy as np
 
-from hfplan.layout import ROLLOUT, model_role, unsupported_role
+from hfplan.layout import ROLLOUT
 from hfplan.plan import RoleParallelism
 from hfplan.planner import space
 from hfplan.planner.search import search
 from hfplan.simulator import costs, engine
 from hfplan.simulator.mapping import PlanCosts
 from hfplan.simulator.trace import trace
-from hfplan.spec import TRAINED_ROLES, Workload, load_workload, make_cluster
+from hfplan.spec import Workload, load_workload, make_cluster
 
 # (workload, GPUs, budget in seconds)
 CASES = [("ppo-llama2-7b", 64, 2.0), ("ppo-llama2-70b", 1024, 30.0), ("safe-rlhf-llama2-7b", 8, 5.0)]
-
-
-def raw_strategies(workload: Workload, role: str, gpus: int, per_node: int, rollout: bool = False
-                   ) -> list[RoleParallelism]:
-    """Every strategy of one role on `gpus` GPUs that the executor's pre-flight accepts, unpruned."""
-    if role == ROLLOUT:
-        out = [RoleParallelism(gen=g) for g in space.gen_configs(workload.arch(model_role(workload, role)), gpus,
-                                                                  per_node)]
-    elif role not in TRAINED_ROLES:
-        out = [RoleParallelism(infer=i)
-               for i in space.infer_configs(workload.arch(role), gpus, per_node, workload.sequences)]
-    else:
-        arch, out = workload.arch(role), []
-        for train in space.train_configs(arch, gpus, per_node, workload.sequences // workload.mini_batches):
-            infers = space.infer_configs(arch, gpus, per_node, workload.sequences, train)
-            gens = space.gen_configs(arch, gpus, per_node, train) if role == "actor" and not rollout else [None]
-            out.extend(RoleParallelism(train=train, infer=i, gen=g) for i, g in itertools.product(infers, gens))
-    return [par for par in out if unsupported_role(workload, role, par) is None]
-
-
-def placements(workload: Workload) -> list[tuple[tuple[str, ...], ...]]:
-    roles = tuple(workload.model_roles)
-    return space.set_partitions(roles) + space.set_partitions((*roles, ROLLOUT))
 
 
 def count_space(workload: Workload, gpus: int, per_node: int) -> tuple[int, float]:
     """(placement x allocation candidates, complete strategy choices) of the unpruned space, counted by
     dynamic programming over the GPUs used (allocations using at most `gpus`)."""
     sizes = space.set_sizes(gpus, per_node)
-    counts = {(r, s, rollout): len(raw_strategies(workload, r, s, per_node, rollout))
+    counts = {(r, s, rollout): len(space.role_strategies(workload, r, s, per_node, rollout))
               for r in (*workload.model_roles, ROLLOUT) for s in sizes for rollout in (False, True)}
     pairs, choices = 0, 0.0
-    for placement in placements(workload):
+    for placement in space.own_placements(workload):
         rollout = any(ROLLOUT in group for group in placement)
         ways = np.zeros(gpus + 1)  # allocations of the sets so far by GPUs used
         weighted = np.zeros(gpus + 1)  # the same, each weighted by its strategy choices
@@ -91,7 +68,7 @@ def seconds_per_choice(workload: Workload, gpus: int, per_node: int, samples: in
     dag = trace(workload)
     strategies: dict[tuple[str, int, bool], list[RoleParallelism]] = {}
     chosen = []
-    every = placements(workload)
+    every = space.own_placements(workload)
     while len(chosen) < samples:  # draw the choices first: only their costing and simulation is timed
         placement = rng.choice(every)
         rollout = any(ROLLOUT in group for group in placement)
@@ -101,7 +78,7 @@ def seconds_per_choice(workload: Workload, gpus: int, per_node: int, samples: in
         for roles_of_set, size in sets:
             for role in roles_of_set:
                 if (role, size, rollout) not in strategies:
-                    strategies[(role, size, rollout)] = raw_strategies(workload, role, size, per_node, rollout)
+                    strategies[(role, size, rollout)] = space.role_strategies(workload, role, size, per_node, rollout)
         options = {role: strategies[(role, size, rollout)] for roles_of_set, size in sets for role in roles_of_set}
         if all(options.values()):  # a role with no strategy on its set size: no choice to draw here
             chosen.append((sets, {role: rng.choice(pars) for role, pars in options.items()}))

@@ -25,7 +25,7 @@ from support import deadline as _deadline
 
 from hfplan.dataflow.registry import get_algorithm
 from hfplan.errors import HfplanError
-from hfplan.layout import ON_CONTROLLER, unsupported_role
+from hfplan.layout import ON_CONTROLLER
 from hfplan.plan import ROLLOUT, Plan, RoleParallelism, plan_from_dict
 from hfplan.planner import space
 from hfplan.planner.search import Candidate, search, twin_key
@@ -33,7 +33,7 @@ from hfplan.simulator import engine
 from hfplan.simulator.costs import CostMemo
 from hfplan.simulator.mapping import PlanCosts
 from hfplan.simulator.trace import Node, trace
-from hfplan.spec import ALGORITHM_ROLES, TRAINED_ROLES, Cluster, Workload, make_cluster, workload_from_dict
+from hfplan.spec import ALGORITHM_ROLES, Cluster, Workload, make_cluster, workload_from_dict
 
 RULE = "rule:vowel-fraction"
 BELL = {1: 1, 2: 2, 3: 5, 4: 15, 5: 52, 6: 203, 7: 877}
@@ -155,26 +155,6 @@ CASE_PARAMS = [pytest.param(name, id=name) for name in CASES] + [
 
 
 # -- the exhaustive reference ---------------------------------------------------------------------
-def raw_strategies(workload: Workload, role: str, gpus: int, per_node: int, rollout: bool = False
-                   ) -> list[RoleParallelism]:
-    """Every parallel strategy of one role on `gpus` GPUs that the executor runs (its pre-flight,
-    hfplan.layout.unsupported_role), unpruned; `rollout`: a separate rollout set generates (ROLLOUT's
-    strategies are generation layouts; the actor then has none)."""
-    if role == ROLLOUT:
-        pars = [RoleParallelism(gen=gen) for gen in space.gen_configs(workload.arch("actor"), gpus, per_node)]
-    elif role not in TRAINED_ROLES:
-        pars = [RoleParallelism(infer=infer)
-                for infer in space.infer_configs(workload.arch(role), gpus, per_node, workload.sequences)]
-    else:
-        arch, pars = workload.arch(role), []
-        for train in space.train_configs(arch, gpus, per_node, workload.sequences // workload.mini_batches):
-            gens = space.gen_configs(arch, gpus, per_node, train) if role == "actor" and not rollout else [None]
-            for infer in space.infer_configs(arch, gpus, per_node, workload.sequences, train):
-                assert (infer.tp, infer.pp, infer.dp) == (train.tp, train.pp, train.dp)
-                pars.extend(RoleParallelism(train=train, infer=infer, gen=gen) for gen in gens)
-    return [par for par in pars if unsupported_role(workload, role, par) is None]
-
-
 @dataclass
 class PairResult:
     best_s: float  # math.inf when no strategy choice fits
@@ -184,13 +164,6 @@ class PairResult:
     runs: int = 0  # simpy runs it took
 
 
-def placements_of(workload: Workload) -> list[tuple[tuple[str, ...], ...]]:
-    """hfplan's placements: every set partition of the model roles (hybrid engine), and of the model roles
-    with a rollout set."""
-    roles = tuple(workload.model_roles)
-    return space.set_partitions(roles) + space.set_partitions((*roles, ROLLOUT))
-
-
 def brute_force(workload: Workload, cluster: Cluster, placement, allocation, memo: CostMemo) -> PairResult:
     """One (placement, allocation) by the full cartesian product of its roles' strategies, each costed with
     PlanCosts and run on the simpy engine: what exhaustive() must agree with."""
@@ -198,7 +171,7 @@ def brute_force(workload: Workload, cluster: Cluster, placement, allocation, mem
     rollout = any(ROLLOUT in group for group in placement)
     sets = list(zip(placement, allocation, strict=True))
     roles = [role for group, _ in sets for role in group]
-    options = [raw_strategies(workload, role, gpus, per_node, rollout) for group, gpus in sets for role in group]
+    options = [space.role_strategies(workload, role, gpus, per_node, rollout) for group, gpus in sets for role in group]
     result = PairResult(math.inf, None, 0, 0)
     for combo in itertools.product(*options):
         pars = dict(zip(roles, combo, strict=True))
@@ -268,7 +241,7 @@ def exhaustive(workload: Workload, cluster: Cluster) -> dict[tuple, PairResult]:
     earlier when a call takes longer. brute_force() checks this on pairs small enough to multiply out."""
     per_node, dag, memo = cluster.gpus_per_node, trace(workload), CostMemo()
     out, by_set, strategies = {}, {}, {}
-    for placement in placements_of(workload):
+    for placement in space.own_placements(workload):
         rollout = any(ROLLOUT in group for group in placement)
         for allocation in space.allocations(len(placement), cluster.gpus, per_node, idle=True):
             assert sum(allocation) <= cluster.gpus
@@ -276,7 +249,8 @@ def exhaustive(workload: Workload, cluster: Cluster) -> dict[tuple, PairResult]:
             for group, gpus in sets:
                 for role in group:
                     if (role, gpus, rollout) not in strategies:
-                        strategies[(role, gpus, rollout)] = raw_strategies(workload, role, gpus, per_node, rollout)
+                        strategies[(role, gpus, rollout)] = space.role_strategies(workload, role, gpus, per_node,
+                                                                                  rollout)
             options = {role: strategies[(role, gpus, rollout)] for group, gpus in sets for role in group}
             if not all(options.values()):
                 out[(placement, allocation)] = PairResult(math.inf, None, 0, 0)
@@ -562,7 +536,7 @@ def test_top_plans_sorted_distinct_and_valid(qwen_result):
 
 def test_stats_cover_every_allocation(qwen_result):
     workload, cluster, result = qwen_result
-    placements = placements_of(workload)
+    placements = space.own_placements(workload)
     total = sum(len(list(space.allocations(len(p), cluster.gpus, cluster.gpus_per_node, idle=True)))
                 for p in placements)
     stats = result.stats

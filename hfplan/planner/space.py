@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import get_args
 
-from hfplan.layout import nesting_problem, unsupported_layout, unsupported_split
-from hfplan.plan import GenConfig, InferConfig, Layout, Recompute, TrainConfig
+from hfplan.layout import ROLLOUT, model_role, nesting_problem, unsupported_layout, unsupported_role, unsupported_split
+from hfplan.plan import GenConfig, InferConfig, Layout, Recompute, RoleParallelism, TrainConfig
 from hfplan.profiles.models import ModelArch
+from hfplan.spec import TRAINED_ROLES, Workload
 
 BATCHING: tuple[str, ...] = get_args(GenConfig.model_fields["batching"].annotation)  # static, continuous
 
@@ -159,3 +160,30 @@ def gen_configs(arch: ModelArch, gpus: int, gpus_per_node: int, train: TrainConf
             if not executable or unsupported_layout(arch, "gen", gen, train) is None:
                 out.append(gen)
     return out
+
+
+def role_strategies(workload: Workload, role: str, gpus: int, gpus_per_node: int, rollout: bool = False
+                    ) -> list[RoleParallelism]:
+    """Every parallel strategy of one role on `gpus` GPUs that the executor runs (its pre-flight,
+    hfplan.layout.unsupported_role), unpruned: the space an exhaustive search multiplies out. `rollout`: a
+    separate rollout set generates (ROLLOUT's strategies are generation layouts; the actor then has none)."""
+    if role == ROLLOUT:
+        pars = [RoleParallelism(gen=gen) for gen in gen_configs(workload.arch(model_role(workload, role)), gpus,
+                                                                gpus_per_node)]
+    elif role not in TRAINED_ROLES:
+        pars = [RoleParallelism(infer=infer)
+                for infer in infer_configs(workload.arch(role), gpus, gpus_per_node, workload.sequences)]
+    else:
+        arch, pars = workload.arch(role), []
+        for train in train_configs(arch, gpus, gpus_per_node, workload.sequences // workload.mini_batches):
+            gens = gen_configs(arch, gpus, gpus_per_node, train) if role == "actor" and not rollout else [None]
+            for infer in infer_configs(arch, gpus, gpus_per_node, workload.sequences, train):
+                pars.extend(RoleParallelism(train=train, infer=infer, gen=gen) for gen in gens)
+    return [par for par in pars if unsupported_role(workload, role, par) is None]
+
+
+def own_placements(workload: Workload) -> list[tuple[tuple[str, ...], ...]]:
+    """hfplan's placements: every set partition of the model roles (hybrid engine), and of the model roles
+    with a rollout set."""
+    roles = tuple(workload.model_roles)
+    return set_partitions(roles) + set_partitions((*roles, ROLLOUT))
