@@ -30,7 +30,8 @@ PARALLELISM_LEGEND = ("parallelism: tN pN dN = tensor-, pipeline- and data-paral
                       "of G ranks, replicated across groups; zero1 / zero2 = optimizer states (and gradients) sharded; "
                       "none of these = replicated; selective-recompute / full-recompute = attention's core / every "
                       "layer recomputed in the backward pass; vN = N virtual stages per pipeline rank (interleaved "
-                      "1F1B); cb = continuous batching; maxN = at most N sequences per engine replica at once; "
+                      "1F1B); cb = continuous batching; paged = a paged KV cache (blocks as tokens are generated, as "
+                      "vLLM does); maxN = at most N sequences per engine replica at once; "
                       "train / infer / gen = the layouts for updates, "
                       "forward passes and the actor's generation (infer in the training layout when only mb is shown)")
 
@@ -309,6 +310,8 @@ def cost(
     response_len: Annotated[int, typer.Option(help="longest response (generate)")] = 1024,
     response_len_mean: Annotated[float | None, typer.Option(help="mean response length (generate)")] = None,
     batching: Annotated[str, typer.Option(help="generate: static or continuous")] = "static",
+    kv_cache: Annotated[str, typer.Option(help="generate: reserved, or paged (with continuous batching)")]
+        = "reserved",
     recompute: Annotated[str, typer.Option(help="train: none, selective or full")] = "none",
     virtual_stages: Annotated[int, typer.Option(help="train: model chunks per pipeline stage")] = 1,
     shard: Annotated[bool, typer.Option("--shard/--no-shard", help="train: FSDP / ZeRO-3 or replicated")] = True,
@@ -327,7 +330,7 @@ def cost(
         kind=kind, hardware=hardware, model=model, tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, batch=batch,
         seq_len=seq_len, prompt_len=prompt_len, response_len=response_len, response_len_mean=response_len_mean,
         recompute=recompute, virtual_stages=virtual_stages, shard=shard, head=head, batching=batching,
-        gpus_per_node=gpus_per_node, op=op, nbytes=nbytes, gpus=gpus))
+        kv_cache=kv_cache, gpus_per_node=gpus_per_node, op=op, nbytes=nbytes, gpus=gpus))
     if as_json:
         sys.stdout.write(json.dumps(result.to_dict(), indent=2) + "\n")
         return

@@ -229,6 +229,9 @@ def unsupported_layout(arch: ModelArch, kind: str, layout: LayoutLike, train: La
         return problem
     if kind == "gen" and pp > 1:
         return f"generation with pp={pp}: rollout engines run one pipeline stage"
+    if kind == "gen" and getattr(layout, "kv_cache", "reserved") == "paged":
+        return ("kv_cache=paged: the executor's torch rollout engine reserves each sequence's KV cache at its "
+                "longest (paged caches are vLLM's: plans for verl or OpenRLHF)")
     if kind == "gen" and train is not None:
         return nesting_problem(train, layout)
     if kind == "train" and getattr(layout, "shard", None) in ("zero1", "zero2"):

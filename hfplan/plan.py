@@ -55,6 +55,15 @@ class Layout(_Strict):
 
 
 Batching = Literal["static", "continuous"]  # how a rollout engine batches (GenConfig.batching)
+KvCache = Literal["reserved", "paged"]  # how a rollout engine allocates its KV cache (GenConfig.kv_cache)
+
+
+def engine_problem(batching: str, kv_cache: str) -> str | None:
+    """Why a rollout engine's batching and KV allocation do not go together (None when they do): a paged
+    cache is costed as a scheduler that admits waiting sequences as finished ones free their blocks."""
+    if kv_cache == "paged" and batching != "continuous":
+        return f"kv_cache=paged needs batching=continuous (got {batching}): a paged engine refills freed blocks"
+    return None
 ShardMode = Literal["replicated", "zero1", "zero2", "full", "hybrid"]
 
 # The training states each mode splits over its shard group (the rest are replicated): ZeRO stages 1 to
@@ -161,6 +170,17 @@ class GenConfig(Layout):
         default=None, ge=1, description="sequences one engine replica runs at once: static, waves of at most that "
                                         "many (as equal as can be); continuous, that many slots; null: all of the "
                                         "replica's sequences (prompts x samples) at once")
+    kv_cache: KvCache = Field(
+        default="reserved", description="reserved: each sequence in the engine holds KV-cache room for its longest "
+                                        "(prompt + maximum response; hfplan's torch engine); paged: blocks of "
+                                        "tokens as they are generated, freed when a sequence ends (vLLM)")
+
+    @model_validator(mode="after")
+    def _engine(self) -> GenConfig:
+        problem = engine_problem(self.batching, self.kv_cache)
+        if problem:
+            raise ValueError(problem)
+        return self
 
 
 class RoleParallelism(_Strict):

@@ -48,6 +48,25 @@ class ResponseLengths:
             return self.mean * self.max_len
         return sum(length * length * p for length, p in self.points)
 
+    @property
+    def held_by_slot(self) -> float:
+        """Response tokens a continuously refilled engine slot holds on average: at decode step t a sequence
+        holds t of them, and a slot spends time on a sequence in proportion to its length, so the mean is
+        E[l(l-1)/2] / E[l] = (E[l^2] / E[l] - 1) / 2."""
+        return (self.mean_square / self.mean - 1) / 2
+
+    def peak_held(self, prompt_len: int) -> float:
+        """Tokens per sequence at the fullest step of a batch started together whose finished sequences free
+        their room: the largest P(l >= length) x (prompt + length) over the histogram; with only a mean known,
+        prompt + the maximum (a fixed length gives that too)."""
+        if not self.points:
+            return float(prompt_len + self.max_len)
+        out, left = 0.0, 1.0
+        for length, p in sorted(self.points):
+            out = max(out, left * (prompt_len + length))
+            left -= p
+        return out
+
     def expected_max(self, draws: int) -> float:
         """Expected longest of `draws` independent responses: the steps a static batch of that many runs.
         With only a mean known, the maximum."""

@@ -27,7 +27,8 @@ def small_workload(algorithm: str = "ppo", model: str = "qwen2.5-0.5b", **overri
 
 def role_parallelism(role: str, gpus: int, *, tp: int = 4, gen_tp: int = 2, micro_batch: int = 2,
                      infer_micro_batch: int = 4, shard: bool = True, generates: bool | None = None,
-                     recompute: str = "none", batching: str = "static") -> RoleParallelism:
+                     recompute: str = "none", batching: str = "static", kv_cache: str = "reserved"
+                     ) -> RoleParallelism:
     """A valid parallelism for `role` on a set of `gpus` GPUs: tp (capped by the set size) x dp."""
     tp = min(tp, gpus)
     gen_tp = min(gen_tp, gpus)
@@ -38,7 +39,7 @@ def role_parallelism(role: str, gpus: int, *, tp: int = 4, gen_tp: int = 2, micr
         train=TrainConfig(tp=tp, dp=gpus // tp, micro_batch=micro_batch, shard=shard, recompute=recompute)
         if trained else None,
         infer=InferConfig(tp=tp, dp=gpus // tp, micro_batch=infer_micro_batch) if role != ROLLOUT else None,
-        gen=GenConfig(tp=gen_tp, dp=gpus // gen_tp, batching=batching) if generates else None,
+        gen=GenConfig(tp=gen_tp, dp=gpus // gen_tp, batching=batching, kv_cache=kv_cache) if generates else None,
     )
 
 

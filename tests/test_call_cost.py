@@ -83,6 +83,8 @@ def test_collective_bus_bandwidth_by_hand():
     (CallRequest("collective", "a100-80g", op="broadcast"), "--op broadcast"),
     (CallRequest("collective", "a100-80g", gpus=1), "at least 2 GPUs"),
     (CallRequest("generate", "a100-80g", model="llama2-70b"), "no room for the KV cache"),
+    (CallRequest("generate", "a100-80g", kv_cache="blocks"), "--kv-cache blocks: use reserved or paged"),
+    (CallRequest("generate", "a100-80g", kv_cache="paged"), "--kv-cache paged needs --batching continuous"),
 ])
 def test_bad_requests_are_one_line_errors(req, message):
     with pytest.raises(HfplanError, match=message):

@@ -139,6 +139,31 @@ def test_continuous_batching_beats_static_waves_when_lengths_vary(toy_hw):
     assert static.seconds < fixed.seconds  # shorter responses end waves sooner
 
 
+def test_a_paged_cache_holds_more_sequences_than_a_reserved_one_and_is_never_slower(toy_hw):
+    """The same room: reserved, 16 sequences at their longest (576 tokens); paged, slots of 64 + held_by_slot +
+    7.5 tokens each (memory.KvSequence.slots), as generation_time then runs them."""
+    lengths = ResponseLengths(max_len=512, mean=128.0, points=((64, 0.75), (320, 0.25)))
+    per_token = 2 * 2 * 32 * 128 * 32  # llama2-7b
+    room = per_token * (64 + 512) * 16
+    reserved = costs.generation_time(toy_hw, LLAMA7, GenConfig(batching="continuous"), ONE, 64, 64, 512, room,
+                                     lengths=lengths)
+    paged_gen = GenConfig(batching="continuous", kv_cache="paged")
+    paged = costs.generation_time(toy_hw, LLAMA7, paged_gen, ONE, 64, 64, 512, room, lengths=lengths)
+    slot_tokens = 64 + lengths.held_by_slot + 7.5  # 64 + (28672 / 128 - 1) / 2 + 7.5 = 183
+    assert slot_tokens == pytest.approx(183)
+    assert reserved.max_batch == 16
+    assert int(room // (per_token * slot_tokens)) == 50  # 9216 // 183 refilled slots, but all 64 fit at once:
+    burst_tokens = max(1.0 * (64 + 64), 0.25 * (64 + 320)) + 7.5  # the 3 in 4 that end at 64 tokens free theirs
+    assert 64 * burst_tokens <= 9216
+    assert paged.max_batch == 64 and paged.seconds < reserved.seconds
+    half = costs.generation_time(toy_hw, LLAMA7, paged_gen, ONE, 64, 64, 512, room / 2, lengths=lengths)
+    assert int(room / 2 // (per_token * slot_tokens)) == 25 and half.max_batch <= 25  # room for 25 slots
+    # the paged engine runs the fastest batch it has room for: none of 1..25 slots is faster
+    assert half.seconds == pytest.approx(min(
+        costs.generation_time(toy_hw, LLAMA7, paged_gen.model_copy(update={"max_batch": b}), ONE, 64, 64, 512,
+                              room / 2, lengths=lengths).seconds for b in range(1, 26)))
+
+
 @pytest.mark.parametrize("lengths", [ResponseLengths(max_len=512, mean=128.0, points=((64, 0.75), (320, 0.25))),
                                      ResponseLengths.fixed(512), ResponseLengths(max_len=512, mean=400.0)],
                          ids=["bimodal", "fixed", "mean"])

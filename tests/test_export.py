@@ -159,7 +159,7 @@ def test_hybrid_and_zero2_fsdp_plans_write_fsdp_size_and_reshard(tmp_path):
     workload = load_workload("ppo-llama2-7b")
     actor = RoleParallelism(train=TrainConfig(dp=32, micro_batch=2, shard="hybrid", shard_group=8),
                             infer=InferConfig(dp=32, micro_batch=4),
-                            gen=GenConfig(tp=4, dp=8, batching="continuous"))
+                            gen=GenConfig(tp=4, dp=8, batching="continuous", kv_cache="paged"))
     critic = RoleParallelism(train=TrainConfig(dp=32, micro_batch=4, shard="zero2"), infer=InferConfig(dp=32))
     plan = build_plan(workload, [(["actor", "critic", "reference", "reward"], 32)], tp=1,
                       overrides={"actor": actor, "critic": critic})
@@ -282,7 +282,8 @@ def test_megatron_plans_write_virtual_stages_and_selective_recomputation():
     plain = interleaved.model_copy(update={"recompute": "full", "virtual_stages": 1})
     infer = InferConfig(pp=2, dp=4, micro_batch=2)
     plan = build_plan(workload, [(["actor", "critic", "reference", "reward"], 8)], overrides={
-        "actor": RoleParallelism(train=interleaved, infer=infer, gen=GenConfig(tp=2, dp=4, batching="continuous")),
+        "actor": RoleParallelism(train=interleaved, infer=infer, gen=GenConfig(tp=2, dp=4, batching="continuous",
+                                                                              kv_cache="paged")),
         "critic": RoleParallelism(train=plain, infer=infer), "reference": RoleParallelism(infer=infer),
         "reward": RoleParallelism(infer=infer)})
     config, o = verl_overrides(export_plan(plan, "verl").command)

@@ -150,6 +150,11 @@ def test_supported_layouts(kind, lay, train):
     assert unsupported_layout(GQA12, kind, lay, train) is None
 
 
+def test_the_executor_runs_no_paged_kv_cache():
+    paged = GenConfig(tp=2, dp=2, batching="continuous", kv_cache="paged")
+    assert "kv_cache=paged" in unsupported_layout(GQA12, "gen", paged, TrainConfig(tp=4))
+
+
 def test_batches_split_over_data_parallel_ranks():
     assert layout.unsupported_split("train", 4, 8) is None
     assert "6 sequences of a mini-batch do not split evenly over dp=4" in layout.unsupported_split("train", 4, 6)

@@ -16,6 +16,7 @@ from hfplan.simulator.memory import (
     train_resident_bytes,
     train_transient_bytes,
 )
+from hfplan.spec import ResponseLengths
 
 PER_LAYER = 36992
 PARAMS = 2 * PER_LAYER + 16640 + 64 + 16640
@@ -245,3 +246,33 @@ def test_eager_inference_and_prefill_hold_the_scores_of_one_layer(small_arch):
     prefill = memory.generation_working_bytes(small_arch, GenConfig(tp=2), 100, attention="eager")
     assert prefill - memory.generation_working_bytes(small_arch, GenConfig(tp=2), 100) == pytest.approx(
         2 * 2 * 1 * 2 * 100 * 100)
+
+
+def test_reserved_kv_cache_sets_the_longest_aside_for_every_sequence(small_arch):
+    per_token = 2 * 2 * 2 * 16 * 2  # K and V, bf16, 2 KV heads of 16, 2 layers
+    kv = memory.kv_sequence(small_arch, GenConfig(), 20, ResponseLengths(300, 200.0, ((100, 0.5), (300, 0.5))))
+    assert kv.longest == kv.slot == kv.burst == per_token * 320
+    assert kv.slots(per_token * 320 * 5.5, sequences=8) == 5
+    assert kv.slots(per_token * 320 * 8, sequences=8) == 8
+    assert kv.slots(per_token * 319, sequences=8) == 0  # not one sequence at its longest
+
+
+def test_paged_kv_cache_holds_tokens_as_they_come_in_blocks(small_arch):
+    per_token = 2 * 2 * 2 * 16 * 2
+    lengths = ResponseLengths(300, 200.0, ((100, 0.5), (300, 0.5)))
+    kv = memory.kv_sequence(small_arch, GenConfig(batching="continuous", kv_cache="paged"), 20, lengths)
+    partial = (memory.KV_BLOCK_TOKENS - 1) / 2  # 7.5 tokens of a sequence's last block, on average
+    assert kv.longest == per_token * 16 * 20  # 320 tokens: 20 blocks of 16
+    assert kv.slot == pytest.approx(per_token * (20 + 124.5 + partial))
+    assert kv.burst == pytest.approx(per_token * (max(120, 0.5 * 320) + partial))
+    # 8 bursts of 167.5 tokens fit in 1340 tokens' room: all at once; with less, refilled slots of 152 tokens
+    # each, fewer than all (1339 // 152 = 8 slots would be all of them at once again).
+    assert kv.slots(per_token * 1340, sequences=8) == 8
+    assert kv.slots(per_token * 1339, sequences=8) == 7
+    assert kv.slots(per_token * 1000, sequences=8) == 6  # 1000 // 152
+    assert kv.slots(per_token * 1339, sequences=8, cap=4) == 4
+    assert kv.slots(per_token * 319, sequences=8) == 0  # vLLM needs room for one sequence of the model length
+    # A sequence never holds more than its longest in blocks: a fixed length's burst is exactly its blocks.
+    fixed = memory.kv_sequence(small_arch, GenConfig(batching="continuous", kv_cache="paged"), 20,
+                               ResponseLengths.fixed(300))
+    assert fixed.burst == fixed.longest == per_token * 320

@@ -370,3 +370,18 @@ def test_gen_max_batch_is_optional_and_at_least_one():
         data["parallelism"]["actor"]["gen"]["max_batch"] = bad
         with pytest.raises(HfplanError, match="max_batch"):
             plan_from_dict(data, "test")
+
+
+def test_gen_kv_cache_is_reserved_unless_a_paged_engine_batches_continuously():
+    data = valid_plan()
+    assert plan_from_dict(data, "test").parallelism["actor"].gen.kv_cache == "reserved"  # absent: reserved
+    data["parallelism"]["actor"]["gen"] |= {"batching": "continuous", "kv_cache": "paged"}
+    plan = plan_from_dict(data, "test")
+    assert plan.parallelism["actor"].gen.kv_cache == "paged" and load_plan_text(plan.to_json()) == plan
+    data["parallelism"]["actor"]["gen"]["batching"] = "static"
+    with pytest.raises(HfplanError, match="kv_cache=paged needs batching=continuous") as err:
+        plan_from_dict(data, "test")
+    assert "\n" not in str(err.value)
+    data["parallelism"]["actor"]["gen"]["kv_cache"] = "virtual"
+    with pytest.raises(HfplanError, match="kv_cache"):
+        plan_from_dict(data, "test")

@@ -134,6 +134,8 @@ def test_target_plans_obey_their_framework(name, gpus):
         for plan in result.top:
             check(plan)
             assert chosen.plan_problem(plan) is None
+            gen = plan.parallelism[plan.generation_role].gen
+            assert (gen.batching, gen.kv_cache) == ("continuous", "paged")  # vLLM
             assert plan.estimate.iteration_s == pytest.approx(engine.simulate_plan(plan).estimate.iteration_s)
 
 
@@ -145,8 +147,8 @@ def test_zero1_and_zero2_plans_are_for_the_targets_not_the_executor():
                                    infer=InferConfig(dp=16, micro_batch=4)) for shard in ("zero1", "zero2")}
     for shard in zero:
         plan = build_plan(workload, [(["actor", "reference"], 16), (["critic", "reward"], 16), ([ROLLOUT], 32)],
-                          tp=1, micro_batch=2, batching="continuous", overrides={"actor": zero[shard],
-                                                                                  "critic": zero[shard]})
+                          tp=1, micro_batch=2, batching="continuous", kv_cache="paged",
+                          overrides={"actor": zero[shard], "critic": zero[shard]})
         assert get_target("openrlhf", workload).plan_problem(plan) is None
         assert "FSDP2" in unsupported_role(workload, "actor", plan.parallelism["actor"])
     assert all(not rules.executable for target in ("verl", "openrlhf")
@@ -182,9 +184,9 @@ def test_verl_recomputes_selectively_and_interleaves_only_under_megatron_and_gen
     workload = small_workload()  # 16 sequences a mini-batch step; qwen2.5-0.5b has 24 layers
     sets = [(["actor", "critic", "reference", "reward"], 8)]
 
-    def plan_of(train: TrainConfig, batching: str = "continuous"):
+    def plan_of(train: TrainConfig, batching: str = "continuous", kv_cache: str = "paged"):
         actor = RoleParallelism(train=train, infer=InferConfig(tp=train.tp, pp=train.pp, dp=train.dp),
-                                gen=GenConfig(tp=2, dp=4, batching=batching))
+                                gen=GenConfig(tp=2, dp=4, batching=batching, kv_cache=kv_cache))
         critic = RoleParallelism(train=train, infer=InferConfig(tp=train.tp, pp=train.pp, dp=train.dp,
                                                                 micro_batch=train.micro_batch))
         return build_plan(workload, sets, overrides={"actor": actor, "critic": critic, "reference": critic.model_copy(
@@ -196,7 +198,8 @@ def test_verl_recomputes_selectively_and_interleaves_only_under_megatron_and_gen
     assert "recompute=selective" in _refusal("verl", plan_of(fsdp_selective))
     assert get_target("verl", workload).plan_problem(plan_of(fsdp_selective.model_copy(
         update={"recompute": "full"}))) is None
-    assert "batching=static" in _refusal("verl", plan_of(megatron, batching="static"))
+    assert "batching=static" in _refusal("verl", plan_of(megatron, batching="static", kv_cache="reserved"))
+    assert "kv_cache=reserved" in _refusal("verl", plan_of(megatron, kv_cache="reserved"))
 
 
 def test_openrlhf_checkpoints_whole_layers_and_generates_with_vllm():
@@ -204,11 +207,11 @@ def test_openrlhf_checkpoints_whole_layers_and_generates_with_vllm():
     sets = [(["actor", "reference"], 16), (["critic", "reward"], 16), ([ROLLOUT], 32)]
     full = RoleParallelism(train=TrainConfig(dp=16, micro_batch=2, shard="full", recompute="full"),
                            infer=InferConfig(dp=16, micro_batch=4))
-    plan = build_plan(workload, sets, tp=1, micro_batch=2, batching="continuous",
+    plan = build_plan(workload, sets, tp=1, micro_batch=2, batching="continuous", kv_cache="paged",
                       overrides={"actor": full, "critic": full})
     assert get_target("openrlhf", workload).plan_problem(plan) is None
     selective = full.model_copy(update={"train": full.train.model_copy(update={"recompute": "selective"})})
-    plan = build_plan(workload, sets, tp=1, micro_batch=2, batching="continuous",
+    plan = build_plan(workload, sets, tp=1, micro_batch=2, batching="continuous", kv_cache="paged",
                       overrides={"actor": selective, "critic": selective})
     assert "recompute=selective" in _refusal("openrlhf", plan)
     plan = build_plan(workload, sets, tp=1, micro_batch=2, overrides={"actor": full, "critic": full})
@@ -219,7 +222,7 @@ def test_verl_refuses_mixed_backends_and_uneven_micro_batches():
     workload = small_workload()  # 64 prompts, 4 mini-batches: 16 sequences a step
     sets = [(["actor", "critic", "reference", "reward"], 8)]
     fsdp = RoleParallelism(train=TrainConfig(dp=8, micro_batch=2, shard="full"), infer=InferConfig(dp=8),
-                           gen=GenConfig(tp=2, dp=4, batching="continuous"))
+                           gen=GenConfig(tp=2, dp=4, batching="continuous", kv_cache="paged"))
     megatron = RoleParallelism(train=TrainConfig(tp=2, dp=4, micro_batch=2, shard="zero1"),
                                infer=InferConfig(tp=2, dp=4, micro_batch=2))
     plan = build_plan(workload, sets, overrides={"actor": fsdp, "critic": megatron})
@@ -243,7 +246,8 @@ def test_openrlhf_refuses_what_its_flags_cannot_say():
     stage2 = RoleParallelism(train=TrainConfig(dp=16, micro_batch=2, shard="zero2"), infer=InferConfig(dp=16,
                                                                                                        micro_batch=4))
     plan = build_plan(workload, [(["actor", "reference"], 16), (["critic", "reward"], 16), ([ROLLOUT], 32)], tp=1,
-                      micro_batch=2, batching="continuous", overrides={"actor": stage3, "critic": stage2})
+                      micro_batch=2, batching="continuous", kv_cache="paged",
+                      overrides={"actor": stage3, "critic": stage2})
     assert _refusal("openrlhf", plan) == ("OpenRLHF has one ZeRO stage (--ds.zero_stage); this plan gives actor full "
                                           "and critic zero2")
 

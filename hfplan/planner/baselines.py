@@ -25,12 +25,18 @@ class Baseline:
     target: Target
 
 
+def _own_engine(gen: GenConfig) -> bool:
+    # described by their mappings: they generate with the engines hfplan's executor has (reserved KV caches), so
+    # the comparison with hfplan's own plan is one of mappings
+    return gen.kv_cache == "reserved"
+
+
 def _same_layout(train: TrainConfig | None, gen: GenConfig) -> bool:
-    return train is not None and (gen.tp, gen.pp, gen.dp) == (train.tp, train.pp, train.dp)
+    return train is not None and (gen.tp, gen.pp, gen.dp) == (train.tp, train.pp, train.dp) and _own_engine(gen)
 
 
 def _whole_model(train: TrainConfig | None, gen: GenConfig) -> bool:
-    return gen.tp == 1 and gen.pp == 1
+    return gen.tp == 1 and gen.pp == 1 and _own_engine(gen)
 
 
 def _megatron(role: str, train: TrainConfig) -> bool:

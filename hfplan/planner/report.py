@@ -33,7 +33,8 @@ def describe_role(par: RoleParallelism) -> str:
     if par.gen is not None:
         g = par.gen
         cap = f" max{g.max_batch}" if g.max_batch is not None else ""
-        parts.append(f"gen {_layout(g)}{' cb' if g.batching == 'continuous' else ''}{cap}")
+        paged = " paged" if g.kv_cache == "paged" else ""
+        parts.append(f"gen {_layout(g)}{' cb' if g.batching == 'continuous' else ''}{paged}{cap}")
     return ", ".join(parts)
 
 

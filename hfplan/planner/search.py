@@ -182,7 +182,8 @@ class _PairSearch:
     def _gen_seconds(self, option: RoleOption, kv_budget: float) -> list[float]:
         """Generate calls of `option` with `kv_budget` bytes per GPU for the KV cache (they depend on the
         budget only through how many sequences it holds)."""
-        key = (option.gen_key, int(kv_budget // option.memory.kv_per_sequence))
+        kv = option.memory.kv  # the room decides generation through the sequences held at once (KvSequence.slots)
+        key = (option.gen_key, int(kv_budget // kv.slot), int(kv_budget // kv.burst))
         if key not in self._gen_cache:
             ctx, gpus = self.ctx, self.gpus[option.role]
             self._gen_cache[key] = [call_seconds(ctx.workload, ctx.hw, ctx.gpus_per_node, n, option.role, option.par,

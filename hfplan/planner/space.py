@@ -7,11 +7,14 @@ from collections.abc import Iterator, Sequence
 from typing import get_args
 
 from hfplan.layout import ROLLOUT, model_role, nesting_problem, unsupported_layout, unsupported_role, unsupported_split
-from hfplan.plan import GenConfig, InferConfig, Layout, Recompute, RoleParallelism, TrainConfig
+from hfplan.plan import GenConfig, InferConfig, Layout, Recompute, RoleParallelism, TrainConfig, engine_problem
 from hfplan.profiles.models import ModelArch
 from hfplan.spec import TRAINED_ROLES, Workload
 
 BATCHING: tuple[str, ...] = get_args(GenConfig.model_fields["batching"].annotation)  # static, continuous
+KV_CACHES: tuple[str, ...] = get_args(GenConfig.model_fields["kv_cache"].annotation)  # reserved, paged
+# rollout engines: each batching with each KV-cache allocation that goes with it
+ENGINES: tuple[tuple[str, str], ...] = tuple((b, kv) for b in BATCHING for kv in KV_CACHES if not engine_problem(b, kv))
 
 
 def set_partitions(items: Sequence[str]) -> list[tuple[tuple[str, ...], ...]]:
@@ -146,15 +149,16 @@ def infer_configs(arch: ModelArch, gpus: int, gpus_per_node: int, sequences: int
 
 def gen_configs(arch: ModelArch, gpus: int, gpus_per_node: int, train: TrainConfig | None = None,
                 prompts: int | None = None, executable: bool = True) -> list[GenConfig]:
-    """Generation layouts, each with static and continuous batching; for the hybrid engine they must nest with
-    the training layout; given the prompts of an iteration, no more replicas than prompts. executable: only the
-    batching hfplan's executor runs (hfplan.layout.unsupported_layout)."""
+    """Generation layouts, each with every engine (static or continuous batching, reserved or paged KV cache:
+    ENGINES); for the hybrid engine they must nest with the training layout; given the prompts of an iteration,
+    no more replicas than prompts. executable: only the engines hfplan's executor runs
+    (hfplan.layout.unsupported_layout)."""
     out = []
     for tp, pp, dp in model_layouts(arch, gpus, gpus_per_node, "gen"):
         if prompts is not None and unsupported_split("gen", dp, prompts):
             continue
-        for batching in BATCHING:
-            gen = GenConfig(tp=tp, pp=pp, dp=dp, batching=batching)
+        for batching, kv_cache in ENGINES:
+            gen = GenConfig(tp=tp, pp=pp, dp=dp, batching=batching, kv_cache=kv_cache)
             if train is not None and nesting_problem(train, gen):
                 continue
             if not executable or unsupported_layout(arch, "gen", gen, train) is None:

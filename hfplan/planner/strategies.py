@@ -31,6 +31,7 @@ from hfplan.simulator.mapping import (
     switch_seconds,
     train_memory,
 )
+from hfplan.simulator.memory import NO_KV, KvSequence
 from hfplan.simulator.schedule import switch_points
 from hfplan.simulator.sharding import backward_hides_at_most_once_per_micro_batch
 from hfplan.simulator.trace import Dag, Node
@@ -153,12 +154,12 @@ class InferPart:
 class GenPart:
     config: GenConfig | None  # None: the role does not generate
     extra: float  # bytes per GPU generation needs beyond the training states
-    kv_per_sequence: float  # KV-cache bytes per GPU of one sequence
+    kv: KvSequence  # KV-cache bytes per GPU of one sequence
     switch: float  # seconds of the switch into this layout
     alone: tuple[float, ...]  # generate calls with all memory the role does not hold for the KV cache
 
 
-NO_GENERATION = GenPart(None, 0.0, 0.0, 0.0, ())
+NO_GENERATION = GenPart(None, 0.0, NO_KV, 0.0, ())
 
 
 @dataclass(frozen=True)
@@ -300,20 +301,20 @@ class SearchContext:
         budget = self.usable - resident - extra
         return tuple(self._seconds(n, role, par, gpus, budget) for n in self.generate_nodes)
 
-    def _fastest_batching(self, role: str, rooms: dict[GenConfig, tuple[float, float]], gpus: int
+    def _fastest_batching(self, role: str, rooms: dict[GenConfig, tuple[float, KvSequence]], gpus: int
                           ) -> list[GenConfig]:
-        """Per generation layout, the batchings that can be the fastest: one never slower than another at any
-        KV-cache room up to the most the GPU can have (rooms: each config's bytes left for the KV cache with the
-        role alone on its GPUs, and the KV cache of one sequence), on every generate call, replaces it (ties keep
-        the first), so the engine is a local choice and multiplies the options only where neither wins
-        everywhere. Colocated roles only take room away, so this holds in every set."""
-        by_layout: dict[tuple[int, int, int], list[GenConfig]] = {}
+        """Per generation layout and KV-cache allocation, the batchings that can be the fastest: one never slower
+        than another at any KV-cache room up to the most the GPU can have (rooms: each config's bytes left for the
+        KV cache with the role alone on its GPUs, and the KV cache of one sequence), on every generate call,
+        replaces it (ties keep the first), so the engine is a local choice and multiplies the options only where
+        neither wins everywhere. Colocated roles only take room away, so this holds in every set."""
+        by_layout: dict[tuple[int, int, int, str], list[GenConfig]] = {}
         for gen in rooms:
-            by_layout.setdefault((gen.tp, gen.pp, gen.dp), []).append(gen)
+            by_layout.setdefault((gen.tp, gen.pp, gen.dp, gen.kv_cache), []).append(gen)
         out = []
         for group in by_layout.values():
             room, kv = rooms[group[0]]  # batching changes neither
-            most = int(room // kv) if kv > 0 else 1 << 30
+            most = int(room // min(kv.slot, kv.burst)) if kv.slot > 0 else 1 << 30
             kept: list[GenConfig] = []
             for gen in group:
                 if any(self._never_slower(k, gen, role, gpus, most) for k in kept):
@@ -355,7 +356,7 @@ class SearchContext:
                                          executable=self.rules.executable):
                 if self.rules.gen_ok(None, gen):
                     mem = role_memory(w, role, RoleParallelism(gen=gen), self.value_bytes, self.attention)
-                    rooms[gen] = (self.usable - mem.resident - mem.gen_extra, mem.kv_per_sequence)
+                    rooms[gen] = (self.usable - mem.resident - mem.gen_extra, mem.kv)
             pars = [RoleParallelism(gen=gen) for gen in self._fastest_batching(role, rooms, gpus)]
         else:
             pars = [RoleParallelism(infer=infer) for infer in space.infer_configs(w.arch(role), gpus, g, w.sequences)
@@ -486,7 +487,7 @@ class SearchContext:
                                              executable=self.rules.executable):
                     if self.rules.gen_ok(layout, gen):
                         extra, kv = gen_memory(w, gen, layout, self.value_bytes, self.attention)
-                        if resident + extra + kv <= self.usable:
+                        if resident + extra + kv.longest <= self.usable:
                             memories[gen] = (extra, kv)
                 rooms = {gen: (self.usable - resident - extra, kv) for gen, (extra, kv) in memories.items()}
                 for gen in self._fastest_batching(role, rooms, gpus):
@@ -506,8 +507,7 @@ class SearchContext:
         out = []
         for train, infer, gen in itertools.product(family.trains, family.infers, family.gens):
             replicas = gen.config.dp if gen.config is not None else 1
-            mem = RoleMemory(family.resident, max(train.transient, infer.transient), gen.extra, gen.kv_per_sequence,
-                             replicas)
+            mem = RoleMemory(family.resident, max(train.transient, infer.transient), gen.extra, gen.kv, replicas)
             if not self._fits_alone(mem):
                 continue
             seconds = [0.0] * len(nodes)
@@ -696,8 +696,8 @@ def _front_2d(first: np.ndarray, second: np.ndarray) -> np.ndarray:
 _RECOMPUTE_ORDER = {mode: k for k, mode in enumerate(Recompute)}  # none, selective, full: ever more repeated work
 
 
-def _gen_key(gen: GenConfig | None) -> tuple[int, int, int, str] | None:
-    return (gen.tp, gen.pp, gen.dp, gen.batching) if gen is not None else None
+def _gen_key(gen: GenConfig | None) -> tuple[int, int, int, str, str] | None:
+    return (gen.tp, gen.pp, gen.dp, gen.batching, gen.kv_cache) if gen is not None else None
 
 
 def _prune(options: list[RoleOption], rules: Rules) -> list[RoleOption]:

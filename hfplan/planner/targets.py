@@ -121,12 +121,15 @@ def _rules(name: str, placements, *, rollout: bool, train=None, infer=None, gen=
                  agree=agree)
 
 
-def _vllm_batching(framework: str, gen: GenConfig) -> str | None:
-    """Both frameworks generate with vLLM (verl also SGLang), whose scheduler replaces finished sequences:
-    continuous batching."""
+def _vllm_engine(framework: str, gen: GenConfig) -> str | None:
+    """Both frameworks generate with vLLM (verl also SGLang), whose scheduler replaces finished sequences
+    (continuous batching) in a paged KV cache (blocks allocated as tokens are generated)."""
     if gen.batching != "continuous":
         return (f"generation batching={gen.batching}: {framework}'s rollout engines (vLLM) batch continuously, "
                 "so a plan costed with static waves would not describe them")
+    if gen.kv_cache != "paged":
+        return (f"generation kv_cache={gen.kv_cache}: {framework}'s rollout engines (vLLM) page their KV cache, "
+                "so a plan costed with room reserved per sequence would not describe them")
     return None
 
 
@@ -266,13 +269,14 @@ def _verl_facets(role: str, par: RoleParallelism) -> Facets:
 def verl_target(workload: Workload) -> Target:
     per_step = workload.sequences // workload.mini_batches
     train = functools.partial(_verl_train, per_step)
-    gen = functools.partial(_vllm_batching, "verl")
+    gen = functools.partial(_vllm_engine, "verl")
     rules = _rules("verl", allowed_placements(workload, _verl_placement, rollout=False), rollout=False, train=train,
                    gen=gen, agree=_verl_facets)
     return Target("verl", "actor, critic and reference in one pool with the hybrid engine (the reward model there "
                   "or in its own pool); FSDP training (tp = pp = 1; full, hybrid of any fsdp_size, or ZeRO-2; full "
                   "recomputation) or Megatron (tp x pp, virtual stages; replicated or ZeRO-1; selective or full "
-                  "recomputation); vLLM rollout, continuous batching, any tensor-parallel size", VERL,
+                  "recomputation); vLLM rollout, continuous batching in a paged KV cache, any tensor-parallel size",
+                  VERL,
                   (rules,), _verl_workload, _verl_placement, train, gen_problem=gen)
 
 
@@ -345,16 +349,17 @@ def openrlhf_target(workload: Workload) -> Target:
     per_step = workload.sequences // workload.mini_batches
     train = functools.partial(_openrlhf_train, per_step)
     infer = functools.partial(_openrlhf_infer, workload.sequences)
-    gen = functools.partial(_vllm_batching, "OpenRLHF")
+    gen = functools.partial(_vllm_engine, "OpenRLHF")
     variants = []
     for rollout in (True, False):
         placements = allowed_placements(workload, _openrlhf_placement, rollout)
         variants.append(_rules("OpenRLHF", placements, rollout=rollout, train=train, infer=infer, gen=gen,
                                agree=_openrlhf_facets))
-    return Target("openrlhf", "vLLM engines (continuous batching, any tensor-parallel size) on their own GPUs, actor "
-                  "with or without the reference, critic with or without the reward model, or everything colocated "
-                  "(--train.colocate_all); DeepSpeed ZeRO stage 0-3 for every model, data parallel only; one "
-                  "training and one forward micro-batch and gradient checkpointing (full) for all", OPENRLHF,
+    return Target("openrlhf", "vLLM engines (continuous batching in a paged KV cache, any tensor-parallel size) on "
+                  "their own GPUs, actor with or without the reference, critic with or without the reward model, "
+                  "or everything colocated (--train.colocate_all); DeepSpeed ZeRO stage 0-3 for every model, data "
+                  "parallel only; one training and one forward micro-batch and gradient checkpointing (full) for all",
+                  OPENRLHF,
                   tuple(variants), _openrlhf_workload, _openrlhf_placement, train, infer, gen_problem=gen)
 
 

@@ -9,9 +9,10 @@ values, scores), `generate` (a batch of prompts through the generation engine, o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import get_args
 
 from hfplan.errors import HfplanError
-from hfplan.plan import GenConfig, InferConfig, Recompute, TrainConfig
+from hfplan.plan import Batching, GenConfig, InferConfig, KvCache, Recompute, TrainConfig, engine_problem
 from hfplan.profiles.hardware import HardwareProfile, load_hardware
 from hfplan.profiles.models import ModelArch, resolve_model
 from hfplan.simulator import collectives as coll
@@ -44,6 +45,7 @@ class CallRequest:
     shard: bool = True
     head: str = "lm"
     batching: str = "static"
+    kv_cache: str = "reserved"
     gpus_per_node: int | None = None
     op: str = "all_reduce"
     nbytes: float = 2**30
@@ -83,8 +85,13 @@ def _check(req: CallRequest) -> None:
             raise HfplanError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(req, name)}")
     if req.head not in ("lm", "scalar"):
         raise HfplanError(f"--head {req.head}: use lm or scalar")
-    if req.batching not in ("static", "continuous"):
-        raise HfplanError(f"--batching {req.batching}: use static or continuous")
+    if req.batching not in get_args(Batching):
+        raise HfplanError(f"--batching {req.batching}: use {' or '.join(get_args(Batching))}")
+    if req.kv_cache not in get_args(KvCache):
+        raise HfplanError(f"--kv-cache {req.kv_cache}: use {' or '.join(get_args(KvCache))}")
+    problem = engine_problem(req.batching, req.kv_cache)
+    if problem:
+        raise HfplanError(problem.replace("kv_cache=", "--kv-cache ").replace("batching=", "--batching "))
     if req.kind == "collective" and req.op not in COLLECTIVES:
         raise HfplanError(f"--op {req.op}: use one of {', '.join(COLLECTIVES)}")
     if req.response_len_mean is not None and not 0 < req.response_len_mean <= req.response_len:
@@ -144,7 +151,7 @@ def _forward(hw: HardwareProfile, arch: ModelArch, req: CallRequest, where: cost
 
 def _generate(hw: HardwareProfile, arch: ModelArch, req: CallRequest, where: costs.SetShape) -> CallCost:
     """A standalone generation engine (weights of its own, the rest of the usable memory for the KV cache)."""
-    gen = GenConfig(tp=req.tp, pp=req.pp, dp=req.dp, batching=req.batching)
+    gen = GenConfig(tp=req.tp, pp=req.pp, dp=req.dp, batching=req.batching, kv_cache=req.kv_cache)
     v = hw.compute.value_bytes
     held = (memory.infer_resident_bytes(arch, gen, "lm", v)
             + memory.generation_working_bytes(arch, gen, req.prompt_len, v, hw.compute.attention))
@@ -157,16 +164,18 @@ def _generate(hw: HardwareProfile, arch: ModelArch, req: CallRequest, where: cos
         raise HfplanError(f"{arch.name} with tp={req.tp} on {hw.name}: no room for the KV cache of one sequence "
                           f"({_gib(held):.1f} GiB of weights and working memory per GPU, "
                           f"{_gib(hw.memory.usable_bytes):.1f} GiB usable)")
+    kv = memory.kv_sequence(arch, gen, req.prompt_len, lengths, v)
     per_replica = -(-req.batch // req.dp)
-    kv_used = min(kv_budget, memory.kv_cache_bytes(arch, gen, min(result.max_batch, per_replica),
-                                                   req.prompt_len + req.response_len, v))
+    kv_used = min(kv_budget, kv.burst * result.max_batch if result.max_batch >= per_replica
+                  else kv.slot * result.max_batch)
     response_tokens = req.batch * lengths.mean
     tokens = req.batch * req.prompt_len + response_tokens
     flops = _forward_flops(arch, "lm", tokens, req.prompt_len / 2 + lengths.mean / 2)
     seconds = result.seconds
     return CallCost("generate", seconds, where.gpus, result.parts, flops / (where.gpus * seconds),
                     response_tokens / seconds, _gib(held + kv_used),
-                    {"waves": result.waves, "batch_per_replica": result.max_batch, "batching": req.batching})
+                    {"waves": result.waves, "batch_per_replica": result.max_batch, "batching": req.batching,
+                     "kv_cache": req.kv_cache})
 
 
 def _collective(hw: HardwareProfile, req: CallRequest, per_node: int) -> CallCost:

@@ -27,7 +27,7 @@ from hfplan.simulator.kernels import (
     layer_forward,
     memory_time,
 )
-from hfplan.simulator.memory import kv_bytes_per_token_per_gpu
+from hfplan.simulator.memory import kv_sequence
 from hfplan.spec import ResponseLengths
 
 # Adam step traffic per parameter: read the fp32 gradient (4), read and write the fp32 master weight,
@@ -327,7 +327,7 @@ def wave_parts(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: Se
     layout = Layout(tp=tp, pp=pp)
     if batching == "continuous" and sequences > batch:
         steps = sequences * dist.mean / batch + max(0.0, dist.expected_max(batch) - dist.mean)
-        context = prompt_len + (dist.mean_square / dist.mean - 1) / 2
+        context = prompt_len + dist.held_by_slot
         prefills = sequences / batch
     else:
         steps = dist.expected_max(batch)
@@ -357,13 +357,14 @@ def generation_time(hw: HardwareProfile, arch: ModelArch, cfg: GenConfig, where:
                     prompt_len: int, response_len: int, kv_budget_bytes: float, *, memo: CostMemo | None = None,
                     lengths: ResponseLengths | None = None) -> GenerationCost:
     """Batched generation on cfg.dp replicas, responses of `lengths` (every one response_len when None).
-    Each replica holds at most as many sequences as its KV-cache budget has room for at their longest (and
-    no more than cfg.max_batch, where the plan caps its engine). A
+    Each replica holds at most as many sequences as its KV-cache budget has room for (memory.KvSequence.slots:
+    at their longest in a reserved cache, as they grow in a paged one), and no more than cfg.max_batch where the
+    plan caps its engine. A
     static engine (cfg.batching) runs its share in equal waves, no more at once than is fastest, so more
     memory never makes generation slower; a continuous one keeps its slots full (`wave_parts`)."""
     per_replica = math.ceil(sequences / cfg.dp)
-    per_seq = kv_bytes_per_token_per_gpu(arch, cfg, hw.compute.value_bytes) * (prompt_len + response_len)
-    max_batch = min(per_replica, int(kv_budget_bytes // per_seq), cfg.max_batch or per_replica)
+    kv = kv_sequence(arch, cfg, prompt_len, _lengths(response_len, lengths), hw.compute.value_bytes)
+    max_batch = kv.slots(kv_budget_bytes, per_replica, cfg.max_batch)
     if max_batch < 1:
         return GenerationCost(seconds=math.inf, max_batch=0, waves=0)
     parts, waves, batch = _best_waves(hw, arch, cfg.tp, cfg.pp, where, per_replica, max_batch, prompt_len,

@@ -169,8 +169,13 @@ class RoleMemory:
     resident: float
     transient: float
     gen_extra: float = 0.0
-    kv_per_sequence: float = 0.0
+    kv: memory.KvSequence = memory.NO_KV
     gen_replicas: int = 1
+
+    @property
+    def kv_per_sequence(self) -> float:
+        """The least KV-cache room generation starts with: one sequence at its longest."""
+        return self.kv.longest
 
 
 def train_memory(workload: Workload, role: str, train: TrainConfig, value_bytes: int,
@@ -192,13 +197,13 @@ def infer_transient(workload: Workload, role: str, infer: InferConfig, train: Tr
 
 
 def gen_memory(workload: Workload, gen: GenConfig, train: TrainConfig | None, value_bytes: int,
-               attention: str = "flash") -> tuple[float, float]:
+               attention: str = "flash") -> tuple[float, memory.KvSequence]:
     """(extra bytes while generating, KV-cache bytes of one sequence) per GPU. With a training layout
     (hybrid engine) only the part of the generation shard not already held is extra."""
     arch = workload.arch(generating_role(workload))
     extra = memory.generation_weights_bytes(arch, gen, train, value_bytes) if train is not None else 0.0
     extra += memory.generation_working_bytes(arch, gen, workload.prompt_len, value_bytes, attention)
-    return extra, memory.kv_cache_bytes(arch, gen, 1, workload.seq_len, value_bytes)
+    return extra, memory.kv_sequence(arch, gen, workload.prompt_len, workload.response_lengths, value_bytes)
 
 
 def role_memory(workload: Workload, role: str, par: RoleParallelism, value_bytes: int,
@@ -239,7 +244,7 @@ def set_memory(workload: Workload, hw: HardwareProfile, index: int, roles: Seque
                       f"({memory.gib(need.kv_per_sequence):.2f} GiB) after "
                       f"{memory.gib(held + need.gen_extra):.1f} GiB of weights and states; "
                       f"{memory.gib(usable):.1f} GiB usable per GPU")
-        kv_needed = need.kv_per_sequence * math.ceil(workload.sequences / need.gen_replicas)
+        kv_needed = need.kv.burst * math.ceil(workload.sequences / need.gen_replicas)
         transient[f"{generator}.generate"] = need.gen_extra + min(kv_budget, kv_needed)
     peak = held + max(transient.values(), default=0.0)
     if not reason and peak > usable:

@@ -10,12 +10,14 @@ the largest transient.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from hfplan.layout import resharding, stage_params
 from hfplan.plan import GenConfig, InferConfig, Layout, Recompute, TrainConfig
 from hfplan.profiles.models import ModelArch
 from hfplan.simulator import sharding
 from hfplan.simulator.kernels import BF16, FP32
+from hfplan.spec import ResponseLengths
 
 # Mixed-precision Adam: bf16 weights (2) + fp32 gradients (4) + fp32 master weights (4) + Adam first
 # and second moments in fp32 (4 + 4).
@@ -147,6 +149,48 @@ def kv_bytes_per_token_per_gpu(arch: ModelArch, cfg: Layout, value_bytes: int = 
 
 def kv_cache_bytes(arch: ModelArch, gen: GenConfig, batch: int, seq_len: int, value_bytes: int = BF16) -> float:
     return kv_bytes_per_token_per_gpu(arch, gen, value_bytes) * seq_len * batch
+
+
+# vLLM's default KV-cache block on CUDA: 16 tokens (vLLM engine arguments, `--block-size`). A sequence's last block
+# is partly empty, on average by (block - 1) / 2 tokens.
+KV_BLOCK_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class KvSequence:
+    """KV-cache bytes per GPU of one sequence in a rollout engine. `longest`: at its longest (prompt + maximum
+    response), the least room an engine starts with (vLLM refuses a cache that cannot hold one sequence of the
+    model length). `slot`: what a continuously refilled slot holds on average. `burst`: per sequence, at the
+    fullest step of a batch started together. A reserved cache sets `longest` aside for every sequence it holds;
+    a paged one holds each sequence's tokens so far, in blocks, and frees them when it ends."""
+
+    longest: float
+    slot: float
+    burst: float
+
+    def slots(self, budget: float, sequences: int, cap: int | None = None) -> int:
+        """Sequences of a replica's `sequences` the engine holds at once in `budget` bytes per GPU (0: not one):
+        all of them when their burst fits, else as many slots as the average slot allows; at most `cap`."""
+        if budget < self.longest or sequences < 1:
+            return 0
+        held = sequences if sequences * self.burst <= budget else min(sequences - 1, int(budget // self.slot))
+        return min(held, cap) if cap else held
+
+
+NO_KV = KvSequence(0.0, 0.0, 0.0)
+
+
+def kv_sequence(arch: ModelArch, gen: GenConfig, prompt_len: int, lengths: ResponseLengths,
+                value_bytes: int = BF16) -> KvSequence:
+    per_token = kv_bytes_per_token_per_gpu(arch, gen, value_bytes)
+    if gen.kv_cache != "paged":
+        longest = per_token * (prompt_len + lengths.max_len)
+        return KvSequence(longest, longest, longest)
+    partial_block = (KV_BLOCK_TOKENS - 1) / 2
+    longest = per_token * KV_BLOCK_TOKENS * math.ceil((prompt_len + lengths.max_len) / KV_BLOCK_TOKENS)
+    # a sequence never holds more blocks than its longest takes
+    return KvSequence(longest, slot=min(longest, per_token * (prompt_len + lengths.held_by_slot + partial_block)),
+                      burst=min(longest, per_token * (lengths.peak_held(prompt_len) + partial_block)))
 
 
 def gib(nbytes: float) -> float:
