@@ -43,6 +43,20 @@ def test_generation_pays_an_engine_step_per_prefill_and_decode_step(toy_hw):
     assert paid.parts.total == pytest.approx(paid.seconds)
 
 
+def test_a_continuous_engine_pays_its_own_step_cost(toy_hw):
+    lengths = ResponseLengths(max_len=30, mean=20.0, points=((10, 0.5), (30, 0.5)))
+    both = toy_hw.model_copy(update={"runtime": Runtime(engine_step_us=50, engine_step_continuous_us=80)})
+    old = toy_hw.model_copy(update={"runtime": Runtime.model_validate({"engine_step_us": 50})})  # no such field
+    # 8 sequences through 2 slots: 4 prefills and 80 + 5 decode steps (test_static_and_continuous_batching_by_hand).
+    refilled = costs.wave_parts(both, LLAMA7, 1, 1, ONE, 2, 64, 30, lengths, "continuous", 8)
+    assert refilled["runtime"] == pytest.approx((4 + 85) * 80e-6)
+    older = costs.wave_parts(old, LLAMA7, 1, 1, ONE, 2, 64, 30, lengths, "continuous", 8)
+    assert older["runtime"] == pytest.approx((4 + 85) * 50e-6)  # a profile without the field: the static step
+    # A slot for every sequence: one static batch, 1 prefill and 25 expected steps, at the static step's cost.
+    one_batch = costs.wave_parts(both, LLAMA7, 1, 1, ONE, 2, 64, 30, lengths, "continuous", 2)
+    assert one_batch["runtime"] == pytest.approx((1 + 25) * 50e-6)
+
+
 def test_training_step_pays_a_forward_pass_per_micro_batch_chunk(toy_hw):
     cfg = TrainConfig(pp=2, micro_batch=1, virtual_stages=2)
     where = SetShape(2, 8)

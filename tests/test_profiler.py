@@ -365,8 +365,8 @@ def test_fixed_cost_is_what_the_kernels_leave_over():
 
 @pytest.mark.slow
 def test_runtime_costs_measured_on_the_executor_engine():
-    """The torch rollout engine's decode step and a forward pass of the demo model on CPU, less their modelled
-    kernels; no Ray round trip here (ray_calls=0)."""
+    """The torch rollout engine's decode step, static and continuous, and a forward pass of the demo model on
+    CPU, less their modelled kernels; no Ray round trip here (ray_calls=0)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from hfplan.plan import Layout
@@ -379,12 +379,15 @@ def test_runtime_costs_measured_on_the_executor_engine():
     fit = measure_runtime(torch, devices.probe(torch, "cpu", 1), hw, 0.02, ray_calls=0)
     assert not fit.ray and fit.runtime.controller_call_us == 0.0
     rows = {r["op"]: r for r in fit.rows}
-    assert set(rows) == {"forward_pass", "engine_step"}
+    assert set(rows) == {"forward_pass", "engine_step", "engine_step_continuous"}
     assert all(r["seconds"] > 0 for r in fit.rows)
     # The modelled kernels alone: the profile's own fixed costs are what the measurement replaces.
     kernels_only = hw.model_copy(update={"runtime": Runtime()})
     step_model = costs.decode_step_time(kernels_only, CATALOG["tiny"], Layout(), costs.SetShape(1, 1), 1,
                                         PROMPT + (SHORT + LONG) / 2)
-    assert rows["engine_step"]["predicted_s"] == pytest.approx(step_model)
+    assert rows["engine_step"]["predicted_s"] == rows["engine_step_continuous"]["predicted_s"] == pytest.approx(
+        step_model)  # both run a batch of one
     assert fit.runtime.engine_step_us == pytest.approx(max(0.0, rows["engine_step"]["seconds"] - step_model) * 1e6,
                                                        abs=0.01)
+    assert fit.runtime.engine_step_continuous_us == pytest.approx(
+        max(0.0, rows["engine_step_continuous"]["seconds"] - step_model) * 1e6, abs=0.01)

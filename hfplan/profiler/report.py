@@ -33,8 +33,10 @@ def fits_table(result: Result) -> Table:
     table.add_row("memory GB/s x efficiency",
                   f"{hw.memory.bandwidth_gbytes_per_s:g} x {hw.memory.efficiency:.3f}", fit_note)
     rt = hw.runtime
-    table.add_row("forward pass / engine step / controller call us",
-                  f"{rt.forward_pass_us:.1f} / {rt.engine_step_us:.1f} / {rt.controller_call_us:.1f}",
+    continuous_us = rt.engine_step_s("continuous") * 1e6
+    table.add_row("forward pass / engine step static, continuous / controller call us",
+                  f"{rt.forward_pass_us:.1f} / {rt.engine_step_us:.1f}, {continuous_us:.1f} / "
+                  f"{rt.controller_call_us:.1f}",
                   "measured beyond the modelled kernels" + ("" if rt.controller_call_us else "; no ray: no call"))
     table.add_row("memory capacity / reserved GiB", f"{hw.memory.capacity_gib:g} / {hw.memory.reserved_gib:g}",
                   "per device")

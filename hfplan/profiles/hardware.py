@@ -120,6 +120,16 @@ class Runtime(_Strict):
     controller_call_us: float = Field(default=0.0, ge=0, description="fixed cost of one call of the single "
                                                                      "controller to a worker group (dispatch and "
                                                                      "collect)")
+    engine_step_continuous_us: float | None = Field(
+        default=None, ge=0, description="fixed cost of one step of a continuous-batching engine (its slot "
+                                        "bookkeeping each step on top of the static step's work); None: "
+                                        "engine_step_us, as for a profile written before the field")
+
+    def engine_step_s(self, batching: str) -> float:
+        """Seconds of fixed cost per step of an engine batching `batching` (GenConfig.batching)."""
+        if batching == "continuous" and self.engine_step_continuous_us is not None:
+            return self.engine_step_continuous_us * 1e-6
+        return self.engine_step_us * 1e-6
 
 
 class HardwareProfile(_Strict):

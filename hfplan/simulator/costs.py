@@ -267,8 +267,9 @@ def inference_time(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, where
 
 
 def decode_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetShape, batch: float,
-                      context: float) -> Parts:
-    """One decode step of `batch` sequences at `context` tokens, through all pipeline stages in turn."""
+                      context: float, batching: str = "static") -> Parts:
+    """One decode step of `batch` sequences at `context` tokens, through all pipeline stages in turn, on an
+    engine batching `batching` (its fixed cost per step)."""
     layer = layer_forward(hw, arch, batch, keys_per_token=context, tp=cfg.tp, decode=True)
     head = head_forward(hw, arch, batch, cfg.tp, "lm")
     sample = memory_time(hw, FP32 * batch * arch.vocab / cfg.tp)
@@ -278,7 +279,7 @@ def decode_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: 
                  tp_comm=n * _layer_tp_comm(hw, arch, batch, cfg.tp, where) + _head_tp_comm(hw, batch, cfg.tp, where,
                                                                                             "lm"),
                  pp_comm=(cfg.pp - 1) * _p2p(hw, arch, cfg, where, batch),
-                 runtime=hw.runtime.engine_step_us * 1e-6)
+                 runtime=hw.runtime.engine_step_s(batching))
 
 
 def decode_step_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetShape, batch: float,
@@ -287,8 +288,8 @@ def decode_step_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: S
 
 
 def prefill_parts(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetShape, batch: float,
-                  prompt_len: int) -> Parts:
-    """One prefill of `batch` prompts: one step of the generation engine."""
+                  prompt_len: int, batching: str = "static") -> Parts:
+    """One prefill of `batch` prompts: one step of the generation engine (batching `batching`)."""
     tokens = batch * prompt_len
     layer = layer_forward(hw, arch, tokens, keys_per_token=(prompt_len + 1) / 2, tp=cfg.tp, seq_len=prompt_len)
     head = head_forward(hw, arch, batch, cfg.tp, "lm")  # logits of the last prompt token only
@@ -298,7 +299,7 @@ def prefill_parts(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetS
                  elementwise=n * layer.elementwise + head.elementwise + embed.elementwise,
                  tp_comm=n * _layer_tp_comm(hw, arch, tokens, cfg.tp, where),
                  pp_comm=(cfg.pp - 1) * _p2p(hw, arch, cfg, where, tokens),
-                 runtime=hw.runtime.engine_step_us * 1e-6)
+                 runtime=hw.runtime.engine_step_s(batching))
 
 
 def prefill_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetShape, batch: float,
@@ -326,15 +327,17 @@ def wave_parts(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: Se
     sequences = sequences or batch
     layout = Layout(tp=tp, pp=pp)
     if batching == "continuous" and sequences > batch:
+        engine = "continuous"
         steps = sequences * dist.mean / batch + max(0.0, dist.expected_max(batch) - dist.mean)
         context = prompt_len + dist.held_by_slot
         prefills = sequences / batch
-    else:
+    else:  # one static batch (a continuous engine with a slot for every sequence runs one too)
+        engine = "static"
         steps = dist.expected_max(batch)
         context = prompt_len + (steps - 1) / 2
         prefills = 1.0
-    return prefill_parts(hw, arch, layout, where, batch, prompt_len).times(prefills).plus(
-        decode_step_parts(hw, arch, layout, where, batch, context), times=steps)
+    return prefill_parts(hw, arch, layout, where, batch, prompt_len, engine).times(prefills).plus(
+        decode_step_parts(hw, arch, layout, where, batch, context, engine), times=steps)
 
 
 def wave_time(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, batch: int,
