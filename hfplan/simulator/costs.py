@@ -126,6 +126,21 @@ def _head_tp_comm(hw: HardwareProfile, tokens: float, tp: int, where: SetShape, 
     return LOGSOFTMAX_REDUCTIONS * coll.all_reduce(hw, tp_group(tp, where), FP32 * tokens)
 
 
+@memoized
+def _layer_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per_token: float, tp: int,
+                   decode: bool = False, seq_len: float | None = None, *, memo: CostMemo | None = None) -> LayerCost:
+    """kernels.layer_forward, memoized: it depends on neither the pipeline, the set nor the engine, so the
+    training, inference, prefill and decode costs of a search share far fewer layer shapes than calls."""
+    return layer_forward(hw, arch, tokens, keys_per_token, tp, decode, seq_len)
+
+
+@memoized
+def _head_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, tp: int, head: str, *,
+                  memo: CostMemo | None = None) -> LayerCost:
+    """kernels.head_forward, memoized as _layer_forward is."""
+    return head_forward(hw, arch, tokens, tp, head)
+
+
 @dataclass(frozen=True)
 class StagePass:
     """One micro-batch through the most loaded pipeline stage, by part (both passes have the same parts);
@@ -145,10 +160,10 @@ class StagePass:
 def stage_pass(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, micro_seqs: float,
                seq_len: int, head: str, *, memo: CostMemo | None = None) -> StagePass:
     tokens = micro_seqs * seq_len
-    layer = layer_forward(hw, arch, tokens, keys_per_token=(seq_len + 1) / 2, tp=tp, seq_len=seq_len)
+    layer = _layer_forward(hw, arch, tokens, (seq_len + 1) / 2, tp, False, seq_len, memo=memo)
     comm = _layer_tp_comm(hw, arch, tokens, tp, where)
     n_layers = math.ceil(arch.layers / pp)
-    head_cost = head_forward(hw, arch, tokens, tp, head)
+    head_cost = _head_forward(hw, arch, tokens, tp, head, memo=memo)
     head_comm = _head_tp_comm(hw, tokens, tp, where, head)
     embed = embedding_forward(hw, arch, tokens)
     # The last stage carries the head; with one stage it carries the embedding too.
@@ -267,10 +282,10 @@ def inference_time(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, where
 
 
 def decode_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetShape, batch: float,
-                      context: float) -> Parts:
+                      context: float, *, memo: CostMemo | None = None) -> Parts:
     """One decode step of `batch` sequences at `context` tokens, through all pipeline stages in turn."""
-    layer = layer_forward(hw, arch, batch, keys_per_token=context, tp=cfg.tp, decode=True)
-    head = head_forward(hw, arch, batch, cfg.tp, "lm")
+    layer = _layer_forward(hw, arch, batch, context, cfg.tp, True, memo=memo)
+    head = _head_forward(hw, arch, batch, cfg.tp, "lm", memo=memo)
     sample = memory_time(hw, FP32 * batch * arch.vocab / cfg.tp)
     n = arch.layers
     return Parts(gemm=n * layer.gemm + head.gemm, attention=n * layer.attention,
@@ -287,11 +302,11 @@ def decode_step_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: S
 
 
 def prefill_parts(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetShape, batch: float,
-                  prompt_len: int) -> Parts:
+                  prompt_len: int, *, memo: CostMemo | None = None) -> Parts:
     """One prefill of `batch` prompts: one step of the generation engine."""
     tokens = batch * prompt_len
-    layer = layer_forward(hw, arch, tokens, keys_per_token=(prompt_len + 1) / 2, tp=cfg.tp, seq_len=prompt_len)
-    head = head_forward(hw, arch, batch, cfg.tp, "lm")  # logits of the last prompt token only
+    layer = _layer_forward(hw, arch, tokens, (prompt_len + 1) / 2, cfg.tp, False, prompt_len, memo=memo)
+    head = _head_forward(hw, arch, batch, cfg.tp, "lm", memo=memo)  # logits of the last prompt token only
     embed = embedding_forward(hw, arch, tokens)
     n = arch.layers
     return Parts(gemm=n * layer.gemm + head.gemm, attention=n * layer.attention,
@@ -333,8 +348,8 @@ def wave_parts(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: Se
         steps = dist.expected_max(batch)
         context = prompt_len + (steps - 1) / 2
         prefills = 1.0
-    return prefill_parts(hw, arch, layout, where, batch, prompt_len).times(prefills).plus(
-        decode_step_parts(hw, arch, layout, where, batch, context), times=steps)
+    return prefill_parts(hw, arch, layout, where, batch, prompt_len, memo=memo).times(prefills).plus(
+        decode_step_parts(hw, arch, layout, where, batch, context, memo=memo), times=steps)
 
 
 def wave_time(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, batch: int,
