@@ -411,12 +411,26 @@ def _wave_counts(sequences: int) -> tuple[int, ...]:
     return tuple(sorted({-(-sequences // size) for size in range(1, sequences + 1)}))
 
 
+class _WaveTotals(dict):
+    """Seconds of one replica's sequences by wave count (_waves_parts' totals), each computed when first asked."""
+
+    def __init__(self, seconds: Callable[[int], float]) -> None:
+        super().__init__()
+        self._seconds = seconds
+
+    def __missing__(self, waves: int) -> float:
+        value = self[waves] = self._seconds(waves)
+        return value
+
+
 @memoized
-def _wave_total(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, sequences: int,
-                waves: int, prompt_len: int, response_len: int, lengths: ResponseLengths | None, batching: str, *,
-                memo: CostMemo | None = None) -> float:
-    return _waves_parts(hw, arch, tp, pp, where, sequences, waves, prompt_len, response_len, lengths, batching,
-                        memo).total
+def _wave_totals(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, sequences: int,
+                 prompt_len: int, response_len: int, lengths: ResponseLengths | None, batching: str, *,
+                 memo: CostMemo | None = None) -> _WaveTotals:
+    """The wave counts' seconds of one layout and engine: one memo entry for all of them, since the loops over
+    wave counts below ask for many, and a lookup keyed on every argument costs more than the arithmetic."""
+    return _WaveTotals(lambda waves: _waves_parts(hw, arch, tp, pp, where, sequences, waves, prompt_len, response_len,
+                                                  lengths, batching, memo).total)
 
 
 def _fewest_waves(sequences: int, max_batch: int) -> int:
@@ -431,12 +445,12 @@ def _best_waves(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: S
     """(parts, waves, largest batch) of the fastest way to run `sequences` with at most max_batch at once:
     static, equal waves; continuous, a batch of slots kept full (its size chosen the same way)."""
     fewest = _fewest_waves(sequences, max_batch)
+    totals = _wave_totals(hw, arch, tp, pp, where, sequences, prompt_len, response_len, lengths, batching, memo=memo)
     best_seconds, best_waves = math.inf, 0
     for waves in _wave_counts(sequences):
         if waves < fewest:
             continue
-        seconds = _wave_total(hw, arch, tp, pp, where, sequences, waves, prompt_len, response_len, lengths, batching,
-                              memo=memo)
+        seconds = totals[waves]
         if seconds < best_seconds:
             best_seconds, best_waves = seconds, waves
     parts = _waves_parts(hw, arch, tp, pp, where, sequences, best_waves, prompt_len, response_len, lengths,
@@ -453,13 +467,14 @@ def batching_never_slower(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int
     allows (every count from ceil(sequences / max_batch) up), so compare the two engines' best over each such
     range, from one sequence at a time up to `most`."""
     fewest = _fewest_waves(sequences, most)
+    args = (hw, arch, tp, pp, where, sequences, prompt_len, response_len, lengths)
+    first_totals, second_totals = (_wave_totals(*args, batching, memo=memo) for batching in (first, second))
     best_first = best_second = math.inf
     for waves in reversed(_wave_counts(sequences)):
         if waves < fewest:
             break
-        args = (hw, arch, tp, pp, where, sequences, waves, prompt_len, response_len, lengths)
-        best_first = min(best_first, _wave_total(*args, first, memo=memo))
-        best_second = min(best_second, _wave_total(*args, second, memo=memo))
+        best_first = min(best_first, first_totals[waves])
+        best_second = min(best_second, second_totals[waves])
         if best_first > best_second:
             return False
     return True
