@@ -9,7 +9,6 @@ needed: dropping it cannot lose the optimum. Everything else is kept.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -293,8 +292,11 @@ class SearchContext:
     def _seconds(self, node: Node, role: str, par: RoleParallelism, gpus: int, kv_budget: float = 0.0) -> float:
         return call_seconds(self.workload, self.hw, self.gpus_per_node, node, role, par, gpus, kv_budget, self.memo)
 
-    def _fits_alone(self, mem: RoleMemory) -> bool:
-        return mem.resident + max(mem.transient, mem.gen_extra + mem.kv_per_sequence) <= self.usable
+    def _fits_alone(self, resident: float | np.ndarray, transient: float | np.ndarray,
+                    gen_need: float | np.ndarray) -> bool | np.ndarray:
+        """Whether a role fits alone on its GPUs (arrays: each option): its resident states and the larger of its
+        largest call and what generating needs beside them (extra weights, one sequence's KV cache)."""
+        return resident + np.maximum(transient, gen_need) <= self.usable
 
     def _alone_gen(self, role: str, par: RoleParallelism, gpus: int, resident: float, extra: float) -> tuple:
         budget = self.usable - resident - extra
@@ -341,10 +343,14 @@ class SearchContext:
 
     def _options(self, role: str, gpus: int) -> list[RoleOption]:
         if self.trains(role):
-            options = [o for family in self.parts(role, gpus) for o in self._family_options(role, family)]
-        else:
-            options = self._untrained_options(role, gpus)
-        return _prune(options, self.rules)
+            return self._trained_options(role, gpus)
+        options = self._untrained_options(role, gpus)
+        if not options:
+            return options
+        kept = _undominated(np.array([o.seconds for o in options], dtype=float).reshape(len(options), -1),
+                            [(o.switch, o.memory.resident, o.memory.transient, o.memory.gen_extra) for o in options],
+                            [(o.gen_key, self.rules.facets(o.role, o.par)) for o in options])
+        return [options[i] for i in kept]
 
     def _untrained_options(self, role: str, gpus: int) -> list[RoleOption]:
         w, g = self.workload, self.gpus_per_node
@@ -363,7 +369,7 @@ class SearchContext:
         out = []
         for par in pars:
             mem = role_memory(w, role, par, self.value_bytes, self.attention)
-            if not self._fits_alone(mem):
+            if not self._fits_alone(mem.resident, mem.transient, mem.gen_extra + mem.kv_per_sequence):
                 continue
             seconds = tuple(self._seconds(n, role, par, gpus) for n in nodes)
             if role == self.generator:
@@ -499,24 +505,49 @@ class SearchContext:
             families.append(Family(resident, kept, infers, gens))
         return families
 
-    def _family_options(self, role: str, family: Family) -> list[RoleOption]:
+    def _trained_options(self, role: str, gpus: int) -> list[RoleOption]:
+        """Each family's (train, infer, gen) parts that fit alone, combined, undominated: pruned on arrays
+        before any option is built, since most combinations are dominated."""
         nodes = self.own_nodes(role)
         update_at = [k for k, n in enumerate(nodes) if n.kind == "update"]
         forward_at = [k for k, n in enumerate(nodes) if n.kind == "forward"]
+        combos: list[tuple[Family, TrainPart, InferPart, GenPart]] = []
+        blocks: list[np.ndarray] = []
+        memories: list[np.ndarray] = []
+        for family in self.parts(role, gpus):
+            trains, infers, gens = family.trains, family.infers, family.gens
+            transient = np.maximum.outer([t.transient for t in trains], [i.transient for i in infers])
+            gen_need = np.array([g.extra + g.kv_per_sequence for g in gens])
+            fits = self._fits_alone(family.resident, transient[:, :, None], gen_need)
+            t, i, g = np.nonzero(fits)  # in itertools.product order
+            if not len(t):
+                continue
+            combos.extend((family, trains[a], infers[b], gens[c]) for a, b, c in zip(t, i, g, strict=True))
+            seconds = np.zeros((len(t), len(nodes)))
+            seconds[:, update_at] = np.array([p.seconds for p in trains], dtype=float).reshape(len(trains), -1)[t]
+            seconds[:, forward_at] = np.array([p.seconds for p in infers], dtype=float).reshape(len(infers), -1)[i]
+            blocks.append(seconds)
+            memories.append(np.column_stack([[gens[c].switch for c in g], np.full(len(t), family.resident),
+                                             transient[t, i], [gens[c].extra for c in g]]))
+        if not combos:
+            return []
+
+        def par(k: int) -> RoleParallelism:
+            _, train, infer, gen = combos[k]
+            return RoleParallelism(train=train.config, infer=infer.config, gen=gen.config)
+
+        # Facets (Rules.agree) need each combination's strategy; without them none is built until it is kept.
+        facets = [self.rules.facets(role, par(k)) for k in range(len(combos))] if self.rules.agree is not None else None
+        seconds = np.concatenate(blocks)
+        keys = [(_gen_key(gen.config), facets[k] if facets is not None else ()) for k, (*_, gen) in enumerate(combos)]
+        kept = _undominated(seconds, np.concatenate(memories), keys)
         out = []
-        for train, infer, gen in itertools.product(family.trains, family.infers, family.gens):
+        for k, secs in zip(kept, seconds[kept].tolist(), strict=True):
+            family, train, infer, gen = combos[k]
             replicas = gen.config.dp if gen.config is not None else 1
             mem = RoleMemory(family.resident, max(train.transient, infer.transient), gen.extra, gen.kv_per_sequence,
                              replicas)
-            if not self._fits_alone(mem):
-                continue
-            seconds = [0.0] * len(nodes)
-            for k, secs in zip(update_at, train.seconds, strict=True):
-                seconds[k] = secs
-            for k, secs in zip(forward_at, infer.seconds, strict=True):
-                seconds[k] = secs
-            par = RoleParallelism(train=train.config, infer=infer.config, gen=gen.config)
-            out.append(RoleOption(role, par, tuple(seconds), gen.switch, mem, _gen_key(gen.config), gen.alone))
+            out.append(RoleOption(role, par(k), tuple(secs), gen.switch, mem, _gen_key(gen.config), gen.alone))
         return out
 
     # -- memory of a colocated set ------------------------------------------------------------------
@@ -700,10 +731,8 @@ def _gen_key(gen: GenConfig | None) -> tuple[int, int, int, str] | None:
     return (gen.tp, gen.pp, gen.dp, gen.batching) if gen is not None else None
 
 
-def _prune(options: list[RoleOption], rules: Rules) -> list[RoleOption]:
-    if not options:
-        return options
-    vectors = np.array([[*o.seconds, o.switch, o.memory.resident, o.memory.transient, o.memory.gen_extra]
-                        for o in options])
-    keys = [(o.gen_key, rules.facets(o.role, o.par)) for o in options]
-    return [options[i] for i in pareto(vectors, keys)]
+def _undominated(seconds: np.ndarray, memory: np.ndarray | Sequence[tuple[float, ...]], keys: Sequence[object]
+                 ) -> list[int]:
+    """Indices of the options (rows: seconds of each own call; memory: switch seconds, resident, transient and
+    generation-extra bytes) that no option with the same key is no worse than on every one of them."""
+    return pareto(np.concatenate([seconds, np.asarray(memory, dtype=float).reshape(len(seconds), 4)], axis=1), keys)
