@@ -20,6 +20,7 @@ from hfplan.layout import ROLLOUT, call_role, facts_of, generating_role, generat
 from hfplan.plan import GenConfig, InferConfig, Recompute, RoleParallelism, TrainConfig
 from hfplan.planner import space
 from hfplan.profiles.hardware import HardwareProfile
+from hfplan.profiles.models import ModelArch
 from hfplan.simulator.costs import CostMemo, SetShape, batching_never_slower
 from hfplan.simulator.mapping import (
     RoleMemory,
@@ -224,6 +225,7 @@ class SearchContext:
             self.memo = shared.memo
             self._parts, self._choices, self._floors = shared._parts, shared._choices, shared._floors
             self._fits, self._set_floors, self._fronts = shared._fits, shared._set_floors, shared._fronts
+            self._train_space = shared._train_space
 
     def clear(self) -> None:
         """Drop every cached cost, strategy, floor and fit of this search."""
@@ -234,6 +236,7 @@ class SearchContext:
         self._fits: dict[tuple, bool] = {}
         self._set_floors: dict[tuple, object] = {}  # set floors, joint choices and bound rows, by kind
         self._fronts: dict[tuple, np.ndarray] = {}
+        self._train_space: dict[tuple, list[TrainConfig]] = {}
 
     def _role_key(self, role: str, gpus: int) -> tuple:
         """Cache key of one role's strategies: the generating role's depend on the engine."""
@@ -383,6 +386,15 @@ class SearchContext:
                 out.append(RoleOption(role, par, seconds, 0.0, mem, None))
         return out
 
+    def _train_configs(self, arch: ModelArch, gpus: int) -> list[TrainConfig]:
+        """space.train_configs of a step's sequences, once per architecture (roles holding one model share them)."""
+        key = (arch, gpus)
+        if key not in self._train_space:
+            per_step = self.workload.sequences // self.workload.mini_batches
+            self._train_space[key] = space.train_configs(arch, gpus, self.gpus_per_node, per_step,
+                                                           self.rules.executable)
+        return self._train_space[key]
+
     def parts(self, role: str, gpus: int) -> list[Family]:
         """The layout families of a trained role on `gpus` GPUs, each with its pruned parts."""
         key = self._role_key(role, gpus)
@@ -404,7 +416,7 @@ class SearchContext:
         grouped: dict[tuple, list[TrainPart]] = {}
         residents: dict[tuple, float] = {}
         variants: dict[tuple, list[TrainConfig]] = {}  # configs differing only in recompute and virtual stages
-        for train in space.train_configs(arch, gpus, g, w.sequences // w.mini_batches, self.rules.executable):
+        for train in self._train_configs(arch, gpus):
             if self.rules.train_ok(role, train):
                 variants.setdefault((train.tp, train.pp, train.dp, train.shard, train.shard_group,
                                      train.micro_batch), []).append(train)
