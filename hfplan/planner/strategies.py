@@ -274,6 +274,11 @@ class SearchContext:
         """The role whose GPUs run a call (None: the controller or a rule)."""
         return call_role(self.workload, self.generator, node.role, node.op)
 
+    @cached_property
+    def runners(self) -> tuple[str | None, ...]:
+        """runs_on of every call, in node order."""
+        return tuple(self.runs_on(n) for n in self.dag.nodes)
+
     def trains(self, role: str) -> bool:
         return facts_of(self.workload, role).trains
 
