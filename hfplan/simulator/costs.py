@@ -43,31 +43,40 @@ F = TypeVar("F", bound=Callable[..., Any])
 class CostMemo:
     """Memo tables of the cost functions marked @memoized, owned by one search or one simulation and
     passed in (`memo=`): the same arguments always cost the same, so each is computed once per owner.
-    Without a memo the functions compute directly."""
+    Without a memo the functions compute directly.
+
+    Keys hold the hardware profile and the architecture (every memoized function's first two arguments) by
+    identity: hashing them field by field on every lookup cost more than many of the costs looked up. The
+    memo keeps each one it has keyed, so its id is no other object's while the memo holds entries for it."""
 
     def __init__(self) -> None:
         self.tables: dict[str, dict[tuple, Any]] = {}
+        self._keyed: dict[int, object] = {}
 
     def clear(self) -> None:
         self.tables.clear()
+        self._keyed.clear()
 
 
 def memoized(fn: F) -> F:
-    """fn(*args, memo=None, **kwargs): with a CostMemo, answer from (and fill) its table for fn."""
+    """fn(hw, arch, *args, memo=None, **kwargs): with a CostMemo, answer from (and fill) its table for fn."""
     name = fn.__name__
 
     @functools.wraps(fn)
-    def wrapper(*args, memo: CostMemo | None = None, **kwargs):
+    def wrapper(hw, arch, *args, memo: CostMemo | None = None, **kwargs):
         if memo is None:
-            return fn(*args, memo=None, **kwargs)
+            return fn(hw, arch, *args, memo=None, **kwargs)
         table = memo.tables.get(name)
         if table is None:
             table = memo.tables[name] = {}
-        key = args + tuple(sorted(kwargs.items())) if kwargs else args
+        keyed = memo._keyed
+        keyed.setdefault(id(hw), hw)
+        keyed.setdefault(id(arch), arch)
+        key = (id(hw), id(arch), *args, *sorted(kwargs.items())) if kwargs else (id(hw), id(arch), *args)
         try:
             return table[key]
         except KeyError:
-            value = table[key] = fn(*args, memo=memo, **kwargs)
+            value = table[key] = fn(hw, arch, *args, memo=memo, **kwargs)
             return value
 
     return wrapper  # type: ignore[return-value]
