@@ -420,15 +420,19 @@ def _wave_counts(sequences: int) -> tuple[int, ...]:
     return tuple(sorted({-(-sequences // size) for size in range(1, sequences + 1)}))
 
 
-class _WaveTotals(dict):
-    """Seconds of one replica's sequences by wave count (_waves_parts' totals), each computed when first asked."""
+class _WaveTotals:
+    """Seconds of one replica's sequences by wave count (_waves_parts' totals) for one layout and engine, each
+    computed when first asked. It holds no memo (a memo holds it: a cycle would outlive the search)."""
 
-    def __init__(self, seconds: Callable[[int], float]) -> None:
-        super().__init__()
-        self._seconds = seconds
+    def __init__(self, *args: Any) -> None:
+        self._args = args  # _waves_parts' arguments before and after the wave count
+        self._seconds: dict[int, float] = {}
 
-    def __missing__(self, waves: int) -> float:
-        value = self[waves] = self._seconds(waves)
+    def seconds(self, waves: int, memo: CostMemo | None) -> float:
+        value = self._seconds.get(waves)
+        if value is None:
+            hw, arch, tp, pp, where, sequences, *rest = self._args
+            value = self._seconds[waves] = _waves_parts(hw, arch, tp, pp, where, sequences, waves, *rest, memo).total
         return value
 
 
@@ -438,8 +442,7 @@ def _wave_totals(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: 
                  memo: CostMemo | None = None) -> _WaveTotals:
     """The wave counts' seconds of one layout and engine: one memo entry for all of them, since the loops over
     wave counts below ask for many, and a lookup keyed on every argument costs more than the arithmetic."""
-    return _WaveTotals(lambda waves: _waves_parts(hw, arch, tp, pp, where, sequences, waves, prompt_len, response_len,
-                                                  lengths, batching, memo).total)
+    return _WaveTotals(hw, arch, tp, pp, where, sequences, prompt_len, response_len, lengths, batching)
 
 
 def _fewest_waves(sequences: int, max_batch: int) -> int:
@@ -459,7 +462,7 @@ def _best_waves(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: S
     for waves in _wave_counts(sequences):
         if waves < fewest:
             continue
-        seconds = totals[waves]
+        seconds = totals.seconds(waves, memo)
         if seconds < best_seconds:
             best_seconds, best_waves = seconds, waves
     parts = _waves_parts(hw, arch, tp, pp, where, sequences, best_waves, prompt_len, response_len, lengths,
@@ -482,8 +485,8 @@ def batching_never_slower(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int
     for waves in reversed(_wave_counts(sequences)):
         if waves < fewest:
             break
-        best_first = min(best_first, first_totals[waves])
-        best_second = min(best_second, second_totals[waves])
+        best_first = min(best_first, first_totals.seconds(waves, memo))
+        best_second = min(best_second, second_totals.seconds(waves, memo))
         if best_first > best_second:
             return False
     return True
