@@ -11,7 +11,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from hfplan.layout import resharding, stage_params
 from hfplan.plan import GenConfig, InferConfig, Layout, Recompute, TrainConfig
@@ -38,6 +38,7 @@ LOGSOFTMAX_REDUCTIONS = 2
 
 
 F = TypeVar("F", bound=Callable[..., Any])
+_MISSING = object()  # no entry yet (None is a value)
 
 
 class CostMemo:
@@ -73,18 +74,17 @@ def memoized(fn: F) -> F:
         keyed.setdefault(id(hw), hw)
         keyed.setdefault(id(arch), arch)
         key = (id(hw), id(arch), *args, *sorted(kwargs.items())) if kwargs else (id(hw), id(arch), *args)
-        try:
-            return table[key]
-        except KeyError:
+        value = table.get(key, _MISSING)
+        if value is _MISSING:
             value = table[key] = fn(hw, arch, *args, memo=memo, **kwargs)
-            return value
+        return value
 
     return wrapper  # type: ignore[return-value]
 
 
-@dataclass(frozen=True)
-class SetShape:
-    """The shape of one placement set: its GPU count, and how many of them share one node."""
+class SetShape(NamedTuple):
+    """The shape of one placement set: its GPU count, and how many of them share one node. A named tuple:
+    every cost call makes one and every cost-table key hashes one."""
 
     gpus: int
     gpus_per_node: int
