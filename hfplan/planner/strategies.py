@@ -80,18 +80,38 @@ def pareto(vectors: np.ndarray, keys: Sequence[object] | None = None) -> list[in
         groups.setdefault(keys[i] if keys is not None else None, []).append(i)
     keep: list[int] = []
     for members in groups.values():
+        if len(members) == 1:
+            keep.extend(members)
+            continue
         sub = vectors[members]
         order = np.lexsort(sub.T[::-1])
-        sub_sorted = sub[order]
-        alive = np.ones(len(members), dtype=bool)
-        for pos in range(len(order)):
-            if not alive[pos]:
-                continue
-            later = sub_sorted[pos + 1:]
-            dominated = np.all(later >= sub_sorted[pos], axis=1)
-            alive[pos + 1:] &= ~dominated
-        keep.extend(members[order[pos]] for pos in range(len(order)) if alive[pos])
+        keep.extend(members[k] for k in order[_first_undominated(sub[order])].tolist())
     return sorted(keep)
+
+
+def _first_undominated(rows: np.ndarray, block: int = 256) -> np.ndarray:
+    """Positions of the lexicographically sorted rows that no earlier row is <= everywhere. A row <= another
+    everywhere, and not equal, sorts before it, so these are the undominated rows (a duplicate's first copy).
+    A block of rows at a time, column by column: against the rows kept so far, then within the block (a row
+    below a dropped one is below what dropped it, so any earlier row of the block may drop it)."""
+    columns = range(rows.shape[1])
+    kept = [rows[:0, c] for c in columns]
+    out = []
+    for start in range(0, len(rows), block):
+        here, at = rows[start:start + block], np.arange(start, min(start + block, len(rows)))
+        if len(kept[0]):
+            below = np.ones((len(here), len(kept[0])), dtype=bool)
+            for c in columns:
+                below &= kept[c][None, :] <= here[:, c, None]
+            alive = ~below.any(axis=1)
+            here, at = here[alive], at[alive]
+        below = np.ones((len(here), len(here)), dtype=bool)  # below[i, j]: row i <= row j everywhere
+        for c in columns:
+            below &= here[:, None, c] <= here[None, :, c]
+        alive = ~np.triu(below, 1).any(axis=0)
+        kept = [np.concatenate([kept[c], here[alive, c]]) for c in columns]
+        out.append(at[alive])
+    return np.concatenate(out)
 
 
 Facets = tuple[tuple[str, object], ...]  # (name, value) pairs that must agree across every role naming them
