@@ -770,6 +770,7 @@ def _gen_key(gen: GenConfig | None) -> tuple[int, int, int, str] | None:
 
 def _undominated(seconds: np.ndarray, memory: np.ndarray | Sequence[tuple[float, ...]], keys: Sequence[object]
                  ) -> list[int]:
-    """Indices of the options (rows: seconds of each own call; memory: switch seconds, resident, transient and
-    generation-extra bytes) that no option with the same key is no worse than on every one of them."""
+    """Indices of the options that no option with the same key dominates (pareto) on the seconds of each own
+    call (rows of `seconds`), the switch seconds and the resident, transient and generation-extra bytes (the
+    columns of `memory`): a dominated option can never be needed (module docstring)."""
     return pareto(np.concatenate([seconds, np.asarray(memory, dtype=float).reshape(len(seconds), 4)], axis=1), keys)
