@@ -32,8 +32,7 @@ class PlacementBounds:
         self.k = len(placement)
         n_nodes = len(ctx.dag.nodes)
         where = set_index(placement)
-        runners = [ctx.runs_on(n) for n in ctx.dag.nodes]
-        self.precedence = Precedence.of(ctx.dag, [ON_CONTROLLER if r is None else where[r] for r in runners])
+        self.precedence = Precedence.of(ctx.dag, [ON_CONTROLLER if r is None else where[r] for r in ctx.runners])
         self.switch_ids = ctx.switch_ids
         # rows[i, j]: floor seconds of set i's calls on sizes[j]; feasible[i, j]; switch[i, j]
         self.rows = np.zeros((self.k, len(sizes), n_nodes))

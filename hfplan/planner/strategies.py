@@ -9,7 +9,6 @@ needed: dropping it cannot lose the optimum. Everything else is kept.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from hfplan.layout import ROLLOUT, call_role, facts_of, generating_role, generat
 from hfplan.plan import GenConfig, InferConfig, Recompute, RoleParallelism, TrainConfig
 from hfplan.planner import space
 from hfplan.profiles.hardware import HardwareProfile
+from hfplan.profiles.models import ModelArch
 from hfplan.simulator.costs import CostMemo, SetShape, batching_never_slower
 from hfplan.simulator.mapping import (
     RoleMemory,
@@ -76,23 +76,60 @@ def pareto(vectors: np.ndarray, keys: Sequence[object] | None = None) -> list[in
     n = len(vectors)
     if n <= 1:
         return list(range(n))
-    groups: dict[object, list[int]] = {}
-    for i in range(n):
-        groups.setdefault(keys[i] if keys is not None else None, []).append(i)
+    groups: dict[object, list[int]] = {None: list(range(n))} if keys is None else {}
+    if keys is not None:
+        for i, key in enumerate(keys):
+            groups.setdefault(key, []).append(i)
     keep: list[int] = []
     for members in groups.values():
+        if len(members) == 1:
+            keep.extend(members)
+            continue
         sub = vectors[members]
+        rest = _not_below_minima(sub)
+        sub = sub[rest]
         order = np.lexsort(sub.T[::-1])
-        sub_sorted = sub[order]
-        alive = np.ones(len(members), dtype=bool)
-        for pos in range(len(order)):
-            if not alive[pos]:
-                continue
-            later = sub_sorted[pos + 1:]
-            dominated = np.all(later >= sub_sorted[pos], axis=1)
-            alive[pos + 1:] &= ~dominated
-        keep.extend(members[order[pos]] for pos in range(len(order)) if alive[pos])
+        keep.extend(members[k] for k in rest[order[_first_undominated(sub[order])]].tolist())
     return sorted(keep)
+
+
+def _not_below_minima(rows: np.ndarray) -> np.ndarray:
+    """Positions of the rows that no minimum row (the first holding a column's least value) is <= everywhere
+    while differing from or coming before it. The others are off the front, often nearly all rows, and dropping
+    them before the sort changes no other row's fate: whatever they are below, the minimum row is below too."""
+    firsts = np.unique(rows.argmin(axis=0))
+    below = np.ones((len(firsts), len(rows)), dtype=bool)
+    equal = np.ones((len(firsts), len(rows)), dtype=bool)
+    for c in range(rows.shape[1]):
+        below &= rows[firsts, c, None] <= rows[None, :, c]
+        equal &= rows[firsts, c, None] == rows[None, :, c]
+    return np.flatnonzero(~(below & (~equal | (firsts[:, None] < np.arange(len(rows))[None, :]))).any(axis=0))
+
+
+def _first_undominated(rows: np.ndarray, block: int = 256) -> np.ndarray:
+    """Positions of the lexicographically sorted rows that no earlier row is <= everywhere. A row <= another
+    everywhere, and not equal, sorts before it, so these are the undominated rows (a duplicate's first copy).
+    A block of rows at a time, column by column: within the block (a row below a dropped one is below what
+    dropped it, so any earlier row of the block may drop it), then every later row against the block's kept."""
+    columns = range(rows.shape[1])
+    at = np.arange(len(rows))
+    out = []
+    while len(rows):
+        here = rows[:block]
+        below = np.ones((len(here), len(here)), dtype=bool)  # below[i, j]: row i <= row j everywhere
+        for c in columns:
+            below &= here[:, None, c] <= here[None, :, c]
+        alive = ~np.triu(below, 1).any(axis=0)
+        kept, rows = here[alive], rows[block:]
+        out.append(at[:block][alive])
+        at = at[block:]
+        if len(rows):
+            dropped = np.ones((len(rows), len(kept)), dtype=bool)  # dropped[j, i]: kept row i <= row j
+            for c in columns:
+                dropped &= kept[None, :, c] <= rows[:, c, None]
+            alive = ~dropped.any(axis=1)
+            rows, at = rows[alive], at[alive]
+    return np.concatenate(out)
 
 
 Facets = tuple[tuple[str, object], ...]  # (name, value) pairs that must agree across every role naming them
@@ -226,6 +263,7 @@ class SearchContext:
             self.memo = shared.memo
             self._parts, self._choices, self._floors = shared._parts, shared._choices, shared._floors
             self._fits, self._set_floors, self._fronts = shared._fits, shared._set_floors, shared._fronts
+            self._train_space = shared._train_space
 
     def clear(self) -> None:
         """Drop every cached cost, strategy, floor and fit of this search."""
@@ -236,6 +274,7 @@ class SearchContext:
         self._fits: dict[tuple, bool] = {}
         self._set_floors: dict[tuple, object] = {}  # set floors, joint choices and bound rows, by kind
         self._fronts: dict[tuple, np.ndarray] = {}
+        self._train_space: dict[tuple, list[TrainConfig]] = {}
 
     def _role_key(self, role: str, gpus: int) -> tuple:
         """Cache key of one role's strategies: the generating role's depend on the engine."""
@@ -273,6 +312,11 @@ class SearchContext:
         """The role whose GPUs run a call (None: the controller or a rule)."""
         return call_role(self.workload, self.generator, node.role, node.op)
 
+    @cached_property
+    def runners(self) -> tuple[str | None, ...]:
+        """runs_on of every call, in node order."""
+        return tuple(self.runs_on(n) for n in self.dag.nodes)
+
     def trains(self, role: str) -> bool:
         return facts_of(self.workload, role).trains
 
@@ -294,8 +338,11 @@ class SearchContext:
     def _seconds(self, node: Node, role: str, par: RoleParallelism, gpus: int, kv_budget: float = 0.0) -> float:
         return call_seconds(self.workload, self.hw, self.gpus_per_node, node, role, par, gpus, kv_budget, self.memo)
 
-    def _fits_alone(self, mem: RoleMemory) -> bool:
-        return mem.resident + max(mem.transient, mem.gen_extra + mem.kv_per_sequence) <= self.usable
+    def _fits_alone(self, resident: float | np.ndarray, transient: float | np.ndarray,
+                    gen_need: float | np.ndarray) -> bool | np.ndarray:
+        """Whether a role fits alone on its GPUs (arrays: each option): its resident states and the larger of its
+        largest call and what generating needs beside them (extra weights, one sequence's KV cache)."""
+        return resident + np.maximum(transient, gen_need) <= self.usable
 
     def _alone_gen(self, role: str, par: RoleParallelism, gpus: int, resident: float, extra: float) -> tuple:
         budget = self.usable - resident - extra
@@ -342,10 +389,14 @@ class SearchContext:
 
     def _options(self, role: str, gpus: int) -> list[RoleOption]:
         if self.trains(role):
-            options = [o for family in self.parts(role, gpus) for o in self._family_options(role, family)]
-        else:
-            options = self._untrained_options(role, gpus)
-        return _prune(options, self.rules)
+            return self._trained_options(role, gpus)
+        options = self._untrained_options(role, gpus)
+        if not options:
+            return options
+        kept = _undominated(np.array([o.seconds for o in options], dtype=float).reshape(len(options), -1),
+                            [(o.switch, o.memory.resident, o.memory.transient, o.memory.gen_extra) for o in options],
+                            [(o.gen_key, self.rules.facets(o.role, o.par)) for o in options])
+        return [options[i] for i in kept]
 
     def _untrained_options(self, role: str, gpus: int) -> list[RoleOption]:
         w, g = self.workload, self.gpus_per_node
@@ -364,7 +415,7 @@ class SearchContext:
         out = []
         for par in pars:
             mem = role_memory(w, role, par, self.value_bytes, self.attention)
-            if not self._fits_alone(mem):
+            if not self._fits_alone(mem.resident, mem.transient, mem.gen_extra + mem.kv_per_sequence):
                 continue
             seconds = tuple(self._seconds(n, role, par, gpus) for n in nodes)
             if role == self.generator:
@@ -377,6 +428,15 @@ class SearchContext:
             else:
                 out.append(RoleOption(role, par, seconds, 0.0, mem, None))
         return out
+
+    def _train_configs(self, arch: ModelArch, gpus: int) -> list[TrainConfig]:
+        """space.train_configs of a step's sequences, once per architecture (roles holding one model share them)."""
+        key = (arch, gpus)
+        if key not in self._train_space:
+            per_step = self.workload.sequences // self.workload.mini_batches
+            self._train_space[key] = space.train_configs(arch, gpus, self.gpus_per_node, per_step,
+                                                           self.rules.executable)
+        return self._train_space[key]
 
     def parts(self, role: str, gpus: int) -> list[Family]:
         """The layout families of a trained role on `gpus` GPUs, each with its pruned parts."""
@@ -399,7 +459,7 @@ class SearchContext:
         grouped: dict[tuple, list[TrainPart]] = {}
         residents: dict[tuple, float] = {}
         variants: dict[tuple, list[TrainConfig]] = {}  # configs differing only in recompute and virtual stages
-        for train in space.train_configs(arch, gpus, g, w.sequences // w.mini_batches, self.rules.executable):
+        for train in self._train_configs(arch, gpus):
             if self.rules.train_ok(role, train):
                 variants.setdefault((train.tp, train.pp, train.dp, train.shard, train.shard_group,
                                      train.micro_batch), []).append(train)
@@ -500,23 +560,48 @@ class SearchContext:
             families.append(Family(resident, kept, infers, gens))
         return families
 
-    def _family_options(self, role: str, family: Family) -> list[RoleOption]:
+    def _trained_options(self, role: str, gpus: int) -> list[RoleOption]:
+        """Each family's (train, infer, gen) parts that fit alone, combined, undominated: pruned on arrays
+        before any option is built, since most combinations are dominated."""
         nodes = self.own_nodes(role)
         update_at = [k for k, n in enumerate(nodes) if n.kind == "update"]
         forward_at = [k for k, n in enumerate(nodes) if n.kind == "forward"]
+        combos: list[tuple[Family, TrainPart, InferPart, GenPart]] = []
+        blocks: list[np.ndarray] = []
+        memories: list[np.ndarray] = []
+        for family in self.parts(role, gpus):
+            trains, infers, gens = family.trains, family.infers, family.gens
+            transient = np.maximum.outer([t.transient for t in trains], [i.transient for i in infers])
+            gen_need = np.array([g.extra + g.kv.longest for g in gens])
+            fits = self._fits_alone(family.resident, transient[:, :, None], gen_need)
+            t, i, g = np.nonzero(fits)  # in itertools.product order
+            if not len(t):
+                continue
+            combos.extend((family, trains[a], infers[b], gens[c]) for a, b, c in zip(t, i, g, strict=True))
+            seconds = np.zeros((len(t), len(nodes)))
+            seconds[:, update_at] = np.array([p.seconds for p in trains], dtype=float).reshape(len(trains), -1)[t]
+            seconds[:, forward_at] = np.array([p.seconds for p in infers], dtype=float).reshape(len(infers), -1)[i]
+            blocks.append(seconds)
+            memories.append(np.column_stack([[gens[c].switch for c in g], np.full(len(t), family.resident),
+                                             transient[t, i], [gens[c].extra for c in g]]))
+        if not combos:
+            return []
+
+        def par(k: int) -> RoleParallelism:
+            _, train, infer, gen = combos[k]
+            return RoleParallelism(train=train.config, infer=infer.config, gen=gen.config)
+
+        # Facets (Rules.agree) need each combination's strategy; without them none is built until it is kept.
+        facets = [self.rules.facets(role, par(k)) for k in range(len(combos))] if self.rules.agree is not None else None
+        seconds = np.concatenate(blocks)
+        keys = [(_gen_key(gen.config), facets[k] if facets is not None else ()) for k, (*_, gen) in enumerate(combos)]
+        kept = _undominated(seconds, np.concatenate(memories), keys)
         out = []
-        for train, infer, gen in itertools.product(family.trains, family.infers, family.gens):
+        for k, secs in zip(kept, seconds[kept].tolist(), strict=True):
+            family, train, infer, gen = combos[k]
             replicas = gen.config.dp if gen.config is not None else 1
             mem = RoleMemory(family.resident, max(train.transient, infer.transient), gen.extra, gen.kv, replicas)
-            if not self._fits_alone(mem):
-                continue
-            seconds = [0.0] * len(nodes)
-            for k, secs in zip(update_at, train.seconds, strict=True):
-                seconds[k] = secs
-            for k, secs in zip(forward_at, infer.seconds, strict=True):
-                seconds[k] = secs
-            par = RoleParallelism(train=train.config, infer=infer.config, gen=gen.config)
-            out.append(RoleOption(role, par, tuple(seconds), gen.switch, mem, _gen_key(gen.config), gen.alone))
+            out.append(RoleOption(role, par(k), tuple(secs), gen.switch, mem, _gen_key(gen.config), gen.alone))
         return out
 
     # -- memory of a colocated set ------------------------------------------------------------------
@@ -700,10 +785,9 @@ def _gen_key(gen: GenConfig | None) -> tuple[int, int, int, str, str] | None:
     return (gen.tp, gen.pp, gen.dp, gen.batching, gen.kv_cache) if gen is not None else None
 
 
-def _prune(options: list[RoleOption], rules: Rules) -> list[RoleOption]:
-    if not options:
-        return options
-    vectors = np.array([[*o.seconds, o.switch, o.memory.resident, o.memory.transient, o.memory.gen_extra]
-                        for o in options])
-    keys = [(o.gen_key, rules.facets(o.role, o.par)) for o in options]
-    return [options[i] for i in pareto(vectors, keys)]
+def _undominated(seconds: np.ndarray, memory: np.ndarray | Sequence[tuple[float, ...]], keys: Sequence[object]
+                 ) -> list[int]:
+    """Indices of the options that no option with the same key dominates (pareto) on the seconds of each own
+    call (rows of `seconds`), the switch seconds and the resident, transient and generation-extra bytes (the
+    columns of `memory`): a dominated option can never be needed (module docstring)."""
+    return pareto(np.concatenate([seconds, np.asarray(memory, dtype=float).reshape(len(seconds), 4)], axis=1), keys)

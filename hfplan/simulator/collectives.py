@@ -15,6 +15,7 @@ once (NCCL's NVLS algorithm): n bytes each way in two steps, against the ring's 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -36,9 +37,11 @@ class Group:
         return self.size // self.per_node
 
 
+@functools.lru_cache(maxsize=1 << 12)
 def group_of(size: int, stride: int, set_gpus_per_node: int) -> Group:
     """Shape of a group of `size` ranks spaced `stride` apart in a set whose GPUs fill
-    `set_gpus_per_node` slots of each node (ranks are numbered node by node)."""
+    `set_gpus_per_node` slots of each node (ranks are numbered node by node). Cached: the cost model asks
+    for few shapes, very often (a Group is immutable)."""
     return grid_group([(size, stride)], set_gpus_per_node)
 
 

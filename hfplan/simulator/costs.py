@@ -11,7 +11,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from hfplan.layout import resharding, stage_params
 from hfplan.plan import GenConfig, InferConfig, Layout, Recompute, TrainConfig
@@ -38,44 +38,53 @@ LOGSOFTMAX_REDUCTIONS = 2
 
 
 F = TypeVar("F", bound=Callable[..., Any])
+_MISSING = object()  # no entry yet (None is a value)
 
 
 class CostMemo:
     """Memo tables of the cost functions marked @memoized, owned by one search or one simulation and
     passed in (`memo=`): the same arguments always cost the same, so each is computed once per owner.
-    Without a memo the functions compute directly."""
+    Without a memo the functions compute directly.
+
+    Keys hold the hardware profile and the architecture (every memoized function's first two arguments) by
+    identity: hashing them field by field on every lookup cost more than many of the costs looked up. The
+    memo keeps each one it has keyed, so its id is no other object's while the memo holds entries for it."""
 
     def __init__(self) -> None:
         self.tables: dict[str, dict[tuple, Any]] = {}
+        self._keyed: dict[int, object] = {}
 
     def clear(self) -> None:
         self.tables.clear()
+        self._keyed.clear()
 
 
 def memoized(fn: F) -> F:
-    """fn(*args, memo=None, **kwargs): with a CostMemo, answer from (and fill) its table for fn."""
+    """fn(hw, arch, *args, memo=None, **kwargs): with a CostMemo, answer from (and fill) its table for fn."""
     name = fn.__name__
 
     @functools.wraps(fn)
-    def wrapper(*args, memo: CostMemo | None = None, **kwargs):
+    def wrapper(hw, arch, *args, memo: CostMemo | None = None, **kwargs):
         if memo is None:
-            return fn(*args, memo=None, **kwargs)
+            return fn(hw, arch, *args, memo=None, **kwargs)
         table = memo.tables.get(name)
         if table is None:
             table = memo.tables[name] = {}
-        key = args + tuple(sorted(kwargs.items())) if kwargs else args
-        try:
-            return table[key]
-        except KeyError:
-            value = table[key] = fn(*args, memo=memo, **kwargs)
-            return value
+        keyed = memo._keyed
+        keyed.setdefault(id(hw), hw)
+        keyed.setdefault(id(arch), arch)
+        key = (id(hw), id(arch), *args, *sorted(kwargs.items())) if kwargs else (id(hw), id(arch), *args)
+        value = table.get(key, _MISSING)
+        if value is _MISSING:
+            value = table[key] = fn(hw, arch, *args, memo=memo, **kwargs)
+        return value
 
     return wrapper  # type: ignore[return-value]
 
 
-@dataclass(frozen=True)
-class SetShape:
-    """The shape of one placement set: its GPU count, and how many of them share one node."""
+class SetShape(NamedTuple):
+    """The shape of one placement set: its GPU count, and how many of them share one node. A named tuple:
+    every cost call makes one and every cost-table key hashes one."""
 
     gpus: int
     gpus_per_node: int
@@ -126,6 +135,21 @@ def _head_tp_comm(hw: HardwareProfile, tokens: float, tp: int, where: SetShape, 
     return LOGSOFTMAX_REDUCTIONS * coll.all_reduce(hw, tp_group(tp, where), FP32 * tokens)
 
 
+@memoized
+def _layer_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per_token: float, tp: int,
+                   decode: bool = False, seq_len: float | None = None, *, memo: CostMemo | None = None) -> LayerCost:
+    """kernels.layer_forward, memoized: it depends on neither the pipeline, the set nor the engine, so the
+    training, inference, prefill and decode costs of a search share far fewer layer shapes than calls."""
+    return layer_forward(hw, arch, tokens, keys_per_token, tp, decode, seq_len)
+
+
+@memoized
+def _head_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, tp: int, head: str, *,
+                  memo: CostMemo | None = None) -> LayerCost:
+    """kernels.head_forward, memoized as _layer_forward is."""
+    return head_forward(hw, arch, tokens, tp, head)
+
+
 @dataclass(frozen=True)
 class StagePass:
     """One micro-batch through the most loaded pipeline stage, by part (both passes have the same parts);
@@ -145,10 +169,10 @@ class StagePass:
 def stage_pass(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, micro_seqs: float,
                seq_len: int, head: str, *, memo: CostMemo | None = None) -> StagePass:
     tokens = micro_seqs * seq_len
-    layer = layer_forward(hw, arch, tokens, keys_per_token=(seq_len + 1) / 2, tp=tp, seq_len=seq_len)
+    layer = _layer_forward(hw, arch, tokens, (seq_len + 1) / 2, tp, False, seq_len, memo=memo)
     comm = _layer_tp_comm(hw, arch, tokens, tp, where)
     n_layers = math.ceil(arch.layers / pp)
-    head_cost = head_forward(hw, arch, tokens, tp, head)
+    head_cost = _head_forward(hw, arch, tokens, tp, head, memo=memo)
     head_comm = _head_tp_comm(hw, tokens, tp, where, head)
     embed = embedding_forward(hw, arch, tokens)
     # The last stage carries the head; with one stage it carries the embedding too.
@@ -267,11 +291,11 @@ def inference_time(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, where
 
 
 def decode_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetShape, batch: float,
-                      context: float, batching: str = "static") -> Parts:
+                      context: float, batching: str = "static", *, memo: CostMemo | None = None) -> Parts:
     """One decode step of `batch` sequences at `context` tokens, through all pipeline stages in turn, on an
     engine batching `batching` (its fixed cost per step)."""
-    layer = layer_forward(hw, arch, batch, keys_per_token=context, tp=cfg.tp, decode=True)
-    head = head_forward(hw, arch, batch, cfg.tp, "lm")
+    layer = _layer_forward(hw, arch, batch, context, cfg.tp, True, memo=memo)
+    head = _head_forward(hw, arch, batch, cfg.tp, "lm", memo=memo)
     sample = memory_time(hw, FP32 * batch * arch.vocab / cfg.tp)
     n = arch.layers
     return Parts(gemm=n * layer.gemm + head.gemm, attention=n * layer.attention,
@@ -288,11 +312,11 @@ def decode_step_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: S
 
 
 def prefill_parts(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetShape, batch: float,
-                  prompt_len: int, batching: str = "static") -> Parts:
+                  prompt_len: int, batching: str = "static", *, memo: CostMemo | None = None) -> Parts:
     """One prefill of `batch` prompts: one step of the generation engine (batching `batching`)."""
     tokens = batch * prompt_len
-    layer = layer_forward(hw, arch, tokens, keys_per_token=(prompt_len + 1) / 2, tp=cfg.tp, seq_len=prompt_len)
-    head = head_forward(hw, arch, batch, cfg.tp, "lm")  # logits of the last prompt token only
+    layer = _layer_forward(hw, arch, tokens, (prompt_len + 1) / 2, cfg.tp, False, prompt_len, memo=memo)
+    head = _head_forward(hw, arch, batch, cfg.tp, "lm", memo=memo)  # logits of the last prompt token only
     embed = embedding_forward(hw, arch, tokens)
     n = arch.layers
     return Parts(gemm=n * layer.gemm + head.gemm, attention=n * layer.attention,
@@ -336,8 +360,8 @@ def wave_parts(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: Se
         steps = dist.expected_max(batch)
         context = prompt_len + (steps - 1) / 2
         prefills = 1.0
-    return prefill_parts(hw, arch, layout, where, batch, prompt_len, engine).times(prefills).plus(
-        decode_step_parts(hw, arch, layout, where, batch, context, engine), times=steps)
+    return prefill_parts(hw, arch, layout, where, batch, prompt_len, engine, memo=memo).times(prefills).plus(
+        decode_step_parts(hw, arch, layout, where, batch, context, engine, memo=memo), times=steps)
 
 
 def wave_time(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, batch: int,
@@ -362,9 +386,8 @@ def generation_time(hw: HardwareProfile, arch: ModelArch, cfg: GenConfig, where:
     """Batched generation on cfg.dp replicas, responses of `lengths` (every one response_len when None).
     Each replica holds at most as many sequences as its KV-cache budget has room for (memory.KvSequence.slots:
     at their longest in a reserved cache, as they grow in a paged one), and no more than cfg.max_batch where the
-    plan caps its engine. A
-    static engine (cfg.batching) runs its share in equal waves, no more at once than is fastest, so more
-    memory never makes generation slower; a continuous one keeps its slots full (`wave_parts`)."""
+    plan caps its engine. A static engine (cfg.batching) runs its share in equal waves, no more at once than is
+    fastest, so more memory never makes generation slower; a continuous one keeps its slots full (`wave_parts`)."""
     per_replica = math.ceil(sequences / cfg.dp)
     kv = kv_sequence(arch, cfg, prompt_len, _lengths(response_len, lengths), hw.compute.value_bytes)
     max_batch = kv.slots(kv_budget_bytes, per_replica, cfg.max_batch)
@@ -400,12 +423,29 @@ def _wave_counts(sequences: int) -> tuple[int, ...]:
     return tuple(sorted({-(-sequences // size) for size in range(1, sequences + 1)}))
 
 
+class _WaveTotals:
+    """Seconds of one replica's sequences by wave count (_waves_parts' totals) for one layout and engine, each
+    computed when first asked. It holds no memo (a memo holds it: a cycle would outlive the search)."""
+
+    def __init__(self, *args: Any) -> None:
+        self._args = args  # _waves_parts' arguments before and after the wave count
+        self._seconds: dict[int, float] = {}
+
+    def seconds(self, waves: int, memo: CostMemo | None) -> float:
+        value = self._seconds.get(waves)
+        if value is None:
+            hw, arch, tp, pp, where, sequences, *rest = self._args
+            value = self._seconds[waves] = _waves_parts(hw, arch, tp, pp, where, sequences, waves, *rest, memo).total
+        return value
+
+
 @memoized
-def _wave_total(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, sequences: int,
-                waves: int, prompt_len: int, response_len: int, lengths: ResponseLengths | None, batching: str, *,
-                memo: CostMemo | None = None) -> float:
-    return _waves_parts(hw, arch, tp, pp, where, sequences, waves, prompt_len, response_len, lengths, batching,
-                        memo).total
+def _wave_totals(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, sequences: int,
+                 prompt_len: int, response_len: int, lengths: ResponseLengths | None, batching: str, *,
+                 memo: CostMemo | None = None) -> _WaveTotals:
+    """The wave counts' seconds of one layout and engine: one memo entry for all of them, since the loops over
+    wave counts below ask for many, and a lookup keyed on every argument costs more than the arithmetic."""
+    return _WaveTotals(hw, arch, tp, pp, where, sequences, prompt_len, response_len, lengths, batching)
 
 
 def _fewest_waves(sequences: int, max_batch: int) -> int:
@@ -420,12 +460,12 @@ def _best_waves(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: S
     """(parts, waves, largest batch) of the fastest way to run `sequences` with at most max_batch at once:
     static, equal waves; continuous, a batch of slots kept full (its size chosen the same way)."""
     fewest = _fewest_waves(sequences, max_batch)
+    totals = _wave_totals(hw, arch, tp, pp, where, sequences, prompt_len, response_len, lengths, batching, memo=memo)
     best_seconds, best_waves = math.inf, 0
     for waves in _wave_counts(sequences):
         if waves < fewest:
             continue
-        seconds = _wave_total(hw, arch, tp, pp, where, sequences, waves, prompt_len, response_len, lengths, batching,
-                              memo=memo)
+        seconds = totals.seconds(waves, memo)
         if seconds < best_seconds:
             best_seconds, best_waves = seconds, waves
     parts = _waves_parts(hw, arch, tp, pp, where, sequences, best_waves, prompt_len, response_len, lengths,
@@ -442,13 +482,14 @@ def batching_never_slower(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int
     allows (every count from ceil(sequences / max_batch) up), so compare the two engines' best over each such
     range, from one sequence at a time up to `most`."""
     fewest = _fewest_waves(sequences, most)
+    args = (hw, arch, tp, pp, where, sequences, prompt_len, response_len, lengths)
+    first_totals, second_totals = (_wave_totals(*args, batching, memo=memo) for batching in (first, second))
     best_first = best_second = math.inf
     for waves in reversed(_wave_counts(sequences)):
         if waves < fewest:
             break
-        args = (hw, arch, tp, pp, where, sequences, waves, prompt_len, response_len, lengths)
-        best_first = min(best_first, _wave_total(*args, first, memo=memo))
-        best_second = min(best_second, _wave_total(*args, second, memo=memo))
+        best_first = min(best_first, first_totals.seconds(waves, memo))
+        best_second = min(best_second, second_totals.seconds(waves, memo))
         if best_first > best_second:
             return False
     return True
