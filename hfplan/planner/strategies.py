@@ -29,7 +29,8 @@ from hfplan.simulator.mapping import (
     infer_transient,
     role_memory,
     switch_seconds,
-    train_memory,
+    train_resident,
+    train_transient,
 )
 from hfplan.simulator.memory import NO_KV, KvSequence
 from hfplan.simulator.schedule import switch_points
@@ -465,7 +466,7 @@ class SearchContext:
                                      train.micro_batch), []).append(train)
         for configs in variants.values():
             for train, resident, part in self._variant_parts(role, configs, updates, gpus):
-                key_ = (train.tp, train.pp, train.dp, train.shard)  # resident memory depends on these only
+                key_ = (train.tp, train.pp, train.dp, train.shard, train.shard_group)  # what resident depends on
                 grouped.setdefault(key_, []).append(part)
                 residents[key_] = resident
         out = []
@@ -502,6 +503,7 @@ class SearchContext:
           point-to-point and pass overhead per chunk), convex in v: once some v is no faster on a call than
           v = 1, no larger v is either, so when that holds for every call the larger counts are dominated."""
         w = self.workload
+        resident = train_resident(w, role, configs[0], self.value_bytes)  # one layout: the same for every config
         out: list[tuple[TrainConfig, float, TrainPart]] = []
         plain: dict[str, tuple[TrainPart, Facets]] = {}  # v = 1, by recompute mode
         slower: dict[str, list[bool]] = {}  # by mode: the calls on which some v > 1 was no faster than v = 1
@@ -512,7 +514,7 @@ class SearchContext:
                 mode = train.recompute
                 if mode in slower and all(slower[mode]):
                     continue
-                resident, transient = train_memory(w, role, train, self.value_bytes, self.attention)
+                transient = train_transient(w, role, train, self.value_bytes, self.attention)
                 if resident + transient > self.usable:
                     continue
                 par = RoleParallelism(train=train)

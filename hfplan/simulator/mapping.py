@@ -178,14 +178,25 @@ class RoleMemory:
         return self.kv.longest
 
 
+def train_resident(workload: Workload, role: str, train: TrainConfig, value_bytes: int) -> float:
+    """Bytes per GPU of a trained role's states: they depend on its layout (tp, pp, dp, shard, shard_group) only."""
+    return memory.train_resident_bytes(workload.arch(role), train, head_of(workload, role), value_bytes)
+
+
+def train_transient(workload: Workload, role: str, train: TrainConfig, value_bytes: int,
+                    attention: str = "flash") -> float:
+    """Bytes per GPU of one optimizer step of a trained role (activations, logits, gathered layers)."""
+    w = workload
+    return memory.train_transient_bytes(w.arch(role), train, w.sequences // w.mini_batches, w.seq_len,
+                                        head_of(w, role), value_bytes, attention)
+
+
 def train_memory(workload: Workload, role: str, train: TrainConfig, value_bytes: int,
                  attention: str = "flash") -> tuple[float, float]:
     """(resident, transient) bytes per GPU of a trained role's states and of one optimizer step.
     attention: the hardware's attention kernel (HardwareProfile.compute.attention), as below."""
-    w, arch, head = workload, workload.arch(role), head_of(workload, role)
-    return (memory.train_resident_bytes(arch, train, head, value_bytes),
-            memory.train_transient_bytes(arch, train, w.sequences // w.mini_batches, w.seq_len, head, value_bytes,
-                                         attention))
+    return (train_resident(workload, role, train, value_bytes),
+            train_transient(workload, role, train, value_bytes, attention))
 
 
 def infer_transient(workload: Workload, role: str, infer: InferConfig, train: TrainConfig | None,
