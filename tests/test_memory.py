@@ -272,6 +272,8 @@ def test_paged_kv_cache_holds_tokens_as_they_come_in_blocks(small_arch):
     assert kv.slots(per_token * 1000, sequences=8) == 6  # 1000 // 152
     assert kv.slots(per_token * 1339, sequences=8, cap=4) == 4
     assert kv.slots(per_token * 319, sequences=8) == 0  # vLLM needs room for one sequence of the model length
+    assert kv.most(per_token * 1340) == 8  # 1340 // 167.5 (a burst is the smaller here): no count holds more
+    assert kv.held(8, 8) == pytest.approx(per_token * 1340) and kv.held(6, 8) == pytest.approx(per_token * 6 * 152)
     # A sequence never holds more than its longest in blocks: a fixed length's burst is exactly its blocks.
     fixed = memory.kv_sequence(small_arch, GenConfig(batching="continuous", kv_cache="paged"), 20,
                                ResponseLengths.fixed(300))

@@ -362,7 +362,7 @@ class SearchContext:
         out = []
         for group in by_layout.values():
             room, kv = rooms[group[0]]  # batching changes neither
-            most = int(room // min(kv.slot, kv.burst)) if kv.slot > 0 else 1 << 30
+            most = kv.most(room) if kv.slot > 0 else 1 << 30
             kept: list[GenConfig] = []
             for gen in group:
                 if any(self._never_slower(k, gen, role, gpus, most) for k in kept):

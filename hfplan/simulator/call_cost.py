@@ -166,8 +166,7 @@ def _generate(hw: HardwareProfile, arch: ModelArch, req: CallRequest, where: cos
                           f"{_gib(hw.memory.usable_bytes):.1f} GiB usable)")
     kv = memory.kv_sequence(arch, gen, req.prompt_len, lengths, v)
     per_replica = -(-req.batch // req.dp)
-    kv_used = min(kv_budget, kv.burst * result.max_batch if result.max_batch >= per_replica
-                  else kv.slot * result.max_batch)
+    kv_used = min(kv_budget, kv.held(result.max_batch, per_replica))
     response_tokens = req.batch * lengths.mean
     tokens = req.batch * req.prompt_len + response_tokens
     flops = _forward_flops(arch, "lm", tokens, req.prompt_len / 2 + lengths.mean / 2)

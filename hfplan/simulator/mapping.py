@@ -255,7 +255,8 @@ def set_memory(workload: Workload, hw: HardwareProfile, index: int, roles: Seque
                       f"({memory.gib(need.kv_per_sequence):.2f} GiB) after "
                       f"{memory.gib(held + need.gen_extra):.1f} GiB of weights and states; "
                       f"{memory.gib(usable):.1f} GiB usable per GPU")
-        kv_needed = need.kv.burst * math.ceil(workload.sequences / need.gen_replicas)
+        per_replica = math.ceil(workload.sequences / need.gen_replicas)
+        kv_needed = need.kv.held(per_replica, per_replica)
         transient[f"{generator}.generate"] = need.gen_extra + min(kv_budget, kv_needed)
     peak = held + max(transient.values(), default=0.0)
     if not reason and peak > usable:

@@ -176,6 +176,15 @@ class KvSequence:
         held = sequences if sequences * self.burst <= budget else min(sequences - 1, int(budget // self.slot))
         return min(held, cap) if cap else held
 
+    def most(self, budget: float) -> int:
+        """The most sequences `budget` bytes per GPU can hold at once for any count of them (slots' bound)."""
+        return int(budget // min(self.slot, self.burst))
+
+    def held(self, batch: int, sequences: int) -> float:
+        """Bytes per GPU the engine holds running `sequences` with `batch` of them at once: a batch started
+        together at its fullest step, or refilled slots at their average."""
+        return batch * (self.burst if batch >= sequences else self.slot)
+
 
 NO_KV = KvSequence(0.0, 0.0, 0.0)
 
