@@ -53,6 +53,18 @@ def mesh_shape(layout: LayoutLike) -> tuple[int, int, int]:
     return layout.pp, layout.dp, layout.tp
 
 
+def micro_batch_sizes(sequences: int, micro_batch: int) -> tuple[int, ...]:
+    """The micro-batches a rank runs its `sequences` in at the plan's `micro_batch`: the fewest equal ones of
+    at most micro_batch sequences each (a pipeline's buffers take one shape per call), e.g. 6 at 4 as 3 + 3
+    and 5 at 2 as five of 1. The simulator costs exactly these; every engine runs them."""
+    if micro_batch < 1:
+        raise ValueError(f"micro_batch must be at least 1, got {micro_batch}")
+    if sequences < 1:
+        return ()
+    count = next(n for n in range(-(-sequences // micro_batch), sequences + 1) if sequences % n == 0)
+    return (sequences // count,) * count
+
+
 def rank_coords(layout: LayoutLike, rank: int) -> tuple[int, int, int]:
     """(pp, dp, tp) coordinates of a rank of the set."""
     if not 0 <= rank < layout.pp * layout.dp * layout.tp:

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification, Qwen2Config, Qwen2ForCausalLM
+
+from hfplan.executor.local import single_process_world
+from hfplan.executor.mesh import ParallelDims
+from hfplan.layout import LayoutLike
 
 PAD = 0
 VOCAB = 260
+
+
+def dp_mesh(world: int, shard: bool) -> DeviceMesh:
+    """A data-parallel CPU mesh of `world` ranks: fully sharded (ZeRO-3) or replicated (DDP-like)."""
+    return (ParallelDims(1, 1, world, 1) if shard else ParallelDims(1, world, 1, 1)).build("cpu")
 
 
 def llama_config(**overrides) -> LlamaConfig:
@@ -47,3 +60,21 @@ def random_sequences(batch: int, prompt_len: int, response_len: int, seed: int =
     response_mask = (torch.arange(response_len) < response_lens[:, None]).long()
     responses = torch.where(response_mask.bool(), responses, PAD)
     return prompts, responses, response_mask
+
+
+def mesh_of(layout: LayoutLike) -> DeviceMesh:
+    """A new CPU mesh of a layout (each call makes new process groups: a collective over the world)."""
+    return ParallelDims.of(layout).build("cpu")
+
+
+@contextlib.contextmanager
+def one_rank_world() -> Iterator[None]:
+    """The test process as a world of one (hfplan.executor.local.single_process_world) on one thread, as the
+    spawned ranks run: single-rank references run in process (the engines need a process group)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with single_process_world():
+            yield
+    finally:
+        torch.set_num_threads(threads)

@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from dist_harness import run_world
-from engine_models import PAD, llama_actor
+from engine_models import PAD, dp_mesh, llama_actor
 from test_engine_training import HP, LR, actor_batch, full_params
-from torch.distributed.device_mesh import init_device_mesh
 
 from hfplan.executor import checkpoint, resume
-from hfplan.executor.engines.training import FSDP_MESH_DIMS, TrainedModel
+from hfplan.executor.engines.training import RoleModel
 from hfplan.executor.export_model import export_checkpoint
 from hfplan.executor.local import single_process_world
 from hfplan.executor.models import build_model
@@ -28,16 +27,15 @@ from tests.support import assert_user_error, invoke
 PROMPTS = ["one", "two", "three"]
 
 
-def trained(model, world: int = 1, shard: bool = True, lr: float = LR) -> TrainedModel:
-    mesh = init_device_mesh("cpu", (1, world) if shard else (world, 1), mesh_dim_names=FSDP_MESH_DIMS)
-    return TrainedModel(model, mesh, lr, HP, "cpu", torch.float32, pad_id=PAD)
+def trained(model, world: int = 1, shard: bool = True, lr: float = LR) -> RoleModel:
+    return RoleModel(model, dp_mesh(world, shard), HP, "cpu", torch.float32, pad_id=PAD, lr=lr)
 
 
-def step(role: TrainedModel, batch: dict) -> None:
+def step(role: RoleModel, batch: dict) -> None:
     role.update_actor(batch, mini_batches=1, epochs=1, micro_batch=2, use_kl_loss=True)
 
 
-def optimizer_tensors(role: TrainedModel) -> dict[str, torch.Tensor]:
+def optimizer_tensors(role: RoleModel) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     state = get_optimizer_state_dict(role.module, role.optimizer, options=StateDictOptions(full_state_dict=True))

@@ -7,8 +7,8 @@ from dist_harness import run_world
 from engine_models import PAD, llama_actor
 from test_engine_training import HP, LR, _actor_loss, _global_mini_batches, actor_batch, full_params
 
-from hfplan.executor.engines.training import TrainedModel
-from hfplan.executor.mesh import fsdp_mesh_shape, training_mesh
+from hfplan.executor.engines.training import RoleModel
+from hfplan.executor.mesh import ParallelDims
 from hfplan.plan import TrainConfig
 
 WORLD, MINI_BATCHES = 4, 2
@@ -17,7 +17,8 @@ HYBRID = TrainConfig(dp=WORLD, micro_batch=1, shard="hybrid", shard_group=2)
 
 def _hsdp_actor(rank: int, world: int, data: dict) -> dict:
     local = {k: v.chunk(world)[rank] for k, v in data.items()}
-    trained = TrainedModel(llama_actor(), training_mesh(HYBRID, "cpu"), LR, HP, "cpu", torch.float32, pad_id=PAD)
+    trained = RoleModel(llama_actor(), ParallelDims.of(HYBRID).build("cpu"), HP, "cpu", torch.float32, pad_id=PAD,
+                        lr=LR)
     local_shapes = {n: tuple(p.to_local().shape) for n, p in trained.module.named_parameters()}
     metrics = trained.update_actor(local, mini_batches=MINI_BATCHES, epochs=1, micro_batch=HYBRID.micro_batch,
                                    use_kl_loss=True)
@@ -26,7 +27,7 @@ def _hsdp_actor(rank: int, world: int, data: dict) -> dict:
 
 @pytest.mark.slow
 def test_hybrid_sharded_actor_update_matches_single_process():
-    assert fsdp_mesh_shape(HYBRID) == (2, 2)
+    assert ParallelDims.of(HYBRID) == ParallelDims(pp=1, replicate=2, shard=2, tp=1)
     data = actor_batch()
     results = run_world(_hsdp_actor, WORLD, data, timeout=180)
     model = llama_actor().train()

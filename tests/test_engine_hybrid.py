@@ -3,15 +3,14 @@
 import pytest
 import torch
 from dist_harness import run_world
-from engine_models import PAD, llama_config, qwen2_actor, random_sequences
-from torch.distributed.device_mesh import init_device_mesh
+from engine_models import PAD, dp_mesh, llama_config, qwen2_actor, random_sequences
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import LlamaForCausalLM
 
 from hfplan.executor.engines import forward
-from hfplan.executor.engines.hybrid import SameLayoutHybridEngine
-from hfplan.executor.engines.training import FSDP_MESH_DIMS, TrainedModel
+from hfplan.executor.engines.hybrid import HybridEngine
+from hfplan.executor.engines.training import RoleModel
 from hfplan.hyperparams import Hyperparameters
 
 HP = Hyperparameters(entropy_coef=0.01, max_grad_norm=1.0)
@@ -39,11 +38,11 @@ def _full(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _switch(rank: int, world: int, builder: str, shard: bool) -> dict:
-    mesh = init_device_mesh("cpu", (1, world) if shard else (world, 1), mesh_dim_names=FSDP_MESH_DIMS)
+    mesh = dp_mesh(world, shard)
     make = BUILDERS[builder]
-    trained = TrainedModel(make(), mesh, 1e-3, HP, "cpu", torch.float32, pad_id=PAD)
-    plain_run = TrainedModel(make(), mesh, 1e-3, HP, "cpu", torch.float32, pad_id=PAD)
-    engine = SameLayoutHybridEngine(trained)
+    trained = RoleModel(make(), mesh, HP, "cpu", torch.float32, pad_id=PAD, lr=1e-3)
+    plain_run = RoleModel(make(), mesh, HP, "cpu", torch.float32, pad_id=PAD, lr=1e-3)
+    engine = HybridEngine(trained)
     batch = _batch(rank)
     for model in (trained, plain_run):
         model.update_actor(batch, mini_batches=1, epochs=1, micro_batch=2, use_kl_loss=False)
@@ -95,9 +94,9 @@ def test_generation_in_training_layout(builder, shard):
 
 
 def _bf16(rank: int, world: int) -> dict:
-    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=FSDP_MESH_DIMS)
-    trained = TrainedModel(qwen2_actor(), mesh, 1e-3, HP, "cpu", torch.bfloat16, pad_id=PAD, recompute="full")
-    engine = SameLayoutHybridEngine(trained)
+    mesh = dp_mesh(world, True)
+    trained = RoleModel(qwen2_actor(), mesh, HP, "cpu", torch.bfloat16, pad_id=PAD, lr=1e-3, recompute="full")
+    engine = HybridEngine(trained)
     batch = _batch(rank)
     before = _full(trained.module)
     metrics = trained.update_actor(batch, mini_batches=2, epochs=1, micro_batch=1, use_kl_loss=False)

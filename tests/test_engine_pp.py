@@ -1,26 +1,33 @@
-"""Pipeline-parallel roles on real gloo worlds (pp 2, pp 2 x dp 2, pp 2 x tp 2) against a single-process
-TrainedModel."""
+"""Pipeline-parallel roles on real gloo worlds (pp 2, pp 2 x dp 2, pp 2 x tp 2) against a single-stage
+RoleModel in the test process."""
 
 from pathlib import Path
 
 import pytest
 import torch
 from dist_harness import run_world
-from engine_models import PAD, llama_actor, llama_config, llama_critic, random_sequences
+from engine_models import (
+    PAD,
+    dp_mesh,
+    llama_actor,
+    llama_config,
+    llama_critic,
+    mesh_of,
+    one_rank_world,
+    random_sequences,
+)
 from test_engine_training import HP, LR, actor_batch, critic_batch, full_params
-from torch.distributed.device_mesh import init_device_mesh
 from transformers import LlamaForCausalLM
 
 from hfplan.executor import checkpoint
 from hfplan.executor.engines import forward
-from hfplan.executor.engines.pipeline import PipelinedModel, equal_micro_batches, pipeline_mesh
-from hfplan.executor.engines.pipeline_hybrid import PipelineHybridEngine
-from hfplan.executor.engines.pipeline_split import stage_layers, stage_of
-from hfplan.executor.engines.training import FSDP_MESH_DIMS, TrainedModel
-from hfplan.executor.mesh import tensor_parallel_mesh
+from hfplan.executor.engines.hybrid import HybridEngine
+from hfplan.executor.engines.pipeline_split import own_children, stage_layers, stage_of
+from hfplan.executor.engines.training import RoleModel
+from hfplan.executor.mesh import TP
 from hfplan.executor.rollout.base import SamplingParams
 from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
-from hfplan.layout import rank_coords
+from hfplan.layout import micro_batch_sizes, rank_coords
 from hfplan.plan import GenConfig, InferConfig, Layout, TrainConfig
 
 
@@ -35,11 +42,14 @@ def test_stage_rule_puts_the_ends_on_the_first_and_last_stage():
         stage_layers(3, 2, 0)
 
 
-def test_equal_micro_batches_never_exceed_the_plan_micro_batch():
-    assert equal_micro_batches(8, 2) == 4
-    assert equal_micro_batches(6, 4) == 2  # 3 + 3, not 4 + 2
-    assert equal_micro_batches(5, 2) == 5
-    assert equal_micro_batches(4, 8) == 1
+def test_micro_batches_are_equal_and_never_exceed_the_plan_micro_batch():
+    assert micro_batch_sizes(8, 2) == (2, 2, 2, 2)
+    assert micro_batch_sizes(6, 4) == (3, 3)  # not 4 + 2
+    assert micro_batch_sizes(5, 2) == (1,) * 5
+    assert micro_batch_sizes(4, 8) == (4,)
+    assert micro_batch_sizes(0, 2) == ()
+    with pytest.raises(ValueError, match="at least 1"):
+        micro_batch_sizes(4, 0)
 
 
 def tied_actor(seed: int = 0) -> LlamaForCausalLM:
@@ -88,13 +98,13 @@ def _pipelined(rank: int, world: int, cases: list[Case], tp: int = 1) -> list[di
     out = []
     for kind, shard, micro_batch, mini_batches, epochs, recompute in cases:
         layout = TrainConfig(pp=2, tp=tp, dp=world // (2 * tp), shard=shard)
-        model = PipelinedModel(BUILDERS[kind](), pipeline_mesh(layout, "cpu"), HP, "cpu", torch.float32,
-                               pad_id=PAD, lr=LR, recompute=recompute)
+        model = RoleModel(BUILDERS[kind](), mesh_of(layout), HP, "cpu", torch.float32,
+                          pad_id=PAD, lr=LR, recompute=recompute)
         local = {k: v.chunk(layout.dp)[_replica(rank, layout)] for k, v in _data(kind).items()}
         before = _forward(model, local, kind, micro_batch)
         metrics = _update(model, local, kind, micro_batch, mini_batches, epochs)
         weight = model.module.layers[0].mlp.up_proj.weight  # the proof that tensor parallelism is applied
-        out.append({"before": before, "metrics": metrics, "params": model.gathered(torch.float32),
+        out.append({"before": before, "metrics": metrics, "params": model.full_weights(),
                     "up_local_rows": weight.to_local().shape[0]})
     return out
 
@@ -105,7 +115,7 @@ def _in_global_order(data: dict, dp: int, mini_batches: int) -> dict:
     return {k: torch.cat([s[k].chunk(mini_batches)[i] for i in range(mini_batches) for s in shares]) for k in data}
 
 
-def _smallest_gradients(model: TrainedModel) -> dict[str, torch.Tensor]:
+def _smallest_gradients(model: RoleModel) -> dict[str, torch.Tensor]:
     """Per element, the smallest non-zero |clipped gradient| over the optimizer steps the model takes from now."""
     smallest = {n: torch.full(p.shape, float("inf")) for n, p in model.module.named_parameters()}
 
@@ -119,14 +129,14 @@ def _smallest_gradients(model: TrainedModel) -> dict[str, torch.Tensor]:
 
 
 def _references(rank: int, world: int, runs: list[tuple[int, Case]]) -> list[dict]:
-    """TrainedModel on one process: the forward over the whole batch, the update over it in the order whose
-    mini-batches are those of the pipelined run with `dp` replicas. `sensitive`: the elements whose gradient
-    came within 10 x Adam's eps (1e-8) of zero at some step (test_engine_tp's note: there a reduction-order
-    difference of 1e-10, as tensor parallelism's partial sums make, moves the update by ~1e-5)."""
+    """A single-stage RoleModel in the test process: the forward over the whole batch, the update over it in
+    the order whose mini-batches are those of the pipelined run with `dp` replicas. `sensitive`: the elements
+    whose gradient came within 10 x Adam's eps (1e-8) of zero at some step (test_engine_tp's note: there a
+    reduction-order difference of 1e-10, as tensor parallelism's partial sums make, moves the update by ~1e-5)."""
     out = []
     for dp, (kind, _, micro_batch, mini_batches, epochs, _) in runs:
-        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=FSDP_MESH_DIMS)
-        model = TrainedModel(BUILDERS[kind](), mesh, LR, HP, "cpu", torch.float32, pad_id=PAD)
+        mesh = dp_mesh(1, True)
+        model = RoleModel(BUILDERS[kind](), mesh, HP, "cpu", torch.float32, pad_id=PAD, lr=LR)
         data = _data(kind)
         before = _forward(model, data, kind, micro_batch)
         smallest = _smallest_gradients(model)
@@ -140,7 +150,8 @@ def _references(rank: int, world: int, runs: list[tuple[int, Case]]) -> list[dic
 @pytest.fixture(scope="module")
 def references() -> dict:
     runs = [(1, case) for case in PP2 + PP2_TP2] + [(2, case) for case in PP2_DP2]
-    (results,) = run_world(_references, 1, runs, timeout=120)
+    with one_rank_world():
+        results = _references(0, 1, runs)
     return dict(zip(runs, results, strict=True))
 
 
@@ -200,20 +211,20 @@ def _sequences():
 def _inference_and_generation(rank: int, world: int, tp: int) -> dict:
     """Inference-only stages (unsharded copies, split over tp), then a trained tied actor's generation module
     and greedy generation from it in a one-stage layout with the same tp (the engine cuts the gathered weights)."""
-    mesh = pipeline_mesh(InferConfig(pp=2, tp=tp), "cpu")
+    mesh = mesh_of(InferConfig(pp=2, tp=tp))
     sequence = _sequences()
-    actor = PipelinedModel(llama_actor(), mesh, HP, "cpu", torch.float32, pad_id=PAD)
-    critic = PipelinedModel(llama_critic(), mesh, HP, "cpu", torch.float32, pad_id=PAD)
+    actor = RoleModel(llama_actor(), mesh, HP, "cpu", torch.float32, pad_id=PAD)
+    critic = RoleModel(llama_critic(), mesh, HP, "cpu", torch.float32, pad_id=PAD)
     out = {"log_probs": actor.log_probs(*sequence, micro_batch=4),  # 6 sequences: 2 micro-batches of 3
            "values": critic.values(*sequence, micro_batch=2), "scores": critic.scores(*sequence, micro_batch=6),
            "trains": critic.optimizer is not None}
-    trained = PipelinedModel(tied_actor(), pipeline_mesh(TrainConfig(pp=2, tp=tp), "cpu"), HP, "cpu",
-                             torch.float32, pad_id=PAD, lr=LR)
-    hybrid = PipelineHybridEngine(trained)
+    trained = RoleModel(tied_actor(), mesh_of(TrainConfig(pp=2, tp=tp)), HP, "cpu",
+                        torch.float32, pad_id=PAD, lr=LR)
+    hybrid = HybridEngine(trained)
     generation = hybrid.enter_generation()
     out["generation"] = {n: p.detach().clone() for n, p in generation.named_parameters(remove_duplicate=False)}
     out["generation_log_probs"] = forward.token_log_probs(generation, *sequence, PAD, HP.temperature, micro_batch=6)
-    group = tensor_parallel_mesh(GenConfig(tp=tp, dp=world // tp), "cpu").get_group()
+    group = mesh_of(GenConfig(tp=tp, dp=world // tp))[TP].get_group()
     rollout = TorchRolloutEngine(generation, PAD, eos_id=-1, tp_group=group).generate(_sequences()[0], GREEDY)
     out["generated"] = rollout.responses
     hybrid.exit_generation()
@@ -245,8 +256,8 @@ def test_inference_stages_and_the_generation_module_match_the_whole_model(tp):
 
 
 def _last_stage_fails(rank: int, world: int) -> None:
-    model = PipelinedModel(llama_actor(), pipeline_mesh(TrainConfig(pp=2), "cpu"), HP, "cpu", torch.float32,
-                           pad_id=PAD, lr=LR)
+    model = RoleModel(llama_actor(), mesh_of(TrainConfig(pp=2)), HP, "cpu", torch.float32,
+                      pad_id=PAD, lr=LR)
     data = actor_batch()
     if rank == 1:  # only the last stage reads the advantages: a wrong shape fails there, not on stage 0
         data["advantages"] = data["advantages"][:, :2]
@@ -264,14 +275,14 @@ def test_a_failing_stage_is_named():
 def _checkpointed(rank: int, world: int, folder: str) -> dict:
     """A trained stage saved by every rank, then loaded into a fresh pipeline of the other model's seed."""
     layout = TrainConfig(pp=2, tp=world // 2)
-    trained = PipelinedModel(tied_actor(), pipeline_mesh(layout, "cpu"), HP, "cpu", torch.float32, pad_id=PAD, lr=LR)
+    trained = RoleModel(tied_actor(), mesh_of(layout), HP, "cpu", torch.float32, pad_id=PAD, lr=LR)
     trained.update_actor(actor_batch(), mini_batches=1, epochs=1, micro_batch=4, use_kl_loss=False)
     checkpoint.save_trained(trained, Path(folder))
-    fresh = PipelinedModel(tied_actor(seed=1), pipeline_mesh(layout, "cpu"), HP, "cpu", torch.float32, pad_id=PAD,
-                           lr=LR)
+    fresh = RoleModel(tied_actor(seed=1), mesh_of(layout), HP, "cpu", torch.float32, pad_id=PAD,
+                      lr=LR)
     checkpoint.load_trained(fresh, Path(folder))
     moments = [state["exp_avg"].full_tensor() for state in fresh.optimizer.state.values()]
-    return {"saved": trained.gathered(torch.float32), "loaded": fresh.gathered(torch.float32),
+    return {"saved": trained.full_weights(), "loaded": fresh.full_weights(),
             "moments": len(moments) and all(bool(m.abs().sum() > 0) for m in moments)}
 
 
@@ -288,3 +299,17 @@ def test_a_pipeline_checkpoint_holds_the_whole_models_names(tmp_path):
         for name, param in plain.named_parameters(remove_duplicate=False):
             torch.testing.assert_close(got["saved"][name], param, atol=0, rtol=0, msg=name)
             torch.testing.assert_close(got["loaded"][name], param, atol=0, rtol=0, msg=name)
+
+
+def test_a_stage_backbone_owns_its_registries_and_shares_the_modules():
+    """pipeline_split.own_children (public copy.deepcopy with a memo, no private registries): replacing the
+    copy's children leaves the original's, and the parameters stay the same tensors."""
+    model = llama_actor()
+    original = model.model
+    clone = own_children(original)
+    clone.layers = torch.nn.ModuleList([original.layers[1]])
+    clone.norm = torch.nn.Identity()
+    assert len(original.layers) == 2 and not isinstance(original.norm, torch.nn.Identity)
+    assert clone.embed_tokens is original.embed_tokens and clone.config is original.config
+    assert clone.layers[0].mlp.up_proj.weight is original.layers[1].mlp.up_proj.weight
+    assert dict(clone.named_buffers()).keys() == dict(original.named_buffers()).keys()

@@ -15,7 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hfplan.executor import sequences
 from hfplan.executor.engines import forward
-from hfplan.executor.engines.pipeline_split import Readout, split_model
+from hfplan.executor.engines.forward import Readout
+from hfplan.executor.engines.pipeline_split import split_model
 from hfplan.executor.engines.recompute import SELECTIVE_PREFIX, apply_recompute
 
 MODES = ("none", "selective", "full")

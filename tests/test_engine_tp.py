@@ -5,7 +5,7 @@ generation through the hybrid engine, and inference-only models with copied KV h
 import pytest
 import torch
 from dist_harness import run_world
-from engine_models import PAD, llama_actor, llama_config, llama_critic, qwen2_actor, random_sequences
+from engine_models import PAD, llama_actor, llama_config, llama_critic, mesh_of, qwen2_actor, random_sequences
 from test_engine_training import (
     HP,
     LR,
@@ -20,10 +20,9 @@ from test_engine_training import (
 from transformers import LlamaForCausalLM, LlamaForTokenClassification
 
 from hfplan.executor.engines import forward
-from hfplan.executor.engines.hybrid import SameLayoutHybridEngine
-from hfplan.executor.engines.tensor_parallel import apply_tensor_parallel
-from hfplan.executor.engines.training import TrainedModel
-from hfplan.executor.mesh import parallel_training_mesh, tensor_parallel_mesh
+from hfplan.executor.engines.hybrid import HybridEngine
+from hfplan.executor.engines.training import RoleModel
+from hfplan.executor.mesh import TP
 from hfplan.executor.rollout.base import SamplingParams
 from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
 from hfplan.plan import InferConfig, TrainConfig
@@ -54,26 +53,30 @@ def _generate(model, group=None) -> dict:
     return {"responses": rollout.responses, "log_probs": rollout.log_probs}
 
 
-def _trained(make, train: TrainConfig, recompute: str = "none") -> TrainedModel:
-    return TrainedModel(make(), parallel_training_mesh(train, "cpu"), LR, HP, "cpu", torch.float32, pad_id=PAD,
-                        recompute=recompute)
+def _trained(make, train: TrainConfig, recompute: str = "none") -> RoleModel:
+    return RoleModel(make(), mesh_of(train), HP, "cpu", torch.float32, pad_id=PAD, lr=LR, recompute=recompute)
 
 
-def _split_as_tp(trained: TrainedModel) -> list:
+def _inferring(make, mesh) -> RoleModel:
+    """An inference-only role's model, as the runtime builds it: tensor parallel, no FSDP."""
+    return RoleModel(make(), mesh, HP, "cpu", torch.float32, pad_id=PAD)
+
+
+def _split_as_tp(trained: RoleModel) -> list:
     """Local shape and mesh dims of one column-parallel weight (the proof that TP is applied)."""
     weight = trained.module.model.layers[0].self_attn.q_proj.weight
     return [list(weight.to_local().shape), list(weight.device_mesh.mesh_dim_names)]
 
 
-def _update(trained: TrainedModel, kind: str, local: dict, mini_batches: int, epochs: int, micro_batch: int):
+def _update(trained: RoleModel, kind: str, local: dict, mini_batches: int, epochs: int, micro_batch: int):
     common = dict(mini_batches=mini_batches, epochs=epochs, micro_batch=micro_batch)
     if kind == "actor":
         return trained.update_actor(local, use_kl_loss=True, **common)
     return trained.update_critic(local, "values", "returns", **common)
 
 
-def _hybrid_generation(trained: TrainedModel, group) -> dict:
-    hybrid = SameLayoutHybridEngine(trained)
+def _hybrid_generation(trained: RoleModel, group) -> dict:
+    hybrid = HybridEngine(trained)
     module = hybrid.enter_generation()
     try:
         return _generate(module, group)
@@ -90,7 +93,7 @@ def _tp2_world(rank: int, world: int, actor_data: dict, critic_data: dict) -> di
         metrics = _update(trained, "actor", actor_data, 1, 2, micro_batch)
         out["actor"].append({"metrics": metrics, "params": full_params(trained.module)})
     out["split"] = _split_as_tp(trained)
-    out["generated"] = _hybrid_generation(trained, trained.mesh["tp"].get_group())
+    out["generated"] = _hybrid_generation(trained, trained.mesh[TP].get_group())
     critic = _trained(llama_critic, train)
     metrics = _update(critic, "critic", critic_data, 1, 2, 2)
     out["critic"].append({"metrics": metrics, "params": full_params(critic.module)})
@@ -99,14 +102,13 @@ def _tp2_world(rank: int, world: int, actor_data: dict, critic_data: dict) -> di
     out["log_probs"] = _trained(llama_actor, train).log_probs(*seqs, micro_batch=3)
     out["values"] = _trained(llama_critic, train).values(*seqs, micro_batch=3)
     # Inference-only roles: tensor parallel without FSDP.
-    mesh = tensor_parallel_mesh(InferConfig(tp=2), "cpu")
-    out["ref_log_probs"] = forward.token_log_probs(apply_tensor_parallel(llama_actor().eval(), mesh), *seqs, PAD,
-                                                   HP.temperature, micro_batch=3)
-    out["scores"] = forward.sequence_scores(apply_tensor_parallel(reward_model().eval(), mesh), *seqs, PAD,
-                                            micro_batch=3)
+    mesh = mesh_of(InferConfig(tp=2))
+    out["ref_log_probs"] = _inferring(llama_actor, mesh).log_probs(*seqs, micro_batch=3)
+    out["scores"] = _inferring(reward_model, mesh).scores(*seqs, micro_batch=3)
     # Biases (Qwen2) and a tied embedding, generated from a tensor-parallel copy.
-    out["qwen2"] = _generate(apply_tensor_parallel(qwen2_actor().eval(), mesh), mesh.get_group())
-    out["tied"] = _hybrid_generation(_trained(tied_actor, train), mesh.get_group())
+    group = mesh[TP].get_group()
+    out["qwen2"] = _generate(_inferring(qwen2_actor, mesh).module, group)
+    out["tied"] = _hybrid_generation(_trained(tied_actor, train), group)
     return out
 
 
@@ -130,12 +132,12 @@ def _dp2_tp2_world(rank: int, world: int, actor_data: dict, critic_data: dict) -
     out["split"] = _split_as_tp(trained)
     out["log_probs"] = trained.log_probs(*(s.chunk(2)[replica] for s in seqs), micro_batch=2)
     # Generation at tp 4 from the tp 2 training layout (weights cut from the gathered ones; 2 KV heads: copies).
-    out["generated_tp4"] = _hybrid_generation(trained, tensor_parallel_mesh(InferConfig(tp=4), "cpu").get_group())
+    mesh = mesh_of(InferConfig(tp=4))
+    out["generated_tp4"] = _hybrid_generation(trained, mesh[TP].get_group())
     # An inference-only model at tp 4: each KV head copied twice, one per rank.
-    mesh = tensor_parallel_mesh(InferConfig(tp=4), "cpu")
-    ref = apply_tensor_parallel(llama_actor().eval(), mesh, copy_kv_heads=True)
-    out["kv_local"] = ref.model.layers[0].self_attn.k_proj.weight.to_local().shape[0]
-    out["ref_log_probs"] = forward.token_log_probs(ref, *seqs, PAD, HP.temperature, micro_batch=4)
+    ref = _inferring(llama_actor, mesh)
+    out["kv_local"] = ref.module.model.layers[0].self_attn.k_proj.weight.to_local().shape[0]
+    out["ref_log_probs"] = ref.log_probs(*seqs, micro_batch=4)
     return out
 
 

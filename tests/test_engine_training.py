@@ -3,14 +3,13 @@
 import pytest
 import torch
 from dist_harness import run_world
-from engine_models import PAD, llama_actor, llama_critic, random_sequences
-from torch.distributed.device_mesh import init_device_mesh
+from engine_models import PAD, dp_mesh, llama_actor, llama_critic, random_sequences
 from torch.distributed.tensor import DTensor
 
 from hfplan.executor import sequences
 from hfplan.executor.engines import forward
 from hfplan.executor.engines.recompute import SELECTIVE_PREFIX
-from hfplan.executor.engines.training import FSDP_MESH_DIMS, TrainedModel
+from hfplan.executor.engines.training import RoleModel
 from hfplan.hyperparams import Hyperparameters
 
 LR = 1e-3
@@ -48,11 +47,7 @@ def critic_batch(size: int = 8) -> dict[str, torch.Tensor]:
     return {"prompts": prompts, "responses": responses, "response_mask": mask, "values": values, "returns": returns}
 
 
-def _mesh(world: int, shard: bool):
-    return init_device_mesh("cpu", (1, world) if shard else (world, 1), mesh_dim_names=FSDP_MESH_DIMS)
-
-
-def _recompute(trained: TrainedModel) -> str:
+def _recompute(trained: RoleModel) -> str:
     """The recomputation the wrapped module really does (engines.recompute's marks on it)."""
     module = trained.module
     if module.is_gradient_checkpointing:
@@ -64,8 +59,8 @@ def _dp_actor(rank: int, world: int, data: dict, mini_batches: int, epochs: int)
     out = []
     local = {k: v.chunk(world)[rank] for k, v in data.items()}
     for shard, micro_batch, recompute in CONFIGS:
-        trained = TrainedModel(llama_actor(), _mesh(world, shard), LR, HP, "cpu", torch.float32, pad_id=PAD,
-                               recompute=recompute)
+        trained = RoleModel(llama_actor(), dp_mesh(world, shard), HP, "cpu", torch.float32, pad_id=PAD, lr=LR,
+                            recompute=recompute)
         metrics = trained.update_actor(local, mini_batches=mini_batches, epochs=epochs, micro_batch=micro_batch,
                                        use_kl_loss=True)
         out.append({"metrics": metrics, "params": full_params(trained.module), "recompute": _recompute(trained)})
@@ -76,8 +71,8 @@ def _dp_critic(rank: int, world: int, data: dict, mini_batches: int, epochs: int
     out = []
     local = {k: v.chunk(world)[rank] for k, v in data.items()}
     for shard, micro_batch, recompute in CONFIGS:
-        trained = TrainedModel(llama_critic(), _mesh(world, shard), LR, HP, "cpu", torch.float32, pad_id=PAD,
-                               recompute=recompute)
+        trained = RoleModel(llama_critic(), dp_mesh(world, shard), HP, "cpu", torch.float32, pad_id=PAD, lr=LR,
+                            recompute=recompute)
         metrics = trained.update_critic(local, "values", "returns", mini_batches=mini_batches, epochs=epochs,
                                         micro_batch=micro_batch)
         out.append({"metrics": metrics, "params": full_params(trained.module), "recompute": _recompute(trained)})
@@ -85,7 +80,7 @@ def _dp_critic(rank: int, world: int, data: dict, mini_batches: int, epochs: int
     return out
 
 
-def _bad_updates(trained: TrainedModel, local: dict, rank: int) -> list[str]:
+def _bad_updates(trained: RoleModel, local: dict, rank: int) -> list[str]:
     """Bad calls fail with a clear error on every rank instead of hanging in a collective."""
     errors = []
     uneven = {k: v[:2] for k, v in local.items()} if rank == 1 else local

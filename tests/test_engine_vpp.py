@@ -1,22 +1,21 @@
 """Interleaved pipeline stages (pp 2 x 2 virtual stages: 4 model stages, rank r holding stages r and r + 2) on
-real gloo worlds against a single-process TrainedModel, and the layout rule that admits them."""
+real gloo worlds against a single-stage RoleModel in the test process, and the layout rule that admits them."""
 
 from pathlib import Path
 
 import pytest
 import torch
 from dist_harness import run_world
-from engine_models import PAD, llama_config, random_sequences
+from engine_models import PAD, dp_mesh, llama_config, mesh_of, one_rank_world, random_sequences
 from test_engine_training import HP, LR, actor_batch, full_params
-from torch.distributed.device_mesh import init_device_mesh
 from transformers import LlamaForCausalLM, LlamaForTokenClassification
 
 from hfplan.executor import checkpoint
 from hfplan.executor.engines import forward
-from hfplan.executor.engines.pipeline import PipelinedModel, interleaved_takes, pipeline_mesh, schedule_class
-from hfplan.executor.engines.pipeline_hybrid import PipelineHybridEngine
+from hfplan.executor.engines.hybrid import HybridEngine
+from hfplan.executor.engines.pipeline import interleaved_takes, schedule_class
 from hfplan.executor.engines.pipeline_split import rank_stages, stage_of
-from hfplan.executor.engines.training import FSDP_MESH_DIMS, TrainedModel
+from hfplan.executor.engines.training import RoleModel
 from hfplan.layout import unsupported_layout
 from hfplan.plan import TrainConfig
 from hfplan.profiles.models import resolve_model
@@ -97,18 +96,18 @@ def _call(model, kind: str, data: dict, micro_batch: int, mini_batches: int) -> 
 def _interleaved(rank: int, world: int, cases: list[Case]) -> list[dict]:
     out = []
     for kind, size, micro_batch, mini_batches in cases:
-        model = PipelinedModel(BUILDERS[kind](), pipeline_mesh(TrainConfig(pp=2), "cpu"), HP, "cpu", torch.float32,
-                               pad_id=PAD, lr=LR, virtual_stages=V)
+        model = RoleModel(BUILDERS[kind](), mesh_of(TrainConfig(pp=2)), HP, "cpu", torch.float32,
+                          pad_id=PAD, lr=LR, virtual_stages=V)
         result = _call(model, kind, _data(kind, size), micro_batch, mini_batches)
-        out.append(result | {"params": model.gathered(torch.float32), "stages": len(model.module.stages)})
+        out.append(result | {"params": model.full_weights(), "stages": len(model.module.stages)})
     return out
 
 
 def _references(rank: int, world: int, cases: list[Case]) -> list[dict]:
     out = []
     for kind, size, micro_batch, mini_batches in cases:
-        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=FSDP_MESH_DIMS)
-        model = TrainedModel(BUILDERS[kind](), mesh, LR, HP, "cpu", torch.float32, pad_id=PAD)
+        mesh = dp_mesh(1, True)
+        model = RoleModel(BUILDERS[kind](), mesh, HP, "cpu", torch.float32, pad_id=PAD, lr=LR)
         out.append(_call(model, kind, _data(kind, size), micro_batch, mini_batches)
                    | {"params": full_params(model.module)})
     return out
@@ -116,7 +115,8 @@ def _references(rank: int, world: int, cases: list[Case]) -> list[dict]:
 
 @pytest.mark.slow
 def test_pp2_v2_steps_and_forwards_match_single_process():
-    references = run_world(_references, 1, CASES, timeout=120)[0]
+    with one_rank_world():
+        references = _references(0, 1, CASES)
     results = run_world(_interleaved, 2, CASES, timeout=180)
     for index, (kind, *_) in enumerate(CASES):
         ref = references[index]
@@ -144,22 +144,22 @@ def _inference_generation_checkpoint(rank: int, world: int, folder: str) -> dict
     model), and its checkpoint loaded into fresh pipelines of another seed, with virtual stages and without."""
     layout = TrainConfig(pp=2)
     build = dict(pad_id=PAD, lr=LR, virtual_stages=V)
-    trained = PipelinedModel(actor(tied=True), pipeline_mesh(layout, "cpu"), HP, "cpu", torch.float32, **build)
+    trained = RoleModel(actor(tied=True), mesh_of(layout), HP, "cpu", torch.float32, **build)
     out = {"log_probs": trained.log_probs(*_sequences(), micro_batch=2)}  # 3 micro-batches, breadth-first
     trained.update_actor(actor_batch(), mini_batches=1, epochs=1, micro_batch=2, use_kl_loss=False)
-    hybrid = PipelineHybridEngine(trained)
+    hybrid = HybridEngine(trained)
     generation = hybrid.enter_generation()
     out["generation"] = {n: p.detach().clone() for n, p in generation.named_parameters(remove_duplicate=False)}
     hybrid.exit_generation()
     out["trained_log_probs"] = trained.log_probs(*_sequences(), micro_batch=3)
     checkpoint.save_trained(trained, Path(folder))
-    fresh = PipelinedModel(actor(seed=1, tied=True), pipeline_mesh(layout, "cpu"), HP, "cpu", torch.float32, **build)
+    fresh = RoleModel(actor(seed=1, tied=True), mesh_of(layout), HP, "cpu", torch.float32, **build)
     checkpoint.load_trained(fresh, Path(folder))
-    out["loaded"] = fresh.gathered(torch.float32)
-    plain_stages = PipelinedModel(actor(seed=1, tied=True), pipeline_mesh(layout, "cpu"), HP, "cpu", torch.float32,
-                                  pad_id=PAD, lr=LR)  # one stage per rank: DCP reshards by the whole model's names
+    out["loaded"] = fresh.full_weights()
+    plain_stages = RoleModel(actor(seed=1, tied=True), mesh_of(layout), HP, "cpu", torch.float32,
+                             pad_id=PAD, lr=LR)  # one stage per rank: DCP reshards by the whole model's names
     checkpoint.load_trained(plain_stages, Path(folder))
-    out["loaded_one_stage_each"] = plain_stages.gathered(torch.float32)
+    out["loaded_one_stage_each"] = plain_stages.full_weights()
     out["moments"] = all(bool(s["exp_avg"].full_tensor().abs().sum() > 0) for s in fresh.optimizer.state.values())
     return out
 

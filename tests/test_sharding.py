@@ -116,11 +116,15 @@ def test_bad_shard_modes_are_refused(fields, needle):
 
 # -- executor and hybrid engine ---------------------------------------------------------------------------
 def test_executor_mesh_is_replicas_by_shard_group():
-    from hfplan.executor.mesh import fsdp_mesh_shape
+    from hfplan.executor.mesh import ParallelDims
 
-    assert fsdp_mesh_shape(_config("replicated")) == (8, 1)
-    assert fsdp_mesh_shape(_config("full")) == (1, 8)
-    assert fsdp_mesh_shape(_config("hybrid", group=2)) == (4, 2)
+    def replicas_by_shard(config):
+        dims = ParallelDims.of(config)
+        return dims.replicate, dims.shard
+
+    assert replicas_by_shard(_config("replicated")) == (8, 1)
+    assert replicas_by_shard(_config("full")) == (1, 8)
+    assert replicas_by_shard(_config("hybrid", group=2)) == (4, 2)
 
 
 def test_executor_refuses_zero1_and_zero2_and_search_leaves_them_out(small_arch):

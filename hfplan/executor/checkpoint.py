@@ -27,8 +27,6 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from hfplan.executor.engines.pipeline import PipelinedModel
-
 ROLES_FOLDER = "roles"
 RNG_FOLDER = "rng"
 METADATA_FILE = ".metadata"
@@ -114,7 +112,7 @@ def _state_dicts(trained) -> dict:
     so that stages never collide and a checkpoint loads into a plain model or another layout (another pp or
     number of virtual stages)."""
     model_state, optim_state = get_state_dict(trained.module, trained.optimizer)
-    names = trained.names if isinstance(trained, PipelinedModel) else None
+    names = trained.names
     if names is None:
         return {"model": model_state, "optim": optim_state}
     return {"model": {names[k]: v for k, v in model_state.items()},
@@ -125,7 +123,7 @@ def _state_dicts(trained) -> dict:
 
 def _stage_state_dicts(trained, state: dict) -> dict:
     """`_state_dicts`' inverse, after a load."""
-    if not isinstance(trained, PipelinedModel):
+    if trained.names is None:
         return state
     back = {hf: own for own, hf in trained.names.items()}
     optim = state["optim"]

@@ -20,13 +20,10 @@ import torch
 
 from hfplan.dataflow.ops import GENERATED
 from hfplan.dataflow.roles import RoleFacts, update_field
-from hfplan.executor.engines.forward import sequence_scores, token_log_probs, token_values
-from hfplan.executor.engines.hybrid import SameLayoutHybridEngine
-from hfplan.executor.engines.pipeline import PipelinedModel, pipeline_mesh
-from hfplan.executor.engines.pipeline_hybrid import PipelineHybridEngine
-from hfplan.executor.engines.tensor_parallel import apply_tensor_parallel
-from hfplan.executor.engines.training import TP_MESH_DIM, TrainedModel
-from hfplan.executor.mesh import parallel_training_mesh, tensor_parallel_mesh
+from hfplan.executor.engines.hybrid import HybridEngine
+from hfplan.executor.engines.training import RoleModel
+from hfplan.executor.engines.whole import WholeModel
+from hfplan.executor.mesh import TP, WorkerMeshes, compute_dtype
 from hfplan.executor.models import build_model
 from hfplan.executor.rollout.base import SamplingParams
 from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
@@ -55,15 +52,15 @@ class RoleRuntime:
     model: torch.nn.Module
     pad_id: int
     eos_id: int
-    trained: TrainedModel | None = None
+    role_model: RoleModel | None = None  # the role's model in its training layout, or its inference layout
     engine: TorchRolloutEngine | None = None
-    hybrid: SameLayoutHybridEngine | PipelineHybridEngine | None = None
+    hybrid: HybridEngine | None = None
     generator: torch.Generator | None = None
-    pipeline: PipelinedModel | None = None  # a role with pp > 1 (trained or not): this rank's stage
 
     @property
-    def forward_module(self) -> torch.nn.Module:
-        return self.trained.module if self.trained is not None else self.model
+    def trained(self) -> RoleModel | None:
+        """The role's model when the role trains (what checkpoints save)."""
+        return self.role_model if self.role_model is not None and self.role_model.trains else None
 
     def run(self, op: str, fields: dict[str, np.ndarray], options: dict, spans: list[Timed]) -> dict:
         if op == "generate":
@@ -79,26 +76,13 @@ class RoleRuntime:
         return out
 
     def _forward(self, op: str, t: dict[str, torch.Tensor]) -> torch.Tensor:
-        par = self.plan.parallelism[self.role].infer
-        sequence = (t["prompts"], t["responses"], t["response_mask"])
-        if self.pipeline is not None:
-            calls = {"log_prob": self.pipeline.log_probs, "values": self.pipeline.values, "score": self.pipeline.scores}
-            if op not in calls:
-                raise ValueError(f"role {self.role} has no operation {op!r}")
-            return calls[op](*sequence, micro_batch=par.micro_batch)
-        if self.trained is not None:  # a trained role infers in its training layout, weights gathered once
-            if op == "log_prob":
-                return self.trained.log_probs(*sequence, micro_batch=par.micro_batch)
-            if op == "values":
-                return self.trained.values(*sequence, micro_batch=par.micro_batch)
-        args = (self.model, *sequence, self.pad_id)
-        if op == "log_prob":
-            return token_log_probs(*args, temperature=self.hyper.temperature, micro_batch=par.micro_batch)
-        if op == "values":
-            return token_values(*args, micro_batch=par.micro_batch)
-        if op == "score":
-            return sequence_scores(*args, micro_batch=par.micro_batch)
-        raise ValueError(f"role {self.role} has no operation {op!r}")
+        """A forward call in the role's layout (a trained role's training layout, its weights gathered once)."""
+        model = self.role_model
+        calls = {} if model is None else {"log_prob": model.log_probs, "values": model.values, "score": model.scores}
+        if op not in calls:
+            raise ValueError(f"role {self.role} has no operation {op!r}")
+        micro_batch = self.plan.parallelism[self.role].infer.micro_batch
+        return calls[op](t["prompts"], t["responses"], t["response_mask"], micro_batch=micro_batch)
 
     def _update(self, t: dict[str, torch.Tensor]) -> dict[str, float]:
         workload, train = self.plan.workload, self.plan.parallelism[self.role].train
@@ -132,16 +116,9 @@ class RoleRuntime:
                 "response_mask": rollout.response_mask.float().cpu().numpy()}
 
     def full_weights(self, is_rank0: bool) -> dict[str, np.ndarray] | None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        if self.pipeline is not None:  # every stage's weights, gathered over the pipeline
-            state = self.pipeline.gathered(torch.float32)
-            return {name: tensor.cpu().numpy() for name, tensor in state.items()} if is_rank0 else None
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(self.forward_module, options=options)
-        if not is_rank0:
-            return None
-        return {name: tensor.float().numpy() for name, tensor in state.items()}
+        state = (self.role_model.full_weights() if self.role_model is not None
+                 else WholeModel().full_weights(self.model))
+        return {name: tensor.float().cpu().numpy() for name, tensor in state.items()} if is_rank0 else None
 
     def load_weights(self, weights: dict[str, np.ndarray]) -> None:
         state = {name: torch.from_numpy(value) for name, value in weights.items()}
@@ -158,78 +135,59 @@ def rollout_generator(device: torch.device, seed: int, gen, rank: int) -> torch.
 
 def build_runtimes(plan: Plan, hyper: Hyperparameters, set_index: int, seed: int, device_kind: str
                    ) -> dict[str, RoleRuntime]:
+    """The set's roles on this rank, over one mesh per layout (shared by the roles with the same layout)."""
     import torch.distributed as dist
 
     device = torch.device(device_kind)
     rank = dist.get_rank()
-    runtimes = {}
-    for role in plan.placement[set_index].models:
-        runtimes[role] = _build_role(role, plan, hyper, seed, device, rank)
-    return runtimes
+    meshes = WorkerMeshes(device.type)
+    return {role: _build_role(role, plan, hyper, seed, device, rank, meshes)
+            for role in plan.placement[set_index].models}
 
 
-def _build_role(role: str, plan: Plan, hyper: Hyperparameters, seed: int, device: torch.device,
-                rank: int) -> RoleRuntime:
+def _build_role(role: str, plan: Plan, hyper: Hyperparameters, seed: int, device: torch.device, rank: int,
+                meshes: WorkerMeshes) -> RoleRuntime:
+    """The role's model in its layout (a RoleModel: trained with the role's learning rate, pipelined with
+    pp > 1). The generating role also gets a rollout engine over its generation layout's tp group: with a
+    pipelined layout, built over the whole model before it is split (generation runs one stage and loads the
+    gathered weights); a trained actor reaches it through the hybrid engine."""
     facts = facts_of(plan.workload, role)
     model_ref = plan.workload.models[model_role(plan.workload, role)]
-    head = facts.head
-    on_gpu = device.type == "cuda"
     # Every role is built from the same seed: the reference starts as the actor, the critic from its backbone.
-    model = build_model(model_ref, head, seed=seed, dtype=torch.float32).to(device)
+    model = build_model(model_ref, facts.head, seed=seed, dtype=torch.float32).to(device)
     tokenizer = build_tokenizer(model_ref)
     runtime = RoleRuntime(role, facts, plan, hyper, device, model, tokenizer.pad_token_id, tokenizer.eos_token_id)
     par = plan.parallelism[role]
-    staged = par.train if facts.trains else par.infer  # None for a rollout engine, which generates only
-    if staged is not None and staged.pp > 1:
-        return _build_pipelined(runtime, par, learning_rate(role, hyper) if facts.trains else None, seed, rank)
-    if facts.trains:
-        runtime.trained = TrainedModel(model, parallel_training_mesh(par.train, device.type),
-                                       learning_rate(role, hyper), hyper, device,
-                                       torch.bfloat16 if on_gpu else torch.float32,
-                                       pad_id=tokenizer.pad_token_id, recompute=par.train.recompute)
-    else:
-        model.eval()
-        if on_gpu:
-            model.to(torch.bfloat16)
-        if par.infer is not None and par.infer.tp > 1:
-            apply_tensor_parallel(model, tensor_parallel_mesh(par.infer, device.type), copy_kv_heads=True)
-    if role == plan.generation_role:
-        gen = par.gen
-        runtime.generator = rollout_generator(device, seed, gen, rank)
-        group = None
-        if gen.tp > 1:
-            same = runtime.trained is not None and gen.tp == par.train.tp
-            group = (runtime.trained.mesh[TP_MESH_DIM] if same else tensor_parallel_mesh(gen, device.type)).get_group()
-        # The hybrid engine hands the engine its weights at each generation; a rollout set's model holds them.
-        runtime.engine = TorchRolloutEngine(None if runtime.trained is not None else model, tokenizer.pad_token_id,
-                                            tokenizer.eos_token_id, group, gen.batching, gen.max_batch)
-        if runtime.trained is not None:
-            runtime.hybrid = SameLayoutHybridEngine(runtime.trained)
-    return runtime
-
-
-def _build_pipelined(runtime: RoleRuntime, par, lr: float | None, seed: int, rank: int) -> RoleRuntime:
-    """A role with pp > 1: this rank's stage (hfplan.executor.engines.pipeline), tensor parallel over the
-    layout's tp ranks, trained when `lr` is given. A generating actor generates in a one-stage layout
-    (gen pp = 1) through the pipeline's hybrid engine, which gathers the whole weights; the rollout engine
-    cuts its own shards of them for the generation layout's tp group."""
-    device, model = runtime.device, runtime.model
-    layout = par.train if lr is not None else par.infer
-    generates = runtime.role == runtime.plan.generation_role
-    if generates:  # built over the whole model before it is split; generation loads the gathered weights
+    layout = par.train if facts.trains else par.infer  # None for a rollout engine, which generates only
+    pipelined = layout is not None and layout.pp > 1
+    generates = role == plan.generation_role
+    if generates:
         runtime.generator = rollout_generator(device, seed, par.gen, rank)
-        group = tensor_parallel_mesh(par.gen, device.type).get_group() if par.gen.tp > 1 else None
-        runtime.engine = TorchRolloutEngine(model, runtime.pad_id, runtime.eos_id, group, par.gen.batching,
-                                            par.gen.max_batch)
+    if generates and pipelined:
+        runtime.engine = _rollout_engine(runtime, model, _tp_group(meshes, par.gen))
         runtime.engine.release_weights()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    runtime.pipeline = PipelinedModel(model, pipeline_mesh(layout, device.type),
-                                      runtime.hyper, device, dtype, pad_id=runtime.pad_id, lr=lr,
-                                      recompute=par.train.recompute if lr is not None else Recompute.NONE,
-                                      virtual_stages=par.train.virtual_stages if lr is not None else 1)
-    runtime.model = runtime.pipeline.module
-    if lr is not None:
-        runtime.trained = runtime.pipeline
-        if generates:
-            runtime.hybrid = PipelineHybridEngine(runtime.pipeline)
+    if layout is not None:
+        trains = facts.trains
+        runtime.role_model = RoleModel(model, meshes.of(layout), hyper, device, compute_dtype(device),
+                                       pad_id=runtime.pad_id, lr=learning_rate(role, hyper) if trains else None,
+                                       recompute=par.train.recompute if trains else Recompute.NONE,
+                                       virtual_stages=par.train.virtual_stages if trains else 1)
+        runtime.model = runtime.role_model.module
+    trained = runtime.trained
+    if generates and not pipelined:
+        same = trained is not None and par.gen.tp == par.train.tp  # the training layout's tp group generates
+        group = trained.mesh[TP].get_group() if same and par.gen.tp > 1 else _tp_group(meshes, par.gen)
+        # The hybrid engine hands the engine its weights at each generation; a rollout set's model holds them.
+        runtime.engine = _rollout_engine(runtime, None if trained is not None else model, group)
+    if generates and trained is not None:
+        runtime.hybrid = HybridEngine(trained)
     return runtime
+
+
+def _tp_group(meshes: WorkerMeshes, gen):
+    return meshes.of(gen)[TP].get_group() if gen.tp > 1 else None
+
+
+def _rollout_engine(runtime: RoleRuntime, model: torch.nn.Module | None, group) -> TorchRolloutEngine:
+    gen = runtime.plan.parallelism[runtime.role].gen
+    return TorchRolloutEngine(model, runtime.pad_id, runtime.eos_id, group, gen.batching, gen.max_batch)

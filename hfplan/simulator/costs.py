@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
-from hfplan.layout import resharding, stage_params
+from hfplan.layout import micro_batch_sizes, resharding, stage_params
 from hfplan.plan import GenConfig, InferConfig, Layout, Recompute, TrainConfig
 from hfplan.profiles.hardware import HardwareProfile
 from hfplan.profiles.models import ModelArch
@@ -197,10 +197,9 @@ def _p2p(hw: HardwareProfile, arch: ModelArch, layout: Layout, where: SetShape, 
 
 
 def _per_rank(sequences: int, dp: int, micro_batch: int) -> tuple[int, int]:
-    """(sequences per data-parallel rank, micro-batches per rank)."""
-    seqs = math.ceil(sequences / dp)
-    micro = min(micro_batch, seqs)
-    return micro, math.ceil(seqs / micro)
+    """(sequences per micro-batch, micro-batches) of the most loaded data-parallel rank: the contract's split."""
+    sizes = micro_batch_sizes(math.ceil(sequences / dp), micro_batch)
+    return sizes[0], len(sizes)
 
 
 def _recompute_seconds(sp: StagePass, mode: Recompute) -> float:

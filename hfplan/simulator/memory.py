@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hfplan.layout import resharding, stage_params
+from hfplan.layout import micro_batch_sizes, resharding, stage_params
 from hfplan.plan import GenConfig, InferConfig, Layout, Recompute, TrainConfig
 from hfplan.profiles.models import ModelArch
 from hfplan.simulator import sharding
@@ -94,8 +94,8 @@ def train_transient_bytes(arch: ModelArch, cfg: TrainConfig, sequences_per_step:
     activations alive again (micro-batches are recomputed one at a time). Selective recomputation drops the
     saved scores and recomputes them in the backward, one layer at a time; flash attention never keeps them,
     so there it needs what none needs."""
-    micro = min(cfg.micro_batch, math.ceil(sequences_per_step / cfg.dp))
-    n_micro = math.ceil(math.ceil(sequences_per_step / cfg.dp) / micro)
+    sizes = micro_batch_sizes(math.ceil(sequences_per_step / cfg.dp), cfg.micro_batch)
+    micro, n_micro = sizes[0], len(sizes)
     tokens = micro * seq_len
     layers = math.ceil(arch.layers / cfg.pp)
     saved = value_bytes * tokens * activation_values_per_token_layer(arch, cfg.tp)

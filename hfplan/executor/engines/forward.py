@@ -10,12 +10,27 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 
 from hfplan.executor import sequences
 from hfplan.executor.engines.losses import entropy_from_logits
+from hfplan.layout import micro_batch_sizes
+
+
+@dataclass(frozen=True)
+class Readout:
+    """What a forward returns: the response tokens' log-probs (and entropies), the values before each
+    response token, or each sequence's score at its last real token."""
+
+    kind: Literal["log_probs", "values", "scores"]
+    response_len: int
+    temperature: float = 1.0
+    with_entropy: bool = False
+    entropy_grad: bool = True
 
 
 def _forward(model: nn.Module, joined: sequences.Joined, **kwargs) -> torch.Tensor:
@@ -54,16 +69,29 @@ def response_values(model: nn.Module, joined: sequences.Joined, response_len: in
     return sequences.response_predictions(per_position, joined.prompt_len, response_len).float()
 
 
+def read(model: nn.Module, readout: Readout, joined: sequences.Joined, responses: torch.Tensor):
+    """A whole model's differentiable `readout` of joined sequences (log-probs readouts: (log-probs,
+    entropy) with `with_entropy`, else log-probs; values: [B, R])."""
+    if readout.kind == "log_probs":
+        log_probs, entropy = response_log_probs(model, joined, responses, readout.temperature,
+                                                with_entropy=readout.with_entropy, entropy_grad=readout.entropy_grad)
+        return (log_probs, entropy) if readout.with_entropy else log_probs
+    if readout.kind == "values":
+        return response_values(model, joined, readout.response_len)
+    raise ValueError(f"no differentiable readout {readout.kind!r}")
+
+
 def _on_model_device(model: nn.Module, *tensors: torch.Tensor) -> list[torch.Tensor]:
     device = next(model.parameters()).device
     return [t.to(device) for t in tensors]
 
 
-def _micro_batches(size: int, micro_batch: int) -> Iterator[slice]:
-    if micro_batch < 1:
-        raise ValueError(f"micro_batch must be at least 1, got {micro_batch}")
-    for start in range(0, size, micro_batch):
-        yield slice(start, min(start + micro_batch, size))
+def micro_batches(size: int, micro_batch: int) -> Iterator[slice]:
+    """The rows of each of the contract's micro-batches (hfplan.layout.micro_batch_sizes) of `size` rows."""
+    start = 0
+    for rows in micro_batch_sizes(size, micro_batch):
+        yield slice(start, start + rows)
+        start += rows
 
 
 def _per_micro_batch(model: nn.Module, prompts: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor,
@@ -72,7 +100,7 @@ def _per_micro_batch(model: nn.Module, prompts: torch.Tensor, responses: torch.T
     """`output(joined, responses, response_mask)` of each micro-batch, on the model's device, concatenated."""
     prompts, responses, response_mask = _on_model_device(model, prompts, responses, response_mask)
     parts = []
-    for part in _micro_batches(prompts.shape[0], micro_batch):
+    for part in micro_batches(prompts.shape[0], micro_batch):
         joined = sequences.join(prompts[part], responses[part], response_mask[part], pad_id)
         parts.append(output(joined, responses[part], response_mask[part]))
     return torch.cat(parts)

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import copy
 import re
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import nn
 
 from hfplan.executor import sequences
 from hfplan.executor.engines import forward
+from hfplan.executor.engines.forward import Readout
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 HEADS = ("lm_head", "score")  # the attribute of an HF causal LM's head, and of a token classifier's
@@ -65,17 +64,6 @@ def stage_names(model: nn.Module, stages: int) -> list[list[str]]:
     for name, _ in model.named_parameters(remove_duplicate=False):
         out[stage_of(name, layers, stages)].append(name)
     return out
-
-
-@dataclass(frozen=True)
-class Readout:
-    """What the last stage returns for one call."""
-
-    kind: Literal["log_probs", "values", "scores"]
-    response_len: int
-    temperature: float = 1.0
-    with_entropy: bool = False
-    entropy_grad: bool = True
 
 
 class Stage(nn.Module):
@@ -146,19 +134,17 @@ class RankStages(nn.Module):
             stage.readout = readout
 
 
-def _own_children(module: nn.Module) -> nn.Module:
-    """A shallow copy of `module` with its own registries of children, parameters and buffers (the
-    children themselves shared): replacing a child of the copy leaves the original's in place."""
-    clone = copy.copy(module)
-    clone._modules = dict(module._modules)
-    clone._parameters = dict(module._parameters)
-    clone._buffers = dict(module._buffers)
-    clone._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
-    return clone
+def own_children(module: nn.Module) -> nn.Module:
+    """A copy of `module` sharing its children, parameters, buffers and config but with registries of its
+    own: replacing a child of the copy leaves the original's in place (a deep copy whose memo maps each of
+    those to itself, so only the containers and plain attributes are copied)."""
+    shared = [*module.children(), *module.parameters(recurse=False), *module.buffers(recurse=False),
+              getattr(module, "config", None)]
+    return copy.deepcopy(module, memo={id(item): item for item in shared if item is not None})
 
 
 def _stage(model: nn.Module, stage: int, stages: int) -> Stage:
-    config, backbone = model.config, _own_children(model.model)
+    config, backbone = model.config, own_children(model.model)
     ids = stage_layers(config.num_hidden_layers, stages, stage)
     first, last = stage == 0, stage == stages - 1
     backbone.layers = nn.ModuleList([model.model.layers[i] for i in ids])

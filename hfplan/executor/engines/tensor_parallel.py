@@ -88,7 +88,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, copy_kv_head
     """Split `model` (an HF Llama / Qwen2 / Mistral causal LM or token classifier, plain tensors) over
     the 1-D `tp_mesh` in place, as the module docstring says; returns it. tp must divide the heads,
     the MLP width, the vocabulary and the KV heads, or with `copy_kv_heads` (inference only: copies
-    would drift apart in training) be a multiple of the KV heads (hfplan.layout.unsupported_layout)."""
+    would drift apart in training) be a multiple of the KV heads: hfplan.layout.unsupported_layout's rule,
+    which the caller checks (training.check_layout)."""
     if tp_mesh.ndim != 1:
         raise ValueError(f"tensor parallelism needs a 1-D mesh, got {tp_mesh.ndim} dims")
     config = model.config
@@ -96,10 +97,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, copy_kv_head
     kv_heads = config.num_key_value_heads
     if copy_kv_heads and tp > kv_heads and tp % kv_heads == 0:
         _copy_kv_heads(model, tp // kv_heads)
-    for what, size in (("attention heads", config.num_attention_heads), ("KV heads", config.num_key_value_heads),
-                       ("MLP width", config.intermediate_size), ("vocabulary", config.vocab_size)):
-        if size % tp:
-            raise ValueError(f"tp={tp} does not divide the {size} {what} of the model")
     tied = (bool(getattr(config, "tie_word_embeddings", False)) and getattr(model, "lm_head", None) is not None
             and getattr(model.model, "embed_tokens", None) is not None)
     parallelize_module(model, tp_mesh, _plan(model))

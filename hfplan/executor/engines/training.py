@@ -1,15 +1,20 @@
-"""A trained role's engine: FSDP2 over a (replicate, shard) mesh, optionally composed with tensor
-parallelism on a third mesh dimension "tp"; AdamW; the PPO actor and critic updates.
+"""A role's model on this rank: the one engine of every role that holds a model in a layout, trained
+(actor, critic, cost critic: FSDP2, AdamW, the PPO updates) or forward-only (reference, reward, cost).
 
-The mesh decides the data-parallel flavour: (1, dp) shards parameters, gradients and optimizer
-states (ZeRO-3), (dp, 1) keeps them replicated and all-reduces gradients (DDP-like). With a "tp"
-dimension of size > 1 the model is first split by `tensor_parallel.apply_tensor_parallel` over it,
-then FSDP2 shards the resulting DTensors over the data-parallel dims (2-D / 3-D parallelism); the
-ranks of one tensor-parallel group receive the same batch share. Every rank must pass identical
-initial weights. Each update receives this rank's shard of the global batch;
-`mini_batches` is the number of optimizer steps per epoch, the same on every rank. The losses are
-token means over a whole mini-batch on all ranks (see `losses`), so FSDP's gradient reduction sums
-instead of averaging and a step equals the single-process step on the full mini-batch.
+The layout's mesh (hfplan.executor.mesh: (pp, replicate, shard, tp)) decides everything:
+- tp > 1: the whole model is first split by `tensor_parallel.apply_tensor_parallel` over the tp dim
+  (forward-only models may copy KV heads; trained ones never: copies would drift apart);
+- pp > 1: the model runs as pipeline stages (`pipeline.PipelineStages`), else whole (`whole.WholeModel`);
+  the mode is the engine's `stages`, the only part that differs;
+- trained: FSDP2 over the (replicate, shard) dims: (1, dp) shards parameters, gradients and optimizer
+  states (ZeRO-3), (dp, 1) keeps them replicated and all-reduces gradients (DDP-like); the ranks of one
+  tensor-parallel group (and of one pipeline) receive the same batch share.
+
+Every rank must pass identical initial weights. Each update receives this rank's share of the global
+batch; `mini_batches` is the number of optimizer steps per epoch, the same on every rank, each step
+accumulated over the contract's micro-batches (hfplan.layout.micro_batch_sizes). The losses are token
+means over a whole mini-batch on all ranks (see `losses`), so FSDP's gradient reduction sums instead of
+averaging and a step equals the single-process step on the full mini-batch.
 """
 
 from __future__ import annotations
@@ -17,46 +22,50 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from hfplan.executor import sequences
-from hfplan.executor.engines import forward, losses
+from hfplan.executor.engines import losses
+from hfplan.executor.engines.forward import Readout
+from hfplan.executor.engines.modules import fsdp_modules, plain_class
+from hfplan.executor.engines.pipeline import PipelineStages
 from hfplan.executor.engines.recompute import apply_recompute
+from hfplan.executor.engines.stages import Batch, Objective, Stages
 from hfplan.executor.engines.tensor_parallel import apply_tensor_parallel
+from hfplan.executor.engines.whole import WholeModel
+from hfplan.executor.mesh import DP_DIMS, TP, ParallelDims, parallel_dims
 from hfplan.hyperparams import Hyperparameters
+from hfplan.layout import micro_batch_sizes, unsupported_layout
 from hfplan.plan import Recompute
+from hfplan.profiles.models import ModelArch
 
 logger = logging.getLogger(__name__)
 
-FSDP_MESH_DIMS = ("replicate", "shard")
-TP_MESH_DIM = "tp"
-Batch = dict[str, torch.Tensor]
-# A micro-batch's loss function: (micro-batch, mini-batch token count) -> (loss, stats to sum).
-MicroLoss = Callable[[Batch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+class _Layout(NamedTuple):
+    """What hfplan.layout.unsupported_layout reads of a layout."""
+
+    pp: int
+    dp: int
+    tp: int
+    virtual_stages: int
 
 
-def plain_class(module: nn.Module) -> type[nn.Module]:
-    """A module's own class, under the FSDP subclass that `fully_shard` swaps in."""
-    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks, by the class names HF lists as never to be split across devices."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if plain_class(m).__name__ in names]
-    if not layers:
-        raise ValueError(f"{type(model).__name__}: no decoder layers found (by _no_split_modules {sorted(names)})")
-    return layers
-
-
-def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+def check_layout(config, trains: bool, dims: ParallelDims, virtual_stages: int) -> None:
+    """The contract's rule (hfplan.layout.unsupported_layout) for an HF config on a mesh; raises with its reason."""
+    arch = ModelArch(name=getattr(config, "name_or_path", "") or config.model_type,
+                     layers=config.num_hidden_layers, hidden=config.hidden_size, heads=config.num_attention_heads,
+                     kv_heads=config.num_key_value_heads, ffn=config.intermediate_size, vocab=config.vocab_size,
+                     head_dim=getattr(config, "head_dim", None))
+    problem = unsupported_layout(arch, "train" if trains else "infer",
+                                 _Layout(dims.pp, dims.dp, dims.tp, virtual_stages))
+    if problem:
+        raise ValueError(problem)
 
 
 def _split(size: int, parts: int, what: str) -> list[slice]:
@@ -66,60 +75,66 @@ def _split(size: int, parts: int, what: str) -> list[slice]:
     return [slice(i * step, (i + 1) * step) for i in range(parts)]
 
 
-def _chunks(size: int, micro_batch: int) -> list[slice]:
-    if micro_batch < 1:
-        raise ValueError(f"micro_batch must be at least 1, got {micro_batch}")
-    return [slice(s, min(s + micro_batch, size)) for s in range(0, size, micro_batch)]
+class _Step(NamedTuple):
+    stats: dict[str, torch.Tensor]  # summed over the mini-batch on this rank (last stage; empty elsewhere)
+    grad_norm: float
 
 
-class TrainedModel:
-    """One trained role (actor, critic, cost critic) on this rank: the FSDP2-wrapped module and its optimizer."""
+class RoleModel:
+    """One role's model on this rank: `.module` (the HF model, or with pp > 1 this rank's RankStages) and
+    `.optimizer` (None when it only infers; `lr` None). Every rank of the layout makes the same calls."""
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh, lr: float, hp: Hyperparameters,
-                 device: torch.device | str, param_dtype: torch.dtype, *, pad_id: int,
-                 recompute: Recompute | str = Recompute.NONE) -> None:
-        names = tuple(mesh.mesh_dim_names or ())
-        if names not in (FSDP_MESH_DIMS, (*FSDP_MESH_DIMS, TP_MESH_DIM)):
-            raise ValueError(f"training mesh dims must be {FSDP_MESH_DIMS}, optionally followed by "
-                             f"{TP_MESH_DIM!r}; got {names}")
-        self.mesh, self.hp, self.pad_id = mesh, hp, pad_id
-        self.device = torch.device(device)
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, hp: Hyperparameters, device: torch.device | str,
+                 param_dtype: torch.dtype, *, pad_id: int, lr: float | None = None,
+                 recompute: Recompute | str = Recompute.NONE, virtual_stages: int = 1) -> None:
+        self.mesh, self.dims, self.hp, self.pad_id = mesh, parallel_dims(mesh), hp, pad_id
+        self.device, self.param_dtype, self.trains = torch.device(device), param_dtype, lr is not None
         if mesh.device_type != self.device.type:
-            raise ValueError(f"training mesh is on {mesh.device_type} but the device is {self.device}")
-        # Master weights in fp32; fully_shard moves each group to the mesh's device as it shards it,
-        # so a model built on the CPU never needs its full size on the accelerator. Dropout off: the
-        # losses compare against log-probs and values computed without it.
-        model.to(dtype=torch.float32)
+            raise ValueError(f"mesh is on {mesh.device_type} but the device is {self.device}")
+        check_layout(model.config, self.trains, self.dims, virtual_stages)
+        self.hf_class, self.config = plain_class(model), model.config
+        # Trained: master weights in fp32; fully_shard moves each group to the mesh's device as it shards it,
+        # so a model built on the CPU never needs its full size on the accelerator. Dropout off: the losses
+        # compare against log-probs and values computed without it.
+        model.to(dtype=torch.float32 if self.trains else param_dtype)
         for module in model.modules():
             if isinstance(module, nn.Dropout):
                 module.p = 0.0
-        apply_recompute(model, recompute)
-        self.tp = mesh.size(names.index(TP_MESH_DIM)) if TP_MESH_DIM in names else 1
-        if self.tp > 1:
-            apply_tensor_parallel(model, mesh[TP_MESH_DIM])
-        dp_mesh = mesh[FSDP_MESH_DIMS] if TP_MESH_DIM in names else mesh
+        if self.trains:
+            apply_recompute(model, recompute)
+        if self.dims.tp > 1:
+            apply_tensor_parallel(model, mesh[TP], copy_kv_heads=not self.trains)
+        self.stages: Stages = (PipelineStages(mesh, self.device, param_dtype, self.trains, virtual_stages)
+                               if self.dims.pp > 1 else WholeModel())
+        self.module = self.stages.split(model, self.device)
+        self.names = self.stages.names  # this rank's parameter names -> the HF model's (None: the same)
+        self.layers = self.stages.layers(self.module)
+        self.optimizer: torch.optim.Optimizer | None = None
+        if not self.trains:
+            self.module.to(self.device).eval().requires_grad_(False)
+            return
+        dp_mesh = mesh[DP_DIMS]
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-        self.layers = decoder_layers(model)
         for layer in self.layers:
             fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
-        fully_shard(model, mesh=dp_mesh, mp_policy=policy)
-        for module in fsdp_modules(model):  # sum the gradients (plain SUM collectives, gloo has no PREMUL_SUM)
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
-        self.module = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=hp.weight_decay)
+        for root in self.stages.roots(self.module):
+            fully_shard(root, mesh=dp_mesh, mp_policy=policy)
+        for fsdp in fsdp_modules(self.module):  # sum the gradients (plain SUM collectives, gloo has no PREMUL_SUM)
+            fsdp.set_gradient_divide_factor(1.0)
+            fsdp.set_force_sum_reduction_for_comms(True)
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr, weight_decay=hp.weight_decay)
         self.module.train()
 
-    # Collectives over every data-parallel rank (both FSDP mesh dims; tensor-parallel peers hold the same batch).
-    def _all_reduce(self, tensor: torch.Tensor, op=torch.distributed.ReduceOp.SUM) -> torch.Tensor:
-        for name in FSDP_MESH_DIMS:
+    # Collectives over every data-parallel rank (tensor-parallel peers and pipeline stages hold the same batch).
+    def _dp_all_reduce(self, tensor: torch.Tensor, op=torch.distributed.ReduceOp.SUM) -> torch.Tensor:
+        for name in DP_DIMS:
             if self.mesh[name].size() > 1:
                 torch.distributed.all_reduce(tensor, op=op, group=self.mesh.get_group(name))
         return tensor
 
     def _check_same_size(self, size: int) -> None:
         """Every rank must run the same number of micro-batches, or FSDP's collectives would hang."""
-        bounds = self._all_reduce(torch.tensor([size, -size], device=self.device), torch.distributed.ReduceOp.MAX)
+        bounds = self._dp_all_reduce(torch.tensor([size, -size], device=self.device), torch.distributed.ReduceOp.MAX)
         if bounds.tolist() != [size, -size]:
             raise ValueError(f"data-parallel ranks hold different batch sizes (this rank {size}, "
                              f"largest {bounds[0].item()}, smallest {-bounds[1].item()})")
@@ -139,7 +154,7 @@ class TrainedModel:
 
     def reshard(self) -> None:
         """Free the full weights; back to FSDP's training settings (decoder layers reshard after forward,
-        the root keeps its weights for the backward that follows)."""
+        the roots keep their weights for the backward that follows)."""
         layers = {id(layer) for layer in self.layers}
         for module in fsdp_modules(self.module):
             module.reshard()
@@ -147,64 +162,77 @@ class TrainedModel:
 
     @contextlib.contextmanager
     def inference(self) -> Iterator[nn.Module]:
-        """The wrapped module in eval mode without grad, its weights gathered once for all micro-batches."""
+        """The module in eval mode without grad, a trained one's weights gathered once for all micro-batches."""
         self.module.eval()
-        self.unshard()
+        if self.trains:
+            self.unshard()
         try:
             with torch.no_grad():
                 yield self.module
         finally:
-            self.reshard()
-            self.module.train()
+            if self.trains:
+                self.reshard()
+                self.module.train()
+
+    def _forward(self, readout: Readout, prompts: torch.Tensor, responses: torch.Tensor,
+                 response_mask: torch.Tensor, micro_batch: int) -> torch.Tensor:
+        with self.stages.named(readout.kind), self.inference() as module:
+            return self.stages.forward(module, readout, prompts, responses, response_mask, micro_batch, self.pad_id)
 
     def log_probs(self, prompts: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor, *,
                   micro_batch: int) -> torch.Tensor:
-        """The actor's log-probs of the response tokens at the sampling temperature, [B, R] float32."""
-        with self.inference() as module:
-            return forward.token_log_probs(module, prompts, responses, response_mask, self.pad_id,
-                                           self.hp.temperature, micro_batch=micro_batch)
+        """The response tokens' log-probs at the sampling temperature, [B, R] float32, 0 where masked."""
+        readout = Readout("log_probs", responses.shape[1], self.hp.temperature)
+        return self._forward(readout, prompts, responses, response_mask, micro_batch)
 
     def values(self, prompts: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor, *,
                micro_batch: int) -> torch.Tensor:
-        """A critic's values of the response tokens, [B, R] float32."""
-        with self.inference() as module:
-            return forward.token_values(module, prompts, responses, response_mask, self.pad_id,
-                                        micro_batch=micro_batch)
+        """A critic's values before each response token, [B, R] float32, 0 where masked."""
+        return self._forward(Readout("values", responses.shape[1]), prompts, responses, response_mask, micro_batch)
+
+    def scores(self, prompts: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor, *,
+               micro_batch: int) -> torch.Tensor:
+        """A reward or cost model's score of each sequence at its last real token, [B] float32."""
+        return self._forward(Readout("scores", responses.shape[1]), prompts, responses, response_mask, micro_batch)
 
     # Training.
-    def _step(self, batch: Batch, micro_batch: int, micro_loss: MicroLoss) -> dict[str, float]:
+    def _step(self, batch: Batch, micro_batch: int, readout: Readout, objective: Objective) -> _Step:
         """One optimizer step over a mini-batch (this rank's part), accumulated over micro-batches."""
-        mask = batch["response_mask"]
-        tokens = self._all_reduce(mask.sum().to(torch.float32)).clamp(min=1.0)
+        tokens = self._dp_all_reduce(batch["response_mask"].sum().to(torch.float32)).clamp(min=1.0)
         self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, torch.Tensor] = {}
-        for part in _chunks(mask.shape[0], micro_batch):
-            loss, stats = micro_loss({k: v[part] for k, v in batch.items()}, tokens)
-            loss.backward()
-            for name, value in stats.items():
-                totals[name] = totals.get(name, 0.0) + value.detach().to(torch.float32)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.hp.max_grad_norm)
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
-        grad_norm = float(grad_norm)
+        stats = self.stages.accumulate(self.module, batch, micro_batch, readout, objective, tokens, self.pad_id)
+        grad_norm = self.stages.clip_grad_norm(self.module, self.hp.max_grad_norm)
         if math.isfinite(grad_norm):
             self.optimizer.step()
         else:
             logger.warning("non-finite gradient norm (%s): optimizer step skipped", grad_norm)
-        names = list(totals)
-        summed = self._all_reduce(torch.stack([totals[n] for n in names])).tolist() if names else []
-        return dict(zip(names, summed, strict=True)) | {"grad_norm": grad_norm}
+        return _Step(stats, grad_norm)
 
-    def _train(self, batch: Batch, *, mini_batches: int, epochs: int, micro_batch: int,
-               micro_loss: MicroLoss) -> dict[str, float]:
+    def _metrics(self, steps: list[_Step]) -> dict[str, float]:
+        """Each statistic summed over the data-parallel ranks, then averaged over the steps; the mean gradient norm."""
+        names = self.stages.names_from_last(list(steps[0].stats))
+        table = torch.zeros((len(steps), len(names)), dtype=torch.float32, device=self.device)
+        if self.stages.last and names:
+            table = self._dp_all_reduce(torch.stack([torch.stack([s.stats[n].to(self.device) for n in names])
+                                                     for s in steps]))
+        columns = self.stages.from_last(table).T.tolist()
+        means = [sum(column) / len(steps) for column in columns]
+        return dict(zip(names, means, strict=True)) | {"grad_norm": sum(s.grad_norm for s in steps) / len(steps)}
+
+    def _train(self, batch: Batch, keys: tuple[str, ...], *, mini_batches: int, epochs: int, micro_batch: int,
+               readout: Readout, objective: Objective) -> dict[str, float]:
+        if not self.trains:
+            raise RuntimeError("this role only infers")
+        batch = self._to_device(batch, keys)
         size = batch["response_mask"].shape[0]
         self._check_same_size(size)
         parts = _split(size, mini_batches, "mini_batches")
-        _chunks(size, micro_batch)  # validates micro_batch before any collective
+        micro_batch_sizes(size, micro_batch)  # validates micro_batch before any collective
         self.module.train()
-        steps = [self._step({k: v[part] for k, v in batch.items()}, micro_batch, micro_loss)
-                 for _ in range(epochs) for part in parts]
-        return {name: sum(s[name] for s in steps) / len(steps) for name in steps[0]}
+        with self.stages.named("an update"):
+            steps = [self._step({k: v[part] for k, v in batch.items()}, micro_batch, readout, objective)
+                     for _ in range(epochs) for part in parts]
+        return self._metrics(steps)
 
     def update_actor(self, batch: Batch, *, mini_batches: int, epochs: int, micro_batch: int,
                      use_kl_loss: bool) -> dict[str, float]:
@@ -212,19 +240,18 @@ class TrainedModel:
 
         Metrics, averaged over the optimizer steps: policy_loss, entropy, approx_kl (to the old
         policy), clip_frac, kl (to the reference, with use_kl_loss), grad_norm, lr."""
-        keys = (*("prompts", "responses", "response_mask", "old_log_probs", "advantages"),
+        keys = ("prompts", "responses", "response_mask", "old_log_probs", "advantages",
                 *(("ref_log_probs",) if use_kl_loss else ()))
-        batch = self._to_device(batch, keys)
         hp = self.hp
+        readout = Readout("log_probs", batch["responses"].shape[1], hp.temperature, with_entropy=True,
+                          entropy_grad=hp.entropy_coef > 0)
 
-        def micro_loss(mb: Batch, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            joined = sequences.join(mb["prompts"], mb["responses"], mb["response_mask"], self.pad_id)
-            log_probs, entropy = forward.response_log_probs(self.module, joined, mb["responses"], hp.temperature,
-                                                            with_entropy=True, entropy_grad=hp.entropy_coef > 0)
+        def objective(output, mb: Batch, tokens: torch.Tensor) -> losses.Objective:
+            log_probs, entropy = output
             return losses.actor_objective(log_probs, entropy, mb, tokens, hp, use_kl_loss)
 
-        metrics = self._train(batch, mini_batches=mini_batches, epochs=epochs, micro_batch=micro_batch,
-                              micro_loss=micro_loss)
+        metrics = self._train(batch, keys, mini_batches=mini_batches, epochs=epochs, micro_batch=micro_batch,
+                              readout=readout, objective=objective)
         return metrics | {"lr": self.optimizer.param_groups[0]["lr"]}
 
     def update_critic(self, batch: Batch, value_key: str, return_key: str, *, mini_batches: int, epochs: int,
@@ -232,14 +259,23 @@ class TrainedModel:
         """Clipped value regression of the values toward the returns.
 
         Metrics, averaged over the optimizer steps: value_loss, value_clip_frac, grad_norm."""
-        batch = self._to_device(batch, ("prompts", "responses", "response_mask", value_key, return_key))
+        keys = ("prompts", "responses", "response_mask", value_key, return_key)
         hp = self.hp
 
-        def micro_loss(mb: Batch, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            mask = mb["response_mask"]
-            joined = sequences.join(mb["prompts"], mb["responses"], mask, self.pad_id)
-            values = forward.response_values(self.module, joined, mask.shape[1])
+        def objective(values, mb: Batch, tokens: torch.Tensor) -> losses.Objective:
             return losses.critic_objective(values, mb, value_key, return_key, tokens, hp)
 
-        return self._train(batch, mini_batches=mini_batches, epochs=epochs, micro_batch=micro_batch,
-                           micro_loss=micro_loss)
+        return self._train(batch, keys, mini_batches=mini_batches, epochs=epochs, micro_batch=micro_batch,
+                           readout=Readout("values", batch["responses"].shape[1]), objective=objective)
+
+    # Whole-model weights.
+    def generation_weights(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The whole model's parameters and buffers by HF name, for generation (until `release_generation`)."""
+        return self.stages.generation_weights(self)
+
+    def release_generation(self) -> None:
+        self.stages.release_generation(self)
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole by HF name on the CPU, at least on rank 0 (a collective over the layout)."""
+        return self.stages.full_weights(self.module)
