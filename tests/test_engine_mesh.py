@@ -46,7 +46,7 @@ def _shared_meshes(rank: int, world: int) -> dict:
         "same_groups": all(actor.mesh.get_group(d) is critic.mesh.get_group(d) for d in DIMS),
         "other_mesh": reference.mesh is not actor.mesh and reference.mesh is generation,
         "other_groups": reference.mesh.get_group("shard") is not actor.mesh.get_group("shard"),
-        "dims": (ParallelDims.of(train), ParallelDims.of(InferConfig(dp=2))),
+        "shapes": (ParallelDims.of(train).shape, ParallelDims.of(InferConfig(dp=2)).shape),
         # the shared groups work for both roles
         "log_probs": actor.log_probs(*sequence, micro_batch=2), "values": critic.values(*sequence, micro_batch=2),
         "reference": reference.log_probs(*sequence, micro_batch=2),
@@ -58,7 +58,7 @@ def test_roles_of_one_layout_share_the_workers_mesh():
     for out in run_world(_shared_meshes, 2, timeout=120):
         assert out["same_mesh"] and out["same_groups"]
         assert out["other_mesh"] and out["other_groups"]
-        assert out["dims"] == (ParallelDims(1, 1, 2, 1), ParallelDims(1, 2, 1, 1))
+        assert out["shapes"] == ((1, 1, 2, 1), (1, 2, 1, 1))
         torch.testing.assert_close(out["log_probs"], out["reference"], atol=1e-6, rtol=0)  # the same weights
         assert out["values"].shape == out["log_probs"].shape
 
