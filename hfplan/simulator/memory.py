@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hfplan.layout import resharding, stage_params
+from hfplan.layout import kv_heads_per_rank, resharding, stage_params
 from hfplan.plan import GenConfig, InferConfig, Layout, Recompute, TrainConfig
 from hfplan.profiles.models import ModelArch
 from hfplan.simulator import sharding
@@ -35,7 +35,7 @@ def activation_values_per_token_layer(arch: ModelArch, tp: int) -> float:
     """Values one layer saves per token for its backward pass (flash attention, no sequence parallel):
     the two norm inputs and outputs (4h), q, k, v and the attention output (sharded by tp), and the
     MLP's gate, up and gated outputs (sharded by tp)."""
-    kv = arch.kv_dim / tp if arch.kv_heads >= tp else arch.dim_per_head
+    kv = kv_heads_per_rank(arch.kv_heads, tp) * arch.dim_per_head
     return 4 * arch.hidden + (2 * arch.q_dim / tp + 2 * kv) + 3 * arch.ffn / tp
 
 
@@ -143,7 +143,7 @@ def generation_working_bytes(arch: ModelArch, gen: GenConfig, prompt_len: int, v
 def kv_bytes_per_token_per_gpu(arch: ModelArch, cfg: Layout, value_bytes: int = BF16) -> float:
     """KV-cache bytes of one token on one GPU: KV heads split over tp (replicated when fewer than tp),
     layers split over pp."""
-    heads_local = arch.kv_heads / cfg.tp if arch.kv_heads >= cfg.tp else 1
+    heads_local = kv_heads_per_rank(arch.kv_heads, cfg.tp)
     return 2 * value_bytes * heads_local * arch.dim_per_head * math.ceil(arch.layers / cfg.pp)
 
 
