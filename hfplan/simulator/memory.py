@@ -40,8 +40,10 @@ def activation_values_per_token_layer(arch: ModelArch, tp: int) -> float:
 
 
 def layer_working_values_per_token(arch: ModelArch, tp: int) -> float:
-    """Values alive at once inside one layer's forward (inference: nothing is kept for backward)."""
-    return 2 * arch.hidden + (arch.q_dim + 2 * arch.kv_dim) / tp + 3 * arch.ffn / tp
+    """Values alive at once inside one layer's forward (inference: nothing is kept for backward); with tp
+    above the KV heads each rank computes its copied head (kv_heads_per_rank)."""
+    kv = kv_heads_per_rank(arch.kv_heads, tp) * arch.dim_per_head
+    return 2 * arch.hidden + arch.q_dim / tp + 2 * kv + 3 * arch.ffn / tp
 
 
 def score_bytes(arch: ModelArch, tp: int, sequences: float, seq_len: float, attention: str,
