@@ -19,17 +19,6 @@ from hfplan.simulator import sharding
 from hfplan.simulator.kernels import BF16, FP32
 from hfplan.spec import ResponseLengths
 
-# Mixed-precision Adam: bf16 weights (2) + fp32 gradients (4) + fp32 master weights (4) + Adam first
-# and second moments in fp32 (4 + 4).
-TRAIN_BYTES_PER_PARAM = 2 + 4 + 4 + 4 + 4
-INFER_BYTES_PER_PARAM = 2
-
-
-def train_bytes_per_param(value_bytes: int = BF16) -> int:
-    """Adam training state per parameter: the weights in compute precision, fp32 gradients, an fp32
-    master copy when the weights are not already fp32, and the two fp32 moments."""
-    return sum(sharding.state_bytes(value_bytes).values())
-
 
 def activation_values_per_token_layer(arch: ModelArch, tp: int) -> float:
     """Values one layer saves per token for its backward pass (flash attention, no sequence parallel):
@@ -147,10 +136,6 @@ def kv_bytes_per_token_per_gpu(arch: ModelArch, cfg: Layout, value_bytes: int = 
     layers split over pp."""
     heads_local = kv_heads_per_rank(arch.kv_heads, cfg.tp)
     return 2 * value_bytes * heads_local * arch.dim_per_head * math.ceil(arch.layers / cfg.pp)
-
-
-def kv_cache_bytes(arch: ModelArch, gen: GenConfig, batch: int, seq_len: int, value_bytes: int = BF16) -> float:
-    return kv_bytes_per_token_per_gpu(arch, gen, value_bytes) * seq_len * batch
 
 
 # vLLM's default KV-cache block on CUDA: 16 tokens (vLLM engine arguments, `--block-size`). A sequence's last block
