@@ -9,8 +9,6 @@ one device, so the caller joins a world of size 1 first (`single_process_world`)
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -21,36 +19,13 @@ from hfplan.dataflow.roles import CallingRole
 from hfplan.errors import HfplanError
 from hfplan.executor import preflight
 from hfplan.executor.controller import ExecuteOptions, IterationReport, RunSummary, build_roles, run_iterations
+from hfplan.executor.loopback import gloo_on_loopback
 from hfplan.executor.roles import Recorder
 from hfplan.executor.runtime import RoleRuntime, build_runtimes
 from hfplan.executor.worker import Timed
 from hfplan.plan import Plan
 
 LOCAL_SET = 0  # the plan's only set: its spans carry this index, as the executor's would
-
-
-def loopback_interface() -> str | None:
-    """The name of this machine's loopback network interface ("lo" on Linux, "lo0" on macOS), if it has one."""
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except OSError:
-        return None
-    return next((name for name in names if name in ("lo", "lo0")), None)
-
-
-@contextlib.contextmanager
-def _gloo_on_loopback() -> Iterator[None]:
-    """Gloo process groups made meanwhile listen on the loopback interface only: torch's documented
-    GLOO_SOCKET_IFNAME (unless the caller set it), which gloo reads as each group is created."""
-    loopback = loopback_interface()
-    if loopback is None or "GLOO_SOCKET_IFNAME" in os.environ:
-        yield
-        return
-    os.environ["GLOO_SOCKET_IFNAME"] = loopback
-    try:
-        yield
-    finally:
-        os.environ.pop("GLOO_SOCKET_IFNAME", None)
 
 
 @contextlib.contextmanager
@@ -61,7 +36,7 @@ def single_process_world(timeout_s: float = 600.0) -> Iterator[None]:
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
-    with tempfile.TemporaryDirectory(prefix="hfplan-world-") as folder, _gloo_on_loopback():
+    with tempfile.TemporaryDirectory(prefix="hfplan-world-") as folder, gloo_on_loopback():
         store = dist.FileStore(str(Path(folder) / "store"), 1)
         dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
         try:
