@@ -26,21 +26,12 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from hfplan.executor import compat
 from hfplan.executor.engines.pipeline import PipelinedModel
 
 ROLES_FOLDER = "roles"
 RNG_FOLDER = "rng"
 METADATA_FILE = ".metadata"
-_METADATA_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "TensorStorageMetadata",
-                                              "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"PosixPath", "PurePosixPath"},
-    "collections": {"OrderedDict"},
-}
 
 
 class UnsafeCheckpoint(Exception):
@@ -61,7 +52,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        if name in _METADATA_CLASSES.get(module, ()):
+        if name in compat.DCP_METADATA_CLASSES.get(module, ()):
             return super().find_class(module, name)
         raise UnsafeCheckpoint(f"refers to {module}.{name}, which DCP metadata never holds")
 

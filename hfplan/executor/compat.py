@@ -1,10 +1,23 @@
-"""The private Ray APIs the executor needs where Ray offers no public one: every use in this one module.
+"""The private torch and Ray APIs the executor needs where no public one does the job: every use in this module.
 
 tests/test_compat.py pins each of them, so that a Ray upgrade that moves or changes one fails there, by
 name, instead of silently elsewhere (README, "Upgrading"). Everything else in hfplan uses public APIs only.
 """
 
 from __future__ import annotations
+
+# The classes and functions a DCP `.metadata` pickle refers to (checkpoint.read_metadata rebuilds these and
+# nothing else). Some are private to torch: a torch that renames one writes metadata this list refuses.
+DCP_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "TensorStorageMetadata",
+                                              "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath"},
+    "collections": {"OrderedDict"},
+}
 
 
 def reach_clusters_through_loopback() -> None:
