@@ -113,6 +113,7 @@ def two_rank_world() -> list[dict]:
     return run_world(_dtensor_kv_heads_and_fsdp_numel, 2, timeout=240)
 
 
+@pytest.mark.slow  # a spawned 2-rank world
 @pytest.mark.parametrize(("kv_heads", "copies"), [(1, True), (2, True), (4, True), (2, False), (4, False)])
 def test_the_tensor_parallel_split_holds_the_kv_heads_the_simulator_counts(two_rank_world, kv_heads, copies):
     arch = arch_of(4, kv_heads)
@@ -124,6 +125,7 @@ def test_the_tensor_parallel_split_holds_the_kv_heads_the_simulator_counts(two_r
             assert saved == 4 * arch.hidden + 2 * arch.q_dim / 2 + 2 * held * HEAD_DIM + 3 * arch.ffn / 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shard", ["full", "replicated"])
 def test_fsdp_keeps_the_resident_training_state_the_simulator_counts(two_rank_world, shard):
     arch = arch_of(4, 2, layers=2)
