@@ -351,3 +351,20 @@ def call_set(workload: Workload, placement: Sequence[Sequence[str]], role: str, 
     where = set_index(placement)
     runner = call_role(workload, generation_role(workload, where), role, op)
     return ON_CONTROLLER if runner is None else where[runner]
+
+
+# -- tensor-parallel shards ---------------------------------------------------------------------------
+def kv_head_copies(kv_heads: int, tp: int) -> int:
+    """How many times each KV head is copied before a tp-way split: tp / kv_heads when tp exceeds the KV
+    heads (inference and generation give each rank a copy of the one KV head its query heads read), else 1.
+    tp must divide the KV heads or be a multiple of them (unsupported_layout)."""
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(f"tp={tp} neither divides nor is a multiple of {kv_heads} KV heads")
+    return tp // kv_heads if tp > kv_heads else 1
+
+
+def kv_heads_per_rank(kv_heads: int, tp: int) -> int:
+    """KV heads one of tp tensor-parallel ranks holds (and caches): kv_heads / tp, or the one copied head
+    when tp exceeds them (kv_head_copies). The simulator's activation and KV-cache bytes and the executor's
+    shards and caches all read this."""
+    return kv_heads * kv_head_copies(kv_heads, tp) // tp

@@ -7,7 +7,7 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from hfplan.dataflow.batch import Batch, is_future
+from hfplan.dataflow.batch import Batch, is_future, row_split
 from hfplan.dataflow.batch import Future as FutureProtocol
 
 
@@ -33,6 +33,20 @@ def test_chunk_splits_like_a_data_parallel_dispatch():
     assert pieces[0]["text"] == ["r0", "r1", "r2"] and pieces[1]["rewards"].tolist() == [3.0, 4.0]
     assert all(p["metrics"] == {"loss": 1.0} for p in pieces)  # no sequence axis: every piece gets it
     assert [len(p) for p in _batch(2).chunk(3)] == [1, 1, 0]
+
+
+@pytest.mark.parametrize(("rows", "parts"), [(0, 1), (5, 2), (2, 3), (7, 3), (12, 4), (13, 8)])
+def test_row_split_is_numpy_array_split(rows, parts):
+    want = [(int(piece[0]), int(piece[0]) + len(piece)) if len(piece) else None
+            for piece in np.array_split(np.arange(rows), parts)]
+    got = row_split(rows, parts)
+    assert [b if b[1] > b[0] else None for b in got] == want
+    assert got[0][0] == 0 and got[-1][1] == rows and all(a[1] == b[0] for a, b in zip(got, got[1:], strict=False))
+
+
+def test_row_split_needs_a_part():
+    with pytest.raises(ValueError, match="at least one part"):
+        row_split(3, 0)
 
 
 def test_concat_undoes_chunk():

@@ -12,7 +12,7 @@ from hfplan.layout import resharding
 from hfplan.plan import GenConfig, InferConfig, TrainConfig
 from hfplan.profiles.hardware import load_hardware
 from hfplan.profiles.models import CATALOG
-from hfplan.simulator import costs, memory
+from hfplan.simulator import costs, memory, sharding
 from hfplan.simulator.costs import SetShape
 from hfplan.simulator.kernels import gemm_time, kernel_time, memory_time
 
@@ -55,10 +55,11 @@ def test_gemm_in_fp32_moves_twice_the_bytes(toy_hw):
 def test_fp32_profile_doubles_weight_and_kv_memory():
     # An fp32 device (CPU) holds 4-byte weights and KV values, and needs no separate fp32 master copy.
     arch = CATALOG["llama2-7b"]
-    assert memory.train_bytes_per_param(4) == 4 + 4 + 8 == 16
-    assert memory.train_bytes_per_param(2) == 18
+    # Mixed-precision Adam: bf16 weights 2 + fp32 gradients 4 + fp32 master weights 4 + fp32 moments 4 + 4.
+    assert sum(sharding.state_bytes(4).values()) == 4 + 4 + 8 == 16
+    assert sum(sharding.state_bytes(2).values()) == 2 + 4 + 4 + 4 + 4 == 18
     gen = GenConfig(tp=1)
-    assert memory.kv_cache_bytes(arch, gen, 1, 10, value_bytes=4) == 2 * memory.kv_cache_bytes(arch, gen, 1, 10)
+    assert memory.kv_bytes_per_token_per_gpu(arch, gen, 4) == 2 * memory.kv_bytes_per_token_per_gpu(arch, gen)
     infer = InferConfig(tp=2)
     assert memory.infer_resident_bytes(arch, infer, "lm", 4) == 2 * memory.infer_resident_bytes(arch, infer, "lm")
 

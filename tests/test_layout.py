@@ -235,3 +235,17 @@ def test_the_search_returns_only_plans_the_executor_can_run(rollout):
     for plan in search(w, make_cluster(8), top_k=5, rules=rules).top:
         for role, par in plan.parallelism.items():
             assert layout.unsupported_role(w, role, par) is None, (role, par)
+
+
+@pytest.mark.parametrize(("kv_heads", "tp", "copies", "per_rank"),
+                         [(8, 1, 1, 8), (8, 2, 1, 4), (8, 8, 1, 1), (2, 4, 2, 1), (1, 8, 8, 1), (4, 4, 1, 1)])
+def test_kv_heads_per_rank_splits_or_copies_whole_heads(kv_heads, tp, copies, per_rank):
+    assert layout.kv_head_copies(kv_heads, tp) == copies
+    assert layout.kv_heads_per_rank(kv_heads, tp) == per_rank
+    assert per_rank * tp == kv_heads * copies  # every (copied) head on exactly one rank
+
+
+@pytest.mark.parametrize(("kv_heads", "tp"), [(6, 4), (3, 2), (4, 6)])
+def test_kv_heads_per_rank_refuses_a_tp_that_neither_divides_nor_multiplies_them(kv_heads, tp):
+    with pytest.raises(ValueError, match="KV heads"):
+        layout.kv_heads_per_rank(kv_heads, tp)

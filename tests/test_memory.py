@@ -8,11 +8,9 @@ from hfplan.plan import GenConfig, InferConfig, TrainConfig
 from hfplan.profiles.models import CATALOG
 from hfplan.simulator import memory
 from hfplan.simulator.memory import (
-    INFER_BYTES_PER_PARAM,
-    TRAIN_BYTES_PER_PARAM,
     activation_values_per_token_layer,
     gib,
-    kv_cache_bytes,
+    kv_bytes_per_token_per_gpu,
     train_resident_bytes,
     train_transient_bytes,
 )
@@ -26,12 +24,6 @@ SCALAR_PARAMS = 2 * PER_LAYER + 16640 + 64 + 64 + 1
 def test_small_arch_totals(small_arch):
     assert (PARAMS, SCALAR_PARAMS) == (107328, 90753)
     assert small_arch.params() == PARAMS and small_arch.params("scalar") == SCALAR_PARAMS
-
-
-def test_mixed_precision_adam_is_18_bytes_per_param():
-    # bf16 weights 2 + fp32 gradients 4 + fp32 master weights 4 + Adam m and v in fp32 4 + 4.
-    assert TRAIN_BYTES_PER_PARAM == 2 + 4 + 4 + 4 + 4 == 18
-    assert INFER_BYTES_PER_PARAM == 2
 
 
 @pytest.mark.parametrize(
@@ -150,13 +142,13 @@ def test_infer_transient_bytes_by_hand(small_arch):
     [(GenConfig(), 2 * 2 * 2 * 16 * 2), (GenConfig(tp=2), 2 * 2 * 1 * 16 * 2),
      (GenConfig(tp=4), 2 * 2 * 1 * 16 * 2), (GenConfig(pp=2), 2 * 2 * 2 * 16 * 1)],
 )
-def test_kv_cache_bytes(small_arch, gen, per_token):
-    assert kv_cache_bytes(small_arch, gen, batch=8, seq_len=100) == pytest.approx(per_token * 100 * 8)
+def test_kv_bytes_per_token(small_arch, gen, per_token):
+    assert kv_bytes_per_token_per_gpu(small_arch, gen) == pytest.approx(per_token)
 
 
 def test_kv_cache_llama31_8b():
     # 128 KiB per token x 4096 tokens x 16 sequences = 8 GiB.
-    assert kv_cache_bytes(CATALOG["llama3.1-8b"], GenConfig(), batch=16, seq_len=4096) == 8 * 1024**3
+    assert kv_bytes_per_token_per_gpu(CATALOG["llama3.1-8b"], GenConfig()) * 4096 * 16 == 8 * 1024**3
 
 
 def test_generation_weights_bytes(small_arch):

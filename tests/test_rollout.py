@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 from hfplan.errors import HfplanError  # noqa: E402
 from hfplan.executor import sequences  # noqa: E402
 from hfplan.executor.models import build_model  # noqa: E402
-from hfplan.executor.rollout.base import SamplingParams  # noqa: E402
+from hfplan.executor.rollout.base import RolloutEngine, SamplingParams  # noqa: E402
 from hfplan.executor.rollout.torch_engine import TorchRolloutEngine, sample_tokens, top_p_keep  # noqa: E402
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -334,6 +334,19 @@ def test_continuous_sampling_is_reproducible_and_its_log_probs_equal_a_training_
     check_padding_after_eos(first, eos, steps)
     expected = training_log_probs(model, first, params.temperature)
     torch.testing.assert_close(first.log_probs, expected, atol=1e-5, rtol=0)
+
+
+def test_the_torch_engine_is_a_rollout_engine():
+    """Every method the runtime calls on a generation backend (RolloutEngine) is there; an engine without
+    release_weights, as the protocol once was, is not one."""
+
+    class LoadsOnly:
+        def generate(self, prompts, params, generator=None): ...
+
+        def load_weights(self, model): ...
+
+    assert isinstance(TorchRolloutEngine(None, PAD, 2), RolloutEngine)
+    assert not isinstance(LoadsOnly(), RolloutEngine)
 
 
 def test_batching_options_are_checked():

@@ -37,6 +37,20 @@ def resolved(value: object, timeout: float | None = None) -> Any:
     return value.result(timeout) if is_future(value) else value
 
 
+def row_split(rows: int, parts: int) -> list[tuple[int, int]]:
+    """[start, end) of each of `parts` consecutive pieces of `rows` rows, the first `rows % parts` one row
+    longer (as np.array_split): how Batch.chunk and the executor's data-parallel dispatch split a batch."""
+    if parts < 1:
+        raise ValueError(f"a split needs at least one part, got {parts}")
+    small, bigger = divmod(rows, parts)
+    bounds, start = [], 0
+    for part in range(parts):
+        end = start + small + (part < bigger)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
 def _rows(value: object) -> int | None:
     """Sequences a field holds along its first axis; None for values without one (metrics, scalars)."""
     if isinstance(value, Mapping | str | bytes) or not hasattr(value, "__len__") or getattr(value, "ndim", 1) == 0:
@@ -90,14 +104,8 @@ class Batch(dict):
         if n < 1:
             raise ValueError(f"chunk needs n >= 1, got {n}")
         concrete = self.resolve()
-        total = len(concrete)
-        small, bigger = divmod(total, n)
-        out, start = [], 0
-        for i in range(n):
-            stop = start + small + (1 if i < bigger else 0)
-            out.append(Batch({k: v[start:stop] if _rows(v) is not None else v for k, v in concrete.items()}))
-            start = stop
-        return out
+        return [Batch({k: v[start:stop] if _rows(v) is not None else v for k, v in concrete.items()})
+                for start, stop in row_split(len(concrete), n)]
 
     @staticmethod
     def concat(batches: Sequence[Mapping[str, Any]]) -> Batch:

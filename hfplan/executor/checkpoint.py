@@ -22,24 +22,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from hfplan.executor import compat
+
 ROLES_FOLDER = "roles"
 RNG_FOLDER = "rng"
 METADATA_FILE = ".metadata"
-_METADATA_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "TensorStorageMetadata",
-                                              "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"PosixPath", "PurePosixPath"},
-    "collections": {"OrderedDict"},
-}
 
 
 class UnsafeCheckpoint(Exception):
@@ -60,7 +51,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        if name in _METADATA_CLASSES.get(module, ()):
+        if name in compat.DCP_METADATA_CLASSES.get(module, ()):
             return super().find_class(module, name)
         raise UnsafeCheckpoint(f"refers to {module}.{name}, which DCP metadata never holds")
 
@@ -99,11 +90,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as bad:
             raise UnsafeCheckpoint(f"value {read_item.dest_index.fqn}: {str(bad).splitlines()[0]}") from None
-        fqn = read_item.dest_index.fqn
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], loaded)
-        else:
-            self.state_dict[fqn] = loaded
+        # DCP's own load_bytes places the value (public API) but unpickles in full: hand it the value the
+        # safe load accepted, saved again here, never the file's bytes.
+        checked = io.BytesIO()
+        torch.save(loaded, checked)
+        checked.seek(0)
+        super().load_bytes(read_item, checked)
 
 
 def _state_dicts(trained) -> dict:

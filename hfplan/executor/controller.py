@@ -21,7 +21,7 @@ from hfplan.dataflow.registry import get_algorithm
 from hfplan.dataflow.rewards import get_rule
 from hfplan.dataflow.roles import RoleFacts, update_field
 from hfplan.errors import HfplanError
-from hfplan.executor import preflight, resume
+from hfplan.executor import compat, preflight, resume
 from hfplan.executor.data import PromptStream
 from hfplan.executor.placement import (
     DeathWatch,
@@ -337,12 +337,7 @@ class _RaySession:
             return  # the caller (a test, a notebook) owns the session
         if self.address is not None:
             if self.address.rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
-                # Ray rewrites a loopback address to the machine's own address (reachable from other
-                # machines) unless it believes multi-machine clusters are off; a cluster whose nodes listen
-                # on loopback is reached only through loopback.
-                from ray._private import ray_constants
-
-                ray_constants.ENABLE_RAY_CLUSTER = False
+                compat.reach_clusters_through_loopback()
             try:
                 ray.init(address=self.address, include_dashboard=False, logging_level=logging.WARNING,
                          log_to_driver=False)
@@ -351,9 +346,8 @@ class _RaySession:
         else:
             needed = sum(group.gpus for group in self.plan.placement)
             self._tmp = tempfile.TemporaryDirectory(prefix="hfplan-ray-")
-            ray.init(num_cpus=max(os.cpu_count() or 1, needed) + 1, _node_ip_address="127.0.0.1",
-                     include_dashboard=False, _temp_dir=self._tmp.name, logging_level=logging.WARNING,
-                     log_to_driver=False)
+            ray.init(num_cpus=max(os.cpu_count() or 1, needed) + 1, include_dashboard=False,
+                     logging_level=logging.WARNING, log_to_driver=False, **compat.local_ray_options(self._tmp.name))
         self.started = True
 
     def stop(self) -> None:

@@ -19,6 +19,7 @@ from hfplan.dataflow.roles import CallingRole
 from hfplan.errors import HfplanError
 from hfplan.executor import preflight
 from hfplan.executor.controller import ExecuteOptions, IterationReport, RunSummary, build_roles, run_iterations
+from hfplan.executor.loopback import gloo_on_loopback
 from hfplan.executor.roles import Recorder
 from hfplan.executor.runtime import RoleRuntime, build_runtimes
 from hfplan.executor.worker import Timed
@@ -30,15 +31,14 @@ LOCAL_SET = 0  # the plan's only set: its spans carry this index, as the executo
 @contextlib.contextmanager
 def single_process_world(timeout_s: float = 600.0) -> Iterator[None]:
     """This process as rank 0 of a gloo world of size 1, for the duration. It meets itself through a file
-    store, and gloo listens on 127.0.0.1 only: a TCP store would listen on every interface."""
+    store, and gloo listens on loopback only (the world's groups and every group made in it): a TCP store
+    would listen on every interface."""
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
-    with tempfile.TemporaryDirectory(prefix="hfplan-world-") as folder:
+    with tempfile.TemporaryDirectory(prefix="hfplan-world-") as folder, gloo_on_loopback():
         store = dist.FileStore(str(Path(folder) / "store"), 1)
-        options = dist.ProcessGroupGloo._Options()
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout, pg_options=options)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
         try:
             yield
         finally:

@@ -12,6 +12,7 @@ import time
 import uuid
 
 from hfplan.errors import HfplanError
+from hfplan.executor import compat
 from hfplan.executor.errors import RunFailed
 from hfplan.executor.roles import WorkerSet
 from hfplan.executor.worker import SetWorker, WorkerSpec
@@ -202,7 +203,7 @@ def _failed_rank(workers, failure: Exception) -> int | None:
     if actor_id is None:
         return None
     for rank, worker in enumerate(workers):
-        if worker._actor_id.hex() == actor_id:
+        if compat.actor_id(worker) == actor_id:
             return rank
     return None
 

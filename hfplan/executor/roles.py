@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hfplan.dataflow.batch import Batch
+from hfplan.dataflow.batch import Batch, row_split
 from hfplan.dataflow.controller import STEPS, ControllerState
 from hfplan.dataflow.ops import ROLE_OPS
 from hfplan.dataflow.roles import CallingRole, RoleFacts, call_writes
@@ -161,17 +161,6 @@ def from_greedy(batch: Batch) -> bool:
     return isinstance(responses, FieldFuture) and responses.call.greedy
 
 
-def split_points(rows: int, parts: int) -> list[tuple[int, int]]:
-    """The row ranges of np.array_split / Batch.chunk: the first `rows % parts` parts one row longer."""
-    base, extra = divmod(rows, parts)
-    bounds, start = [], 0
-    for part in range(parts):
-        end = start + base + (part < extra)
-        bounds.append((start, end))
-        start = end
-    return bounds
-
-
 @dataclass
 class WorkerSet:
     """The Ray actors of one placement set, rank by rank."""
@@ -196,7 +185,7 @@ class WorkerGroupRole(CallingRole):
             greedy = from_greedy(batch)  # a forward call on greedy responses is labelled so (ReMax's baseline)
         layout = self.layouts[ROLE_OPS[op].layout]
         rows = _rows_of(batch)
-        bounds = split_points(rows, layout.dp)
+        bounds = row_split(rows, layout.dp)
         shares = [{name: _share(value, start, end) for name, value in batch.items()} for start, end in bounds]
         refs: list = [None] * len(self.workers.workers)
         for replica, ranks in enumerate(replica_groups(layout)):

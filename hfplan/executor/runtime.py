@@ -25,7 +25,7 @@ from hfplan.executor.engines.training import RoleModel
 from hfplan.executor.engines.whole import WholeModel
 from hfplan.executor.mesh import TP, WorkerMeshes, compute_dtype
 from hfplan.executor.models import build_model
-from hfplan.executor.rollout.base import SamplingParams
+from hfplan.executor.rollout.base import RolloutEngine, SamplingParams
 from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
 from hfplan.executor.tokenizers import build_tokenizer
 from hfplan.executor.worker import Timed
@@ -53,7 +53,7 @@ class RoleRuntime:
     pad_id: int
     eos_id: int
     role_model: RoleModel | None = None  # the role's model in its training layout, or its inference layout
-    engine: TorchRolloutEngine | None = None
+    engine: RolloutEngine | None = None
     hybrid: HybridEngine | None = None
     generator: torch.Generator | None = None
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hfplan.executor.loopback import loopback_interface
 from hfplan.hyperparams import Hyperparameters
 from hfplan.plan import Plan
 
@@ -97,8 +98,9 @@ class SetWorker:
             torch.cuda.set_device(0)  # Ray exposes exactly the bundle's GPU to this process
         else:
             torch.set_num_threads(1)  # one core per "GPU": processes must not fight over the cores
-        if host.startswith("127."):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # a set on one machine talks over loopback
+        loopback = loopback_interface()
+        if host.startswith("127.") and loopback:  # a set on one machine talks over loopback
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
         dist.init_process_group(spec.backend, init_method=f"tcp://{host}:{port}", rank=spec.rank,
                                 world_size=spec.world_size, timeout=timedelta(seconds=spec.collective_timeout_s))
         self.runtimes = build_runtimes(self.plan, self.hyper, spec.set_index, spec.seed, spec.device)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import os
 import queue as queue_module
-import socket
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -18,6 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from hfplan.errors import HfplanError
+from hfplan.executor.loopback import loopback_interface
 from hfplan.profiler.device import Device
 from hfplan.profiler.fit import COLLECTIVES, collective_terms
 
@@ -69,19 +69,11 @@ def _drain(messages, step: Step) -> list[dict]:
             rows += payload
 
 
-def _loopback_interface() -> str | None:
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except OSError:
-        return None
-    return next((name for name in names if name in ("lo", "lo0")), None)
-
-
 def _worker(rank: int, world: int, kind: str, init: str, sizes: tuple[int, ...], min_time: float, messages) -> None:
     import torch
     import torch.distributed as dist
 
-    loopback = _loopback_interface()
+    loopback = loopback_interface()
     if loopback:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
         os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)

@@ -16,6 +16,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from hfplan.layout import kv_heads_per_rank
 from hfplan.profiler.compute import compute_dtype
 from hfplan.profiler.device import Device
 from hfplan.profiler.sweeps import LayerCases
@@ -153,7 +154,7 @@ def shard_config(arch: ModelArch, tp: int):
     config_cls, _, _ = _classes(arch)
     extra = {} if arch.attention_bias else {"attention_bias": False}
     config = config_cls(hidden_size=arch.hidden, num_attention_heads=arch.heads // tp,
-                        num_key_value_heads=max(1, arch.kv_heads // tp), intermediate_size=arch.ffn // tp,
+                        num_key_value_heads=kv_heads_per_rank(arch.kv_heads, tp), intermediate_size=arch.ffn // tp,
                         head_dim=arch.dim_per_head, num_hidden_layers=1, vocab_size=256,
                         max_position_embeddings=1 << 16, **extra)
     config._attn_implementation = "sdpa"

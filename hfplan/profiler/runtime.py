@@ -109,11 +109,13 @@ def _ray_round_trip(calls: int) -> float | None:
         import ray
     except ImportError:
         return None
+    from hfplan.executor.compat import local_ray_options
+
     if calls < 1 or ray.is_initialized():
         return None
     with tempfile.TemporaryDirectory(prefix="hfplan-profile-ray-") as folder:
-        ray.init(num_cpus=1, _node_ip_address="127.0.0.1", include_dashboard=False, _temp_dir=folder,
-                 logging_level=logging.WARNING, log_to_driver=False)
+        ray.init(num_cpus=1, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
+                 **local_ray_options(folder))
         try:
             actor = ray.remote(_Echo).remote()
             ray.get(actor.ping.remote(), timeout=120)

@@ -325,11 +325,6 @@ def prefill_parts(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetS
                  runtime=hw.runtime.engine_step_s(batching))
 
 
-def prefill_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetShape, batch: float,
-                 prompt_len: int) -> float:
-    return prefill_parts(hw, arch, cfg, where, batch, prompt_len).total
-
-
 def _lengths(response_len: int, lengths: ResponseLengths | None) -> ResponseLengths:
     return lengths if lengths is not None else ResponseLengths.fixed(response_len)
 
@@ -361,13 +356,6 @@ def wave_parts(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: Se
         prefills = 1.0
     return prefill_parts(hw, arch, layout, where, batch, prompt_len, engine, memo=memo).times(prefills).plus(
         decode_step_parts(hw, arch, layout, where, batch, context, engine, memo=memo), times=steps)
-
-
-def wave_time(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, batch: int,
-              prompt_len: int, response_len: int, lengths: ResponseLengths | None = None, *,
-              memo: CostMemo | None = None) -> float:
-    """One static wave of `batch` prompts: a prefill, then decode steps until its longest response ends."""
-    return wave_parts(hw, arch, tp, pp, where, batch, prompt_len, response_len, lengths, memo=memo).total
 
 
 @dataclass(frozen=True)

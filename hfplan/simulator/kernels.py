@@ -14,6 +14,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+from hfplan.layout import kv_heads_per_rank
 from hfplan.profiles.hardware import GemmTiling, HardwareProfile
 from hfplan.profiles.models import ModelArch
 
@@ -99,7 +100,7 @@ def attention_time(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per
     matrix, the softmax reads it and writes the probabilities, PV reads them; a causal pass computes every
     query against all `seq_len` keys of its sequence (the mask is applied, not skipped)."""
     v = hw.compute.value_bytes
-    kv_local = shard(arch.kv_dim, tp) if arch.kv_heads >= tp else arch.dim_per_head
+    kv_local = kv_heads_per_rank(arch.kv_heads, tp) * arch.dim_per_head
     q_local = shard(arch.q_dim, tp)
     if decode:
         io_bytes = v * (tokens * keys_per_token * 2 * kv_local + 2 * tokens * q_local)
@@ -124,12 +125,12 @@ def layer_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per_
     context length for a decode step). In decode, attention reads the KV cache of every key. seq_len:
     the length of each sequence of a prefill pass (what an eager attention's score matrix spans).
     """
-    h, q, kv, f = arch.hidden, arch.q_dim, arch.kv_dim, arch.ffn
+    h, q, f = arch.hidden, arch.q_dim, arch.ffn
     v = hw.compute.value_bytes
-    qkv_out = shard(q + 2 * kv, tp)
+    kv_local = kv_heads_per_rank(arch.kv_heads, tp) * arch.dim_per_head
+    qkv_out = shard(q, tp) + 2 * kv_local
     gemm = (gemm_time(hw, tokens, h, qkv_out) + gemm_time(hw, tokens, shard(q, tp), h)
             + gemm_time(hw, tokens, h, shard(2 * f, tp)) + gemm_time(hw, tokens, shard(f, tp), h))
-    kv_local = shard(kv, tp) if arch.kv_heads >= tp else arch.dim_per_head
     attention = attention_time(hw, arch, tokens, keys_per_token, tp, decode, seq_len)
     elementwise = (
         2 * memory_time(hw, v * 2 * tokens * h)  # two RMSNorms: read and write h

@@ -12,36 +12,27 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hfplan.layout import micro_batch_sizes, resharding, stage_params
+from hfplan.layout import kv_heads_per_rank, micro_batch_sizes, resharding, stage_params
 from hfplan.plan import GenConfig, InferConfig, Layout, Recompute, TrainConfig
 from hfplan.profiles.models import ModelArch
 from hfplan.simulator import sharding
 from hfplan.simulator.kernels import BF16, FP32
 from hfplan.spec import ResponseLengths
 
-# Mixed-precision Adam: bf16 weights (2) + fp32 gradients (4) + fp32 master weights (4) + Adam first
-# and second moments in fp32 (4 + 4).
-TRAIN_BYTES_PER_PARAM = 2 + 4 + 4 + 4 + 4
-INFER_BYTES_PER_PARAM = 2
-
-
-def train_bytes_per_param(value_bytes: int = BF16) -> int:
-    """Adam training state per parameter: the weights in compute precision, fp32 gradients, an fp32
-    master copy when the weights are not already fp32, and the two fp32 moments."""
-    return sum(sharding.state_bytes(value_bytes).values())
-
 
 def activation_values_per_token_layer(arch: ModelArch, tp: int) -> float:
     """Values one layer saves per token for its backward pass (flash attention, no sequence parallel):
     the two norm inputs and outputs (4h), q, k, v and the attention output (sharded by tp), and the
     MLP's gate, up and gated outputs (sharded by tp)."""
-    kv = arch.kv_dim / tp if arch.kv_heads >= tp else arch.dim_per_head
+    kv = kv_heads_per_rank(arch.kv_heads, tp) * arch.dim_per_head
     return 4 * arch.hidden + (2 * arch.q_dim / tp + 2 * kv) + 3 * arch.ffn / tp
 
 
 def layer_working_values_per_token(arch: ModelArch, tp: int) -> float:
-    """Values alive at once inside one layer's forward (inference: nothing is kept for backward)."""
-    return 2 * arch.hidden + (arch.q_dim + 2 * arch.kv_dim) / tp + 3 * arch.ffn / tp
+    """Values alive at once inside one layer's forward (inference: nothing is kept for backward); with tp
+    above the KV heads each rank computes its copied head (kv_heads_per_rank)."""
+    kv = kv_heads_per_rank(arch.kv_heads, tp) * arch.dim_per_head
+    return 2 * arch.hidden + arch.q_dim / tp + 2 * kv + 3 * arch.ffn / tp
 
 
 def score_bytes(arch: ModelArch, tp: int, sequences: float, seq_len: float, attention: str,
@@ -143,12 +134,8 @@ def generation_working_bytes(arch: ModelArch, gen: GenConfig, prompt_len: int, v
 def kv_bytes_per_token_per_gpu(arch: ModelArch, cfg: Layout, value_bytes: int = BF16) -> float:
     """KV-cache bytes of one token on one GPU: KV heads split over tp (replicated when fewer than tp),
     layers split over pp."""
-    heads_local = arch.kv_heads / cfg.tp if arch.kv_heads >= cfg.tp else 1
+    heads_local = kv_heads_per_rank(arch.kv_heads, cfg.tp)
     return 2 * value_bytes * heads_local * arch.dim_per_head * math.ceil(arch.layers / cfg.pp)
-
-
-def kv_cache_bytes(arch: ModelArch, gen: GenConfig, batch: int, seq_len: int, value_bytes: int = BF16) -> float:
-    return kv_bytes_per_token_per_gpu(arch, gen, value_bytes) * seq_len * batch
 
 
 # vLLM's default KV-cache block on CUDA: 16 tokens (vLLM engine arguments, `--block-size`). A sequence's last block

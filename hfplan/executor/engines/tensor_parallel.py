@@ -21,6 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from hfplan.layout import kv_head_copies
+
 _COLUMNS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 _ROWS = ("self_attn.o_proj", "mlp.down_proj")
 
@@ -94,9 +96,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, copy_kv_head
         raise ValueError(f"tensor parallelism needs a 1-D mesh, got {tp_mesh.ndim} dims")
     config = model.config
     tp = tp_mesh.size()
-    kv_heads = config.num_key_value_heads
-    if copy_kv_heads and tp > kv_heads and tp % kv_heads == 0:
-        _copy_kv_heads(model, tp // kv_heads)
+    copies = kv_head_copies(config.num_key_value_heads, tp) if copy_kv_heads else 1
+    if copies > 1:
+        _copy_kv_heads(model, copies)
     tied = (bool(getattr(config, "tie_word_embeddings", False)) and getattr(model, "lm_head", None) is not None
             and getattr(model.model, "embed_tokens", None) is not None)
     parallelize_module(model, tp_mesh, _plan(model))

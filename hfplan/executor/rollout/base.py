@@ -9,7 +9,7 @@ the order of the prompts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -46,7 +46,12 @@ class Rollout:
     log_probs: torch.Tensor  # [B*n, R] float32, log_softmax(logits / temperature) of each token, 0 where masked
 
 
+@runtime_checkable
 class RolloutEngine(Protocol):
+    """What a role's runtime calls on its generation backend (hfplan.executor.runtime): the hybrid engine
+    loads the actor's current weights before each generation and releases them after; a rollout set loads
+    the weights it receives. Every rank of a tensor-parallel group calls each method together."""
+
     def generate(
         self, prompts: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
     ) -> Rollout:
@@ -55,4 +60,9 @@ class RolloutEngine(Protocol):
 
     def load_weights(self, model: torch.nn.Module) -> None:
         """Take the current weights of an HF causal LM (shared, not copied, where possible)."""
+        ...
+
+    def release_weights(self) -> None:
+        """Drop every reference to the loaded weights (the hybrid engine frees its gathered copy); the next
+        `generate` needs `load_weights` first."""
         ...

@@ -30,6 +30,7 @@ from transformers.activations import ACT2FN
 from hfplan.errors import HfplanError
 from hfplan.executor.rollout.base import Rollout, SamplingParams
 from hfplan.executor.sequences import positions
+from hfplan.layout import kv_head_copies, kv_heads_per_rank
 from hfplan.plan import Batching
 
 # Rotary types whose frequencies change with the sequence length at run time; a fixed table cannot follow them.
@@ -178,12 +179,12 @@ class _Weights:
         if getattr(rotary, "rope_type", "default") in _DYNAMIC_ROPE:
             raise HfplanError(f"the torch rollout engine does not run rotary type {rotary.rope_type!r}")
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        if heads % tp.size or (kv_heads % tp.size and tp.size % kv_heads):
-            raise ValueError(f"tensor-parallel generation with tp={tp.size}: it must divide the {heads} heads "
-                             f"and divide or be a multiple of the {kv_heads} KV heads")
+        if heads % tp.size:
+            raise ValueError(f"tensor-parallel generation with tp={tp.size}: it must divide the {heads} heads")
+        local_kv_heads = kv_heads_per_rank(kv_heads, tp.size)  # raises unless tp divides or is a multiple of them
         attn = base.layers[0].self_attn
-        kv_rows = None  # tp > KV heads: the rows of the one KV head this rank's query heads read
-        if tp.size > kv_heads:
+        kv_rows = None  # KV heads copied: the rows of the one KV head this rank's query heads read
+        if kv_head_copies(kv_heads, tp.size) > 1:
             head = tp.rank * kv_heads // tp.size
             kv_rows = (head * attn.head_dim, (head + 1) * attn.head_dim)
         layers = [
@@ -202,7 +203,7 @@ class _Weights:
             embed=tp.shard(base.embed_tokens.weight, 0), embed_start=chunk_range(vocab, tp.size, tp.rank)[0],
             layers=layers, norm=_Norm.of(base.norm), lm_head=tp.shard(model.lm_head.weight, 0), vocab=vocab, tp=tp,
             inv_freq=rotary.inv_freq, rope_scale=float(rotary.attention_scaling),
-            heads=heads // tp.size, kv_heads=max(1, kv_heads // tp.size), head_dim=attn.head_dim,
+            heads=heads // tp.size, kv_heads=local_kv_heads, head_dim=attn.head_dim,
             scaling=float(attn.scaling), act=ACT2FN[config.hidden_act],
             sliding_window=getattr(config, "sliding_window", None),
         )
