@@ -28,7 +28,7 @@ class RoleKey(NamedTuple):
 
 
 class SetKey(NamedTuple):
-    """Cache key of a colocated set on `gpus` GPUs each; engine as in RoleKey, for a set holding that role."""
+    """Cache key of colocated `roles` on a set of `gpus` GPUs; engine as in RoleKey, for a set holding that role."""
 
     roles: tuple[str, ...]
     gpus: int
@@ -36,7 +36,7 @@ class SetKey(NamedTuple):
 
 
 class SearchFacts:
-    """Everything fixed during one search: no caches but the calls each role runs."""
+    """Everything fixed during one search, with the cost tables (memo) its jobs share."""
 
     def __init__(self, workload: Workload, hw: HardwareProfile, gpus_per_node: int, dag: Dag, rules: Rules | None,
                  memo: CostMemo) -> None:

@@ -30,10 +30,11 @@ from hfplan.plan import PlacementSet, Plan, RoleParallelism
 from hfplan.planner import space
 from hfplan.planner.bounds import PlacementBounds
 from hfplan.planner.context import SearchContext
+from hfplan.planner.facts import SetKey
 from hfplan.planner.fit import MemoryFront
 from hfplan.planner.strategies import GenKey, RoleChoices, RoleOption, Rules, agrees
 from hfplan.simulator import engine
-from hfplan.simulator.mapping import PlanCosts, call_seconds, switch_seconds
+from hfplan.simulator.mapping import PlanCosts, switch_seconds
 from hfplan.simulator.schedule import Precedence
 from hfplan.simulator.trace import Dag, trace
 from hfplan.spec import Cluster, Workload
@@ -198,7 +199,7 @@ class _PairSearch:
                     self.floor[node_id] = max(self.floor[node_id], secs)
         self.best_time = math.inf
         self.best_choice: dict[str, RoleOption] | None = None
-        self.unfit: tuple[tuple[str, ...], int] | None = None  # a set no strategy choice fits
+        self.unfit: SetKey | None = None  # a set no strategy choice fits
 
     def _with_weight_sync(self, choices: RoleChoices) -> RoleChoices:
         """Rollout options with the weight sync this placement really pays (same node as the actor?)."""
@@ -217,8 +218,8 @@ class _PairSearch:
         key = _GenRoom(option.gen_key, int(kv_budget // kv.slot), int(kv_budget // kv.burst))
         if key not in self._gen_cache:
             ctx, gpus = self.ctx, self.gpus[option.role]
-            self._gen_cache[key] = [call_seconds(ctx.workload, ctx.hw, ctx.gpus_per_node, n, option.role, option.par,
-                                                 gpus, kv_budget, ctx.memo) for n in ctx.generate_nodes]
+            self._gen_cache[key] = [ctx.seconds(n, option.role, option.par, gpus, kv_budget)
+                                    for n in ctx.generate_nodes]
         return self._gen_cache[key]
 
     def run(self) -> None:
@@ -226,7 +227,7 @@ class _PairSearch:
             return
         for roles, gpus in zip(self.pair.placement, self.pair.allocation, strict=True):
             if not self.ctx.fit.set_fits(roles, gpus):
-                self.unfit = (roles, gpus)
+                self.unfit = self.ctx.set_key(roles, gpus)
                 return
         self._descend(0, {}, list(self.floor), self.min_switch)
 
@@ -526,8 +527,8 @@ def _evaluate_pair(ctx: SearchContext, placement, allocation, threshold: float, 
         if not all(bb.options.values()):
             return Candidate(placement, allocation, "infeasible", reason=_alone_reason(ctx, placement, allocation))
         if bb.unfit is not None:
-            roles, gpus = bb.unfit
-            reason = f"{'+'.join(roles)} together fit on {gpus} GPUs with no strategies (memory per GPU)"
+            unfit = bb.unfit
+            reason = f"{'+'.join(unfit.roles)} together fit on {unfit.gpus} GPUs with no strategies (memory per GPU)"
             return Candidate(placement, allocation, "infeasible", reason=reason)
         return Candidate(placement, allocation, "pruned", reason=f"no strategy choice beats {threshold:.4g} s")
     pars = {r: bb.best_choice[r].par for roles in placement for r in roles}  # in placement order
