@@ -1,11 +1,11 @@
-"""strategies.pareto against its definition, checked pair by pair."""
+"""planner/pareto.py's pareto against its definition, checked pair by pair."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from hfplan.planner.strategies import pareto
+from hfplan.planner.pareto import pareto
 
 
 def by_definition(vectors: np.ndarray, keys: list[int] | None) -> list[int]:

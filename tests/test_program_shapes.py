@@ -9,7 +9,7 @@ import itertools
 import math
 
 import pytest
-from test_search import Case, Lab, exhaustive
+from search_references import Case, Lab, exhaustive
 
 from hfplan.dataflow.ops import GENERATED as SEQ
 from hfplan.dataflow.registry import Algorithm, get_algorithm, register_algorithm, unregister_algorithm

@@ -1,111 +1,32 @@
-"""The search (hfplan/planner/search.py) against an exhaustive reference written here.
+"""The search (hfplan/planner/search.py) against an exhaustive reference (tests/search_references.py).
 
-The reference does not use the planner's strategies or search modules: for every placement (set
-partition of the model roles, with the hybrid engine or a rollout set), every allocation of at most the
-cluster's GPUs to its sets, and every role's raw strategies (space.train_configs / infer_configs /
-gen_configs, less what the executor's pre-flight refuses), it costs each colocated set's every combination
-with PlanCosts (its memory, its calls' seconds) and runs the simpy engine on the cartesian product of the
-sets' combinations, leaving out only combinations no faster on any call than another of the same set
-(exact: see exhaustive()). brute_force() multiplies everything out on the pairs small enough, to check
-that. The search claims to be exact within that space, so its best iteration time, its top-K and its
+The reference does not use the planner's strategies or search modules: it costs every role's raw strategies
+in every placement and allocation of at most the cluster's GPUs, and runs the simpy engine on every choice
+that could be the best of its pair. brute_force() multiplies everything out on the pairs small enough, to
+check that. The search claims to be exact within that space, so its best iteration time, its top-K and its
 verdict on every (placement, allocation) must agree with the reference.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
-from dataclasses import dataclass
 
-import numpy as np
 import pytest
-import yaml
+from search_references import CPU, RULE, TIGHT, Case, Lab, PairResult, brute_force
 from support import deadline as _deadline
 
-from hfplan.dataflow.registry import get_algorithm
 from hfplan.errors import HfplanError
-from hfplan.layout import ON_CONTROLLER
-from hfplan.plan import ROLLOUT, Plan, RoleParallelism, plan_from_dict
+from hfplan.plan import ROLLOUT, Plan, plan_from_dict
 from hfplan.planner import space
 from hfplan.planner.search import Candidate, search, twin_key
 from hfplan.simulator import engine
 from hfplan.simulator.costs import CostMemo
 from hfplan.simulator.mapping import PlanCosts
-from hfplan.simulator.trace import Node, trace
-from hfplan.spec import ALGORITHM_ROLES, Cluster, Workload, make_cluster, workload_from_dict
+from hfplan.simulator.trace import trace
+from hfplan.spec import ALGORITHM_ROLES, Workload, make_cluster, workload_from_dict
 
-RULE = "rule:vowel-fraction"
 BELL = {1: 1, 2: 2, 3: 5, 4: 15, 5: 52, 6: 203, 7: 877}
-
-# Small decoder-only models written as HF config.json files. Few layers and heads keep the strategy
-# product small enough for an exhaustive search; hidden sizes are large enough that the choices matter.
-MODEL_CONFIGS = {
-    # training tp 1 only (one KV head); inference and generation may use tp 2 (KV heads replicated)
-    "kv1": {"num_hidden_layers": 2, "hidden_size": 1024, "num_attention_heads": 2, "num_key_value_heads": 1,
-            "intermediate_size": 4096, "vocab_size": 32000},
-    # tp up to 2 for training, 4 for inference; pp 1 or 2
-    "wide": {"num_hidden_layers": 2, "hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 2,
-             "intermediate_size": 4096, "vocab_size": 32000},
-    # one layer, one head: a single layout (1, 1, A) on A GPUs
-    "flat": {"num_hidden_layers": 1, "hidden_size": 1024, "num_attention_heads": 1, "num_key_value_heads": 1,
-             "intermediate_size": 4096, "vocab_size": 32000},
-    # ~0.25B parameters: on the TIGHT profile (3.5 GiB usable) the actor cannot train unsharded on one
-    # device, colocated sets overflow, and the KV cache left to generation limits its batch
-    "mha": {"num_hidden_layers": 2, "hidden_size": 2048, "num_attention_heads": 4, "num_key_value_heads": 4,
-            "intermediate_size": 8192, "vocab_size": 16000},
-    "flatbig": {"num_hidden_layers": 1, "hidden_size": 2048, "num_attention_heads": 1, "num_key_value_heads": 1,
-                "intermediate_size": 8192, "vocab_size": 16000},
-    # one layer, eight KV heads: a large KV cache per token, so generation runs in waves on CPU memory
-    "kv8": {"num_hidden_layers": 1, "hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 8,
-            "intermediate_size": 2048, "vocab_size": 32000},
-    "flat1k": {"num_hidden_layers": 1, "hidden_size": 1024, "num_attention_heads": 1, "num_key_value_heads": 1,
-               "intermediate_size": 3072, "vocab_size": 1000},
-}
-
-
-# Hardware profiles written by the tests, so that edits to the shipped ones do not move the cases.
-TIGHT = "tight"  # the shipped a100-80g rates with 4.5 GiB (3.5 usable), 2 per node: memory decides, not speed
-CPU = "cpu-fixed"  # the shipped 'cpu' profile's values when these tests were written (fp32, 3.5 GiB usable)
-PROFILES = {
-    TIGHT: {
-        "name": "tight-test", "description": "a100 rates, 4.5 GiB", "measured": False, "date": None,
-        "backend": "nccl", "gpus_per_node": 2,
-        "compute": {"peak_tflops": 312, "matmul_efficiency": 0.859, "kernel_overhead_us": 4.0, "value_bytes": 2},
-        "memory": {"capacity_gib": 4.5, "reserved_gib": 1.0, "bandwidth_gbps": 2039, "efficiency": 0.88},
-        "links": {"intra_node": {"bandwidth_gbps": 300, "efficiency": 0.77, "latency_us": 2.0},
-                  "inter_node": {"bandwidth_gbps": 25, "efficiency": 0.9, "latency_us": 6.0},
-                  "host": {"bandwidth_gbps": 32, "efficiency": 0.8, "latency_us": 10.0}},
-    },
-    CPU: {
-        "name": "cpu-fixed", "description": "CPU processes, fixed for tests", "measured": False, "date": None,
-        "backend": "gloo", "gpus_per_node": 4,
-        "compute": {"peak_tflops": 0.096, "matmul_efficiency": 0.7, "kernel_overhead_us": 10.0, "value_bytes": 4},
-        "memory": {"capacity_gib": 4, "reserved_gib": 0.5, "bandwidth_gbps": 10, "efficiency": 0.8},
-        "links": {"intra_node": {"bandwidth_gbps": 2, "efficiency": 0.8, "latency_us": 50.0},
-                  "inter_node": {"bandwidth_gbps": 1.25, "efficiency": 0.8, "latency_us": 100.0},
-                  "host": {"bandwidth_gbps": 10, "efficiency": 0.8, "latency_us": 5.0}},
-    },
-}
-
-
-@dataclass(frozen=True)
-class Case:
-    algorithm: str
-    models: dict  # role -> MODEL_CONFIGS key, or a rule
-    gpus: int
-    per_node: int
-    hardware: str = "a100-80g"
-    prompt_len: int = 256
-    response_len: int = 256
-    batch_prompts: int = 2
-    samples_per_prompt: int = 1
-    mini_batches: int = 1
-    top_k: int = 3
-
-    def __hash__(self) -> int:
-        return hash(repr(self))
-
 
 CASES = {
     "ppo-1gpu": Case("ppo", {"actor": "kv1", "critic": "flat", "reference": "flat", "reward": "flat"}, 1, 1),
@@ -154,184 +75,9 @@ CASE_PARAMS = [pytest.param(name, id=name) for name in CASES] + [
     pytest.param(name, id=name, marks=[pytest.mark.slow, pytest.mark.exhaustive]) for name in SLOW_CASES]
 
 
-# -- the exhaustive reference ---------------------------------------------------------------------
-@dataclass
-class PairResult:
-    best_s: float  # math.inf when no strategy choice fits
-    pars: dict[str, RoleParallelism] | None
-    feasible: int  # complete strategy choices that fit memory
-    infeasible: int
-    runs: int = 0  # simpy runs it took
-
-
-def brute_force(workload: Workload, cluster: Cluster, placement, allocation, memo: CostMemo) -> PairResult:
-    """One (placement, allocation) by the full cartesian product of its roles' strategies, each costed with
-    PlanCosts and run on the simpy engine: what exhaustive() must agree with."""
-    per_node, dag = cluster.gpus_per_node, trace(workload)
-    rollout = any(ROLLOUT in group for group in placement)
-    sets = list(zip(placement, allocation, strict=True))
-    roles = [role for group, _ in sets for role in group]
-    options = [space.role_strategies(workload, role, gpus, per_node, rollout) for group, gpus in sets for role in group]
-    result = PairResult(math.inf, None, 0, 0)
-    for combo in itertools.product(*options):
-        pars = dict(zip(roles, combo, strict=True))
-        plan_costs = PlanCosts(workload, sets, pars, cluster.profile, per_node, memo)
-        if plan_costs.infeasible_reason:
-            result.infeasible += 1
-            continue
-        result.feasible += 1
-        result.runs += 1
-        seconds = engine.run(dag, plan_costs).iteration_s
-        if seconds < result.best_s:
-            result.best_s, result.pars = seconds, pars
-    return result
-
-
-@dataclass
-class SetChoices:
-    """Every strategy combination of one colocated set's roles: how many there are, and of those that fit
-    its GPUs, the ones no other fitting one beats on every call (calls: the set's scheduled calls)."""
-
-    total: int
-    fitting: int
-    front: list[tuple[tuple[tuple[Node, float, float, str | None], ...], dict[str, RoleParallelism]]]
-
-
-def _undominated(vectors: list[tuple[float, ...]]) -> list[int]:
-    """Indices of vectors no other is <= on every entry (of equal ones, the first). Taken in order of their
-    sums, a vector's dominators come before it (summing is monotone), and a dropped one's dominator is kept."""
-    array = np.array(vectors, dtype=float).reshape(len(vectors), -1)
-    kept: list[int] = []
-    for i in sorted(range(len(array)), key=lambda i: (float(array[i].sum()), i)):
-        if not kept or not np.any(np.all(array[kept] <= array[i], axis=1)):
-            kept.append(i)
-    return sorted(kept)
-
-
-def set_choices(workload: Workload, cluster: Cluster, sets: list, index: int, options: dict, memo: CostMemo
-                ) -> SetChoices:
-    """Cost every combination of set `index`'s strategies in the mapping `sets` (the other sets at their first
-    strategy: a set's memory and its calls' seconds depend on its own roles alone, and the test checks it
-    for each pair's best), keeping the undominated ones among those that fit."""
-    roles = sets[index][0]
-    filler = {role: options[role][0] for group, _ in sets for role in group if role not in roles}
-    dag = trace(workload)
-    total, fitting, costed = 0, 0, []
-    for combo in itertools.product(*(options[role] for role in roles)):
-        total += 1
-        pars = {**filler, **dict(zip(roles, combo, strict=True))}
-        plan_costs = PlanCosts(workload, sets, pars, cluster.profile, cluster.gpus_per_node, memo)
-        if plan_costs.memory[index].reason:
-            continue
-        fitting += 1
-        calls = tuple((c.node, c.seconds, c.switch, c.switch_role) for c in engine.schedule(dag, plan_costs)
-                      if c.set == index)
-        costed.append((calls, dict(zip(roles, combo, strict=True))))
-    vectors = [tuple(x for _, seconds, switch, _ in calls for x in (seconds, switch)) for calls, _ in costed]
-    return SetChoices(total, fitting, [costed[i] for i in _undominated(vectors)] if costed else [])
-
-
-def exhaustive(workload: Workload, cluster: Cluster) -> dict[tuple, PairResult]:
-    """The best iteration time of every (placement, allocation) using at most the cluster's GPUs.
-
-    Every combination of strategies within each colocated set is costed; across sets it takes the cartesian
-    product of each set's undominated combinations and runs each on the simpy engine. That drops only
-    choices no faster anywhere than one kept: a set's costs depend on its own strategies alone, and the
-    engine's schedule (each call after its inputs and after the previous call of its set) never ends
-    earlier when a call takes longer. brute_force() checks this on pairs small enough to multiply out."""
-    per_node, dag, memo = cluster.gpus_per_node, trace(workload), CostMemo()
-    out, by_set, strategies = {}, {}, {}
-    for placement in space.own_placements(workload):
-        rollout = any(ROLLOUT in group for group in placement)
-        for allocation in space.allocations(len(placement), cluster.gpus, per_node, idle=True):
-            assert sum(allocation) <= cluster.gpus
-            sets = list(zip(placement, allocation, strict=True))
-            for group, gpus in sets:
-                for role in group:
-                    if (role, gpus, rollout) not in strategies:
-                        strategies[(role, gpus, rollout)] = space.role_strategies(workload, role, gpus, per_node,
-                                                                                  rollout)
-            options = {role: strategies[(role, gpus, rollout)] for group, gpus in sets for role in group}
-            if not all(options.values()):
-                out[(placement, allocation)] = PairResult(math.inf, None, 0, 0)
-                continue
-            where = PlanCosts(workload, sets, {}, cluster.profile, per_node, memo)
-            actor_set = where.set_index["actor"]
-            choices = []
-            for index, (group, gpus) in enumerate(sets):
-                # a set's costs: its roles, its size, the engine; a rollout set's weight sync also whether the
-                # actor shares its node
-                key = (group, gpus, rollout, ROLLOUT in group and where.same_node(actor_set, index))
-                if key not in by_set:
-                    by_set[key] = set_choices(workload, cluster, sets, index, options, memo)
-                choices.append(by_set[key])
-            total, fitting = math.prod(c.total for c in choices), math.prod(c.fitting for c in choices)
-            result = PairResult(math.inf, None, fitting, total - fitting)
-            controller = [engine.Scheduled(n, ON_CONTROLLER, 0.0, 0.0, None) for n in dag.nodes
-                          if where.set_of(n) == ON_CONTROLLER]
-            for combo in itertools.product(*(c.front for c in choices)):
-                calls = sorted([*controller, *(engine.Scheduled(node, index, seconds, switch, role)
-                                               for index, (calls, _) in enumerate(combo)
-                                               for node, seconds, switch, role in calls)], key=lambda c: c.node.id)
-                seconds = engine.run_calls(calls, where.edge_seconds, workload.tokens_per_iteration).iteration_s
-                result.runs += 1
-                if seconds < result.best_s:
-                    result.best_s, result.pars = seconds, {r: p for _, pars in combo for r, p in pars.items()}
-            if result.pars is not None:  # the best choice, costed as one mapping, takes the time found
-                plan_costs = PlanCosts(workload, sets, result.pars, cluster.profile, per_node)
-                assert not plan_costs.infeasible_reason
-                assert engine.run(dag, plan_costs).iteration_s == pytest.approx(result.best_s, rel=1e-12)
-            out[(placement, allocation)] = result
-    return out
-
-
-# -- cases ----------------------------------------------------------------------------------------
-class Lab:
-    """Workloads of the cases (model configs written once per session), with the reference and the
-    search result of each case computed once."""
-
-    def __init__(self, folder) -> None:
-        self.paths = {}
-        for name, fields in MODEL_CONFIGS.items():
-            path = folder / f"{name}.json"
-            path.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **fields}))
-            self.paths[name] = str(path)
-        self.profiles = {}
-        for name, data in PROFILES.items():
-            path = folder / f"{name}.yaml"
-            path.write_text(yaml.safe_dump(data, sort_keys=False))
-            self.profiles[name] = str(path)
-        self.hardware = self.profiles[TIGHT]
-        self._reference: dict[str, dict] = {}
-        self._search: dict[str, object] = {}
-
-    def workload(self, case: Case) -> Workload:
-        models = {role: ref if ref.startswith("rule:") else self.paths[ref] for role, ref in case.models.items()}
-        assert set(models) == set(get_algorithm(case.algorithm).roles)
-        spec = {"algorithm": case.algorithm, "models": models, "prompt_len": case.prompt_len,
-                "response_len": case.response_len, "batch_prompts": case.batch_prompts,
-                "samples_per_prompt": case.samples_per_prompt, "mini_batches": case.mini_batches}
-        return workload_from_dict(spec, "test")
-
-    def cluster(self, case: Case) -> Cluster:
-        return make_cluster(case.gpus, self.profiles.get(case.hardware, case.hardware), case.per_node)
-
-    def reference(self, name: str) -> dict[tuple, PairResult]:
-        if name not in self._reference:
-            case = ALL_CASES[name]
-            self._reference[name] = exhaustive(self.workload(case), self.cluster(case))
-        return self._reference[name]
-
-    def search(self, name: str):
-        if name not in self._search:
-            case = ALL_CASES[name]
-            self._search[name] = search(self.workload(case), self.cluster(case), top_k=case.top_k)
-        return self._search[name]
-
-
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory) -> Lab:
-    return Lab(tmp_path_factory.mktemp("models"))
+    return Lab(tmp_path_factory.mktemp("models"), ALL_CASES)
 
 
 def _reference_best(reference: dict[tuple, PairResult]) -> float:

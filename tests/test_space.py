@@ -325,9 +325,10 @@ def test_micro_batches():
     assert space.micro_batches(8) == [1, 2, 4, 8]
 
 
-# -- the search's local choices of recompute, virtual stages and batching (planner/strategies.py) ----------------
+# -- the search's local choices of recompute, virtual stages and batching (planner/options.py) -------------------
 def _context(attention: str, **workload):
-    from hfplan.planner.strategies import Rules, SearchContext
+    from hfplan.planner.context import SearchContext
+    from hfplan.planner.strategies import Rules
     from hfplan.profiles.hardware import load_hardware
     from hfplan.simulator.trace import trace
     from tests.helpers_plans import small_workload
@@ -342,21 +343,22 @@ def _context(attention: str, **workload):
 def test_training_variants_costed_are_every_non_dominated_one(attention):
     """The parts kept for each (tp, pp, dp, shard) layout are the Pareto front (seconds of each update, activation
     bytes) of every recompute mode and virtual-stage count that fits, costed one by one here."""
-    from hfplan.planner.strategies import TrainPart, _pareto_parts
+    from hfplan.planner.options import _pareto_parts
+    from hfplan.planner.strategies import TrainPart
     from hfplan.simulator.mapping import train_memory
 
     ctx = _context(attention, prompt_len=1024, response_len=1024)
     w, role, gpus = ctx.workload, "actor", 8
     updates = [n for n in ctx.own_nodes(role) if n.kind == "update"]
     got = {}
-    for family in ctx.parts(role, gpus):
+    for family in ctx.options.families(role, gpus):
         t = family.trains[0].config
         got[(t.tp, t.pp, t.dp, t.shard)] = sorted((*p.seconds, p.transient) for p in family.trains)
     expected: dict[tuple, list] = {}
     for train in space.train_configs(w.arch(role), gpus, 8, w.sequences // w.mini_batches, executable=False):
         resident, transient = train_memory(w, role, train, ctx.value_bytes, attention)
         if resident + transient <= ctx.usable:
-            seconds = tuple(ctx._seconds(n, role, RoleParallelism(train=train), gpus) for n in updates)
+            seconds = tuple(ctx.seconds(n, role, RoleParallelism(train=train), gpus) for n in updates)
             expected.setdefault((train.tp, train.pp, train.dp, train.shard), []).append((train, seconds, transient))
     assert set(expected) >= set(got)
     pipelined = False
@@ -373,5 +375,5 @@ def test_generation_keeps_one_batching_where_it_is_never_slower():
     """Responses of very different lengths: continuous batching is never slower than static at any KV room, so
     the generating role's options have continuous generation layouts only."""
     ctx = _context("flash", response_len=512, response_len_mean=64.0)
-    options = ctx.choices("actor", 8).options
+    options = ctx.options.choices("actor", 8).options
     assert options and {o.par.gen.batching for o in options} == {"continuous"}

@@ -1,8 +1,11 @@
-"""Lower bounds of the iteration time over GPU allocations, for a best-first walk of the allocations.
+"""Lower bounds of the iteration time: the floors of calls, and over GPU allocations for a best-first walk.
+
+A role's floor on A GPUs is the fastest each of its calls can be over every strategy that fits alone (a rollout
+set's weight sync at its cheaper case), whatever it is colocated with. A colocated set of roles that do not generate
+has a tighter one, over the choices that fit together.
 
 An allocation is built set by set (a prefix of sizes), using at most the cluster's GPUs. Its bound is
-the schedule rule's longest path (hfplan.simulator.schedule) with every call at its floor (the fastest
-any strategy that fits alone makes it; a rollout set's weight sync at its cheaper case) and free
+the schedule rule's longest path (hfplan.simulator.schedule) with every call at its floor and free
 transfers. Idle GPUs (Rules.idle_gpus) change nothing here: the floor of a set not yet sized is over
 every size it can still get, at most what is left.
 For a set not yet sized, the floor is taken over every size it could still get, so the bound of a
@@ -12,28 +15,155 @@ K-th best plan found so far can be dropped with everything below it.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
 from functools import cache
+from typing import NamedTuple
 
 import numpy as np
 
 from hfplan.layout import ON_CONTROLLER, set_index
 from hfplan.planner import space
-from hfplan.planner.strategies import SearchContext
+from hfplan.planner.facts import RoleKey, SearchFacts, SetKey
+from hfplan.planner.options import RoleOptions
 from hfplan.simulator.schedule import Precedence
 
 
+@dataclass(frozen=True)
+class Floor:
+    """The fastest each call of a role can be on A GPUs (over every strategy that fits alone), and its
+    least switch and resident memory: lower bounds, whatever it is colocated with."""
+
+    seconds: tuple[float, ...]  # own calls, as in own_nodes
+    gen: tuple[float, ...]  # generate calls (generating role)
+    switch: float
+    resident: float
+
+
+class SetBound(NamedTuple):
+    """A set's part of an allocation bound."""
+
+    row: np.ndarray  # the floor of every call the set runs, 0 for the others (node order)
+    switch: float  # the generating role's least switch, if the set holds it
+    why: str  # why it cannot fit ('' when each role can alone)
+
+
+@dataclass
+class BoundCaches:
+    """What Floors computed, by key; a search's two contexts (hybrid engine, rollout set) share one."""
+
+    floors: dict[RoleKey, Floor | None] = field(default_factory=dict)
+    set_floors: dict[SetKey, dict[int, float] | None] = field(default_factory=dict)
+    set_bounds: dict[SetKey, SetBound] = field(default_factory=dict)
+
+
+class Floors:
+    """The floors of roles and of colocated sets on A GPUs, from their options."""
+
+    def __init__(self, facts: SearchFacts, options: RoleOptions, caches: BoundCaches | None = None) -> None:
+        self.facts, self.options = facts, options
+        self.caches = BoundCaches() if caches is None else caches
+
+    def has_floor(self, role: str, gpus: int) -> bool:
+        """Whether floor(role, gpus) is cached already."""
+        return self.facts.role_key(role, gpus) in self.caches.floors
+
+    def floor(self, role: str, gpus: int) -> Floor | None:
+        """Lower bounds of the role's calls on `gpus` GPUs; None when no strategy fits. For trained roles
+        it comes from the families (the minimum of each part), without building every combination."""
+        key = self.facts.role_key(role, gpus)
+        if key not in self.caches.floors:
+            self.caches.floors[key] = self._floor(role, gpus)
+        return self.caches.floors[key]
+
+    def _floor(self, role: str, gpus: int) -> Floor | None:
+        f = self.facts
+        nodes = f.own_nodes(role)
+        if not f.trains(role):
+            opts = self.options.choices(role, gpus)
+            if not opts.options:
+                return None
+            return Floor(tuple(opts.seconds.min(axis=0)) if nodes else (),
+                         tuple(opts.alone_gen.min(axis=0)) if opts.alone_gen.size else (),
+                         float(opts.switch.min()), float(opts.resident.min()))
+        families = self.options.families(role, gpus)
+        if not families:
+            return None
+        update_at = [k for k, n in enumerate(nodes) if n.kind == "update"]
+        forward_at = [k for k, n in enumerate(nodes) if n.kind == "forward"]
+        seconds = [math.inf] * len(nodes)
+        gen = [math.inf] * len(f.generate_nodes) if role == f.generator else []
+        for family in families:
+            for parts, at in ((family.trains, update_at), (family.infers, forward_at)):
+                for part in parts:
+                    for k, value in zip(at, part.seconds, strict=True):
+                        seconds[k] = min(seconds[k], value)
+            for part in family.gens:
+                gen = [min(a, b) for a, b in zip(gen, part.alone, strict=True)]
+        switch = min(part.switch for family in families for part in family.gens)
+        return Floor(tuple(seconds), tuple(gen), switch, min(family.resident for family in families))
+
+    def set_floor(self, roles: tuple[str, ...], gpus: int, limit: int = 200_000) -> dict[int, float] | None:
+        """For colocated roles that do not generate: the fastest each call (by node id) can be over the choices
+        that fit together (tighter than each role alone, since colocation takes memory away). None when the
+        choices are too many to enumerate (`limit`) or nothing fits."""
+        f = self.facts
+        key = f.set_key(roles, gpus)
+        if key in self.caches.set_floors:
+            return self.caches.set_floors[key]
+        choices = [self.options.choices(r, gpus) for r in roles]
+        sizes = [len(c.options) for c in choices]
+        result = None
+        if f.generator not in roles and all(sizes) and math.prod(sizes) <= limit:
+            grid = np.indices(sizes).reshape(len(roles), -1)
+            held = sum(c.resident[g] for c, g in zip(choices, grid, strict=True))
+            transient = np.max([c.transient[g] for c, g in zip(choices, grid, strict=True)], axis=0)
+            fits = held + transient <= f.usable
+            if fits.any():
+                result = {}
+                for role, c, g in zip(roles, choices, grid, strict=True):
+                    chosen = g[fits]
+                    for k, node in enumerate(f.own_nodes(role)):
+                        result[node.id] = float(c.seconds[chosen, k].min())
+        self.caches.set_floors[key] = result
+        return result
+
+    def set_bound(self, roles: tuple[str, ...], gpus: int) -> SetBound:
+        """A set's part of an allocation bound: each role's floor on its calls."""
+        f = self.facts
+        key = f.set_key(roles, gpus)
+        if key not in self.caches.set_bounds:
+            row, switch, why = np.zeros(len(f.dag.nodes)), 0.0, ""
+            for role in roles:
+                floor = self.floor(role, gpus)
+                if floor is None:
+                    why = f"{role} alone does not fit on {gpus} GPUs with any parallel layout"
+                    break
+                for node, secs in zip(f.own_nodes(role), floor.seconds, strict=True):
+                    row[node.id] = secs
+                if role == f.generator:
+                    for node, secs in zip(f.generate_nodes, floor.gen, strict=True):
+                        row[node.id] = secs
+                    switch = floor.switch
+            self.caches.set_bounds[key] = SetBound(row, switch, why)
+        return self.caches.set_bounds[key]
+
+
 class PlacementBounds:
-    def __init__(self, ctx: SearchContext, placement: tuple[tuple[str, ...], ...], gpus: int) -> None:
-        self.ctx, self.placement, self.gpus = ctx, placement, gpus
-        sizes = space.set_sizes(gpus, ctx.gpus_per_node)
-        if ctx.rules.power_of_two_sets:
+    """Bounds of the allocations of one placement on at most `gpus` GPUs, by prefix."""
+
+    def __init__(self, floors: Floors, placement: tuple[tuple[str, ...], ...], gpus: int) -> None:
+        self.floors, self.placement, self.gpus = floors, placement, gpus
+        facts = self.facts = floors.facts
+        sizes = space.set_sizes(gpus, facts.gpus_per_node)
+        if facts.rules.power_of_two_sets:
             sizes = [s for s in sizes if s & (s - 1) == 0]
         self.sizes = sizes
         self.k = len(placement)
-        n_nodes = len(ctx.dag.nodes)
+        n_nodes = len(facts.dag.nodes)
         where = set_index(placement)
-        self.precedence = Precedence.of(ctx.dag, [ON_CONTROLLER if r is None else where[r] for r in ctx.runners])
-        self.switch_ids = ctx.switch_ids
+        self.precedence = Precedence.of(facts.dag, [ON_CONTROLLER if r is None else where[r] for r in facts.runners])
+        self.switch_ids = facts.switch_ids
         # rows[i, j]: floor seconds of set i's calls on sizes[j]; feasible[i, j]; switch[i, j]
         self.rows = np.zeros((self.k, len(sizes), n_nodes))
         self.switch = np.zeros((self.k, len(sizes)))
@@ -48,13 +178,13 @@ class PlacementBounds:
         self.best_switch = np.minimum.accumulate(np.where(self.feasible, self.switch, np.inf), axis=1)
 
     def _fill(self, i: int, j: int, roles: tuple[str, ...], size: int) -> None:
-        row, switch, why = self.ctx.set_bound(roles, size)
-        if why:
+        bound = self.floors.set_bound(roles, size)
+        if bound.why:
             self.feasible[i, j] = False
-            self.why[(i, j)] = why
+            self.why[(i, j)] = bound.why
             return
-        self.rows[i, j] = row
-        self.switch[i, j] = switch
+        self.rows[i, j] = bound.row
+        self.switch[i, j] = bound.switch
 
     def _largest_index(self, limit: int) -> int:
         """Index of the largest allowed size <= limit (-1 if none)."""
@@ -94,7 +224,7 @@ class PlacementBounds:
         left = self.gpus - sum(prefix)
         unsized_after = self.k - index - 1
         js = [j for j, size in enumerate(self.sizes) if size <= left - unsized_after]
-        if not unsized_after and not self.ctx.rules.idle_gpus:
+        if not unsized_after and not self.facts.rules.idle_gpus:
             js = [j for j in js if self.sizes[j] == left]  # the last set takes every GPU left
         if not js:
             return []
@@ -121,7 +251,7 @@ class PlacementBounds:
 
     def completions(self, prefix: tuple[int, ...]) -> int:
         """How many complete allocations start with `prefix`."""
-        return _count(tuple(self.sizes), self.k - len(prefix), self.gpus - sum(prefix), self.ctx.rules.idle_gpus)
+        return _count(tuple(self.sizes), self.k - len(prefix), self.gpus - sum(prefix), self.facts.rules.idle_gpus)
 
 
 @cache

@@ -8,7 +8,7 @@ import signal
 from collections.abc import Callable
 
 from hfplan.planner import space
-from hfplan.planner.strategies import SearchContext
+from hfplan.planner.context import Costed, SearchContext
 
 _WORKER_CONTEXT: SearchContext | None = None  # in a worker process only: the search it costs for
 
@@ -22,9 +22,9 @@ def _start_worker(ctx: SearchContext) -> None:
     _WORKER_CONTEXT = ctx
 
 
-def _cost(key: tuple[str, int]) -> tuple[tuple[str, int], tuple]:
+def _cost(role_size: tuple[str, int]) -> tuple[tuple[str, int], Costed]:
     assert _WORKER_CONTEXT is not None
-    return key, _WORKER_CONTEXT.costed(*key)
+    return role_size, _WORKER_CONTEXT.costed(*role_size)
 
 
 def warm_floors(ctx: SearchContext, gpus: int, jobs: int,
@@ -33,14 +33,14 @@ def warm_floors(ctx: SearchContext, gpus: int, jobs: int,
     sizes = space.set_sizes(gpus, ctx.gpus_per_node)
     if ctx.rules.power_of_two_sets:
         sizes = [s for s in sizes if s & (s - 1) == 0]
-    keys = [(role, size) for role in ctx.gpu_roles for size in sorted(sizes, reverse=True)
-            if not ctx.has_floor(role, size)]  # a context sharing another's caches costs only what is new
-    if not keys:
+    todo = [(role, size) for role in ctx.gpu_roles for size in sorted(sizes, reverse=True)
+            if not ctx.bounds.has_floor(role, size)]  # a context sharing another's caches costs only what is new
+    if not todo:
         return
     if "fork" not in multiprocessing.get_all_start_methods():
         return  # costed lazily in this process instead
     with multiprocessing.get_context("fork").Pool(jobs, initializer=_start_worker, initargs=(ctx,)) as pool:
-        for done, (key, costed) in enumerate(pool.imap_unordered(_cost, keys, chunksize=4), 1):
-            ctx.adopt(*key, *costed)
+        for done, ((role, size), costed) in enumerate(pool.imap_unordered(_cost, todo, chunksize=4), 1):
+            ctx.adopt(role, size, costed)
             if progress is not None:
-                progress("costing strategies", done, len(keys))
+                progress("costing strategies", done, len(todo))

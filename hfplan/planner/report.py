@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from hfplan.plan import Layout, Plan, RoleParallelism, TrainConfig
+from hfplan.plan import Layout, RoleParallelism, TrainConfig
 from hfplan.planner.search import Candidate, SearchResult
 from hfplan.spec import Workload
 
@@ -36,10 +36,6 @@ def describe_role(par: RoleParallelism) -> str:
         paged = " paged" if g.kv_cache == "paged" else ""
         parts.append(f"gen {_layout(g)}{' cb' if g.batching == 'continuous' else ''}{paged}{cap}")
     return ", ".join(parts)
-
-
-def describe_parallelism(plan: Plan) -> str:
-    return "; ".join(f"{role}: {describe_role(par)}" for role, par in plan.parallelism.items())
 
 
 def status_counts(result: SearchResult) -> dict[str, int]:

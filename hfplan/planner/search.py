@@ -20,6 +20,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -28,9 +29,12 @@ from hfplan.layout import ROLLOUT, facts_of, generating_role, model_role, set_in
 from hfplan.plan import PlacementSet, Plan, RoleParallelism
 from hfplan.planner import space
 from hfplan.planner.bounds import PlacementBounds
-from hfplan.planner.strategies import RoleChoices, RoleOption, Rules, SearchContext, agrees
+from hfplan.planner.context import SearchContext
+from hfplan.planner.facts import SetKey
+from hfplan.planner.fit import MemoryFront
+from hfplan.planner.strategies import GenKey, RoleChoices, RoleOption, Rules, agrees
 from hfplan.simulator import engine
-from hfplan.simulator.mapping import PlanCosts, call_seconds, switch_seconds
+from hfplan.simulator.mapping import PlanCosts, switch_seconds
 from hfplan.simulator.schedule import Precedence
 from hfplan.simulator.trace import Dag, trace
 from hfplan.spec import Cluster, Workload
@@ -106,11 +110,38 @@ class _Pair:
         return self.precedence.makespan(durations)
 
 
+class _Unit(NamedTuple):
+    """What the branch and bound chooses at one depth: one role's option, or a joint option of a colocated set's
+    roles that do not generate."""
+
+    name: str  # the role, or the set's roles joined by "+"
+    roles: tuple[str, ...]
+    set_index: int
+    call_ids: list[int]  # node ids of its roles' own calls
+    choices: RoleChoices
+
+
+class _GenRoom(NamedTuple):
+    """What the generate calls of an option depend on at a KV-cache budget: its generation layout and engine, and
+    how many sequences the budget holds (KvSequence.slots)."""
+
+    gen: GenKey | None
+    slots: int
+    bursts: int
+
+
+class _Held(NamedTuple):
+    """The memory the chosen units of one set take together."""
+
+    resident: float
+    transient: float  # the largest
+
+
 class _PairSearch:
     """Branch and bound over the strategies of every role of one (placement, allocation).
 
     It descends unit by unit: the generating role first, then each role that shares its GPUs (they decide
-    its KV-cache room), then every other set as one unit of joint choices (ctx.joint_choices; its roles
+    its KV-cache room), then every other set as one unit of joint choices (RoleOptions.joint; its roles
     one by one when those are too many)."""
 
     def __init__(self, pair: _Pair, threshold: float, stats: SearchStats, exact: Callable[[dict], float]):
@@ -125,12 +156,11 @@ class _PairSearch:
         self.gen_ids = [n.id for n in ctx.generate_nodes]
         roles = sorted(pair.set_of_role, key=lambda r: (r != ctx.generator, pair.set_of_role[r] != gen_set,
                                                         not ctx.trains(r), r))
-        role_arrays = {r: ctx.choices(r, self.gpus[r]) for r in roles}
+        role_arrays = {r: ctx.options.choices(r, self.gpus[r]) for r in roles}
         if ROLLOUT in role_arrays:
             role_arrays[ROLLOUT] = self._with_weight_sync(role_arrays[ROLLOUT])
         self.options = {r: a.options for r, a in role_arrays.items()}
-        # units: (name, roles, set index, own call ids, choices) in descent order
-        self.units: list[tuple[str, tuple[str, ...], int, list[int], RoleChoices]] = []
+        self.units: list[_Unit] = []  # in descent order
         joined: set[int] = set()
         for r in roles:
             index = pair.set_of_role[r]
@@ -138,23 +168,23 @@ class _PairSearch:
             # Joint options are pruned on seconds alone, so a rule set whose roles must agree (Rules.agree) chooses
             # role by role.
             alone = index == gen_set or len(group) == 1 or ctx.rules.agree is not None
-            joint = None if alone else ctx.joint_choices(group, self.gpus[r])
+            joint = None if alone else ctx.options.joint(group, self.gpus[r])
             if joint is None:
-                self.units.append((r, (r,), index, [n.id for n in ctx.own_nodes(r)], role_arrays[r]))
+                self.units.append(_Unit(r, (r,), index, [n.id for n in ctx.own_nodes(r)], role_arrays[r]))
             elif index not in joined:
                 joined.add(index)
                 ids = [n.id for member in group for n in ctx.own_nodes(member)]
-                self.units.append(("+".join(group), group, index, ids, joint))
+                self.units.append(_Unit("+".join(group), group, index, ids, joint))
         # For each unit, the least memory the units of its set after it in the descent can take together
-        self.rest_front = []
-        for depth, (_, _, index, _, _) in enumerate(self.units):
-            later = tuple(r for _, members, i, _, _ in self.units[depth + 1:] if i == index for r in members)
-            self.rest_front.append(ctx.memory_front(later, pair.allocation[index]))
-        self._gen_cache: dict[tuple, list[float]] = {}
+        self.rest_front: list[MemoryFront] = []
+        for depth, unit in enumerate(self.units):
+            later = tuple(r for u in self.units[depth + 1:] if u.set_index == unit.set_index for r in u.roles)
+            self.rest_front.append(ctx.fit.memory_front(later, pair.allocation[unit.set_index]))
+        self._gen_cache: dict[_GenRoom, list[float]] = {}
         self.floor = [0.0] * len(ctx.dag.nodes)  # fastest any option can make each call
         self.min_switch = 0.0
         for r in roles:
-            floor = ctx.floor(r, self.gpus[r])
+            floor = ctx.bounds.floor(r, self.gpus[r])
             if floor is None:
                 continue
             for node, secs in zip(ctx.own_nodes(r), floor.seconds, strict=True):
@@ -165,11 +195,11 @@ class _PairSearch:
                 self.min_switch = floor.switch
         for group, gpus in zip(pair.placement, pair.allocation, strict=True):
             if len(group) > 1:
-                for node_id, secs in (ctx.set_floor(group, gpus) or {}).items():
+                for node_id, secs in (ctx.bounds.set_floor(group, gpus) or {}).items():
                     self.floor[node_id] = max(self.floor[node_id], secs)
         self.best_time = math.inf
         self.best_choice: dict[str, RoleOption] | None = None
-        self.unfit: tuple[tuple[str, ...], int] | None = None  # a set no strategy choice fits
+        self.unfit: SetKey | None = None  # a set no strategy choice fits
 
     def _with_weight_sync(self, choices: RoleChoices) -> RoleChoices:
         """Rollout options with the weight sync this placement really pays (same node as the actor?)."""
@@ -185,30 +215,30 @@ class _PairSearch:
         """Generate calls of `option` with `kv_budget` bytes per GPU for the KV cache (they depend on the
         budget only through how many sequences it holds)."""
         kv = option.memory.kv  # the room decides generation through the sequences held at once (KvSequence.slots)
-        key = (option.gen_key, int(kv_budget // kv.slot), int(kv_budget // kv.burst))
+        key = _GenRoom(option.gen_key, int(kv_budget // kv.slot), int(kv_budget // kv.burst))
         if key not in self._gen_cache:
             ctx, gpus = self.ctx, self.gpus[option.role]
-            self._gen_cache[key] = [call_seconds(ctx.workload, ctx.hw, ctx.gpus_per_node, n, option.role, option.par,
-                                                 gpus, kv_budget, ctx.memo) for n in ctx.generate_nodes]
+            self._gen_cache[key] = [ctx.seconds(n, option.role, option.par, gpus, kv_budget)
+                                    for n in ctx.generate_nodes]
         return self._gen_cache[key]
 
     def run(self) -> None:
         if any(not opts for opts in self.options.values()):
             return
         for roles, gpus in zip(self.pair.placement, self.pair.allocation, strict=True):
-            if not self.ctx.set_fits(roles, gpus):
-                self.unfit = (roles, gpus)
+            if not self.ctx.fit.set_fits(roles, gpus):
+                self.unfit = self.ctx.set_key(roles, gpus)
                 return
         self._descend(0, {}, list(self.floor), self.min_switch)
 
-    def _set_state(self, chosen: dict[str, RoleOption], index: int) -> tuple[float, float]:
-        """(held resident bytes, largest transient) of the chosen units of one set."""
-        held, transient = 0.0, 0.0
-        for name, _, i, _, _ in self.units:
-            if i == index and name in chosen:
-                held += chosen[name].memory.resident
-                transient = max(transient, chosen[name].memory.transient)
-        return held, transient
+    def _held(self, chosen: dict[str, RoleOption], index: int) -> _Held:
+        """The memory the chosen units of set `index` take."""
+        resident, transient = 0.0, 0.0
+        for unit in self.units:
+            if unit.set_index == index and unit.name in chosen:
+                resident += chosen[unit.name].memory.resident
+                transient = max(transient, chosen[unit.name].memory.transient)
+        return _Held(resident, transient)
 
     def _descend(self, depth: int, chosen: dict[str, RoleOption], seconds: list[float], switch: float) -> None:
         """Try every option of the next unit, most promising first, while its bound (the schedule with
@@ -217,14 +247,15 @@ class _PairSearch:
         if depth == len(self.units):
             self._leaf(chosen, seconds, switch)
             return
-        name, _, index, own_ids, arrays = self.units[depth]
+        unit = self.units[depth]
+        name, index, own_ids, arrays = unit.name, unit.set_index, unit.call_ids, unit.choices
         front = self.rest_front[depth]
-        if not len(front):
+        if front.empty:
             return  # the units after it in its set fit together with no choice
-        held, transient = self._set_state(chosen, index)
-        mine = held + arrays.resident
-        room = self.usable - mine[:, None] - front[None, :, 0]
-        ok = room >= np.maximum(np.maximum(transient, arrays.transient)[:, None], front[None, :, 1])
+        held = self._held(chosen, index)
+        mine = held.resident + arrays.resident
+        room = self.usable - mine[:, None] - front.resident[None, :]
+        ok = room >= np.maximum(np.maximum(held.transient, arrays.transient)[:, None], front.transient[None, :])
         gen = self.ctx.generator
         if index == self.gen_set:
             need = arrays.gen_need if name == gen else chosen[gen].memory.gen_extra + chosen[gen].memory.kv_per_sequence
@@ -236,12 +267,12 @@ class _PairSearch:
         if own_ids:
             rows[:, own_ids] = arrays.seconds
         if index == self.gen_set:
-            self._bound_generation(name, chosen, arrays, mine + float(front[:, 0].min()), fits, rows)
+            self._bound_generation(name, chosen, arrays, mine + float(front.resident.min()), fits, rows)
         switches = arrays.switch if name == gen else np.full(len(arrays.options), switch)
         bounds = self.pair.makespan_many(rows, switches)
         order = [int(k) for k in np.argsort(np.where(fits, bounds, np.inf), kind="stable")
                  if fits[k] and bounds[k] < min(self.best_time, self.threshold)]
-        if depth == len(self.units) - 2 and self.units[-1][2] != self.gen_set:
+        if depth == len(self.units) - 2 and self.units[-1].set_index != self.gen_set:
             self._last_two(depth, chosen, order, rows, switches)
             return
         for k in order:
@@ -260,28 +291,29 @@ class _PairSearch:
         """The last two units at once: every option of the last (outside the generating set, so it leaves
         generation alone) beside each option `order` keeps of the one before, in one schedule over all
         pairs; then leaves in the same order the descent would take them."""
-        name, _, _, _, arrays = self.units[depth]
-        last_name, _, last_index, last_ids, last = self.units[-1]
+        name, arrays = self.units[depth].name, self.units[depth].choices
+        final = self.units[-1]
+        last = final.choices
         n = len(last.options)
         per_batch = max(1, batch_rows // max(1, n))
         for start in range(0, len(order), per_batch):
             ks = order[start:start + per_batch]
             grid = np.repeat(rows[ks], n, axis=0)
-            if last_ids:
-                grid[:, last_ids] = np.tile(last.seconds, (len(ks), 1))
+            if final.call_ids:
+                grid[:, final.call_ids] = np.tile(last.seconds, (len(ks), 1))
             spans = self.pair.makespan_many(grid, np.repeat(switches[ks], n)).reshape(len(ks), n)
             for row, k in enumerate(ks):
                 if float(spans[row].min()) >= min(self.best_time, self.threshold):
                     continue
                 picked = {**chosen, name: arrays.options[k]}
-                held, transient = self._set_state(picked, last_index)
-                fits = held + last.resident + np.maximum(transient, last.transient) <= self.usable
+                held = self._held(picked, final.set_index)
+                fits = held.resident + last.resident + np.maximum(held.transient, last.transient) <= self.usable
                 if self.ctx.rules.agree is not None:
-                    fits &= self._agreeing(last_name, picked, last)
+                    fits &= self._agreeing(final.name, picked, last)
                 for m in np.argsort(np.where(fits, spans[row], np.inf), kind="stable"):
                     if not fits[m] or spans[row, m] >= min(self.best_time, self.threshold):
                         break
-                    self._leaf({**picked, last_name: last.options[m]}, grid[row * n + m].tolist(),
+                    self._leaf({**picked, final.name: last.options[m]}, grid[row * n + m].tolist(),
                                float(switches[k]))
 
     def _bound_generation(self, name: str, chosen: dict[str, RoleOption], arrays: RoleChoices, held: np.ndarray,
@@ -302,9 +334,9 @@ class _PairSearch:
         self.stats.strategy_choices += 1
         seconds = list(seconds)
         gen = self.ctx.generator
-        held, _ = self._set_state(chosen, self.gen_set)
+        held = self._held(chosen, self.gen_set)
         need = chosen[gen].memory
-        kv_budget = self.usable - held - need.gen_extra
+        kv_budget = self.usable - held.resident - need.gen_extra
         if kv_budget < need.kv_per_sequence:
             return
         for node_id, secs in zip(self.gen_ids, self._gen_seconds(chosen[gen], kv_budget), strict=True):
@@ -369,7 +401,7 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
     bounds = []
     seen_infeasible: set[tuple[int, int, int]] = set()
     for index, (ctx, placement) in enumerate(entries):
-        pb = PlacementBounds(ctx, placement, cluster.gpus)
+        pb = PlacementBounds(ctx.bounds, placement, cluster.gpus)
         bounds.append(pb)
         stats.allocations += pb.completions(())
         heapq.heappush(heap, (pb.bound(()), len(heap), index, ()))
@@ -476,7 +508,7 @@ def _unbounded_reason(pb: PlacementBounds, prefix: tuple[int, ...]) -> str:
 def _alone_reason(ctx: SearchContext, placement, allocation) -> str:
     for roles, gpus in zip(placement, allocation, strict=True):
         for role in roles:
-            if ctx.floor(role, gpus) is None:
+            if ctx.bounds.floor(role, gpus) is None:
                 return f"{role} alone does not fit on {gpus} GPUs with any parallel layout"
     return "no strategy fits"
 
@@ -495,8 +527,8 @@ def _evaluate_pair(ctx: SearchContext, placement, allocation, threshold: float, 
         if not all(bb.options.values()):
             return Candidate(placement, allocation, "infeasible", reason=_alone_reason(ctx, placement, allocation))
         if bb.unfit is not None:
-            roles, gpus = bb.unfit
-            reason = f"{'+'.join(roles)} together fit on {gpus} GPUs with no strategies (memory per GPU)"
+            unfit = bb.unfit
+            reason = f"{'+'.join(unfit.roles)} together fit on {unfit.gpus} GPUs with no strategies (memory per GPU)"
             return Candidate(placement, allocation, "infeasible", reason=reason)
         return Candidate(placement, allocation, "pruned", reason=f"no strategy choice beats {threshold:.4g} s")
     pars = {r: bb.best_choice[r].par for roles in placement for r in roles}  # in placement order
@@ -546,11 +578,11 @@ def minimum_gpus(ctx: SearchContext, limit: int = 4096) -> int | None:
     # A larger set does not always fit what a smaller one does (its data-parallel ranks may outnumber the
     # batch: hfplan.layout.unsupported_split), so a role that fits nowhere is found by trying every size.
     sizes = space.set_sizes(limit, ctx.gpus_per_node)
-    if any(all(ctx.floor(role, size) is None for size in sizes) for role in ctx.gpu_roles):
+    if any(all(ctx.bounds.floor(role, size) is None for size in sizes) for role in ctx.gpu_roles):
         return None
     for gpus in range(1, limit + 1):
         for placement in ctx.placements:
             for allocation in space.allocations(len(placement), gpus, ctx.gpus_per_node, ctx.rules.power_of_two_sets):
-                if all(ctx.set_fits(roles, size) for roles, size in zip(placement, allocation, strict=True)):
+                if all(ctx.fit.set_fits(roles, size) for roles, size in zip(placement, allocation, strict=True)):
                     return gpus
     return None

@@ -380,10 +380,10 @@ def generation_time(hw: HardwareProfile, arch: ModelArch, cfg: GenConfig, where:
     max_batch = kv.slots(kv_budget_bytes, per_replica, cfg.max_batch)
     if max_batch < 1:
         return GenerationCost(seconds=math.inf, max_batch=0, waves=0)
-    parts, waves, batch = _best_waves(hw, arch, cfg.tp, cfg.pp, where, per_replica, max_batch, prompt_len,
-                                      response_len, lengths, cfg.batching, memo=memo)
-    parts = parts.plus(_controller(hw))
-    return GenerationCost(seconds=parts.total, max_batch=batch, waves=waves, parts=parts)
+    best = _best_waves(hw, arch, cfg.tp, cfg.pp, where, per_replica, max_batch, prompt_len, response_len, lengths,
+                       cfg.batching, memo=memo)
+    parts = best.parts.plus(_controller(hw))
+    return GenerationCost(seconds=parts.total, max_batch=best.batch, waves=best.waves, parts=parts)
 
 
 def _waves_parts(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, sequences: int,
@@ -440,12 +440,21 @@ def _fewest_waves(sequences: int, max_batch: int) -> int:
     return -(-sequences // max(1, min(sequences, max_batch)))
 
 
+class Waves(NamedTuple):
+    """How one replica runs its sequences: in `waves` static waves of at most `batch`, or through `batch`
+    continuous slots, and what that costs."""
+
+    parts: Parts
+    waves: int
+    batch: int  # the largest number of sequences held at once
+
+
 @memoized
 def _best_waves(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, sequences: int,
                 max_batch: int, prompt_len: int, response_len: int, lengths: ResponseLengths | None = None,
-                batching: str = "static", *, memo: CostMemo | None = None) -> tuple[Parts, int, int]:
-    """(parts, waves, largest batch) of the fastest way to run `sequences` with at most max_batch at once:
-    static, equal waves; continuous, a batch of slots kept full (its size chosen the same way)."""
+                batching: str = "static", *, memo: CostMemo | None = None) -> Waves:
+    """The fastest way to run `sequences` with at most max_batch at once: static, equal waves; continuous, a
+    batch of slots kept full (its size chosen the same way)."""
     fewest = _fewest_waves(sequences, max_batch)
     totals = _wave_totals(hw, arch, tp, pp, where, sequences, prompt_len, response_len, lengths, batching, memo=memo)
     best_seconds, best_waves = math.inf, 0
@@ -457,7 +466,7 @@ def _best_waves(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: S
             best_seconds, best_waves = seconds, waves
     parts = _waves_parts(hw, arch, tp, pp, where, sequences, best_waves, prompt_len, response_len, lengths,
                          batching, memo)
-    return parts, best_waves, -(-sequences // best_waves)
+    return Waves(parts, best_waves, -(-sequences // best_waves))
 
 
 @memoized
