@@ -384,6 +384,7 @@ def test_tensor_parallel_continuous_batching_equals_one_process(tmp_path):
 def test_a_rollout_set_generates_with_the_batching_its_plan_gives():
     import numpy as np
 
+    from hfplan.executor.mesh import WorkerMeshes
     from hfplan.executor.runtime import _build_role
     from hfplan.plan import ROLLOUT, GenConfig, RoleParallelism
     from hfplan.spec import make_cluster
@@ -396,7 +397,7 @@ def test_a_rollout_set_generates_with_the_batching_its_plan_gives():
     for gen in (GenConfig(), GenConfig(batching="continuous", max_batch=3)):
         plan = build_plan(workload, [(("actor", "critic", "reference"), 1), ((ROLLOUT,), 1)],
                           cluster=make_cluster(2, "cpu"), tp=1, gen_tp=1, overrides={ROLLOUT: RoleParallelism(gen=gen)})
-        runtime = _build_role(ROLLOUT, plan, workload.hyperparameters, 0, torch.device("cpu"), 0)
+        runtime = _build_role(ROLLOUT, plan, workload.hyperparameters, 0, torch.device("cpu"), 0, WorkerMeshes("cpu"))
         assert (runtime.engine.batching, runtime.engine.max_batch) == (gen.batching, gen.max_batch)
         outputs[gen.batching] = runtime.run("generate", {"prompts": prompts}, {"greedy": True, "n": 2}, [])
         # 8 rows: one prefill of them all, or, with 3 slots, prefills of at most 3 rows each.
