@@ -1,4 +1,5 @@
-"""Shared fixtures: a hardware profile with round numbers, so hand computations stay readable."""
+"""Shared fixtures: a hardware profile with round numbers, so hand computations stay readable; the
+session's one Ray cluster."""
 
 import os
 
@@ -42,6 +43,35 @@ def plan_file(tmp_path):
     path = tmp_path / "plan.json"
     path.write_text(sample_plan().to_json())
     return path
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory) -> str:
+    """The session's one local Ray cluster, started on first use: its address (for `--address`)."""
+    pytest.importorskip("ray")
+    from tests.execute_support import local_ray_head
+
+    with local_ray_head(tmp_path_factory.mktemp("ray")) as address:
+        yield address
+
+
+@pytest.fixture
+def ray_driver(ray_cluster) -> str:
+    """This process connected to the session's cluster, so that in-process runs use it."""
+    import ray
+
+    from tests.execute_support import connect
+
+    if not ray.is_initialized():
+        connect(ray_cluster)
+    return ray_cluster
+
+
+@pytest.fixture
+def no_ray_driver() -> None:
+    """This process connected to no cluster: for a run that starts Ray itself or joins a cluster of its own."""
+    ray = pytest.importorskip("ray")
+    ray.shutdown()
 
 
 def pytest_collection_modifyitems(config, items):

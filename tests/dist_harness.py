@@ -26,7 +26,6 @@ import os
 import pickle
 import queue as queue_errors
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -37,13 +36,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tests.process_support import free_port
+
 _CALLS = itertools.count()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -10,15 +10,14 @@ import pytest
 from hfplan.executor.controller import METRICS_FILE, TIMELINE_FILE, WORKERS_FILE, ExecuteOptions, execute
 from hfplan.plan import ROLLOUT
 from hfplan.simulator.trace import trace
-from tests.execute_support import ARITH_GRPO, cpu_plan, ray_session, tiny_workload
+from tests.execute_support import ARITH_GRPO, cpu_plan, tiny_workload
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_for_module(tmp_path_factory):
-    with ray_session(str(tmp_path_factory.mktemp("ray"))):
-        yield
+@pytest.fixture(autouse=True)
+def on_the_session_cluster(ray_driver):
+    """Every run of this module on the session's Ray cluster."""
 
 
 def run(plan, tmp_path, iterations=2, **options):

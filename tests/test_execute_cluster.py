@@ -14,7 +14,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def two_node_cluster():
+def two_node_cluster(no_ray_driver):
+    """A cluster of its own (two nodes); this process joins it only through the run's `--address`."""
     import ray
     from ray.cluster_utils import Cluster
 

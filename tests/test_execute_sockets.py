@@ -66,7 +66,8 @@ def owners() -> dict[str, str]:
 RAY_PROCESSES = ("raylet", "gcs_server", "ray::", "ray/dashboard", "ray/_private", "ray/autoscaler")
 
 
-def test_a_local_run_listens_on_loopback_only(tmp_path):
+def test_a_local_run_listens_on_loopback_only(tmp_path, no_ray_driver):
+    """A run that starts its own Ray (not the session's cluster): what hfplan's local start listens on."""
     import ray
 
     assert not ray.is_initialized()
