@@ -7,11 +7,9 @@ import os
 import time
 
 import pytest
-
-torch = pytest.importorskip("torch")
-
-import torch.distributed as dist  # noqa: E402
-from dist_harness import run_world  # noqa: E402
+import torch
+import torch.distributed as dist
+from dist_harness import run_world
 
 
 def _sum_and_draw(rank: int, world: int, seed: int | None) -> dict:
