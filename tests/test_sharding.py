@@ -116,6 +116,7 @@ def test_bad_shard_modes_are_refused(fields, needle):
 
 # -- executor and hybrid engine ---------------------------------------------------------------------------
 def test_executor_mesh_is_replicas_by_shard_group():
+    pytest.importorskip("torch")
     from hfplan.executor.mesh import fsdp_mesh_shape
 
     assert fsdp_mesh_shape(_config("replicated")) == (8, 1)
