@@ -14,7 +14,7 @@ if importlib.util.find_spec("torch") is None:
     # `hfplan execute` (which imports it), are not collected;
     # the planner and simulator tests, and the executor's checks that need no torch, still run.
     collect_ignore_glob = ["test_engine*.py", "test_checkpoint.py", "test_losses.py", "test_faults.py",
-                           "test_dist_harness.py", "test_cli_execute.py"]
+                           "test_worlds.py", "test_cli_execute.py"]
 
 
 @pytest.fixture
@@ -45,8 +45,8 @@ def small_arch() -> ModelArch:
 
 @pytest.fixture
 def plan_file(tmp_path):
-    """The sample plan (tests/helpers_plans.py) written to a file: what `simulate` reads."""
-    from tests.helpers_plans import sample_plan
+    """The sample plan (tests/support/plans.py) written to a file: what `simulate` reads."""
+    from tests.support.plans import sample_plan
 
     path = tmp_path / "plan.json"
     path.write_text(sample_plan().to_json())
@@ -57,7 +57,7 @@ def plan_file(tmp_path):
 def ray_cluster(tmp_path_factory) -> str:
     """The session's one local Ray cluster, started on first use: its address (for `--address`)."""
     pytest.importorskip("ray")
-    from tests.execute_support import local_ray_head
+    from tests.support.executor_runs import local_ray_head
 
     with local_ray_head(tmp_path_factory.mktemp("ray")) as address:
         yield address
@@ -68,7 +68,7 @@ def ray_driver(ray_cluster) -> str:
     """This process connected to the session's cluster, so that in-process runs use it."""
     import ray
 
-    from tests.execute_support import connect
+    from tests.support.executor_runs import connect
 
     if not ray.is_initialized():
         connect(ray_cluster)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from hfplan.spec import make_cluster
-from tests.execute_support import cpu_plan, tiny_workload
-from tests.support import assert_user_error, invoke
+from tests.support.cli import assert_user_error, invoke
+from tests.support.executor_runs import cpu_plan, tiny_workload
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import pytest
 from hfplan.executor.controller import METRICS_FILE, TIMELINE_FILE, WORKERS_FILE, ExecuteOptions, execute
 from hfplan.plan import ROLLOUT
 from hfplan.simulator.trace import trace
-from tests.execute_support import ARITH_GRPO, cpu_plan, tiny_workload
+from tests.support.executor_runs import ARITH_GRPO, cpu_plan, tiny_workload
 
 pytestmark = pytest.mark.slow
 

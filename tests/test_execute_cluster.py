@@ -8,7 +8,7 @@ import tempfile
 import pytest
 
 from hfplan.executor.controller import ExecuteOptions, execute
-from tests.execute_support import ARITH_GRPO, cpu_plan, tiny_workload
+from tests.support.executor_runs import ARITH_GRPO, cpu_plan, tiny_workload
 
 pytestmark = pytest.mark.slow
 

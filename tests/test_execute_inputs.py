@@ -13,7 +13,7 @@ from hfplan.executor.data import PromptStream, read_prompts
 from hfplan.hyperparams import Hyperparameters, with_overrides
 from hfplan.plan import InferConfig, TrainConfig
 from hfplan.spec import make_cluster
-from tests.helpers_plans import build_plan, small_workload
+from tests.support.plans import build_plan, small_workload
 
 
 def demo_plan(micro_batch=2, **overrides):

@@ -6,8 +6,8 @@ import pytest
 
 from hfplan.plan import ROLLOUT
 from hfplan.spec import make_cluster
-from tests.execute_support import ARITH_GRPO, tiny_workload
-from tests.helpers_plans import build_plan
+from tests.support.executor_runs import ARITH_GRPO, tiny_workload
+from tests.support.plans import build_plan
 from tests.test_execute import check_metrics, measured_calls, run, traced_calls
 
 pytestmark = pytest.mark.slow

@@ -8,8 +8,8 @@ from hfplan.executor import preflight
 from hfplan.layout import unsupported_role
 from hfplan.plan import ROLLOUT, GenConfig, InferConfig, RoleParallelism, TrainConfig
 from hfplan.spec import make_cluster
-from tests.execute_support import ARITH_GRPO, cpu_plan, tiny_workload
-from tests.helpers_plans import build_plan
+from tests.support.executor_runs import ARITH_GRPO, cpu_plan, tiny_workload
+from tests.support.plans import build_plan
 from tests.test_execute import check_metrics, measured_calls, run, traced_calls
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hfplan.executor.controller import ExecuteOptions, execute
-from tests.execute_support import ARITH_GRPO, cpu_plan, tiny_workload
+from tests.support.executor_runs import ARITH_GRPO, cpu_plan, tiny_workload
 
 pytestmark = pytest.mark.slow
 LISTEN = "0A"

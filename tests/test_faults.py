@@ -16,8 +16,8 @@ from hfplan.executor.export_model import export_checkpoint
 from hfplan.executor.placement import DeathWatch, failure_namer
 from hfplan.executor.resume import latest, read_checkpoint
 from hfplan.executor.roles import WorkerSet
-from tests.execute_support import cpu_plan, tiny_workload
-from tests.process_support import start_cli, stop_all, tagged, wait_for
+from tests.support.executor_runs import cpu_plan, tiny_workload
+from tests.support.processes import start_cli, stop_all, tagged, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -11,8 +11,8 @@ import signal
 import pytest
 
 from hfplan.executor.resume import latest
-from tests.execute_support import cpu_plan, tiny_workload
-from tests.process_support import run_cli, start_cli, stop_all, wait_for
+from tests.support.executor_runs import cpu_plan, tiny_workload
+from tests.support.processes import run_cli, start_cli, stop_all, wait_for
 
 pytestmark = pytest.mark.slow
 SETS = [(("actor", "critic", "reference"), 2)]

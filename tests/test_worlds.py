@@ -1,5 +1,5 @@
-"""The spawned-world harness: results in rank order, failures and hangs raise and replace the world, and a
-call starts from a fresh process's state whatever the call before it did."""
+"""The spawned worlds (tests/support/worlds.py): results in rank order, failures and hangs raise and replace the
+world, and a call starts from a fresh process's state whatever the call before it did."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import run_world
+
+from tests.support.worlds import run_world
+
+pytestmark = pytest.mark.slow  # it spawns processes
 
 
 def _sum_and_draw(rank: int, world: int, seed: int | None) -> dict:

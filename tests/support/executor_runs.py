@@ -13,8 +13,8 @@ from pathlib import Path
 
 import hfplan
 from hfplan.spec import make_cluster, workload_from_dict
-from tests.helpers_plans import build_plan
-from tests.process_support import TAG, Cli, free_port, stop_all, wait_for
+from tests.support.plans import build_plan
+from tests.support.processes import TAG, Cli, free_port, stop_all, wait_for
 
 TINY_PPO = {"actor": "tiny", "critic": "tiny", "reference": "tiny", "reward": "rule:vowel-fraction"}
 ARITH_GRPO = {"actor": "tiny-arith", "reference": "tiny-arith", "reward": "rule:arith-exact"}

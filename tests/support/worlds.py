@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.process_support import free_port
+from tests.support.processes import free_port
 
 _CALLS = itertools.count()
 
