@@ -1,11 +1,20 @@
-"""Shared fixtures: a hardware profile with round numbers, so hand computations stay readable."""
+"""Shared fixtures: a hardware profile with round numbers, so hand computations stay readable; the
+session's one Ray cluster."""
 
+import importlib.util
 import os
 
 import pytest
 
 from hfplan.profiles.hardware import Compute, HardwareProfile, Link, Links, Memory
 from hfplan.profiles.models import ModelArch
+
+if importlib.util.find_spec("torch") is None:
+    # A core-only install (no execute extra): the modules that import torch at their top, or run
+    # `hfplan execute` (which imports it), are not collected;
+    # the planner and simulator tests, and the executor's checks that need no torch, still run.
+    collect_ignore_glob = ["test_engine*.py", "test_checkpoint.py", "test_losses.py", "test_faults.py",
+                           "test_worlds.py", "test_cli_execute.py"]
 
 
 @pytest.fixture
@@ -36,12 +45,41 @@ def small_arch() -> ModelArch:
 
 @pytest.fixture
 def plan_file(tmp_path):
-    """The sample plan (tests/helpers_plans.py) written to a file: what `simulate` reads."""
-    from tests.helpers_plans import sample_plan
+    """The sample plan (tests/support/plans.py) written to a file: what `simulate` reads."""
+    from tests.support.plans import sample_plan
 
     path = tmp_path / "plan.json"
     path.write_text(sample_plan().to_json())
     return path
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory) -> str:
+    """The session's one local Ray cluster, started on first use: its address (for `--address`)."""
+    pytest.importorskip("ray")
+    from tests.support.executor_runs import local_ray_head
+
+    with local_ray_head(tmp_path_factory.mktemp("ray")) as address:
+        yield address
+
+
+@pytest.fixture
+def ray_driver(ray_cluster) -> str:
+    """This process connected to the session's cluster, so that in-process runs use it."""
+    import ray
+
+    from tests.support.executor_runs import connect
+
+    if not ray.is_initialized():
+        connect(ray_cluster)
+    return ray_cluster
+
+
+@pytest.fixture
+def no_ray_driver() -> None:
+    """This process connected to no cluster: for a run that starts Ray itself or joins a cluster of its own."""
+    ray = pytest.importorskip("ray")
+    ray.shutdown()
 
 
 def pytest_collection_modifyitems(config, items):

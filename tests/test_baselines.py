@@ -10,7 +10,6 @@ import json
 import math
 
 import pytest
-from support import deadline as _deadline
 
 from hfplan.plan import ROLLOUT, RoleParallelism, plan_from_dict
 from hfplan.planner import space
@@ -20,6 +19,7 @@ from hfplan.simulator import engine
 from hfplan.simulator.mapping import PlanCosts
 from hfplan.simulator.trace import trace
 from hfplan.spec import ALGORITHM_ROLES, TRAINED_ROLES, load_workload, make_cluster, workload_from_dict
+from tests.support.cli import deadline as _deadline
 
 NEMO, DEEPSPEED, OPENRLHF = "NeMo-Aligner-like", "DeepSpeed-Chat-like", "OpenRLHF"
 ZERO = ("replicated", "zero1", "zero2", "full")  # --ds.zero_stage 0..3

@@ -12,7 +12,7 @@ from hfplan.profiles.models import CATALOG
 from hfplan.simulator import collectives as coll
 from hfplan.simulator import costs, memory
 from hfplan.simulator.call_cost import CallRequest, call_cost
-from tests.support import invoke
+from tests.support.cli import invoke
 
 A100 = load_hardware("a100-80g")
 LLAMA7 = CATALOG["llama2-7b"]

@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_harness import run_world
-from engine_models import PAD, dp_mesh, llama_actor
 from test_engine_training import HP, LR, actor_batch, full_params
 
 from hfplan.executor import checkpoint, resume
@@ -21,8 +19,10 @@ from hfplan.executor.local import single_process_world
 from hfplan.executor.models import build_model
 from hfplan.executor.tokenizers import build_tokenizer
 from hfplan.layout import facts_of
-from tests.execute_support import cpu_plan, tiny_workload
-from tests.support import assert_user_error, invoke
+from tests.support.cli import assert_user_error, invoke
+from tests.support.engine_models import PAD, dp_mesh, llama_actor
+from tests.support.executor_runs import cpu_plan, tiny_workload
+from tests.support.worlds import run_world
 
 PROMPTS = ["one", "two", "three"]
 

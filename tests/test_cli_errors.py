@@ -12,9 +12,9 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from support import assert_user_error, invoke
 
 import hfplan
+from tests.support.cli import assert_user_error, invoke
 
 HFPLAN = Path(sys.executable).with_name("hfplan")
 ROOT = Path(__file__).resolve().parents[1]

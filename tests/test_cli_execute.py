@@ -1,15 +1,17 @@
-"""`hfplan execute` from the command line: bad input stops before any worker starts; the demo learns."""
+"""`hfplan execute` from the command line: bad input stops before any worker starts; a few demo iterations
+move the actor the way the reward pays."""
 
 from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
 from hfplan.spec import make_cluster
-from tests.execute_support import cpu_plan, tiny_workload
-from tests.support import assert_user_error, invoke
+from tests.support.cli import assert_user_error, invoke
+from tests.support.executor_runs import cpu_plan, tiny_workload
 
 
 @pytest.fixture
@@ -61,15 +63,45 @@ def test_out_that_is_a_file(demo_plan_file, tmp_path):
     assert_user_error(invoke("execute", demo_plan_file, "--out", tmp_path / "taken"), "not a folder")
 
 
+# byte b is token 4 + b after the 4 specials, <bos> is 1 (hfplan.executor.tokenizers.byte_tokenizer)
+BOS, VOWELS = 1, [4 + ord(c) for c in "aeiouAEIOU"]
+
+
+def vowel_probability(actor: Path) -> float:
+    """The mean probability the actor gives a vowel as the first response token, over the demo's prompts."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hfplan.executor.tokenizers import builtin_prompts
+
+    model = AutoModelForCausalLM.from_pretrained(actor).eval()
+    total = 0.0
+    prompts = builtin_prompts("tiny")
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([[BOS, *(4 + b for b in prompt.encode())]])
+            total += float(model(ids).logits[0, -1].softmax(-1)[VOWELS].sum())
+    return total / len(prompts)
+
+
 @pytest.mark.slow
-def test_demo_learns_at_its_default_iteration_count(demo_plan_file, tmp_path):
-    """The README's CPU demo: the mean reward of the last 10 iterations beats the first 10's by >= 10%."""
-    result = invoke("execute", demo_plan_file, "--out", tmp_path / "run", "--timeline", tmp_path / "run.png")
+def test_a_few_demo_iterations_move_the_actor_towards_vowels(demo_plan_file, tmp_path, ray_driver):
+    """The learning claim in short (bench/demo_learning.py measures the reward over the demo's 40 iterations,
+    too noisy to judge over a few): after 4 PPO updates at 10x the demo's learning rate the actor gives vowels,
+    what the reward pays for, more probability than after the first (measured: 0.0397 -> 0.0442; at the demo's
+    rate the move is 1%). The run prints its summary and writes its timeline."""
+    from hfplan.executor.export_model import export_checkpoint
+
+    run = tmp_path / "run"
+    result = invoke("execute", demo_plan_file, "--out", run, "--iterations", 4, "--checkpoint-every", 1, "--keep", 4,
+                    "--set", "actor_lr=1e-2", "--timeline", tmp_path / "run.png")
     assert result.exit_code == 0, result.output
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 40
-    first, last = (sum(r["reward"] for r in part) / len(part) for part in (rows[:10], rows[-10:]))
-    assert last >= 1.1 * first > 0, (first, last)
-    shown = re.search(r"last 10 iterations: ([0-9.]+) vs ([0-9.]+)", result.output)
-    assert shown and float(shown.group(1)) == pytest.approx(last, abs=1e-4)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 4
+    mean_reward = sum(r["reward"] for r in rows) / len(rows)
+    shown = re.search(r"last 4 iterations: ([0-9.]+) vs ([0-9.]+)", result.output)
+    assert shown and float(shown.group(1)) == pytest.approx(mean_reward, abs=1e-4)
     assert (tmp_path / "run.png").stat().st_size > 0
+    after_one = export_checkpoint(run / "checkpoints" / "iteration-000001", tmp_path / "after-one")["actor"]
+    before, after = vowel_probability(after_one), vowel_probability(run / "hf" / "actor")
+    assert after > before, (before, after)

@@ -13,9 +13,7 @@ from types import SimpleNamespace
 
 import pandas as pd
 import pytest
-from helpers_plans import sample_plan
 from rich.console import Console
-from support import invoke
 
 from hfplan import cli
 from hfplan.plan import Span, load_plan
@@ -24,6 +22,8 @@ from hfplan.profiler import command, report
 from hfplan.profiler.fit import LinkFit, RooflineFit
 from hfplan.simulator import gantt
 from hfplan.simulator.engine import simulate_plan
+from tests.support.cli import invoke
+from tests.support.plans import sample_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

@@ -12,8 +12,6 @@ from pathlib import Path
 import pytest
 import yaml
 from rich.console import Console
-from support import assert_user_error as _assert_user_error
-from support import invoke as _invoke
 
 from hfplan import cli
 from hfplan.cli import PARALLELISM_LEGEND
@@ -23,6 +21,8 @@ from hfplan.planner.baselines import compare
 from hfplan.planner.report import describe_role
 from hfplan.simulator.engine import simulate_plan
 from hfplan.spec import load_workload, make_cluster
+from tests.support.cli import assert_user_error as _assert_user_error
+from tests.support.cli import invoke as _invoke
 
 HFPLAN = Path(sys.executable).with_name("hfplan")
 SYSTEMS = ("NeMo-Aligner-like", "DeepSpeed-Chat-like", "OpenRLHF")

@@ -8,10 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers_plans import build_plan, sample_plan
 from rich.console import Console
-from support import assert_user_error as _assert_user_error
-from support import invoke as _invoke
 
 from hfplan import cli
 from hfplan.plan import Estimate, GenConfig, InferConfig, RoleParallelism, TrainConfig, load_plan
@@ -19,6 +16,9 @@ from hfplan.profiles.hardware import shipped_names
 from hfplan.profiles.models import CATALOG
 from hfplan.simulator.engine import simulate_plan
 from hfplan.spec import ALGORITHM_ROLES, BUILTIN_WORKLOADS, load_workload, make_cluster
+from tests.support.cli import assert_user_error as _assert_user_error
+from tests.support.cli import invoke as _invoke
+from tests.support.plans import build_plan, sample_plan
 
 HFPLAN = Path(sys.executable).with_name("hfplan")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -29,7 +29,7 @@ from hfplan.layout import replica_groups, unsupported_layout  # noqa: E402
 from hfplan.plan import Layout, TrainConfig  # noqa: E402
 from hfplan.profiles.models import ModelArch  # noqa: E402
 from hfplan.simulator import memory  # noqa: E402
-from tests.dist_harness import run_world  # noqa: E402
+from tests.support.worlds import run_world  # noqa: E402
 
 HEAD_DIM = 8
 FP32 = 4  # the CPU profile's value bytes: the executor trains and generates in fp32 on CPU processes

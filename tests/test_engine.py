@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 import pytest
-from helpers_plans import build_plan, role_parallelism, small_workload
 
 from hfplan.errors import HfplanError
 from hfplan.plan import GenConfig, InferConfig, RoleParallelism, TrainConfig
@@ -15,6 +14,7 @@ from hfplan.simulator import costs, mapping
 from hfplan.simulator.engine import critical_path, run, simulate_plan
 from hfplan.simulator.trace import trace
 from hfplan.spec import load_workload, make_cluster
+from tests.support.plans import build_plan, role_parallelism, small_workload
 
 ALL_PPO = ["actor", "critic", "reference", "reward"]
 ALL_SAFE = ["actor", "critic", "reference", "reward", "cost", "cost_critic"]

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from engine_models import PAD, llama_actor, llama_critic, qwen2_actor, random_sequences
 
 from hfplan.executor import sequences
 from hfplan.executor.engines import forward
+from tests.support.engine_models import PAD, llama_actor, llama_critic, qwen2_actor, random_sequences
 
 
 def _unpadded(prompts, responses, response_mask, b):

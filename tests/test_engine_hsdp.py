@@ -3,13 +3,13 @@ real 4-process gloo world, matches a single-process step on the full batch."""
 
 import pytest
 import torch
-from dist_harness import run_world
-from engine_models import PAD, llama_actor
 from test_engine_training import HP, LR, _actor_loss, _global_mini_batches, actor_batch, full_params
 
 from hfplan.executor.engines.training import RoleModel
 from hfplan.executor.mesh import ParallelDims
 from hfplan.plan import TrainConfig
+from tests.support.engine_models import PAD, llama_actor
+from tests.support.worlds import run_world
 
 WORLD, MINI_BATCHES = 4, 2
 HYBRID = TrainConfig(dp=WORLD, micro_batch=1, shard="hybrid", shard_group=2)

@@ -2,8 +2,6 @@
 
 import pytest
 import torch
-from dist_harness import run_world
-from engine_models import PAD, dp_mesh, llama_config, qwen2_actor, random_sequences
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import LlamaForCausalLM
@@ -12,6 +10,8 @@ from hfplan.executor.engines import forward
 from hfplan.executor.engines.hybrid import HybridEngine
 from hfplan.executor.engines.training import RoleModel
 from hfplan.hyperparams import Hyperparameters
+from tests.support.engine_models import PAD, dp_mesh, llama_config, qwen2_actor, random_sequences
+from tests.support.worlds import run_world
 
 HP = Hyperparameters(entropy_coef=0.01, max_grad_norm=1.0)
 

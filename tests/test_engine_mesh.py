@@ -5,8 +5,6 @@ import math
 
 import pytest
 import torch
-from dist_harness import run_world
-from engine_models import PAD, dp_mesh, llama_actor, llama_config, llama_critic, one_rank_world
 from test_engine_training import HP, LR, actor_batch
 
 from hfplan.executor.engines import forward
@@ -15,6 +13,8 @@ from hfplan.executor.mesh import DIMS, ParallelDims, WorkerMeshes, compute_dtype
 from hfplan.layout import micro_batch_sizes
 from hfplan.plan import GenConfig, InferConfig, TrainConfig
 from hfplan.simulator.costs import _per_rank
+from tests.support.engine_models import PAD, dp_mesh, llama_actor, llama_config, llama_critic, one_rank_world
+from tests.support.worlds import run_world
 
 
 def test_parallel_dims_split_dp_by_the_shard_group():

@@ -5,17 +5,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_harness import run_world
-from engine_models import (
-    PAD,
-    dp_mesh,
-    llama_actor,
-    llama_config,
-    llama_critic,
-    mesh_of,
-    one_rank_world,
-    random_sequences,
-)
 from test_engine_training import HP, LR, actor_batch, critic_batch, full_params
 from transformers import LlamaForCausalLM
 
@@ -29,6 +18,17 @@ from hfplan.executor.rollout.base import SamplingParams
 from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
 from hfplan.layout import micro_batch_sizes, rank_coords
 from hfplan.plan import GenConfig, InferConfig, Layout, TrainConfig
+from tests.support.engine_models import (
+    PAD,
+    dp_mesh,
+    llama_actor,
+    llama_config,
+    llama_critic,
+    mesh_of,
+    one_rank_world,
+    random_sequences,
+)
+from tests.support.worlds import run_world
 
 
 def test_stage_rule_puts_the_ends_on_the_first_and_last_stage():

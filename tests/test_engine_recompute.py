@@ -9,7 +9,6 @@ from collections import Counter
 
 import pytest
 import torch
-from engine_models import PAD, llama_actor, llama_critic, qwen2_actor
 from test_engine_training import actor_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -18,6 +17,7 @@ from hfplan.executor.engines import forward
 from hfplan.executor.engines.forward import Readout
 from hfplan.executor.engines.pipeline_split import split_model
 from hfplan.executor.engines.recompute import SELECTIVE_PREFIX, apply_recompute
+from tests.support.engine_models import PAD, llama_actor, llama_critic, qwen2_actor
 
 MODES = ("none", "selective", "full")
 # The core attention's forward kernel, by attention implementation (sdpa on CPU; eager: its softmax).

@@ -4,8 +4,6 @@ generation through the hybrid engine, and inference-only models with copied KV h
 
 import pytest
 import torch
-from dist_harness import run_world
-from engine_models import PAD, llama_actor, llama_config, llama_critic, mesh_of, qwen2_actor, random_sequences
 from test_engine_training import (
     HP,
     LR,
@@ -26,6 +24,16 @@ from hfplan.executor.mesh import TP
 from hfplan.executor.rollout.base import SamplingParams
 from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
 from hfplan.plan import InferConfig, TrainConfig
+from tests.support.engine_models import (
+    PAD,
+    llama_actor,
+    llama_config,
+    llama_critic,
+    mesh_of,
+    qwen2_actor,
+    random_sequences,
+)
+from tests.support.worlds import run_world
 
 pytestmark = pytest.mark.slow
 

@@ -2,8 +2,6 @@
 
 import pytest
 import torch
-from dist_harness import run_world
-from engine_models import PAD, dp_mesh, llama_actor, llama_critic, random_sequences
 from torch.distributed.tensor import DTensor
 
 from hfplan.executor import sequences
@@ -11,6 +9,8 @@ from hfplan.executor.engines import forward
 from hfplan.executor.engines.recompute import SELECTIVE_PREFIX
 from hfplan.executor.engines.training import RoleModel
 from hfplan.hyperparams import Hyperparameters
+from tests.support.engine_models import PAD, dp_mesh, llama_actor, llama_critic, random_sequences
+from tests.support.worlds import run_world
 
 LR = 1e-3
 HP = Hyperparameters(entropy_coef=0.01, kl_loss_coef=0.1, kl_estimator="k3", max_grad_norm=0.5, weight_decay=0.01,

@@ -5,8 +5,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_harness import run_world
-from engine_models import PAD, dp_mesh, llama_config, mesh_of, one_rank_world, random_sequences
 from test_engine_training import HP, LR, actor_batch, full_params
 from transformers import LlamaForCausalLM, LlamaForTokenClassification
 
@@ -19,6 +17,8 @@ from hfplan.executor.engines.training import RoleModel
 from hfplan.layout import unsupported_layout
 from hfplan.plan import TrainConfig
 from hfplan.profiles.models import resolve_model
+from tests.support.engine_models import PAD, dp_mesh, llama_config, mesh_of, one_rank_world, random_sequences
+from tests.support.worlds import run_world
 
 LAYERS = 4
 V = 2

@@ -10,15 +10,14 @@ import pytest
 from hfplan.executor.controller import METRICS_FILE, TIMELINE_FILE, WORKERS_FILE, ExecuteOptions, execute
 from hfplan.plan import ROLLOUT
 from hfplan.simulator.trace import trace
-from tests.execute_support import ARITH_GRPO, cpu_plan, ray_session, tiny_workload
+from tests.support.executor_runs import ARITH_GRPO, cpu_plan, tiny_workload
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_for_module(tmp_path_factory):
-    with ray_session(str(tmp_path_factory.mktemp("ray"))):
-        yield
+@pytest.fixture(autouse=True)
+def on_the_session_cluster(ray_driver):
+    """Every run of this module on the session's Ray cluster."""
 
 
 def run(plan, tmp_path, iterations=2, **options):
@@ -51,7 +50,7 @@ def check_metrics(summary, *keys):
 @pytest.mark.parametrize("shard", [True, False])
 def test_ppo_colocated_on_two_ranks(tmp_path, shard):
     plan = cpu_plan(tiny_workload("ppo"), [(("actor", "critic", "reference"), 2)], shard=shard)
-    summary, timeline = run(plan, tmp_path)
+    summary, timeline = run(plan, tmp_path, iterations=1)
     check_metrics(summary, "reward", "kl", "actor/policy_loss", "critic/value_loss", "response_len", "tokens_per_s")
     assert measured_calls(timeline) == traced_calls(plan)
     assert {s["set"] for s in timeline["iterations"][0]["spans"]} == {0, -1}
@@ -71,7 +70,7 @@ def test_ppo_split_sets_overlap_their_preparation_calls(tmp_path):
 @pytest.mark.parametrize("sets", [[(("actor", "reference"), 2)], [(("actor",), 1), (("reference",), 1)]])
 def test_grpo_on_two_processes(tmp_path, sets):
     plan = cpu_plan(tiny_workload("grpo", ARITH_GRPO), sets)
-    summary, timeline = run(plan, tmp_path)
+    summary, timeline = run(plan, tmp_path, iterations=1)
     check_metrics(summary, "reward", "kl", "actor/policy_loss")
     assert measured_calls(timeline) == traced_calls(plan)
 
@@ -81,8 +80,8 @@ def test_rollout_set_generates_with_the_synced_weights(tmp_path):
     workload = tiny_workload("grpo", ARITH_GRPO)
     hybrid = cpu_plan(workload, [(("actor", "reference"), 1)])
     separate = cpu_plan(workload, [(("actor", "reference"), 1), ((ROLLOUT,), 1)])
-    first, _ = run(hybrid, tmp_path / "a", iterations=3)
-    second, timeline = run(separate, tmp_path / "b", iterations=3)
+    first, _ = run(hybrid, tmp_path / "a")
+    second, timeline = run(separate, tmp_path / "b")
     for a, b in zip(first.iterations, second.iterations, strict=True):
         assert a["response_len"] == b["response_len"]
         assert a["reward"] == pytest.approx(b["reward"], abs=1e-6)

@@ -8,13 +8,14 @@ import tempfile
 import pytest
 
 from hfplan.executor.controller import ExecuteOptions, execute
-from tests.execute_support import ARITH_GRPO, cpu_plan, tiny_workload
+from tests.support.executor_runs import ARITH_GRPO, cpu_plan, tiny_workload
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def two_node_cluster():
+def two_node_cluster(no_ray_driver):
+    """A cluster of its own (two nodes); this process joins it only through the run's `--address`."""
     import ray
     from ray.cluster_utils import Cluster
 

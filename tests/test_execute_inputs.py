@@ -13,7 +13,7 @@ from hfplan.executor.data import PromptStream, read_prompts
 from hfplan.hyperparams import Hyperparameters, with_overrides
 from hfplan.plan import InferConfig, TrainConfig
 from hfplan.spec import make_cluster
-from tests.helpers_plans import build_plan, small_workload
+from tests.support.plans import build_plan, small_workload
 
 
 def demo_plan(micro_batch=2, **overrides):
@@ -32,7 +32,7 @@ def test_jsonl_prompts_in_file_order(tmp_path):
 
 
 def test_parquet_prompts(tmp_path):
-    import pyarrow as pa
+    pa = pytest.importorskip("pyarrow")  # the execute extra's
     import pyarrow.parquet as pq
 
     path = tmp_path / "p.parquet"
@@ -49,6 +49,8 @@ def test_parquet_prompts(tmp_path):
     ("p.parquet", "not parquet", "not a readable parquet file"),
 ])
 def test_bad_datasets_are_one_line_errors(tmp_path, name, content, needle):
+    if name.endswith(".parquet"):
+        pytest.importorskip("pyarrow")
     path = tmp_path / name
     path.write_text(content)
     with pytest.raises(HfplanError, match=needle):
@@ -56,7 +58,7 @@ def test_bad_datasets_are_one_line_errors(tmp_path, name, content, needle):
 
 
 def test_parquet_without_prompt_column_names_its_columns(tmp_path):
-    import pyarrow as pa
+    pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
     path = tmp_path / "p.parquet"
@@ -116,6 +118,7 @@ def test_workload_file_carries_hyperparameters():
 
 # -- pre-flight -----------------------------------------------------------------------------------
 def test_gpu_plan_on_a_machine_without_cuda_is_refused():
+    pytest.importorskip("torch")  # how the check looks for CUDA
     plan = demo_plan().model_copy(update={"cluster": make_cluster(8, "a100-80g")})
     with pytest.raises(HfplanError, match="no CUDA device"):
         preflight.check_hardware(plan)

@@ -6,8 +6,8 @@ import pytest
 
 from hfplan.plan import ROLLOUT
 from hfplan.spec import make_cluster
-from tests.execute_support import ARITH_GRPO, ray_session, tiny_workload
-from tests.helpers_plans import build_plan
+from tests.support.executor_runs import ARITH_GRPO, tiny_workload
+from tests.support.plans import build_plan
 from tests.test_execute import check_metrics, measured_calls, run, traced_calls
 
 pytestmark = pytest.mark.slow
@@ -15,10 +15,9 @@ pytestmark = pytest.mark.slow
 PPO_ROLES = ("actor", "critic", "reference")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_for_module(tmp_path_factory):
-    with ray_session(str(tmp_path_factory.mktemp("ray"))):
-        yield
+@pytest.fixture(autouse=True)
+def on_the_session_cluster(ray_driver):
+    """Every run of this module on the session's Ray cluster."""
 
 
 def tp_plan(gpus: int, tp: int, recompute: str = "none"):

@@ -8,18 +8,17 @@ from hfplan.executor import preflight
 from hfplan.layout import unsupported_role
 from hfplan.plan import ROLLOUT, GenConfig, InferConfig, RoleParallelism, TrainConfig
 from hfplan.spec import make_cluster
-from tests.execute_support import ARITH_GRPO, cpu_plan, ray_session, tiny_workload
-from tests.helpers_plans import build_plan
+from tests.support.executor_runs import ARITH_GRPO, cpu_plan, tiny_workload
+from tests.support.plans import build_plan
 from tests.test_execute import check_metrics, measured_calls, run, traced_calls
 
 pytestmark = pytest.mark.slow
 SETS = [(("actor", "critic", "reference"), 2)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_for_module(tmp_path_factory):
-    with ray_session(str(tmp_path_factory.mktemp("ray"))):
-        yield
+@pytest.fixture(autouse=True)
+def on_the_session_cluster(ray_driver):
+    """Every run of this module on the session's Ray cluster."""
 
 
 def pipelined_plan(workload):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hfplan.executor.controller import ExecuteOptions, execute
-from tests.execute_support import ARITH_GRPO, cpu_plan, tiny_workload
+from tests.support.executor_runs import ARITH_GRPO, cpu_plan, tiny_workload
 
 pytestmark = pytest.mark.slow
 LISTEN = "0A"
@@ -66,7 +66,8 @@ def owners() -> dict[str, str]:
 RAY_PROCESSES = ("raylet", "gcs_server", "ray::", "ray/dashboard", "ray/_private", "ray/autoscaler")
 
 
-def test_a_local_run_listens_on_loopback_only(tmp_path):
+def test_a_local_run_listens_on_loopback_only(tmp_path, no_ray_driver):
+    """A run that starts its own Ray (not the session's cluster): what hfplan's local start listens on."""
     import ray
 
     assert not ray.is_initialized()

@@ -11,14 +11,14 @@ from importlib import resources
 
 import pytest
 import yaml
-from support import assert_user_error, invoke
 
 from hfplan.export import export_plan
 from hfplan.layout import ROLLOUT
 from hfplan.plan import PLAN_VERSION
 from hfplan.planner.targets import get_target, search_target
 from hfplan.spec import load_workload, make_cluster
-from tests.helpers_plans import build_plan
+from tests.support.cli import assert_user_error, invoke
+from tests.support.plans import build_plan
 
 SOURCES = {"verl-fsdp": ("verl/trainer/config/_generated_ppo_trainer.yaml", "b178a3cd5"),
            "verl-megatron": ("verl/trainer/config/_generated_ppo_megatron_trainer.yaml", "b178a3cd5"),
@@ -275,7 +275,7 @@ def test_megatron_plans_write_virtual_stages_and_selective_recomputation():
     """verl's Megatron keys by hand: 3 chunks a stage -> virtual_pipeline_model_parallel_size 3 (written only above
     1, verl's default null); selective -> recompute_granularity selective; plain stages write no such key."""
     from hfplan.plan import GenConfig, InferConfig, RoleParallelism, TrainConfig
-    from tests.helpers_plans import small_workload
+    from tests.support.plans import small_workload
 
     workload = small_workload()  # qwen2.5-0.5b, 24 layers: 12 a stage at pp 2
     interleaved = TrainConfig(pp=2, dp=4, micro_batch=2, shard="zero1", recompute="selective", virtual_stages=3)

@@ -16,8 +16,8 @@ from hfplan.executor.export_model import export_checkpoint
 from hfplan.executor.placement import DeathWatch, failure_namer
 from hfplan.executor.resume import latest, read_checkpoint
 from hfplan.executor.roles import WorkerSet
-from tests.execute_support import cpu_plan, ray_session, tiny_workload
-from tests.process_support import start_cli, stop_all, tagged, wait_for
+from tests.support.executor_runs import cpu_plan, tiny_workload
+from tests.support.processes import start_cli, stop_all, tagged, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -29,23 +29,23 @@ def plan_file(tmp_path):
     return path
 
 
-def start_long_run(tmp_path, plan_file):
+def start_long_run(tmp_path, plan_file, *args):
     """A run of many iterations, a checkpoint after each; returns once the first one is complete."""
     out = tmp_path / "run"
-    cli = start_cli(tmp_path / "log", "execute", plan_file, "--out", out, "--iterations", 200, "--checkpoint-every", 1)
+    cli = start_cli(tmp_path / "log", "execute", plan_file, "--out", out, "--iterations", 200, "--checkpoint-every", 1,
+                    *args)
     wait_for(lambda: latest(out) is not None, 300, "first checkpoint", cli)
     return cli, out
 
 
-def test_a_killed_worker_stops_the_run_naming_its_set_and_rank(tmp_path, plan_file):
-    cli, out = start_long_run(tmp_path, plan_file)
+def test_a_killed_worker_stops_the_run_naming_its_set_and_rank(tmp_path, plan_file, ray_cluster):
+    cli, out = start_long_run(tmp_path, plan_file, "--address", ray_cluster)
     try:
         pid = json.loads((out / "workers.json").read_text())["pids"]["set 0 rank 1"]
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         code = cli.wait(60)
         stopped_after = time.monotonic() - killed
-        wait_for(lambda: not tagged(cli.tag), 30, "end of every process of the run")
     finally:
         stop_all(cli)
     output = cli.output()
@@ -61,6 +61,7 @@ def test_a_killed_worker_stops_the_run_naming_its_set_and_rank(tmp_path, plan_fi
 
 @pytest.mark.parametrize("to_group", [False, True], ids=["to the CLI", "to its process group, as a terminal does"])
 def test_ctrl_c_stops_every_process_and_says_how_to_resume(tmp_path, plan_file, to_group):
+    """On a Ray of the run's own: its processes, Ray's too, carry the run's tag."""
     cli, out = start_long_run(tmp_path, plan_file)
     try:
         assert len(tagged(cli.tag)) > 3  # the CLI, Ray's own processes and the two workers
@@ -76,7 +77,7 @@ def test_ctrl_c_stops_every_process_and_says_how_to_resume(tmp_path, plan_file, 
     assert str(latest(out).parent) in hint
 
 
-def test_a_death_on_an_idle_set_stops_the_wait(tmp_path_factory):
+def test_a_death_on_an_idle_set_stops_the_wait(ray_driver):
     import ray
 
     class Sleeper:  # stands for a set's worker (`clock` is what the watch calls); defined here, Ray ships it by value
@@ -90,23 +91,23 @@ def test_a_death_on_an_idle_set_stops_the_wait(tmp_path_factory):
             time.sleep(seconds)
             return seconds
 
-    with ray_session(str(tmp_path_factory.mktemp("ray")), num_cpus=2):
-        remote = ray.remote(Sleeper)
-        busy, idle = remote.remote(), remote.remote()
-        sets: list = []
-        watch = DeathWatch(sets, period_s=0.5)
-        for index, (roles, worker) in enumerate([(("actor",), busy), (("critic", "reference"), idle)]):
-            sets.append(WorkerSet(index, roles, [worker], failure_namer(index, roles, [worker], sets, watch)))
-        pid = ray.get(idle.pid.remote(), timeout=60)
-        with watch:
-            waiting = busy.sleep.remote(120)
-            threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
-            started = time.monotonic()
-            with pytest.raises(RunFailed) as failed:
-                try:
-                    ray.get(waiting, timeout=150)
-                except ray.exceptions.RayError as failure:
-                    raise RunFailed(sets[0].describe_failure("actor", "update", failure)) from failure
-        assert time.monotonic() - started < 15
-        assert str(failed.value) == ("the worker of set 1 (critic+reference), rank 0 died while actor.update ran on "
-                                     "set 0")
+    remote = ray.remote(Sleeper)
+    busy, idle = remote.remote(), remote.remote()
+    sets: list = []
+    watch = DeathWatch(sets, period_s=0.5)
+    for index, (roles, worker) in enumerate([(("actor",), busy), (("critic", "reference"), idle)]):
+        sets.append(WorkerSet(index, roles, [worker], failure_namer(index, roles, [worker], sets, watch)))
+    pid = ray.get(idle.pid.remote(), timeout=60)
+    with watch:
+        waiting = busy.sleep.remote(120)
+        threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
+        started = time.monotonic()
+        with pytest.raises(RunFailed) as failed:
+            try:
+                ray.get(waiting, timeout=150)
+            except ray.exceptions.RayError as failure:
+                raise RunFailed(sets[0].describe_failure("actor", "update", failure)) from failure
+    ray.kill(busy)  # the session's cluster outlives the test
+    assert time.monotonic() - started < 15
+    assert str(failed.value) == ("the worker of set 1 (critic+reference), rank 0 died while actor.update ran on "
+                                 "set 0")

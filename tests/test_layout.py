@@ -212,7 +212,7 @@ def test_plan_pre_flight_names_the_role_and_layout():
 
 
 def test_plan_routing_delegates_to_the_layout_rules():
-    from helpers_plans import build_plan
+    from tests.support.plans import build_plan
 
     w = load_workload("demo")
     plan = build_plan(w, [(["actor", "reference"], 2), (["critic"], 1)])

@@ -1,4 +1,4 @@
-"""Every registered algorithm, end to end on the single-process numpy backend (tests/numpy_backend.py):
+"""Every registered algorithm, end to end on the single-process numpy backend (tests/support/numpy_backend.py):
 the real controller steps on fake model outputs, each call checking the fields and shapes it receives,
 the calls matching the tracer's one by one, and futures dispatched before they are awaited."""
 
@@ -9,13 +9,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from numpy_backend import Backend
 
 from hfplan.dataflow.controller import STEPS, ControllerStep
 from hfplan.dataflow.registry import algorithms, get_algorithm
 from hfplan.dataflow.roles import update_field
 from hfplan.simulator.trace import trace
 from hfplan.spec import Workload, workload_from_dict
+from tests.support.numpy_backend import Backend
 
 
 def tiny_workload(algorithm: str, rules: bool = True) -> Workload:

@@ -10,7 +10,6 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
-from support import assert_user_error, invoke
 from typer.testing import CliRunner
 
 from hfplan import cli
@@ -30,6 +29,7 @@ from hfplan.profiler.report import FLAG_PCT, PASS_LABEL
 from hfplan.profiles.hardware import HardwareProfile, Link, load_hardware
 from hfplan.profiles.models import CATALOG, ModelArch
 from hfplan.simulator import collectives as coll
+from tests.support.cli import assert_user_error, invoke
 
 SIZES = [2.0**k for k in range(3, 29)]  # 8 B .. 256 MiB
 

@@ -9,7 +9,6 @@ import itertools
 import math
 
 import pytest
-from search_references import Case, Lab, exhaustive
 
 from hfplan.dataflow.ops import GENERATED as SEQ
 from hfplan.dataflow.registry import Algorithm, get_algorithm, register_algorithm, unregister_algorithm
@@ -21,6 +20,7 @@ from hfplan.planner.strategies import Rules
 from hfplan.simulator import engine
 from hfplan.simulator.mapping import PlanCosts
 from hfplan.simulator.trace import trace
+from tests.support.search_references import Case, Lab, exhaustive
 
 
 def late_greedy(roles, prompts, ctl):

@@ -11,8 +11,8 @@ import signal
 import pytest
 
 from hfplan.executor.resume import latest
-from tests.execute_support import cpu_plan, tiny_workload
-from tests.process_support import run_cli, start_cli, stop_all, wait_for
+from tests.support.executor_runs import cpu_plan, tiny_workload
+from tests.support.processes import run_cli, start_cli, stop_all, wait_for
 
 pytestmark = pytest.mark.slow
 SETS = [(("actor", "critic", "reference"), 2)]
@@ -43,17 +43,19 @@ def plan_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def whole_run(tmp_path_factory, plan_file):
+def whole_run(tmp_path_factory, plan_file, ray_cluster):
     """4 iterations without interruption, a checkpoint every 2."""
     out = tmp_path_factory.mktemp("whole") / "run"
-    cli = run_cli(out.parent / "log", "execute", plan_file, "--out", out, "--iterations", 4, "--checkpoint-every", 2)
+    cli = run_cli(out.parent / "log", "execute", plan_file, "--out", out, "--iterations", 4, "--checkpoint-every", 2,
+                  "--address", ray_cluster)
     assert cli.proc.returncode == 0, cli.output()
     return out
 
 
-def test_a_killed_run_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path, plan_file, whole_run):
+def test_a_killed_run_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path, plan_file, whole_run, ray_cluster):
     out = tmp_path / "run"
-    cli = start_cli(tmp_path / "log", "execute", plan_file, "--out", out, "--iterations", 4, "--checkpoint-every", 2)
+    cli = start_cli(tmp_path / "log", "execute", plan_file, "--out", out, "--iterations", 4, "--checkpoint-every", 2,
+                    "--address", ray_cluster)
     try:
         wait_for(lambda: (out / "checkpoints" / "iteration-000002" / "manifest.json").is_file(), 300,
                  "checkpoint of iteration 2", cli)
@@ -62,7 +64,8 @@ def test_a_killed_run_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path, p
     finally:
         stop_all(cli)
     assert latest(out).name == "iteration-000002"
-    resumed = run_cli(tmp_path / "log2", "execute", plan_file, "--out", out, "--iterations", 4, "--resume")
+    resumed = run_cli(tmp_path / "log2", "execute", plan_file, "--out", out, "--iterations", 4, "--resume",
+                      "--address", ray_cluster)
     assert resumed.proc.returncode == 0, resumed.output()
     assert_same_metrics(metrics(whole_run), metrics(out))
     assert len(json.loads((out / "timeline.json").read_text())["iterations"]) == 4
@@ -76,18 +79,19 @@ def test_the_run_exports_its_actor_and_critic(whole_run):
     assert [p.name for p in sorted((whole_run / "checkpoints").iterdir())] == ["iteration-000002", "iteration-000004"]
 
 
-def test_a_two_rank_checkpoint_continues_on_one_rank(tmp_path, whole_run):
+def test_a_two_rank_checkpoint_continues_on_one_rank(tmp_path, whole_run, ray_cluster):
     plan = tmp_path / "one.json"
     plan.write_text(cpu_plan(tiny_workload("ppo"), [(("actor", "critic", "reference"), 1)]).to_json())
     before = metrics(whole_run)
-    cli = run_cli(tmp_path / "log", "execute", plan, "--out", whole_run, "--iterations", 5, "--resume", "--keep", 1)
+    cli = run_cli(tmp_path / "log", "execute", plan, "--out", whole_run, "--iterations", 5, "--resume", "--keep", 1,
+                  "--address", ray_cluster)
     assert cli.proc.returncode == 0, cli.output()
     after = metrics(whole_run)
     assert len(after) == 5 and after[:4] == before
     assert [p.name for p in (whole_run / "checkpoints").iterdir()] == ["iteration-000005"]
 
 
-def test_safe_rlhf_resumes_with_its_multiplier(tmp_path):
+def test_safe_rlhf_resumes_with_its_multiplier(tmp_path, ray_cluster):
     """A copy of a Safe-RLHF run's first checkpoint, resumed, ends with the run's own metrics (the multiplier too)."""
     models = {"actor": "tiny", "critic": "tiny", "reference": "tiny", "reward": "rule:vowel-fraction",
               "cost": "rule:distinct-chars", "cost_critic": "tiny"}
@@ -96,11 +100,12 @@ def test_safe_rlhf_resumes_with_its_multiplier(tmp_path):
                              [(("actor", "reference"), 1), (("critic", "cost_critic"), 1)]).to_json())
     whole = tmp_path / "whole"
     cli = run_cli(tmp_path / "log", "execute", plan, "--out", whole, "--iterations", 3, "--checkpoint-every", 1,
-                  "--keep", 3)
+                  "--keep", 3, "--address", ray_cluster)
     assert cli.proc.returncode == 0, cli.output()
     copy = tmp_path / "copy"
     shutil.copytree(whole / "checkpoints" / "iteration-000001", copy / "checkpoints" / "iteration-000001")
-    cli = run_cli(tmp_path / "log2", "execute", plan, "--out", copy, "--iterations", 3, "--resume")
+    cli = run_cli(tmp_path / "log2", "execute", plan, "--out", copy, "--iterations", 3, "--resume",
+                  "--address", ray_cluster)
     assert cli.proc.returncode == 0, cli.output()
     rows = metrics(whole)
     assert rows[1]["lagrange"] != rows[2]["lagrange"]  # the multiplier moves: resuming it is seen

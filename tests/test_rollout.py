@@ -368,7 +368,7 @@ def _tp2_continuous(rank: int, world: int, config: dict, eos: int) -> dict:
 
 @pytest.mark.slow
 def test_tensor_parallel_continuous_batching_equals_one_process(tmp_path):
-    from dist_harness import run_world
+    from tests.support.worlds import run_world
 
     path = tmp_path / "llama.json"
     path.write_text(json.dumps(CONFIGS["llama"] | SMALL))
@@ -388,8 +388,8 @@ def test_a_rollout_set_generates_with_the_batching_its_plan_gives():
     from hfplan.executor.runtime import _build_role
     from hfplan.plan import ROLLOUT, GenConfig, RoleParallelism
     from hfplan.spec import make_cluster
-    from tests.execute_support import tiny_workload
-    from tests.helpers_plans import build_plan
+    from tests.support.executor_runs import tiny_workload
+    from tests.support.plans import build_plan
 
     workload = tiny_workload("ppo")
     prompts = uneven_prompts(rows=workload.batch_prompts, width=workload.prompt_len, seed=11, vocab=260).numpy()
@@ -414,7 +414,7 @@ def test_a_continuous_batching_plan_runs_as_its_static_twin_when_sampling_is_arg
     from hfplan.executor.controller import ExecuteOptions
     from hfplan.executor.local import run_local, single_process_world
     from hfplan.plan import GenConfig
-    from tests.execute_support import ARITH_GRPO, cpu_plan, tiny_workload
+    from tests.support.executor_runs import ARITH_GRPO, cpu_plan, tiny_workload
 
     static = cpu_plan(tiny_workload("grpo", ARITH_GRPO), [(("actor", "reference"), 1)])
     actor = static.parallelism["actor"]

@@ -1,4 +1,4 @@
-"""The search (hfplan/planner/search.py) against an exhaustive reference (tests/search_references.py).
+"""The search (hfplan/planner/search.py) against an exhaustive reference (tests/support/search_references.py).
 
 The reference does not use the planner's strategies or search modules: it costs every role's raw strategies
 in every placement and allocation of at most the cluster's GPUs, and runs the simpy engine on every choice
@@ -13,8 +13,6 @@ import json
 import math
 
 import pytest
-from search_references import CPU, RULE, TIGHT, Case, Lab, PairResult, brute_force
-from support import deadline as _deadline
 
 from hfplan.errors import HfplanError
 from hfplan.plan import ROLLOUT, Plan, plan_from_dict
@@ -25,6 +23,8 @@ from hfplan.simulator.costs import CostMemo
 from hfplan.simulator.mapping import PlanCosts
 from hfplan.simulator.trace import trace
 from hfplan.spec import ALGORITHM_ROLES, Workload, make_cluster, workload_from_dict
+from tests.support.cli import deadline as _deadline
+from tests.support.search_references import CPU, RULE, TIGHT, Case, Lab, PairResult, brute_force
 
 BELL = {1: 1, 2: 2, 3: 5, 4: 15, 5: 52, 6: 203, 7: 877}
 

@@ -9,7 +9,6 @@ import math
 from dataclasses import replace
 
 import pytest
-from support import deadline as _deadline
 
 from hfplan.errors import HfplanError
 from hfplan.layout import ROLLOUT
@@ -19,6 +18,7 @@ from hfplan.planner.search import MAX_NODES, search, twin_key
 from hfplan.simulator import engine
 from hfplan.simulator.schedule import Precedence
 from hfplan.spec import load_workload, make_cluster
+from tests.support.cli import deadline as _deadline
 
 
 # -- idle GPUs ------------------------------------------------------------------------------------

@@ -331,7 +331,7 @@ def _context(attention: str, **workload):
     from hfplan.planner.strategies import Rules
     from hfplan.profiles.hardware import load_hardware
     from hfplan.simulator.trace import trace
-    from tests.helpers_plans import small_workload
+    from tests.support.plans import small_workload
 
     w = small_workload(**workload)
     hw = load_hardware("a100-80g")

@@ -20,7 +20,7 @@ from hfplan.simulator import engine
 from hfplan.simulator.mapping import PlanCosts
 from hfplan.simulator.trace import trace
 from hfplan.spec import TRAINED_ROLES, load_workload, make_cluster
-from tests.helpers_plans import build_plan, small_workload
+from tests.support.plans import build_plan, small_workload
 
 
 # -- verl, as its launcher describes it -----------------------------------------------------------------

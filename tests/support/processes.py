@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -50,6 +51,12 @@ def run_cli(log: Path, *args, timeout: float = 300) -> Cli:
     finally:
         stop_all(cli)
     return cli
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def tagged(tag: str) -> list[int]:
