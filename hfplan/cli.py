@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import json
 import sys
 from collections.abc import Callable
@@ -86,6 +87,14 @@ def user_errors(fn: F) -> F:
             raise typer.Exit(2) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def require_execute_extra(command: str) -> None:
+    """The executor's packages are an extra: without them, one line saying how to install them."""
+    missing = [name for name in ("torch", "ray", "transformers") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise HfplanError(f"hfplan {command} needs the execute extra ({', '.join(missing)} not installed): "
+                          "pip install '.[execute]' in the hfplan checkout (torch==2.13.0 first for the CPU build)")
 
 
 def _show_version(value: bool) -> None:
@@ -550,6 +559,7 @@ def execute(
                                                               "--out")] = False,
 ) -> None:
     """Run a plan for real on Ray: the single controller, torch.distributed workers, the hybrid engine."""
+    require_execute_extra("execute")
     from hfplan.executor.controller import ExecuteOptions
     from hfplan.executor.controller import execute as run_plan
     from hfplan.executor.errors import RunFailed
@@ -611,6 +621,7 @@ def export_model(
     = None,
 ) -> None:
     """Write a checkpoint's trained roles (actor, critics) as Hugging Face folders: safetensors, config, tokenizer."""
+    require_execute_extra("export-model")
     from hfplan.executor.controller import EXPORT_FOLDER
     from hfplan.executor.export_model import checkpoint_of, export_checkpoint
     from hfplan.executor.resume import CHECKPOINTS_FOLDER

@@ -154,3 +154,13 @@ def test_ctrl_c_during_the_strategy_pool_exits_130_without_worker_tracebacks(tmp
 def _children(pid: int) -> list[str]:
     path = Path(f"/proc/{pid}/task/{pid}/children")
     return path.read_text().split() if path.exists() else []
+
+
+@pytest.mark.parametrize("command", ["execute", "export-model"])
+@pytest.mark.parametrize("missing", ["torch", "ray", "transformers"])
+def test_the_executor_commands_without_the_execute_extra_say_how_to_install_it(command, missing, plan_file,
+                                                                              monkeypatch):
+    """A core-only install: Python's own way of marking a module absent (None in sys.modules)."""
+    monkeypatch.setitem(sys.modules, missing, None)
+    assert_user_error(invoke(command, plan_file), f"hfplan {command} needs the execute extra", missing,
+                      "pip install '.[execute]'")
