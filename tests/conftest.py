@@ -3,6 +3,8 @@ session's one Ray cluster."""
 
 import importlib.util
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -54,12 +56,13 @@ def plan_file(tmp_path):
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory) -> str:
-    """The session's one local Ray cluster, started on first use: its address (for `--address`)."""
+def ray_cluster() -> str:
+    """The session's one local Ray cluster, started on first use: its address (for `--address`). Its folder
+    is short: Ray's socket paths under it must stay under 108 bytes (pytest's own tmp paths can be longer)."""
     pytest.importorskip("ray")
     from tests.support.executor_runs import local_ray_head
 
-    with local_ray_head(tmp_path_factory.mktemp("ray")) as address:
+    with tempfile.TemporaryDirectory(prefix="hfray-") as folder, local_ray_head(Path(folder)) as address:
         yield address
 
 

@@ -164,3 +164,9 @@ def test_the_executor_commands_without_the_execute_extra_say_how_to_install_it(c
     monkeypatch.setitem(sys.modules, missing, None)
     assert_user_error(invoke(command, plan_file), f"hfplan {command} needs the execute extra", missing,
                       "pip install '.[execute]'")
+
+
+def test_cost_of_a_tp_that_splits_no_kv_heads_is_refused():
+    """qwen2.5-7b: 28 heads, 4 KV heads; tp 14 divides the heads but neither divides nor is a multiple of 4."""
+    result = invoke("cost", "forward", "--model", "qwen2.5-7b", "--hardware", "a100-80g", "--tp", 14, "--batch", 8)
+    assert_user_error(result, "--tp 14 on qwen2.5-7b", "4 KV heads")

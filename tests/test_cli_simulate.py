@@ -174,6 +174,17 @@ def test_plan_that_does_not_fit(tmp_path):
     _assert_user_error(_invoke("simulate", path), "does not fit", "set 1 (critic)")
 
 
+def test_a_tp_that_splits_no_kv_heads_is_refused(tmp_path):
+    """qwen2.5-1.5b: 12 heads, 2 KV heads; tp 3 divides the heads but neither divides nor is a multiple of 2."""
+    workload = load_workload("ppo-llama2-7b").model_copy(update={"models": {
+        "actor": "qwen2.5-1.5b", "critic": "qwen2.5-1.5b", "reference": "qwen2.5-1.5b", "reward": "qwen2.5-1.5b"}})
+    plan = build_plan(workload, [(["actor", "critic", "reward"], 4), (["reference"], 3)], cluster=make_cluster(8),
+                      overrides={"reference": RoleParallelism(infer=InferConfig(tp=3, dp=1))})
+    path = tmp_path / "kv.json"
+    path.write_text(plan.to_json())
+    _assert_user_error(_invoke("simulate", path), "reference infer layout", "tp=3", "2 KV heads")
+
+
 def test_generation_layout_that_does_not_nest(tmp_path):
     actor = RoleParallelism(train=TrainConfig(tp=4, dp=3), infer=InferConfig(tp=4, dp=3), gen=GenConfig(tp=4, dp=3))
     plan = build_plan(load_workload("ppo-llama2-7b"), [(["actor", "critic", "reference", "reward"], 12)],

@@ -97,17 +97,20 @@ def test_a_death_on_an_idle_set_stops_the_wait(ray_driver):
     watch = DeathWatch(sets, period_s=0.5)
     for index, (roles, worker) in enumerate([(("actor",), busy), (("critic", "reference"), idle)]):
         sets.append(WorkerSet(index, roles, [worker], failure_namer(index, roles, [worker], sets, watch)))
-    pid = ray.get(idle.pid.remote(), timeout=60)
-    with watch:
-        waiting = busy.sleep.remote(120)
-        threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
-        started = time.monotonic()
-        with pytest.raises(RunFailed) as failed:
-            try:
-                ray.get(waiting, timeout=150)
-            except ray.exceptions.RayError as failure:
-                raise RunFailed(sets[0].describe_failure("actor", "update", failure)) from failure
-    ray.kill(busy)  # the session's cluster outlives the test
+    try:
+        pid = ray.get(idle.pid.remote(), timeout=60)
+        with watch:
+            waiting = busy.sleep.remote(120)
+            threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
+            started = time.monotonic()
+            with pytest.raises(RunFailed) as failed:
+                try:
+                    ray.get(waiting, timeout=150)
+                except ray.exceptions.RayError as failure:
+                    raise RunFailed(sets[0].describe_failure("actor", "update", failure)) from failure
+    finally:
+        for worker in (busy, idle):  # the session's cluster outlives the test
+            ray.kill(worker)
     assert time.monotonic() - started < 15
     assert str(failed.value) == ("the worker of set 1 (critic+reference), rank 0 died while actor.update ran on "
                                  "set 0")

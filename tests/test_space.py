@@ -227,8 +227,10 @@ def test_train_configs(arch, gpus, per_node, per_step, executable):
         if per_step % dp:  # every data-parallel rank gets an equal share of a mini-batch
             continue
         for micro in _powers_up_to(math.ceil(per_step / dp)):
-            # interleaved 1F1B: v equal chunks of each stage's layers, micro-batches a multiple of pp
-            n_micro = math.ceil(math.ceil(per_step / dp) / micro)
+            # interleaved 1F1B: v equal chunks of each stage's layers, micro-batches a multiple of pp; a rank's
+            # share runs as the fewest equal micro-batches of at most `micro` (the contract's split)
+            share = math.ceil(per_step / dp)
+            n_micro = min(n for n in range(1, share + 1) if share % n == 0 and share // n <= micro)
             chunks = [v for v in range(1, arch.layers + 1)
                       if pp > 1 and arch.layers % (pp * v) == 0 and n_micro % pp == 0] or [1]
             for shard, group in _brute_modes(tp, dp, per_node, executable):

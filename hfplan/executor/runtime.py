@@ -173,6 +173,8 @@ def _build_role(role: str, plan: Plan, hyper: Hyperparameters, seed: int, device
                                        recompute=par.train.recompute if trains else Recompute.NONE,
                                        virtual_stages=par.train.virtual_stages if trains else 1)
         runtime.model = runtime.role_model.module
+    else:  # a rollout set's model: generation only, in the device's compute dtype
+        model.to(compute_dtype(device)).eval().requires_grad_(False)
     trained = runtime.trained
     if generates and not pipelined:
         same = trained is not None and par.gen.tp == par.train.tp  # the training layout's tp group generates

@@ -6,7 +6,15 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import get_args
 
-from hfplan.layout import ROLLOUT, model_role, nesting_problem, unsupported_layout, unsupported_role, unsupported_split
+from hfplan.layout import (
+    ROLLOUT,
+    micro_batch_sizes,
+    model_role,
+    nesting_problem,
+    unsupported_layout,
+    unsupported_role,
+    unsupported_split,
+)
 from hfplan.plan import GenConfig, InferConfig, Layout, Recompute, RoleParallelism, TrainConfig, engine_problem
 from hfplan.profiles.models import ModelArch
 from hfplan.spec import TRAINED_ROLES, Workload
@@ -126,7 +134,7 @@ def train_configs(arch: ModelArch, gpus: int, gpus_per_node: int, sequences_per_
             continue
         per_rank = -(-sequences_per_step // dp)
         for micro in micro_batches(per_rank):
-            n_micro = -(-per_rank // micro)
+            n_micro = len(micro_batch_sizes(per_rank, micro))  # the contract's split, as the executor runs it
             variants = [(recompute, v) for v in virtual_stage_counts(arch, pp, n_micro) for recompute in Recompute]
             for shard, group in shard_modes(tp, dp, gpus_per_node):
                 for recompute, v in variants:

@@ -11,9 +11,11 @@ from hfplan.profiler.timing import Clock, copies_for, rotating
 Step = Callable[[], None]
 
 
-def compute_dtype(torch, device: Device):
-    """bf16 on GPUs (what training and generation run in); fp32 on CPU (no fast bf16 matmul there)."""
-    return torch.bfloat16 if device.kind == "cuda" else torch.float32
+def compute_dtype(device: Device):
+    """The dtype the executor's models compute in on this device (its rule: hfplan.executor.mesh)."""
+    from hfplan.executor import mesh
+
+    return mesh.compute_dtype(device.kind)
 
 
 def rotation_budget(device: Device) -> float:
@@ -22,7 +24,7 @@ def rotation_budget(device: Device) -> float:
 
 
 def measure_matmuls(torch, device: Device, shapes, min_time: float, step: Step) -> list[dict]:
-    dtype = compute_dtype(torch, device)
+    dtype = compute_dtype(device)
     esize = torch.empty((), dtype=dtype).element_size()
     clock = Clock(torch, device.kind)
     rows = []

@@ -162,7 +162,7 @@ def shard_config(arch: ModelArch, tp: int):
 
 
 def measure_layers(torch, device: Device, plan: LayerPlan, min_time: float, step: Step) -> list[dict]:
-    dtype = compute_dtype(torch, device)
+    dtype = compute_dtype(device)
     clock = Clock(torch, device.kind)
     rows = []
     for tp in sorted({c.tp for c in plan.cases}):

@@ -99,7 +99,7 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
         per_collective={op: fit for op in COLLECTIVES
                         if (fit := _link_fit([r for r in collectives if r["op"] == op])) is not None},
     )
-    dtype = compute.compute_dtype(torch, device)
+    dtype = compute.compute_dtype(device)
     esize = torch.empty((), dtype=dtype).element_size()
     sizes = sweeps.copy_bytes
     note = (f"{len(sweeps.matmuls)} matmul shapes ({str(dtype).removeprefix('torch.')}), "

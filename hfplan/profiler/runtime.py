@@ -58,7 +58,7 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
     arch = CATALOG[MODEL]
     one = costs.SetShape(1, 1)
     clock = Clock(torch, device.kind)
-    model = build_model(MODEL, "lm", seed=0, dtype=compute_dtype(torch, device)).to(device.kind).eval()
+    model = build_model(MODEL, "lm", seed=0, dtype=compute_dtype(device)).to(device.kind).eval()
     prompts = torch.randint(1, arch.vocab, (1, PROMPT), device=device.kind)
 
     with torch.inference_mode():

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import get_args
 
 from hfplan.errors import HfplanError
+from hfplan.layout import kv_heads_per_rank
 from hfplan.plan import Batching, GenConfig, InferConfig, KvCache, Recompute, TrainConfig, engine_problem
 from hfplan.profiles.hardware import HardwareProfile, load_hardware
 from hfplan.profiles.models import ModelArch, resolve_model
@@ -106,6 +107,10 @@ def call_cost(req: CallRequest) -> CallCost:
     if req.kind == "collective":
         return _collective(hw, req, per_node)
     arch = resolve_model(req.model)
+    try:
+        kv_heads_per_rank(arch.kv_heads, req.tp)
+    except ValueError as problem:
+        raise HfplanError(f"--tp {req.tp} on {arch.name}: {problem}") from None
     gpus = req.tp * req.pp * req.dp
     where = costs.SetShape(gpus, per_node)
     if req.kind == "train":

@@ -13,7 +13,7 @@ import simpy
 
 from hfplan.dataflow.ops import PHASES
 from hfplan.errors import HfplanError
-from hfplan.layout import generating_role
+from hfplan.layout import generating_role, kv_heads_per_rank, model_role
 from hfplan.plan import Estimate, Plan, Span
 from hfplan.simulator.mapping import PlanCosts
 from hfplan.simulator.memory import gib
@@ -148,9 +148,27 @@ class Simulation:
     estimate: Estimate
 
 
+def unsplittable_kv_heads(plan: Plan) -> str | None:
+    """Which layout's tp splits no model's KV heads (neither divides nor is a multiple of them): the cost
+    model has no per-rank attention for it."""
+    for role, par in plan.parallelism.items():
+        arch = plan.workload.arch(model_role(plan.workload, role))
+        for kind in ("train", "infer", "gen"):
+            layout = getattr(par, kind)
+            try:
+                if layout is not None:
+                    kv_heads_per_rank(arch.kv_heads, layout.tp)
+            except ValueError as problem:
+                return f"{role} {kind} layout: {problem}"
+    return None
+
+
 def simulate_plan(plan: Plan) -> Simulation:
-    """Trace the plan's algorithm and run it on the plan's mapping. Raises HfplanError when a set does
-    not fit in memory."""
+    """Trace the plan's algorithm and run it on the plan's mapping. Raises HfplanError when a layout's tp
+    splits no KV heads or a set does not fit in memory."""
+    problem = unsplittable_kv_heads(plan)
+    if problem:
+        raise HfplanError(f"plan cannot be costed: {problem}")
     plan_costs = PlanCosts.of_plan(plan)
     reason = plan_costs.infeasible_reason
     if reason:

@@ -11,8 +11,11 @@ Spawning a rank and importing torch takes seconds, so each rank of a world size 
 session as a "zygote" that imports torch (and, on the first call of a test module, that module) and then
 forks a child per call: the child joins a new process group, runs the call and exits. A call thus starts
 from a process that never touched torch.distributed (torch caches device meshes and process-group names
-globally, so reusing one process across calls would leak them). A world whose call failed or ran out of
-time is killed, zygotes and children, and the next call spawns a new one.
+globally, so reusing one process across calls of multi-rank worlds leaked them: a later call's DTensor found
+a group name an earlier call had destroyed; single-rank references run in the test process, through
+hfplan.executor.local's world of one, whose tests build their meshes afresh each time). A world whose call
+failed or ran out of time is killed, zygotes and children, and the next call spawns a new one; a zygote whose
+test process died (killed, so it never stopped its worlds) ends within a second.
 """
 
 from __future__ import annotations
@@ -90,7 +93,16 @@ def _forked(call: _Call, rank: int, world_size: int) -> tuple[bool, bytes | str]
 def _zygote(rank: int, world_size: int, calls: mp.Queue, results: mp.Queue) -> None:
     os.setsid()  # the parent kills this process and its children as one group
     torch.set_num_threads(1)
-    while (call := calls.get()) is not None:
+    parent = os.getppid()
+    while True:
+        try:
+            call = calls.get(timeout=1.0)
+        except queue_errors.Empty:
+            if os.getppid() != parent:  # the test process died without stopping its worlds (killed)
+                return
+            continue
+        if call is None:
+            return
         ok, payload = _forked(call, rank, world_size)
         results.put((call.number, rank, ok, payload))
 
