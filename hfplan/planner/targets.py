@@ -10,8 +10,8 @@ Read from (facts only: key names, flags, what goes to which resource pool):
 - verl, volcengine/verl at b178a3cd5 (2026-01-29): verl/trainer/config/_generated_ppo_trainer.yaml and
   _generated_ppo_megatron_trainer.yaml (every key), verl/trainer/main_ppo.py (resource pools),
   verl/workers/fsdp_workers.py (fsdp_size meshes, reshard_after_forward = ZeRO-3 vs ZeRO-2, batch
-  normalisation). The issue names commit 1dda039b9 (2026-08-22), which the snapshot read did not hold;
-  b178a3cd5 is its newest commit.
+  normalisation). verl's later commit 1dda039b9 (2026-08-22) could not be read to check against;
+  b178a3cd5 is the newest commit checked.
 - OpenRLHF, OpenRLHF/OpenRLHF at 3c3be623 (2026-08-13): openrlhf/cli/train_ppo_ray.py (flags, placement
   groups, colocation, vLLM engines), openrlhf/utils/utils.py (one DeepSpeed strategy for every model),
   openrlhf/trainer/ray/ppo_actor.py and ppo_critic.py (micro-batch and gradient-checkpointing flags
@@ -55,8 +55,8 @@ VERL = Source("verl", "volcengine/verl", "b178a3cd5", "2026-01-29",
               ("verl/trainer/config/_generated_ppo_trainer.yaml",
                "verl/trainer/config/_generated_ppo_megatron_trainer.yaml", "verl/trainer/main_ppo.py",
                "verl/workers/fsdp_workers.py"),
-              note="the issue names verl 1dda039b9 (2026-08-22), which the snapshot read does not hold; "
-                   "b178a3cd5 is the nearest it has")
+              note="verl 1dda039b9 (2026-08-22) could not be read to check against; "
+                   "b178a3cd5 is the newest commit checked")
 OPENRLHF = Source("OpenRLHF", "OpenRLHF/OpenRLHF", "3c3be623", "2026-08-13",
                   ("openrlhf/cli/train_ppo_ray.py", "openrlhf/utils/utils.py", "openrlhf/trainer/ray/ppo_actor.py",
                    "openrlhf/trainer/ray/ppo_critic.py"))
