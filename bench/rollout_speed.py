@@ -15,13 +15,14 @@ import time
 import torch
 
 from hfplan.executor.models import build_model
+from hfplan.executor.prompts import builtin_prompts
 from hfplan.executor.rollout.base import SamplingParams
 from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
-from hfplan.executor.tokenizers import build_tokenizer, builtin_prompts, encode_prompts
+from hfplan.executor.tokenizers import build_tokenizer, encode_prompts
 
-# (model, batch, prompt_len, response_len): the demo workload's shape, arith-grpo's (2 prompts x 4
+# (model, batch, prompt_len, response_len): the demo workload's shape, arith-grpo's (8 prompts x 4
 # samples), and a wider batch of each.
-CASES = [("tiny", 8, 16, 16), ("tiny", 64, 16, 16), ("tiny-arith", 8, 8, 32), ("tiny-arith", 64, 8, 32)]
+CASES = [("tiny", 8, 16, 16), ("tiny", 64, 16, 16), ("tiny-arith", 32, 8, 4), ("tiny-arith", 64, 8, 4)]
 
 
 def _prompts(model_ref: str, batch: int, prompt_len: int, vocab: int) -> torch.Tensor:

@@ -6,7 +6,9 @@ import functools
 import importlib
 import importlib.util
 import json
+import logging
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, TypeVar
@@ -42,6 +44,7 @@ class _OneLineErrors(TyperGroup):
     stderr and exit code 2, not click's usage block. Ctrl-C ends with one line and exit code 130."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        args = _with_optional_values(list(sys.argv[1:] if args is None else args))
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except getattr(_click, "NoArgsIsHelpError", ()) as help_shown:
@@ -62,6 +65,21 @@ class _OneLineErrors(TyperGroup):
         if not standalone_mode:
             return code
         sys.exit(code if isinstance(code, int) else 0)
+
+
+# Options whose value may be left out, with the value they then take (`--resume` alone = `--resume latest`).
+OPTIONAL_VALUES = {"--resume": "latest"}
+
+
+def _with_optional_values(args: list[str]) -> list[str]:
+    """The command line with each value-less option of OPTIONAL_VALUES given its implied value (typer has no
+    option whose value is optional): the option is last, or the next word is another option."""
+    filled: list[str] = []
+    for index, word in enumerate(args):
+        filled.append(word)
+        if word in OPTIONAL_VALUES and (index + 1 == len(args) or args[index + 1].startswith("-")):
+            filled.append(OPTIONAL_VALUES[word])
+    return filled
 
 
 app = typer.Typer(cls=_OneLineErrors, help="Plan and run RLHF training the HybridFlow way.", no_args_is_help=True,
@@ -103,10 +121,22 @@ def _show_version(value: bool) -> None:
         raise typer.Exit()
 
 
+class _WarningLines(logging.Handler):
+    """hfplan's warnings as `warning: ...` lines on stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        err_console.print(f"[bold yellow]warning:[/] {escape(record.getMessage())}", highlight=False,
+                          soft_wrap=True)
+
+
 @app.callback()
 def main(version: Annotated[bool, typer.Option("--version", callback=_show_version, is_eager=True,
                                                help="print the version and exit")] = False) -> None:
     """Plan and run RLHF training the HybridFlow way."""
+    package_logger = logging.getLogger("hfplan")
+    if not any(isinstance(h, _WarningLines) for h in package_logger.handlers):
+        package_logger.addHandler(_WarningLines(logging.WARNING))
+        package_logger.propagate = False
 
 
 @app.command()
@@ -358,8 +388,12 @@ def render_cost(result) -> None:
     if result.memory_gib_per_gpu is not None:
         totals.add_row("memory GiB per GPU", f"{result.memory_gib_per_gpu:,.2f}")
     for name, value in result.detail.items():
-        totals.add_row(name.replace("_", " "), f"{value:,.1f}" if isinstance(value, float) else str(value))
+        if name not in ("fits", "usable_gib_per_gpu"):
+            totals.add_row(name.replace("_", " "), f"{value:,.1f}" if isinstance(value, float) else str(value))
     console.print(totals)
+    if result.detail.get("fits") is False:
+        console.print(f"[bold red]does not fit:[/] {result.memory_gib_per_gpu:,.1f} GiB per GPU, "
+                      f"{result.detail['usable_gib_per_gpu']:,.1f} GiB usable", highlight=False)
     parts = Table(title="seconds by part", show_edge=False)
     for column in ("part", "seconds", "share %"):
         parts.add_column(column, justify="left" if column == "part" else "right")
@@ -555,8 +589,18 @@ def execute(
     checkpoint_every: Annotated[int | None, typer.Option(min=1, metavar="K", help="also checkpoint every K "
                                                          "iterations (one is always written at the end)")] = None,
     keep: Annotated[int, typer.Option(min=1, metavar="N", help="complete checkpoints kept")] = 2,
-    resume_run: Annotated[bool, typer.Option("--resume", help="continue from the latest complete checkpoint in "
-                                                              "--out")] = False,
+    resume_run: Annotated[str | None, typer.Option("--resume", metavar="[latest|ITERATION|PATH]",
+                                                    help="continue from a checkpoint: the latest complete one in "
+                                                         "--out (the default), the one of that iteration, or a "
+                                                         "checkpoint folder")] = None,
+    long_prompts: Annotated[str, typer.Option(metavar="truncate|refuse",
+                                              help="a prompt longer than the workload's prompt_len: keep its last "
+                                                   "prompt_len tokens (with a warning that counts them) or refuse "
+                                                   "the data")] = "truncate",
+    connect_timeout: Annotated[float, typer.Option(min=0.1, metavar="S", help="seconds to wait for the --address "
+                                                                               "cluster to answer")] = 30.0,
+    log_every: Annotated[int, typer.Option(min=1, metavar="N", help="when stderr is not a terminal, a progress "
+                                                                    "line every N iterations")] = 10,
 ) -> None:
     """Run a plan for real on Ray: the single controller, torch.distributed workers, the hybrid engine."""
     require_execute_extra("execute")
@@ -573,20 +617,22 @@ def execute(
     plan = load_plan(plan_path)
     options = ExecuteOptions(iterations=iterations, data=data, out=out, address=address, seed=seed,
                              overrides=tuple(overrides or ()), checkpoint_every=checkpoint_every, keep=keep,
-                             resume=resume_run)
+                             resume=resume_run, long_prompts=long_prompts, connect_timeout_s=connect_timeout)
     last_spans: list = []
-    with _IterationProgress(iterations) as progress:
+    with _IterationProgress(iterations, log_every) as progress:
         def on_iteration(report) -> None:
             last_spans[:] = report.spans
-            progress.update(report.metrics)
+            progress.update(report.iteration, report.metrics)
 
         try:
-            summary = run_plan(plan, options, on_iteration)
+            summary = run_plan(plan, options, on_iteration, on_start=progress.started)
         except RunFailed as failure:
+            progress.stop()
             err_console.print(f"[bold red]run failed:[/] {escape(str(failure))}", highlight=False, soft_wrap=True)
             err_console.print(_resume_hint(plan_path, options), highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
+            progress.stop()
             err_console.print(f"interrupted: the workers are stopped. {_resume_hint(plan_path, options)}",
                               highlight=False, soft_wrap=True)
             raise typer.Exit(INTERRUPTED) from None
@@ -635,28 +681,58 @@ def export_model(
 
 
 class _IterationProgress:
-    """A live line per iteration: reward, tokens/s, seconds."""
+    """A run's progress: a live bar on a terminal; otherwise a plain line every `log_every` iterations (and at
+    the last), each with the iteration, reward, losses, tokens/s and the time left."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, log_every: int) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+        self.total, self.log_every = total, log_every
+        self.live = err_console.is_terminal
         self._bar = Progress(TextColumn("[bold]execute"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                              TextColumn("{task.fields[status]}"), console=err_console, transient=False,
-                             disable=not err_console.is_terminal)
+                             disable=not self.live)
         self._task = self._bar.add_task("iterations", total=total, status="starting workers")
+        self._first = 0  # the iteration the run started from (a resumed run's checkpoint)
+        self._clock = time.monotonic()
 
     def __enter__(self):
         self._bar.start()
         return self
 
-    def update(self, metrics: dict) -> None:
-        status = f"{metrics['iteration_s']:.2f} s/it, {metrics['tokens_per_s']:,.0f} tokens/s"
-        if "reward" in metrics:
-            status = f"reward {metrics['reward']:.3f}, " + status
-        self._bar.update(self._task, advance=1, status=status)
+    def started(self, first_iteration: int, checkpoint: Path | None) -> None:
+        """The workers are up: from iteration 0, or from the resumed checkpoint's."""
+        self._first, self._clock = first_iteration, time.monotonic()
+        if checkpoint is not None:
+            err_console.print(f"resumed from {checkpoint} ({first_iteration} iterations done)", highlight=False,
+                              soft_wrap=True)
+        self._bar.update(self._task, completed=first_iteration, status="running")
+
+    def update(self, iteration: int, metrics: dict) -> None:
+        done = iteration + 1
+        parts = [f"reward {metrics['reward']:.3f}"] if "reward" in metrics else []
+        parts += [f"{key} {value:.4g}" for key, value in metrics.items() if key.endswith("loss")]
+        parts.append(f"{metrics['tokens_per_s']:,.0f} tokens/s")
+        per_iteration = (time.monotonic() - self._clock) / max(done - self._first, 1)
+        left = per_iteration * (self.total - done)
+        if self.live:
+            status = ", ".join([*parts[:1], f"{metrics['iteration_s']:.2f} s/it", parts[-1]])
+            self._bar.update(self._task, completed=done, status=status)
+        elif done % self.log_every == 0 or done == self.total:
+            err_console.print(f"iteration {done}/{self.total}  " + "  ".join(parts) + f"  ETA {_clock_time(left)}",
+                              highlight=False, soft_wrap=True)
+
+    def stop(self) -> None:
+        self._bar.stop()
 
     def __exit__(self, *exc) -> None:
         self._bar.stop()
+
+
+def _clock_time(seconds_left: float) -> str:
+    minutes, secs = divmod(int(round(seconds_left)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
 def render_run(summary, plan) -> None:
@@ -666,15 +742,20 @@ def render_run(summary, plan) -> None:
     table.add_column("iterations")
     for key in keys:
         table.add_column(key, justify="right")
-    count = min(10, len(rows))
-    for label, first in ((f"first {count}", True), (f"last {count}", False)):
-        table.add_row(label, *(f"{summary.mean_of(k, first):,.4g}" for k in keys))
+    count = min(10, len(rows) // 2)  # two windows that never share an iteration
+    if count == 0:
+        table.add_row(f"all {len(rows)}", *(f"{summary.mean_of(k, True, len(rows)):,.4g}" for k in keys))
+    for label, first in ((f"first {count}", True), (f"last {count}", False)) if count else ():
+        table.add_row(label, *(f"{summary.mean_of(k, first, count):,.4g}" for k in keys))
     console.print(table)
-    if "reward" in rows[0]:
-        before, after = summary.mean_of("reward", True), summary.mean_of("reward", False)
+    if "reward" in rows[0] and count:
+        before, after = summary.mean_of("reward", True, count), summary.mean_of("reward", False, count)
         change = f" ({(after - before) / abs(before) * 100:+.1f}%)" if before else ""
         console.print(f"[bold]mean reward[/] of the last {count} iterations: {after:.4f} vs {before:.4f} in the "
                       f"first {count}{change}")
+    elif "reward" in rows[0]:
+        console.print(f"{len(rows)} iteration{'s' if len(rows) > 1 else ''}: too few to compare the first "
+                      "iterations' reward with the last ones'")
     console.print(f"metrics and measured timeline written to {summary.out}/")
     if summary.checkpoint is not None:
         console.print(f"checkpoint: {summary.checkpoint}", highlight=False)

@@ -57,6 +57,20 @@ def check_writable(path: Path, what: str) -> None:
     os.unlink(probe)
 
 
+def check_new_folder(path: Path, what: str) -> None:
+    """Refuse a folder an output will be written into (a run folder) before any work starts: a file in its
+    place, a missing parent (hfplan makes the folder itself, never its parents, as for a file), a folder that
+    cannot be written. It is not created here."""
+    if path.exists() and not path.is_dir():
+        raise HfplanError(f"{what} {path}: exists and is not a folder")
+    where = path if path.is_dir() else path.parent
+    if not where.is_dir():
+        raise HfplanError(f"{what} {path}: folder {where} does not exist (hfplan makes {path.name}, never the "
+                          "folders above it)")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise HfplanError(f"{what} {path}: folder {where} is not writable")
+
+
 def check_outputs(outputs: Sequence[tuple[Path | None, str]]) -> None:
     """check_writable for each (path, option) given (None: not asked for), and no two naming one file."""
     given = [(path, what) for path, what in outputs if path is not None]

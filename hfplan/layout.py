@@ -212,19 +212,15 @@ def uneven_stages(arch: ModelArch, pp: int, virtual_stages: int = 1) -> str | No
 
 
 # -- what the executor can run ------------------------------------------------------------------------
-def unsupported_layout(arch: ModelArch, kind: str, layout: LayoutLike, train: LayoutLike | None = None
-                       ) -> str | None:
-    """Why a layout of a model can never be run (None when it can). kind: "train", "infer" or "gen";
-    `train`: the role's training layout, which a generation layout must nest with (hybrid engine).
+def shape_problem(arch: ModelArch, kind: str, tp: int, pp: int, virtual_stages: int = 1) -> str | None:
+    """Why a model cannot be split into tp x pp pieces for a `kind` layout at all (None when it can); the rule
+    every backend shares, the simulator's `hfplan cost` included.
 
     Tensor parallelism splits whole heads, the MLP width and the vocabulary evenly over tp ranks (the
     executor's DTensor column / row plans). Training splits the KV heads too; inference and generation
     may instead give each rank a copy of one KV head (tp a multiple of the KV heads). A pipeline cuts the
     layers into pp equal stages, a training pipeline with virtual stages into pp * virtual_stages (rank r
     holding stages r, r + pp, ...: interleaved 1F1B)."""
-    if kind not in ("train", "infer", "gen"):
-        raise ValueError(f"unknown layout kind {kind!r}")
-    tp, pp = layout.tp, layout.pp
     if arch.heads % tp:
         return f"tp={tp} does not divide the {arch.heads} attention heads of {arch.name}"
     if kind == "train" and arch.kv_heads % tp:
@@ -236,7 +232,18 @@ def unsupported_layout(arch: ModelArch, kind: str, layout: LayoutLike, train: La
         return f"tp={tp} does not divide the MLP width {arch.ffn} of {arch.name}"
     if arch.vocab % tp:
         return f"tp={tp} does not divide the vocabulary of {arch.vocab} of {arch.name} (vocabulary-parallel head)"
-    problem = uneven_stages(arch, pp, getattr(layout, "virtual_stages", 1) if kind == "train" else 1)
+    return uneven_stages(arch, pp, virtual_stages)
+
+
+def unsupported_layout(arch: ModelArch, kind: str, layout: LayoutLike, train: LayoutLike | None = None
+                       ) -> str | None:
+    """Why a layout of a model can never be run (None when it can). kind: "train", "infer" or "gen";
+    `train`: the role's training layout, which a generation layout must nest with (hybrid engine).
+    `shape_problem`, and the executor's limits beyond it."""
+    if kind not in ("train", "infer", "gen"):
+        raise ValueError(f"unknown layout kind {kind!r}")
+    pp = layout.pp
+    problem = shape_problem(arch, kind, layout.tp, pp, getattr(layout, "virtual_stages", 1) if kind == "train" else 1)
     if problem:
         return problem
     if kind == "gen" and pp > 1:

@@ -200,7 +200,14 @@ def test_a_tampered_checkpoint_is_refused_in_one_line_before_any_worker(tmp_path
     plan_file.write_text(plan.to_json())
     out = tmp_path / "run"
     write_checkpoint(out, plan, 1, prompts=_demo_prompts(plan))
-    torch.save({"torch": _Evil()}, checkpoint.rng_file(resume.latest(out), 0, 0))
+    folder = resume.latest(out)
+    torch.save({"torch": _Evil()}, checkpoint.rng_file(folder, 0, 0))
+    assert_user_error(invoke("execute", plan_file, "--out", out, "--resume", "--iterations", 2),
+                      "is damaged", "rng/set-0-rank-0.pt does not match its checksum")
+    # A manifest rewritten with the new file's checksum passes that check; the safe loader still refuses it.
+    manifest = json.loads((folder / resume.MANIFEST_FILE).read_text())
+    manifest["files"] = resume.folder_digests(folder)
+    (folder / resume.MANIFEST_FILE).write_text(json.dumps(manifest))
     assert_user_error(invoke("execute", plan_file, "--out", out, "--resume", "--iterations", 2),
                       "checkpoint refused")
     assert not (out / "workers.json").exists()
@@ -208,7 +215,7 @@ def test_a_tampered_checkpoint_is_refused_in_one_line_before_any_worker(tmp_path
 
 
 def _demo_prompts(plan) -> list[str]:
-    from hfplan.executor.tokenizers import builtin_prompts
+    from hfplan.executor.prompts import builtin_prompts
 
     return builtin_prompts(plan.workload.models["actor"])
 

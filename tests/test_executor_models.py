@@ -15,12 +15,8 @@ from hfplan.dataflow.rewards import arith_exact  # noqa: E402
 from hfplan.errors import HfplanError  # noqa: E402
 from hfplan.executor import models, sequences  # noqa: E402
 from hfplan.executor.models import build_model, model_config_for  # noqa: E402
-from hfplan.executor.tokenizers import (  # noqa: E402
-    build_tokenizer,
-    builtin_prompts,
-    decode_responses,
-    encode_prompts,
-)
+from hfplan.executor.prompts import builtin_prompts  # noqa: E402
+from hfplan.executor.tokenizers import build_tokenizer, decode_responses, encode_prompts  # noqa: E402
 from hfplan.profiles.models import CATALOG  # noqa: E402
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

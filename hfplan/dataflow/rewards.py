@@ -53,16 +53,34 @@ def distinct_chars(prompt: str, response: str) -> float:
     return len(set(response)) / len(response) if response else 0.0
 
 
+ARITH_MAX = 40  # the arithmetic prompts' numbers and answers lie in 0..ARITH_MAX
+
+
+def _arith_answer_and_guess(prompt: str, response: str) -> tuple[int, int] | None:
+    """The answer to an `add A B =` or `sub A B =` prompt and the number the response starts with."""
+    words, given = prompt.split(), response.split()
+    if len(words) < 3 or words[0] not in ("add", "sub") or not given:
+        return None
+    try:
+        a, b, guess = int(words[1]), int(words[2]), int(given[0])
+    except ValueError:
+        return None
+    return (a + b if words[0] == "add" else a - b), guess
+
+
 @register_rule("arith-exact")
 def arith_exact(prompt: str, response: str) -> float:
     """1 when the response's first word is the answer to an `add A B =` or `sub A B =` prompt, else 0."""
-    words = prompt.split()
-    if len(words) < 3 or words[0] not in ("add", "sub"):
+    found = _arith_answer_and_guess(prompt, response)
+    return 1.0 if found is not None and found[0] == found[1] else 0.0
+
+
+@register_rule("arith-close")
+def arith_close(prompt: str, response: str) -> float:
+    """Partial credit: 1 - |guess - answer| / 40 when the response starts with a number (0 otherwise), so a
+    random model's samples differ in reward and GRPO's advantages are not all zero; 1 only for the answer."""
+    found = _arith_answer_and_guess(prompt, response)
+    if found is None:
         return 0.0
-    try:
-        a, b = int(words[1]), int(words[2])
-    except ValueError:
-        return 0.0
-    answer = a + b if words[0] == "add" else a - b
-    given = response.split()
-    return 1.0 if given and given[0] == str(answer) else 0.0
+    answer, guess = found
+    return max(0.0, 1.0 - abs(guess - answer) / ARITH_MAX)

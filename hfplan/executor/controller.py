@@ -4,9 +4,13 @@ iteration, and records what happened (metrics as JSONL, the measured timeline in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import os
+import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +27,7 @@ from hfplan.dataflow.roles import RoleFacts, update_field
 from hfplan.errors import HfplanError
 from hfplan.executor import compat, preflight, resume
 from hfplan.executor.data import PromptStream
+from hfplan.executor.errors import RunFailed
 from hfplan.executor.placement import (
     DeathWatch,
     call_every_worker,
@@ -40,6 +45,7 @@ from hfplan.spec import RULE_PREFIX
 METRICS_FILE = "metrics.jsonl"
 TIMELINE_FILE = "timeline.json"
 WORKERS_FILE = "workers.json"
+RAY_LOG_FILE = "ray.log"  # what Ray prints while it starts or connects
 EXPORT_FOLDER = "hf"  # the trained roles as Hugging Face model folders, one per role
 
 logger = logging.getLogger(__name__)
@@ -57,7 +63,9 @@ class ExecuteOptions:
     start_timeout_s: float = 300.0  # placement groups and worker start-up
     checkpoint_every: int | None = None  # also a checkpoint every K iterations (one is always written at the end)
     keep: int = 2  # complete checkpoints kept
-    resume: bool = False  # continue from the latest complete checkpoint in `out`
+    resume: str | None = None  # continue from a checkpoint: "latest" (in `out`), an iteration of `out`, a folder
+    long_prompts: str = "truncate"  # a prompt longer than prompt_len: "truncate" (with a warning) | "refuse"
+    connect_timeout_s: float = 30.0  # how long an `address` cluster may take to answer
 
 
 @dataclass
@@ -103,32 +111,42 @@ def start_progress(plan: Plan, checked: preflight.Checked, options: ExecuteOptio
 
 
 def execute(plan: Plan, options: ExecuteOptions,
-            on_iteration: Callable[[IterationReport], None] | None = None) -> RunSummary:
+            on_iteration: Callable[[IterationReport], None] | None = None,
+            on_start: Callable[[int, Path | None], None] | None = None) -> RunSummary:
     """Run the plan up to `options.iterations` iterations (from the latest checkpoint with `resume`),
     checkpointing every `checkpoint_every` and at the end, then export the trained roles as Hugging Face
     folders. Every check of the input happens before any worker starts (HfplanError); a failure after that
-    raises RunFailed naming the role, set and rank."""
-    checked = preflight.check(plan, options)
-    if options.checkpoint_every is not None and options.checkpoint_every < 1:
-        raise HfplanError(f"--checkpoint-every must be at least 1, got {options.checkpoint_every}")
-    if options.keep < 1:
-        raise HfplanError(f"--keep must be at least 1, got {options.keep}")
+    raises RunFailed naming the role, set and rank. `on_start(iterations done, resumed checkpoint)` is called
+    once the workers are up. A run that stops before its first iteration is recorded leaves no run folder it
+    made."""
+    inputs = preflight.check_inputs(plan, options)
     out = options.out
-    run = resume.run_identity(plan, options.seed, checked.prompts)
+    run = resume.run_identity(plan, options.seed, inputs.prompts)
     start = resume.starting_point(out, options.resume, run, options.iterations)
+    checked = preflight.with_codecs(plan, inputs, options)
+    if start is not None:
+        resume.check_tensor_headers(start)
+    made_out = not out.exists()
     _prepare_out(out)
     resume.clear_partial(out)
     ray_session = _RaySession(options.address, plan, checked.device)
     sets: list = []
     watch = DeathWatch(sets)
     summary = RunSummary(out, resumed_from=start.folder if start else None)
+    recorded = len(start.controller.metrics) if start else 0
     try:
-        ray_session.start()
+        ray_session.start(out / RAY_LOG_FILE)
         check_capacity(plan, checked.device)
+        if checked.truncated:
+            logger.warning("%s", checked.truncated)
         start_sets(plan, checked.hyper, options.seed, checked.device, checked.backend, options.call_timeout_s,
                    options.start_timeout_s, sets, watch)
         with watch:
-            _run_on_sets(plan, checked, options, sets, run, start, summary, on_iteration)
+            _run_on_sets(plan, checked, options, sets, run, start, summary, on_iteration, on_start)
+    except BaseException:
+        if made_out and len(summary.iterations) <= recorded and summary.checkpoint is None:
+            shutil.rmtree(out, ignore_errors=True)  # nothing of this run is worth keeping
+        raise
     finally:
         if sets:
             stop_sets(sets)
@@ -141,7 +159,8 @@ def execute(plan: Plan, options: ExecuteOptions,
 
 def _run_on_sets(plan: Plan, checked: preflight.Checked, options: ExecuteOptions, sets, run: resume.RunIdentity,
                  start: resume.Checkpoint | None, summary: RunSummary,
-                 on_iteration: Callable[[IterationReport], None] | None) -> None:
+                 on_iteration: Callable[[IterationReport], None] | None,
+                 on_start: Callable[[int, Path | None], None] | None) -> None:
     """The run once its workers are up: load the checkpoint, iterate, checkpoint, write the run folder."""
     out = options.out
     summary.nodes = ask_workers(sets, "node_id", options.call_timeout_s)
@@ -155,11 +174,14 @@ def _run_on_sets(plan: Plan, checked: preflight.Checked, options: ExecuteOptions
     summary.iterations = list(start.controller.metrics) if start else []
     timeline: list[dict] = list(start.controller.timeline) if start else []
     metrics_path = out / METRICS_FILE
-    metrics_path.write_text("".join(json.dumps(m) + "\n" for m in summary.iterations))
+    metrics_path.write_text("".join(json.dumps(m, allow_nan=False) + "\n" for m in summary.iterations))
+    if on_start is not None:
+        on_start(progress.iteration, start.folder if start else None)
     for report in run_iterations(plan, roles, checked, options, recorder, progress):
+        check_finite(report)
         summary.iterations.append(report.metrics)
         with metrics_path.open("a") as sink:
-            sink.write(json.dumps(report.metrics) + "\n")
+            sink.write(json.dumps(report.metrics, allow_nan=False) + "\n")
         timeline.append({"iteration": report.iteration, "spans": [s.model_dump() for s in report.spans]})
         every = options.checkpoint_every
         if progress.iteration == options.iterations or (every and progress.iteration % every == 0):
@@ -171,6 +193,19 @@ def _run_on_sets(plan: Plan, checked: preflight.Checked, options: ExecuteOptions
                                                      "peak_memory_bytes": summary.peak_memory_bytes}, indent=2) + "\n")
     write_atomically(out / TIMELINE_FILE, json.dumps({"plan": plan.model_dump(mode="json"),
                                                       "iterations": timeline}) + "\n")
+
+
+def check_finite(report: IterationReport) -> None:
+    """A loss, gradient norm, reward or any other metric that is NaN or infinite stops the run before the
+    iteration is recorded or checkpointed: the checkpoints on disk are all of finite runs."""
+    bad = {key: value for key, value in report.metrics.items() if not math.isfinite(value)}
+    if bad:
+        key, value = next(iter(bad.items()))
+        role, _, metric = key.rpartition("/")
+        what = f"role {role}'s {metric}" if role else metric
+        others = f" (and {', '.join(list(bad)[1:])})" if len(bad) > 1 else ""
+        raise RunFailed(f"iteration {report.iteration}: {what} is {value}{others}; the run stops before recording "
+                        "it (a learning rate too high for the model, or a reward that returned NaN?)")
 
 
 def _write_checkpoint(sets, plan: Plan, run: resume.RunIdentity, progress: Progress, metrics: list[dict],
@@ -215,10 +250,9 @@ def ask_workers(sets, method: str, timeout_s: float) -> dict:
 
 
 def _prepare_out(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise HfplanError(f"--out {out}: exists and is not a folder")
+    """The run folder, made if missing (its parent was checked by preflight.check_inputs)."""
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        out.mkdir(exist_ok=True)
     except OSError as bad:
         raise HfplanError(f"--out {out}: cannot create the folder ({bad.strerror})") from None
     if not os.access(out, os.W_OK):
@@ -322,6 +356,21 @@ def stage_seconds(spans: list[Span]) -> dict[str, float]:
     return {phase: last - first for phase, (first, last) in stages.items()}
 
 
+@contextlib.contextmanager
+def _stderr_into(log: Path) -> Iterator[None]:
+    """File descriptor 2 (what native code writes to) appended to `log` for the block."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with log.open("a") as sink:
+            os.dup2(sink.fileno(), 2)
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 class _RaySession:
     """A local Ray that hfplan starts (loopback only, no dashboard), or an existing cluster (--address)."""
 
@@ -330,11 +379,18 @@ class _RaySession:
         self.started = False
         self._tmp: tempfile.TemporaryDirectory | None = None
 
-    def start(self) -> None:
+    def start(self, log: Path) -> None:
+        """ray.init, with what Ray's C++ core prints meanwhile (connection retries, warnings) in `log`, not on
+        the terminal."""
+        with _stderr_into(log):
+            self._init()
+
+    def _init(self) -> None:
         import ray
 
         if ray.is_initialized():
             return  # the caller (a test, a notebook) owns the session
+        self.started = True  # from here on, stop() shuts down whatever ray.init got to start
         if self.address is not None:
             if self.address.rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
                 compat.reach_clusters_through_loopback()
@@ -348,13 +404,12 @@ class _RaySession:
             self._tmp = tempfile.TemporaryDirectory(prefix="hfplan-ray-")
             ray.init(num_cpus=max(os.cpu_count() or 1, needed) + 1, include_dashboard=False,
                      logging_level=logging.WARNING, log_to_driver=False, **compat.local_ray_options(self._tmp.name))
-        self.started = True
 
     def stop(self) -> None:
         import ray
 
         if self.started:
-            ray.shutdown()
+            ray.shutdown()  # also after an interrupted ray.init: it stops the processes that init started
             self.started = False
         if self._tmp is not None:
             self._tmp.cleanup()

@@ -58,6 +58,9 @@ def _export_role(found: resume.Checkpoint, role: str, target: Path) -> Path:
     model.config.use_cache = True  # the run turns the KV cache off for training; a user's generate wants it
     staging = target.parent / f".{target.name}.partial"
     shutil.rmtree(staging, ignore_errors=True)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # its shard-writing bar is noise in a run's output
     model.save_pretrained(staging)
     build_tokenizer(ref).save_pretrained(staging)
     if target.exists():

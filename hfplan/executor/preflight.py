@@ -1,8 +1,12 @@
-"""Every check `hfplan execute` makes before a worker starts: hardware, layouts, batch shapes, data,
-hyperparameters. Each failure is one HfplanError line; nothing has been started yet when it is raised."""
+"""Every check `hfplan execute` makes before a worker starts, in two phases. `check_inputs` needs neither torch
+nor Ray (options, hyperparameters, hardware of a CPU plan, layouts, vocabularies, the prompts file, the run
+folder), so a bad input is refused in well under two seconds; `with_codecs` then builds the tokenizer (which
+imports transformers) and checks the prompts' lengths. Each failure is one HfplanError line; nothing has been
+started yet when it is raised."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -10,12 +14,27 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hfplan.errors import HfplanError
+from hfplan.files import check_new_folder
 from hfplan.hyperparams import Hyperparameters, with_overrides
 from hfplan.layout import generating_role, unsupported_role
 from hfplan.plan import Plan
 
 if TYPE_CHECKING:
     from hfplan.executor.controller import ExecuteOptions
+
+
+LONG_PROMPTS = ("truncate", "refuse")  # what a prompt longer than the workload's prompt_len gets
+
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What the torch-free checks established."""
+
+    device: str  # cpu | cuda
+    backend: str  # gloo | nccl
+    hyper: Hyperparameters
+    prompts: list[str]
 
 
 @dataclass(frozen=True)
@@ -29,16 +48,63 @@ class Checked:
     encode: Callable[[list[str]], np.ndarray]
     decode_responses: Callable[[np.ndarray, np.ndarray], list[str]]
     decode_prompts: Callable[[np.ndarray], list[str]]
+    truncated: str | None = None  # how many prompts keep only their last prompt_len tokens (a warning to give)
 
 
 def check(plan: Plan, options: ExecuteOptions) -> Checked:
+    return with_codecs(plan, check_inputs(plan, options), options)
+
+
+def check_inputs(plan: Plan, options: ExecuteOptions) -> Inputs:
     if options.iterations < 1:
         raise HfplanError(f"--iterations must be at least 1, got {options.iterations}")
+    if options.checkpoint_every is not None and options.checkpoint_every < 1:
+        raise HfplanError(f"--checkpoint-every must be at least 1, got {options.checkpoint_every}")
+    if options.keep < 1:
+        raise HfplanError(f"--keep must be at least 1, got {options.keep}")
+    if options.long_prompts not in LONG_PROMPTS:
+        raise HfplanError(f"--long-prompts {options.long_prompts}: expected one of {', '.join(LONG_PROMPTS)}")
     hyper = with_overrides(plan.workload.hyperparameters, list(options.overrides))
     device, backend = check_hardware(plan)
     check_layouts(plan)
     check_vocabularies(plan)
-    return Checked(device, backend, hyper, *_prompts_and_codecs(plan, options.data))
+    check_new_folder(options.out, "--out")
+    if options.address is not None:
+        check_reachable(options.address, options.connect_timeout_s)
+    return Inputs(device, backend, hyper, _prompts(plan, options.data))
+
+
+def with_codecs(plan: Plan, inputs: Inputs, options: ExecuteOptions) -> Checked:
+    """The tokenizer's encode and decode functions, and the prompts checked against `prompt_len`: a longer one
+    is refused (`--long-prompts refuse`) or keeps its last `prompt_len` tokens (`Checked.truncated` counts them,
+for a warning once every check has passed)."""
+    from hfplan.executor.tokenizers import build_tokenizer, decode_responses, encode_prompts
+
+    tokenizer = build_tokenizer(plan.workload.models[generating_role(plan.workload)])
+    prompt_len = plan.workload.prompt_len
+    lengths = [len(ids) for ids in tokenizer(list(inputs.prompts), add_special_tokens=True)["input_ids"]]
+    longer = [n for n in lengths if n > prompt_len]
+    truncated = None
+    if longer:
+        what = (f"{len(longer)} of {len(lengths)} prompts are longer than the workload's prompt_len of {prompt_len} "
+                f"tokens (the longest has {max(longer)})")
+        if options.long_prompts == "refuse":
+            raise HfplanError(f"{what}; shorten them, raise prompt_len, or run with --long-prompts truncate")
+        truncated = f"{what}: each keeps its last {prompt_len} tokens"
+
+    def encode(texts: list[str]) -> np.ndarray:
+        return encode_prompts(tokenizer, texts, prompt_len).numpy()
+
+    def decode(responses: np.ndarray, mask: np.ndarray) -> list[str]:
+        import torch
+
+        return decode_responses(tokenizer, torch.from_numpy(responses), torch.from_numpy(mask))
+
+    def decode_prompts(ids: np.ndarray) -> list[str]:
+        return tokenizer.batch_decode(ids.tolist(), skip_special_tokens=True)
+
+    return Checked(inputs.device, inputs.backend, inputs.hyper, inputs.prompts, encode, decode, decode_prompts,
+                   truncated)
 
 
 def check_hardware(plan: Plan) -> tuple[str, str]:
@@ -75,33 +141,30 @@ def check_vocabularies(plan: Plan) -> None:
                               f"actor's has {actor_vocab}: every model must read the actor's tokens")
 
 
-def _prompts_and_codecs(plan: Plan, data: str | None):
+def _prompts(plan: Plan, data: str | None) -> list[str]:
     from hfplan.executor.data import read_prompts
-    from hfplan.executor.tokenizers import build_tokenizer, builtin_prompts, decode_responses, encode_prompts
+    from hfplan.executor.prompts import builtin_prompts
 
-    actor_ref = plan.workload.models[generating_role(plan.workload)]
     if data is not None:
-        prompts = read_prompts(data)
-    else:
-        prompts = builtin_prompts(actor_ref)
-        if prompts is None:
-            raise HfplanError(f"model {actor_ref} has no built-in prompt set; give one with --data PATH "
-                              "(.parquet or .jsonl with a 'prompt' column)")
-    tokenizer = build_tokenizer(actor_ref)
-    prompt_len = plan.workload.prompt_len
-
-    def encode(texts: list[str]) -> np.ndarray:
-        return encode_prompts(tokenizer, texts, prompt_len).numpy()
-
-    def decode(responses: np.ndarray, mask: np.ndarray) -> list[str]:
-        import torch
-
-        return decode_responses(tokenizer, torch.from_numpy(responses), torch.from_numpy(mask))
-
-    def decode_prompts(ids: np.ndarray) -> list[str]:
-        return tokenizer.batch_decode(ids.tolist(), skip_special_tokens=True)
-
-    return prompts, encode, decode, decode_prompts
+        return read_prompts(data)
+    actor_ref = plan.workload.models[generating_role(plan.workload)]
+    prompts = builtin_prompts(actor_ref)
+    if prompts is None:
+        raise HfplanError(f"model {actor_ref} has no built-in prompt set; give one with --data PATH "
+                          "(.parquet or .jsonl with a 'prompt' column)")
+    return prompts
 
 
-
+def check_reachable(address: str, timeout_s: float) -> None:
+    """A `host:port` cluster address must accept a connection within `timeout_s` (Ray itself retries for
+    minutes); other forms (`auto`, `ray://...`) are left to Ray."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "://" in address:
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except TimeoutError:
+        raise HfplanError(f"--address {address}: no Ray cluster answered within {timeout_s:g} s "
+                          "(--connect-timeout S waits longer)") from None
+    except OSError as bad:
+        raise HfplanError(f"--address {address}: no Ray cluster there ({bad.strerror or bad})") from None

@@ -2,14 +2,16 @@
 
     OUT/checkpoints/iteration-000004/
         manifest.json        the run it belongs to (algorithm, models, seed, prompts), its placement and
-                             layouts, the iteration; written last
+                             layouts, the iteration, and the SHA-256 of every other file; written last
         controller.json      the controller's state: data position, Safe-RLHF's multiplier, metrics and
                              the measured timeline so far
         roles/<role>/        each trained role's model and optimizer, DCP (hfplan.executor.checkpoint)
         rng/set-S-rank-R.pt  each worker's random streams
 
 A checkpoint is written into `.partial-iteration-N` and renamed to `iteration-N` once every piece is in,
-so a folder with the final name is always complete; the newest `keep` complete ones are kept.
+so a folder with the final name is always complete; the newest `keep` complete ones are kept. Before a
+resume reads any tensor, every file is checked against its manifest's checksum (hashlib only: a damaged
+checkpoint is refused before torch or Ray start).
 The controller's only random stream is the prompt order, a function of the seed and the data position.
 """
 
@@ -34,7 +36,8 @@ from hfplan.plan import PlacementSet, Plan, RoleParallelism
 CHECKPOINTS_FOLDER = "checkpoints"
 MANIFEST_FILE = "manifest.json"
 CONTROLLER_FILE = "controller.json"
-FORMAT = 1
+FORMAT = 2  # 2: the manifest lists each file's SHA-256; 1 (read, never written): no checksums
+LATEST = "latest"
 _NAME = re.compile(r"^iteration-(\d+)$")
 _PARTIAL = ".partial-"
 
@@ -55,12 +58,13 @@ class RunIdentity(_Strict):
 
 
 class Manifest(_Strict):
-    format: Literal[1] = FORMAT
+    format: Literal[1, 2] = FORMAT
     iteration: int  # iterations done
     run: RunIdentity
     heads: dict[str, str]  # trained role -> "lm" | "scalar"
     placement: list[PlacementSet]
     parallelism: dict[str, RoleParallelism]
+    files: dict[str, str] = {}  # path relative to the checkpoint folder -> SHA-256 (format 2)
 
     @property
     def trained_roles(self) -> list[str]:
@@ -94,10 +98,40 @@ def run_identity(plan: Plan, seed: int, prompts: list[str]) -> RunIdentity:
 
 
 def manifest_of(plan: Plan, run: RunIdentity, iteration: int) -> Manifest:
+    """The manifest of a checkpoint; its file checksums are added by `commit`, once every file is in."""
     heads = {role: facts_of(plan.workload, role).head for role in plan.workload.model_roles
              if facts_of(plan.workload, role).trains}
     return Manifest(iteration=iteration, run=run, heads=heads, placement=plan.placement,
                     parallelism=plan.parallelism)
+
+
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        while chunk := stream.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def folder_digests(folder: Path) -> dict[str, str]:
+    """The SHA-256 of every file under a checkpoint folder but its manifest, by relative path."""
+    return {path.relative_to(folder).as_posix(): file_digest(path) for path in sorted(folder.rglob("*"))
+            if path.is_file() and path.relative_to(folder).as_posix() != MANIFEST_FILE}
+
+
+def damage(folder: Path, manifest: Manifest) -> str | None:
+    """What is wrong with a checkpoint's files against its manifest's checksums (None: intact, or a format-1
+    checkpoint, which has none)."""
+    for name, expected in manifest.files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"file {name} is missing"
+        try:
+            if file_digest(path) != expected:
+                return f"file {name} does not match its checksum (truncated or altered)"
+        except OSError as bad:
+            return f"file {name} cannot be read ({bad.strerror})"
+    return None
 
 
 def checkpoints_folder(out: Path) -> Path:
@@ -130,27 +164,66 @@ def _read_model(path: Path, model: type[_Strict]):
         raise HfplanError(f"checkpoint file {path}: not an hfplan checkpoint ({where}: {first['msg']})") from None
 
 
-def read_checkpoint(folder: Path) -> Checkpoint:
-    """A checkpoint's manifest and controller state, and a safe look at its tensor files' headers (DCP
-    metadata, RNG files): nothing in it is executed, and a bad file is one HfplanError line."""
-    from hfplan.executor import checkpoint as tensors
-
+def verified_checkpoint(folder: Path) -> Checkpoint:
+    """A checkpoint's manifest and controller state, every file checked against the manifest's checksums;
+    torch-free, so a damaged checkpoint is refused before any worker or library starts."""
     if not (folder / MANIFEST_FILE).is_file():
         raise HfplanError(f"{folder}: not a complete hfplan checkpoint (no {MANIFEST_FILE})")
     manifest = _read_model(folder / MANIFEST_FILE, Manifest)
+    problem = damage(folder, manifest)
+    if problem is not None:
+        intact = newest_intact(folder.parent, before=manifest.iteration)
+        instead = (f"; the newest intact checkpoint is {intact.name}: continue from it with --resume "
+                   f"{intact_iteration(intact)}" if intact is not None else "; no older intact checkpoint is left")
+        raise HfplanError(f"checkpoint {folder} is damaged: {problem}{instead}")
     controller = _read_model(folder / CONTROLLER_FILE, ControllerSnapshot)
     if controller.iteration != manifest.iteration:
         raise HfplanError(f"checkpoint {folder}: {CONTROLLER_FILE} is at iteration {controller.iteration} but "
                           f"{MANIFEST_FILE} at {manifest.iteration}")
+    return Checkpoint(folder, manifest, controller)
+
+
+def intact_iteration(folder: Path) -> int:
+    match = _NAME.match(folder.name)
+    assert match is not None, folder
+    return int(match.group(1))
+
+
+def newest_intact(folder: Path, before: int) -> Path | None:
+    """The newest complete checkpoint in a checkpoints folder older than iteration `before` whose files match
+    their checksums."""
+    if not folder.is_dir():
+        return None
+    found = [(int(m.group(1)), path) for path in folder.iterdir()
+             if (m := _NAME.match(path.name)) and (path / MANIFEST_FILE).is_file() and int(m.group(1)) < before]
+    for _, path in sorted(found, reverse=True):
+        try:
+            if damage(path, _read_model(path / MANIFEST_FILE, Manifest)) is None:
+                return path
+        except HfplanError:
+            continue
+    return None
+
+
+def read_checkpoint(folder: Path) -> Checkpoint:
+    """`verified_checkpoint`, then `check_tensor_headers`."""
+    return check_tensor_headers(verified_checkpoint(folder))
+
+
+def check_tensor_headers(found: Checkpoint) -> Checkpoint:
+    """A safe look at a checkpoint's tensor files' headers (DCP metadata, RNG files): nothing in them is
+    executed, and a file hfplan never writes is one HfplanError line (also where its checksum was forged)."""
+    from hfplan.executor import checkpoint as tensors
+
     try:
-        for role in manifest.trained_roles:
-            tensors.read_metadata(tensors.role_folder(folder, role))
-        for index, group in enumerate(manifest.placement):
+        for role in found.manifest.trained_roles:
+            tensors.read_metadata(tensors.role_folder(found.folder, role))
+        for index, group in enumerate(found.manifest.placement):
             for rank in range(group.gpus):
-                tensors.read_rng(tensors.rng_file(folder, index, rank))
+                tensors.read_rng(tensors.rng_file(found.folder, index, rank))
     except tensors.UnsafeCheckpoint as bad:
         raise HfplanError(f"checkpoint refused: {bad}") from None
-    return Checkpoint(folder, manifest, controller)
+    return found
 
 
 def check_matches(found: Checkpoint, run: RunIdentity, iterations: int) -> None:
@@ -176,18 +249,37 @@ def check_matches(found: Checkpoint, run: RunIdentity, iterations: int) -> None:
                           "iterations already; ask for more to resume")
 
 
-def starting_point(out: Path, resume: bool, run: RunIdentity, iterations: int) -> Checkpoint | None:
-    """The checkpoint a run starts from (with --resume), checked against the run; None for a fresh run,
-    which is refused where earlier checkpoints would mix with its own."""
+def chosen_checkpoint(out: Path, choice: str) -> Path:
+    """The folder `--resume CHOICE` names: `latest` (the newest complete checkpoint in `out`), an iteration
+    number (that checkpoint of `out`), or a checkpoint folder's path."""
+    if choice == LATEST:
+        newest = latest(out)
+        if newest is None:
+            raise HfplanError(f"--resume: no complete checkpoint in {checkpoints_folder(out)}")
+        return newest
+    if choice.isdigit():
+        folder = checkpoints_folder(out) / _name(int(choice))
+        if not (folder / MANIFEST_FILE).is_file():
+            have = ", ".join(str(intact_iteration(p)) for p in complete_checkpoints(out)) or "none"
+            raise HfplanError(f"--resume {choice}: {out} has no complete checkpoint of iteration {int(choice)} "
+                              f"(complete: {have})")
+        return folder
+    folder = Path(choice)
+    if not folder.is_dir():
+        raise HfplanError(f"--resume {choice}: not latest, an iteration number, or a checkpoint folder")
+    return folder
+
+
+def starting_point(out: Path, resume: str | None, run: RunIdentity, iterations: int) -> Checkpoint | None:
+    """The checkpoint a run starts from (`--resume latest|ITERATION|PATH`), verified and checked against the
+    run, torch-free; None for a fresh run, which is refused where earlier checkpoints would mix with its own."""
     newest = latest(out)
-    if not resume:
+    if resume is None:
         if newest is not None:
             raise HfplanError(f"--out {out} holds checkpoints of an earlier run (latest: {newest.name}); continue "
                               "it with --resume, or give another --out")
         return None
-    if newest is None:
-        raise HfplanError(f"--resume: no complete checkpoint in {checkpoints_folder(out)}")
-    found = read_checkpoint(newest)
+    found = verified_checkpoint(chosen_checkpoint(out, resume))
     check_matches(found, run, iterations)
     return found
 
@@ -232,6 +324,7 @@ def commit(partial: Path, manifest: Manifest, controller: ControllerSnapshot, ke
     """Finish a checkpoint whose tensors are in `partial`: its controller state, then its manifest, then the
     rename to its final name. The oldest complete checkpoints beyond `keep` are removed."""
     _write_synced(partial / CONTROLLER_FILE, controller.model_dump_json() + "\n")
+    manifest = manifest.model_copy(update={"format": FORMAT, "files": folder_digests(partial)})
     _write_synced(partial / MANIFEST_FILE, manifest.model_dump_json(indent=2) + "\n")
     final = partial.parent / _name(manifest.iteration)
     if final.exists():  # never the case in one run's sequence; kept safe: the old one leaves after the rename

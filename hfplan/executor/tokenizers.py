@@ -1,4 +1,4 @@
-"""Tokenizers made in code for the demo models, a checkpoint's own tokenizer, and the built-in prompt sets.
+"""Tokenizers made in code for the demo models, and a checkpoint's own tokenizer.
 
 The tokenizers built here are real `PreTrainedTokenizerFast` objects (so `save_pretrained` writes a
 folder `AutoTokenizer` reads back). They parse no special tokens out of text: encoding never yields
@@ -7,7 +7,6 @@ the pad id, so `prompts != pad_id` is always the prompt mask (see hfplan.executo
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import torch
@@ -15,10 +14,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from hfplan.errors import HfplanError
+from hfplan.executor.prompts import ARITH_MAX
 from hfplan.profiles.models import resolve_model
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
-ARITH_MAX = 40  # tiny-arith's numbers are 0..ARITH_MAX
 ARITH_WORDS = ("add", "sub", "=")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -123,30 +122,3 @@ def decode_responses(
     lengths = response_mask.gt(0).sum(dim=1).tolist()
     rows = [row[:n] for row, n in zip(responses.tolist(), lengths, strict=True)]
     return tokenizer.batch_decode(rows, skip_special_tokens=True)
-
-
-def builtin_prompts(model_ref: str) -> list[str] | None:
-    """The demo prompt set of a demo model, in a fixed order; None for any other model."""
-    if model_ref == "tiny":
-        return _tiny_prompts()
-    if model_ref == "tiny-arith":
-        return _arith_prompts()
-    return None
-
-
-def _tiny_prompts() -> list[str]:
-    # Short English-ish phrases: 8 x 6 = 48 prompts of at most 15 bytes (16 tokens with <bos>).
-    starts = ("the", "a", "my", "one", "our", "some", "his", "her")
-    nouns = ("cat", "sun", "tree", "road", "song", "boat")
-    verbs = ("is", "was", "sees", "has", "gets", "made")
-    return [f"{s} {n} {verbs[(i + j) % len(verbs)]}" for i, s in enumerate(starts) for j, n in enumerate(nouns)]
-
-
-def _arith_prompts() -> list[str]:
-    """Every `add A B =` with A + B <= 40 and `sub A B =` with A >= B, in a fixed shuffled order
-    (so that any slice mixes both operations and all sizes)."""
-    adds = [f"add {a} {b} =" for a in range(ARITH_MAX + 1) for b in range(ARITH_MAX + 1 - a)]
-    subs = [f"sub {a} {b} =" for a in range(ARITH_MAX + 1) for b in range(a + 1)]
-    prompts = adds + subs
-    random.Random(0).shuffle(prompts)
-    return prompts

@@ -8,11 +8,11 @@ values, scores), `generate` (a batch of prompts through the generation engine, o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import get_args
 
 from hfplan.errors import HfplanError
-from hfplan.layout import kv_heads_per_rank
+from hfplan.layout import shape_problem
 from hfplan.plan import Batching, GenConfig, InferConfig, KvCache, Recompute, TrainConfig, engine_problem
 from hfplan.profiles.hardware import HardwareProfile, load_hardware
 from hfplan.profiles.models import ModelArch, resolve_model
@@ -107,17 +107,33 @@ def call_cost(req: CallRequest) -> CallCost:
     if req.kind == "collective":
         return _collective(hw, req, per_node)
     arch = resolve_model(req.model)
-    try:
-        kv_heads_per_rank(arch.kv_heads, req.tp)
-    except ValueError as problem:
-        raise HfplanError(f"--tp {req.tp} on {arch.name}: {problem}") from None
+    _check_model(arch, req)
     gpus = req.tp * req.pp * req.dp
     where = costs.SetShape(gpus, per_node)
     if req.kind == "train":
-        return _train(hw, arch, req, where)
-    if req.kind == "forward":
-        return _forward(hw, arch, req, where)
-    return _generate(hw, arch, req, where)
+        result = _train(hw, arch, req, where)
+    elif req.kind == "forward":
+        result = _forward(hw, arch, req, where)
+    else:
+        result = _generate(hw, arch, req, where)
+    usable = _gib(hw.memory.usable_bytes)
+    fits = result.memory_gib_per_gpu is None or result.memory_gib_per_gpu <= usable
+    return replace(result, detail=result.detail | {"fits": fits, "usable_gib_per_gpu": usable})
+
+
+def _check_model(arch: ModelArch, req: CallRequest) -> None:
+    """The layout and context checks search and simulate make: tp and pp that split the model, and sequences
+    within its context."""
+    kind = {"train": "train", "forward": "infer", "generate": "gen"}[req.kind]
+    problem = shape_problem(arch, kind, req.tp, req.pp, req.virtual_stages if kind == "train" else 1)
+    if problem:
+        with_pp = f" with --pp {req.pp}" if req.pp > 1 else ""
+        raise HfplanError(f"--tp {req.tp} on {arch.name}{with_pp}: {problem}")
+    tokens, what = ((req.prompt_len + req.response_len, "--prompt-len + --response-len") if kind == "gen"
+                    else (req.seq_len, "--seq-len"))
+    if arch.context_len is not None and tokens > arch.context_len:
+        raise HfplanError(f"{what} = {tokens:,} tokens exceeds the context length of {arch.name} "
+                          f"({arch.context_len:,} tokens)")
 
 
 def _gib(nbytes: float) -> float:
