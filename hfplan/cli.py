@@ -430,10 +430,19 @@ def _plan_columns(table: Table, first: str, width: int = 0) -> None:
 def _placement_lines(plan) -> str:
     """One line per colocated set, with its peak memory: roles spaced so that a narrow table wraps between them."""
     peaks = plan.estimate.peak_memory_gib
-    lines = [f"{' + '.join(g.models)} ({g.gpus:,} GPUs, {peak:.1f} GiB)"
+    lines = [f"{' + '.join(g.models)} ({gpus_text(g.gpus)}, {memory_text(peak)})"
              for g, peak in zip(plan.placement, peaks, strict=True)]
     idle = plan.estimate.idle_gpus
-    return "\n".join(lines + ([f"idle ({idle:,} GPU{'s' if idle > 1 else ''})"] if idle else []))
+    return "\n".join(lines + ([f"idle ({gpus_text(idle)})"] if idle else []))
+
+
+def gpus_text(count: int) -> str:
+    return f"{count:,} GPU{'s' if count != 1 else ''}"
+
+
+def memory_text(gib: float) -> str:
+    """GiB with one decimal; MiB below a tenth of a GiB (the demo models' few MiB are not "0.0 GiB")."""
+    return f"{gib:.1f} GiB" if gib >= 0.1 else f"{gib * 1024:.1f} MiB"
 
 
 def _plan_cells(plan) -> tuple[str, str, str, str]:
@@ -523,7 +532,7 @@ class _ProfileProgress:
 
 
 def set_labels(plan) -> list[str]:
-    return [f"set {i}: {'+'.join(g.models)} ({g.gpus} GPUs)" for i, g in enumerate(plan.placement)]
+    return [f"set {i}: {'+'.join(g.models)} ({gpus_text(g.gpus)})" for i, g in enumerate(plan.placement)]
 
 
 def plan_title(plan) -> str:

@@ -21,6 +21,7 @@ def on_the_session_cluster(ray_driver):
 
 
 def run(plan, tmp_path, iterations=2, **options):
+    tmp_path.mkdir(parents=True, exist_ok=True)  # the run folder's parent: execute makes only the run folder
     summary = execute(plan, ExecuteOptions(iterations=iterations, out=tmp_path / "run", call_timeout_s=120,
                                            start_timeout_s=120, **options))
     lines = (tmp_path / "run" / METRICS_FILE).read_text().splitlines()

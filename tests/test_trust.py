@@ -205,3 +205,17 @@ def test_cost_says_when_a_call_does_not_fit():
     assert "does not fit:" in result.stdout
     fitting = json.loads(invoke("cost", "forward", "--json").stdout)
     assert fitting["detail"]["fits"] is True
+
+
+def test_counts_and_small_memories_read_as_words():
+    assert (cli.gpus_text(1), cli.gpus_text(2048)) == ("1 GPU", "2,048 GPUs")
+    assert (cli.memory_text(0.004), cli.memory_text(12.34)) == ("4.1 MiB", "12.3 GiB")
+
+
+def test_the_readme_demo_outputs_are_ignored_by_git():
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(["git", "check-ignore", "demo.json", "run/metrics.jsonl"], cwd=root, capture_output=True,
+                          text=True, timeout=30)
+    if done.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert done.stdout.split() == ["demo.json", "run/metrics.jsonl"]
