@@ -219,3 +219,25 @@ def test_the_readme_demo_outputs_are_ignored_by_git():
     if done.returncode == 128:
         pytest.skip("not a git checkout")
     assert done.stdout.split() == ["demo.json", "run/metrics.jsonl"]
+
+
+def test_ctrl_c_while_ray_starts_leaves_no_process_and_no_run_folder(tmp_path):
+    """On a Ray of the run's own: once its first processes are up (before any worker), SIGINT to the process
+    group, as a terminal's Ctrl-C sends it."""
+    import os
+    import signal
+
+    from tests.support.processes import start_cli, stop_all, tagged, wait_for
+
+    plan_file = _plan_file(tmp_path, plan_one_rank())
+    out = tmp_path / "run"
+    cli = start_cli(tmp_path / "log", "execute", plan_file, "--out", out, "--iterations", 50)
+    try:
+        wait_for(lambda: len(tagged(cli.tag)) > 1, 60, "Ray's first processes")
+        os.killpg(cli.proc.pid, signal.SIGINT)
+        code = cli.wait(60)
+        wait_for(lambda: not tagged(cli.tag), 30, "the end of every process of the run")
+    finally:
+        stop_all(cli)
+    assert code == 130, cli.output()
+    assert not out.exists(), sorted(p.name for p in out.iterdir())
