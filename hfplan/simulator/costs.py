@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
-from hfplan.layout import micro_batch_sizes, resharding, stage_params
+from hfplan.layout import micro_batch_sizes, most_received_numel, resharding, stage_params
 from hfplan.plan import GenConfig, InferConfig, Layout, Recompute, TrainConfig
 from hfplan.profiles.hardware import HardwareProfile
 from hfplan.profiles.models import ModelArch
@@ -495,12 +495,16 @@ def batching_never_slower(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int
 def transition_time(hw: HardwareProfile, arch: ModelArch, train: TrainConfig, gen: GenConfig,
                     where: SetShape, *, memo: CostMemo | None = None) -> float:
     """Training layout -> generation layout: an all-gather of each GPU's generation shard among the
-    GPUs holding its pieces (adjacent ranks). Going back is free: the generation copy is dropped."""
+    GPUs holding its pieces (its generation group), sized by the slices the busiest GPU receives
+    (hfplan.layout's per-tensor plan, as the executor moves them). Going back is free: the generation
+    copy is dropped."""
     plan = resharding(train, gen)
-    if plan.group <= 1:
+    received = most_received_numel(arch, train, gen)
+    if plan.group <= 1 or received == 0:
         return 0.0
     group = coll.grid_group(list(plan.dims), where.per_node)
-    return coll.all_gather(hw, group, hw.compute.value_bytes * arch.params("lm") * plan.gen_fraction)
+    # A ring all-gather in which each GPU receives (group - 1) / group of the result.
+    return coll.all_gather(hw, group, hw.compute.value_bytes * received * plan.group / (plan.group - 1))
 
 
 def weight_sync_time(hw: HardwareProfile, arch: ModelArch, gen: GenConfig, rollout: SetShape,

@@ -30,7 +30,7 @@ from transformers.activations import ACT2FN
 from hfplan.errors import HfplanError
 from hfplan.executor.rollout.base import Rollout, SamplingParams
 from hfplan.executor.sequences import positions
-from hfplan.layout import kv_head_copies, kv_heads_per_rank
+from hfplan.layout import chunk_range, kv_head_copies, kv_heads_per_rank
 from hfplan.plan import Batching
 
 # Rotary types whose frequencies change with the sequence length at run time; a fixed table cannot follow them.
@@ -44,12 +44,6 @@ def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
     if hasattr(tensor, "full_tensor"):
         return tensor.full_tensor().detach()
     return tensor.detach()
-
-
-def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
-    """[start, end) of chunk `index` of `size` rows split as torch.chunk (and DTensor's Shard) splits them."""
-    step = -(-size // parts)
-    return min(index * step, size), min((index + 1) * step, size)
 
 
 @dataclass(frozen=True)
