@@ -60,3 +60,45 @@ def test_every_rank_builds_its_generation_shard_receiving_the_plans_bytes():
             assert r["shard_bytes"] <= r["peak"] <= r["shard_bytes"] + r["received"] + r["sent"], case
             assert r["peak"] < r["model_bytes"] or r["tp_g"] == 1, case
         assert any(r["received"] > 0 for r in per_rank) or case[0].shard == "replicated", case
+
+
+def _generations(rank: int, world: int) -> list[dict]:
+    from hfplan.executor.engines.hybrid import HybridEngine
+    from hfplan.executor.mesh import TP
+    from hfplan.executor.rollout.base import SamplingParams
+    from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
+    from hfplan.executor.runtime import _place_tp_group
+
+    train = TrainConfig(tp=2, dp=2, shard="full")
+    trained = RoleModel(llama_actor(), mesh_of(train), HP, "cpu", torch.float32, pad_id=PAD, lr=1e-3)
+    prompts = torch.randint(1, CONFIG.vocab_size, (3, 5), generator=torch.Generator().manual_seed(7))
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, top_p=1.0, greedy=True)
+    reference = TorchRolloutEngine(None, PAD, 1, trained.mesh[TP].get_group())
+    hybrid = HybridEngine(trained)
+    reference.load_weights(hybrid.enter_generation())
+    want = reference.generate(prompts, params).responses
+    reference.release_weights()
+    hybrid.exit_generation()
+    out = []
+    for tp_g in (1, 4):
+        gen = GenConfig(tp=tp_g, dp=world // tp_g)
+        group, tp_ranks = _place_tp_group(train, gen)
+        engine = TorchRolloutEngine(None, PAD, 1, group, tp_ranks=tp_ranks)
+        switch = HybridEngine(trained, (train, gen))
+        engine.load_weights(switch.enter_generation(), presharded=True)
+        got = engine.generate(prompts, params).responses
+        engine.release_weights()
+        switch.exit_generation()
+        specs = tensor_specs(trained.module, CONFIG.num_hidden_layers, CONFIG.num_key_value_heads)
+        plan = 4 * received_numel(train, gen, specs, CONFIG.num_hidden_layers)[rank]
+        out.append({"same": torch.equal(got, want), "received": switch.last_switch.received, "plan": plan,
+                    "freed": all(p.is_meta for p in switch._generation.parameters())})
+    return out
+
+
+def test_generation_after_the_plan_driven_switch_equals_generation_in_the_training_layout():
+    results = run_world(_generations, 4, timeout=120)
+    for per_rank in results:
+        for r in per_rank:
+            assert r["same"] and r["freed"] and r["received"] == r["plan"]
+    assert all(r["received"] > 0 for per_rank in results for r in per_rank)  # FSDP: every switch moves slices

@@ -24,6 +24,7 @@ from hfplan.dataflow.controller import STEPS, ControllerState
 from hfplan.dataflow.ops import ROLE_OPS
 from hfplan.dataflow.roles import CallingRole, RoleFacts, call_writes
 from hfplan.executor.errors import RunFailed
+from hfplan.executor.generation_order import collector_ranks, replica_ranks
 from hfplan.layout import CONTROLLER, ON_CONTROLLER, rank_of, replica_groups
 from hfplan.plan import Layout, Span
 
@@ -188,7 +189,10 @@ class WorkerGroupRole(CallingRole):
         bounds = row_split(rows, layout.dp)
         shares = [{name: _share(value, start, end) for name, value in batch.items()} for start, end in bounds]
         refs: list = [None] * len(self.workers.workers)
-        for replica, ranks in enumerate(replica_groups(layout)):
+        train = self.layouts.get("train")
+        groups = replica_ranks(train, layout) if op == "generate" else replica_groups(layout)
+        collectors = collector_ranks(train, layout) if op == "generate" else collecting_ranks(layout)
+        for replica, ranks in enumerate(groups):
             for rank in ranks:
                 refs[rank] = self.workers.workers[rank].call.remote(self.name, op, shares[replica],
                                                                     {"greedy": greedy, "n": n})
@@ -197,7 +201,7 @@ class WorkerGroupRole(CallingRole):
             return self.workers.describe_failure(self.name, op, failure)
 
         out_rows = [(end - start) * (n if op == "generate" else 1) for start, end in bounds]
-        call = PendingCall((self.name, op, greedy), self.workers.index, refs, collecting_ranks(layout), out_rows,
+        call = PendingCall((self.name, op, greedy), self.workers.index, refs, collectors, out_rows,
                            self.recorder, describe, self.timeout_s)
         return Batch({name: FieldFuture(call, name) for name in call_writes(self.name, self.facts, op)})
 

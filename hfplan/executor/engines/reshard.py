@@ -87,10 +87,12 @@ def _buckets(transfers: list[Transfer], itemsize: int, bucket_bytes: int) -> lis
 
 
 def generation_shards(module: nn.Module, train: TrainLayoutLike, gen: LayoutLike, layers: int, kv_heads: int,
-                      bucket_bytes: int = 256 << 20) -> tuple[dict[str, torch.Tensor], SwitchStats]:
-    """This rank's generation shard of every parameter on its generation stage, by HF name (new tensors,
-    the training shards untouched; dropping them frees the switch's memory), and what the switch moved.
-    A collective over the training layout's world (ranks in layout order)."""
+                      dtype: torch.dtype | None = None, bucket_bytes: int = 256 << 20
+                      ) -> tuple[dict[str, torch.Tensor], SwitchStats]:
+    """This rank's generation shard of every parameter on its generation stage, by HF name (new tensors in
+    `dtype`, default the training shards' own, which stay untouched; dropping them frees the switch's
+    memory), and what the switch moved. A collective over the training layout's world (ranks in layout
+    order)."""
     if train.pp > 1:
         raise ValueError("generation_shards: pipelined training layouts are not handled")
     rank = dist.get_rank()
@@ -106,7 +108,7 @@ def generation_shards(module: nn.Module, train: TrainLayoutLike, gen: LayoutLike
             raise RuntimeError(f"{name}: the local training shard {tuple(local.shape)} is not the slice {held} "
                                "the resharding plan assumes")
         need = generation_box(gen, spec, place)
-        shard = torch.empty([e - s for s, e in need], dtype=local.dtype, device=local.device)
+        shard = torch.empty([e - s for s, e in need], dtype=dtype or local.dtype, device=local.device)
         own = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(need, held, strict=True))
         if all(s < e for s, e in own):
             _view(shard, need, own).copy_(_view(local, held, own))
@@ -129,13 +131,14 @@ def generation_shards(module: nn.Module, train: TrainLayoutLike, gen: LayoutLike
         for peer, buckets in outgoing.items():
             if k < len(buckets):
                 flat = torch.cat([_view(_local(params[t.name]), training_box(train, specs[t.name], rank), t.box)
-                                  .reshape(-1) for t in buckets[k]])
+                                  .reshape(-1) for t in buckets[k]]).to(shards[buckets[k][0].name].dtype)
                 ops.append(dist.P2POp(dist.isend, flat, peer))
                 sent += flat.numel() * flat.element_size()
                 live += flat.numel() * flat.element_size()
         for peer, buckets in incoming.items():
             if k < len(buckets):
-                flat = torch.empty(sum(t.numel for t in buckets[k]), dtype=shards[buckets[k][0].name].dtype)
+                first = shards[buckets[k][0].name]
+                flat = torch.empty(sum(t.numel for t in buckets[k]), dtype=first.dtype, device=first.device)
                 ops.append(dist.P2POp(dist.irecv, flat, peer))
                 receipts.append((buckets[k], flat))
                 received += flat.numel() * flat.element_size()
