@@ -405,6 +405,7 @@ class Transfer:
     dst: int
     box: Box
     numel: int  # elements of the box, times the spec's count
+    layer: int = 0  # the first layer of the spec's piece it belongs to (compressed specs span several)
 
 
 def box_numel(box: Box | None) -> int:
@@ -564,10 +565,35 @@ def reshard_transfers(train: TrainLayoutLike, gen: LayoutLike, specs: Sequence[T
                 piece = box_meet(need, training_box(train, piece_spec, src))
                 if piece is not None and piece not in have:
                     have.append(piece)
-                    out.append(Transfer(piece_spec.name, src, dst, piece, box_numel(piece) * piece_spec.count))
+                    out.append(Transfer(piece_spec.name, src, dst, piece, box_numel(piece) * piece_spec.count,
+                                        piece_spec.layer))
             if sum(box_numel(b) for b in have) != box_numel(need):
                 raise ValueError(f"{piece_spec.name}: the generation group {group_of[dst]} does not hold rank "
                                  f"{dst}'s generation slice (a dimension that does not split evenly)")
+    return out
+
+
+def sync_transfers(train: TrainLayoutLike, gen: LayoutLike, specs: Sequence[TensorSpec], layers: int
+                   ) -> list[Transfer]:
+    """A separate rollout set's weight sync: every rollout rank (dst, in gen's own rank order) receives exactly
+    its generation shard, each slice once, from a training rank (src) holding it; the holders of one slice
+    (data-parallel replicas) take the rollout ranks in turn."""
+    out: list[Transfer] = []
+    for piece, stage, gen_stage in _placed_pieces(train, gen, specs, layers):
+        holders: dict[Box, list[int]] = {}
+        for src in range(train.pp * train.dp * train.tp):
+            if rank_coords(train, src)[0] == stage:
+                holders.setdefault(training_box(train, piece, src), []).append(src)
+        for dst in range(gen.pp * gen.dp * gen.tp):
+            place = GenerationPlace(*rank_coords(gen, dst))
+            if place.pp != gen_stage:
+                continue
+            need = generation_box(gen, piece, place)
+            for box, ranks in holders.items():
+                part = box_meet(need, box)
+                if part is not None:
+                    out.append(Transfer(piece.name, ranks[dst % len(ranks)], dst, part, box_numel(part) * piece.count,
+                                        piece.layer))
     return out
 
 

@@ -6,10 +6,17 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from hfplan.executor.engines.reshard import generation_shards, tensor_specs
+from hfplan.executor.engines.reshard import assemble, generation_shards, sync_buckets, tensor_specs
 from hfplan.executor.engines.training import RoleModel
 from hfplan.hyperparams import Hyperparameters
-from hfplan.layout import generation_box, generation_numel, generation_places, received_numel
+from hfplan.layout import (
+    GenerationPlace,
+    generation_box,
+    generation_numel,
+    generation_places,
+    rank_coords,
+    received_numel,
+)
 from hfplan.plan import GenConfig, TrainConfig
 from tests.support.engine_models import PAD, llama_actor, llama_config, mesh_of
 from tests.support.worlds import run_world
@@ -46,12 +53,31 @@ def _switches(rank: int, world: int) -> list[dict]:
                     "plan_shard": 4 * generation_numel(gen, specs, CONFIG.num_hidden_layers, place),
                     "model_bytes": 4 * sum(t.numel() for t in full.values()),
                     "tp_g": tp_g})
+    # A separate rollout set at tp 2 x dp 2 fed by the last training layout: each rank sends its buckets, the
+    # world's all_gather_object standing in for the object store, and assembles the ones addressed to it.
+    import torch.distributed as dist
+
+    rollout = GenConfig(tp=2, dp=2)
+    sent = sync_buckets(module, train, rollout, CONFIG.num_hidden_layers, CONFIG.num_key_value_heads,
+                        torch.float32, bucket_bytes=4096)
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, sent)
+    mine = [bucket for by_dst in everyone for bucket in by_dst.get(rank, [])]
+    shards = assemble(module, rollout, CONFIG.num_hidden_layers, CONFIG.num_key_value_heads, mine, torch.float32,
+                      torch.device("cpu"))
+    place = GenerationPlace(*rank_coords(rollout, rank))
+    out.append({"sync_diff": max((shards[s.name] - full[s.name][tuple(slice(a, b) for a, b in
+                                  generation_box(rollout, s, place))]).abs().max().item() for s in specs),
+                "sync_bytes": sum(flat.numel() * 4 for _, flat in mine),
+                "sync_plan": 4 * generation_numel(rollout, specs, CONFIG.num_hidden_layers, place)})
     return out
 
 
 def test_every_rank_builds_its_generation_shard_receiving_the_plans_bytes():
     results = run_world(_switches, 4, timeout=120)
-    for case, per_rank in zip(CASES, zip(*results, strict=True), strict=True):
+    for r in (per_rank[-1] for per_rank in results):
+        assert r["sync_diff"] == 0.0 and r["sync_bytes"] == r["sync_plan"]
+    for case, per_rank in zip(CASES, zip(*[res[:-1] for res in results], strict=True), strict=True):
         for r in per_rank:
             assert r["diff"] == 0.0, case
             assert r["received"] == r["plan"], case

@@ -8,6 +8,7 @@ import itertools
 import pytest
 
 from hfplan.layout import (
+    GenerationPlace,
     TensorSpec,
     arch_specs,
     box_meet,
@@ -21,6 +22,7 @@ from hfplan.layout import (
     received_numel,
     reshard_transfers,
     stage_of,
+    sync_transfers,
     training_box,
 )
 from hfplan.plan import GenConfig, TrainConfig
@@ -165,3 +167,18 @@ def test_generation_ranks_are_a_permutation_and_the_identity_at_the_training_tp(
             assert ranks == list(range(train.gpus))
     assert generation_ranks(TrainConfig(tp=4, dp=2, shard="replicated"), GenConfig(tp=2, dp=4)) == \
         [0, 2, 1, 3, 4, 6, 5, 7]
+
+
+def test_a_rollout_sets_sync_sends_each_rollout_rank_exactly_its_shard():
+    specs, layers = arch_specs(ODD), ODD.layers
+    for train, rollout in [(TrainConfig(tp=2, dp=2), GenConfig(tp=2, dp=2)), (TrainConfig(tp=2, dp=2), GenConfig(tp=4)),
+                           (TrainConfig(tp=1, dp=4), GenConfig(tp=2)), (TrainConfig(tp=2, pp=2), GenConfig(dp=2))]:
+        transfers = sync_transfers(train, rollout, specs, layers)
+        for dst in range(rollout.gpus):
+            place = GenerationPlace(*rank_coords(rollout, dst))
+            mine = [t for t in transfers if t.dst == dst]
+            assert sum(t.numel for t in mine) == generation_numel(rollout, specs, layers, place)
+            for a, b in itertools.combinations(mine, 2):
+                assert (a.name, a.layer) != (b.name, b.layer) or box_meet(a.box, b.box) is None
+        # Data-parallel replicas share the sending.
+        assert len({t.src for t in transfers}) == train.gpus

@@ -21,7 +21,8 @@ import torch
 
 from hfplan.dataflow.ops import GENERATED
 from hfplan.dataflow.roles import RoleFacts, update_field
-from hfplan.executor.engines.hybrid import HybridEngine
+from hfplan.executor.engines import reshard
+from hfplan.executor.engines.hybrid import HybridEngine, assign
 from hfplan.executor.engines.training import RoleModel
 from hfplan.executor.engines.whole import WholeModel
 from hfplan.executor.generation_order import generation_rank, reshards_by_plan, set_ranks
@@ -58,6 +59,7 @@ class RoleRuntime:
     engine: RolloutEngine | None = None
     hybrid: HybridEngine | None = None
     generator: torch.Generator | None = None
+    synced: torch.nn.Module | None = None  # a rollout set's module over the shards its last sync sent
 
     @property
     def trained(self) -> RoleModel | None:
@@ -121,6 +123,32 @@ class RoleRuntime:
         state = (self.role_model.full_weights() if self.role_model is not None
                  else WholeModel().full_weights(self.model))
         return {name: tensor.float().cpu().numpy() for name, tensor in state.items()} if is_rank0 else None
+
+    def sync_buckets(self, rollout) -> dict[int, list]:
+        """What this rank of the trained actor sends each rank of a separate rollout set (layout rollout): only
+        the slices of each one's generation shard this rank holds, in buckets (engines.reshard)."""
+        trained, config = self.trained, self.trained.config
+        buckets = reshard.sync_buckets(trained.module, self.plan.parallelism[self.role].train, rollout,
+                                       config.num_hidden_layers, config.num_key_value_heads, trained.param_dtype)
+        return {dst: [(keys, flat.cpu()) for keys, flat in parts] for dst, parts in buckets.items()}
+
+    def load_shards(self, buckets: list) -> None:
+        """A rollout rank takes its generation shards from the buckets the actor's ranks sent it."""
+        config = self.model.config
+        dtype = next(self.model.parameters()).dtype
+        gen = self.plan.parallelism[self.role].gen
+        shards = reshard.assemble(self.model, gen, config.num_hidden_layers, config.num_key_value_heads,
+                                  buckets, dtype, self.device)
+        if self.synced is None:
+            with torch.device("meta"):
+                self.synced = type(self.model)(config)
+            self.synced.eval().requires_grad_(False)
+        first: dict[int, str] = {}  # a tied parameter's other names point at its one shard
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            first.setdefault(id(param), name)
+        params = {name: shards[first[id(p)]] for name, p in self.model.named_parameters(remove_duplicate=False)}
+        assign(self.synced, params, dict(self.model.named_buffers(remove_duplicate=False)))
+        self.engine.load_weights(self.synced, presharded=True)
 
     def load_weights(self, weights: dict[str, np.ndarray]) -> None:
         state = {name: torch.from_numpy(value) for name, value in weights.items()}

@@ -20,7 +20,7 @@ from hfplan.executor.engines.training import RoleModel
 from hfplan.plan import GenConfig, TrainConfig
 
 
-def _assign(target: nn.Module, tensors: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
+def assign(target: nn.Module, tensors: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
     """Point every parameter (tied names included) and buffer of `target` at the given tensors, without copies."""
     for name, tensor in tensors.items():
         owner, _, leaf = name.rpartition(".")
@@ -58,7 +58,7 @@ class HybridEngine:
             params, buffers = self.trained.generation_weights()
         else:
             params, buffers = self._shards()
-        _assign(self._generation, params, buffers)
+        assign(self._generation, params, buffers)
         self._active = True
         return self._generation
 
@@ -66,7 +66,7 @@ class HybridEngine:
         """Back to the training layout; the memory of the generation weights is released."""
         if not self._active:
             raise RuntimeError("exit_generation called outside generation")
-        _assign(self._generation, self._meta, self._meta_buffers)
+        assign(self._generation, self._meta, self._meta_buffers)
         if self.layouts is None:
             self.trained.release_generation()
         self._active = False

@@ -20,13 +20,16 @@ from torch import nn
 from hfplan.executor.engines.tensor_parallel import _COLUMNS, _ROWS
 from hfplan.layout import (
     Box,
+    GenerationPlace,
     LayoutLike,
     TensorSpec,
     TrainLayoutLike,
     Transfer,
     generation_box,
     generation_places,
+    rank_coords,
     reshard_transfers,
+    sync_transfers,
     training_box,
 )
 
@@ -154,3 +157,52 @@ def generation_shards(module: nn.Module, train: TrainLayoutLike, gen: LayoutLike
                 target.copy_(flat[offset:offset + t.numel].view(target.shape))
                 offset += t.numel
     return shards, SwitchStats(received=received, sent=sent, peak=peak)
+
+
+Bucket = tuple[list[tuple[str, Box]], torch.Tensor]  # (parameter, slice) keys and their values, flat
+
+
+def sync_buckets(module: nn.Module, train: TrainLayoutLike, rollout: LayoutLike, layers: int, kv_heads: int,
+                 dtype: torch.dtype, bucket_bytes: int = 256 << 20) -> dict[int, list[Bucket]]:
+    """What this training rank sends each rollout rank at a separate rollout set's weight sync (layout's
+    sync_transfers: every rollout rank gets exactly its generation shard), by rollout rank, in buckets of
+    at most about `bucket_bytes` (a slice larger than a bucket travels alone). No collective."""
+    if train.pp > 1:
+        raise ValueError("sync_buckets: pipelined training layouts are not handled")
+    rank = dist.get_rank()
+    params = dict(module.named_parameters())
+    specs = {s.name: s for s in tensor_specs(module, layers, kv_heads)}
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    mine: dict[int, list[Transfer]] = {}
+    for t in sync_transfers(train, rollout, list(specs.values()), layers):
+        if t.src == rank:
+            mine.setdefault(t.dst, []).append(t)
+    out: dict[int, list[Bucket]] = {}
+    for dst, transfers in mine.items():
+        out[dst] = []
+        for bucket in _buckets(transfers, itemsize, bucket_bytes):
+            flat = torch.cat([_view(_local(params[t.name]), training_box(train, specs[t.name], rank), t.box)
+                              .reshape(-1) for t in bucket]).to(dtype)
+            out[dst].append(([(t.name, t.box) for t in bucket], flat))
+    return out
+
+
+def assemble(module: nn.Module, rollout: LayoutLike, layers: int, kv_heads: int, buckets: list[Bucket],
+             dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """A rollout rank's generation shard of every parameter, by HF name, from the buckets sent to it."""
+    place = GenerationPlace(*rank_coords(rollout, dist.get_rank()))
+    specs = {s.name: s for s in tensor_specs(module, layers, kv_heads)}
+    need = {name: generation_box(rollout, spec, place) for name, spec in specs.items()}
+    shards = {name: torch.empty([e - s for s, e in box], dtype=dtype, device=device) for name, box in need.items()}
+    filled = dict.fromkeys(shards, 0)
+    for keys, flat in buckets:
+        offset = 0
+        for name, box in keys:
+            target = _view(shards[name], need[name], box)
+            target.copy_(flat[offset:offset + target.numel()].view(target.shape))
+            offset += target.numel()
+            filled[name] += target.numel()
+    missing = [name for name, count in filled.items() if count != shards[name].numel()]
+    if missing:
+        raise RuntimeError(f"the weight sync left parts of {', '.join(missing[:3])} unsent")
+    return shards
