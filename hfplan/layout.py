@@ -630,3 +630,11 @@ def most_received_numel(arch: ModelArch, train: TrainLayoutLike, gen: LayoutLike
     """The most parameters any GPU receives at the switch to generation (received_numel over arch_specs):
     what the simulator's transition cost and generation memory price."""
     return max(received_numel(train, gen, arch_specs(arch), arch.layers))
+
+
+@functools.lru_cache(maxsize=4096)
+def most_generation_numel(arch: ModelArch, gen: LayoutLike) -> int:
+    """The most parameters one GPU of a generation layout holds (generation_numel over arch_specs, in gen's own
+    rank order): what a separate rollout set's weight sync sends each of its GPUs (sync_transfers)."""
+    return max(generation_numel(gen, arch_specs(arch), arch.layers, GenerationPlace(*rank_coords(gen, r)))
+               for r in range(gen.pp * gen.dp * gen.tp))

@@ -317,7 +317,8 @@ def test_sharded_transition_across_nodes_pays_the_network(toy_hw):
 
 
 def test_weight_sync_by_hand(toy_hw):
-    shard = 2 * LLAMA7.params() / 4  # tp 4 generation shard
+    norms = (2 * LLAMA7.layers + 1) * LLAMA7.hidden  # whole on every tp rank
+    shard = 2 * ((LLAMA7.params() - norms) / 4 + norms)  # tp 4 generation shard
     same = costs.weight_sync_time(toy_hw, LLAMA7, GenConfig(tp=4, dp=2), SetShape(8, 8), same_node=True)
     assert same == pytest.approx(shard / INTRA_BW + INTRA_ALPHA)
     other = costs.weight_sync_time(toy_hw, LLAMA7, GenConfig(tp=4, dp=2), SetShape(8, 8), same_node=False)

@@ -270,8 +270,10 @@ def test_rollout_engine_syncs_weights_before_generating():
     # Only the rollout engine switches: the actor's own set never holds a generation layout.
     assert [s.role for s in tl.spans if s.kind == "transition"] == ["rollout"]
     # Each of the 8 rollout GPUs receives its tp=2 shard of bf16 weights; the node's link carries all 8
-    # (the sets of 16 and 8 lie on different nodes): 8 x 2 x params / 2 bytes at 25 GB/s x 0.9 + 6 us.
-    expected = 8 * (2 * LLAMA2_7B_LM_PARAMS / 2) / (25e9 * 0.9) + 6e-6
+    # (the sets of 16 and 8 lie on different nodes): 8 x 2 x (half the split params + the norms whole) bytes
+    # at 25 GB/s x 0.9 + 6 us.
+    norms = (2 * CATALOG["llama2-7b"].layers + 1) * CATALOG["llama2-7b"].hidden
+    expected = 8 * 2 * ((LLAMA2_7B_LM_PARAMS - norms) / 2 + norms) / (25e9 * 0.9) + 6e-6
     assert sync.end - sync.start == pytest.approx(expected, rel=1e-9)
     assert costs.weight_sync_time(sim.costs.hw, CATALOG["llama2-7b"], plan.parallelism["rollout"].gen,
                                   costs.SetShape(8, 8), same_node=False) == pytest.approx(expected, rel=1e-12)

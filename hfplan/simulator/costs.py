@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
-from hfplan.layout import micro_batch_sizes, most_received_numel, resharding, stage_params
+from hfplan.layout import micro_batch_sizes, most_generation_numel, most_received_numel, resharding, stage_params
 from hfplan.plan import GenConfig, InferConfig, Layout, Recompute, TrainConfig
 from hfplan.profiles.hardware import HardwareProfile
 from hfplan.profiles.models import ModelArch
@@ -510,8 +510,9 @@ def transition_time(hw: HardwareProfile, arch: ModelArch, train: TrainConfig, ge
 def weight_sync_time(hw: HardwareProfile, arch: ModelArch, gen: GenConfig, rollout: SetShape,
                      same_node: bool) -> float:
     """Separate generation engine: every rollout GPU receives its generation shard of the freshly
-    trained weights; the receiving node's links carry the shards of all its GPUs."""
-    shard_bytes = hw.compute.value_bytes * arch.params("lm") / (gen.tp * gen.pp)
+    trained weights (hfplan.layout's sync plan: the norms whole, the rest split); the receiving node's
+    links carry the shards of all its GPUs."""
+    shard_bytes = hw.compute.value_bytes * most_generation_numel(arch, gen)
     node_bytes = shard_bytes * rollout.per_node
     if same_node:
         return coll.point_to_point(hw, shard_bytes, same_node=True)
