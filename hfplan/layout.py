@@ -17,6 +17,7 @@ planner and the executor alike (pure Python; no torch, no ray).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterable, Sequence
@@ -375,3 +376,272 @@ def kv_heads_per_rank(kv_heads: int, tp: int) -> int:
     when tp exceeds them (kv_head_copies). The simulator's activation and KV-cache bytes and the executor's
     shards and caches all read this."""
     return kv_heads * kv_head_copies(kv_heads, tp) // tp
+
+
+# -- the hybrid engine's per-tensor resharding plan ---------------------------------------------------
+# A box is a tensor's slice: one [start, end) range per dimension.
+Box = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One parameter as the resharding sees it. tp_dim: the dimension tensor parallelism splits (None:
+    replicated on every tensor-parallel rank). layer: its decoder layer, -1 for the embedding (first
+    stage), the model's layer count for the final norm and the head (last stage). count: identical tensors
+    of `count` consecutive layers from `layer` on (the cost model's compressed form). kv_heads: a K or V
+    projection's KV heads (a tp above them gives each rank a copy of one head, kv_head_copies); 0 otherwise."""
+
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: int | None
+    layer: int
+    count: int = 1
+    kv_heads: int = 0
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A slice of one parameter that rank `src` sends rank `dst` (both ranks of the set) at the switch."""
+
+    name: str
+    src: int
+    dst: int
+    box: Box
+    numel: int  # elements of the box, times the spec's count
+    layer: int = 0  # the first layer of the spec's piece it belongs to (compressed specs span several)
+
+
+def box_numel(box: Box | None) -> int:
+    return 0 if box is None else math.prod(max(0, e - s) for s, e in box)
+
+
+def box_meet(a: Box | None, b: Box | None) -> Box | None:
+    """The intersection of two boxes (None when empty)."""
+    if a is None or b is None:
+        return None
+    meet = tuple((max(s1, s2), min(e1, e2)) for (s1, e1), (s2, e2) in zip(a, b, strict=True))
+    return meet if all(s < e for s, e in meet) else None
+
+
+def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, end) of chunk `index` of `size` rows split as torch.chunk (and DTensor's Shard) splits them."""
+    step = -(-size // parts)
+    return min(index * step, size), min((index + 1) * step, size)
+
+
+def stage_of(layer: int, layers: int, pp: int) -> int:
+    """The pipeline stage of a decoder layer (-1: the embedding, `layers`: the final norm and head)."""
+    if layer < 0:
+        return 0
+    if layer >= layers:
+        return pp - 1
+    return layer // -(-layers // pp)
+
+
+def _stage_pieces(spec: TensorSpec, layers: int, pps: Sequence[int]) -> list[TensorSpec]:
+    """`spec` cut where a stage of any of the pipelines (pp sizes) starts: each piece lies on one stage of each."""
+    cuts = {spec.layer, spec.layer + spec.count}
+    for pp in pps:
+        step = -(-layers // pp)
+        cuts |= {b for b in range(step, layers, step) if spec.layer < b < spec.layer + spec.count}
+    edges = sorted(cuts)
+    return [TensorSpec(spec.name, spec.shape, spec.tp_dim, a, b - a, spec.kv_heads)
+            for a, b in itertools.pairwise(edges)]
+
+
+def _tp_range(spec: TensorSpec, tp: int, index: int) -> tuple[int, int]:
+    size = spec.shape[spec.tp_dim]
+    if spec.kv_heads and tp > spec.kv_heads:
+        return chunk_range(size, spec.kv_heads, index // kv_head_copies(spec.kv_heads, tp))
+    return chunk_range(size, tp, index)
+
+
+def training_box(train: TrainLayoutLike, spec: TensorSpec, rank: int) -> Box:
+    """A training rank's slice of a parameter, its stage aside: the tensor-parallel chunk along tp_dim, then
+    (sharded training) FSDP's chunk of dim 0 of that, by the rank's place in its weight-shard group."""
+    _, dp, tp = rank_coords(train, rank)
+    box = [(0, n) for n in spec.shape]
+    if spec.tp_dim is not None and train.tp > 1:
+        box[spec.tp_dim] = _tp_range(spec, train.tp, tp)
+    shards = train.shards("weights")
+    if shards > 1 and spec.shape:
+        start, end = box[0]
+        lo, hi = chunk_range(end - start, shards, dp % shards)
+        box[0] = (start + lo, start + hi)
+    return tuple(box)
+
+
+@dataclass(frozen=True)
+class GenerationPlace:
+    """Where a training rank sits in the generation layout: (pp, dp, tp) coordinates of gen."""
+
+    pp: int
+    dp: int
+    tp: int
+
+
+def generation_places(train: TrainLayoutLike, gen: LayoutLike) -> list[GenerationPlace]:
+    """Each training rank's place in the generation layout, by rank. The training ranks holding pieces of
+    one coarse shard (the generation shard where generation splits no finer than training) become its
+    generation replicas, so the shard they gather is made of their own training pieces: with training
+    tp 4, dp 2 on 8 GPUs and generation tp 2, the groups [0,1] [2,3] [4,5] [6,7] gather and the generation
+    tensor-parallel groups are [0,2] [1,3] [4,6] [5,7]. Where generation splits finer (tp_g > tp or
+    pp_g > pp), those ranks take the coarse shard's k sub-shards in consecutive blocks ordered by their FSDP
+    chunk, so a rank's sub-shard lies where its own chunk of dim 0 does (column-split tensors then need
+    nothing from the peers)."""
+    k_tp, k_pp = max(1, gen.tp // train.tp), max(1, gen.pp // train.pp)
+    f_tp, f_pp = max(1, train.tp // gen.tp), max(1, train.pp // gen.pp)
+    shards = train.shards("weights")
+    classes: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
+    for rank in range(train.pp * train.dp * train.tp):
+        pp, dp, tp = rank_coords(train, rank)
+        chunk = dp % shards if k_tp * k_pp > 1 else 0  # only a finer split picks by the FSDP chunk
+        classes.setdefault((pp // f_pp, tp // f_tp), []).append((chunk, dp, pp, rank))
+    places: dict[int, GenerationPlace] = {}
+    for (pp_c, tp_c), members in classes.items():
+        block = len(members) // (k_tp * k_pp)
+        for j, (*_, rank) in enumerate(sorted(members)):
+            sub, dp = divmod(j, block)
+            places[rank] = GenerationPlace(pp=pp_c * k_pp + sub // k_tp, dp=dp, tp=tp_c * k_tp + sub % k_tp)
+    return [places[r] for r in range(len(places))]
+
+
+def generation_ranks(train: TrainLayoutLike, gen: LayoutLike) -> list[int]:
+    """Each training rank's rank in the generation layout's own order (rank_of its generation place), by
+    training rank: the identity where generation keeps the training tp and pp."""
+    return [rank_of(gen, p.pp, p.dp, p.tp) for p in generation_places(train, gen)]
+
+
+def generation_box(gen: LayoutLike, spec: TensorSpec, place: GenerationPlace) -> Box:
+    box = [(0, n) for n in spec.shape]
+    if spec.tp_dim is not None and gen.tp > 1:
+        box[spec.tp_dim] = _tp_range(spec, gen.tp, place.tp)
+    return tuple(box)
+
+
+def _placed_pieces(train: TrainLayoutLike, gen: LayoutLike, specs: Sequence[TensorSpec], layers: int
+                   ) -> list[tuple[TensorSpec, int, int]]:
+    """(piece, its training stage, its generation stage) of every spec cut at both pipelines' stage starts."""
+    return [(p, stage_of(p.layer, layers, train.pp), stage_of(p.layer, layers, gen.pp))
+            for spec in specs for p in _stage_pieces(spec, layers, (train.pp, gen.pp))]
+
+
+def received_numel(train: TrainLayoutLike, gen: LayoutLike, specs: Sequence[TensorSpec], layers: int,
+                   places: Sequence[GenerationPlace] | None = None) -> list[int]:
+    """Elements each training rank receives at the switch to generation: its generation shard less what its
+    training shard already holds of it (reshard_transfers says from whom; the simulator prices these)."""
+    places = places if places is not None else generation_places(train, gen)
+    out = []
+    for rank, place in enumerate(places):
+        stage = rank_coords(train, rank)[0]
+        total = 0
+        for piece, train_stage, gen_stage in _placed_pieces(train, gen, specs, layers):
+            if gen_stage != place.pp:
+                continue
+            need = generation_box(gen, piece, place)
+            own = box_meet(need, training_box(train, piece, rank)) if train_stage == stage else None
+            total += (box_numel(need) - box_numel(own)) * piece.count
+        out.append(total)
+    return out
+
+
+def reshard_transfers(train: TrainLayoutLike, gen: LayoutLike, specs: Sequence[TensorSpec], layers: int,
+                      receiver: int | None = None) -> list[Transfer]:
+    """Every slice sent at the switch to generation (only those `receiver` gets, if given): each rank keeps
+    what it holds of its generation shard and receives the rest from the members of its generation group,
+    each missing slice from the first member (in group order) holding it, so every needed slice arrives
+    once. Raises ValueError where the group does not hold a needed slice (shapes that do not split evenly)."""
+    places = generation_places(train, gen)
+    group_of = {r: g for g in generation_groups(train, gen) for r in g}
+    ranks = range(len(places)) if receiver is None else [receiver]
+    out: list[Transfer] = []
+    for piece_spec, stage, gen_stage in _placed_pieces(train, gen, specs, layers):
+        for dst in ranks:
+            if places[dst].pp != gen_stage:
+                continue
+            need = generation_box(gen, piece_spec, places[dst])
+            own = box_meet(need, training_box(train, piece_spec, dst)) if rank_coords(train, dst)[0] == stage else None
+            have = [own] if own is not None else []
+            for src in group_of[dst]:
+                if src == dst or rank_coords(train, src)[0] != stage:
+                    continue
+                piece = box_meet(need, training_box(train, piece_spec, src))
+                if piece is not None and piece not in have:
+                    have.append(piece)
+                    out.append(Transfer(piece_spec.name, src, dst, piece, box_numel(piece) * piece_spec.count,
+                                        piece_spec.layer))
+            if sum(box_numel(b) for b in have) != box_numel(need):
+                raise ValueError(f"{piece_spec.name}: the generation group {group_of[dst]} does not hold rank "
+                                 f"{dst}'s generation slice (a dimension that does not split evenly)")
+    return out
+
+
+def sync_transfers(train: TrainLayoutLike, gen: LayoutLike, specs: Sequence[TensorSpec], layers: int
+                   ) -> list[Transfer]:
+    """A separate rollout set's weight sync: every rollout rank (dst, in gen's own rank order) receives exactly
+    its generation shard, each slice once, from a training rank (src) holding it; the holders of one slice
+    (data-parallel replicas) take the rollout ranks in turn."""
+    out: list[Transfer] = []
+    for piece, stage, gen_stage in _placed_pieces(train, gen, specs, layers):
+        holders: dict[Box, list[int]] = {}
+        for src in range(train.pp * train.dp * train.tp):
+            if rank_coords(train, src)[0] == stage:
+                holders.setdefault(training_box(train, piece, src), []).append(src)
+        for dst in range(gen.pp * gen.dp * gen.tp):
+            place = GenerationPlace(*rank_coords(gen, dst))
+            if place.pp != gen_stage:
+                continue
+            need = generation_box(gen, piece, place)
+            for box, ranks in holders.items():
+                part = box_meet(need, box)
+                if part is not None:
+                    out.append(Transfer(piece.name, ranks[dst % len(ranks)], dst, part, box_numel(part) * piece.count,
+                                        piece.layer))
+    return out
+
+
+def generation_numel(gen: LayoutLike, specs: Sequence[TensorSpec], layers: int, place: GenerationPlace) -> int:
+    """Elements of one GPU's generation shard (the peak the switch holds: M / (tp_g * pp_g) when every
+    tensor splits evenly)."""
+    return sum(box_numel(generation_box(gen, p, place)) * p.count
+               for spec in specs for p in _stage_pieces(spec, layers, (gen.pp,))
+               if stage_of(p.layer, layers, gen.pp) == place.pp)
+
+
+def arch_specs(arch: ModelArch) -> list[TensorSpec]:
+    """The language model's parameters as the executor's tensor-parallel plan splits them (column-parallel
+    q, k, v, gate, up, embedding and head along dim 0; row-parallel o and down along dim 1; norms
+    replicated), each kind of layer tensor once with count = the layers."""
+    h, n = arch.hidden, arch.layers
+    layer = [("q_proj", (arch.q_dim, h), 0, 0), ("k_proj", (arch.kv_dim, h), 0, arch.kv_heads),
+             ("v_proj", (arch.kv_dim, h), 0, arch.kv_heads), ("o_proj", (h, arch.q_dim), 1, 0),
+             ("gate_proj", (arch.ffn, h), 0, 0), ("up_proj", (arch.ffn, h), 0, 0),
+             ("down_proj", (h, arch.ffn), 1, 0)]
+    if arch.attention_bias:
+        layer += [("q_bias", (arch.q_dim,), 0, 0), ("k_bias", (arch.kv_dim,), 0, arch.kv_heads),
+                  ("v_bias", (arch.kv_dim,), 0, arch.kv_heads)]
+    layer += [("input_norm", (h,), None, 0), ("post_norm", (h,), None, 0)]
+    specs = [TensorSpec(f"layers.{name}", shape, dim, 0, n, kv) for name, shape, dim, kv in layer]
+    specs += [TensorSpec("embed", (arch.vocab, h), 0, -1), TensorSpec("norm", (h,), None, n)]
+    if not arch.tied_embeddings:
+        specs.append(TensorSpec("head", (arch.vocab, h), 0, n))
+    return specs
+
+
+@functools.lru_cache(maxsize=4096)
+def most_received_numel(arch: ModelArch, train: TrainLayoutLike, gen: LayoutLike) -> int:
+    """The most parameters any GPU receives at the switch to generation (received_numel over arch_specs):
+    what the simulator's transition cost and generation memory price."""
+    return max(received_numel(train, gen, arch_specs(arch), arch.layers))
+
+
+@functools.lru_cache(maxsize=4096)
+def most_generation_numel(arch: ModelArch, gen: LayoutLike) -> int:
+    """The most parameters one GPU of a generation layout holds (generation_numel over arch_specs, in gen's own
+    rank order): what a separate rollout set's weight sync sends each of its GPUs (sync_transfers)."""
+    return max(generation_numel(gen, arch_specs(arch), arch.layers, GenerationPlace(*rank_coords(gen, r)))
+               for r in range(gen.pp * gen.dp * gen.tp))

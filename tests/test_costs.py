@@ -286,16 +286,20 @@ def test_transition_free_when_generation_uses_the_training_layout(toy_hw):
 
 
 def test_transition_of_sharded_training_by_hand(toy_hw):
-    # tp 2, FSDP over 4: each GPU all-gathers its tp shard (half the bf16 weights) from 4 GPUs in the node.
-    shard = 2 * LLAMA7.params() / 2
-    expected = 3 * INTRA_ALPHA + 3 / 4 * shard / INTRA_BW
+    # tp 2, FSDP over 4: each GPU all-gathers its tp shard from 4 GPUs in the node, receiving 3/8 of every
+    # split tensor (a half, less its eighth) and 3/4 of the norms (replicated over tp, FSDP-sharded over 4).
+    norms = (2 * LLAMA7.layers + 1) * LLAMA7.hidden
+    received = 2 * ((LLAMA7.params() - norms) * 3 / 8 + norms * 3 / 4)
+    expected = 3 * INTRA_ALPHA + received / INTRA_BW
     actual = costs.transition_time(toy_hw, LLAMA7, TrainConfig(tp=2, dp=4), GenConfig(tp=2, dp=4), ONE_NODE)
     assert actual == pytest.approx(expected, rel=1e-12)
 
 
 def test_transition_tp4_to_tp2_by_hand(toy_hw):
-    shard = 2 * LLAMA7.params() / 2
-    expected = INTRA_ALPHA + 1 / 2 * shard / INTRA_BW
+    # Each GPU receives its tp-2 partner's quarter of every split tensor; both hold the norms whole already.
+    norms = (2 * LLAMA7.layers + 1) * LLAMA7.hidden
+    received = 2 * (LLAMA7.params() - norms) / 4
+    expected = INTRA_ALPHA + received / INTRA_BW
     actual = costs.transition_time(toy_hw, LLAMA7, TrainConfig(tp=4, dp=2, shard=False), GenConfig(tp=2, dp=4),
                                    ONE_NODE)
     assert actual == pytest.approx(expected, rel=1e-12)
@@ -313,7 +317,8 @@ def test_sharded_transition_across_nodes_pays_the_network(toy_hw):
 
 
 def test_weight_sync_by_hand(toy_hw):
-    shard = 2 * LLAMA7.params() / 4  # tp 4 generation shard
+    norms = (2 * LLAMA7.layers + 1) * LLAMA7.hidden  # whole on every tp rank
+    shard = 2 * ((LLAMA7.params() - norms) / 4 + norms)  # tp 4 generation shard
     same = costs.weight_sync_time(toy_hw, LLAMA7, GenConfig(tp=4, dp=2), SetShape(8, 8), same_node=True)
     assert same == pytest.approx(shard / INTRA_BW + INTRA_ALPHA)
     other = costs.weight_sync_time(toy_hw, LLAMA7, GenConfig(tp=4, dp=2), SetShape(8, 8), same_node=False)

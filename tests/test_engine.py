@@ -219,9 +219,12 @@ def test_resharding_transition_before_generate_by_hand():
     # Two-level all-gather of the half model's bf16 bytes, its phases pipelined (every latency, the
     # slower bandwidth term): inside the node 3 steps of 2 us and 3/4 of the bytes at 300 GB/s x 0.77;
     # across the 2 nodes 1 step of 6 us and 1/2 of the GPU's quarter of the bytes at its share (1/8)
-    # of the node's 25 GB/s x 0.9.
-    nbytes = 2 * LLAMA2_7B_LM_PARAMS / 2
+    # of the node's 25 GB/s x 0.9. The bytes: a GPU receives 1/2 - 1/16 of every split tensor, and 3/4 of the
+    # norms (replicated over tp, so whole in the generation shard; FSDP-sharded over 4); the ring's result
+    # is 8/7 of what each GPU receives.
     assert CATALOG["llama2-7b"].params("lm") == LLAMA2_7B_LM_PARAMS
+    norms = (2 * CATALOG["llama2-7b"].layers + 1) * CATALOG["llama2-7b"].hidden
+    nbytes = 2 * ((LLAMA2_7B_LM_PARAMS - norms) * (1 / 2 - 1 / 16) + norms * 3 / 4) * 8 / 7
     expected = 3 * 2e-6 + 6e-6 + max(3 / 4 * nbytes / (300e9 * 0.77), 1 / 2 * (nbytes / 4) / (25e9 * 0.9 / 8))
     assert switch.end - switch.start == pytest.approx(expected, rel=1e-9)
     assert len([s for s in tl.spans if s.kind == "transition"]) == 1
@@ -241,7 +244,9 @@ def test_fsdp_training_pays_a_gather_even_with_the_same_tp():
     # The 1/4 generation shard is gathered from its dp = 4 FSDP peers, tp = 4 ranks apart: ranks 0, 4 on
     # node 0 and 8, 12 on node 1. Inside the node: 1 step of 2 us and 1/2 of the bytes at 300 GB/s x
     # 0.77; across 2 nodes: 1 step of 6 us and 1/2 of the GPU's half at 1/8 of 25 GB/s x 0.9; pipelined.
-    nbytes = 2 * LLAMA2_7B_LM_PARAMS / 4
+    # A GPU receives 3/16 of every split tensor and 3/4 of the norms; the ring's result is 4/3 of that.
+    norms = (2 * CATALOG["llama2-7b"].layers + 1) * CATALOG["llama2-7b"].hidden
+    nbytes = 2 * ((LLAMA2_7B_LM_PARAMS - norms) * (1 / 4 - 1 / 16) + norms * 3 / 4) * 4 / 3
     expected = 2e-6 + 6e-6 + max(1 / 2 * nbytes / (300e9 * 0.77), 1 / 2 * (nbytes / 2) / (25e9 * 0.9 / 8))
     assert switch.end - switch.start == pytest.approx(expected, rel=1e-9)
 
@@ -265,8 +270,10 @@ def test_rollout_engine_syncs_weights_before_generating():
     # Only the rollout engine switches: the actor's own set never holds a generation layout.
     assert [s.role for s in tl.spans if s.kind == "transition"] == ["rollout"]
     # Each of the 8 rollout GPUs receives its tp=2 shard of bf16 weights; the node's link carries all 8
-    # (the sets of 16 and 8 lie on different nodes): 8 x 2 x params / 2 bytes at 25 GB/s x 0.9 + 6 us.
-    expected = 8 * (2 * LLAMA2_7B_LM_PARAMS / 2) / (25e9 * 0.9) + 6e-6
+    # (the sets of 16 and 8 lie on different nodes): 8 x 2 x (half the split params + the norms whole) bytes
+    # at 25 GB/s x 0.9 + 6 us.
+    norms = (2 * CATALOG["llama2-7b"].layers + 1) * CATALOG["llama2-7b"].hidden
+    expected = 8 * 2 * ((LLAMA2_7B_LM_PARAMS - norms) / 2 + norms) / (25e9 * 0.9) + 6e-6
     assert sync.end - sync.start == pytest.approx(expected, rel=1e-9)
     assert costs.weight_sync_time(sim.costs.hw, CATALOG["llama2-7b"], plan.parallelism["rollout"].gen,
                                   costs.SetShape(8, 8), same_node=False) == pytest.approx(expected, rel=1e-12)

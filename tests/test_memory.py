@@ -155,9 +155,14 @@ def test_generation_weights_bytes(small_arch):
     full = 2 * PARAMS
     # A separate rollout engine holds its whole generation shard.
     assert memory.generation_weights_bytes(small_arch, GenConfig(tp=2), None) == pytest.approx(full / 2)
-    # The hybrid engine only adds what the GPU does not already hold from training.
+    # The hybrid engine only adds what the GPU does not already hold from training: of each split tensor
+    # half, less its eighth; of the 320 norm values (replicated over tp) all, less its FSDP quarter; and the
+    # busiest GPU holds the smallest FSDP chunk (31 of 130 rows) of its vocabulary halves of embedding and head.
+    norms, vocab_tensors = 320, 2 * 260 * 64
+    even = PARAMS - norms - vocab_tensors
+    busiest = even * (1 / 2 - 1 / 8) + norms * (1 - 1 / 4) + 2 * (130 - 31) * 64
     assert memory.generation_weights_bytes(small_arch, GenConfig(tp=2, dp=4), TrainConfig(tp=2, dp=4)) == \
-        pytest.approx(full * (1 / 2 - 1 / 8))
+        pytest.approx(2 * busiest)
     assert memory.generation_weights_bytes(small_arch, GenConfig(tp=2, dp=4),
                                            TrainConfig(tp=2, dp=4, shard=False)) == 0.0
 

@@ -28,6 +28,7 @@ from hfplan.errors import HfplanError
 from hfplan.executor import compat, preflight, resume
 from hfplan.executor.data import PromptStream
 from hfplan.executor.errors import RunFailed
+from hfplan.executor.generation_order import generation_rank
 from hfplan.executor.placement import (
     DeathWatch,
     call_every_worker,
@@ -233,7 +234,8 @@ def _load_checkpoint(sets, start: resume.Checkpoint, plan: Plan, options: Execut
         generator = plan.generation_role
         stream = rank
         if generator in plan.placement[worker_set.index].models:
-            stream = rank_coords(plan.parallelism[generator].gen, rank)[1]
+            par = plan.parallelism[generator]
+            stream = rank_coords(par.gen, generation_rank(par.train, par.gen, rank))[1]
         entropy = [options.seed, iteration, worker_set.index, stream]
         return (int(np.random.SeedSequence(entropy).generate_state(1)[0]),)
 

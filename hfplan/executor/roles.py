@@ -24,6 +24,7 @@ from hfplan.dataflow.controller import STEPS, ControllerState
 from hfplan.dataflow.ops import ROLE_OPS
 from hfplan.dataflow.roles import CallingRole, RoleFacts, call_writes
 from hfplan.executor.errors import RunFailed
+from hfplan.executor.generation_order import collector_ranks, replica_ranks
 from hfplan.layout import CONTROLLER, ON_CONTROLLER, rank_of, replica_groups
 from hfplan.plan import Layout, Span
 
@@ -188,7 +189,10 @@ class WorkerGroupRole(CallingRole):
         bounds = row_split(rows, layout.dp)
         shares = [{name: _share(value, start, end) for name, value in batch.items()} for start, end in bounds]
         refs: list = [None] * len(self.workers.workers)
-        for replica, ranks in enumerate(replica_groups(layout)):
+        train = self.layouts.get("train")
+        groups = replica_ranks(train, layout) if op == "generate" else replica_groups(layout)
+        collectors = collector_ranks(train, layout) if op == "generate" else collecting_ranks(layout)
+        for replica, ranks in enumerate(groups):
             for rank in ranks:
                 refs[rank] = self.workers.workers[rank].call.remote(self.name, op, shares[replica],
                                                                     {"greedy": greedy, "n": n})
@@ -197,7 +201,7 @@ class WorkerGroupRole(CallingRole):
             return self.workers.describe_failure(self.name, op, failure)
 
         out_rows = [(end - start) * (n if op == "generate" else 1) for start, end in bounds]
-        call = PendingCall((self.name, op, greedy), self.workers.index, refs, collecting_ranks(layout), out_rows,
+        call = PendingCall((self.name, op, greedy), self.workers.index, refs, collectors, out_rows,
                            self.recorder, describe, self.timeout_s)
         return Batch({name: FieldFuture(call, name) for name in call_writes(self.name, self.facts, op)})
 
@@ -239,14 +243,23 @@ class ActorRole(WorkerGroupRole):
         return super().update(batch)
 
     def _sync_rollout(self) -> None:
-        """The actor's full weights (gathered on its rank 0) go to every rollout worker through the object
-        store; the rollout workers run their generation after the load, in submission order."""
+        """Each rank of the actor puts, per rollout rank, the slices of that rank's generation shard it holds
+        into the object store in buckets, and each rollout worker fetches only its own (a pipelined actor's full
+        weights are gathered on its rank 0 and sent whole); the rollout workers run their generation after the
+        load, in submission order."""
         import ray
 
         start = time.time()
-        gathered = [w.full_weights.remote(self.name) for w in self.workers.workers]
-        loads = [w.load_weights.remote(self.rollout.name, gathered[0]) for w in self.rollout.workers.workers]
+        rollout_workers = self.rollout.workers.workers
         try:
+            if self.layouts["train"].pp == 1:  # each rollout rank gets only its shard, in buckets, from the ranks
+                sent = ray.get([w.weight_buckets.remote(self.name, self.rollout.name) for w in self.workers.workers],
+                               timeout=self.timeout_s)
+                loads = [w.load_shards.remote(self.rollout.name, [ref for by_dst in sent for ref in by_dst.get(i, [])])
+                         for i, w in enumerate(rollout_workers)]
+            else:
+                gathered = [w.full_weights.remote(self.name) for w in self.workers.workers]
+                loads = [w.load_weights.remote(self.rollout.name, gathered[0]) for w in rollout_workers]
             ray.get(loads, timeout=self.timeout_s)
         except Exception as failure:
             raise RunFailed(self.rollout.workers.describe_failure(self.rollout.name, "weight sync", failure)) \

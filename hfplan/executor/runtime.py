@@ -12,6 +12,7 @@ through weights the controller sends it after each actor update.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -20,9 +21,11 @@ import torch
 
 from hfplan.dataflow.ops import GENERATED
 from hfplan.dataflow.roles import RoleFacts, update_field
-from hfplan.executor.engines.hybrid import HybridEngine
+from hfplan.executor.engines import reshard
+from hfplan.executor.engines.hybrid import HybridEngine, assign
 from hfplan.executor.engines.training import RoleModel
 from hfplan.executor.engines.whole import WholeModel
+from hfplan.executor.generation_order import generation_rank, reshards_by_plan, set_ranks
 from hfplan.executor.mesh import TP, WorkerMeshes, compute_dtype
 from hfplan.executor.models import build_model
 from hfplan.executor.rollout.base import RolloutEngine, SamplingParams
@@ -30,7 +33,7 @@ from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
 from hfplan.executor.tokenizers import build_tokenizer
 from hfplan.executor.worker import Timed
 from hfplan.hyperparams import Hyperparameters
-from hfplan.layout import facts_of, model_role, rank_coords
+from hfplan.layout import facts_of, model_role, rank_coords, rank_of
 from hfplan.plan import Plan, Recompute
 
 
@@ -56,6 +59,7 @@ class RoleRuntime:
     engine: RolloutEngine | None = None
     hybrid: HybridEngine | None = None
     generator: torch.Generator | None = None
+    synced: torch.nn.Module | None = None  # a rollout set's module over the shards its last sync sent
 
     @property
     def trained(self) -> RoleModel | None:
@@ -102,7 +106,7 @@ class RoleRuntime:
         prompts = torch.from_numpy(np.ascontiguousarray(fields["prompts"])).to(self.device)
         if self.hybrid is not None:
             start = time.time()
-            self.engine.load_weights(self.hybrid.enter_generation())
+            self.engine.load_weights(self.hybrid.enter_generation(), presharded=self.hybrid.presharded)
             spans.append(Timed("generate", "transition", start, time.time()))
         start = time.time()
         rollout = self.engine.generate(prompts, params, self.generator)
@@ -119,6 +123,32 @@ class RoleRuntime:
         state = (self.role_model.full_weights() if self.role_model is not None
                  else WholeModel().full_weights(self.model))
         return {name: tensor.float().cpu().numpy() for name, tensor in state.items()} if is_rank0 else None
+
+    def sync_buckets(self, rollout) -> dict[int, list]:
+        """What this rank of the trained actor sends each rank of a separate rollout set (layout rollout): only
+        the slices of each one's generation shard this rank holds, in buckets (engines.reshard)."""
+        trained, config = self.trained, self.trained.config
+        buckets = reshard.sync_buckets(trained.module, self.plan.parallelism[self.role].train, rollout,
+                                       config.num_hidden_layers, config.num_key_value_heads, trained.param_dtype)
+        return {dst: [(keys, flat.cpu()) for keys, flat in parts] for dst, parts in buckets.items()}
+
+    def load_shards(self, buckets: list) -> None:
+        """A rollout rank takes its generation shards from the buckets the actor's ranks sent it."""
+        config = self.model.config
+        dtype = next(self.model.parameters()).dtype
+        gen = self.plan.parallelism[self.role].gen
+        shards = reshard.assemble(self.model, gen, config.num_hidden_layers, config.num_key_value_heads,
+                                  buckets, dtype, self.device)
+        if self.synced is None:
+            with torch.device("meta"):
+                self.synced = type(self.model)(config)
+            self.synced.eval().requires_grad_(False)
+        first: dict[int, str] = {}  # a tied parameter's other names point at its one shard
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            first.setdefault(id(param), name)
+        params = {name: shards[first[id(p)]] for name, p in self.model.named_parameters(remove_duplicate=False)}
+        assign(self.synced, params, dict(self.model.named_buffers(remove_duplicate=False)))
+        self.engine.load_weights(self.synced, presharded=True)
 
     def load_weights(self, weights: dict[str, np.ndarray]) -> None:
         state = {name: torch.from_numpy(value) for name, value in weights.items()}
@@ -162,7 +192,7 @@ def _build_role(role: str, plan: Plan, hyper: Hyperparameters, seed: int, device
     pipelined = layout is not None and layout.pp > 1
     generates = role == plan.generation_role
     if generates:
-        runtime.generator = rollout_generator(device, seed, par.gen, rank)
+        runtime.generator = rollout_generator(device, seed, par.gen, generation_rank(par.train, par.gen, rank))
     if generates and pipelined:
         runtime.engine = _rollout_engine(runtime, model, _tp_group(meshes, par.gen))
         runtime.engine.release_weights()
@@ -176,20 +206,40 @@ def _build_role(role: str, plan: Plan, hyper: Hyperparameters, seed: int, device
     else:  # a rollout set's model: generation only, in the device's compute dtype
         model.to(compute_dtype(device)).eval().requires_grad_(False)
     trained = runtime.trained
+    by_plan = trained is not None and reshards_by_plan(par.train, par.gen)
     if generates and not pipelined:
         same = trained is not None and par.gen.tp == par.train.tp  # the training layout's tp group generates
         group = trained.mesh[TP].get_group() if same and par.gen.tp > 1 else _tp_group(meshes, par.gen)
+        tp_ranks = None
+        if by_plan:  # generation in the per-tensor plan's places: their own tensor-parallel groups
+            group, tp_ranks = _place_tp_group(par.train, par.gen)
         # The hybrid engine hands the engine its weights at each generation; a rollout set's model holds them.
-        runtime.engine = _rollout_engine(runtime, None if trained is not None else model, group)
+        runtime.engine = _rollout_engine(runtime, None if trained is not None else model, group, tp_ranks)
     if generates and trained is not None:
-        runtime.hybrid = HybridEngine(trained)
+        runtime.hybrid = HybridEngine(trained, (par.train, par.gen) if by_plan else None)
     return runtime
+
+
+def _place_tp_group(train, gen):
+    """This rank's generation tensor-parallel group over the set ranks of hfplan.layout's generation places,
+    and each set rank's tensor-parallel rank in it (every rank makes every group, in one order)."""
+    import torch.distributed as dist
+
+    by_place = set_ranks(train, gen)
+    mine = None
+    for p, d in itertools.product(range(gen.pp), range(gen.dp)):
+        ranks = [by_place[rank_of(gen, p, d, t)] for t in range(gen.tp)]
+        group = dist.new_group(ranks) if gen.tp > 1 else None
+        if dist.get_rank() in ranks:
+            mine = group
+    tp_ranks = [rank_coords(gen, generation_rank(train, gen, r))[2] for r in range(len(by_place))]
+    return mine, tp_ranks
 
 
 def _tp_group(meshes: WorkerMeshes, gen):
     return meshes.of(gen)[TP].get_group() if gen.tp > 1 else None
 
 
-def _rollout_engine(runtime: RoleRuntime, model: torch.nn.Module | None, group) -> TorchRolloutEngine:
+def _rollout_engine(runtime: RoleRuntime, model: torch.nn.Module | None, group, tp_ranks=None) -> TorchRolloutEngine:
     gen = runtime.plan.parallelism[runtime.role].gen
-    return TorchRolloutEngine(model, runtime.pad_id, runtime.eos_id, group, gen.batching, gen.max_batch)
+    return TorchRolloutEngine(model, runtime.pad_id, runtime.eos_id, group, gen.batching, gen.max_batch, tp_ranks)

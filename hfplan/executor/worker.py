@@ -118,6 +118,23 @@ class SetWorker:
         """The role's full current weights (a collective over the set): rank 0 returns them, as numpy."""
         return self.runtimes[role].full_weights(self.spec.rank == 0)
 
+    def weight_buckets(self, role: str, rollout_role: str) -> dict[int, list]:
+        """This rank's buckets of `role`'s weights for each rank of the rollout set, as object refs by rollout
+        rank (the buckets stay in this worker's object store until the rollout ranks fetch them)."""
+        import ray
+
+        runtime = self.runtimes[role]
+        buckets = runtime.sync_buckets(runtime.plan.parallelism[rollout_role].gen)
+        return {dst: [ray.put(bucket) for bucket in parts] for dst, parts in buckets.items()}
+
+    def load_shards(self, role: str, refs: list) -> float:
+        """Take the buckets of a rollout set's weight sync (object refs); returns seconds spent."""
+        import ray
+
+        start = time.time()
+        self.runtimes[role].load_shards(ray.get(refs))
+        return time.time() - start
+
     def load_weights(self, role: str, weights: dict) -> float:
         """Take weights sent by the controller (a separate rollout set's sync); returns seconds spent."""
         start = time.time()

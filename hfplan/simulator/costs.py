@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
-from hfplan.layout import micro_batch_sizes, resharding, stage_params
+from hfplan.layout import micro_batch_sizes, most_generation_numel, most_received_numel, resharding, stage_params
 from hfplan.plan import GenConfig, InferConfig, Layout, Recompute, TrainConfig
 from hfplan.profiles.hardware import HardwareProfile
 from hfplan.profiles.models import ModelArch
@@ -495,19 +495,24 @@ def batching_never_slower(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int
 def transition_time(hw: HardwareProfile, arch: ModelArch, train: TrainConfig, gen: GenConfig,
                     where: SetShape, *, memo: CostMemo | None = None) -> float:
     """Training layout -> generation layout: an all-gather of each GPU's generation shard among the
-    GPUs holding its pieces (adjacent ranks). Going back is free: the generation copy is dropped."""
+    GPUs holding its pieces (its generation group), sized by the slices the busiest GPU receives
+    (hfplan.layout's per-tensor plan, as the executor moves them). Going back is free: the generation
+    copy is dropped."""
     plan = resharding(train, gen)
-    if plan.group <= 1:
+    received = most_received_numel(arch, train, gen)
+    if plan.group <= 1 or received == 0:
         return 0.0
     group = coll.grid_group(list(plan.dims), where.per_node)
-    return coll.all_gather(hw, group, hw.compute.value_bytes * arch.params("lm") * plan.gen_fraction)
+    # A ring all-gather in which each GPU receives (group - 1) / group of the result.
+    return coll.all_gather(hw, group, hw.compute.value_bytes * received * plan.group / (plan.group - 1))
 
 
 def weight_sync_time(hw: HardwareProfile, arch: ModelArch, gen: GenConfig, rollout: SetShape,
                      same_node: bool) -> float:
     """Separate generation engine: every rollout GPU receives its generation shard of the freshly
-    trained weights; the receiving node's links carry the shards of all its GPUs."""
-    shard_bytes = hw.compute.value_bytes * arch.params("lm") / (gen.tp * gen.pp)
+    trained weights (hfplan.layout's sync plan: the norms whole, the rest split); the receiving node's
+    links carry the shards of all its GPUs."""
+    shard_bytes = hw.compute.value_bytes * most_generation_numel(arch, gen)
     node_bytes = shard_bytes * rollout.per_node
     if same_node:
         return coll.point_to_point(hw, shard_bytes, same_node=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hfplan.layout import kv_heads_per_rank, micro_batch_sizes, resharding, stage_params
+from hfplan.layout import kv_heads_per_rank, micro_batch_sizes, most_received_numel, stage_params
 from hfplan.plan import GenConfig, InferConfig, Layout, Recompute, TrainConfig
 from hfplan.profiles.models import ModelArch
 from hfplan.simulator import sharding
@@ -120,7 +120,7 @@ def generation_weights_bytes(arch: ModelArch, gen: GenConfig, train: TrainConfig
     full = value_bytes * arch.params("lm")
     if train is None:
         return full / (gen.tp * gen.pp)
-    return full * resharding(train, gen).received_fraction
+    return value_bytes * most_received_numel(arch, train, gen)
 
 
 def generation_working_bytes(arch: ModelArch, gen: GenConfig, prompt_len: int, value_bytes: int = BF16,

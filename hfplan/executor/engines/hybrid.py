@@ -6,6 +6,8 @@ shards, so the rollout engine generates over the same tensor-parallel group with
 pp > 1, every stage's weights gathered whole and broadcast over the pipeline (generation runs one stage) -
 and points a plain module of the model's class, built once on the meta device, at them without copies.
 Exiting points that module back at its meta tensors and lets the engine release the gathered weights.
+A pp = 1 actor whose generation tp differs from its training tp instead builds only its generation shards
+(engines.reshard, by hfplan.layout's per-tensor plan); exiting drops them.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hfplan.executor.engines.reshard import SwitchStats, generation_shards
 from hfplan.executor.engines.training import RoleModel
+from hfplan.plan import GenConfig, TrainConfig
 
 
-def _assign(target: nn.Module, tensors: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
+def assign(target: nn.Module, tensors: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
     """Point every parameter (tied names included) and buffer of `target` at the given tensors, without copies."""
     for name, tensor in tensors.items():
         owner, _, leaf = name.rpartition(".")
@@ -27,10 +31,16 @@ def _assign(target: nn.Module, tensors: dict[str, torch.Tensor], buffers: dict[s
 
 
 class HybridEngine:
-    """Generation over a trained RoleModel's weights, in whatever layout it trains."""
+    """Generation over a trained RoleModel's weights, in whatever layout it trains. Given `layouts` (training,
+    generation: a pp = 1 actor generating at another tp), entering generation builds this rank's generation
+    shards by the per-tensor plan instead (engines.reshard: only the missing slices move, nothing is gathered
+    whole); the module then holds plain tensors that are already this rank's pieces (`presharded`)."""
 
-    def __init__(self, trained: RoleModel) -> None:
-        self.trained = trained
+    def __init__(self, trained: RoleModel, layouts: tuple[TrainConfig, GenConfig] | None = None,
+                 bucket_bytes: int = 256 << 20) -> None:
+        self.trained, self.layouts, self.bucket_bytes = trained, layouts, bucket_bytes
+        self.presharded = layouts is not None
+        self.last_switch: SwitchStats | None = None  # what the latest plan-driven switch moved
         with torch.device("meta"):
             self._generation = trained.hf_class(trained.config)
         self._generation.eval().requires_grad_(False)
@@ -44,8 +54,11 @@ class HybridEngine:
         this rank's DTensor shards on the tp mesh. Valid until `exit_generation`."""
         if self._active:
             raise RuntimeError("enter_generation called twice without exit_generation")
-        params, buffers = self.trained.generation_weights()
-        _assign(self._generation, params, buffers)
+        if self.layouts is None:
+            params, buffers = self.trained.generation_weights()
+        else:
+            params, buffers = self._shards()
+        assign(self._generation, params, buffers)
         self._active = True
         return self._generation
 
@@ -53,6 +66,19 @@ class HybridEngine:
         """Back to the training layout; the memory of the generation weights is released."""
         if not self._active:
             raise RuntimeError("exit_generation called outside generation")
-        _assign(self._generation, self._meta, self._meta_buffers)
-        self.trained.release_generation()
+        assign(self._generation, self._meta, self._meta_buffers)
+        if self.layouts is None:
+            self.trained.release_generation()
         self._active = False
+
+    def _shards(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        module, config = self.trained.module, self.trained.config
+        train, gen = self.layouts
+        shards, self.last_switch = generation_shards(module, train, gen, config.num_hidden_layers,
+                                                     config.num_key_value_heads, self.trained.param_dtype,
+                                                     self.bucket_bytes)
+        first = {}  # a tied parameter's other names point at its one shard
+        for name, param in module.named_parameters(remove_duplicate=False):
+            first.setdefault(id(param), name)
+        params = {name: shards[first[id(param)]] for name, param in module.named_parameters(remove_duplicate=False)}
+        return params, dict(module.named_buffers(remove_duplicate=False))

@@ -58,8 +58,9 @@ class RolloutEngine(Protocol):
         """Sample `params.n` responses for each row of left-padded `prompts` [B, P]."""
         ...
 
-    def load_weights(self, model: torch.nn.Module) -> None:
-        """Take the current weights of an HF causal LM (shared, not copied, where possible)."""
+    def load_weights(self, model: torch.nn.Module, presharded: bool = False) -> None:
+        """Take the current weights of an HF causal LM (shared, not copied, where possible); `presharded`:
+        its tensors are already this rank's tensor-parallel pieces."""
         ...
 
     def release_weights(self) -> None:

@@ -19,7 +19,8 @@ from plain tensors cut.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import get_args
 
 import torch
@@ -30,7 +31,7 @@ from transformers.activations import ACT2FN
 from hfplan.errors import HfplanError
 from hfplan.executor.rollout.base import Rollout, SamplingParams
 from hfplan.executor.sequences import positions
-from hfplan.layout import kv_head_copies, kv_heads_per_rank
+from hfplan.layout import chunk_range, kv_head_copies, kv_heads_per_rank
 from hfplan.plan import Batching
 
 # Rotary types whose frequencies change with the sequence length at run time; a fixed table cannot follow them.
@@ -46,12 +47,6 @@ def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return tensor.detach()
 
 
-def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
-    """[start, end) of chunk `index` of `size` rows split as torch.chunk (and DTensor's Shard) splits them."""
-    step = -(-size // parts)
-    return min(index * step, size), min((index + 1) * step, size)
-
-
 @dataclass(frozen=True)
 class _TensorParallel:
     """This rank's place in a tensor-parallel group (size 1: no group, no collectives)."""
@@ -59,18 +54,28 @@ class _TensorParallel:
     group: dist.ProcessGroup | None
     size: int = 1
     rank: int = 0
+    # The tensor-parallel rank of each member in the group's own rank order, where it is not that order
+    # (a hybrid actor generating in hfplan.layout's generation places); None: the group's order.
+    order: tuple[int, ...] | None = None
+    presharded: bool = False  # the weights handed over are already this rank's pieces (engines.reshard)
 
     @staticmethod
-    def of(group: dist.ProcessGroup | None) -> _TensorParallel:
+    def of(group: dist.ProcessGroup | None, tp_ranks: Sequence[int] | None = None) -> _TensorParallel:
+        """`tp_ranks`: each global rank's tensor-parallel rank, where the group's own order is not it."""
         if group is None or dist.get_world_size(group) == 1:
             return _TensorParallel(None)
-        return _TensorParallel(group, dist.get_world_size(group), dist.get_rank(group))
+        if tp_ranks is None:
+            return _TensorParallel(group, dist.get_world_size(group), dist.get_rank(group))
+        order = tuple(tp_ranks[r] for r in dist.get_process_group_ranks(group))
+        return _TensorParallel(group, len(order), tp_ranks[dist.get_rank()], order)
 
     def shard(self, tensor: torch.Tensor | None, dim: int, rows: tuple[int, int] | None = None
               ) -> torch.Tensor | None:
         """This rank's chunk of `tensor` along `dim` (or, given `rows`, that [start, end) range of it)."""
         if tensor is None:
             return None
+        if self.presharded:
+            return tensor.detach()
         if self.size == 1 and rows is None:
             return _full(tensor)
         if rows is None and self._own_shard(tensor, dim):
@@ -100,6 +105,8 @@ class _TensorParallel:
         padded = F.pad(x, (0, width - x.shape[-1]))
         pieces = [torch.empty_like(padded) for _ in range(self.size)]
         dist.all_gather(pieces, padded.contiguous(), group=self.group)
+        if self.order is not None:
+            pieces = [pieces[i] for i in sorted(range(self.size), key=self.order.__getitem__)]
         return torch.cat(pieces, dim=-1)[..., :full]
 
 
@@ -269,10 +276,11 @@ class TorchRolloutEngine:
 
     def __init__(self, model: torch.nn.Module | None, pad_id: int, eos_id: int,
                  tp_group: dist.ProcessGroup | None = None, batching: Batching = "static",
-                 max_batch: int | None = None) -> None:
+                 max_batch: int | None = None, tp_ranks: Sequence[int] | None = None) -> None:
         """`model`: the weights to start with (None: none until `load_weights`). `tp_group`: the
         tensor-parallel group this rank generates with (None: alone, whole weights); every rank of a group
-        must call `load_weights` and `generate` together, with the same prompts."""
+        must call `load_weights` and `generate` together, with the same prompts. `tp_ranks`: each global
+        rank's tensor-parallel rank where the group's own order is not it."""
         if batching not in get_args(Batching):
             raise ValueError(f"batching must be one of {', '.join(get_args(Batching))}, got {batching!r}")
         if max_batch is not None and max_batch < 1:
@@ -282,13 +290,15 @@ class TorchRolloutEngine:
         self.batching = batching
         self.max_batch = max_batch
         self.stats = GenerationStats()
-        self._tp = _TensorParallel.of(tp_group)
+        self._tp = _TensorParallel.of(tp_group, tp_ranks)
         self._w: _Weights | None = None
         if model is not None:
             self.load_weights(model)
 
-    def load_weights(self, model: torch.nn.Module) -> None:
-        self._w = _Weights.of(model, self._tp)
+    def load_weights(self, model: torch.nn.Module, presharded: bool = False) -> None:
+        """`presharded`: the model's tensors are already this rank's pieces (its heads, columns, vocabulary
+        rows), as the hybrid engine's plan-driven switch builds them; else they are cut here."""
+        self._w = _Weights.of(model, replace(self._tp, presharded=presharded) if self._tp.size > 1 else self._tp)
 
     def release_weights(self) -> None:
         """Drop the engine's hold on the weights: frees gathered copies of sharded parameters (ZeRO-3
