@@ -48,6 +48,14 @@ def test_calls_matched_by_occurrence_and_averaged_over_iterations():
     assert json.loads(json.dumps(result.to_json()))["iteration"]["error"] == pytest.approx(result.iteration.error)
 
 
+def test_transfers_are_matched_with_the_call_they_feed():
+    simulated = [span("actor", "controller.gae->actor.update", "training", 0.0, 0.25, kind="transfer"),
+                 span("actor", "generate->actor.update", "training", 0.0, 0.5, kind="transfer")]
+    measured = [span("actor", "update", "training", 0.0, 1.0, kind="transfer")]
+    (call,) = compare(simulated, [measured], [], [], []).calls
+    assert (call.op, call.kind, call.simulated, call.error) == ("update", "transfer", 0.75, -0.25)
+
+
 def test_phase_seconds_is_first_start_to_last_end():
     spans = [span("a", "x", "p", 1.0, 2.0), span("b", "y", "p", 1.5, 4.0, set_=1), span("a", "z", "q", 4.0, 4.25)]
     assert phase_seconds(spans) == {"p": 3.0, "q": 0.25}

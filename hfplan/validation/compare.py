@@ -24,15 +24,26 @@ def signed_error(simulated: float, measured: float) -> float | None:
     return (simulated - measured) / measured
 
 
+def transfer_target(span: Span) -> str:
+    """The call a transfer feeds: the simulator names an edge `src.op->role.op`, the executor records the input
+    transfer under the receiving call's op."""
+    if span.kind != "transfer" or "->" not in span.op:
+        return span.op
+    target = span.op.rsplit("->", 1)[1]
+    return target.removeprefix(f"{span.role}.")
+
+
 def call_keys(spans: Sequence[Span]) -> dict[Key, float]:
-    """Each span's seconds under its key (occurrence counted in start order)."""
+    """Each span's seconds under its key (occurrence counted in start order). The transfers into one call are
+    summed under that call's op, occurrence 0."""
     seen: dict[tuple, int] = defaultdict(int)
-    out: dict[Key, float] = {}
+    out: dict[Key, float] = defaultdict(float)
     for span in sorted(spans, key=lambda s: (s.start, s.end)):
-        base = (span.set, span.role, span.op, span.phase, span.kind)
-        out[(*base, seen[base])] = span.end - span.start
+        base = (span.set, span.role, transfer_target(span), span.phase, span.kind)
+        index = 0 if span.kind == "transfer" else seen[base]
+        out[(*base, index)] += span.end - span.start
         seen[base] += 1
-    return out
+    return dict(out)
 
 
 def mean_calls(iterations: Sequence[Sequence[Span]]) -> dict[Key, float]:
