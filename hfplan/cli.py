@@ -7,6 +7,7 @@ import importlib
 import importlib.util
 import json
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, TypeVar
@@ -610,7 +611,8 @@ def validate(
     timeline: Annotated[Path | None, typer.Option(help="draw the simulated timeline above the measured one: .png "
                                                        "or .html")] = None,
     data: Annotated[str | None, typer.Option(help="prompts: .parquet or .jsonl with a 'prompt' column")] = None,
-    out: Annotated[Path, typer.Option(help="run folder of the executed iterations")] = Path("validate-run"),
+    out: Annotated[Path | None, typer.Option(help="keep the executed iterations' run folder here (default: a "
+                                                  "temporary folder, removed at the end)")] = None,
     seed: Annotated[int, typer.Option(help="seed of weights, data order and sampling")] = 0,
     overrides: Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE",
                                                         help="override a hyperparameter (repeatable)")] = None,
@@ -629,9 +631,10 @@ def validate(
         check_timeline_path(timeline)
     check_outputs([(timeline, "--timeline")])
     plan = with_profile(load_plan(plan_path), profile_path)
-    options = ExecuteOptions(iterations=iterations, data=data, out=out, seed=seed, overrides=tuple(overrides or ()))
     labels = set_labels(plan)
-    with _IterationProgress(iterations) as progress:
+    with tempfile.TemporaryDirectory(prefix="hfplan-validate-") as scratch, _IterationProgress(iterations) as progress:
+        options = ExecuteOptions(iterations=iterations, data=data, out=out or Path(scratch) / "run", seed=seed,
+                                 overrides=tuple(overrides or ()))
         try:
             result = run_validation(plan, options, labels, lambda report: progress.update(report.metrics))
         except RunFailed as failure:

@@ -111,8 +111,7 @@ def test_one_iteration_is_refused(tiny_plan_file, tmp_path):
 
 def test_two_iterations_compared_as_json(tiny_plan_file, tmp_path, ray_driver):
     chart = tmp_path / "both.html"
-    result = invoke("validate", tiny_plan_file, "--iterations", 2, "--json", "--out", tmp_path / "run",
-                    "--timeline", chart)
+    result = invoke("validate", tiny_plan_file, "--iterations", 2, "--json", "--timeline", chart)
     assert result.exit_code == 0, result.output
     body = json.loads(result.stdout)
     assert body["iterations"] == 2
