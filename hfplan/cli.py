@@ -8,6 +8,7 @@ import importlib.util
 import json
 import logging
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -651,6 +652,93 @@ def execute(
     render_run(summary, plan)
     if timeline is not None:
         console.print(f"timeline written to {timeline}")
+
+
+@app.command()
+@user_errors
+def validate(
+    plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="plan JSON (as written by `hfplan search`)")],
+    iterations: Annotated[int, typer.Option(min=2, help="iterations to run; the first is a warm-up, not compared")]
+    = 3,
+    profile_path: Annotated[Path | None, typer.Option("--profile", help="hardware profile YAML to simulate on "
+                                                                        "(default: the plan's hardware)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the comparison as one JSON object")] = False,
+    timeline: Annotated[Path | None, typer.Option(help="draw the simulated timeline above the measured one: .png "
+                                                       "or .html")] = None,
+    data: Annotated[str | None, typer.Option(help="prompts: .parquet or .jsonl with a 'prompt' column")] = None,
+    out: Annotated[Path | None, typer.Option(help="keep the executed iterations' run folder here (default: a "
+                                                  "temporary folder, removed at the end)")] = None,
+    seed: Annotated[int, typer.Option(help="seed of weights, data order and sampling")] = 0,
+    overrides: Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE",
+                                                        help="override a hyperparameter (repeatable)")] = None,
+) -> None:
+    """Execute a plan and compare each call, stage, the iteration and peak memory with its simulation."""
+    require_execute_extra("validate")
+    from hfplan.executor.controller import ExecuteOptions
+    from hfplan.executor.errors import RunFailed
+    from hfplan.files import check_outputs, write_outputs
+    from hfplan.plan import load_plan
+    from hfplan.simulator.gantt import check_timeline_path, timeline_chart
+    from hfplan.validation.run import side_by_side, with_profile
+    from hfplan.validation.run import validate as run_validation
+
+    if timeline is not None:
+        check_timeline_path(timeline)
+    check_outputs([(timeline, "--timeline")])
+    plan = with_profile(load_plan(plan_path), profile_path)
+    labels = set_labels(plan)
+    with (tempfile.TemporaryDirectory(prefix="hfplan-validate-") as scratch,
+          _IterationProgress(iterations, log_every=1) as progress):
+        options = ExecuteOptions(iterations=iterations, data=data, out=out or Path(scratch) / "run", seed=seed,
+                                 overrides=tuple(overrides or ()))
+        try:
+            result = run_validation(plan, options, labels, lambda report: progress.update(report.iteration,
+                                                                                       report.metrics))
+        except RunFailed as failure:
+            err_console.print(f"[bold red]run failed:[/] {escape(str(failure))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+    if timeline is not None:
+        spans, rows = side_by_side(result.simulated, result.measured, labels)
+        write_outputs([(timeline, timeline_chart(timeline, spans, rows, title=f"simulated vs measured: "
+                                                                            f"{plan_title(plan)}"))])
+    if as_json:
+        body = {"plan": str(plan_path), "iterations": iterations, "response_len_mean": result.response_len_mean,
+                **result.comparison.to_json()}
+        sys.stdout.write(json.dumps(body, indent=2) + "\n")
+        return
+    render_validation(result)
+    if timeline is not None:
+        console.print(f"timeline written to {timeline}", highlight=False)
+
+
+def _error_cell(error: float | None) -> str:
+    return "-" if error is None else f"{error * 100:+.1f}%"
+
+
+def render_validation(result) -> None:
+    comparison = result.comparison
+    calls = Table(title="calls (mean of the measured iterations)", show_edge=False)
+    for column in ("set", "role", "call", "phase", "kind", "simulated s", "measured s", "error"):
+        calls.add_column(column, justify="right" if column.endswith(("s", "error")) and column != "kind" else "left")
+    for c in comparison.calls:
+        calls.add_row("controller" if c.set < 0 else str(c.set), c.role, c.op, c.phase, c.kind,
+                      f"{c.simulated:,.4f}", f"{c.measured:,.4f}", _error_cell(c.error))
+    console.print(calls)
+    figures = Table(title="stages, iteration, peak memory per GPU", show_edge=False)
+    for column in ("", "simulated", "measured", "error"):
+        figures.add_column(column, justify="left" if not column else "right")
+    for phase, f in comparison.stages.items():
+        figures.add_row(f"{phase} s", f"{f.simulated:,.4f}", f"{f.measured:,.4f}", _error_cell(f.error))
+    it = comparison.iteration
+    figures.add_row("[bold]iteration s[/]", f"{it.simulated:,.4f}", f"{it.measured:,.4f}", _error_cell(it.error))
+    for label, f in comparison.memory_gib.items():
+        figures.add_row(f"{label} GiB", f"{f.simulated:,.3f}", f"{f.measured:,.3f}", _error_cell(f.error))
+    console.print(figures)
+    console.print(f"simulated with the measured mean response length {result.response_len_mean:.1f} tokens; error = "
+                  "(simulated - measured) / measured", highlight=False)
+    for side, names in comparison.unmatched.items():
+        if names:
+            console.print(f"only {side}: {', '.join(names)}", style="dim", highlight=False)
 
 
 def _resume_hint(plan_path: Path, options) -> str:

@@ -9,6 +9,7 @@ user may write one by hand.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from enum import StrEnum
 from pathlib import Path
 from typing import Literal
@@ -204,6 +205,16 @@ class Span(_Strict):
     start: float
     end: float
     kind: Literal["compute", "transfer", "transition"] = "compute"
+
+
+def phase_seconds(spans: Sequence[Span]) -> dict[str, float]:
+    """Wall seconds from the first start to the last end of each phase: a run's `<phase>_s` metrics, and the
+    rule `hfplan validate` applies to both timelines."""
+    windows: dict[str, tuple[float, float]] = {}
+    for span in spans:
+        first, last = windows.get(span.phase, (span.start, span.end))
+        windows[span.phase] = (min(first, span.start), max(last, span.end))
+    return {phase: last - first for phase, (first, last) in windows.items()}
 
 
 class Estimate(_Strict):

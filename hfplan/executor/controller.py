@@ -40,7 +40,7 @@ from hfplan.executor.placement import (
 from hfplan.executor.roles import ActorRole, ExecutionController, Recorder, RuleRole, WorkerGroupRole
 from hfplan.files import write_atomically
 from hfplan.layout import ROLLOUT, facts_of, rank_coords
-from hfplan.plan import Plan, Span
+from hfplan.plan import Plan, Span, phase_seconds
 from hfplan.spec import RULE_PREFIX
 
 METRICS_FILE = "metrics.jsonl"
@@ -344,18 +344,9 @@ def iteration_metrics(plan: Plan, iteration: int, elapsed: float, recorder: Reco
             metrics[f"{role}/{key}"] = float(value)
     if state.lagrange is not None:
         metrics["lagrange"] = float(state.lagrange)
-    for phase, seconds in stage_seconds(recorder.spans).items():
+    for phase, seconds in phase_seconds(recorder.spans).items():
         metrics[f"{phase}_s"] = seconds
     return metrics
-
-
-def stage_seconds(spans: list[Span]) -> dict[str, float]:
-    """Wall seconds from the first to the last span of each phase (the Estimate's `stages`)."""
-    stages: dict[str, tuple[float, float]] = {}
-    for span in spans:
-        first, last = stages.get(span.phase, (span.start, span.end))
-        stages[span.phase] = (min(first, span.start), max(last, span.end))
-    return {phase: last - first for phase, (first, last) in stages.items()}
 
 
 @contextlib.contextmanager

@@ -1,0 +1,1 @@
+"""`hfplan validate`: a plan's simulated iteration set against the same plan executed, call by call."""

@@ -1,0 +1,151 @@
+"""Matching simulated and measured spans and the errors between them. Pure: no torch, no ray.
+
+A call is matched by its role, operation, phase, kind and set, and by its place among the calls with those
+(the second `actor.generate` of ReMax is the greedy one in both timelines). Errors are signed fractions of the
+measured value: (simulated - measured) / measured, so +0.10 means the simulator predicts 10% too long.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from hfplan.plan import Span, phase_seconds
+
+Key = tuple[int, str, str, str, str, int]  # set, role, op, phase, kind, occurrence
+
+
+def signed_error(simulated: float, measured: float) -> float | None:
+    """(simulated - measured) / measured; None when nothing was measured (a zero-length span)."""
+    if measured <= 0.0:
+        return None
+    return (simulated - measured) / measured
+
+
+def transfer_target(span: Span) -> str:
+    """The call a transfer feeds: the simulator names an edge `src.op->role.op`, the executor records the input
+    transfer under the receiving call's op."""
+    if span.kind != "transfer" or "->" not in span.op:
+        return span.op
+    target = span.op.rsplit("->", 1)[1]
+    return target.removeprefix(f"{span.role}.")
+
+
+def call_keys(spans: Sequence[Span]) -> dict[Key, float]:
+    """Each span's seconds under its key (occurrence counted in start order). The transfers into one call are
+    summed under that call's op, occurrence 0."""
+    seen: dict[tuple, int] = defaultdict(int)
+    out: dict[Key, float] = defaultdict(float)
+    for span in sorted(spans, key=lambda s: (s.start, s.end)):
+        base = (span.set, span.role, transfer_target(span), span.phase, span.kind)
+        index = 0 if span.kind == "transfer" else seen[base]
+        out[(*base, index)] += span.end - span.start
+        seen[base] += 1
+    return dict(out)
+
+
+def mean_calls(iterations: Sequence[Sequence[Span]]) -> dict[Key, float]:
+    """Each key's mean seconds over the iterations it appears in."""
+    sums: dict[Key, list[float]] = defaultdict(list)
+    for spans in iterations:
+        for key, seconds in call_keys(spans).items():
+            sums[key].append(seconds)
+    return {key: sum(values) / len(values) for key, values in sums.items()}
+
+
+def iteration_seconds(spans: Sequence[Span]) -> float:
+    if not spans:
+        return 0.0
+    return max(s.end for s in spans) - min(s.start for s in spans)
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One simulated and measured quantity and its signed error."""
+
+    simulated: float
+    measured: float
+    error: float | None
+
+    @classmethod
+    def of(cls, simulated: float, measured: float) -> Figure:
+        return cls(simulated, measured, signed_error(simulated, measured))
+
+
+@dataclass(frozen=True)
+class CallFigure(Figure):
+    set: int = -1
+    role: str = ""
+    op: str = ""
+    phase: str = ""
+    kind: str = "compute"
+    occurrence: int = 0
+
+
+@dataclass(frozen=True)
+class Comparison:
+    calls: list[CallFigure]
+    stages: dict[str, Figure]
+    iteration: Figure
+    memory_gib: dict[str, Figure]  # set label -> predicted and measured peak per GPU
+    unmatched: dict[str, list[str]] = field(default_factory=dict)  # "simulated"/"measured" -> call names
+
+    def to_json(self) -> dict:
+        return {"iteration": asdict(self.iteration), "stages": {k: asdict(v) for k, v in self.stages.items()},
+                "calls": [asdict(c) for c in self.calls],
+                "memory_gib": {k: asdict(v) for k, v in self.memory_gib.items()}, "unmatched": self.unmatched}
+
+
+def _name(key: Key) -> str:
+    set_, role, op, phase, kind, index = key
+    return f"set {set_} {role}.{op} ({phase}, {kind}) #{index}"
+
+
+def compare(simulated: Sequence[Span], measured: Sequence[Sequence[Span]], predicted_gib: Sequence[float],
+            measured_gib: Sequence[float], set_labels: Sequence[str]) -> Comparison:
+    """The simulated iteration against the measured ones (each a list of spans; their means are compared).
+    Transfers that take no time in both timelines are left out of the calls."""
+    if not measured:
+        raise ValueError("no measured iteration to compare with")
+    sim_calls, run_calls = call_keys(simulated), mean_calls(measured)
+    calls = []
+    for key in sorted(sim_calls.keys() & run_calls.keys(), key=lambda k: (k[0], k[3], k[1], k[2], k[5])):
+        sim, run = sim_calls[key], run_calls[key]
+        if sim <= 0.0 and run <= 0.0:
+            continue
+        set_, role, op, phase, kind, index = key
+        calls.append(CallFigure(sim, run, signed_error(sim, run), set_, role, op, phase, kind, index))
+    sim_stages = phase_seconds(simulated)
+    run_stages = _mean_dicts([phase_seconds(spans) for spans in measured])
+    stages = {phase: Figure.of(sim_stages.get(phase, 0.0), run_stages.get(phase, 0.0))
+              for phase in dict.fromkeys([*sim_stages, *run_stages])}
+    iteration = Figure.of(iteration_seconds(simulated), _mean([iteration_seconds(s) for s in measured]))
+    memory = {label: Figure.of(p, m) for label, p, m in zip(set_labels, predicted_gib, measured_gib, strict=True)}
+    unmatched = {"simulated": [_name(k) for k in sorted(sim_calls.keys() - run_calls.keys()) if sim_calls[k] > 0],
+                 "measured": [_name(k) for k in sorted(run_calls.keys() - sim_calls.keys()) if run_calls[k] > 0]}
+    return Comparison(calls, stages, iteration, memory, unmatched)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _mean_dicts(rows: Sequence[dict[str, float]]) -> dict[str, float]:
+    keys = dict.fromkeys(k for row in rows for k in row)
+    return {k: _mean([row[k] for row in rows if k in row]) for k in keys}
+
+
+def kendall_tau(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Kendall's tau-a between two rankings (ties count as neither concordant nor discordant)."""
+    if len(xs) != len(ys):
+        raise ValueError("rankings of different lengths")
+    pairs = concordant = discordant = 0
+    for i in range(len(xs)):
+        for j in range(i + 1, len(xs)):
+            pairs += 1
+            sign = (xs[i] - xs[j]) * (ys[i] - ys[j])
+            concordant += sign > 0
+            discordant += sign < 0
+    return (concordant - discordant) / pairs if pairs else math.nan

@@ -1,0 +1,99 @@
+"""Execute a plan, simulate the same plan with the run's response lengths, and compare the two."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from hfplan.errors import HfplanError
+from hfplan.plan import Plan, Span
+from hfplan.validation.compare import Comparison, compare
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Validation:
+    comparison: Comparison
+    plan: Plan  # the plan as simulated: the profile and measured mean response length filled in
+    simulated: list[Span]
+    measured: list[Span]  # the last measured iteration, from 0
+    response_len_mean: float
+
+
+def with_profile(plan: Plan, profile: Path | None) -> Plan:
+    """The plan costed on `profile` (a profile YAML) instead of the hardware it names."""
+    if profile is None:
+        return plan
+    if not profile.is_file():
+        raise HfplanError(f"--profile {profile}: file not found")
+    from hfplan.profiles.hardware import load_hardware
+
+    load_hardware(str(profile))  # a bad profile fails here, before any worker starts
+    cluster = plan.cluster.model_copy(update={"hardware": str(profile)})
+    return plan.model_copy(update={"cluster": cluster})
+
+
+def with_response_len(plan: Plan, mean: float) -> Plan:
+    """The plan's workload with responses of the measured mean length (never past response_len)."""
+    workload = plan.workload.model_copy(update={"response_len_mean": min(float(plan.workload.response_len), mean),
+                                                "response_len_histogram": None})
+    return plan.model_copy(update={"workload": workload})
+
+
+def from_zero(spans: Sequence[Span]) -> list[Span]:
+    origin = min((s.start for s in spans), default=0.0)
+    return [s.model_copy(update={"start": s.start - origin, "end": s.end - origin}) for s in spans]
+
+
+def peak_gib_per_set(peak_bytes: dict[str, int], sets: int) -> list[float]:
+    """The highest peak of any rank of each set ("set S rank R" -> bytes), in GiB."""
+    peaks = [0.0] * sets
+    for name, value in peak_bytes.items():
+        index = int(name.split()[1])
+        peaks[index] = max(peaks[index], value / GIB)
+    return peaks
+
+
+def validate(plan: Plan, options, labels: Sequence[str],
+             on_iteration: Callable[[object], None] | None = None) -> Validation:
+    """Run `options.iterations` iterations (the first a warm-up, not compared) and compare the rest with the
+    simulated iteration. `options` is the executor's ExecuteOptions."""
+    from hfplan.executor.controller import execute
+    from hfplan.simulator.engine import simulate_plan
+
+    if options.iterations < 2:
+        raise HfplanError("--iterations must be at least 2 (the first is a warm-up)")
+    simulate_plan(plan)  # a plan the simulator cannot cost is refused before any worker starts
+    reports: list = []
+
+    def keep(report) -> None:
+        reports.append(report)
+        if on_iteration is not None:
+            on_iteration(report)
+
+    summary = execute(plan, options, keep)
+    timed = reports[1:]
+    measured = [from_zero(r.spans) for r in timed]
+    mean_len = sum(r.metrics["response_len"] for r in timed) / len(timed)
+    costed = with_response_len(plan, mean_len)
+    result = simulate_plan(costed)
+    simulated = list(result.estimate.timeline)
+    measured_gib = peak_gib_per_set(summary.peak_memory_bytes, len(plan.placement))
+    comparison = compare(simulated, measured, result.estimate.peak_memory_gib, measured_gib, labels)
+    return Validation(comparison, costed, simulated, measured[-1], mean_len)
+
+
+def side_by_side(simulated: Sequence[Span], measured: Sequence[Span], labels: Sequence[str]
+                 ) -> tuple[list[Span], list[str]]:
+    """Both timelines as one: the simulated sets (and controller) as rows above the measured ones."""
+    n = len(labels)
+    rows = [f"simulated: {label}" for label in labels] + ["simulated: controller"]
+    rows += [f"measured: {label}" for label in labels] + ["measured: controller"]
+
+    def moved(span: Span, offset: int) -> Span:
+        index = n if span.set < 0 else span.set
+        return span.model_copy(update={"set": index + offset})
+
+    return [moved(s, 0) for s in simulated] + [moved(s, n + 1) for s in measured], rows

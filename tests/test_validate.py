@@ -1,0 +1,127 @@
+"""`hfplan validate`: the comparison math by hand, bad input in one line, and one short real run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hfplan.plan import Span, phase_seconds
+from hfplan.validation.compare import compare, kendall_tau, signed_error
+from hfplan.validation.run import peak_gib_per_set, side_by_side
+from tests.support.cli import assert_user_error, invoke
+from tests.support.executor_runs import cpu_plan, tiny_workload
+
+
+def span(role, op, phase, start, end, set_=0, kind="compute"):
+    return Span(role=role, op=op, phase=phase, set=set_, start=start, end=end, kind=kind)
+
+
+SIMULATED = [span("actor", "generate", "generation", 0.0, 2.0), span("actor", "log_prob", "preparation", 2.0, 2.5),
+             span("actor", "update", "training", 2.5, 3.5), span("actor", "update", "training", 3.5, 4.5)]
+
+
+def test_signed_error():
+    assert signed_error(1.1, 1.0) == pytest.approx(0.1)
+    assert signed_error(0.5, 1.0) == pytest.approx(-0.5)
+    assert signed_error(1.0, 0.0) is None
+
+
+def test_calls_matched_by_occurrence_and_averaged_over_iterations():
+    run1 = [span("actor", "generate", "generation", 10.0, 14.0), span("actor", "log_prob", "preparation", 14, 14.5),
+            span("actor", "update", "training", 14.5, 15.5), span("actor", "update", "training", 15.5, 17.5)]
+    run2 = [span("actor", "generate", "generation", 0.0, 2.0), span("actor", "log_prob", "preparation", 2.0, 2.5),
+            span("actor", "update", "training", 2.5, 3.5), span("actor", "update", "training", 3.5, 5.5),
+            span("critic", "values", "preparation", 5.5, 6.0)]
+    result = compare(SIMULATED, [run1, run2], [1.0], [2.0], ["set 0"])
+    by_name = {(c.op, c.occurrence): c for c in result.calls}
+    assert by_name[("generate", 0)].measured == pytest.approx(3.0)  # (4 + 2) / 2
+    assert by_name[("generate", 0)].error == pytest.approx(-1 / 3)
+    assert by_name[("update", 1)].measured == pytest.approx(2.0)  # the second update is matched with the second
+    assert by_name[("update", 1)].error == pytest.approx(-0.5)
+    assert result.stages["training"].measured == pytest.approx(3.0)
+    assert result.stages["training"].simulated == pytest.approx(2.0)
+    assert result.iteration.measured == pytest.approx((7.5 + 6.0) / 2)
+    assert result.iteration.error == pytest.approx(4.5 / 6.75 - 1)
+    assert result.memory_gib["set 0"].error == pytest.approx(-0.5)
+    assert result.unmatched["measured"] == ["set 0 critic.values (preparation, compute) #0"]
+    assert json.loads(json.dumps(result.to_json()))["iteration"]["error"] == pytest.approx(result.iteration.error)
+
+
+def test_transfers_are_matched_with_the_call_they_feed():
+    simulated = [span("actor", "controller.gae->actor.update", "training", 0.0, 0.25, kind="transfer"),
+                 span("actor", "generate->actor.update", "training", 0.0, 0.5, kind="transfer")]
+    measured = [span("actor", "update", "training", 0.0, 1.0, kind="transfer")]
+    (call,) = compare(simulated, [measured], [], [], []).calls
+    assert (call.op, call.kind, call.simulated, call.error) == ("update", "transfer", 0.75, -0.25)
+
+
+def test_phase_seconds_is_first_start_to_last_end():
+    spans = [span("a", "x", "p", 1.0, 2.0), span("b", "y", "p", 1.5, 4.0, set_=1), span("a", "z", "q", 4.0, 4.25)]
+    assert phase_seconds(spans) == {"p": 3.0, "q": 0.25}
+
+
+def test_compare_needs_a_measured_iteration():
+    with pytest.raises(ValueError):
+        compare(SIMULATED, [], [], [], [])
+
+
+def test_kendall_tau():
+    assert kendall_tau([1, 2, 3], [10, 20, 30]) == 1.0
+    assert kendall_tau([1, 2, 3], [30, 20, 10]) == -1.0
+    assert kendall_tau([1, 2, 3, 4], [1, 2, 4, 3]) == pytest.approx(4 / 6)
+
+
+def test_peak_per_set_and_side_by_side_rows():
+    assert peak_gib_per_set({"set 0 rank 0": 2**30, "set 0 rank 1": 2**31, "set 1 rank 0": 2**29}, 2) == [2.0, 0.5]
+    spans, rows = side_by_side([span("actor", "g", "generation", 0, 1, set_=1)],
+                               [span("controller", "adv", "preparation", 0, 1, set_=-1)], ["set 0", "set 1"])
+    assert rows[spans[0].set] == "simulated: set 1"
+    assert rows[spans[1].set] == "measured: controller"
+
+
+@pytest.fixture
+def tiny_plan_file(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text(cpu_plan(tiny_workload(), [(("actor", "critic", "reference"), 1)]).to_json())
+    return path
+
+
+def test_missing_plan(tmp_path):
+    assert_user_error(invoke("validate", tmp_path / "none.json"), "plan file not found")
+
+
+def test_malformed_plan(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert_user_error(invoke("validate", bad), "bad.json")
+
+
+def test_unwritable_timeline(tiny_plan_file, tmp_path):
+    target = tmp_path / "no-such-folder" / "t.png"
+    assert_user_error(invoke("validate", tiny_plan_file, "--timeline", target, "--out", tmp_path / "run"),
+                      "--timeline")
+    assert not target.exists() and not (tmp_path / "run").exists()
+
+
+def test_one_iteration_is_refused(tiny_plan_file, tmp_path):
+    assert_user_error(invoke("validate", tiny_plan_file, "--iterations", 1, "--out", tmp_path / "run"),
+                      "--iterations")
+
+
+def test_two_iterations_compared_as_json(tiny_plan_file, tmp_path, ray_driver):
+    chart = tmp_path / "both.html"
+    result = invoke("validate", tiny_plan_file, "--iterations", 2, "--json", "--timeline", chart)
+    assert result.exit_code == 0, result.output
+    body = json.loads(result.stdout)
+    assert body["iterations"] == 2
+    ops = {(c["role"], c["op"]) for c in body["calls"]}
+    assert {("actor", "generate"), ("critic", "update"), ("reference", "log_prob")} <= ops
+    for call in body["calls"]:
+        if call["measured"] > 0:
+            assert call["error"] == pytest.approx((call["simulated"] - call["measured"]) / call["measured"])
+    assert body["iteration"]["measured"] > 0 and body["iteration"]["simulated"] > 0
+    assert set(body["stages"]) >= {"generation", "preparation", "training"}
+    (label, memory), = body["memory_gib"].items()
+    assert memory["measured"] > 0 and memory["simulated"] > 0
+    assert f"simulated: {label}" in chart.read_text() and f"measured: {label}" in chart.read_text()
