@@ -140,7 +140,11 @@ def checkpoints_folder(out: Path) -> Path:
 
 def complete_checkpoints(out: Path) -> list[Path]:
     """The complete checkpoints of a run folder, oldest first."""
-    folder = checkpoints_folder(out)
+    return _complete_in(checkpoints_folder(out))
+
+
+def _complete_in(folder: Path) -> list[Path]:
+    """The complete checkpoints of a checkpoints folder, oldest first."""
     if not folder.is_dir():
         return []
     found = [(int(m.group(1)), path) for path in folder.iterdir()
@@ -174,7 +178,7 @@ def verified_checkpoint(folder: Path) -> Checkpoint:
     if problem is not None:
         intact = newest_intact(folder.parent, before=manifest.iteration)
         instead = (f"; the newest intact checkpoint is {intact.name}: continue from it with --resume "
-                   f"{intact_iteration(intact)}" if intact is not None else "; no older intact checkpoint is left")
+                   f"{iteration_of(intact)}" if intact is not None else "; no older intact checkpoint is left")
         raise HfplanError(f"checkpoint {folder} is damaged: {problem}{instead}")
     controller = _read_model(folder / CONTROLLER_FILE, ControllerSnapshot)
     if controller.iteration != manifest.iteration:
@@ -183,7 +187,8 @@ def verified_checkpoint(folder: Path) -> Checkpoint:
     return Checkpoint(folder, manifest, controller)
 
 
-def intact_iteration(folder: Path) -> int:
+def iteration_of(folder: Path) -> int:
+    """The iteration of a checkpoint folder named `iteration-NNNNNN`."""
     match = _NAME.match(folder.name)
     assert match is not None, folder
     return int(match.group(1))
@@ -192,11 +197,7 @@ def intact_iteration(folder: Path) -> int:
 def newest_intact(folder: Path, before: int) -> Path | None:
     """The newest complete checkpoint in a checkpoints folder older than iteration `before` whose files match
     their checksums."""
-    if not folder.is_dir():
-        return None
-    found = [(int(m.group(1)), path) for path in folder.iterdir()
-             if (m := _NAME.match(path.name)) and (path / MANIFEST_FILE).is_file() and int(m.group(1)) < before]
-    for _, path in sorted(found, reverse=True):
+    for path in reversed([p for p in _complete_in(folder) if iteration_of(p) < before]):
         try:
             if damage(path, _read_model(path / MANIFEST_FILE, Manifest)) is None:
                 return path
@@ -260,7 +261,7 @@ def chosen_checkpoint(out: Path, choice: str) -> Path:
     if choice.isdigit():
         folder = checkpoints_folder(out) / _name(int(choice))
         if not (folder / MANIFEST_FILE).is_file():
-            have = ", ".join(str(intact_iteration(p)) for p in complete_checkpoints(out)) or "none"
+            have = ", ".join(str(iteration_of(p)) for p in complete_checkpoints(out)) or "none"
             raise HfplanError(f"--resume {choice}: {out} has no complete checkpoint of iteration {int(choice)} "
                               f"(complete: {have})")
         return folder
