@@ -29,6 +29,7 @@ from hfplan.executor import compat, preflight, resume
 from hfplan.executor.data import PromptStream
 from hfplan.executor.errors import RunFailed
 from hfplan.executor.generation_order import generation_rank
+from hfplan.executor.interrupts import InterruptLatch
 from hfplan.executor.placement import (
     DeathWatch,
     call_every_worker,
@@ -136,14 +137,17 @@ def execute(plan: Plan, options: ExecuteOptions,
     summary = RunSummary(out, resumed_from=start.folder if start else None)
     recorded = len(start.controller.metrics) if start else 0
     try:
-        ray_session.start(out / RAY_LOG_FILE)
-        check_capacity(plan, checked.device)
-        if checked.truncated:
-            logger.warning("%s", checked.truncated)
-        start_sets(plan, checked.hyper, options.seed, checked.device, checked.backend, options.call_timeout_s,
-                   options.start_timeout_s, sets, watch)
-        with watch:
-            _run_on_sets(plan, checked, options, sets, run, start, summary, on_iteration, on_start)
+        with InterruptLatch() as interrupt:
+            ray_session.start(out / RAY_LOG_FILE)
+            interrupt.check()
+            check_capacity(plan, checked.device)
+            if checked.truncated:
+                logger.warning("%s", checked.truncated)
+            start_sets(plan, checked.hyper, options.seed, checked.device, checked.backend, options.call_timeout_s,
+                       options.start_timeout_s, sets, watch)
+            interrupt.check()
+            with watch:
+                _run_on_sets(plan, checked, options, sets, run, start, summary, on_iteration, on_start, interrupt)
     except BaseException:
         if made_out and len(summary.iterations) <= recorded and summary.checkpoint is None:
             shutil.rmtree(out, ignore_errors=True)  # nothing of this run is worth keeping
@@ -161,7 +165,7 @@ def execute(plan: Plan, options: ExecuteOptions,
 def _run_on_sets(plan: Plan, checked: preflight.Checked, options: ExecuteOptions, sets, run: resume.RunIdentity,
                  start: resume.Checkpoint | None, summary: RunSummary,
                  on_iteration: Callable[[IterationReport], None] | None,
-                 on_start: Callable[[int, Path | None], None] | None) -> None:
+                 on_start: Callable[[int, Path | None], None] | None, interrupt: InterruptLatch) -> None:
     """The run once its workers are up: load the checkpoint, iterate, checkpoint, write the run folder."""
     out = options.out
     summary.nodes = ask_workers(sets, "node_id", options.call_timeout_s)
@@ -176,9 +180,11 @@ def _run_on_sets(plan: Plan, checked: preflight.Checked, options: ExecuteOptions
     timeline: list[dict] = list(start.controller.timeline) if start else []
     metrics_path = out / METRICS_FILE
     metrics_path.write_text("".join(json.dumps(m, allow_nan=False) + "\n" for m in summary.iterations))
+    interrupt.check()
     if on_start is not None:
         on_start(progress.iteration, start.folder if start else None)
     for report in run_iterations(plan, roles, checked, options, recorder, progress):
+        interrupt.check()
         check_finite(report)
         summary.iterations.append(report.metrics)
         with metrics_path.open("a") as sink:
