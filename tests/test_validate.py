@@ -8,7 +8,7 @@ import pytest
 
 from hfplan.plan import Span, phase_seconds
 from hfplan.validation.compare import compare, kendall_tau, signed_error
-from hfplan.validation.run import peak_gib_per_set, side_by_side
+from hfplan.validation.run import peak_gib_per_set, side_by_side, with_profile
 from tests.support.cli import assert_user_error, invoke
 from tests.support.executor_runs import cpu_plan, tiny_workload
 
@@ -85,6 +85,23 @@ def tiny_plan_file(tmp_path):
     path = tmp_path / "plan.json"
     path.write_text(cpu_plan(tiny_workload(), [(("actor", "critic", "reference"), 1)]).to_json())
     return path
+
+
+def test_a_profile_given_is_the_one_simulated(tiny_plan_file, tmp_path):
+    import yaml
+
+    from hfplan.plan import load_plan
+    from hfplan.profiles.hardware import SHIPPED_DIR
+    from hfplan.simulator.engine import simulate_plan
+
+    plan = load_plan(tiny_plan_file)
+    shipped = simulate_plan(plan).estimate.iteration_s
+    slower = yaml.safe_load((SHIPPED_DIR / "cpu.yaml").read_text())
+    slower["compute"]["peak_tflops"] /= 4
+    slower["memory"]["bandwidth_gbytes_per_s"] /= 4
+    path = tmp_path / "slower.yaml"
+    path.write_text(yaml.safe_dump(slower))
+    assert simulate_plan(with_profile(plan, path)).estimate.iteration_s > 1.5 * shipped
 
 
 def test_missing_plan(tmp_path):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from hfplan.errors import HfplanError
 from hfplan.plan import Plan, Span
+from hfplan.spec import Cluster
 from hfplan.validation.compare import Comparison, compare
 
 GIB = 2**30
@@ -31,7 +32,8 @@ def with_profile(plan: Plan, profile: Path | None) -> Plan:
     from hfplan.profiles.hardware import load_hardware
 
     load_hardware(str(profile))  # a bad profile fails here, before any worker starts
-    cluster = plan.cluster.model_copy(update={"hardware": str(profile)})
+    # A new Cluster, not a model_copy: a copy would keep the profile the plan's cluster has already loaded.
+    cluster = Cluster(**(plan.cluster.model_dump() | {"hardware": str(profile)}))
     return plan.model_copy(update={"cluster": cluster})
 
 
