@@ -633,6 +633,19 @@ def arch_specs(arch: ModelArch) -> list[TensorSpec]:
 
 
 @functools.lru_cache(maxsize=4096)
+def stage_parameter_tensors(arch: ModelArch, pp: int, head: str) -> int:
+    """Parameter tensors of the busiest of pp pipeline stages (each GPU of a stage holds a piece of every one):
+    what a training step's per-tensor work (zeroing, clipping, the optimizer's update) runs over. The embedding
+    is on the first stage; the final norm and the head on the last: an untied LM head's weight, or a scalar
+    head's weight and bias (the executor's value and score heads have one)."""
+    per_layer = sum(1 for spec in arch_specs(arch) if spec.count == arch.layers and 0 <= spec.layer < arch.layers)
+    step = -(-arch.layers // pp)
+    head_tensors = 1 + (2 if head == "scalar" else int(not arch.tied_embeddings))
+    return max(per_layer * max(0, min((stage + 1) * step, arch.layers) - stage * step)
+               + (stage == 0) + (head_tensors if stage == pp - 1 else 0) for stage in range(pp))
+
+
+@functools.lru_cache(maxsize=4096)
 def most_received_numel(arch: ModelArch, train: TrainLayoutLike, gen: LayoutLike) -> int:
     """The most parameters any GPU receives at the switch to generation (received_numel over arch_specs):
     what the simulator's transition cost and generation memory price."""

@@ -67,6 +67,43 @@ def test_training_step_pays_a_forward_pass_per_micro_batch_chunk(toy_hw):
     assert paid.total - plain.total == pytest.approx((4 + 0.5) * 2 * 100e-6)
 
 
+def test_a_training_engine_pays_its_own_pass_and_a_cost_per_parameter_tensor_each_step(toy_hw):
+    from hfplan.layout import stage_parameter_tensors
+
+    cfg = TrainConfig(pp=2, micro_batch=1)
+    where = SetShape(2, 8)
+    trained = toy_hw.model_copy(update={"runtime": Runtime(forward_pass_us=100, train_pass_us=300,
+                                                           optimizer_tensor_us=2)})
+    plain = costs.train_step_parts(toy_hw, LLAMA7, cfg, where, 4, 128, "lm")
+    paid = costs.train_step_parts(trained, LLAMA7, cfg, where, 4, 128, "lm")
+    # llama2-7b: 9 tensors a layer, 16 layers a stage; the last stage adds the final norm and the LM head.
+    assert stage_parameter_tensors(LLAMA7, 2, "lm") == 9 * 16 + 2
+    assert paid["runtime"] == pytest.approx(4 * 300e-6 + 146 * 2e-6)
+    assert paid.total - plain.total == pytest.approx((4 + 1) * 300e-6 + 146 * 2e-6)  # the bubble's slot too
+
+
+def test_parameter_tensors_of_a_stage_follow_the_model():
+    from hfplan.layout import stage_parameter_tensors
+
+    tiny = CATALOG["tiny"]
+    assert stage_parameter_tensors(tiny, 1, "lm") == 9 * 2 + 3  # two layers, embedding, final norm, LM head
+    assert stage_parameter_tensors(tiny, 1, "scalar") == 9 * 2 + 4  # a value head has a bias
+    assert stage_parameter_tensors(tiny, 2, "lm") == 9 + 2  # one layer, the final norm and the head
+    qwen = CATALOG["qwen2.5-0.5b"]  # tied embeddings, q/k/v biases: 12 tensors a layer, no LM head of its own
+    assert stage_parameter_tensors(qwen, 1, "lm") == 12 * qwen.layers + 2
+
+
+def test_parameter_tensors_are_those_of_the_executor_models():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from hfplan.executor.models import build_model
+    from hfplan.layout import stage_parameter_tensors
+
+    for head in ("lm", "scalar"):
+        model = build_model("tiny", head, seed=0)
+        assert stage_parameter_tensors(CATALOG["tiny"], 1, head) == len(list(model.parameters()))
+
+
 # -- pipeline schedules and recomputation ------------------------------------------------------------------
 
 

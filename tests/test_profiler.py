@@ -365,13 +365,15 @@ def test_fixed_cost_is_what_the_kernels_leave_over():
 
 @pytest.mark.slow
 def test_runtime_costs_measured_on_the_executor_engine():
-    """The torch rollout engine's decode step, static and continuous, and a forward pass of the demo model on
-    CPU, less their modelled kernels; no Ray round trip here (ray_calls=0)."""
+    """The torch rollout engine's decode step, static and continuous, a forward pass of the demo model and the
+    training engine's micro-batch and optimizer step on CPU, less their modelled kernels; no Ray round trip
+    here (ray_calls=0)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from hfplan.plan import Layout
+    from hfplan.layout import stage_parameter_tensors
+    from hfplan.plan import Layout, TrainConfig
     from hfplan.profiler import device as devices
-    from hfplan.profiler.runtime import LONG, PROMPT, SHORT, measure_runtime
+    from hfplan.profiler.runtime import FEW, LONG, MANY, PROMPT, SHORT, measure_runtime
     from hfplan.profiles.hardware import Runtime
     from hfplan.simulator import costs
 
@@ -379,7 +381,8 @@ def test_runtime_costs_measured_on_the_executor_engine():
     fit = measure_runtime(torch, devices.probe(torch, "cpu", 1), hw, 0.02, ray_calls=0)
     assert not fit.ray and fit.runtime.controller_call_us == 0.0
     rows = {r["op"]: r for r in fit.rows}
-    assert set(rows) == {"forward_pass", "engine_step", "engine_step_continuous"}
+    steps = {n: f"train_step_{n}_micro_batches" for n in (FEW, MANY)}
+    assert set(rows) == {"forward_pass", "engine_step", "engine_step_continuous", *steps.values()}
     assert all(r["seconds"] > 0 for r in fit.rows)
     # The modelled kernels alone: the profile's own fixed costs are what the measurement replaces.
     kernels_only = hw.model_copy(update={"runtime": Runtime()})
@@ -391,3 +394,15 @@ def test_runtime_costs_measured_on_the_executor_engine():
                                                        abs=0.01)
     assert fit.runtime.engine_step_continuous_us == pytest.approx(
         max(0.0, rows["engine_step_continuous"]["seconds"] - step_model) * 1e6, abs=0.01)
+    # A step of n micro-batches beyond its modelled kernels is n passes and one optimizer step.
+    beyond = {}
+    for n, op in steps.items():
+        modelled = costs.train_step_time(kernels_only, CATALOG["tiny"], TrainConfig(micro_batch=1),
+                                         costs.SetShape(1, 1), n, PROMPT + LONG, "lm")
+        assert rows[op]["predicted_s"] == pytest.approx(modelled)
+        beyond[n] = rows[op]["seconds"] - modelled
+    pass_s = max(0.0, (beyond[MANY] - beyond[FEW]) / (MANY - FEW))
+    assert fit.runtime.train_pass_us == pytest.approx(pass_s * 1e6, abs=0.01)
+    tensors = stage_parameter_tensors(CATALOG["tiny"], 1, "lm")
+    assert fit.runtime.optimizer_tensor_us == pytest.approx(max(0.0, beyond[FEW] - FEW * pass_s) * 1e6 / tensors,
+                                                            abs=0.001)

@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from hfplan.errors import HfplanError
+from hfplan.profiles.hardware import load_hardware
 from hfplan.profiles.models import CATALOG, DEMO_MODELS
 from hfplan.spec import (
     ALGORITHM_ROLES,
@@ -221,7 +222,7 @@ def test_make_cluster_refuses_zero_gpus_per_node():
 
 def test_make_cluster_takes_node_size_from_profile():
     assert make_cluster(16, "a100-80g").gpus_per_node == 8
-    assert make_cluster(4, "cpu").gpus_per_node == 4
+    assert make_cluster(4, "cpu").gpus_per_node == load_hardware("cpu").gpus_per_node
     assert make_cluster(16, "a100-80g", gpus_per_node=4).gpus_per_node == 4
 
 

@@ -113,10 +113,11 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
         fixed = runtime.measure_runtime(torch, device, profile, sweeps.min_time, sweeps.ray_calls)
     profile = profile.model_copy(update={
         "runtime": fixed.runtime,
-        "description": profile.description + " Runtime: a forward pass of the demo model and a decode step of the "
-                       "executor's torch rollout engine, less their modelled kernels"
+        "description": profile.description + " Runtime: a forward pass of the demo model, a decode step of the "
+                       "executor's torch rollout engine and a micro-batch and an optimizer step of its training "
+                       "engine, less their modelled kernels"
                        + (", and a round trip through a Ray actor" if fixed.ray else "; controller call not "
-                          "measured (ray not importable)") + "."})
+                          "measured (--quick, or ray not importable)") + "."})
     rows += fixed.rows
 
     plan = layers.plan_layers(profile, request.model, sweeps.layers, device, esize, sweeps.min_time)

@@ -3,7 +3,9 @@
 Each is what one unit of work takes beyond what the cost model charges for its kernels on the profile just
 fitted: a forward pass of the demo model through its HF module, a decode step of the executor's torch rollout
 engine with static and with continuous batching (the slope of generation time over decode steps, so the
-prefills drop out), and a round trip of a call through a Ray actor (how the controller reaches a worker).
+prefills drop out), a training micro-batch and an optimizer step of the executor's training engine (FSDP over a
+world of one; the slope of a step's time over its micro-batches, and what is left at none), and a round trip of
+a call through a Ray actor (how the controller reaches a worker).
 torch and ray are passed in or imported here, only when `hfplan profile` runs.
 """
 
@@ -13,9 +15,13 @@ import logging
 import math
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
-from hfplan.plan import Layout
+from hfplan.layout import stage_parameter_tensors
+from hfplan.plan import Layout, TrainConfig
 from hfplan.profiler.compute import compute_dtype
 from hfplan.profiler.device import Device
 from hfplan.profiler.timing import Clock
@@ -26,6 +32,7 @@ from hfplan.simulator import costs
 MODEL = "tiny"  # the demo model: its kernels are tiny, so what it takes is mostly the fixed cost
 PROMPT = 8
 SHORT, LONG = 2, 34  # response lengths whose time difference is LONG - SHORT decode steps
+FEW, MANY = 1, 3  # micro-batches (of one sequence) per optimizer step: the difference is MANY - FEW passes
 ROUNDS = 3
 RAY_CALLS = 200
 
@@ -49,8 +56,8 @@ def _row(op: str, seconds: float, predicted: float) -> dict:
 
 def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: float, ray_calls: int = RAY_CALLS
                     ) -> RuntimeFit:
-    """Forward-pass, engine-step (static and continuous) and (with ray) controller-call costs, with the rows
-    behind them."""
+    """Forward-pass, engine-step (static and continuous), training-pass, optimizer-step and (with ray)
+    controller-call costs, with the rows behind them."""
     from hfplan.executor.models import build_model
     from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
 
@@ -73,6 +80,8 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
     step_model = costs.decode_step_time(bare, arch, Layout(), one, 1, PROMPT + (SHORT + LONG) / 2)
     rows = [_row("forward_pass", forward_s, forward_model), _row("engine_step", step_s, step_model),
             _row("engine_step_continuous", continuous_s, step_model)]
+    train = _train_fixed(torch, device, bare, clock, min_time)
+    rows += train.rows
     controller_us, measured_ray = 0.0, False
     call_s = _ray_round_trip(ray_calls)
     if call_s is not None:
@@ -81,8 +90,76 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
     runtime = Runtime(forward_pass_us=round(fixed_us(forward_s, forward_model), 2),
                       engine_step_us=round(fixed_us(step_s, step_model), 2),
                       controller_call_us=round(controller_us, 2),
-                      engine_step_continuous_us=round(fixed_us(continuous_s, step_model), 2))
+                      engine_step_continuous_us=round(fixed_us(continuous_s, step_model), 2),
+                      train_pass_us=round(train.pass_us, 2), optimizer_tensor_us=round(train.tensor_us, 3))
     return RuntimeFit(runtime, rows, measured_ray)
+
+
+@dataclass(frozen=True)
+class _TrainFixed:
+    pass_us: float
+    tensor_us: float
+    rows: list[dict]
+
+
+def _train_fixed(torch, device: Device, bare: HardwareProfile, clock: Clock, min_time: float) -> _TrainFixed:
+    """The training engine's fixed costs: a step of n micro-batches takes n passes and one optimizer step, so
+    its time beyond the modelled kernels is n * pass + step; FEW and MANY micro-batches give both. The step's
+    share is spread over the model's parameter tensors (the optimizer, the clipping and the zeroing visit each
+    one)."""
+    arch = CATALOG[MODEL]
+    seconds = _train_step_seconds(torch, device, clock, min_time)
+    modelled = {n: costs.train_step_time(bare, arch, TrainConfig(micro_batch=1), costs.SetShape(1, 1), n,
+                                         PROMPT + LONG, "lm") for n in (FEW, MANY)}
+    beyond = {n: seconds[n] - modelled[n] for n in (FEW, MANY)}
+    pass_s = max(0.0, (beyond[MANY] - beyond[FEW]) / (MANY - FEW))
+    step_s = max(0.0, beyond[FEW] - FEW * pass_s)
+    rows = [_row(f"train_step_{n}_micro_batches", seconds[n], modelled[n]) for n in (FEW, MANY)]
+    return _TrainFixed(pass_s * 1e6, step_s * 1e6 / stage_parameter_tensors(arch, 1, "lm"), rows)
+
+
+def _train_step_seconds(torch, device: Device, clock: Clock, min_time: float) -> dict[int, float]:
+    """Seconds of one actor update (one optimizer step) of the executor's training engine on FEW and MANY
+    micro-batches of one sequence, each the best of ROUNDS rounds taken in turn."""
+    from hfplan.executor.engines.training import RoleModel
+    from hfplan.executor.mesh import ParallelDims
+    from hfplan.executor.models import build_model
+    from hfplan.hyperparams import Hyperparameters
+
+    arch = CATALOG[MODEL]
+    with _world_of_one(torch, device):
+        mesh = ParallelDims(1, 1, 1, 1).build(device.kind)
+        model = build_model(MODEL, "lm", seed=0, dtype=torch.float32)
+        role = RoleModel(model, mesh, Hyperparameters(), device.kind, compute_dtype(device), pad_id=0, lr=1e-6)
+        timed = dict.fromkeys((FEW, MANY), math.inf)
+        for _ in range(ROUNDS):
+            for n in (FEW, MANY):
+                batch = {"prompts": torch.randint(1, arch.vocab, (n, PROMPT)),
+                         "responses": torch.randint(1, arch.vocab, (n, LONG)),
+                         "response_mask": torch.ones(n, LONG, dtype=torch.long),
+                         "old_log_probs": torch.zeros(n, LONG), "advantages": torch.ones(n, LONG)}
+                once = clock.per_call(lambda batch=batch: role.update_actor(batch, mini_batches=1, epochs=1,
+                                                                            micro_batch=1, use_kl_loss=False),
+                                      min_time / ROUNDS)
+                timed[n] = min(timed[n], once)
+    return timed
+
+
+@contextmanager
+def _world_of_one(torch, device: Device) -> Iterator[None]:
+    """A torch.distributed world of this process alone (the training engine's mesh needs one), on loopback."""
+    import torch.distributed as dist
+
+    from hfplan.executor.loopback import gloo_on_loopback
+
+    with tempfile.TemporaryDirectory(prefix="hfplan-profile-") as folder, gloo_on_loopback():
+        init = Path(folder, "rendezvous").as_uri()
+        dist.init_process_group("nccl" if device.kind == "cuda" else "gloo", init_method=init, rank=0,
+                                world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
 
 
 def _step_seconds(clock: Clock, engine, prompts, min_time: float) -> float:

@@ -125,6 +125,19 @@ class Runtime(_Strict):
                                         "bookkeeping each step on top of the static step's work); None: "
                                         "engine_step_us, as for a profile written before the field")
 
+    train_pass_us: float | None = Field(
+        default=None, ge=0, description="fixed cost of one micro-batch through a training engine (forward and "
+                                        "backward, with the engine's hooks) beyond its kernels; None: "
+                                        "forward_pass_us, as for a profile written before the field")
+    optimizer_tensor_us: float = Field(default=0.0, ge=0, description="fixed cost of one optimizer step per "
+                                                                      "parameter tensor a GPU holds (gradients "
+                                                                      "zeroed and clipped, the optimizer's "
+                                                                      "update), beyond its memory traffic")
+
+    @property
+    def train_pass_s(self) -> float:
+        return (self.forward_pass_us if self.train_pass_us is None else self.train_pass_us) * 1e-6
+
     def engine_step_s(self, batching: str) -> float:
         """Seconds of fixed cost per step of an engine batching `batching` (GenConfig.batching)."""
         if batching == "continuous" and self.engine_step_continuous_us is not None:

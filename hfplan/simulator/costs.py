@@ -13,7 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
-from hfplan.layout import micro_batch_sizes, most_generation_numel, most_received_numel, resharding, stage_params
+from hfplan.layout import (
+    micro_batch_sizes,
+    most_generation_numel,
+    most_received_numel,
+    resharding,
+    stage_parameter_tensors,
+    stage_params,
+)
 from hfplan.plan import GenConfig, InferConfig, Layout, Recompute, TrainConfig
 from hfplan.profiles.hardware import HardwareProfile
 from hfplan.profiles.models import ModelArch
@@ -238,13 +245,14 @@ def train_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, whe
     per_micro = {name: seconds + backward[name] for name, seconds in forward.items()}
     per_micro["recompute"] = _recompute_seconds(sp, Recompute.of(cfg.recompute))
     per_micro["pp_comm"] = 2 * v * _p2p(hw, arch, cfg, where, micro * seq_len)
-    per_micro["runtime"] = v * hw.runtime.forward_pass_us * 1e-6
+    per_micro["runtime"] = v * hw.runtime.train_pass_s
     local_params = stage_params(arch, cfg.pp, head) / cfg.tp
     exposed = sharding.exposed_step_comm(hw, arch, cfg, where, head, sp.forward,
                                          sp.backward + per_micro["recompute"], n_micro)
     optimizer_params = local_params * sharding.optimizer_fraction(cfg)
     optimizer = memory_time(hw, ADAM_BYTES_PER_PARAM * optimizer_params)
-    return _pipelined(per_micro, n_micro, (cfg.pp - 1) / v, dp_comm=exposed, optimizer=optimizer)
+    per_tensor = stage_parameter_tensors(arch, cfg.pp, head) * hw.runtime.optimizer_tensor_us * 1e-6
+    return _pipelined(per_micro, n_micro, (cfg.pp - 1) / v, dp_comm=exposed, optimizer=optimizer, runtime=per_tensor)
 
 
 def train_step_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: SetShape, sequences: int,
