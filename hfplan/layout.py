@@ -44,6 +44,7 @@ class LayoutLike(Protocol):
 
 class TrainLayoutLike(LayoutLike, Protocol):
     shard: str
+    virtual_stages: int  # model stages per pipeline rank (interleaved 1F1B); 1 otherwise
 
     def shards(self, state: str) -> int: ...
 
@@ -433,20 +434,22 @@ def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
     return min(index * step, size), min((index + 1) * step, size)
 
 
-def stage_of(layer: int, layers: int, pp: int) -> int:
-    """The pipeline stage of a decoder layer (-1: the embedding, `layers`: the final norm and head)."""
+def stage_of(layer: int, layers: int, pp: int, virtual_stages: int = 1) -> int:
+    """The pipeline rank holding a decoder layer (-1: the embedding, `layers`: the final norm and head) when
+    the model is cut into pp * virtual_stages stages of equal layers and rank r holds the stages r, r + pp, ..."""
     if layer < 0:
         return 0
     if layer >= layers:
         return pp - 1
-    return layer // -(-layers // pp)
+    return (layer // -(-layers // (pp * virtual_stages))) % pp
 
 
-def _stage_pieces(spec: TensorSpec, layers: int, pps: Sequence[int]) -> list[TensorSpec]:
-    """`spec` cut where a stage of any of the pipelines (pp sizes) starts: each piece lies on one stage of each."""
+def _stage_pieces(spec: TensorSpec, layers: int, cuts_into: Sequence[int]) -> list[TensorSpec]:
+    """`spec` cut where a stage of any of the given model cuts (stage counts) starts: each piece lies on one
+    stage of each."""
     cuts = {spec.layer, spec.layer + spec.count}
-    for pp in pps:
-        step = -(-layers // pp)
+    for stages in cuts_into:
+        step = -(-layers // stages)
         cuts |= {b for b in range(step, layers, step) if spec.layer < b < spec.layer + spec.count}
     edges = sorted(cuts)
     return [TensorSpec(spec.name, spec.shape, spec.tp_dim, a, b - a, spec.kv_heads)
@@ -525,9 +528,10 @@ def generation_box(gen: LayoutLike, spec: TensorSpec, place: GenerationPlace) ->
 
 def _placed_pieces(train: TrainLayoutLike, gen: LayoutLike, specs: Sequence[TensorSpec], layers: int
                    ) -> list[tuple[TensorSpec, int, int]]:
-    """(piece, its training stage, its generation stage) of every spec cut at both pipelines' stage starts."""
-    return [(p, stage_of(p.layer, layers, train.pp), stage_of(p.layer, layers, gen.pp))
-            for spec in specs for p in _stage_pieces(spec, layers, (train.pp, gen.pp))]
+    """(piece, its training pipeline rank, its generation stage) of every spec cut at both models' stage starts."""
+    virtual = train.virtual_stages
+    return [(p, stage_of(p.layer, layers, train.pp, virtual), stage_of(p.layer, layers, gen.pp))
+            for spec in specs for p in _stage_pieces(spec, layers, (train.pp * virtual, gen.pp))]
 
 
 def received_numel(train: TrainLayoutLike, gen: LayoutLike, specs: Sequence[TensorSpec], layers: int,

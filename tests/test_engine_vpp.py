@@ -15,7 +15,7 @@ from hfplan.executor.engines.pipeline import interleaved_takes, schedule_class
 from hfplan.executor.engines.pipeline_split import rank_stages, stage_of
 from hfplan.executor.engines.training import RoleModel
 from hfplan.layout import unsupported_layout
-from hfplan.plan import TrainConfig
+from hfplan.plan import GenConfig, TrainConfig
 from hfplan.profiles.models import resolve_model
 from tests.support.engine_models import PAD, dp_mesh, llama_config, mesh_of, one_rank_world, random_sequences
 from tests.support.worlds import run_world
@@ -140,14 +140,15 @@ def _sequences():
 
 
 def _inference_generation_checkpoint(rank: int, world: int, folder: str) -> dict:
-    """A trained tied actor with virtual stages: its log-probs, its generation module (the gathered whole
-    model), and its checkpoint loaded into fresh pipelines of another seed, with virtual stages and without."""
+    """A trained tied actor with virtual stages: its log-probs, its generation module (the resharding plan's
+    shards at generation tp 1: the whole model, from both ranks' interleaved stages), and its checkpoint loaded
+    into fresh pipelines of another seed, with virtual stages and without."""
     layout = TrainConfig(pp=2)
     build = dict(pad_id=PAD, lr=LR, virtual_stages=V)
     trained = RoleModel(actor(tied=True), mesh_of(layout), HP, "cpu", torch.float32, **build)
     out = {"log_probs": trained.log_probs(*_sequences(), micro_batch=2)}  # 3 micro-batches, breadth-first
     trained.update_actor(actor_batch(), mini_batches=1, epochs=1, micro_batch=2, use_kl_loss=False)
-    hybrid = HybridEngine(trained)
+    hybrid = HybridEngine(trained, (TrainConfig(pp=2, virtual_stages=V), GenConfig(tp=1, dp=2)))
     generation = hybrid.enter_generation()
     out["generation"] = {n: p.detach().clone() for n, p in generation.named_parameters(remove_duplicate=False)}
     hybrid.exit_generation()

@@ -1,9 +1,9 @@
 """Which set ranks make each generation replica of the generating role (torch-free: the controller reads it).
 
-A hybrid actor with pp = 1 whose generation tp differs from its training tp generates in hfplan.layout's
-generation places (the paper's micro-data-parallel grouping), so that its switch moves only the slices the
-per-tensor plan names (engines.reshard). Every other case, a rollout set and a pipelined actor included,
-generates in the generation layout's own rank order.
+A hybrid actor whose generation layout differs from its training layout (another tp, or pipelined training:
+generation runs pp = 1) generates in hfplan.layout's generation places (the paper's micro-data-parallel
+grouping), so that its switch moves only the slices the per-tensor plan names (engines.reshard). Every other
+case, a rollout set included, generates in the generation layout's own rank order.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hfplan.plan import Layout, TrainConfig
 
 
 def reshards_by_plan(train: TrainConfig | None, gen: Layout | None) -> bool:
-    return train is not None and gen is not None and train.pp == 1 and gen.tp != train.tp
+    return train is not None and gen is not None and (train.pp != gen.pp or gen.tp != train.tp)
 
 
 def generation_rank(train: TrainConfig | None, gen: Layout, rank: int) -> int:

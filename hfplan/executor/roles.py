@@ -244,22 +244,17 @@ class ActorRole(WorkerGroupRole):
 
     def _sync_rollout(self) -> None:
         """Each rank of the actor puts, per rollout rank, the slices of that rank's generation shard it holds
-        into the object store in buckets, and each rollout worker fetches only its own (a pipelined actor's full
-        weights are gathered on its rank 0 and sent whole); the rollout workers run their generation after the
-        load, in submission order."""
+        into the object store in buckets (a pipelined actor's ranks their stages' slices), and each rollout worker
+        fetches only its own; the rollout workers run their generation after the load, in submission order."""
         import ray
 
         start = time.time()
         rollout_workers = self.rollout.workers.workers
         try:
-            if self.layouts["train"].pp == 1:  # each rollout rank gets only its shard, in buckets, from the ranks
-                sent = ray.get([w.weight_buckets.remote(self.name, self.rollout.name) for w in self.workers.workers],
-                               timeout=self.timeout_s)
-                loads = [w.load_shards.remote(self.rollout.name, [ref for by_dst in sent for ref in by_dst.get(i, [])])
-                         for i, w in enumerate(rollout_workers)]
-            else:
-                gathered = [w.full_weights.remote(self.name) for w in self.workers.workers]
-                loads = [w.load_weights.remote(self.rollout.name, gathered[0]) for w in rollout_workers]
+            sent = ray.get([w.weight_buckets.remote(self.name, self.rollout.name) for w in self.workers.workers],
+                           timeout=self.timeout_s)
+            loads = [w.load_shards.remote(self.rollout.name, [ref for by_dst in sent for ref in by_dst.get(i, [])])
+                     for i, w in enumerate(rollout_workers)]
             ray.get(loads, timeout=self.timeout_s)
         except Exception as failure:
             raise RunFailed(self.rollout.workers.describe_failure(self.rollout.name, "weight sync", failure)) \

@@ -5,9 +5,10 @@ with pp > 1, tensor parallel over its tp ranks, FSDP2 over its data-parallel one
 calls there too; an inference-only role (reference, reward, cost) holds a copy (or a stage of one) split
 over its inference layout's tp ranks (a whole one at tp = 1). The generating role also holds a rollout
 engine, tensor parallel over its generation layout's tp group and batching as that layout says (batching,
-max_batch): the actor reaches it through the hybrid engine (the training layout's weights, gathered over
-data-parallel ranks, and over pipeline stages with pp > 1, for generation), a separate rollout set
-through weights the controller sends it after each actor update.
+max_batch): the actor reaches it through the hybrid engine (the training layout's weights unsharded over its
+data-parallel ranks, or, generating at another tp or from pipeline stages, each rank's generation shard by
+the per-tensor resharding plan), a separate rollout set through the generation shards the actor's ranks send
+it after each actor update.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from hfplan.dataflow.roles import RoleFacts, update_field
 from hfplan.executor.engines import reshard
 from hfplan.executor.engines.hybrid import HybridEngine, assign
 from hfplan.executor.engines.training import RoleModel
-from hfplan.executor.engines.whole import WholeModel
 from hfplan.executor.generation_order import generation_rank, reshards_by_plan, set_ranks
 from hfplan.executor.mesh import TP, WorkerMeshes, compute_dtype
 from hfplan.executor.models import build_model
@@ -119,17 +119,13 @@ class RoleRuntime:
         return {"prompts": rollout.prompts.cpu().numpy(), "responses": rollout.responses.cpu().numpy(),
                 "response_mask": rollout.response_mask.float().cpu().numpy()}
 
-    def full_weights(self, is_rank0: bool) -> dict[str, np.ndarray] | None:
-        state = (self.role_model.full_weights() if self.role_model is not None
-                 else WholeModel().full_weights(self.model))
-        return {name: tensor.float().cpu().numpy() for name, tensor in state.items()} if is_rank0 else None
-
     def sync_buckets(self, rollout) -> dict[int, list]:
         """What this rank of the trained actor sends each rank of a separate rollout set (layout rollout): only
         the slices of each one's generation shard this rank holds, in buckets (engines.reshard)."""
-        trained, config = self.trained, self.trained.config
-        buckets = reshard.sync_buckets(trained.module, self.plan.parallelism[self.role].train, rollout,
-                                       config.num_hidden_layers, config.num_key_value_heads, trained.param_dtype)
+        trained = self.trained
+        specs = reshard.model_specs(trained.hf_class, trained.config)
+        buckets = reshard.sync_buckets(trained.local_parameters(), specs, self.plan.parallelism[self.role].train,
+                                       rollout, trained.config.num_hidden_layers, trained.param_dtype)
         return {dst: [(keys, flat.cpu()) for keys, flat in parts] for dst, parts in buckets.items()}
 
     def load_shards(self, buckets: list) -> None:
@@ -137,8 +133,8 @@ class RoleRuntime:
         config = self.model.config
         dtype = next(self.model.parameters()).dtype
         gen = self.plan.parallelism[self.role].gen
-        shards = reshard.assemble(self.model, gen, config.num_hidden_layers, config.num_key_value_heads,
-                                  buckets, dtype, self.device)
+        specs = reshard.tensor_specs(self.model, config.num_hidden_layers, config.num_key_value_heads)
+        shards = reshard.assemble(specs, gen, buckets, dtype, self.device)
         if self.synced is None:
             with torch.device("meta"):
                 self.synced = type(self.model)(config)
@@ -149,11 +145,6 @@ class RoleRuntime:
         params = {name: shards[first[id(p)]] for name, p in self.model.named_parameters(remove_duplicate=False)}
         assign(self.synced, params, dict(self.model.named_buffers(remove_duplicate=False)))
         self.engine.load_weights(self.synced, presharded=True)
-
-    def load_weights(self, weights: dict[str, np.ndarray]) -> None:
-        state = {name: torch.from_numpy(value) for name, value in weights.items()}
-        self.model.load_state_dict(state)
-        self.engine.load_weights(self.model)
 
 
 def rollout_generator(device: torch.device, seed: int, gen, rank: int) -> torch.Generator:
@@ -178,9 +169,8 @@ def build_runtimes(plan: Plan, hyper: Hyperparameters, set_index: int, seed: int
 def _build_role(role: str, plan: Plan, hyper: Hyperparameters, seed: int, device: torch.device, rank: int,
                 meshes: WorkerMeshes) -> RoleRuntime:
     """The role's model in its layout (a RoleModel: trained with the role's learning rate, pipelined with
-    pp > 1). The generating role also gets a rollout engine over its generation layout's tp group: with a
-    pipelined layout, built over the whole model before it is split (generation runs one stage and loads the
-    gathered weights); a trained actor reaches it through the hybrid engine."""
+    pp > 1). The generating role also gets a rollout engine over its generation layout's tp group, which a
+    trained actor reaches through the hybrid engine."""
     facts = facts_of(plan.workload, role)
     model_ref = plan.workload.models[model_role(plan.workload, role)]
     # Every role is built from the same seed: the reference starts as the actor, the critic from its backbone.
@@ -189,13 +179,9 @@ def _build_role(role: str, plan: Plan, hyper: Hyperparameters, seed: int, device
     runtime = RoleRuntime(role, facts, plan, hyper, device, model, tokenizer.pad_token_id, tokenizer.eos_token_id)
     par = plan.parallelism[role]
     layout = par.train if facts.trains else par.infer  # None for a rollout engine, which generates only
-    pipelined = layout is not None and layout.pp > 1
     generates = role == plan.generation_role
     if generates:
         runtime.generator = rollout_generator(device, seed, par.gen, generation_rank(par.train, par.gen, rank))
-    if generates and pipelined:
-        runtime.engine = _rollout_engine(runtime, model, _tp_group(meshes, par.gen))
-        runtime.engine.release_weights()
     if layout is not None:
         trains = facts.trains
         runtime.role_model = RoleModel(model, meshes.of(layout), hyper, device, compute_dtype(device),
@@ -207,8 +193,8 @@ def _build_role(role: str, plan: Plan, hyper: Hyperparameters, seed: int, device
         model.to(compute_dtype(device)).eval().requires_grad_(False)
     trained = runtime.trained
     by_plan = trained is not None and reshards_by_plan(par.train, par.gen)
-    if generates and not pipelined:
-        same = trained is not None and par.gen.tp == par.train.tp  # the training layout's tp group generates
+    if generates:
+        same = trained is not None and not by_plan  # the training layout's tp group generates
         group = trained.mesh[TP].get_group() if same and par.gen.tp > 1 else _tp_group(meshes, par.gen)
         tp_ranks = None
         if by_plan:  # generation in the per-tensor plan's places: their own tensor-parallel groups

@@ -114,10 +114,6 @@ class SetWorker:
         outputs = self.runtimes[role].run(op, arrays, options, spans)
         return {"fields": outputs, "spans": spans}
 
-    def full_weights(self, role: str) -> dict | None:
-        """The role's full current weights (a collective over the set): rank 0 returns them, as numpy."""
-        return self.runtimes[role].full_weights(self.spec.rank == 0)
-
     def weight_buckets(self, role: str, rollout_role: str) -> dict[int, list]:
         """This rank's buckets of `role`'s weights for each rank of the rollout set, as object refs by rollout
         rank (the buckets stay in this worker's object store until the rollout ranks fetch them)."""
@@ -133,12 +129,6 @@ class SetWorker:
 
         start = time.time()
         self.runtimes[role].load_shards(ray.get(refs))
-        return time.time() - start
-
-    def load_weights(self, role: str, weights: dict) -> float:
-        """Take weights sent by the controller (a separate rollout set's sync); returns seconds spent."""
-        start = time.time()
-        self.runtimes[role].load_weights(weights)
         return time.time() - start
 
     def pid(self) -> int:

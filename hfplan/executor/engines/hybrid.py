@@ -1,13 +1,13 @@
 """The hybrid engine: the actor switches between its training layout and a generation layout in one process.
 
-Entering generation asks the role's engine for the whole model's weights by HF name - in the training
-layout (pp = 1), every FSDP group unsharded over its data-parallel group, tensor-parallel DTensors kept as
-shards, so the rollout engine generates over the same tensor-parallel group with no weights moved; with
-pp > 1, every stage's weights gathered whole and broadcast over the pipeline (generation runs one stage) -
-and points a plain module of the model's class, built once on the meta device, at them without copies.
-Exiting points that module back at its meta tensors and lets the engine release the gathered weights.
-A pp = 1 actor whose generation tp differs from its training tp instead builds only its generation shards
-(engines.reshard, by hfplan.layout's per-tensor plan); exiting drops them.
+Where generation keeps the training layout (pp = 1, the same tp), entering generation asks the role's engine
+for the whole model's weights by HF name - every FSDP group unsharded over its data-parallel group,
+tensor-parallel DTensors kept as shards, so the rollout engine generates over the same tensor-parallel group
+with no weights moved - and points a plain module of the model's class, built once on the meta device, at
+them without copies; exiting points that module back at its meta tensors and lets the engine reshard.
+Every other actor (another generation tp, or pipelined training) builds only its generation shards
+(engines.reshard, by hfplan.layout's per-tensor plan: the slices it lacks arrive from its generation group,
+a pipelined rank's other layers from the other stages' ranks); exiting drops them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hfplan.executor.engines.reshard import SwitchStats, generation_shards
+from hfplan.executor.engines.reshard import SwitchStats, generation_shards, tensor_specs
 from hfplan.executor.engines.training import RoleModel
 from hfplan.plan import GenConfig, TrainConfig
 
@@ -32,13 +32,19 @@ def assign(target: nn.Module, tensors: dict[str, torch.Tensor], buffers: dict[st
 
 class HybridEngine:
     """Generation over a trained RoleModel's weights, in whatever layout it trains. Given `layouts` (training,
-    generation: a pp = 1 actor generating at another tp), entering generation builds this rank's generation
-    shards by the per-tensor plan instead (engines.reshard: only the missing slices move, nothing is gathered
+    generation: an actor generating at another tp, or a pipelined one), entering generation builds this rank's
+    generation shards by the per-tensor plan instead (engines.reshard: only the missing slices move, nothing is gathered
     whole); the module then holds plain tensors that are already this rank's pieces (`presharded`)."""
 
     def __init__(self, trained: RoleModel, layouts: tuple[TrainConfig, GenConfig] | None = None,
                  bucket_bytes: int = 256 << 20) -> None:
         self.trained, self.layouts, self.bucket_bytes = trained, layouts, bucket_bytes
+        if layouts is not None:
+            stages = len(trained.module.stages) if trained.dims.pp > 1 else 1
+            train = layouts[0]
+            if (train.pp, train.virtual_stages) != (trained.dims.pp, stages):
+                raise ValueError(f"the training layout pp={train.pp} virtual_stages={train.virtual_stages} is not "
+                                 f"the model's (pp={trained.dims.pp}, {stages} stages a rank)")
         self.presharded = layouts is not None
         self.last_switch: SwitchStats | None = None  # what the latest plan-driven switch moved
         with torch.device("meta"):
@@ -46,6 +52,11 @@ class HybridEngine:
         self._generation.eval().requires_grad_(False)
         self._meta = {n: p.detach() for n, p in self._generation.named_parameters(remove_duplicate=False)}
         self._meta_buffers = dict(self._generation.named_buffers(remove_duplicate=False))
+        config = trained.config
+        self._specs = tensor_specs(self._generation, config.num_hidden_layers, config.num_key_value_heads)
+        first: dict[int, str] = {}  # a tied parameter's names, each to the one the specs know it by
+        self._spec_of = {name: first.setdefault(id(p), name)
+                         for name, p in self._generation.named_parameters(remove_duplicate=False)}
         self._active = False
 
     def enter_generation(self) -> nn.Module:
@@ -72,13 +83,9 @@ class HybridEngine:
         self._active = False
 
     def _shards(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        module, config = self.trained.module, self.trained.config
+        trained = self.trained
         train, gen = self.layouts
-        shards, self.last_switch = generation_shards(module, train, gen, config.num_hidden_layers,
-                                                     config.num_key_value_heads, self.trained.param_dtype,
+        shards, self.last_switch = generation_shards(trained.local_parameters(), self._specs, train, gen,
+                                                     trained.config.num_hidden_layers, trained.param_dtype,
                                                      self.bucket_bytes)
-        first = {}  # a tied parameter's other names point at its one shard
-        for name, param in module.named_parameters(remove_duplicate=False):
-            first.setdefault(id(param), name)
-        params = {name: shards[first[id(param)]] for name, param in module.named_parameters(remove_duplicate=False)}
-        return params, dict(module.named_buffers(remove_duplicate=False))
+        return {name: shards[spec] for name, spec in self._spec_of.items()}, trained.local_buffers()

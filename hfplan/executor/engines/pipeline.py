@@ -258,15 +258,5 @@ class PipelineStages:
                 out[name] = part.view(self.shapes[name])
         return out
 
-    def generation_weights(self, engine) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Every stage's weights gathered whole on every rank (in the compute dtype), and this rank's buffers
-        (the rotary tables, the same on every stage)."""
-        module = engine.module
-        return (self.gathered(module, self.param_dtype),
-                {hf: module.get_buffer(name) for name, hf in self.buffer_names.items()})
-
-    def release_generation(self, engine) -> None:
-        """Nothing: the gathered copies are freed when the generation module lets go of them."""
-
     def full_weights(self, module: RankStages) -> dict[str, torch.Tensor]:
         return {name: tensor.cpu() for name, tensor in self.gathered(module, torch.float32).items()}

@@ -21,6 +21,7 @@ class Stages(Protocol):
     pp: int  # pipeline ranks
     last: bool  # whether this rank holds the last stage (where outputs and statistics are)
     names: dict[str, str] | None  # the module's parameter names -> the HF model's (None: the same)
+    buffer_names: dict[str, str] | None  # the module's buffer names -> the HF model's (None: the same)
 
     def split(self, model: nn.Module, device: torch.device) -> nn.Module:
         """This rank's module of the (tensor-parallel, not yet sharded) model."""
@@ -54,12 +55,6 @@ class Stages(Protocol):
     def names_from_last(self, names: list[str]) -> list[str]: ...
 
     def from_last(self, tensor: torch.Tensor) -> torch.Tensor: ...
-
-    def generation_weights(self, engine) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """The whole model's parameters and buffers by HF name, for a generation module to point at."""
-        ...
-
-    def release_generation(self, engine) -> None: ...
 
     def full_weights(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """Every parameter whole by HF name, at least on rank 0 (a collective over the role's ranks)."""

@@ -268,13 +268,28 @@ class RoleModel:
         return self._train(batch, keys, mini_batches=mini_batches, epochs=epochs, micro_batch=micro_batch,
                            readout=Readout("values", batch["responses"].shape[1]), objective=objective)
 
-    # Whole-model weights.
+    # Weights for generation and export.
+    def local_parameters(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters by HF name (tensor parallelism's and FSDP's DTensors, or plain tensors; tied
+        ones once; a pipelined rank's stages only): what the resharding plan (engines.reshard) reads."""
+        names = self.names or {}
+        return {names.get(n, n): p for n, p in self.module.named_parameters()}
+
+    def local_buffers(self) -> dict[str, torch.Tensor]:
+        """This rank's buffers (the rotary tables) by HF name."""
+        names = self.stages.buffer_names or {}
+        return {names.get(n, n): b for n, b in self.module.named_buffers(remove_duplicate=False)}
+
     def generation_weights(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """The whole model's parameters and buffers by HF name, for generation (until `release_generation`)."""
+        """The whole model's parameters and buffers by HF name, for generation in the training layout (until
+        `release_generation`). A pipelined model has none: it generates from the resharding plan's shards."""
+        if not isinstance(self.stages, WholeModel):
+            raise ValueError("a pipelined model generates from the resharding plan's shards (engines.reshard)")
         return self.stages.generation_weights(self)
 
     def release_generation(self) -> None:
-        self.stages.release_generation(self)
+        if isinstance(self.stages, WholeModel):
+            self.stages.release_generation(self)
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """Every parameter whole by HF name on the CPU, at least on rank 0 (a collective over the layout)."""

@@ -27,6 +27,7 @@ class WholeModel:
     pp = 1
     last = True
     names = None  # the module's parameter names are the HF model's
+    buffer_names = None
 
     def split(self, model: nn.Module, device: torch.device) -> nn.Module:
         return model
