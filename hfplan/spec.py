@@ -104,6 +104,10 @@ class Workload(BaseModel):
     samples_per_prompt: int = Field(default=1, gt=0, description="responses per prompt (GRPO: n)")
     mini_batches: int = Field(default=8, gt=0, description="updates per epoch")
     epochs: int = Field(default=1, gt=0)
+    reuse_policy_log_probs: bool = Field(
+        default=False, description="skip the actor's log_prob call: with one optimizer step per iteration "
+        "(mini_batches = epochs = 1) the loss's ratio is taken against the current policy's own log-probs, "
+        "detached (the same values and gradients); only for algorithms that read them nowhere else (GRPO)")
     hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters,
                                              description="what a real run learns with; ignored by the simulator")
 
@@ -139,6 +143,13 @@ class Workload(BaseModel):
         for b in self.response_len_histogram or ():
             if b.length > self.response_len:
                 raise ValueError(f"response_len_histogram has length {b.length} > response_len {self.response_len}")
+        if self.reuse_policy_log_probs and not algorithm.policy_log_probs_only_in_loss:
+            raise ValueError(f"reuse_policy_log_probs: {self.algorithm} reads the actor's log-probs outside its "
+                             "loss (in the rewards or advantages), so they must be computed")
+        if self.reuse_policy_log_probs and (self.mini_batches, self.epochs) != (1, 1):
+            raise ValueError(f"reuse_policy_log_probs needs one optimizer step per iteration (mini_batches = "
+                             f"epochs = 1; here {self.mini_batches} and {self.epochs}): later steps need the "
+                             "log-probs of the policy that generated")
         if self.sequences % self.mini_batches:
             raise ValueError(f"mini_batches ({self.mini_batches}) must divide the {self.sequences} sequences "
                              "per iteration")

@@ -17,9 +17,22 @@ def test_a_hybrid_actor_at_another_tp_generates_in_the_plans_places():
     assert collector_ranks(train, gen) == [0, 1, 4, 5]
 
 
+def test_a_pipelined_actor_generates_in_the_plans_places():
+    gen = GenConfig(tp=2, dp=2)
+    for train in (TrainConfig(pp=2, dp=2, shard="full"), TrainConfig(pp=2, tp=2),
+                  TrainConfig(pp=2, dp=2, shard="replicated")):
+        assert reshards_by_plan(train, gen)
+        for rank, place in enumerate(generation_places(train, gen)):
+            assert rank_coords(gen, generation_rank(train, gen, rank)) == (place.pp, place.dp, place.tp)
+        assert sorted(r for ranks in replica_ranks(train, gen) for r in ranks) == [0, 1, 2, 3]
+    # Training tp 2 on each of 2 stages, generation tp 2: the tensor-parallel pairs of the two stages are the
+    # generation replicas (each gathers the other stage's layers from its peer at the same tp rank).
+    assert replica_ranks(TrainConfig(pp=2, tp=2), gen) == [[0, 1], [2, 3]]
+
+
 def test_other_generators_keep_the_generation_layouts_own_order():
     gen = GenConfig(tp=2, dp=2)
-    for train in (None, TrainConfig(tp=2, dp=2), TrainConfig(tp=1, pp=2, dp=2)):
+    for train in (None, TrainConfig(tp=2, dp=2)):
         assert not reshards_by_plan(train, gen)
         assert replica_ranks(train, gen) == [[0, 1], [2, 3]]
         assert collector_ranks(train, gen) == [0, 2]

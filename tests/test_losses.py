@@ -93,3 +93,27 @@ def test_micro_batch_losses_add_up_to_the_mini_batch_mean():
     # The single-process token mean, computed directly.
     surrogate = torch.maximum(-adv * (log_probs - old).exp(), -adv * (log_probs - old).exp().clamp(0.8, 1.2))
     assert whole.loss.item() == pytest.approx(surrogate[mask.bool()].mean().item(), abs=1e-6)
+
+
+def test_an_on_policy_step_without_old_log_probs_is_the_step_with_them():
+    """Reused policy log-probs: the ratio against the current log-probs, detached, has the loss and the
+    gradient of the ratio against equal old log-probs (-A * grad log p on every token, no clipping)."""
+    from hfplan.hyperparams import Hyperparameters
+
+    torch.manual_seed(1)
+    log_probs = torch.randn(3, 4, requires_grad=True)
+    entropy = torch.rand(3, 4)
+    batch = {"response_mask": (torch.rand(3, 4) > 0.2).long(), "advantages": torch.randn(3, 4),
+             "ref_log_probs": torch.randn(3, 4)}
+    tokens = batch["response_mask"].sum()
+    hp = Hyperparameters(entropy_coef=0.01)
+    reused, reused_stats = losses.actor_objective(log_probs, entropy, batch, tokens, hp, use_kl_loss=True)
+    (reused_grad,) = torch.autograd.grad(reused, log_probs, retain_graph=True)
+    given = batch | {"old_log_probs": log_probs.detach().clone()}
+    computed, computed_stats = losses.actor_objective(log_probs, entropy, given, tokens, hp, use_kl_loss=True)
+    (computed_grad,) = torch.autograd.grad(computed, log_probs)
+    assert reused.item() == computed.item()
+    torch.testing.assert_close(reused_grad, computed_grad, atol=0, rtol=0)
+    assert reused_stats["clip_frac"].item() == 0.0 and reused_stats["approx_kl"].item() == 0.0
+    kl_grad = torch.autograd.grad(hp.kl_loss_coef * reused_stats["kl"], log_probs)[0]
+    torch.testing.assert_close(reused_grad - kl_grad, -batch["advantages"] * batch["response_mask"] / tokens)

@@ -111,6 +111,20 @@ def test_safe_rlhf_needs_cost_and_cost_critic():
     assert workload.roles[-2:] == ("cost", "cost_critic")
 
 
+@pytest.mark.parametrize(("algorithm", "shape", "needle"), [
+    ("ppo", {"mini_batches": 1}, "outside its loss"), ("remax", {"mini_batches": 1}, "outside its loss"),
+    ("grpo", {"mini_batches": 2}, "one optimizer step"),
+    ("grpo", {"mini_batches": 1, "epochs": 2}, "one optimizer step")])
+def test_reusing_the_policy_log_probs_needs_an_on_policy_step_and_an_algorithm_that_allows_it(algorithm, shape,
+                                                                                               needle):
+    models = {role: "tiny" for role in ALGORITHM_ROLES[algorithm]}
+    data = {"algorithm": algorithm, "models": models, "batch_prompts": 4, "samples_per_prompt": 2,
+            "reuse_policy_log_probs": True} | SHORT | shape
+    with pytest.raises(HfplanError, match=needle):
+        workload_from_dict(data, "test")
+    assert workload_from_dict(data | {"reuse_policy_log_probs": False}, "test").mini_batches == shape["mini_batches"]
+
+
 def test_grpo_mini_batches_divide_responses_not_prompts():
     # 6 prompts x 2 responses = 12 sequences: 4 mini-batches divide 12, though not 6.
     data = {"algorithm": "grpo", "models": {"actor": "tiny", "reference": "tiny", "reward": "tiny"},

@@ -137,6 +137,18 @@ def test_grpo_generates_n_responses_per_prompt():
     assert "critic" not in {n.role for n in dag.nodes}
 
 
+def test_grpo_reusing_the_policy_log_probs_has_no_actor_forward():
+    base = {"algorithm": "grpo", "models": {r: "tiny" for r in ALGORITHM_ROLES["grpo"]}, "prompt_len": 4,
+            "response_len": 4, "batch_prompts": 6, "samples_per_prompt": 2, "mini_batches": 1}
+    computed = trace(workload_from_dict(base, "t"))
+    reused = trace(workload_from_dict(base | {"reuse_policy_log_probs": True}, "t"))
+    labels = {f"{n.role}.{n.op}" for n in computed.nodes}
+    assert {f"{n.role}.{n.op}" for n in reused.nodes} == labels - {"actor.log_prob"}
+    update = _node(reused, "actor.update")
+    read = set().union(*(fields for _, fields in _deps(update).values()))
+    assert "old_log_probs" not in read and {"ref_log_probs", "advantages"} <= read
+
+
 def test_grpo_sequences_scale_with_n():
     base = {"algorithm": "grpo", "models": {r: "tiny" for r in ALGORITHM_ROLES["grpo"]}, "prompt_len": 4,
             "response_len": 4, "batch_prompts": 6, "mini_batches": 1}

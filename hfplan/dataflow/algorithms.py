@@ -28,9 +28,14 @@ def grpo(roles: Roles, prompts: Batch, ctl: Controller) -> Batch:
     actor, reference, reward = (roles[r] for r in ("actor", "reference", "reward"))
     batch = actor.generate(prompts, n=ctl.samples_per_prompt)
     seqs = batch.select(*SEQUENCE)
-    batch = batch | actor.log_prob(seqs) | reference.log_prob(seqs) | reward.score(seqs)
+    # On-policy (one optimizer step per iteration), the loss may take its ratio against the current policy's
+    # own log-probs, detached: the same values and gradients without the forward call.
+    own = () if ctl.reuse_policy_log_probs else ("old_log_probs",)
+    if own:
+        batch = batch | actor.log_prob(seqs)
+    batch = batch | reference.log_prob(seqs) | reward.score(seqs)
     batch = batch | ctl.step("group_norm", batch)
-    return actor.update(batch.select(*SEQUENCE, "old_log_probs", "ref_log_probs", "advantages"))
+    return actor.update(batch.select(*SEQUENCE, *own, "ref_log_probs", "advantages"))
 
 
 def remax(roles: Roles, prompts: Batch, ctl: Controller) -> Batch:

@@ -34,6 +34,9 @@ class Algorithm:
     program: Program
     roles: Mapping[str, RoleFacts]
     min_samples_per_prompt: int = 1  # e.g. group-normalised advantages need two responses per prompt
+    # Whether the program reads the actor's log-probs only in the actor's loss (not in rewards or advantages),
+    # so that a workload with one optimizer step per iteration may skip the call (reuse_policy_log_probs).
+    policy_log_probs_only_in_loss: bool = False
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -116,7 +119,8 @@ BUILTIN_ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     Algorithm("ppo", programs.ppo, {"actor": ACTOR, "critic": CRITIC, "reference": REFERENCE, "reward": REWARD},
               description="PPO with GAE (a critic) and a KL penalty against the reference"),
     Algorithm("grpo", programs.grpo, {"actor": ACTOR, "reference": REFERENCE, "reward": REWARD},
-              min_samples_per_prompt=2, description="GRPO: advantages normalised within each prompt's group"),
+              min_samples_per_prompt=2, policy_log_probs_only_in_loss=True,
+              description="GRPO: advantages normalised within each prompt's group"),
     Algorithm("remax", programs.remax, {"actor": ACTOR, "reference": REFERENCE, "reward": REWARD},
               description="ReMax: a greedy response's reward as the baseline"),
     Algorithm("safe-rlhf", programs.safe_rlhf,

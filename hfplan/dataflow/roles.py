@@ -71,6 +71,7 @@ class Controller(Protocol):
     """The single controller's own work between calls: registered steps (dataflow.controller.STEPS)."""
 
     samples_per_prompt: int
+    reuse_policy_log_probs: bool  # the workload's option: the actor's loss reuses the current policy's log-probs
 
     def step(self, name: str, batch: Batch) -> Batch:
         """Runs step `name` on the fields it reads (taken from `batch`); returns the fields it writes."""

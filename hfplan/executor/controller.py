@@ -106,6 +106,7 @@ def start_progress(plan: Plan, checked: preflight.Checked, options: ExecuteOptio
                    snapshot: resume.ControllerSnapshot | None = None) -> Progress:
     """Iteration 0's controller state, or the state a checkpoint's controller left."""
     state = ControllerState(cfg=checked.hyper, samples_per_prompt=plan.workload.samples_per_prompt,
+                            reuse_policy_log_probs=plan.workload.reuse_policy_log_probs,
                             lagrange=snapshot.lagrange if snapshot else None)
     stream = PromptStream(checked.prompts, plan.workload.batch_prompts, options.seed,
                           position=snapshot.data_position if snapshot else 0)

@@ -296,6 +296,10 @@ class ExecutionController:
     def samples_per_prompt(self) -> int:
         return self.state.samples_per_prompt
 
+    @property
+    def reuse_policy_log_probs(self) -> bool:
+        return self.state.reuse_policy_log_probs
+
     def step(self, name: str, batch: Batch) -> Batch:
         step = STEPS[name]
         fields = batch.select(*step.reads).resolve()

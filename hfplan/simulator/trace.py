@@ -157,9 +157,10 @@ class TracingRole:
 
 
 class TracingController:
-    def __init__(self, tracer: Tracer, samples_per_prompt: int) -> None:
+    def __init__(self, tracer: Tracer, samples_per_prompt: int, reuse_policy_log_probs: bool) -> None:
         self.tracer = tracer
         self.samples_per_prompt = samples_per_prompt
+        self.reuse_policy_log_probs = reuse_policy_log_probs
 
     def step(self, name: str, batch: Batch) -> Batch:
         step = STEPS[name]
@@ -173,5 +174,6 @@ def trace(workload: Workload) -> Dag:
     algorithm = get_algorithm(workload.algorithm)
     roles = {role: TracingRole(role, facts, tracer) for role, facts in algorithm.roles.items()}
     prompts = Batch(prompts=Sym(None, "prompts", workload.batch_prompts))
-    algorithm.program(roles, prompts, TracingController(tracer, workload.samples_per_prompt))
+    algorithm.program(roles, prompts, TracingController(tracer, workload.samples_per_prompt,
+                                                            workload.reuse_policy_log_probs))
     return Dag(workload.algorithm, tuple(tracer.nodes))

@@ -72,7 +72,8 @@ class Backend:
         roles = {name: NumpyRole(name, facts, self) for name, facts in algorithm.roles.items()}
         prompts = Batch(prompts=self.rng.integers(0, VOCAB, size=(w.batch_prompts, w.prompt_len)))
         controller = NumpyController(self, ControllerState(cfg=w.hyperparameters,
-                                                           samples_per_prompt=w.samples_per_prompt))
+                                                           samples_per_prompt=w.samples_per_prompt,
+                                                           reuse_policy_log_probs=w.reuse_policy_log_probs))
         return Batch(algorithm.program(roles, prompts, controller)).resolve(timeout=30)
 
 
@@ -181,6 +182,7 @@ class NumpyController:
     def __init__(self, backend: Backend, state: ControllerState) -> None:
         self.backend, self.state = backend, state
         self.samples_per_prompt = state.samples_per_prompt
+        self.reuse_policy_log_probs = state.reuse_policy_log_probs
 
     def step(self, name: str, batch: Batch) -> Batch:
         step = STEPS[name]

@@ -96,9 +96,12 @@ Objective = tuple[torch.Tensor, dict[str, torch.Tensor]]
 
 def actor_objective(log_probs: torch.Tensor, entropy: torch.Tensor, batch: dict[str, torch.Tensor],
                     tokens: float | torch.Tensor, hp: Hyperparameters, use_kl_loss: bool) -> Objective:
-    """PPO clipped surrogate - entropy_coef * entropy (+ kl_loss_coef * KL to the reference)."""
+    """PPO clipped surrogate - entropy_coef * entropy (+ kl_loss_coef * KL to the reference). Without
+    old_log_probs in the batch (Workload.reuse_policy_log_probs: on-policy), the ratio is against the current
+    log-probs, detached."""
     mask = batch["response_mask"]
-    policy = policy_loss(log_probs, batch["old_log_probs"], batch["advantages"], mask, hp.clip_ratio, tokens)
+    old = batch["old_log_probs"] if "old_log_probs" in batch else log_probs.detach()
+    policy = policy_loss(log_probs, old, batch["advantages"], mask, hp.clip_ratio, tokens)
     entropy_term = token_mean(entropy, mask, tokens)
     loss = policy.loss - hp.entropy_coef * entropy_term
     stats = {"policy_loss": policy.loss, "entropy": entropy_term, "approx_kl": policy.approx_kl,
