@@ -30,8 +30,8 @@ transition cost prices) and HybridFlow's Table 2: (tp*pp - tp_g*pp_g) / (tp_g*pp
 M / (tp_g*pp_g) held. Table 2 assumes every tensor splits over tp and unsharded training shards: the norms are
 replicated, so the plan differs a little, and with FSDP (marked *) each rank holds only a 1/dp chunk of its
 slice, so it receives more. Prints `mismatch` and exits 1 if the engine's bytes differ from the plan's (or from
-its own SwitchStats), its peak exceeds its generation shard plus one bucket per peer and direction (it posts one
-to and from each peer a round), a reference's bytes differ from its expected count, a collective went uncounted,
+its own SwitchStats), its peak exceeds its generation shard plus one bucket (what it has in flight a round, sent
+and received together), a reference's bytes differ from its expected count, a collective went uncounted,
 or any method's shards differ from the world gather's.
 
     PYTHONPATH=. python bench/reshard.py [--quick] [--bucket-mb MB] [--reps N]
@@ -345,15 +345,12 @@ class Setup:
         return {"engine": ITEM * plan, "world": ITEM * world, "group": ITEM * group}
 
     def in_flight_bound(self) -> int:
-        """The most bytes the engine's buckets may hold at once: one bucket to and from each peer (a bucket
-        exceeds bucket_bytes only to carry one slice larger than that)."""
-        rank, by_peer = dist.get_rank(), {}
-        for t in reshard_transfers(self.train, self.gen, self.specs, self.layers):
-            if rank in (t.src, t.dst):
-                key = (t.src == rank, t.dst if t.src == rank else t.src)
-                total, largest = by_peer.get(key, (0, 0))
-                by_peer[key] = (total + ITEM * t.numel, max(largest, ITEM * t.numel))
-        return sum(min(total, max(self.bucket_bytes, largest)) for total, largest in by_peer.values())
+        """The most bytes the engine's buckets may hold at once: one bucket, sent and received together (more only
+        to carry one slice larger than that, alone)."""
+        rank = dist.get_rank()
+        mine = [ITEM * t.numel for t in reshard_transfers(self.train, self.gen, self.specs, self.layers)
+                if rank in (t.src, t.dst)]
+        return min(sum(mine), max([self.bucket_bytes, *mine]))
 
 
 def counted(run: Callable[[], Switch]) -> tuple[dict[str, torch.Tensor], dict]:

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_engine_training import HP, LR, actor_batch, critic_batch, full_params
+from torch.distributed.tensor import DTensor
 from transformers import LlamaForCausalLM
 
 from hfplan.executor import checkpoint
@@ -103,8 +104,9 @@ def _pipelined(rank: int, world: int, cases: list[Case], tp: int = 1) -> list[di
         before = _forward(model, local, kind, micro_batch)
         metrics = _update(model, local, kind, micro_batch, mini_batches, epochs)
         weight = model.module.layers[0].mlp.up_proj.weight  # the proof that tensor parallelism is applied
+        local_weight = weight.to_local() if isinstance(weight, DTensor) else weight  # plain: one rank, no FSDP
         out.append({"before": before, "metrics": metrics, "params": model.full_weights(),
-                    "up_local_rows": weight.to_local().shape[0]})
+                    "up_local_rows": local_weight.shape[0]})
     return out
 
 
@@ -120,7 +122,7 @@ def _smallest_gradients(model: RoleModel) -> dict[str, torch.Tensor]:
 
     def record(optimizer, args, kwargs) -> None:
         for name, param in model.module.named_parameters():
-            grad = param.grad.full_tensor()
+            grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
             smallest[name] = torch.minimum(smallest[name], grad.abs().masked_fill(grad == 0, float("inf")))
 
     model.optimizer.register_step_pre_hook(record)
@@ -288,7 +290,8 @@ def _checkpointed(rank: int, world: int, folder: str) -> dict:
     fresh = RoleModel(tied_actor(seed=1), mesh_of(layout), HP, "cpu", torch.float32, pad_id=PAD,
                       lr=LR)
     checkpoint.load_trained(fresh, Path(folder))
-    moments = [state["exp_avg"].full_tensor() for state in fresh.optimizer.state.values()]
+    moments = [m.full_tensor() if isinstance(m, DTensor) else m
+               for m in (state["exp_avg"] for state in fresh.optimizer.state.values())]
     return {"saved": trained.full_weights(), "loaded": fresh.full_weights(),
             "moments": len(moments) and all(bool(m.abs().sum() > 0) for m in moments)}
 

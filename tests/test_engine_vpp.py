@@ -161,7 +161,7 @@ def _inference_generation_checkpoint(rank: int, world: int, folder: str) -> dict
                              pad_id=PAD, lr=LR)  # one stage per rank: DCP reshards by the whole model's names
     checkpoint.load_trained(plain_stages, Path(folder))
     out["loaded_one_stage_each"] = plain_stages.full_weights()
-    out["moments"] = all(bool(s["exp_avg"].full_tensor().abs().sum() > 0) for s in fresh.optimizer.state.values())
+    out["moments"] = all(bool(s["exp_avg"].abs().sum() > 0) for s in fresh.optimizer.state.values())
     return out
 
 

@@ -58,6 +58,7 @@ class RoleRuntime:
     role_model: RoleModel | None = None  # the role's model in its training layout, or its inference layout
     engine: RolloutEngine | None = None
     hybrid: HybridEngine | None = None
+    sync_plan: reshard.SyncPlan | None = None  # a trained actor's part in a separate rollout set's weight sync
     generator: torch.Generator | None = None
     synced: torch.nn.Module | None = None  # a rollout set's module over the shards its last sync sent
 
@@ -122,10 +123,15 @@ class RoleRuntime:
     def sync_buckets(self, rollout) -> dict[int, list]:
         """What this rank of the trained actor sends each rank of a separate rollout set (layout rollout): only
         the slices of each one's generation shard this rank holds, in buckets (engines.reshard)."""
+        import torch.distributed as dist
+
         trained = self.trained
-        specs = reshard.model_specs(trained.hf_class, trained.config)
-        buckets = reshard.sync_buckets(trained.local_parameters(), specs, self.plan.parallelism[self.role].train,
-                                       rollout, trained.config.num_hidden_layers, trained.param_dtype)
+        if self.sync_plan is None:  # pure Python over every tensor of every rank: derived once
+            itemsize = torch.empty((), dtype=trained.param_dtype).element_size()
+            self.sync_plan = reshard.sync_plan(reshard.model_specs(trained.hf_class, trained.config),
+                                               self.plan.parallelism[self.role].train, rollout,
+                                               trained.config.num_hidden_layers, dist.get_rank(), itemsize)
+        buckets = reshard.sync_buckets(trained.local_parameters(), self.sync_plan, trained.param_dtype)
         return {dst: [(keys, flat.cpu()) for keys, flat in parts] for dst, parts in buckets.items()}
 
     def load_shards(self, buckets: list) -> None:

@@ -141,9 +141,22 @@ class _World:
                 continue
             assert number == call.number, (number, call.number)  # a failed call's world is never reused
             if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+                raise RuntimeError(self._failures({rank: payload}))
             collected[rank] = torch.load(io.BytesIO(payload), weights_only=True)
         return [collected[r] for r in range(len(self.procs))]
+
+    def _failures(self, failed: dict[int, str], grace_s: float = 2.0) -> str:
+        """Every rank's failure that arrives within `grace_s` of the first, in rank order: the rank that failed
+        first is not always the first to report (its peers' errors about its exit may come sooner)."""
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            try:
+                _, rank, ok, payload = self.results.get(timeout=0.1)
+            except queue_errors.Empty:
+                continue
+            if not ok:
+                failed[rank] = payload
+        return "\n".join(f"rank {rank} failed:\n{failed[rank]}" for rank in sorted(failed))
 
     def kill(self) -> None:
         for proc in self.procs:

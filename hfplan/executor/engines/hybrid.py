@@ -13,9 +13,10 @@ a pipelined rank's other layers from the other stages' ranks); exiting drops the
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from hfplan.executor.engines.reshard import SwitchStats, generation_shards, tensor_specs
+from hfplan.executor.engines.reshard import SwitchPlan, SwitchStats, generation_shards, switch_plan, tensor_specs
 from hfplan.executor.engines.training import RoleModel
 from hfplan.plan import GenConfig, TrainConfig
 
@@ -47,6 +48,7 @@ class HybridEngine:
                                  f"the model's (pp={trained.dims.pp}, {stages} stages a rank)")
         self.presharded = layouts is not None
         self.last_switch: SwitchStats | None = None  # what the latest plan-driven switch moved
+        self._plan: SwitchPlan | None = None  # this rank's switch plan, derived at the first switch
         with torch.device("meta"):
             self._generation = trained.hf_class(trained.config)
         self._generation.eval().requires_grad_(False)
@@ -84,8 +86,10 @@ class HybridEngine:
 
     def _shards(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         trained = self.trained
-        train, gen = self.layouts
-        shards, self.last_switch = generation_shards(trained.local_parameters(), self._specs, train, gen,
-                                                     trained.config.num_hidden_layers, trained.param_dtype,
-                                                     self.bucket_bytes)
+        if self._plan is None:
+            train, gen = self.layouts
+            itemsize = torch.empty((), dtype=trained.param_dtype).element_size()
+            self._plan = switch_plan(self._specs, train, gen, trained.config.num_hidden_layers, dist.get_rank(),
+                                     itemsize, self.bucket_bytes)
+        shards, self.last_switch = generation_shards(trained.local_parameters(), self._plan, trained.param_dtype)
         return {name: shards[spec] for name, spec in self._spec_of.items()}, trained.local_buffers()

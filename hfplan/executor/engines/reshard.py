@@ -28,6 +28,7 @@ from hfplan.layout import (
     TensorSpec,
     TrainLayoutLike,
     Transfer,
+    box_meet,
     generation_box,
     generation_places,
     rank_coords,
@@ -88,15 +89,17 @@ def _view(tensor: torch.Tensor, origin: Box, box: Box) -> torch.Tensor:
     return tensor
 
 
-def _held(held: dict[str, torch.Tensor], train: TrainLayoutLike, spec: TensorSpec, rank: int
-          ) -> tuple[torch.Tensor, Box]:
-    """This rank's local training tensor of a parameter and the slice of the parameter it is, checked."""
-    local = _local(held[spec.name])
-    box = training_box(train, spec, rank)
+def _held(held: dict[str, torch.Tensor], plan: SwitchPlan, name: str) -> torch.Tensor:
+    """This rank's local training tensor of a parameter, checked to be the slice the plan says it holds."""
+    return _checked_local(held[name], name, plan.held[name])
+
+
+def _checked_local(param: torch.Tensor, name: str, box: Box) -> torch.Tensor:
+    local = _local(param)
     if tuple(local.shape) != tuple(e - s for s, e in box):
-        raise RuntimeError(f"{spec.name}: the local training shard {tuple(local.shape)} is not the slice {box} "
+        raise RuntimeError(f"{name}: the local training shard {tuple(local.shape)} is not the slice {box} "
                            "the resharding plan assumes")
-    return local, box
+    return local
 
 
 def _buckets(transfers: list[Transfer], itemsize: int, bucket_bytes: int) -> list[list[Transfer]]:
@@ -111,70 +114,112 @@ def _buckets(transfers: list[Transfer], itemsize: int, bucket_bytes: int) -> lis
     return [b for b in out if b]
 
 
-def generation_shards(held: dict[str, torch.Tensor], specs: list[TensorSpec], train: TrainLayoutLike,
-                      gen: LayoutLike, layers: int, dtype: torch.dtype | None = None, bucket_bytes: int = 256 << 20
+def _rounds(transfers: list[Transfer], itemsize: int, bucket_bytes: int) -> list[list[Transfer]]:
+    """The transfers, in order, cut into rounds in which no rank has more than `bucket_bytes` in flight (sent
+    plus received; a slice larger than that travels alone). Every rank derives the same rounds from the same
+    list, so the messages between any two ranks come in the same order on both."""
+    rounds: list[list[Transfer]] = [[]]
+    load: dict[int, int] = {}
+    for t in transfers:
+        size = t.numel * itemsize
+        if any(load.get(r, 0) and load[r] + size > bucket_bytes for r in (t.src, t.dst)):
+            rounds.append([])
+            load = {}
+        rounds[-1].append(t)
+        for r in (t.src, t.dst):
+            load[r] = load.get(r, 0) + size
+    return [r for r in rounds if r]
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """One parameter's generation shard on this rank: its slice of the parameter, and the part of it this
+    rank's training shard already holds (None: nothing)."""
+
+    name: str
+    need: Box
+    own: Box | None
+
+
+@dataclass(frozen=True)
+class SwitchPlan:
+    """One rank's switch to generation, derived once per pair of layouts (the plan is pure Python over every
+    tensor of every rank: too slow to redo at each switch): the shards it builds, and the rounds of the
+    transfers it takes part in, each as (sends by peer, receives by peer)."""
+
+    rank: int
+    shards: tuple[ShardPlan, ...]
+    held: dict[str, Box]  # the slice of each parameter on this rank's training stage its training shard is
+    rounds: tuple[tuple[dict[int, list[Transfer]], dict[int, list[Transfer]]], ...]
+    itemsize: int  # of the generation dtype the rounds are cut for
+
+
+def switch_plan(specs: list[TensorSpec], train: TrainLayoutLike, gen: LayoutLike, layers: int, rank: int,
+                itemsize: int, bucket_bytes: int = 256 << 20) -> SwitchPlan:
+    """The rank's SwitchPlan (layout.reshard_transfers, cut by _rounds)."""
+    stage = rank_coords(train, rank)[0]
+    place = generation_places(train, gen)[rank]
+    held = {spec.name: training_box(train, spec, rank) for spec in specs
+            if stage_of(spec.layer, layers, train.pp, train.virtual_stages) == stage}
+    shards = []
+    for spec in specs:
+        if stage_of(spec.layer, layers, gen.pp) == place.pp:
+            need = generation_box(gen, spec, place)
+            shards.append(ShardPlan(spec.name, need, box_meet(need, held.get(spec.name))))
+    rounds = []
+    for transfers in _rounds(reshard_transfers(train, gen, specs, layers), itemsize, bucket_bytes):
+        sends: dict[int, list[Transfer]] = {}
+        receives: dict[int, list[Transfer]] = {}
+        for t in transfers:
+            if t.src == rank:
+                sends.setdefault(t.dst, []).append(t)
+            elif t.dst == rank:
+                receives.setdefault(t.src, []).append(t)
+        if sends or receives:
+            rounds.append((sends, receives))
+    return SwitchPlan(rank, tuple(shards), held, tuple(rounds), itemsize)
+
+
+def generation_shards(held: dict[str, torch.Tensor], plan: SwitchPlan, dtype: torch.dtype
                       ) -> tuple[dict[str, torch.Tensor], SwitchStats]:
     """This rank's generation shard of every parameter on its generation stage, by HF name (new tensors in
-    `dtype`, default the training shards' own, which stay untouched; dropping them frees the switch's
-    memory), and what the switch moved. `held`: this rank's training parameters by HF name (its stages' only,
-    when pipelined). A collective over the training layout's world (ranks in layout order)."""
-    rank = dist.get_rank()
-    stage = rank_coords(train, rank)[0]
-    sample = _local(next(iter(held.values())))
-    dtype, device = dtype or sample.dtype, sample.device
-    by_name = {s.name: s for s in specs}
-    place = generation_places(train, gen)[rank]
-    transfers = reshard_transfers(train, gen, specs, layers)
+    `dtype`; the training shards stay untouched, and dropping these frees the switch's memory), and what the
+    switch moved. `held`: this rank's training parameters by HF name (its stages' only, when pipelined). A
+    collective over the training layout's world (ranks in layout order): every rank runs its own plan."""
+    if torch.empty((), dtype=dtype).element_size() != plan.itemsize:
+        raise ValueError(f"the switch plan was cut for {plan.itemsize}-byte values, not {dtype}")
+    device = _local(next(iter(held.values()))).device
+    by_name = {p.name: p for p in plan.shards}
     shards: dict[str, torch.Tensor] = {}
-    for name, spec in by_name.items():
-        if stage_of(spec.layer, layers, gen.pp) != place.pp:
-            continue
-        need = generation_box(gen, spec, place)
-        shard = torch.empty([e - s for s, e in need], dtype=dtype, device=device)
-        if stage_of(spec.layer, layers, train.pp, train.virtual_stages) == stage:
-            local, box = _held(held, train, spec, rank)
-            own = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(need, box, strict=True))
-            if all(s < e for s, e in own):
-                _view(shard, need, own).copy_(_view(local, box, own))
-        shards[name] = shard
+    for part in plan.shards:
+        shard = torch.empty([e - s for s, e in part.need], dtype=dtype, device=device)
+        if part.own is not None:
+            _view(shard, part.need, part.own).copy_(_view(_held(held, plan, part.name), plan.held[part.name],
+                                                          part.own))
+        shards[part.name] = shard
     held_bytes = sum(t.numel() * t.element_size() for t in shards.values())
     peak, sent, received = held_bytes, 0, 0
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    to_peer: dict[int, list[Transfer]] = {}
-    from_peer: dict[int, list[Transfer]] = {}
-    for t in transfers:
-        if t.src == rank:
-            to_peer.setdefault(t.dst, []).append(t)
-        elif t.dst == rank:
-            from_peer.setdefault(t.src, []).append(t)
-    outgoing = {peer: _buckets(ts, itemsize, bucket_bytes) for peer, ts in to_peer.items()}
-    incoming = {peer: _buckets(ts, itemsize, bucket_bytes) for peer, ts in from_peer.items()}
-    rounds = max((len(b) for b in (*outgoing.values(), *incoming.values())), default=0)
-    for k in range(rounds):
+    for sends, receives in plan.rounds:
         ops, receipts, live = [], [], 0
-        for peer, buckets in outgoing.items():
-            if k < len(buckets):
-                flat = torch.cat([_view(*_held(held, train, by_name[t.name], rank), t.box).reshape(-1)
-                                  for t in buckets[k]]).to(dtype)
-                ops.append(dist.P2POp(dist.isend, flat, peer))
-                sent += flat.numel() * flat.element_size()
-                live += flat.numel() * flat.element_size()
-        for peer, buckets in incoming.items():
-            if k < len(buckets):
-                first = shards[buckets[k][0].name]
-                flat = torch.empty(sum(t.numel for t in buckets[k]), dtype=first.dtype, device=first.device)
-                ops.append(dist.P2POp(dist.irecv, flat, peer))
-                receipts.append((buckets[k], flat))
-                received += flat.numel() * flat.element_size()
-                live += flat.numel() * flat.element_size()
-        for work in dist.batch_isend_irecv(ops) if ops else ():
+        for peer, transfers in sends.items():
+            flat = torch.cat([_view(_held(held, plan, t.name), plan.held[t.name], t.box).reshape(-1)
+                              for t in transfers]).to(dtype)
+            ops.append(dist.P2POp(dist.isend, flat, peer))
+            sent += flat.numel() * flat.element_size()
+            live += flat.numel() * flat.element_size()
+        for peer, transfers in receives.items():
+            flat = torch.empty(sum(t.numel for t in transfers), dtype=dtype, device=device)
+            ops.append(dist.P2POp(dist.irecv, flat, peer))
+            receipts.append((transfers, flat))
+            received += flat.numel() * flat.element_size()
+            live += flat.numel() * flat.element_size()
+        for work in dist.batch_isend_irecv(ops):
             work.wait()
         peak = max(peak, held_bytes + live)
-        for bucket, flat in receipts:
+        for transfers, flat in receipts:
             offset = 0
-            for t in bucket:
-                need = generation_box(gen, by_name[t.name], place)
-                target = _view(shards[t.name], need, t.box)
+            for t in transfers:
+                target = _view(shards[t.name], by_name[t.name].need, t.box)
                 target.copy_(flat[offset:offset + t.numel].view(target.shape))
                 offset += t.numel
     return shards, SwitchStats(received=received, sent=sent, peak=peak)
@@ -183,26 +228,37 @@ def generation_shards(held: dict[str, torch.Tensor], specs: list[TensorSpec], tr
 Bucket = tuple[list[tuple[str, Box]], torch.Tensor]  # (parameter, slice) keys and their values, flat
 
 
-def sync_buckets(held: dict[str, torch.Tensor], specs: list[TensorSpec], train: TrainLayoutLike,
-                 rollout: LayoutLike, layers: int, dtype: torch.dtype, bucket_bytes: int = 256 << 20
-                 ) -> dict[int, list[Bucket]]:
-    """What this training rank sends each rollout rank at a separate rollout set's weight sync (layout's
-    sync_transfers: every rollout rank gets exactly its generation shard), by rollout rank, in buckets of
-    at most about `bucket_bytes` (a slice larger than a bucket travels alone). `held` as generation_shards
-    takes it. No collective."""
-    rank = dist.get_rank()
-    by_name = {s.name: s for s in specs}
-    itemsize = torch.empty((), dtype=dtype).element_size()
+@dataclass(frozen=True)
+class SyncPlan:
+    """What one training rank sends at a separate rollout set's weight sync (layout.sync_transfers: every
+    rollout rank gets exactly its generation shard), derived once per pair of layouts: by rollout rank, the
+    buckets of at most about bucket_bytes (a slice larger than a bucket travels alone), and the slice of each
+    parameter this rank's training shard is."""
+
+    buckets: dict[int, list[list[Transfer]]]
+    held: dict[str, Box]
+
+
+def sync_plan(specs: list[TensorSpec], train: TrainLayoutLike, rollout: LayoutLike, layers: int, rank: int,
+              itemsize: int, bucket_bytes: int = 256 << 20) -> SyncPlan:
     mine: dict[int, list[Transfer]] = {}
     for t in sync_transfers(train, rollout, specs, layers):
         if t.src == rank:
             mine.setdefault(t.dst, []).append(t)
+    by_name = {s.name: s for s in specs}
+    held = {name: training_box(train, by_name[name], rank) for name in {t.name for ts in mine.values() for t in ts}}
+    return SyncPlan({dst: _buckets(ts, itemsize, bucket_bytes) for dst, ts in mine.items()}, held)
+
+
+def sync_buckets(held: dict[str, torch.Tensor], plan: SyncPlan, dtype: torch.dtype) -> dict[int, list[Bucket]]:
+    """This training rank's buckets for each rollout rank, by rollout rank (`held` as generation_shards takes
+    it). No collective."""
     out: dict[int, list[Bucket]] = {}
-    for dst, transfers in mine.items():
+    for dst, buckets in plan.buckets.items():
         out[dst] = []
-        for bucket in _buckets(transfers, itemsize, bucket_bytes):
-            flat = torch.cat([_view(*_held(held, train, by_name[t.name], rank), t.box).reshape(-1)
-                              for t in bucket]).to(dtype)
+        for bucket in buckets:
+            flat = torch.cat([_view(_checked_local(held[t.name], t.name, plan.held[t.name]), plan.held[t.name],
+                                    t.box).reshape(-1) for t in bucket]).to(dtype)
             out[dst].append(([(t.name, t.box) for t in bucket], flat))
     return out
 

@@ -8,7 +8,9 @@ The layout's mesh (hfplan.executor.mesh: (pp, replicate, shard, tp)) decides eve
   the mode is the engine's `stages`, the only part that differs;
 - trained: FSDP2 over the (replicate, shard) dims: (1, dp) shards parameters, gradients and optimizer
   states (ZeRO-3), (dp, 1) keeps them replicated and all-reduces gradients (DDP-like); the ranks of one
-  tensor-parallel group (and of one pipeline) receive the same batch share.
+  tensor-parallel group (and of one pipeline) receive the same batch share. With one data-parallel rank and
+  compute in the master weights' fp32 (the CPU), FSDP would only copy gradients through collectives of one
+  rank (an update of the demo model took 1.8x as long with it), so the module trains as it is.
 
 Every rank must pass identical initial weights. Each update receives this rank's share of the global
 batch; `mini_batches` is the number of optimizer steps per epoch, the same on every rank, each step
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from hfplan.executor.engines import losses
 from hfplan.executor.engines.forward import Readout
@@ -80,6 +83,17 @@ class _Step(NamedTuple):
     grad_norm: float
 
 
+def _grads_placed_as_params(module: nn.Module) -> None:
+    """Tensor parallelism without FSDP leaves some gradients in another placement than their parameter's (a
+    vocabulary-split embedding's comes back replicated); each is put in its parameter's, a local slice where the
+    gradient is replicated, so that every rank's local gradient is its parameter's shape (the optimizer's and
+    the tied embeddings' all-reduce read it)."""
+    for param in module.parameters():
+        grad = param.grad
+        if isinstance(grad, DTensor) and grad.placements != param.placements:
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
 class RoleModel:
     """One role's model on this rank: `.module` (the HF model, or with pp > 1 this rank's RankStages) and
     `.optimizer` (None when it only infers; `lr` None). Every rank of the layout makes the same calls."""
@@ -113,7 +127,16 @@ class RoleModel:
         if not self.trains:
             self.module.to(self.device).eval().requires_grad_(False)
             return
-        dp_mesh = mesh[DP_DIMS]
+        if self.dims.replicate * self.dims.shard > 1 or param_dtype != torch.float32:
+            self._shard(param_dtype)
+        else:
+            self.module.to(self.device)
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr, weight_decay=hp.weight_decay)
+        self.module.train()
+
+    def _shard(self, param_dtype: torch.dtype) -> None:
+        """FSDP2 over the data-parallel dims: every decoder layer and each root a group of its own."""
+        dp_mesh = self.mesh[DP_DIMS]
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         for layer in self.layers:
             fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
@@ -122,8 +145,6 @@ class RoleModel:
         for fsdp in fsdp_modules(self.module):  # sum the gradients (plain SUM collectives, gloo has no PREMUL_SUM)
             fsdp.set_gradient_divide_factor(1.0)
             fsdp.set_force_sum_reduction_for_comms(True)
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr, weight_decay=hp.weight_decay)
-        self.module.train()
 
     # Collectives over every data-parallel rank (tensor-parallel peers and pipeline stages hold the same batch).
     def _dp_all_reduce(self, tensor: torch.Tensor, op=torch.distributed.ReduceOp.SUM) -> torch.Tensor:
@@ -201,6 +222,7 @@ class RoleModel:
         tokens = self._dp_all_reduce(batch["response_mask"].sum().to(torch.float32)).clamp(min=1.0)
         self.optimizer.zero_grad(set_to_none=True)
         stats = self.stages.accumulate(self.module, batch, micro_batch, readout, objective, tokens, self.pad_id)
+        _grads_placed_as_params(self.module)
         grad_norm = self.stages.clip_grad_norm(self.module, self.hp.max_grad_norm)
         if math.isfinite(grad_norm):
             self.optimizer.step()
