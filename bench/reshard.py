@@ -57,7 +57,7 @@ import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hfplan.executor.engines.hybrid import HybridEngine
-from hfplan.executor.engines.reshard import model_specs
+from hfplan.executor.engines.reshard import box_view, local_tensor, model_specs
 from hfplan.executor.engines.training import RoleModel
 from hfplan.executor.loopback import gloo_on_loopback
 from hfplan.executor.mesh import ParallelDims
@@ -170,17 +170,6 @@ class Held:
         self.live -= sum(nbytes(t) for t in tensors)
 
 
-def local(param: torch.Tensor) -> torch.Tensor:
-    return (param.to_local() if hasattr(param, "to_local") else param).detach()
-
-
-def narrow(tensor: torch.Tensor, origin: Box, box: Box) -> torch.Tensor:
-    """The part of `tensor` (the slice `origin` of its parameter) that is the slice `box`."""
-    for dim, ((start, end), (base, _)) in enumerate(zip(box, origin, strict=True)):
-        tensor = tensor.narrow(dim, start - base, end - start)
-    return tensor
-
-
 def whole_box(spec: TensorSpec) -> Box:
     return tuple((0, n) for n in spec.shape)
 
@@ -243,7 +232,7 @@ def gather_slices(targets: dict[str, tuple[torch.Tensor, Box]], packings: list[P
             offset = member * width
             for name, box in pieces[lo:hi]:
                 target, origin = targets[name]
-                part = narrow(target, origin, box)
+                part = box_view(target, origin, box)
                 part.copy_(out[offset:offset + part.numel()].view(part.shape))
                 offset += part.numel()
         held.free(out)
@@ -257,7 +246,7 @@ def cut(whole: dict[str, tuple[torch.Tensor, Box]], specs: list[TensorSpec], gen
         tensor, origin = whole.pop(spec.name)
         box = generation_box(gen, spec, place)
         shards[spec.name] = held.new([e - s for s, e in box], tensor.dtype)
-        shards[spec.name].copy_(narrow(tensor, origin, box))
+        shards[spec.name].copy_(box_view(tensor, origin, box))
         held.free(tensor)
     return shards
 
@@ -312,14 +301,14 @@ class Setup:
         held, params = Held(), self.trained.local_parameters()
         whole = {s.name: (held.new(s.shape, DTYPE), whole_box(s)) for s in self.specs}
         packings = self.packings(self.train, range(dist.get_world_size()))
-        mine = [local(params[name]) for name, _ in packings[dist.get_rank()]]
+        mine = [local_tensor(params[name]) for name, _ in packings[dist.get_rank()]]
         gather_slices(whole, packings, mine, None, self.bucket_numel, held)
         return cut(whole, self.specs, self.gen, self.place, held), held.peak
 
     def group(self) -> Switch:
         """Method (c): FSDP's unshard over the shard group, then the model-parallel group's whole model, cut."""
         held, params, rank, full = Held(), self.trained.local_parameters(), dist.get_rank(), unsharded(self.train)
-        mine = [local(params[name]) for name, _ in packing(self.train, self.specs, self.layers, rank)]
+        mine = [local_tensor(params[name]) for name, _ in packing(self.train, self.specs, self.layers, rank)]
         if self.shard_group is not None:
             pieces = {name: (held.new([e - s for s, e in box], DTYPE), box)
                       for name, box in packing(full, self.specs, self.layers, rank)}

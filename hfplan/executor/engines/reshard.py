@@ -78,11 +78,12 @@ def model_specs(hf_class: type[nn.Module], config) -> list[TensorSpec]:
     return tensor_specs(model, config.num_hidden_layers, config.num_key_value_heads)
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's tensor on this rank: a DTensor's local shard, or the tensor itself (detached)."""
     return (param.to_local() if hasattr(param, "to_local") else param).detach()
 
 
-def _view(tensor: torch.Tensor, origin: Box, box: Box) -> torch.Tensor:
+def box_view(tensor: torch.Tensor, origin: Box, box: Box) -> torch.Tensor:
     """The part of `tensor` (which holds the slice `origin` of its parameter) that is the slice `box`."""
     for dim, ((start, end), (base, _)) in enumerate(zip(box, origin, strict=True)):
         tensor = tensor.narrow(dim, start - base, end - start)
@@ -95,7 +96,7 @@ def _held(held: dict[str, torch.Tensor], plan: SwitchPlan, name: str) -> torch.T
 
 
 def _checked_local(param: torch.Tensor, name: str, box: Box) -> torch.Tensor:
-    local = _local(param)
+    local = local_tensor(param)
     if tuple(local.shape) != tuple(e - s for s, e in box):
         raise RuntimeError(f"{name}: the local training shard {tuple(local.shape)} is not the slice {box} "
                            "the resharding plan assumes")
@@ -188,13 +189,13 @@ def generation_shards(held: dict[str, torch.Tensor], plan: SwitchPlan, dtype: to
     collective over the training layout's world (ranks in layout order): every rank runs its own plan."""
     if torch.empty((), dtype=dtype).element_size() != plan.itemsize:
         raise ValueError(f"the switch plan was cut for {plan.itemsize}-byte values, not {dtype}")
-    device = _local(next(iter(held.values()))).device
+    device = local_tensor(next(iter(held.values()))).device
     by_name = {p.name: p for p in plan.shards}
     shards: dict[str, torch.Tensor] = {}
     for part in plan.shards:
         shard = torch.empty([e - s for s, e in part.need], dtype=dtype, device=device)
         if part.own is not None:
-            _view(shard, part.need, part.own).copy_(_view(_held(held, plan, part.name), plan.held[part.name],
+            box_view(shard, part.need, part.own).copy_(box_view(_held(held, plan, part.name), plan.held[part.name],
                                                           part.own))
         shards[part.name] = shard
     held_bytes = sum(t.numel() * t.element_size() for t in shards.values())
@@ -202,7 +203,7 @@ def generation_shards(held: dict[str, torch.Tensor], plan: SwitchPlan, dtype: to
     for sends, receives in plan.rounds:
         ops, receipts, live = [], [], 0
         for peer, transfers in sends.items():
-            flat = torch.cat([_view(_held(held, plan, t.name), plan.held[t.name], t.box).reshape(-1)
+            flat = torch.cat([box_view(_held(held, plan, t.name), plan.held[t.name], t.box).reshape(-1)
                               for t in transfers]).to(dtype)
             ops.append(dist.P2POp(dist.isend, flat, peer))
             sent += flat.numel() * flat.element_size()
@@ -219,7 +220,7 @@ def generation_shards(held: dict[str, torch.Tensor], plan: SwitchPlan, dtype: to
         for transfers, flat in receipts:
             offset = 0
             for t in transfers:
-                target = _view(shards[t.name], by_name[t.name].need, t.box)
+                target = box_view(shards[t.name], by_name[t.name].need, t.box)
                 target.copy_(flat[offset:offset + t.numel].view(target.shape))
                 offset += t.numel
     return shards, SwitchStats(received=received, sent=sent, peak=peak)
@@ -257,7 +258,7 @@ def sync_buckets(held: dict[str, torch.Tensor], plan: SyncPlan, dtype: torch.dty
     for dst, buckets in plan.buckets.items():
         out[dst] = []
         for bucket in buckets:
-            flat = torch.cat([_view(_checked_local(held[t.name], t.name, plan.held[t.name]), plan.held[t.name],
+            flat = torch.cat([box_view(_checked_local(held[t.name], t.name, plan.held[t.name]), plan.held[t.name],
                                     t.box).reshape(-1) for t in bucket]).to(dtype)
             out[dst].append(([(t.name, t.box) for t in bucket], flat))
     return out
@@ -273,7 +274,7 @@ def assemble(specs: list[TensorSpec], rollout: LayoutLike, buckets: list[Bucket]
     for keys, flat in buckets:
         offset = 0
         for name, box in keys:
-            target = _view(shards[name], need[name], box)
+            target = box_view(shards[name], need[name], box)
             target.copy_(flat[offset:offset + target.numel()].view(target.shape))
             offset += target.numel()
             filled[name] += target.numel()

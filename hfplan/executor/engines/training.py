@@ -10,7 +10,7 @@ The layout's mesh (hfplan.executor.mesh: (pp, replicate, shard, tp)) decides eve
   states (ZeRO-3), (dp, 1) keeps them replicated and all-reduces gradients (DDP-like); the ranks of one
   tensor-parallel group (and of one pipeline) receive the same batch share. With one data-parallel rank and
   compute in the master weights' fp32 (the CPU), FSDP would only copy gradients through collectives of one
-  rank (an update of the demo model took 1.8x as long with it), so the module trains as it is.
+  rank (bench/train_engine.py times the difference), so the module trains as it is.
 
 Every rank must pass identical initial weights. Each update receives this rank's share of the global
 batch; `mini_batches` is the number of optimizer steps per epoch, the same on every rank, each step
