@@ -195,6 +195,16 @@ class PlacementSet(_Strict):
     gpus: int = Field(ge=1)
 
 
+RESHARD_OP = "reshard"  # a transition span: the hybrid engine's switch from training into its generation layout
+RESHARD_BACK_OP = "reshard back"  # its way back (the simulator prices it at zero; the executor times it)
+WEIGHT_SYNC_OP = "weight sync"  # a transition span: a separate rollout set taking the actor's new weights
+
+
+def switch_op(role: str) -> str:
+    """The op a timeline gives the layout switch before `role` generates (simulated and measured alike)."""
+    return WEIGHT_SYNC_OP if role == ROLLOUT else RESHARD_OP
+
+
 class Span(_Strict):
     """One call on the timeline (simulated or measured)."""
 

@@ -64,3 +64,31 @@ def test_dcp_metadata_of_this_torch_names_only_those_classes(tmp_path):
     dcp.save(state, checkpoint_id=tmp_path, no_dist=True)
     metadata = read_metadata(tmp_path)  # refuses any class outside DCP_METADATA_CLASSES
     assert "weight" in metadata.state_dict_metadata
+
+
+def test_the_raylets_reports_still_reach_the_terminal_through_the_function_compat_replaces(tmp_path):
+    """Ray's error listener looks `print_to_stdstream` up at each call, so replacing the module function
+    reroutes it; a raylet report then lands in the log, other output is still printed, and undoing it puts
+    Ray's function back."""
+    pytest.importorskip("ray")
+    from ray._private import worker as ray_worker
+
+    assert "print_to_stdstream" in ray_worker.listen_error_messages.__code__.co_names
+    original, log = ray_worker.print_to_stdstream, tmp_path / "ray.log"
+    printed = []
+
+    def terminal(data, ignore_prefix):
+        printed.append(data)
+
+    ray_worker.print_to_stdstream = terminal
+    try:
+        restore = compat.raylet_reports_into(log)
+        ray_worker.print_to_stdstream({"lines": ["A worker died"], "pid": "raylet", "is_err": False},
+                                      ignore_prefix=False)
+        ray_worker.print_to_stdstream({"lines": ["hello"], "pid": 42, "is_err": False}, ignore_prefix=False)
+        restore()
+        assert ray_worker.print_to_stdstream is terminal
+        assert log.read_text() == "(raylet) A worker died\n"
+        assert [d["lines"] for d in printed] == [["hello"]]
+    finally:
+        ray_worker.print_to_stdstream = original

@@ -263,7 +263,7 @@ def test_rollout_engine_syncs_weights_before_generating():
     sim = simulate_plan(plan)
     tl = sim.timeline
     rollout_set = plan.set_of("rollout")
-    sync = _span(tl, "rollout", "reshard", kind="transition")
+    sync = _span(tl, "rollout", "weight sync", kind="transition")
     generate = _span(tl, "actor", "generate")
     assert sync.set == generate.set == rollout_set
     assert (sync.start, generate.start) == (0.0, pytest.approx(sync.end))

@@ -44,8 +44,8 @@ def test_ppo_with_tensor_parallel_2_runs_as_one_process(tmp_path):
 
 
 def test_rollout_set_at_tensor_parallel_2_generates_what_one_process_generates(tmp_path):
-    """The actor trains at tp 2 (its full weights gathered from the DTensor shards for the sync); a separate
-    rollout set generates at tp 2 from the synced weights, cut to its heads. Same run as one process."""
+    """The actor trains at tp 2; a separate rollout set generates at tp 2 from the slices of its shards the
+    actor's ranks send it. Same run as one process."""
     workload = tiny_workload("grpo", ARITH_GRPO)
     single = build_plan(workload, [(("actor", "reference"), 1)], cluster=make_cluster(1, "cpu"), tp=1, gen_tp=1,
                         micro_batch=1, infer_micro_batch=4)

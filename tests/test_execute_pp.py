@@ -6,7 +6,7 @@ import pytest
 
 from hfplan.executor import preflight
 from hfplan.layout import unsupported_role
-from hfplan.plan import ROLLOUT, GenConfig, InferConfig, RoleParallelism, TrainConfig
+from hfplan.plan import ROLLOUT, WEIGHT_SYNC_OP, GenConfig, InferConfig, RoleParallelism, TrainConfig
 from hfplan.spec import make_cluster
 from tests.support.executor_runs import ARITH_GRPO, cpu_plan, tiny_workload
 from tests.support.plans import build_plan
@@ -64,7 +64,7 @@ def test_rollout_set_receives_the_weights_of_every_stage(tmp_path):
     plan = build_plan(workload, sets, cluster=make_cluster(3, "cpu"), overrides=piped, tp=1, gen_tp=1)
     first, timeline = run(plan, tmp_path / "pp")
     second, _ = run(cpu_plan(workload, sets), tmp_path / "dp")
-    assert any(s["role"] == ROLLOUT and s["kind"] == "transfer" for s in timeline["iterations"][1]["spans"])
+    assert any(s["role"] == ROLLOUT and s["op"] == WEIGHT_SYNC_OP for s in timeline["iterations"][1]["spans"])
     for a, b in zip(first.iterations, second.iterations, strict=True):
         for key in ("response_len", "reward", "kl", "actor/policy_loss"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key

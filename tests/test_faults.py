@@ -54,6 +54,7 @@ def test_a_killed_worker_stops_the_run_naming_its_set_and_rank(tmp_path, plan_fi
     failure = next(line for line in output.splitlines() if line.startswith("run failed:"))
     assert "set 0 (actor+critic+reference), rank 1 died" in failure, failure
     assert "--resume" in output
+    assert "raylet" not in output.lower(), output  # Ray's own report of the death goes to the run's Ray log
     last = latest(out)
     read_checkpoint(last)
     assert set(export_checkpoint(last, tmp_path / "hf")) == {"actor", "critic"}

@@ -6,6 +6,9 @@ name, instead of silently elsewhere (README, "Upgrading"). Everything else in hf
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 # The classes and functions a DCP `.metadata` pickle refers to (checkpoint.read_metadata rebuilds these and
 # nothing else). Some are private to torch: a torch that renames one writes metadata this list refuses.
 DCP_METADATA_CLASSES = {
@@ -43,3 +46,27 @@ def actor_id(handle) -> str:
     """The hex id of the actor behind a Ray actor handle: what a RayActorError's public `actor_id` names.
     Ray gives a handle no public id (an actor learns its own from the runtime context only)."""
     return handle._actor_id.hex()
+
+
+def raylet_reports_into(log: Path) -> Callable[[], None]:
+    """Send the errors Ray's raylets publish to the driver (a worker died, with its exit detail) to `log`
+    instead of the terminal; returns what undoes it. Ray's driver prints them to stdout from a thread of its
+    own (`listen_error_messages`, through the module function `print_to_stdstream`, looked up at each call),
+    whatever `log_to_driver` says; hfplan names the failure itself. Other output is printed as Ray would."""
+    from ray._private import worker as ray_worker
+
+    shown = ray_worker.print_to_stdstream
+
+    def raylet_into_log(data: dict, ignore_prefix: bool) -> None:
+        if data.get("pid") != "raylet":
+            shown(data, ignore_prefix=ignore_prefix)
+            return
+        with log.open("a") as sink:
+            sink.writelines(f"(raylet) {line}\n" for line in data.get("lines", []))
+
+    ray_worker.print_to_stdstream = raylet_into_log
+
+    def restore() -> None:
+        ray_worker.print_to_stdstream = shown
+
+    return restore

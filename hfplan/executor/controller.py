@@ -378,10 +378,12 @@ class _RaySession:
         self.address, self.plan, self.device = address, plan, device
         self.started = False
         self._tmp: tempfile.TemporaryDirectory | None = None
+        self._restore_raylet_reports: Callable[[], None] | None = None
 
     def start(self, log: Path) -> None:
         """ray.init, with what Ray's C++ core prints meanwhile (connection retries, warnings) in `log`, not on
-        the terminal."""
+        the terminal; so are the raylets' reports while the run lasts (a dead worker is named by hfplan)."""
+        self._restore_raylet_reports = compat.raylet_reports_into(log)
         with _stderr_into(log):
             self._init()
 
@@ -414,3 +416,6 @@ class _RaySession:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+        if self._restore_raylet_reports is not None:  # after shutdown, which ends the thread that prints them
+            self._restore_raylet_reports()
+            self._restore_raylet_reports = None

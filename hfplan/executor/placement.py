@@ -74,14 +74,22 @@ def start_sets(plan: Plan, hyper: Hyperparameters, seed: int, device: str, backe
         _get(worker_set, ref, ready_timeout_s, "setup")
 
 
+CLOCK_ROUND_TRIPS = 5
+
+
 def clock_offsets(sets: list[WorkerSet], timeout_s: float) -> dict[tuple[int, int], float]:
-    """Worker clock minus controller clock, per (set, rank), from one round trip each."""
+    """Worker clock minus controller clock, per (set, rank), from the quickest of a few round trips each: the
+    worker read its clock somewhere inside the trip, so the shortest trip bounds the error most tightly."""
     offsets = {}
     for worker_set in sets:
         for rank, worker in enumerate(worker_set.workers):
-            before = time.time()
-            theirs = _get(worker_set, worker.clock.remote(), timeout_s, "clock")
-            offsets[(worker_set.index, rank)] = theirs - (before + time.time()) / 2
+            trips = []
+            for _ in range(CLOCK_ROUND_TRIPS):
+                before = time.time()
+                theirs = _get(worker_set, worker.clock.remote(), timeout_s, "clock")
+                after = time.time()
+                trips.append((after - before, theirs - (before + after) / 2))
+            offsets[(worker_set.index, rank)] = min(trips)[1]
     return offsets
 
 

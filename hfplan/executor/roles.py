@@ -26,7 +26,7 @@ from hfplan.dataflow.roles import CallingRole, RoleFacts, call_writes
 from hfplan.executor.errors import RunFailed
 from hfplan.executor.generation_order import collector_ranks, replica_ranks
 from hfplan.layout import CONTROLLER, ON_CONTROLLER, rank_of, replica_groups
-from hfplan.plan import Layout, Span
+from hfplan.plan import WEIGHT_SYNC_OP, Layout, Span
 
 
 def collecting_ranks(layout: Layout) -> list[int]:
@@ -56,19 +56,23 @@ class Recorder:
         for call in self.calls:
             call.outputs()
 
-    def span(self, role: str, op: str, set_index: int, start: float, end: float, kind: str = "compute") -> None:
-        phase = ROLE_OPS[op].phase if op in ROLE_OPS else "preparation"
+    def span(self, role: str, op: str, set_index: int, start: float, end: float, kind: str = "compute",
+             phase: str | None = None) -> None:
+        """`phase` defaults to the op's own (a role call's), else preparation."""
+        if phase is None:
+            phase = ROLE_OPS[op].phase if op in ROLE_OPS else "preparation"
         self.spans.append(Span(role=role, op=op, phase=phase, set=set_index, start=max(0.0, start - self.origin),
                                end=max(0.0, end - self.origin), kind=kind))
 
-    def worker_spans(self, role: str, set_index: int, results: list[dict]) -> None:
-        """One span per stretch of the call, from the first rank's start to the last rank's end."""
+    def worker_spans(self, role: str, op: str, set_index: int, results: list[dict]) -> None:
+        """One span per stretch of call `op`, from the first rank's start to the last rank's end; every
+        stretch (its input transfer, its layout switches) in the call's phase."""
         per_rank = [[(t, self.clock_offsets[(set_index, rank)]) for t in result["spans"]]
                     for rank, result in enumerate(results)]
         for i, (first, _) in enumerate(per_rank[0]):
             start = min(timed[i][0].start - timed[i][1] for timed in per_rank)
             end = max(timed[i][0].end - timed[i][1] for timed in per_rank)
-            self.span(role, first.op, set_index, start, end, kind=first.kind)
+            self.span(role, first.op, set_index, start, end, kind=first.kind, phase=ROLE_OPS[op].phase)
 
 
 @dataclass(frozen=True)
@@ -111,7 +115,7 @@ class PendingCall:
                 results = ray.get(self.refs, timeout=self.timeout_s if timeout is None else timeout)
             except Exception as failure:  # a dead worker, a failed call, or a timeout: name who
                 raise RunFailed(self.describe_failure(failure)) from failure
-            self.recorder.worker_spans(self.label[0], self.set_index, results)
+            self.recorder.worker_spans(self.label[0], self.label[1], self.set_index, results)
             self._outputs = merge_outputs([results[r]["fields"] for r in self.collect])
             self.recorder.observed[self.label] = self._outputs
         return self._outputs
@@ -259,8 +263,8 @@ class ActorRole(WorkerGroupRole):
         except Exception as failure:
             raise RunFailed(self.rollout.workers.describe_failure(self.rollout.name, "weight sync", failure)) \
                 from failure
-        self.recorder.span(self.rollout.name, "generate", self.rollout.workers.index, start, time.time(),
-                           kind="transfer")
+        self.recorder.span(self.rollout.name, WEIGHT_SYNC_OP, self.rollout.workers.index, start, time.time(),
+                           kind="transition", phase=ROLE_OPS["generate"].phase)
         self.rollout_stale = False
 
 

@@ -34,7 +34,7 @@ from hfplan.executor.tokenizers import build_tokenizer
 from hfplan.executor.worker import Timed
 from hfplan.hyperparams import Hyperparameters
 from hfplan.layout import facts_of, model_role, rank_coords, rank_of
-from hfplan.plan import Plan, Recompute
+from hfplan.plan import RESHARD_BACK_OP, RESHARD_OP, Plan, Recompute
 
 
 def learning_rate(role: str, hyper: Hyperparameters) -> float:
@@ -108,7 +108,7 @@ class RoleRuntime:
         if self.hybrid is not None:
             start = time.time()
             self.engine.load_weights(self.hybrid.enter_generation(), presharded=self.hybrid.presharded)
-            spans.append(Timed("generate", "transition", start, time.time()))
+            spans.append(Timed(RESHARD_OP, "transition", start, time.time()))
         start = time.time()
         rollout = self.engine.generate(prompts, params, self.generator)
         spans.append(Timed("generate", "compute", start, time.time()))
@@ -116,7 +116,7 @@ class RoleRuntime:
             start = time.time()
             self.engine.release_weights()
             self.hybrid.exit_generation()
-            spans.append(Timed("generate", "transition", start, time.time()))
+            spans.append(Timed(RESHARD_BACK_OP, "transition", start, time.time()))
         return {"prompts": rollout.prompts.cpu().numpy(), "responses": rollout.responses.cpu().numpy(),
                 "response_mask": rollout.response_mask.float().cpu().numpy()}
 

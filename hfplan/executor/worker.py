@@ -41,7 +41,7 @@ class Timed:
     """One stretch of work inside a call, on the worker's clock."""
 
     op: str
-    kind: str  # compute | transition
+    kind: str  # compute | transfer | transition
     start: float
     end: float
 
@@ -52,14 +52,29 @@ def free_port(host: str) -> int:
         return probe.getsockname()[1]
 
 
+def _remote_fields(fields: dict) -> tuple[dict, list]:
+    """The RowsFrom fields, and the distinct output refs their pieces come from."""
+    from hfplan.executor.roles import RowsFrom
+
+    remote = {name: value for name, value in fields.items() if isinstance(value, RowsFrom)}
+    return remote, list({id(ref): ref for value in remote.values() for ref, _, _ in value.pieces}.values())
+
+
+def wait_for_producers(fields: dict) -> None:
+    """Block until every call whose outputs these fields read has finished (its outputs exist somewhere,
+    not yet fetched here): a call is dispatched before its producers end, and that wait is not transfer."""
+    import ray
+
+    _, refs = _remote_fields(fields)
+    if refs:
+        ray.wait(refs, num_returns=len(refs), fetch_local=False)
+
+
 def fetch_fields(fields: dict) -> dict[str, np.ndarray]:
     """Arrays for every field: those sent inline as they are, RowsFrom pieces fetched and joined."""
     import ray
 
-    from hfplan.executor.roles import RowsFrom
-
-    remote = {name: value for name, value in fields.items() if isinstance(value, RowsFrom)}
-    refs = list({id(ref): ref for value in remote.values() for ref, _, _ in value.pieces}.values())
+    remote, refs = _remote_fields(fields)
     outputs = dict(zip((id(ref) for ref in refs), ray.get(refs), strict=True)) if refs else {}
     arrays = {name: value for name, value in fields.items() if name not in remote}
     for name, value in remote.items():
@@ -107,7 +122,9 @@ class SetWorker:
 
     def call(self, role: str, op: str, fields: dict, options: dict) -> dict:
         """Run one role call on this rank's share of the batch; returns {"fields", "spans"}. Fields made by
-        other calls arrive as RowsFrom references and are fetched here, straight from their producers."""
+        other calls arrive as RowsFrom references and are fetched here, straight from their producers; the
+        transfer span starts when the last producer has finished."""
+        wait_for_producers(fields)
         start = time.time()
         arrays = fetch_fields(fields)
         spans: list[Timed] = [Timed(op, "transfer", start, time.time())]

@@ -14,7 +14,7 @@ import simpy
 from hfplan.dataflow.ops import PHASES
 from hfplan.errors import HfplanError
 from hfplan.layout import generating_role, kv_heads_per_rank, model_role
-from hfplan.plan import Estimate, Plan, Span
+from hfplan.plan import Estimate, Plan, Span, switch_op
 from hfplan.simulator.mapping import PlanCosts
 from hfplan.simulator.memory import gib
 from hfplan.simulator.schedule import Precedence, switch_points
@@ -113,7 +113,8 @@ def run_calls(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: int
         if c.switch > 0:
             start = env.now
             yield env.timeout(c.switch)
-            spans.append(Span(role=c.switch_role or c.node.role, op="reshard", phase=c.node.phase, set=c.set,
+            role = c.switch_role or c.node.role
+            spans.append(Span(role=role, op=switch_op(role), phase=c.node.phase, set=c.set,
                               start=start, end=env.now, kind="transition"))
         start = env.now
         yield env.timeout(c.seconds)
