@@ -33,11 +33,8 @@ def role_model(name: str, fsdp: bool) -> RoleModel:
     """The actor as the executor builds it on one CPU rank; with `fsdp`, wrapped in FSDP2 over that rank."""
     hp = Hyperparameters()
     model = build_model(name, "lm", seed=0, dtype=torch.float32)
-    role = RoleModel(model, ParallelDims(1, 1, 1, 1).build("cpu"), hp, "cpu", torch.float32, pad_id=0, lr=1e-6)
-    if fsdp:
-        role._shard(torch.float32)  # the engine's own FSDP2 wrapping, as a dp > 1 layout gets it
-        role.optimizer = torch.optim.AdamW(role.module.parameters(), lr=1e-6, weight_decay=hp.weight_decay)
-    return role
+    return RoleModel(model, ParallelDims(1, 1, 1, 1).build("cpu"), hp, "cpu", torch.float32, pad_id=0, lr=1e-6,
+                     fsdp=fsdp)
 
 
 def batch(name: str, sequences: int) -> dict[str, torch.Tensor]:

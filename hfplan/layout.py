@@ -636,6 +636,16 @@ def arch_specs(arch: ModelArch) -> list[TensorSpec]:
     return specs
 
 
+FP32_BYTES = 4
+
+
+def trains_through_fsdp(data_parallel: int, compute_bytes: int) -> bool:
+    """Whether the training engine wraps a trained role in FSDP2: over more than one data-parallel rank, or to
+    compute in a precision below its fp32 master weights. One rank in fp32 trains the module as it is (FSDP
+    would only copy gradients through collectives of one rank), and its passes and optimizer steps cost less."""
+    return data_parallel > 1 or compute_bytes != FP32_BYTES
+
+
 @functools.lru_cache(maxsize=4096)
 def stage_parameter_tensors(arch: ModelArch, pp: int, head: str) -> int:
     """Parameter tensors of the busiest of pp pipeline stages (each GPU of a stage holds a piece of every one):

@@ -82,6 +82,30 @@ def test_a_training_engine_pays_its_own_pass_and_a_cost_per_parameter_tensor_eac
     assert paid.total - plain.total == pytest.approx((4 + 1) * 300e-6 + 146 * 2e-6)  # the bubble's slot too
 
 
+def test_the_fsdp_wrapped_engine_pays_its_own_fixed_costs_where_the_executor_wraps_it(toy_hw):
+    """One data-parallel rank in fp32 trains the module as it is; more ranks, or a lower compute precision,
+    wrap it in FSDP2, whose passes (training and a trained role's inference) and optimizer step cost more."""
+    from hfplan.layout import stage_parameter_tensors, trains_through_fsdp
+
+    assert not trains_through_fsdp(1, 4) and trains_through_fsdp(2, 4) and trains_through_fsdp(1, 2)
+    runtime = Runtime(forward_pass_us=100, train_pass_us=300, optimizer_tensor_us=2, fsdp_forward_pass_us=700,
+                      fsdp_train_pass_us=900, fsdp_optimizer_tensor_us=5)
+    fp32 = toy_hw.model_copy(update={"runtime": runtime, "compute": toy_hw.compute.model_copy(
+        update={"value_bytes": 4})})
+    tensors = stage_parameter_tensors(LLAMA7, 1, "lm")
+    for dp, pass_us, tensor_us in ((1, 300, 2), (2, 900, 5)):
+        cfg = TrainConfig(dp=dp, micro_batch=1)
+        step = costs.train_step_parts(fp32, LLAMA7, cfg, SetShape(dp, 8), 2 * dp, 128, "lm")
+        assert step["runtime"] == pytest.approx(2 * pass_us * 1e-6 + tensors * tensor_us * 1e-6), dp
+        for fsdp, forward_us in ((False, 100), (True, 700)):
+            forward = costs.inference_parts(fp32, LLAMA7, InferConfig(dp=dp, micro_batch=1), SetShape(dp, 8),
+                                            2 * dp, 128, "lm", fsdp=fsdp)
+            assert forward["runtime"] == pytest.approx(2 * forward_us * 1e-6), (dp, fsdp)
+    bf16 = fp32.model_copy(update={"compute": fp32.compute.model_copy(update={"value_bytes": 2})})
+    one_rank = costs.train_step_parts(bf16, LLAMA7, TrainConfig(micro_batch=1), SetShape(1, 8), 2, 128, "lm")
+    assert one_rank["runtime"] == pytest.approx(2 * 900e-6 + tensors * 5e-6)
+
+
 def test_parameter_tensors_of_a_stage_follow_the_model():
     from hfplan.layout import stage_parameter_tensors
 

@@ -381,8 +381,9 @@ def test_runtime_costs_measured_on_the_executor_engine():
     fit = measure_runtime(torch, devices.probe(torch, "cpu", 1), hw, 0.02, ray_calls=0)
     assert not fit.ray and fit.runtime.controller_call_us == 0.0
     rows = {r["op"]: r for r in fit.rows}
-    steps = {n: f"train_step_{n}_micro_batches" for n in (FEW, MANY)}
-    assert set(rows) == {"forward_pass", "engine_step", "engine_step_continuous", *steps.values()}
+    engines = {engine: {n: f"{engine}train_step_{n}_micro_batches" for n in (FEW, MANY)} for engine in ("", "fsdp_")}
+    assert set(rows) == {"forward_pass", "engine_step", "engine_step_continuous", "engine_log_prob",
+                         "fsdp_engine_log_prob", *(op for steps in engines.values() for op in steps.values())}
     assert all(r["seconds"] > 0 for r in fit.rows)
     # The modelled kernels alone: the profile's own fixed costs are what the measurement replaces.
     kernels_only = hw.model_copy(update={"runtime": Runtime()})
@@ -394,15 +395,24 @@ def test_runtime_costs_measured_on_the_executor_engine():
                                                        abs=0.01)
     assert fit.runtime.engine_step_continuous_us == pytest.approx(
         max(0.0, rows["engine_step_continuous"]["seconds"] - step_model) * 1e6, abs=0.01)
-    # A step of n micro-batches beyond its modelled kernels is n passes and one optimizer step.
-    beyond = {}
-    for n, op in steps.items():
-        modelled = costs.train_step_time(kernels_only, CATALOG["tiny"], TrainConfig(micro_batch=1),
-                                         costs.SetShape(1, 1), n, PROMPT + LONG, "lm")
-        assert rows[op]["predicted_s"] == pytest.approx(modelled)
-        beyond[n] = rows[op]["seconds"] - modelled
-    pass_s = max(0.0, (beyond[MANY] - beyond[FEW]) / (MANY - FEW))
-    assert fit.runtime.train_pass_us == pytest.approx(pass_s * 1e6, abs=0.01)
+    # A step of n micro-batches beyond its modelled kernels is n passes and one optimizer step, for the engine
+    # as one rank trains and as FSDP2 wraps it.
     tensors = stage_parameter_tensors(CATALOG["tiny"], 1, "lm")
-    assert fit.runtime.optimizer_tensor_us == pytest.approx(max(0.0, beyond[FEW] - FEW * pass_s) * 1e6 / tensors,
-                                                            abs=0.001)
+    forward_model = costs.stage_pass(kernels_only, CATALOG["tiny"], 1, 1, costs.SetShape(1, 1), 1, PROMPT + LONG,
+                                     "lm").forward
+    rt = fit.runtime
+    for engine, steps in engines.items():
+        fsdp = engine == "fsdp_"
+        beyond = {}
+        for n, op in steps.items():
+            modelled = costs.train_step_time(kernels_only, CATALOG["tiny"], TrainConfig(micro_batch=1),
+                                             costs.SetShape(1, 1), n, PROMPT + LONG, "lm")
+            assert rows[op]["predicted_s"] == pytest.approx(modelled)
+            beyond[n] = rows[op]["seconds"] - modelled
+        pass_s = max(0.0, (beyond[MANY] - beyond[FEW]) / (MANY - FEW))
+        assert rt.train_pass_s(fsdp) == pytest.approx(pass_s, abs=1e-8)
+        assert rt.optimizer_tensor_s(fsdp) == pytest.approx(max(0.0, beyond[FEW] - FEW * pass_s) / tensors,
+                                                            abs=1e-9)
+    log_prob = rows["fsdp_engine_log_prob"]
+    assert log_prob["predicted_s"] == pytest.approx(forward_model)
+    assert rt.forward_pass_s(True) == pytest.approx(max(0.0, log_prob["seconds"] - forward_model), abs=1e-8)

@@ -114,8 +114,9 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
     profile = profile.model_copy(update={
         "runtime": fixed.runtime,
         "description": profile.description + " Runtime: a forward pass of the demo model, a decode step of the "
-                       "executor's torch rollout engine and a micro-batch and an optimizer step of its training "
-                       "engine, less their modelled kernels"
+                       "executor's torch rollout engine, and a micro-batch and an optimizer step of its training "
+                       "engine (as one rank trains, and wrapped in FSDP2 with a log-prob call), less their "
+                       "modelled kernels"
                        + (", and a round trip through a Ray actor" if fixed.ray else "; controller call not "
                           "measured (--quick, or ray not importable)") + "."})
     rows += fixed.rows

@@ -3,9 +3,10 @@
 Each is what one unit of work takes beyond what the cost model charges for its kernels on the profile just
 fitted: a forward pass of the demo model through its HF module, a decode step of the executor's torch rollout
 engine with static and with continuous batching (the slope of generation time over decode steps, so the
-prefills drop out), a training micro-batch and an optimizer step of the executor's training engine (FSDP over a
-world of one; the slope of a step's time over its micro-batches, and what is left at none), and a round trip of
-a call through a Ray actor (how the controller reaches a worker).
+prefills drop out), a training micro-batch and an optimizer step of the executor's training engine (the slope of
+a step's time over its micro-batches, and what is left at none) as it trains on one rank and wrapped in FSDP2
+(over a world of one), a log-prob call through the FSDP2-wrapped engine, and a round trip of a call through a
+Ray actor (how the controller reaches a worker).
 torch and ray are passed in or imported here, only when `hfplan profile` runs.
 """
 
@@ -80,8 +81,9 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
     step_model = costs.decode_step_time(bare, arch, Layout(), one, 1, PROMPT + (SHORT + LONG) / 2)
     rows = [_row("forward_pass", forward_s, forward_model), _row("engine_step", step_s, step_model),
             _row("engine_step_continuous", continuous_s, step_model)]
-    train = _train_fixed(torch, device, bare, clock, min_time)
-    rows += train.rows
+    train = _train_fixed(torch, device, bare, clock, min_time, fsdp=False)
+    wrapped = _train_fixed(torch, device, bare, clock, min_time, fsdp=True)
+    rows += train.rows + wrapped.rows
     controller_us, measured_ray = 0.0, False
     call_s = _ray_round_trip(ray_calls)
     if call_s is not None:
@@ -91,7 +93,9 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
                       engine_step_us=round(fixed_us(step_s, step_model), 2),
                       controller_call_us=round(controller_us, 2),
                       engine_step_continuous_us=round(fixed_us(continuous_s, step_model), 2),
-                      train_pass_us=round(train.pass_us, 2), optimizer_tensor_us=round(train.tensor_us, 3))
+                      train_pass_us=round(train.pass_us, 2), optimizer_tensor_us=round(train.tensor_us, 3),
+                      fsdp_forward_pass_us=round(wrapped.forward_us, 2), fsdp_train_pass_us=round(wrapped.pass_us, 2),
+                      fsdp_optimizer_tensor_us=round(wrapped.tensor_us, 3))
     return RuntimeFit(runtime, rows, measured_ray)
 
 
@@ -99,28 +103,38 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
 class _TrainFixed:
     pass_us: float
     tensor_us: float
+    forward_us: float
     rows: list[dict]
 
 
-def _train_fixed(torch, device: Device, bare: HardwareProfile, clock: Clock, min_time: float) -> _TrainFixed:
-    """The training engine's fixed costs: a step of n micro-batches takes n passes and one optimizer step, so
-    its time beyond the modelled kernels is n * pass + step; FEW and MANY micro-batches give both. The step's
-    share is spread over the model's parameter tensors (the optimizer, the clipping and the zeroing visit each
-    one)."""
+def _train_fixed(torch, device: Device, bare: HardwareProfile, clock: Clock, min_time: float, fsdp: bool
+                 ) -> _TrainFixed:
+    """The training engine's fixed costs, as it trains on one rank (`fsdp` False) or wrapped in FSDP2 as over
+    more ranks (True): a step of n micro-batches takes n passes and one optimizer step, so its time beyond the
+    modelled kernels is n * pass + step; FEW and MANY micro-batches give both. The step's share is spread over
+    the model's parameter tensors (the optimizer, the clipping and the zeroing visit each one). Also a log-prob
+    call of one micro-batch through the same engine, beyond its modelled forward (with FSDP2: gathering the
+    weights for the call and freeing them after, on top of the pass)."""
     arch = CATALOG[MODEL]
-    seconds = _train_step_seconds(torch, device, clock, min_time)
+    seconds, forward_s = _train_engine_seconds(torch, device, clock, min_time, fsdp)
     modelled = {n: costs.train_step_time(bare, arch, TrainConfig(micro_batch=1), costs.SetShape(1, 1), n,
                                          PROMPT + LONG, "lm") for n in (FEW, MANY)}
     beyond = {n: seconds[n] - modelled[n] for n in (FEW, MANY)}
     pass_s = max(0.0, (beyond[MANY] - beyond[FEW]) / (MANY - FEW))
     step_s = max(0.0, beyond[FEW] - FEW * pass_s)
-    rows = [_row(f"train_step_{n}_micro_batches", seconds[n], modelled[n]) for n in (FEW, MANY)]
-    return _TrainFixed(pass_s * 1e6, step_s * 1e6 / stage_parameter_tensors(arch, 1, "lm"), rows)
+    forward_model = costs.stage_pass(bare, arch, 1, 1, costs.SetShape(1, 1), 1, PROMPT + LONG, "lm").forward
+    engine = "fsdp_" if fsdp else ""
+    rows = [_row(f"{engine}train_step_{n}_micro_batches", seconds[n], modelled[n]) for n in (FEW, MANY)]
+    rows.append(_row(f"{engine}engine_log_prob", forward_s, forward_model))
+    return _TrainFixed(pass_s * 1e6, step_s * 1e6 / stage_parameter_tensors(arch, 1, "lm"),
+                       fixed_us(forward_s, forward_model), rows)
 
 
-def _train_step_seconds(torch, device: Device, clock: Clock, min_time: float) -> dict[int, float]:
+def _train_engine_seconds(torch, device: Device, clock: Clock, min_time: float, fsdp: bool
+                          ) -> tuple[dict[int, float], float]:
     """Seconds of one actor update (one optimizer step) of the executor's training engine on FEW and MANY
-    micro-batches of one sequence, each the best of ROUNDS rounds taken in turn."""
+    micro-batches of one sequence, each the best of ROUNDS rounds taken in turn, and of one log-prob call of
+    one sequence through it."""
     from hfplan.executor.engines.training import RoleModel
     from hfplan.executor.mesh import ParallelDims
     from hfplan.executor.models import build_model
@@ -130,8 +144,9 @@ def _train_step_seconds(torch, device: Device, clock: Clock, min_time: float) ->
     with _world_of_one(torch, device):
         mesh = ParallelDims(1, 1, 1, 1).build(device.kind)
         model = build_model(MODEL, "lm", seed=0, dtype=torch.float32)
-        role = RoleModel(model, mesh, Hyperparameters(), device.kind, compute_dtype(device), pad_id=0, lr=1e-6)
-        timed = dict.fromkeys((FEW, MANY), math.inf)
+        role = RoleModel(model, mesh, Hyperparameters(), device.kind, compute_dtype(device), pad_id=0, lr=1e-6,
+                         fsdp=fsdp)
+        timed, forward_s = dict.fromkeys((FEW, MANY), math.inf), math.inf
         for _ in range(ROUNDS):
             for n in (FEW, MANY):
                 batch = {"prompts": torch.randint(1, arch.vocab, (n, PROMPT)),
@@ -142,7 +157,10 @@ def _train_step_seconds(torch, device: Device, clock: Clock, min_time: float) ->
                                                                             micro_batch=1, use_kl_loss=False),
                                       min_time / ROUNDS)
                 timed[n] = min(timed[n], once)
-    return timed
+            one = {key: batch[key][:1] for key in ("prompts", "responses", "response_mask")}
+            forward_s = min(forward_s, clock.per_call(lambda one=one: role.log_probs(**one, micro_batch=1),
+                                                      min_time / ROUNDS))
+    return timed, forward_s
 
 
 @contextmanager

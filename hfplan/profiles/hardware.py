@@ -134,9 +134,34 @@ class Runtime(_Strict):
                                                                       "zeroed and clipped, the optimizer's "
                                                                       "update), beyond its memory traffic")
 
-    @property
-    def train_pass_s(self) -> float:
+    fsdp_forward_pass_us: float | None = Field(
+        default=None, ge=0, description="fixed cost of one forward pass of a trained role through its training "
+                                        "engine wrapped in FSDP2 (layout.trains_through_fsdp: its hooks, the "
+                                        "parameters as DTensors) beyond its kernels and collectives; None: "
+                                        "forward_pass_us")
+    fsdp_train_pass_us: float | None = Field(
+        default=None, ge=0, description="train_pass_us for the engine wrapped in FSDP2; None: train_pass_us")
+    fsdp_optimizer_tensor_us: float | None = Field(
+        default=None, ge=0, description="optimizer_tensor_us for the engine wrapped in FSDP2 (the update over "
+                                        "DTensor shards); None: optimizer_tensor_us")
+
+    def forward_pass_s(self, fsdp: bool = False) -> float:
+        """Seconds of fixed cost per forward micro-batch; `fsdp`: through a trained role's FSDP2-wrapped engine."""
+        if fsdp and self.fsdp_forward_pass_us is not None:
+            return self.fsdp_forward_pass_us * 1e-6
+        return self.forward_pass_us * 1e-6
+
+    def train_pass_s(self, fsdp: bool = False) -> float:
+        """Seconds of fixed cost per training micro-batch; `fsdp`: through the FSDP2-wrapped engine."""
+        if fsdp and self.fsdp_train_pass_us is not None:
+            return self.fsdp_train_pass_us * 1e-6
         return (self.forward_pass_us if self.train_pass_us is None else self.train_pass_us) * 1e-6
+
+    def optimizer_tensor_s(self, fsdp: bool = False) -> float:
+        """Seconds of fixed cost of an optimizer step per parameter tensor; `fsdp`: over FSDP2's shards."""
+        if fsdp and self.fsdp_optimizer_tensor_us is not None:
+            return self.fsdp_optimizer_tensor_us * 1e-6
+        return self.optimizer_tensor_us * 1e-6
 
     def engine_step_s(self, batching: str) -> float:
         """Seconds of fixed cost per step of an engine batching `batching` (GenConfig.batching)."""

@@ -20,6 +20,7 @@ from hfplan.layout import (
     resharding,
     stage_parameter_tensors,
     stage_params,
+    trains_through_fsdp,
 )
 from hfplan.plan import GenConfig, InferConfig, Layout, Recompute, TrainConfig
 from hfplan.profiles.hardware import HardwareProfile
@@ -245,13 +246,14 @@ def train_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, whe
     per_micro = {name: seconds + backward[name] for name, seconds in forward.items()}
     per_micro["recompute"] = _recompute_seconds(sp, Recompute.of(cfg.recompute))
     per_micro["pp_comm"] = 2 * v * _p2p(hw, arch, cfg, where, micro * seq_len)
-    per_micro["runtime"] = v * hw.runtime.train_pass_s
+    fsdp = trains_through_fsdp(cfg.dp, hw.compute.value_bytes)
+    per_micro["runtime"] = v * hw.runtime.train_pass_s(fsdp)
     local_params = stage_params(arch, cfg.pp, head) / cfg.tp
     exposed = sharding.exposed_step_comm(hw, arch, cfg, where, head, sp.forward,
                                          sp.backward + per_micro["recompute"], n_micro)
     optimizer_params = local_params * sharding.optimizer_fraction(cfg)
     optimizer = memory_time(hw, ADAM_BYTES_PER_PARAM * optimizer_params)
-    per_tensor = stage_parameter_tensors(arch, cfg.pp, head) * hw.runtime.optimizer_tensor_us * 1e-6
+    per_tensor = stage_parameter_tensors(arch, cfg.pp, head) * hw.runtime.optimizer_tensor_s(fsdp)
     return _pipelined(per_micro, n_micro, (cfg.pp - 1) / v, dp_comm=exposed, optimizer=optimizer, runtime=per_tensor)
 
 
@@ -275,14 +277,15 @@ def update_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: S
 
 
 def inference_parts(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, where: SetShape, sequences: int,
-                    seq_len: int, head: str, weight_shards: int = 1, *, memo: CostMemo | None = None) -> Parts:
+                    seq_len: int, head: str, weight_shards: int = 1, fsdp: bool = False, *,
+                    memo: CostMemo | None = None) -> Parts:
     """Forward passes over all sequences (log-probs, values or scores), by part. `weight_shards`: the weights
     are split over this many data-parallel ranks (a trained role in its FSDP layout) and gathered per
-    micro-batch."""
+    micro-batch; `fsdp`: the passes run through a trained role's FSDP2-wrapped engine."""
     micro, n_micro = _per_rank(sequences, cfg.dp, cfg.micro_batch)
     sp = stage_pass(hw, arch, cfg.tp, cfg.pp, where, micro, seq_len, head, memo=memo)
     per_micro = dict(sp.forward_parts, pp_comm=_p2p(hw, arch, cfg, where, micro * seq_len),
-                     runtime=hw.runtime.forward_pass_us * 1e-6)
+                     runtime=hw.runtime.forward_pass_s(fsdp))
     exposed = 0.0
     if weight_shards > 1:
         gather = sharding.weight_gather_seconds(hw, arch, cfg, where, head, weight_shards)
@@ -293,8 +296,9 @@ def inference_parts(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, wher
 
 @memoized
 def inference_time(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, where: SetShape, sequences: int,
-                   seq_len: int, head: str, weight_shards: int = 1, *, memo: CostMemo | None = None) -> float:
-    return inference_parts(hw, arch, cfg, where, sequences, seq_len, head, weight_shards, memo=memo).total
+                   seq_len: int, head: str, weight_shards: int = 1, fsdp: bool = False, *,
+                   memo: CostMemo | None = None) -> float:
+    return inference_parts(hw, arch, cfg, where, sequences, seq_len, head, weight_shards, fsdp, memo=memo).total
 
 
 def decode_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetShape, batch: float,

@@ -20,6 +20,7 @@ from hfplan.layout import (
     generating_role,
     generation_role,
     model_role,
+    trains_through_fsdp,
     transfer_path,
 )
 from hfplan.plan import GenConfig, InferConfig, Plan, RoleParallelism, TrainConfig
@@ -278,7 +279,9 @@ def call_seconds(workload: Workload, hw: HardwareProfile, gpus_per_node: int, no
     head = head_of(w, role)
     if node.kind == "forward":
         shards = par.train.shards("weights") if par.train is not None else 1
-        return costs.inference_time(hw, arch, par.infer, where, node.sequences, w.seq_len, head, shards, memo=memo)
+        fsdp = par.train is not None and trains_through_fsdp(par.train.dp, hw.compute.value_bytes)
+        return costs.inference_time(hw, arch, par.infer, where, node.sequences, w.seq_len, head, shards, fsdp,
+                                    memo=memo)
     if node.kind == "update":
         return costs.update_time(hw, arch, par.train, where, node.sequences, w.seq_len, head, w.mini_batches,
                                  w.epochs, memo=memo)

@@ -43,7 +43,7 @@ from hfplan.executor.engines.tensor_parallel import apply_tensor_parallel
 from hfplan.executor.engines.whole import WholeModel
 from hfplan.executor.mesh import DP_DIMS, TP, ParallelDims, parallel_dims
 from hfplan.hyperparams import Hyperparameters
-from hfplan.layout import micro_batch_sizes, unsupported_layout
+from hfplan.layout import micro_batch_sizes, trains_through_fsdp, unsupported_layout
 from hfplan.plan import Recompute
 from hfplan.profiles.models import ModelArch
 
@@ -96,11 +96,14 @@ def _grads_placed_as_params(module: nn.Module) -> None:
 
 class RoleModel:
     """One role's model on this rank: `.module` (the HF model, or with pp > 1 this rank's RankStages) and
-    `.optimizer` (None when it only infers; `lr` None). Every rank of the layout makes the same calls."""
+    `.optimizer` (None when it only infers; `lr` None). Every rank of the layout makes the same calls.
+    `fsdp`: whether a trained model is wrapped in FSDP2; None, as `layout.trains_through_fsdp` says (True on one
+    rank measures the wrapped engine's costs there)."""
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, hp: Hyperparameters, device: torch.device | str,
                  param_dtype: torch.dtype, *, pad_id: int, lr: float | None = None,
-                 recompute: Recompute | str = Recompute.NONE, virtual_stages: int = 1) -> None:
+                 recompute: Recompute | str = Recompute.NONE, virtual_stages: int = 1,
+                 fsdp: bool | None = None) -> None:
         self.mesh, self.dims, self.hp, self.pad_id = mesh, parallel_dims(mesh), hp, pad_id
         self.device, self.param_dtype, self.trains = torch.device(device), param_dtype, lr is not None
         if mesh.device_type != self.device.type:
@@ -127,7 +130,9 @@ class RoleModel:
         if not self.trains:
             self.module.to(self.device).eval().requires_grad_(False)
             return
-        if self.dims.replicate * self.dims.shard > 1 or param_dtype != torch.float32:
+        if fsdp is None:
+            fsdp = trains_through_fsdp(self.dims.replicate * self.dims.shard, param_dtype.itemsize)
+        if fsdp:
             self._shard(param_dtype)
         else:
             self.module.to(self.device)
