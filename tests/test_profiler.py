@@ -307,6 +307,13 @@ def test_quick_cpu_profile_end_to_end(tmp_path):
         assert counts.get(kind, 0) > 0, kind
     assert set(frame.loc[frame["kind"] == "collective", "op"]) == set(COLLECTIVES)
     assert (frame["seconds"] > 0).all()
+    # The FSDP2-wrapped engine is timed across the profiled world (its ranks computing at once), the unwrapped
+    # one on a rank of its own; the raw rows behind them are not written twice.
+    engine = frame[frame["kind"] == "runtime"].set_index("op")["world"]
+    assert engine["fsdp_train_step_3_micro_batches"] == engine["fsdp_engine_log_prob"] == 2
+    assert engine["train_step_3_micro_batches"] == engine["forward_pass"] == 1
+    assert "engine" not in set(frame["kind"])
+    assert profile.runtime.fsdp_train_pass_us is not None
     layers = frame[frame["kind"] == "layer"]
     assert set(layers["op"]) == {"forward", "forward+backward", "decode"}
     # Predictions come from the profile as written, for the shapes that ran.

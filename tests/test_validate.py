@@ -8,7 +8,7 @@ import pytest
 
 from hfplan.plan import Span, phase_seconds
 from hfplan.validation.compare import compare, kendall_tau, signed_error
-from hfplan.validation.run import peak_gib_per_set, side_by_side, with_profile
+from hfplan.validation.run import peak_gib_per_set, predicted_gib, side_by_side, with_profile
 from tests.support.cli import assert_user_error, invoke
 from tests.support.executor_runs import cpu_plan, tiny_workload
 
@@ -85,6 +85,24 @@ def tiny_plan_file(tmp_path):
     path = tmp_path / "plan.json"
     path.write_text(cpu_plan(tiny_workload(), [(("actor", "critic", "reference"), 1)]).to_json())
     return path
+
+
+def test_on_a_cpu_profile_the_worker_process_own_memory_is_compared_beside_the_plan(tiny_plan_file, tmp_path):
+    """The executor measures a CPU worker's resident set, which holds the process itself; a GPU's allocated
+    memory does not."""
+    import yaml
+
+    from hfplan.plan import load_plan
+    from hfplan.profiles.hardware import SHIPPED_DIR
+
+    plan = load_plan(tiny_plan_file)
+    base = plan.cluster.profile.memory.worker_resident_gib
+    assert plan.cluster.profile.on_host and base > 0
+    assert predicted_gib(plan, [0.25, 1.0]) == pytest.approx([0.25 + base, 1.0 + base])
+    gpu = yaml.safe_load((SHIPPED_DIR / "cpu.yaml").read_text()) | {"backend": "nccl"}
+    path = tmp_path / "gpu.yaml"
+    path.write_text(yaml.safe_dump(gpu))
+    assert predicted_gib(with_profile(plan, path), [0.25, 1.0]) == [0.25, 1.0]
 
 
 def test_a_profile_given_is_the_one_simulated(tiny_plan_file, tmp_path):

@@ -109,7 +109,7 @@ for a warning once every check has passed)."""
 
 def check_hardware(plan: Plan) -> tuple[str, str]:
     profile = plan.cluster.profile
-    if profile.backend == "gloo":
+    if profile.on_host:
         return "cpu", "gloo"
     import torch
 

@@ -110,15 +110,19 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
     versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
     profile = build_profile(device, fits, request.base, request.name, versions, note)
     with _cpu_threads(torch, device):
-        fixed = runtime.measure_runtime(torch, device, profile, sweeps.min_time, sweeps.ray_calls)
+        across = runtime.EngineSeconds.from_rows(rows)
+        rows = [r for r in rows if r["kind"] != "engine"]  # become runtime rows, with their predictions
+        fixed = runtime.measure_runtime(torch, device, profile, sweeps.min_time, sweeps.ray_calls, across)
+    memory = profile.memory.model_copy(update={"worker_resident_gib": fixed.worker_resident_gib})
     profile = profile.model_copy(update={
-        "runtime": fixed.runtime,
+        "runtime": fixed.runtime, "memory": memory,
         "description": profile.description + " Runtime: a forward pass of the demo model, a decode step of the "
                        "executor's torch rollout engine, and a micro-batch and an optimizer step of its training "
                        "engine (as one rank trains, and wrapped in FSDP2 with a log-prob call), less their "
                        "modelled kernels"
-                       + (", and a round trip through a Ray actor" if fixed.ray else "; controller call not "
-                          "measured (--quick, or ray not importable)") + "."})
+                       + (", and a round trip through a Ray actor (and that worker's resident memory)" if fixed.ray
+                          else "; controller call and worker memory not measured (--quick, or ray not importable)")
+                       + "."})
     rows += fixed.rows
 
     plan = layers.plan_layers(profile, request.model, sweeps.layers, device, esize, sweeps.min_time)

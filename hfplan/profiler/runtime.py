@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hfplan.layout import stage_parameter_tensors
-from hfplan.plan import Layout, TrainConfig
+from hfplan.plan import InferConfig, Layout, TrainConfig
 from hfplan.profiler.compute import compute_dtype
 from hfplan.profiler.device import Device
 from hfplan.profiler.timing import Clock
@@ -43,6 +43,7 @@ class RuntimeFit:
     runtime: Runtime
     rows: list[dict]
     ray: bool  # whether the controller call was measured (ray importable)
+    worker_resident_gib: float = 0.0  # a Ray worker's own resident memory, measured with the controller call
 
 
 def fixed_us(measured_s: float, predicted_s: float) -> float:
@@ -50,15 +51,17 @@ def fixed_us(measured_s: float, predicted_s: float) -> float:
     return max(0.0, measured_s - predicted_s) * 1e6
 
 
-def _row(op: str, seconds: float, predicted: float) -> dict:
-    return dict(kind="runtime", op=op, model=MODEL, seconds=seconds, predicted_s=predicted,
+def _row(op: str, seconds: float, predicted: float, world: int = 1) -> dict:
+    return dict(kind="runtime", op=op, model=MODEL, world=world, seconds=seconds, predicted_s=predicted,
                 error_pct=100.0 * (predicted - seconds) / seconds)
 
 
-def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: float, ray_calls: int = RAY_CALLS
-                    ) -> RuntimeFit:
+def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: float, ray_calls: int = RAY_CALLS,
+                    across: EngineSeconds | None = None) -> RuntimeFit:
     """Forward-pass, engine-step (static and continuous), training-pass, optimizer-step and (with ray)
-    controller-call costs, with the rows behind them."""
+    controller-call costs, with the rows behind them. `across`: the FSDP2 engine timed over the profiled world
+    (measure_collectives' processes, all computing at once, as a data-parallel layout's ranks do); without it,
+    over a world of one."""
     from hfplan.executor.models import build_model
     from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
 
@@ -81,13 +84,14 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
     step_model = costs.decode_step_time(bare, arch, Layout(), one, 1, PROMPT + (SHORT + LONG) / 2)
     rows = [_row("forward_pass", forward_s, forward_model), _row("engine_step", step_s, step_model),
             _row("engine_step_continuous", continuous_s, step_model)]
-    train = _train_fixed(torch, device, bare, clock, min_time, fsdp=False)
-    wrapped = _train_fixed(torch, device, bare, clock, min_time, fsdp=True)
+    train = _train_fixed(bare, _engine_on_one_rank(torch, device, fsdp=False))
+    wrapped = _train_fixed(bare, across or _engine_on_one_rank(torch, device, fsdp=True))
     rows += train.rows + wrapped.rows
-    controller_us, measured_ray = 0.0, False
-    call_s = _ray_round_trip(ray_calls)
-    if call_s is not None:
-        controller_us, measured_ray = call_s * 1e6, True
+    controller_us, measured_ray, resident_gib = 0.0, False, 0.0
+    ray_worker = _ray_worker(ray_calls)
+    if ray_worker is not None:
+        call_s, resident = ray_worker
+        controller_us, measured_ray, resident_gib = call_s * 1e6, True, resident / 2**30
         rows.append(_row("controller_call", call_s, 0.0))
     runtime = Runtime(forward_pass_us=round(fixed_us(forward_s, forward_model), 2),
                       engine_step_us=round(fixed_us(step_s, step_model), 2),
@@ -96,7 +100,84 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
                       train_pass_us=round(train.pass_us, 2), optimizer_tensor_us=round(train.tensor_us, 3),
                       fsdp_forward_pass_us=round(wrapped.forward_us, 2), fsdp_train_pass_us=round(wrapped.pass_us, 2),
                       fsdp_optimizer_tensor_us=round(wrapped.tensor_us, 3))
-    return RuntimeFit(runtime, rows, measured_ray)
+    return RuntimeFit(runtime, rows, measured_ray, round(resident_gib, 3))
+
+
+ENGINE_REPS = 7  # timed calls per measurement of the training engine (the median kept); fixed, so every rank
+# of a world makes the same collectives
+
+
+@dataclass(frozen=True)
+class EngineSeconds:
+    """Seconds of the training engine over a world of `world` ranks (each rank its own share): an actor update
+    (one optimizer step) on FEW and MANY micro-batches of one sequence per rank, and a log-prob call of one
+    sequence per rank."""
+
+    world: int
+    fsdp: bool
+    steps: dict[int, float]
+    log_prob: float
+
+    def rows(self) -> list[dict]:
+        """As raw profile rows (kind `engine`), for the parent process to turn into runtime rows."""
+        engine = "fsdp_" if self.fsdp else ""
+        return ([dict(kind="engine", op=f"{engine}train_step_{n}_micro_batches", world=self.world, seconds=s)
+                 for n, s in self.steps.items()]
+                + [dict(kind="engine", op=f"{engine}engine_log_prob", world=self.world, seconds=self.log_prob)])
+
+    @classmethod
+    def from_rows(cls, rows: list[dict]) -> EngineSeconds | None:
+        """The FSDP2 engine's measurement among raw rows (from measure_collectives' worlds), if any."""
+        by_op = {r["op"]: r for r in rows if r.get("kind") == "engine"}
+        if not by_op:
+            return None
+        steps = {n: by_op[f"fsdp_train_step_{n}_micro_batches"]["seconds"] for n in (FEW, MANY)}
+        world = int(by_op["fsdp_engine_log_prob"]["world"])
+        return cls(world, True, steps, by_op["fsdp_engine_log_prob"]["seconds"])
+
+
+def engine_seconds(torch, kind: str, fsdp: bool) -> EngineSeconds:
+    """Time the executor's training engine on the process group this process is in (every rank calls this):
+    each measurement the median of ENGINE_REPS calls, each call the slowest rank's (a collective ends with its
+    slowest rank)."""
+    import torch.distributed as dist
+
+    from hfplan.executor.engines.training import RoleModel
+    from hfplan.executor.mesh import ParallelDims, compute_dtype
+    from hfplan.executor.models import build_model
+    from hfplan.hyperparams import Hyperparameters
+
+    arch, world = CATALOG[MODEL], dist.get_world_size()
+    clock = Clock(torch, kind)
+    mesh = ParallelDims(1, 1, world, 1).build(kind)
+    model = build_model(MODEL, "lm", seed=0, dtype=torch.float32)
+    role = RoleModel(model, mesh, Hyperparameters(), kind, compute_dtype(kind), pad_id=0, lr=1e-6, fsdp=fsdp)
+
+    def timed(fn) -> float:
+        fn()  # warm-up
+        seconds = []
+        for _ in range(ENGINE_REPS):
+            dist.barrier()
+            clock.sync()
+            start = time.perf_counter()
+            fn()
+            clock.sync()
+            took = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=kind)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            seconds.append(float(took.item()))
+        return sorted(seconds)[len(seconds) // 2]
+
+    steps = {}
+    for n in (FEW, MANY):
+        batch = {"prompts": torch.randint(1, arch.vocab, (n, PROMPT)),
+                 "responses": torch.randint(1, arch.vocab, (n, LONG)),
+                 "response_mask": torch.ones(n, LONG, dtype=torch.long),
+                 "old_log_probs": torch.zeros(n, LONG), "advantages": torch.ones(n, LONG)}
+        steps[n] = timed(lambda batch=batch: role.update_actor(batch, mini_batches=1, epochs=1, micro_batch=1,
+                                                               use_kl_loss=False))
+    one = {key: batch[key][:1] for key in ("prompts", "responses", "response_mask")}
+    log_prob = timed(lambda: role.log_probs(**one, micro_batch=1))
+    return EngineSeconds(world, fsdp, steps, log_prob)
 
 
 @dataclass(frozen=True)
@@ -107,60 +188,34 @@ class _TrainFixed:
     rows: list[dict]
 
 
-def _train_fixed(torch, device: Device, bare: HardwareProfile, clock: Clock, min_time: float, fsdp: bool
-                 ) -> _TrainFixed:
-    """The training engine's fixed costs, as it trains on one rank (`fsdp` False) or wrapped in FSDP2 as over
-    more ranks (True): a step of n micro-batches takes n passes and one optimizer step, so its time beyond the
-    modelled kernels is n * pass + step; FEW and MANY micro-batches give both. The step's share is spread over
-    the model's parameter tensors (the optimizer, the clipping and the zeroing visit each one). Also a log-prob
-    call of one micro-batch through the same engine, beyond its modelled forward (with FSDP2: gathering the
-    weights for the call and freeing them after, on top of the pass)."""
-    arch = CATALOG[MODEL]
-    seconds, forward_s = _train_engine_seconds(torch, device, clock, min_time, fsdp)
-    modelled = {n: costs.train_step_time(bare, arch, TrainConfig(micro_batch=1), costs.SetShape(1, 1), n,
-                                         PROMPT + LONG, "lm") for n in (FEW, MANY)}
-    beyond = {n: seconds[n] - modelled[n] for n in (FEW, MANY)}
+def _train_fixed(bare: HardwareProfile, measured: EngineSeconds) -> _TrainFixed:
+    """The training engine's fixed costs, as it trains on one rank (`fsdp` False) or wrapped in FSDP2 (over
+    the measured world): a step of n micro-batches takes n passes and one optimizer step, so its time beyond
+    the modelled kernels and collectives is n * pass + step; FEW and MANY micro-batches give both. The step's
+    share is spread over the model's parameter tensors (the optimizer, the clipping and the zeroing visit each
+    one). Also a log-prob call of one micro-batch through the same engine, beyond its modelled forward (with
+    FSDP2: gathering the weights for the call and freeing them after, on top of the pass)."""
+    arch, world = CATALOG[MODEL], measured.world
+    where = costs.SetShape(world, world)
+    shard = "full" if measured.fsdp else "replicated"
+    modelled = {n: costs.train_step_time(bare, arch, TrainConfig(dp=world, micro_batch=1, shard=shard), where,
+                                         n * world, PROMPT + LONG, "lm") for n in (FEW, MANY)}
+    beyond = {n: measured.steps[n] - modelled[n] for n in (FEW, MANY)}
     pass_s = max(0.0, (beyond[MANY] - beyond[FEW]) / (MANY - FEW))
     step_s = max(0.0, beyond[FEW] - FEW * pass_s)
-    forward_model = costs.stage_pass(bare, arch, 1, 1, costs.SetShape(1, 1), 1, PROMPT + LONG, "lm").forward
-    engine = "fsdp_" if fsdp else ""
-    rows = [_row(f"{engine}train_step_{n}_micro_batches", seconds[n], modelled[n]) for n in (FEW, MANY)]
-    rows.append(_row(f"{engine}engine_log_prob", forward_s, forward_model))
+    forward_model = costs.inference_time(bare, arch, InferConfig(dp=world, micro_batch=1), where, world,
+                                         PROMPT + LONG, "lm", world if measured.fsdp else 1, measured.fsdp)
+    engine = "fsdp_" if measured.fsdp else ""
+    rows = [_row(f"{engine}train_step_{n}_micro_batches", measured.steps[n], modelled[n], world)
+            for n in (FEW, MANY)]
+    rows.append(_row(f"{engine}engine_log_prob", measured.log_prob, forward_model, world))
     return _TrainFixed(pass_s * 1e6, step_s * 1e6 / stage_parameter_tensors(arch, 1, "lm"),
-                       fixed_us(forward_s, forward_model), rows)
+                       fixed_us(measured.log_prob, forward_model), rows)
 
 
-def _train_engine_seconds(torch, device: Device, clock: Clock, min_time: float, fsdp: bool
-                          ) -> tuple[dict[int, float], float]:
-    """Seconds of one actor update (one optimizer step) of the executor's training engine on FEW and MANY
-    micro-batches of one sequence, each the best of ROUNDS rounds taken in turn, and of one log-prob call of
-    one sequence through it."""
-    from hfplan.executor.engines.training import RoleModel
-    from hfplan.executor.mesh import ParallelDims
-    from hfplan.executor.models import build_model
-    from hfplan.hyperparams import Hyperparameters
-
-    arch = CATALOG[MODEL]
+def _engine_on_one_rank(torch, device: Device, fsdp: bool) -> EngineSeconds:
     with _world_of_one(torch, device):
-        mesh = ParallelDims(1, 1, 1, 1).build(device.kind)
-        model = build_model(MODEL, "lm", seed=0, dtype=torch.float32)
-        role = RoleModel(model, mesh, Hyperparameters(), device.kind, compute_dtype(device), pad_id=0, lr=1e-6,
-                         fsdp=fsdp)
-        timed, forward_s = dict.fromkeys((FEW, MANY), math.inf), math.inf
-        for _ in range(ROUNDS):
-            for n in (FEW, MANY):
-                batch = {"prompts": torch.randint(1, arch.vocab, (n, PROMPT)),
-                         "responses": torch.randint(1, arch.vocab, (n, LONG)),
-                         "response_mask": torch.ones(n, LONG, dtype=torch.long),
-                         "old_log_probs": torch.zeros(n, LONG), "advantages": torch.ones(n, LONG)}
-                once = clock.per_call(lambda batch=batch: role.update_actor(batch, mini_batches=1, epochs=1,
-                                                                            micro_batch=1, use_kl_loss=False),
-                                      min_time / ROUNDS)
-                timed[n] = min(timed[n], once)
-            one = {key: batch[key][:1] for key in ("prompts", "responses", "response_mask")}
-            forward_s = min(forward_s, clock.per_call(lambda one=one: role.log_probs(**one, micro_batch=1),
-                                                      min_time / ROUNDS))
-    return timed, forward_s
+        return engine_seconds(torch, device.kind, fsdp)
 
 
 @contextmanager
@@ -197,9 +252,10 @@ def _step_seconds(clock: Clock, engine, prompts, min_time: float) -> float:
     return (timed[LONG] - timed[SHORT]) / (steps[LONG] - steps[SHORT])
 
 
-def _ray_round_trip(calls: int) -> float | None:
-    """Seconds of one synchronous call to a Ray actor on this machine (best of three rounds); None without ray
-    or when a Ray session is already running in this process (it is not ours to measure or stop)."""
+def _ray_worker(calls: int) -> tuple[float, int] | None:
+    """Seconds of one synchronous call to a Ray actor on this machine (best of three rounds), and that actor's
+    resident bytes once it has imported the executor's engines; None without ray or when a Ray session is
+    already running in this process (it is not ours to measure or stop)."""
     try:
         import ray
     except ImportError:
@@ -220,7 +276,7 @@ def _ray_round_trip(calls: int) -> float | None:
                 for _ in range(calls):
                     ray.get(actor.ping.remote(), timeout=60)
                 best = min(best, (time.perf_counter() - start) / calls)
-            return best
+            return best, ray.get(actor.resident_bytes.remote(), timeout=300)
         finally:
             ray.shutdown()
 
@@ -228,3 +284,12 @@ def _ray_round_trip(calls: int) -> float | None:
 class _Echo:
     def ping(self) -> None:
         return None
+
+    def resident_bytes(self) -> int:
+        """Peak resident memory of this Ray worker once it has imported what an executor worker imports to
+        build its roles (Linux reports ru_maxrss in KiB): the worker's own memory, before any model."""
+        import resource
+
+        import hfplan.executor.runtime  # noqa: F401  (torch, transformers, the engines)
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

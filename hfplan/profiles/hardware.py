@@ -79,6 +79,9 @@ class Memory(_Strict):
     bandwidth_gbytes_per_s: float = Field(gt=0, validation_alias=BANDWIDTH_NAMES,
                                           description="peak device-memory bandwidth, GB/s")
     efficiency: float = Field(gt=0, le=1, description="fraction of peak bandwidth reached by streaming kernels")
+    worker_resident_gib: float = Field(default=0.0, ge=0, description="resident memory of one executor worker "
+                                       "process before it builds a model (the interpreter, torch, transformers, "
+                                       "Ray's worker): on a CPU profile, part of what a run's resident set shows")
 
     @property
     def usable_bytes(self) -> float:
@@ -181,6 +184,11 @@ class HardwareProfile(_Strict):
     memory: Memory
     links: Links
     runtime: Runtime = Field(default_factory=Runtime)
+
+    @property
+    def on_host(self) -> bool:
+        """Whether its devices are the host's CPU cores (gloo), whose memory is the host's."""
+        return self.backend == "gloo"
 
     def __hash__(self) -> int:
         # Profiles key the cost caches: a cheap hash of a few fields (equal profiles still hash equal).

@@ -58,6 +58,14 @@ def peak_gib_per_set(peak_bytes: dict[str, int], sets: int) -> list[float]:
     return peaks
 
 
+def predicted_gib(plan: Plan, peak_gib: Sequence[float]) -> list[float]:
+    """What the measured peak per device is compared with: the plan's peak per GPU, and on a CPU profile, where
+    the executor measures a worker's resident set, the worker process's own resident memory beside it."""
+    memory = plan.cluster.profile.memory
+    base = memory.worker_resident_gib if plan.cluster.profile.on_host else 0.0
+    return [gib + base for gib in peak_gib]
+
+
 def validate(plan: Plan, options, labels: Sequence[str],
              on_iteration: Callable[[object], None] | None = None) -> Validation:
     """Run `options.iterations` iterations (the first a warm-up, not compared) and compare the rest with the
@@ -83,7 +91,8 @@ def validate(plan: Plan, options, labels: Sequence[str],
     result = simulate_plan(costed)
     simulated = list(result.estimate.timeline)
     measured_gib = peak_gib_per_set(summary.peak_memory_bytes, len(plan.placement))
-    comparison = compare(simulated, measured, result.estimate.peak_memory_gib, measured_gib, labels)
+    comparison = compare(simulated, measured, predicted_gib(costed, result.estimate.peak_memory_gib), measured_gib,
+                         labels)
     return Validation(comparison, costed, simulated, measured[-1], mean_len)
 
 
