@@ -1,0 +1,344 @@
+"""Published measurements of real systems, with the cost model's prediction beside each.
+
+Each case names its source (paper table, vendor benchmark page or nccl-tests result) and the configuration
+measured; hfplan prices the same configuration with its public cost functions on the matching hardware profile
+and converts to the published unit. Per case: published, predicted, their ratio and the error; then the median
+and worst |error| per category and overall. Asserts nothing: the numbers are for reading.
+
+    python bench/published.py [--csv PATH]
+
+Assumptions common to the cases:
+- GPT-style models (a GeLU MLP of width 4h: MPT, GPT-J) are written as hfplan's Llama-layout ModelArch with a
+  SwiGLU MLP of width round(8h/3): the same weights and FLOPs per token, GEMMs of other shapes; learned or ALiBi
+  position encodings and LayerNorm biases (well under 0.1% of the weights) are left out.
+- Where a published system's network differs from the shipped profile's, the case prices the shipped profile with
+  that one link changed (`_with_inter_node`, `_without_nvls`), and says so; nothing else of a profile is changed.
+- FP16 inference runs are priced as bf16 (same bytes and tensor-core rate on A100).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+
+from hfplan.plan import Layout, Recompute, TrainConfig
+from hfplan.profiles.hardware import HardwareProfile, load_hardware
+from hfplan.profiles.models import CATALOG, ModelArch
+from hfplan.simulator import collectives as coll
+from hfplan.simulator import costs
+
+CATEGORIES = ("training", "prefill", "decode", "collective")
+GIB = 1024**3
+MIB = 1024**2
+
+
+@dataclass(frozen=True)
+class Case:
+    """One published measurement and how hfplan predicts it (`predict` returns the published unit)."""
+
+    category: str
+    name: str
+    unit: str
+    published: float
+    source: str
+    predict: Callable[[], float]
+
+
+@dataclass(frozen=True)
+class Row:
+    case: Case
+    predicted: float
+
+    @property
+    def ratio(self) -> float:
+        return self.predicted / self.case.published
+
+    @property
+    def error_pct(self) -> float:
+        return 100.0 * (self.ratio - 1.0)
+
+
+@dataclass(frozen=True)
+class Summary:
+    label: str
+    cases: int
+    median_abs_pct: float
+    worst_pct: float  # signed error of the case with the largest |error|
+    worst_name: str
+
+
+# ---------------------------------------------------------------------------------------------- hardware, models
+
+@cache
+def _hw(name: str) -> HardwareProfile:
+    return load_hardware(name)
+
+
+@cache
+def _with_inter_node(name: str, gbytes_per_s: float) -> HardwareProfile:
+    """The shipped profile with the published system's network between nodes (GB/s per node)."""
+    hw = _hw(name)
+    inter = hw.links.inter_node.model_copy(update={"bandwidth_gbytes_per_s": gbytes_per_s})
+    return hw.model_copy(update={"links": hw.links.model_copy(update={"inter_node": inter})})
+
+
+@cache
+def _without_nvls(name: str) -> HardwareProfile:
+    """The shipped profile with NVLink SHARP off (a run that forces NCCL's ring algorithm)."""
+    hw = _hw(name)
+    intra = hw.links.intra_node.model_copy(update={"nvls": False})
+    return hw.model_copy(update={"links": hw.links.model_copy(update={"intra_node": intra})})
+
+
+def gpt_arch(name: str, layers: int, hidden: int, heads: int, vocab: int, tied: bool = True) -> ModelArch:
+    """A GPT-style model (MLP 4h wide, GeLU) as a Llama-layout ModelArch of the same weights (module docstring)."""
+    return ModelArch(name, layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=round(8 * hidden / 3),
+                     vocab=vocab, tied_embeddings=tied)
+
+
+# MPT sizes: mosaicml/llm-foundry scripts/train/yamls/pretrain/mpt-{1b,3b,7b,13b,30b,70b}.yaml (d_model, n_heads,
+# n_layers; expansion_ratio 4; vocab_size 50368; MPT ties its output head to the embedding). The benchmark
+# table's NumParams column agrees with these within 0.1%.
+MPT = {
+    "1b": gpt_arch("mpt-1b", 24, 2048, 16, 50368),
+    "3b": gpt_arch("mpt-3b", 32, 2560, 20, 50368),
+    "7b": gpt_arch("mpt-7b", 32, 4096, 32, 50368),
+    "13b": gpt_arch("mpt-13b", 40, 5120, 40, 50368),
+    "30b": gpt_arch("mpt-30b", 48, 7168, 56, 50368),
+    "70b": gpt_arch("mpt-70b", 80, 8192, 64, 50368),
+}
+# GPT-J 6B (EleutherAI/gpt-j-6b config.json: n_layer 28, n_embd 4096, n_head 16, vocab 50400, untied head).
+GPTJ = gpt_arch("gpt-j-6b", 28, 4096, 16, 50400, tied=False)
+
+
+# ---------------------------------------------------------------------------------------------- predictions
+
+def _fsdp_tokens_per_gpu(hw: HardwareProfile, arch: ModelArch, gpus: int, seq: int, micro: int, accum: int,
+                         checkpointing: bool) -> float:
+    """Tokens/s per GPU of one optimizer step under FSDP full sharding (ZeRO-3) over `gpus` ranks."""
+    cfg = TrainConfig(dp=gpus, micro_batch=micro, shard="full",
+                      recompute=Recompute.FULL if checkpointing else Recompute.NONE)
+    sequences = gpus * micro * accum
+    seconds = costs.train_step_time(hw, arch, cfg, costs.SetShape(gpus, hw.gpus_per_node), sequences, seq, "lm")
+    return sequences * seq / seconds / gpus
+
+
+def _first_token_ms(hw: HardwareProfile, arch: ModelArch, tp: int, prompt: int) -> float:
+    """Milliseconds of the prefill of one prompt (time to first token at batch 1)."""
+    parts = costs.prefill_parts(hw, arch, Layout(tp=tp), costs.SetShape(tp, hw.gpus_per_node), 1, prompt)
+    return 1e3 * parts.total
+
+
+def _batch1_tokens_per_s(hw: HardwareProfile, arch: ModelArch, tp: int, context: float) -> float:
+    """Decode tokens/s of one sequence at `context` tokens."""
+    return 1.0 / costs.decode_step_time(hw, arch, Layout(tp=tp), costs.SetShape(tp, hw.gpus_per_node), 1, context)
+
+
+def _static_batch_tokens_per_gpu(hw: HardwareProfile, arch: ModelArch, tp: int, batch: int, prompt: int,
+                                 output: int) -> float:
+    """Output tokens/s per GPU of one static batch on `tp` GPUs: its prefill, then `output` decode steps."""
+    parts = costs.wave_parts(hw, arch, tp, 1, costs.SetShape(tp, hw.gpus_per_node), batch, prompt, output)
+    return batch * output / parts.total / tp
+
+
+def _bus_gbytes_per_s(hw: HardwareProfile, op: str, ranks: int, per_node: int, nbytes: float) -> float:
+    """nccl-tests' bus bandwidth of one collective (doc/PERFORMANCE.md: algbw = size / time, times 2(n-1)/n for
+    all-reduce and (n-1)/n for all-gather and reduce-scatter; size is the whole buffer)."""
+    group = coll.Group(ranks, per_node, per_node)
+    seconds = {"all_reduce": coll.all_reduce, "all_gather": coll.all_gather,
+               "reduce_scatter": coll.reduce_scatter}[op](hw, group, nbytes)
+    factor = 2 * (ranks - 1) / ranks if op == "all_reduce" else (ranks - 1) / ranks
+    return nbytes / seconds * factor / 1e9
+
+
+# ---------------------------------------------------------------------------------------------- the cases
+
+FOUNDRY = ("mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7), table '{table}', "
+           "row {row}: {gpus} GPUs, FSDP FULL_SHARD, bf16, seq {seq}, micro-batch {micro}, grad-accum {accum}, "
+           "activation checkpointing {ckpt}; column Throughput (T/s/GPU)")
+A100_FOUNDRY_TABLE = "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"
+H100_FOUNDRY_TABLE = "H100 80GB BF16"
+
+
+def _foundry(table: str, hw_name: str, size: str, gpus: int, seq: int, micro: int, accum: int, ckpt: bool,
+             published: float, inter_node: float | None = None) -> Case:
+    source = FOUNDRY.format(table=table, row=f"{size} {seq} {gpus}", gpus=gpus, seq=seq, micro=micro, accum=accum,
+                            ckpt=ckpt)
+    if inter_node is not None:
+        source += f"; inter-node link set to the table's {inter_node:g} GB/s per node"
+
+    def predict() -> float:
+        hw = _hw(hw_name) if inter_node is None else _with_inter_node(hw_name, inter_node)
+        return _fsdp_tokens_per_gpu(hw, MPT[size], gpus, seq, micro, accum, ckpt)
+
+    return Case("training", f"MPT-{size} {hw_name} x{gpus} seq{seq} mb{micro}{' ckpt' if ckpt else ''}",
+                "tokens/s/GPU", published, source, predict)
+
+
+def training_cases() -> list[Case]:
+    a100, h100 = A100_FOUNDRY_TABLE, H100_FOUNDRY_TABLE
+    # The A100 table's cluster: 1600 Gb/s between nodes = 200 GB/s per node (its heading). The H100 table states
+    # no network: the shipped h100-80g profile's (8 x 400 Gb/s) is kept.
+    return [
+        _foundry(a100, "a100-80g", "1b", 8, 2048, 14, 4, False, 20513),
+        _foundry(a100, "a100-80g", "3b", 8, 2048, 10, 2, False, 10811),
+        _foundry(a100, "a100-80g", "7b", 8, 2048, 6, 2, False, 4641),
+        _foundry(a100, "a100-80g", "13b", 8, 2048, 2, 3, False, 2262),
+        _foundry(a100, "a100-80g", "30b", 8, 2048, 3, 21, True, 916),
+        _foundry(a100, "a100-80g", "70b", 64, 2048, 8, 4, True, 410, inter_node=200.0),
+        _foundry(h100, "h100-80g", "1b", 8, 2048, 14, 1, False, 45455),
+        _foundry(h100, "h100-80g", "3b", 8, 4096, 5, 6, False, 20964),
+        _foundry(h100, "h100-80g", "7b", 8, 2048, 6, 1, False, 10643),
+        _foundry(h100, "h100-80g", "13b", 8, 2048, 2, 1, False, 4792),
+        _foundry(h100, "h100-80g", "13b", 64, 2048, 2, 1, False, 4800),
+        _foundry(h100, "h100-80g", "30b", 8, 2048, 3, 21, True, 2002),
+    ]
+
+
+TRTLLM = ("NVIDIA/TensorRT-LLM docs/source/performance.md (commit 138f96d; figures of v0.6.1, low latency of "
+          "v0.5), A100 GPUs (FP16), {table}: {row}")
+
+
+def prefill_cases() -> list[Case]:
+    """Time to first token at batch 1 (TensorRT-LLM's low-latency table: a run with one output token)."""
+    rows = [("LLaMA 7B", CATALOG["llama2-7b"], 1, 128, 16.0), ("LLaMA 7B", CATALOG["llama2-7b"], 1, 2048, 133.0),
+            ("LLaMA 70B", CATALOG["llama2-70b"], 4, 128, 47.0), ("LLaMA 70B", CATALOG["llama2-70b"], 4, 2048, 377.0),
+            ("GPT-J 6B", GPTJ, 1, 128, 12.0), ("GPT-J 6B", GPTJ, 1, 2048, 129.0)]
+    # LLaMA 7B and 70B are priced as Llama 2 (7B: the same architecture as LLaMA 1; 70B exists only as Llama 2).
+    return [Case("prefill", f"{model} a100-80g tp{tp} in{prompt} bs1", "ms", ms,
+                 TRTLLM.format(table="Low Latency, 1st Token Latency (ms)",
+                               row=f"{model}, batch 1, TP {tp}, input {prompt}"),
+                 lambda arch=arch, tp=tp, prompt=prompt: _first_token_ms(_hw("a100-80g"), arch, tp, prompt))
+            for model, arch, tp, prompt, ms in rows]
+
+
+GPTFAST = ("pytorch-labs/gpt-fast README.md (commit 0f925b5), {table}: {row}, bf16, batch 1, 5-token prompt, "
+           "8xA100-80GB power-limited to 330 W")
+
+
+def decode_cases() -> list[Case]:
+    # gpt-fast: batch-1 decode of generate.py's default 200 new tokens after a 5-token prompt, priced at the mean
+    # context of 105 tokens. Its machine is an A100-80GB node ("hybrid cube mesh"); priced on a100-80g.
+    fast = [("Llama-2-7B", "llama2-7b", tp, tok) for tp, tok in ((1, 104.9), (2, 168.84), (4, 254.02), (8, 328.43))]
+    fast += [("Llama-2-70B", "llama2-70b", tp, tok) for tp, tok in ((2, 21.32), (4, 38.01), (8, 62.50))]
+    cases = [Case("decode", f"{model} a100-80g tp{tp} bs1", "tokens/s", tok,
+                  GPTFAST.format(table="Tensor Parallelism table" if tp > 1 else "Benchmarks table",
+                                 row=f"{model}, {tp} GPU(s), Base"),
+                  lambda name=name, tp=tp: _batch1_tokens_per_s(_hw("a100-80g"), CATALOG[name], tp, 5 + 100))
+             for model, name, tp, tok in fast]
+    # TensorRT-LLM peak throughput (static batching, gptSessionBenchmark): one batch of `batch` sequences, output
+    # tokens per second per GPU. The A100 table's heading says only "out tok/s"; it is read as per GPU, as the H100
+    # table beside it says: as a total, LLaMA 70B on 4 A100s would run 16x slower per GPU than on 2 H100s (FP8),
+    # against about 4x for the 7B models on one GPU each.
+    peak = [("LLaMA 7B", CATALOG["llama2-7b"], 1, 384, 128, 128, 5586.0),
+            ("LLaMA 7B", CATALOG["llama2-7b"], 1, 60, 128, 2048, 1928.0),
+            ("LLaMA 7B", CATALOG["llama2-7b"], 1, 52, 2048, 128, 591.0),
+            ("LLaMA 70B", CATALOG["llama2-70b"], 4, 1280, 128, 128, 670.0),
+            ("LLaMA 70B", CATALOG["llama2-70b"], 4, 240, 128, 2048, 525.0),
+            ("GPT-J 6B", GPTJ, 1, 512, 128, 128, 6374.0),
+            ("GPT-J 6B", GPTJ, 1, 60, 2048, 128, 670.0)]
+    cases += [Case("decode", f"{model} a100-80g tp{tp} bs{batch} {prompt}/{output}", "tokens/s/GPU", tok,
+                   TRTLLM.format(table="Peak Throughput, Throughput (out tok/s)",
+                                 row=f"{model}, batch {batch}, TP {tp}, input {prompt}, output {output}"),
+                   lambda arch=arch, tp=tp, batch=batch, prompt=prompt, output=output:
+                   _static_batch_tokens_per_gpu(_hw("a100-80g"), arch, tp, batch, prompt, output))
+              for model, arch, tp, batch, prompt, output, tok in peak]
+    return cases
+
+
+def _collective(name: str, hw: Callable[[], HardwareProfile], op: str, ranks: int, per_node: int, nbytes: float,
+                published: float, source: str) -> Case:
+    return Case("collective", name, "busbw GB/s", published, source,
+                lambda: _bus_gbytes_per_s(hw(), op, ranks, per_node, nbytes))
+
+
+def collective_cases() -> list[Case]:
+    nccl212 = ("NVIDIA/nccl-tests issue #212 (2024-05-06), NCCL maintainer's reply: on 8 H100 GPUs {what}; "
+               "priced at an 8 GiB buffer (the reply: 256 MB is too small to reach peak)")
+    return [
+        _collective("all_reduce h100 x8 NVLS 8GiB", lambda: _hw("h100-80g"), "all_reduce", 8, 8, 8 * GIB, 480.0,
+                    nccl212.format(what="all-reduce with NVLink SHARP peaks at ~480 GB/s busbw")),
+        _collective("all_reduce h100 x8 ring 8GiB", lambda: _without_nvls("h100-80g"), "all_reduce", 8, 8, 8 * GIB,
+                    370.0, nccl212.format(what="NCCL_ALGO=RING reaches ~370 GB/s busbw (NVLS off in the profile)")),
+        _collective("all_gather h100 x8 8GiB", lambda: _hw("h100-80g"), "all_gather", 8, 8, 8 * GIB, 370.0,
+                    nccl212.format(what="non-all-reduce collectives reach ~370 GB/s busbw")),
+        _collective("reduce_scatter h100 x8 8GiB", lambda: _hw("h100-80g"), "reduce_scatter", 8, 8, 8 * GIB, 370.0,
+                    nccl212.format(what="non-all-reduce collectives reach ~370 GB/s busbw")),
+        _collective("all_reduce a100 x8 1GiB", lambda: _hw("a100-80g"), "all_reduce", 8, 8, GIB, 200.0,
+                    "NVIDIA/nccl-tests issue #149 (2023-06-27): HPE Apollo 6500, 8x A100-SXM4-80GB over NVLink, "
+                    "NCCL 2.18.1, all_reduce_perf -b 8 -e 1G -f 4 -t 8: busbw ~200 GB/s at the largest size"),
+        _collective("all_reduce a100 x2 NVLink pair 12GiB", lambda: _hw("a100-80g"), "all_reduce", 2, 2, 12 * GIB,
+                    208.0,
+                    "NVIDIA/nccl-tests issue #178 (2023-11-17): two A100s joined by NVLink (NV12), all_reduce_perf "
+                    "-b 8 -e 12G -f 2 -t 2: Bus_BW 208 GB/s; priced at the largest size"),
+        _collective("all_reduce a100 3 nodes x8 128MiB", lambda: _with_inter_node("a100-80g", 100.0), "all_reduce",
+                    24, 8, 128 * MIB, 96.0,
+                    "NVIDIA/nccl-tests issue #119 (2022-11-17): 3 servers of 8 A100-SXM4-40GB and 4 HDR InfiniBand "
+                    "cards each (4 x 200 Gb/s = 100 GB/s per node, set as the inter-node link), all_reduce_perf "
+                    "-b 8 -e 128M: peak busbw ~96 GB/s (at the largest size, 128 MiB)"),
+    ]
+
+
+def build_cases() -> list[Case]:
+    """Every case, by category (nothing is priced until a case's `predict` is called)."""
+    return training_cases() + prefill_cases() + decode_cases() + collective_cases()
+
+
+# ---------------------------------------------------------------------------------------------- the report
+
+def predict_all(cases: list[Case]) -> list[Row]:
+    return [Row(case, case.predict()) for case in cases]
+
+
+def summarize(label: str, rows: list[Row]) -> Summary:
+    worst = max(rows, key=lambda r: abs(r.error_pct))
+    return Summary(label, len(rows), statistics.median(abs(r.error_pct) for r in rows), worst.error_pct,
+                   worst.case.name)
+
+
+def summaries(rows: list[Row]) -> list[Summary]:
+    by_category = [summarize(c, [r for r in rows if r.case.category == c]) for c in CATEGORIES]
+    return by_category + [summarize("overall", rows)]
+
+
+def _fmt(value: float) -> str:
+    return f"{value:,.1f}" if abs(value) < 1e4 else f"{value:,.0f}"
+
+
+def write_report(rows: list[Row], out) -> None:
+    out.write(f"{'category':<10} {'case':<42} {'unit':<13} {'published':>10} {'predicted':>10} {'ratio':>6} "
+              f"{'error %':>8}\n")
+    for r in rows:
+        out.write(f"{r.case.category:<10} {r.case.name:<42} {r.case.unit:<13} {_fmt(r.case.published):>10} "
+                  f"{_fmt(r.predicted):>10} {r.ratio:>6.2f} {r.error_pct:>+8.1f}\n")
+    out.write(f"\n{'':<10} {'cases':>5} {'median |err| %':>15} {'worst err %':>12}  worst case\n")
+    for s in summaries(rows):
+        out.write(f"{s.label:<10} {s.cases:>5} {s.median_abs_pct:>15.1f} {s.worst_pct:>+12.1f}  {s.worst_name}\n")
+
+
+def write_csv(rows: list[Row], path: str) -> None:
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["category", "case", "unit", "published", "predicted", "ratio", "error_pct", "source"])
+        for r in rows:
+            writer.writerow([r.case.category, r.case.name, r.case.unit, r.case.published, r.predicted,
+                             round(r.ratio, 4), round(r.error_pct, 2), r.case.source])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--csv", help="also write every case (with its source) to this CSV file")
+    args = parser.parse_args()
+    rows = predict_all(build_cases())
+    write_report(rows, sys.stdout)
+    if args.csv:
+        write_csv(rows, args.csv)
+
+
+if __name__ == "__main__":
+    main()
