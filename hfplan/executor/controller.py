@@ -433,7 +433,9 @@ class _RaySession:
         else:
             needed = sum(group.gpus for group in self.plan.placement)
             self._tmp = tempfile.TemporaryDirectory(prefix="hfplan-ray-")
-            ray.init(num_cpus=max(os.cpu_count() or 1, needed) + 1, include_dashboard=False,
+            # One CPU slot per device: Ray starts one worker process per slot with the session, and the sets'
+            # workers are all the run asks of it.
+            ray.init(num_cpus=needed, include_dashboard=False,
                      logging_level=logging.WARNING, log_to_driver=False, **compat.local_ray_options(self._tmp.name))
 
     def stop(self) -> None:
