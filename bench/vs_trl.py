@@ -15,7 +15,8 @@ subprocess of bench/trl_runner.py, which times each step.
 Runs alternate over --rounds (hfplan, hfplan reuse, TRL, hfplan, ...); the first iterations of every run are
 warm-up. Per system: the median over the measured iterations of all rounds of response tokens/s, seconds per
 iteration, its generation and what follows it; and the median over rounds of the start-up (process launch to
-the first iteration's start) and of the whole process. Prints figures; asserts nothing about time; exits
+the first iteration's start; for hfplan also its start-up ratio to TRL's, and the seconds of each start-up stage
+its run folder's startup.json names) and of the whole process. Prints figures; asserts nothing about time; exits
 non-zero only when a run fails.
 
     RAY_AUTH_MODE=disabled python bench/vs_trl.py [--rounds N] [--iterations N] [--quick] [--trl-python PATH]
@@ -161,7 +162,18 @@ def run_hfplan(system: str, plan: Path, iterations: int, warmup: int, seed: int,
     timeline = json.loads((out / "run" / "timeline.json").read_text())
     calls = sorted({f"{s['role']}.{s['op']}" for s in timeline["iterations"][-1]["spans"] if s["kind"] == "compute"})
     run.notes["calls"] = ", ".join(calls)
+    startup = out / "run" / "startup.json"  # the run's own start-up stages (an hfplan that writes them)
+    if startup.is_file():
+        run.notes["startup"] = {row["stage"]: row["seconds"] for row in json.loads(startup.read_text())["stages"]}
     return run
+
+
+def startup_stages(runs: list[Run]) -> str:
+    """The median over rounds of each start-up stage an hfplan run wrote, in the order of the first run's."""
+    stages = [run.notes["startup"] for run in runs if "startup" in run.notes]
+    if not stages:
+        return "not written by this hfplan"
+    return ", ".join(f"{name} {statistics.median(s[name] for s in stages if name in s):.2f}" for name in stages[0])
 
 
 def run_trl(python: Path, iterations: int, warmup: int, seed: int, out: Path) -> Run:
@@ -324,6 +336,8 @@ def main() -> None:
     for system in (HFPLAN, HFPLAN_REUSE):
         if system in by_system:
             print(f"  {system}: calls {by_system[system][0].notes['calls']}")
+            print(f"  {system}: start-up / TRL's {merged[system].startup_s / merged[TRL].startup_s:.2f}x; its stages "
+                  f"(s, medians over rounds; some overlap): {startup_stages(by_system[system])}")
     print(f"\nwhole benchmark: {time.perf_counter() - started:.0f} s; load average {os.getloadavg()[0]:.2f}")
 
 

@@ -617,10 +617,12 @@ def execute(
     from hfplan.executor.controller import ExecuteOptions
     from hfplan.executor.controller import execute as run_plan
     from hfplan.executor.errors import RunFailed
+    from hfplan.executor.startup import StartupLog
     from hfplan.files import check_outputs, write_outputs
     from hfplan.plan import load_plan
     from hfplan.simulator.gantt import check_timeline_path, timeline_chart
 
+    startup = StartupLog()  # from the launch of this process
     if timeline is not None:
         check_timeline_path(timeline)
     check_outputs([(timeline, "--timeline")])
@@ -635,7 +637,7 @@ def execute(
             progress.update(report.iteration, report.metrics)
 
         try:
-            summary = run_plan(plan, options, on_iteration, on_start=progress.started)
+            summary = run_plan(plan, options, on_iteration, on_start=progress.started, startup=startup)
         except RunFailed as failure:
             progress.stop()
             err_console.print(f"[bold red]run failed:[/] {escape(str(failure))}", highlight=False, soft_wrap=True)

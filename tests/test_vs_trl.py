@@ -67,3 +67,10 @@ def test_plans_are_one_process_with_actor_and_reference_colocated(tmp_path):
         plan = load_plan(path)
         assert [(sorted(group.models), group.gpus) for group in plan.placement] == [(["actor", "reference"], 1)]
         assert plan.workload.models["actor"] == plan.workload.models["reference"] == "tiny-arith"
+
+
+def test_start_up_stages_are_medians_over_rounds_in_the_first_run_s_order():
+    bench = bench_module("vs_trl")
+    runs = [bench.Run(bench.HFPLAN, notes={"startup": {"ray start": s, "tokenizer": 1.0}}) for s in (3.0, 1.0, 2.0)]
+    assert bench.startup_stages(runs) == "ray start 2.00, tokenizer 1.00"
+    assert bench.startup_stages([bench.Run(bench.HFPLAN)]) == "not written by this hfplan"

@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from hfplan.executor.placement import (
     stop_sets,
 )
 from hfplan.executor.roles import ActorRole, ExecutionController, Recorder, RuleRole, WorkerGroupRole
+from hfplan.executor.startup import StartupLog
 from hfplan.files import write_atomically
 from hfplan.layout import ROLLOUT, facts_of, rank_coords
 from hfplan.plan import Plan, Span, phase_seconds
@@ -115,40 +117,44 @@ def start_progress(plan: Plan, checked: preflight.Checked, options: ExecuteOptio
 
 def execute(plan: Plan, options: ExecuteOptions,
             on_iteration: Callable[[IterationReport], None] | None = None,
-            on_start: Callable[[int, Path | None], None] | None = None) -> RunSummary:
+            on_start: Callable[[int, Path | None], None] | None = None,
+            startup: StartupLog | None = None) -> RunSummary:
     """Run the plan up to `options.iterations` iterations (from the latest checkpoint with `resume`),
     checkpointing every `checkpoint_every` and at the end, then export the trained roles as Hugging Face
     folders. Every check of the input happens before any worker starts (HfplanError); a failure after that
     raises RunFailed naming the role, set and rank. `on_start(iterations done, resumed checkpoint)` is called
     once the workers are up. A run that stops before its first iteration is recorded leaves no run folder it
-    made."""
-    inputs = preflight.check_inputs(plan, options)
-    out = options.out
-    run = resume.run_identity(plan, options.seed, inputs.prompts)
-    start = resume.starting_point(out, options.resume, run, options.iterations)
-    checked = preflight.with_codecs(plan, inputs, options)
-    if start is not None:
-        resume.check_tensor_headers(start)
+    made. `startup` times the stages up to the first iteration from its origin (default: this call)."""
+    startup = startup or StartupLog(origin=time.time())
+    startup.add("command", startup.origin, time.time())
+    with startup.stage("checks"):
+        inputs = preflight.check_inputs(plan, options)
+        out = options.out
+        run = resume.run_identity(plan, options.seed, inputs.prompts)
+        start = resume.starting_point(out, options.resume, run, options.iterations)
+        if start is not None:
+            resume.check_tensor_headers(start)
     made_out = not out.exists()
     _prepare_out(out)
     resume.clear_partial(out)
-    ray_session = _RaySession(options.address, plan, checked.device)
+    ray_session = _RaySession(options.address, plan, inputs.device)
     sets: list = []
     watch = DeathWatch(sets)
     summary = RunSummary(out, resumed_from=start.folder if start else None)
     recorded = len(start.controller.metrics) if start else 0
     try:
         with InterruptLatch() as interrupt:
-            ray_session.start(out / RAY_LOG_FILE)
+            checked = _codecs_while_ray_starts(plan, inputs, options, ray_session, startup)
             interrupt.check()
             check_capacity(plan, checked.device)
             if checked.truncated:
                 logger.warning("%s", checked.truncated)
-            start_sets(plan, checked.hyper, options.seed, checked.device, checked.backend, options.call_timeout_s,
-                       options.start_timeout_s, sets, watch)
+            marks = start_sets(plan, checked.hyper, options.seed, checked.device, checked.backend,
+                               options.call_timeout_s, options.start_timeout_s, sets, watch, startup)
             interrupt.check()
             with watch:
-                _run_on_sets(plan, checked, options, sets, run, start, summary, on_iteration, on_start, interrupt)
+                _run_on_sets(plan, checked, options, sets, run, start, summary, on_iteration, on_start, interrupt,
+                             startup, marks)
     except BaseException:
         if made_out and len(summary.iterations) <= recorded and summary.checkpoint is None:
             shutil.rmtree(out, ignore_errors=True)  # nothing of this run is worth keeping
@@ -163,18 +169,40 @@ def execute(plan: Plan, options: ExecuteOptions,
     return summary
 
 
+def _codecs_while_ray_starts(plan: Plan, inputs: preflight.Inputs, options: ExecuteOptions,
+                             ray_session: _RaySession, startup: StartupLog) -> preflight.Checked:
+    """The tokenizer (seconds of imports in this process) is built and the prompts checked against it while Ray
+    starts (in processes of its own); no worker starts before both are done."""
+    def codecs() -> preflight.Checked:
+        with startup.stage("tokenizer"):
+            return preflight.with_codecs(plan, inputs, options)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="hfplan-tokenizer") as pool:
+        checked = pool.submit(codecs)
+        with startup.stage("ray start"):
+            ray_session.start(options.out / RAY_LOG_FILE)
+        return checked.result()
+
+
 def _run_on_sets(plan: Plan, checked: preflight.Checked, options: ExecuteOptions, sets, run: resume.RunIdentity,
                  start: resume.Checkpoint | None, summary: RunSummary,
                  on_iteration: Callable[[IterationReport], None] | None,
-                 on_start: Callable[[int, Path | None], None] | None, interrupt: InterruptLatch) -> None:
+                 on_start: Callable[[int, Path | None], None] | None, interrupt: InterruptLatch,
+                 startup: StartupLog, marks: dict[tuple[int, int], dict[str, float]]) -> None:
     """The run once its workers are up: load the checkpoint, iterate, checkpoint, write the run folder."""
     out = options.out
-    summary.nodes = ask_workers(sets, "node_id", options.call_timeout_s)
-    pids = ask_workers(sets, "pid", options.call_timeout_s)
-    write_atomically(out / WORKERS_FILE, json.dumps({"pids": pids, "nodes": summary.nodes}, indent=2) + "\n")
+    with startup.stage("worker facts"):
+        summary.nodes = ask_workers(sets, "node_id", options.call_timeout_s)
+        pids = ask_workers(sets, "pid", options.call_timeout_s)
+        write_atomically(out / WORKERS_FILE, json.dumps({"pids": pids, "nodes": summary.nodes}, indent=2) + "\n")
     if start is not None:
-        _load_checkpoint(sets, start, plan, options)
-    recorder = Recorder(clock_offsets(sets, options.start_timeout_s))
+        with startup.stage("checkpoint load"):
+            _load_checkpoint(sets, start, plan, options)
+    with startup.stage("clock offsets"):
+        offsets = clock_offsets(sets, options.start_timeout_s)
+    recorder = Recorder(offsets)
+    for (index, rank), worker_marks in marks.items():
+        startup.add_worker(f"set {index} rank {rank}", worker_marks, offsets[(index, rank)])
     roles = build_roles(plan, checked, recorder, _worker_group_roles(plan, sets, recorder, options.call_timeout_s))
     progress = start_progress(plan, checked, options, start.controller if start else None)
     summary.iterations = list(start.controller.metrics) if start else []
@@ -182,6 +210,7 @@ def _run_on_sets(plan: Plan, checked: preflight.Checked, options: ExecuteOptions
     metrics_path = out / METRICS_FILE
     metrics_path.write_text("".join(json.dumps(m, allow_nan=False) + "\n" for m in summary.iterations))
     interrupt.check()
+    startup.write(out, time.time())
     if on_start is not None:
         on_start(progress.iteration, start.folder if start else None)
     for report in run_iterations(plan, roles, checked, options, recorder, progress):
@@ -404,7 +433,9 @@ class _RaySession:
         else:
             needed = sum(group.gpus for group in self.plan.placement)
             self._tmp = tempfile.TemporaryDirectory(prefix="hfplan-ray-")
-            ray.init(num_cpus=max(os.cpu_count() or 1, needed) + 1, include_dashboard=False,
+            # One CPU slot per device: Ray starts one worker process per slot with the session, and the sets'
+            # workers are all the run asks of it.
+            ray.init(num_cpus=needed, include_dashboard=False,
                      logging_level=logging.WARNING, log_to_driver=False, **compat.local_ray_options(self._tmp.name))
 
     def stop(self) -> None:

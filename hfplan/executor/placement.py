@@ -15,6 +15,7 @@ from hfplan.errors import HfplanError
 from hfplan.executor import compat
 from hfplan.executor.errors import RunFailed
 from hfplan.executor.roles import WorkerSet
+from hfplan.executor.startup import StartupLog
 from hfplan.executor.worker import SetWorker, WorkerSpec
 from hfplan.hyperparams import Hyperparameters
 from hfplan.plan import Plan
@@ -38,10 +39,12 @@ def check_capacity(plan: Plan, device: str) -> None:
 
 
 def start_sets(plan: Plan, hyper: Hyperparameters, seed: int, device: str, backend: str, timeout_s: float,
-               ready_timeout_s: float, sets: list[WorkerSet], watch: DeathWatch | None = None) -> None:
+               ready_timeout_s: float, sets: list[WorkerSet], watch: DeathWatch | None = None,
+               startup: StartupLog | None = None) -> dict[tuple[int, int], dict[str, float]]:
     """Create every set's placement group and workers (appended to `sets` as they start, so that the
     caller can stop what started when a later set fails) and join each set's torch.distributed world.
-    Failures are described with `watch`'s record of the first worker that died, if it has one."""
+    Failures are described with `watch`'s record of the first worker that died, if it has one. Returns each
+    worker's start-up marks by (set, rank) (worker.SetWorker.setup); `startup` gets the stages timed here."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -49,11 +52,14 @@ def start_sets(plan: Plan, hyper: Hyperparameters, seed: int, device: str, backe
     remote_worker = ray.remote(SetWorker)
     run_id = uuid.uuid4().hex[:8]  # worker names stay unique when runs share a Ray cluster
     plan_json, hyper_json = plan.model_dump_json(), hyper.model_dump_json()
+    startup = startup or StartupLog()
+    requested: dict[int, float] = {}  # when each set's workers were asked for
     for index, group in enumerate(plan.placement):
         strategy = "STRICT_PACK" if group.gpus <= plan.cluster.gpus_per_node else "PACK"
         pg = placement_group([bundle(device)] * group.gpus, strategy=strategy, name=f"hfplan-set{index}-{run_id}")
         try:
-            ray.get(pg.ready(), timeout=ready_timeout_s)
+            with startup.stage(f"set {index} placement group"):
+                ray.get(pg.ready(), timeout=ready_timeout_s)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(pg)
             raise HfplanError(f"Ray could not place set {index} ({'+'.join(group.models)}, {group.gpus} devices, "
@@ -66,12 +72,14 @@ def start_sets(plan: Plan, hyper: Hyperparameters, seed: int, device: str, backe
             workers.append(remote_worker.options(**options).remote(spec))
         sets.append(WorkerSet(index, tuple(group.models), workers,
                               failure_namer(index, group.models, workers, sets, watch), pg))
+        requested[index] = time.time()
     setups = []
     for worker_set in sets:
         host, port = _get(worker_set, worker_set.workers[0].rendezvous_address.remote(), ready_timeout_s, "start")
-        setups += [(worker_set, w.setup.remote(host, port)) for w in worker_set.workers]
-    for worker_set, ref in setups:
-        _get(worker_set, ref, ready_timeout_s, "setup")
+        startup.add(f"set {worker_set.index} worker start", requested[worker_set.index], time.time())
+        setups += [((worker_set.index, rank), worker_set, w.setup.remote(host, port))
+                   for rank, w in enumerate(worker_set.workers)]
+    return {key: _get(worker_set, ref, ready_timeout_s, "setup") for key, worker_set, ref in setups}
 
 
 CLOCK_ROUND_TRIPS = 5

@@ -7,9 +7,11 @@ store) and the spans it spent, timed on this process's clock.
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -17,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from hfplan.executor.loopback import loopback_interface
+from hfplan.executor.startup import WORKER_STAGES
 from hfplan.hyperparams import Hyperparameters
 from hfplan.plan import Plan
 
@@ -83,10 +86,19 @@ def fetch_fields(fields: dict) -> dict[str, np.ndarray]:
     return arrays
 
 
+RUNTIME_MODULE = "hfplan.executor.runtime"  # the roles' engines: imports torch and transformers
+
+
 class SetWorker:
     """Instantiated by the controller as a Ray actor (see placement.py)."""
 
     def __init__(self, spec: WorkerSpec) -> None:
+        # torch, transformers and the engines take seconds to import: begun at once, while the controller
+        # starts the other workers and the set's rendezvous, and waited for in setup.
+        self.marks = {"start": time.time()}
+        pool = ThreadPoolExecutor(1, thread_name_prefix="hfplan-imports")
+        self._imports: Future = pool.submit(importlib.import_module, RUNTIME_MODULE)
+        pool.shutdown(wait=False)
         self.spec = spec
         self.plan = Plan.model_validate_json(spec.plan_json)
         self.hyper = Hyperparameters.model_validate_json(spec.hyper_json)
@@ -102,12 +114,14 @@ class SetWorker:
     def clock(self) -> float:
         return time.time()
 
-    def setup(self, host: str, port: int) -> None:
+    def setup(self, host: str, port: int) -> dict[str, float]:
+        """Join the set's world and build its roles; returns this worker's start-up marks (its clock): `start`
+        and the end of each of startup.WORKER_STAGES."""
+        runtime = self._imports.result()
         import torch
         import torch.distributed as dist
 
-        from hfplan.executor.runtime import build_runtimes
-
+        self.marks[WORKER_STAGES[0]] = time.time()
         spec = self.spec
         if spec.device == "cuda":
             torch.cuda.set_device(0)  # Ray exposes exactly the bundle's GPU to this process
@@ -118,7 +132,10 @@ class SetWorker:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
         dist.init_process_group(spec.backend, init_method=f"tcp://{host}:{port}", rank=spec.rank,
                                 world_size=spec.world_size, timeout=timedelta(seconds=spec.collective_timeout_s))
-        self.runtimes = build_runtimes(self.plan, self.hyper, spec.set_index, spec.seed, spec.device)
+        self.marks[WORKER_STAGES[1]] = time.time()
+        self.runtimes = runtime.build_runtimes(self.plan, self.hyper, spec.set_index, spec.seed, spec.device)
+        self.marks[WORKER_STAGES[2]] = time.time()
+        return self.marks
 
     def call(self, role: str, op: str, fields: dict, options: dict) -> dict:
         """Run one role call on this rank's share of the batch; returns {"fields", "spans"}. Fields made by

@@ -1,0 +1,41 @@
+"""The run folder's start-up breakdown (startup.json): every stage named, for the controller and every worker."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hfplan.executor.controller import ExecuteOptions, execute
+from hfplan.executor.startup import STARTUP_FILE, WORKER_STAGES, StartupLog, process_start_time
+from tests.support.executor_runs import ARITH_GRPO, cpu_plan, tiny_workload
+
+
+def test_a_worker_s_stages_follow_one_another_on_the_controller_s_clock():
+    log = StartupLog(origin=100.0)
+    log.add_worker("set 1 rank 0", {"start": 12.0, "imports": 15.0, "process group": 15.5, "models": 16.0}, 10.0)
+    assert log.stages == [("set 1 rank 0 imports", 2.0, 5.0), ("set 1 rank 0 process group", 5.0, 5.5),
+                          ("set 1 rank 0 models", 5.5, 6.0)]
+
+
+def test_the_launch_is_this_process_s_start():
+    launched = process_start_time()
+    assert launched is not None  # Linux: /proc says
+    assert launched <= StartupLog().origin
+
+
+@pytest.mark.slow
+def test_a_run_itemises_its_start_up_in_the_run_folder(tmp_path, ray_driver):
+    plan = cpu_plan(tiny_workload("grpo", ARITH_GRPO), [(("actor",), 1), (("reference",), 1)])
+    out = tmp_path / "run"
+    execute(plan, ExecuteOptions(iterations=1, out=out, call_timeout_s=120, start_timeout_s=120))
+    startup = json.loads((out / STARTUP_FILE).read_text())
+    stages = [row["stage"] for row in startup["stages"]]
+    workers = [f"set {index} rank 0 {stage}" for index in (0, 1) for stage in WORKER_STAGES]
+    assert sorted(stages) == sorted(["command", "checks", "tokenizer", "ray start", "set 0 placement group",
+                                     "set 1 placement group", "set 0 worker start", "set 1 worker start",
+                                     "worker facts", "clock offsets", *workers])
+    for row in startup["stages"]:
+        assert set(row) == {"stage", "start_s", "end_s", "seconds"}
+        assert row["seconds"] >= 0, row
+    assert isinstance(startup["first_iteration_s"], float)
