@@ -101,6 +101,12 @@ def test_the_fsdp_wrapped_engine_pays_its_own_fixed_costs_where_the_executor_wra
             forward = costs.inference_parts(fp32, LLAMA7, InferConfig(dp=dp, micro_batch=1), SetShape(dp, 8),
                                             2 * dp, 128, "lm", fsdp=fsdp)
             assert forward["runtime"] == pytest.approx(2 * forward_us * 1e-6), (dp, fsdp)
+    split = fp32.model_copy(update={"runtime": runtime.model_copy(update={
+        "tp_forward_pass_us": 40, "tp_train_pass_us": 60, "tp_optimizer_tensor_us": 1})})
+    tp2 = costs.train_step_parts(split, LLAMA7, TrainConfig(tp=2, micro_batch=1), SetShape(2, 8), 2, 128, "lm")
+    assert tp2["runtime"] == pytest.approx(2 * 360e-6 + tensors * 3e-6)  # on top of the unsplit engine's
+    forward = costs.inference_parts(split, LLAMA7, InferConfig(tp=2, micro_batch=1), SetShape(2, 8), 2, 128, "lm")
+    assert forward["runtime"] == pytest.approx(2 * 140e-6)
     bf16 = fp32.model_copy(update={"compute": fp32.compute.model_copy(update={"value_bytes": 2})})
     one_rank = costs.train_step_parts(bf16, LLAMA7, TrainConfig(micro_batch=1), SetShape(1, 8), 2, 128, "lm")
     assert one_rank["runtime"] == pytest.approx(2 * 900e-6 + tensors * 5e-6)

@@ -307,10 +307,11 @@ def test_quick_cpu_profile_end_to_end(tmp_path):
         assert counts.get(kind, 0) > 0, kind
     assert set(frame.loc[frame["kind"] == "collective", "op"]) == set(COLLECTIVES)
     assert (frame["seconds"] > 0).all()
-    # The FSDP2-wrapped engine is timed across the profiled world (its ranks computing at once), the unwrapped
-    # one on a rank of its own; the raw rows behind them are not written twice.
+    # The FSDP2-wrapped and the tensor-parallel engine are timed across the profiled world (its ranks computing
+    # at once), the unwrapped one on a rank of its own; the raw rows behind them are not written twice.
     engine = frame[frame["kind"] == "runtime"].set_index("op")["world"]
     assert engine["fsdp_train_step_3_micro_batches"] == engine["fsdp_engine_log_prob"] == 2
+    assert engine["tp_train_step_3_micro_batches"] == engine["tp_engine_log_prob"] == 2
     assert engine["train_step_3_micro_batches"] == engine["forward_pass"] == 1
     assert "engine" not in set(frame["kind"])
     assert profile.runtime.fsdp_train_pass_us is not None
@@ -423,3 +424,5 @@ def test_runtime_costs_measured_on_the_executor_engine():
     log_prob = rows["fsdp_engine_log_prob"]
     assert log_prob["predicted_s"] == pytest.approx(forward_model)
     assert rt.forward_pass_s(True) == pytest.approx(max(0.0, log_prob["seconds"] - forward_model), abs=1e-8)
+    # No world profiled (a world of one): nothing measured of a tensor-parallel engine, nothing charged for it.
+    assert rt.tp_forward_pass_us == rt.tp_train_pass_us == rt.tp_optimizer_tensor_us == 0.0

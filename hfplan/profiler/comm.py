@@ -20,7 +20,7 @@ from hfplan.errors import HfplanError
 from hfplan.executor.loopback import loopback_interface
 from hfplan.profiler.device import Device
 from hfplan.profiler.fit import COLLECTIVES, collective_terms
-from hfplan.profiler.runtime import engine_seconds
+from hfplan.profiler.runtime import FSDP, TP, engine_seconds
 
 Step = Callable[[], None]
 
@@ -32,7 +32,8 @@ def points(sizes: Sequence[int]) -> int:
 
 def measure_collectives(torch, device: Device, sizes: Sequence[int], min_time: float, step: Step) -> list[dict]:
     """All-reduce, all-gather, reduce-scatter and point-to-point over `device.world_size` processes, then the
-    training engine wrapped in FSDP2 across them (rows of kind `engine`, for runtime.measure_runtime)."""
+    training engine wrapped in FSDP2 and split by tensor parallelism across them (rows of kind `engine`, for
+    runtime.measure_runtime)."""
     import torch.multiprocessing as mp
 
     if device.world_size < 2:
@@ -88,7 +89,8 @@ def _worker(rank: int, world: int, kind: str, init: str, sizes: tuple[int, ...],
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=timedelta(minutes=5))
     try:
         rows = _sweep(torch, dist, rank, world, kind, dtype, sizes, min_time, messages)
-        rows += engine_seconds(torch, kind, fsdp=True).rows()  # every rank computing at once, as in a run
+        for mode in (FSDP, TP):  # every rank computing at once, as a layout's ranks do in a run
+            rows += engine_seconds(torch, kind, mode).rows()
         if rank == 0:
             messages.put(("rows", rows))
     finally:

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from hfplan.layout import stage_parameter_tensors
+from hfplan.layout import stage_parameter_tensors, trains_through_fsdp
 from hfplan.plan import InferConfig, Layout, TrainConfig
 from hfplan.profiler.compute import compute_dtype
 from hfplan.profiler.device import Device
@@ -57,11 +57,11 @@ def _row(op: str, seconds: float, predicted: float, world: int = 1) -> dict:
 
 
 def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: float, ray_calls: int = RAY_CALLS,
-                    across: EngineSeconds | None = None) -> RuntimeFit:
+                    across: dict[str, EngineSeconds] | None = None) -> RuntimeFit:
     """Forward-pass, engine-step (static and continuous), training-pass, optimizer-step and (with ray)
-    controller-call costs, with the rows behind them. `across`: the FSDP2 engine timed over the profiled world
-    (measure_collectives' processes, all computing at once, as a data-parallel layout's ranks do); without it,
-    over a world of one."""
+    controller-call costs, with the rows behind them. `across`: the engine wrapped in FSDP2 and split by tensor
+    parallelism, each timed over the profiled world (measure_collectives' processes, all computing at once, as
+    a layout's ranks do); without them, FSDP2 over a world of one and no tensor-parallel costs."""
     from hfplan.executor.models import build_model
     from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
 
@@ -84,9 +84,15 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
     step_model = costs.decode_step_time(bare, arch, Layout(), one, 1, PROMPT + (SHORT + LONG) / 2)
     rows = [_row("forward_pass", forward_s, forward_model), _row("engine_step", step_s, step_model),
             _row("engine_step_continuous", continuous_s, step_model)]
-    train = _train_fixed(bare, _engine_on_one_rank(torch, device, fsdp=False))
-    wrapped = _train_fixed(bare, across or _engine_on_one_rank(torch, device, fsdp=True))
+    across = across or {}
+    train = _train_fixed(bare, _engine_on_one_rank(torch, device, PLAIN))
+    wrapped = _train_fixed(bare, across.get(FSDP) or _engine_on_one_rank(torch, device, FSDP))
     rows += train.rows + wrapped.rows
+    # Tensor parallelism's costs on top of those of the engine it splits (one data-parallel rank): only where
+    # a world was profiled.
+    unsplit = wrapped if trains_through_fsdp(1, bare.compute.value_bytes) else train
+    split = _train_fixed(bare, across[TP]) if TP in across else unsplit
+    rows += split.rows if TP in across else []
     controller_us, measured_ray, resident_gib = 0.0, False, 0.0
     ray_worker = _ray_worker(ray_calls)
     if ray_worker is not None:
@@ -99,44 +105,54 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
                       engine_step_continuous_us=round(fixed_us(continuous_s, step_model), 2),
                       train_pass_us=round(train.pass_us, 2), optimizer_tensor_us=round(train.tensor_us, 3),
                       fsdp_forward_pass_us=round(wrapped.forward_us, 2), fsdp_train_pass_us=round(wrapped.pass_us, 2),
-                      fsdp_optimizer_tensor_us=round(wrapped.tensor_us, 3))
+                      fsdp_optimizer_tensor_us=round(wrapped.tensor_us, 3),
+                      tp_forward_pass_us=round(max(0.0, split.forward_us - unsplit.forward_us), 2),
+                      tp_train_pass_us=round(max(0.0, split.pass_us - unsplit.pass_us), 2),
+                      tp_optimizer_tensor_us=round(max(0.0, split.tensor_us - unsplit.tensor_us), 3))
     return RuntimeFit(runtime, rows, measured_ray, round(resident_gib, 3))
 
 
+PLAIN, FSDP, TP = "plain", "fsdp", "tp"  # the training engine as one rank trains, over FSDP2 ranks, split by tp
 ENGINE_REPS = 7  # timed calls per measurement of the training engine (the median kept); fixed, so every rank
 # of a world makes the same collectives
 
 
 @dataclass(frozen=True)
 class EngineSeconds:
-    """Seconds of the training engine over a world of `world` ranks (each rank its own share): an actor update
-    (one optimizer step) on FEW and MANY micro-batches of one sequence per rank, and a log-prob call of one
-    sequence per rank."""
+    """Seconds of the training engine in `mode` over a world of `world` ranks: an actor update (one optimizer
+    step) on FEW and MANY micro-batches of one sequence per data-parallel rank, and a log-prob call of one
+    sequence per data-parallel rank."""
 
     world: int
-    fsdp: bool
+    mode: str  # PLAIN, FSDP or TP
     steps: dict[int, float]
     log_prob: float
 
+    @property
+    def prefix(self) -> str:
+        return "" if self.mode == PLAIN else f"{self.mode}_"
+
     def rows(self) -> list[dict]:
         """As raw profile rows (kind `engine`), for the parent process to turn into runtime rows."""
-        engine = "fsdp_" if self.fsdp else ""
-        return ([dict(kind="engine", op=f"{engine}train_step_{n}_micro_batches", world=self.world, seconds=s)
-                 for n, s in self.steps.items()]
-                + [dict(kind="engine", op=f"{engine}engine_log_prob", world=self.world, seconds=self.log_prob)])
+        return ([dict(kind="engine", op=f"{self.prefix}train_step_{n}_micro_batches", world=self.world,
+                      mode=self.mode, seconds=s) for n, s in self.steps.items()]
+                + [dict(kind="engine", op=f"{self.prefix}engine_log_prob", world=self.world, mode=self.mode,
+                        seconds=self.log_prob)])
 
     @classmethod
-    def from_rows(cls, rows: list[dict]) -> EngineSeconds | None:
-        """The FSDP2 engine's measurement among raw rows (from measure_collectives' worlds), if any."""
-        by_op = {r["op"]: r for r in rows if r.get("kind") == "engine"}
-        if not by_op:
-            return None
-        steps = {n: by_op[f"fsdp_train_step_{n}_micro_batches"]["seconds"] for n in (FEW, MANY)}
-        world = int(by_op["fsdp_engine_log_prob"]["world"])
-        return cls(world, True, steps, by_op["fsdp_engine_log_prob"]["seconds"])
+    def from_rows(cls, rows: list[dict]) -> dict[str, EngineSeconds]:
+        """The engines' measurements among raw rows (from measure_collectives' worlds), by mode."""
+        out = {}
+        for mode in (FSDP, TP):
+            by_op = {r["op"]: r for r in rows if r.get("kind") == "engine" and r["mode"] == mode}
+            if by_op:
+                steps = {n: by_op[f"{mode}_train_step_{n}_micro_batches"]["seconds"] for n in (FEW, MANY)}
+                log_prob = by_op[f"{mode}_engine_log_prob"]
+                out[mode] = cls(int(log_prob["world"]), mode, steps, log_prob["seconds"])
+        return out
 
 
-def engine_seconds(torch, kind: str, fsdp: bool) -> EngineSeconds:
+def engine_seconds(torch, kind: str, mode: str) -> EngineSeconds:
     """Time the executor's training engine on the process group this process is in (every rank calls this):
     each measurement the median of ENGINE_REPS calls, each call the slowest rank's (a collective ends with its
     slowest rank)."""
@@ -149,9 +165,10 @@ def engine_seconds(torch, kind: str, fsdp: bool) -> EngineSeconds:
 
     arch, world = CATALOG[MODEL], dist.get_world_size()
     clock = Clock(torch, kind)
-    mesh = ParallelDims(1, 1, world, 1).build(kind)
+    mesh = (ParallelDims(1, 1, 1, world) if mode == TP else ParallelDims(1, 1, world, 1)).build(kind)
     model = build_model(MODEL, "lm", seed=0, dtype=torch.float32)
-    role = RoleModel(model, mesh, Hyperparameters(), kind, compute_dtype(kind), pad_id=0, lr=1e-6, fsdp=fsdp)
+    role = RoleModel(model, mesh, Hyperparameters(), kind, compute_dtype(kind), pad_id=0, lr=1e-6,
+                     fsdp=True if mode == FSDP else None if mode == TP else False)
 
     def timed(fn) -> float:
         fn()  # warm-up
@@ -177,7 +194,7 @@ def engine_seconds(torch, kind: str, fsdp: bool) -> EngineSeconds:
                                                                use_kl_loss=False))
     one = {key: batch[key][:1] for key in ("prompts", "responses", "response_mask")}
     log_prob = timed(lambda: role.log_probs(**one, micro_batch=1))
-    return EngineSeconds(world, fsdp, steps, log_prob)
+    return EngineSeconds(world, mode, steps, log_prob)
 
 
 @dataclass(frozen=True)
@@ -189,33 +206,32 @@ class _TrainFixed:
 
 
 def _train_fixed(bare: HardwareProfile, measured: EngineSeconds) -> _TrainFixed:
-    """The training engine's fixed costs, as it trains on one rank (`fsdp` False) or wrapped in FSDP2 (over
-    the measured world): a step of n micro-batches takes n passes and one optimizer step, so its time beyond
-    the modelled kernels and collectives is n * pass + step; FEW and MANY micro-batches give both. The step's
-    share is spread over the model's parameter tensors (the optimizer, the clipping and the zeroing visit each
-    one). Also a log-prob call of one micro-batch through the same engine, beyond its modelled forward (with
-    FSDP2: gathering the weights for the call and freeing them after, on top of the pass)."""
-    arch, world = CATALOG[MODEL], measured.world
+    """The training engine's fixed costs in the measured mode (as one rank trains, wrapped in FSDP2 or split by
+    tensor parallelism over the measured world): a step of n micro-batches takes n passes and one optimizer
+    step, so its time beyond the modelled kernels and collectives is n * pass + step; FEW and MANY micro-batches
+    give both. The step's share is spread over the model's parameter tensors (the optimizer, the clipping and the
+    zeroing visit each one). Also a log-prob call of one micro-batch through the same engine, beyond its modelled
+    forward (with FSDP2: gathering the weights for the call and freeing them after, on top of the pass)."""
+    arch, world, fsdp = CATALOG[MODEL], measured.world, measured.mode == FSDP
     where = costs.SetShape(world, world)
-    shard = "full" if measured.fsdp else "replicated"
-    modelled = {n: costs.train_step_time(bare, arch, TrainConfig(dp=world, micro_batch=1, shard=shard), where,
-                                         n * world, PROMPT + LONG, "lm") for n in (FEW, MANY)}
+    tp, dp = (world, 1) if measured.mode == TP else (1, world)
+    train = TrainConfig(tp=tp, dp=dp, micro_batch=1, shard="full" if fsdp else "replicated")
+    modelled = {n: costs.train_step_time(bare, arch, train, where, n * dp, PROMPT + LONG, "lm") for n in (FEW, MANY)}
     beyond = {n: measured.steps[n] - modelled[n] for n in (FEW, MANY)}
     pass_s = max(0.0, (beyond[MANY] - beyond[FEW]) / (MANY - FEW))
     step_s = max(0.0, beyond[FEW] - FEW * pass_s)
-    forward_model = costs.inference_time(bare, arch, InferConfig(dp=world, micro_batch=1), where, world,
-                                         PROMPT + LONG, "lm", world if measured.fsdp else 1, measured.fsdp)
-    engine = "fsdp_" if measured.fsdp else ""
-    rows = [_row(f"{engine}train_step_{n}_micro_batches", measured.steps[n], modelled[n], world)
+    forward_model = costs.inference_time(bare, arch, InferConfig(tp=tp, dp=dp, micro_batch=1), where, dp,
+                                         PROMPT + LONG, "lm", dp if fsdp else 1, fsdp)
+    rows = [_row(f"{measured.prefix}train_step_{n}_micro_batches", measured.steps[n], modelled[n], world)
             for n in (FEW, MANY)]
-    rows.append(_row(f"{engine}engine_log_prob", measured.log_prob, forward_model, world))
+    rows.append(_row(f"{measured.prefix}engine_log_prob", measured.log_prob, forward_model, world))
     return _TrainFixed(pass_s * 1e6, step_s * 1e6 / stage_parameter_tensors(arch, 1, "lm"),
                        fixed_us(measured.log_prob, forward_model), rows)
 
 
-def _engine_on_one_rank(torch, device: Device, fsdp: bool) -> EngineSeconds:
+def _engine_on_one_rank(torch, device: Device, mode: str) -> EngineSeconds:
     with _world_of_one(torch, device):
-        return engine_seconds(torch, device.kind, fsdp)
+        return engine_seconds(torch, device.kind, mode)
 
 
 @contextmanager

@@ -148,23 +148,34 @@ class Runtime(_Strict):
         default=None, ge=0, description="optimizer_tensor_us for the engine wrapped in FSDP2 (the update over "
                                         "DTensor shards); None: optimizer_tensor_us")
 
-    def forward_pass_s(self, fsdp: bool = False) -> float:
-        """Seconds of fixed cost per forward micro-batch; `fsdp`: through a trained role's FSDP2-wrapped engine."""
-        if fsdp and self.fsdp_forward_pass_us is not None:
-            return self.fsdp_forward_pass_us * 1e-6
-        return self.forward_pass_us * 1e-6
+    tp_forward_pass_us: float = Field(default=0.0, ge=0, description="fixed cost of one forward pass of an "
+                                      "engine split by tensor parallelism (DTensor dispatch, its collectives' "
+                                      "host work) on top of the unsplit engine's")
+    tp_train_pass_us: float = Field(default=0.0, ge=0, description="the same on top of a training micro-batch")
+    tp_optimizer_tensor_us: float = Field(default=0.0, ge=0, description="the same on top of an optimizer step, "
+                                          "per parameter tensor")
 
-    def train_pass_s(self, fsdp: bool = False) -> float:
-        """Seconds of fixed cost per training micro-batch; `fsdp`: through the FSDP2-wrapped engine."""
+    def forward_pass_s(self, fsdp: bool = False, tp: bool = False) -> float:
+        """Seconds of fixed cost per forward micro-batch; `fsdp`: through a trained role's FSDP2-wrapped engine;
+        `tp`: the model split by tensor parallelism."""
+        base = self.fsdp_forward_pass_us if fsdp and self.fsdp_forward_pass_us is not None else self.forward_pass_us
+        return (base + (self.tp_forward_pass_us if tp else 0.0)) * 1e-6
+
+    def train_pass_s(self, fsdp: bool = False, tp: bool = False) -> float:
+        """Seconds of fixed cost per training micro-batch; `fsdp`: through the FSDP2-wrapped engine; `tp`: split
+        by tensor parallelism."""
         if fsdp and self.fsdp_train_pass_us is not None:
-            return self.fsdp_train_pass_us * 1e-6
-        return (self.forward_pass_us if self.train_pass_us is None else self.train_pass_us) * 1e-6
+            base = self.fsdp_train_pass_us
+        else:
+            base = self.forward_pass_us if self.train_pass_us is None else self.train_pass_us
+        return (base + (self.tp_train_pass_us if tp else 0.0)) * 1e-6
 
-    def optimizer_tensor_s(self, fsdp: bool = False) -> float:
-        """Seconds of fixed cost of an optimizer step per parameter tensor; `fsdp`: over FSDP2's shards."""
-        if fsdp and self.fsdp_optimizer_tensor_us is not None:
-            return self.fsdp_optimizer_tensor_us * 1e-6
-        return self.optimizer_tensor_us * 1e-6
+    def optimizer_tensor_s(self, fsdp: bool = False, tp: bool = False) -> float:
+        """Seconds of fixed cost of an optimizer step per parameter tensor; `fsdp`: over FSDP2's shards; `tp`:
+        over tensor-parallel shards."""
+        base = (self.fsdp_optimizer_tensor_us if fsdp and self.fsdp_optimizer_tensor_us is not None
+                else self.optimizer_tensor_us)
+        return (base + (self.tp_optimizer_tensor_us if tp else 0.0)) * 1e-6
 
     def engine_step_s(self, batching: str) -> float:
         """Seconds of fixed cost per step of an engine batching `batching` (GenConfig.batching)."""

@@ -246,14 +246,14 @@ def train_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, whe
     per_micro = {name: seconds + backward[name] for name, seconds in forward.items()}
     per_micro["recompute"] = _recompute_seconds(sp, Recompute.of(cfg.recompute))
     per_micro["pp_comm"] = 2 * v * _p2p(hw, arch, cfg, where, micro * seq_len)
-    fsdp = trains_through_fsdp(cfg.dp, hw.compute.value_bytes)
-    per_micro["runtime"] = v * hw.runtime.train_pass_s(fsdp)
+    fsdp, split = trains_through_fsdp(cfg.dp, hw.compute.value_bytes), cfg.tp > 1
+    per_micro["runtime"] = v * hw.runtime.train_pass_s(fsdp, split)
     local_params = stage_params(arch, cfg.pp, head) / cfg.tp
     exposed = sharding.exposed_step_comm(hw, arch, cfg, where, head, sp.forward,
                                          sp.backward + per_micro["recompute"], n_micro)
     optimizer_params = local_params * sharding.optimizer_fraction(cfg)
     optimizer = memory_time(hw, ADAM_BYTES_PER_PARAM * optimizer_params)
-    per_tensor = stage_parameter_tensors(arch, cfg.pp, head) * hw.runtime.optimizer_tensor_s(fsdp)
+    per_tensor = stage_parameter_tensors(arch, cfg.pp, head) * hw.runtime.optimizer_tensor_s(fsdp, split)
     return _pipelined(per_micro, n_micro, (cfg.pp - 1) / v, dp_comm=exposed, optimizer=optimizer, runtime=per_tensor)
 
 
@@ -285,7 +285,7 @@ def inference_parts(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, wher
     micro, n_micro = _per_rank(sequences, cfg.dp, cfg.micro_batch)
     sp = stage_pass(hw, arch, cfg.tp, cfg.pp, where, micro, seq_len, head, memo=memo)
     per_micro = dict(sp.forward_parts, pp_comm=_p2p(hw, arch, cfg, where, micro * seq_len),
-                     runtime=hw.runtime.forward_pass_s(fsdp))
+                     runtime=hw.runtime.forward_pass_s(fsdp, cfg.tp > 1))
     exposed = 0.0
     if weight_shards > 1:
         gather = sharding.weight_gather_seconds(hw, arch, cfg, where, head, weight_shards)
