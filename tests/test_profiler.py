@@ -426,3 +426,14 @@ def test_runtime_costs_measured_on_the_executor_engine():
     assert rt.forward_pass_s(True) == pytest.approx(max(0.0, log_prob["seconds"] - forward_model), abs=1e-8)
     # No world profiled (a world of one): nothing measured of a tensor-parallel engine, nothing charged for it.
     assert rt.tp_forward_pass_us == rt.tp_train_pass_us == rt.tp_optimizer_tensor_us == 0.0
+
+
+def test_the_tensor_parallel_engine_is_timed_only_over_worlds_the_demo_model_splits_over():
+    from hfplan.layout import shape_problem
+    from hfplan.profiler.runtime import MODEL, splits_by_tp
+
+    tiny = CATALOG[MODEL]
+    assert splits_by_tp(2) and not splits_by_tp(1)
+    for world in (3, 4, 8):  # its 2 KV heads split over 2 ranks only
+        assert shape_problem(tiny, "train", world, 1) is not None
+        assert not splits_by_tp(world)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -13,15 +14,24 @@ from tests.support.executor_runs import ARITH_GRPO, cpu_plan, tiny_workload
 
 def test_a_worker_s_stages_follow_one_another_on_the_controller_s_clock():
     log = StartupLog(origin=100.0)
-    log.add_worker("set 1 rank 0", {"start": 12.0, "imports": 15.0, "process group": 15.5, "models": 16.0}, 10.0)
+    log.add_worker("set 1 rank 0", {"start": 12.0, "setup": 13.0, "imports": 15.0, "process group": 15.5,
+                                    "models": 16.0}, 10.0)
     assert log.stages == [("set 1 rank 0 imports", 2.0, 5.0), ("set 1 rank 0 process group", 5.0, 5.5),
                           ("set 1 rank 0 models", 5.5, 6.0)]
+    # imports done before the controller asked for the set-up: the wait between is no stage's
+    later = StartupLog(origin=100.0)
+    later.add_worker("set 0 rank 0", {"start": 12.0, "imports": 13.0, "setup": 14.0, "process group": 14.5,
+                                      "models": 15.0}, 10.0)
+    assert later.stages == [("set 0 rank 0 imports", 2.0, 3.0), ("set 0 rank 0 process group", 4.0, 4.5),
+                            ("set 0 rank 0 models", 4.5, 5.0)]
 
 
 def test_the_launch_is_this_process_s_start():
     launched = process_start_time()
     assert launched is not None  # Linux: /proc says
-    assert launched <= StartupLog().origin
+    now = time.time()
+    assert now - 3600 < launched <= now  # this test process started within the hour, and before now
+    assert StartupLog().origin == pytest.approx(launched, abs=1e-3)  # read again: the clocks tick between
 
 
 @pytest.mark.slow

@@ -61,8 +61,11 @@ def raylet_reports_into(log: Path) -> Callable[[], None]:
         if data.get("pid") != "raylet":
             shown(data, ignore_prefix=ignore_prefix)
             return
-        with log.open("a") as sink:
-            sink.writelines(f"(raylet) {line}\n" for line in data.get("lines", []))
+        try:
+            with log.open("a") as sink:
+                sink.writelines(f"(raylet) {line}\n" for line in data.get("lines", []))
+        except OSError:  # the run folder is gone (a refused or interrupted start removes it): nothing to keep
+            return
 
     ray_worker.print_to_stdstream = raylet_into_log
 

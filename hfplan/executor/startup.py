@@ -24,12 +24,12 @@ logger = logging.getLogger(__name__)
 
 def process_start_time() -> float | None:
     """When this process was launched (wall clock), where the system says (Linux); else None."""
-    try:
+    try:  # field 22 of /proc/self/stat: clock ticks from boot to this process's start
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
+        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)  # to the nanosecond (/proc/uptime: 10 ms)
+    except (OSError, ValueError, IndexError, AttributeError):
         return None
-    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    return time.time() - since_boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -52,11 +52,13 @@ class StartupLog:
             self.add(name, start, time.time())
 
     def add_worker(self, where: str, marks: dict[str, float], offset: float) -> None:
-        """A worker's stages from its marks (`start` then the end of each of WORKER_STAGES, its clock)."""
+        """A worker's stages from its marks (`start`, `setup` and the end of each of WORKER_STAGES, its clock):
+        the imports from its start, the rest from the later of the imports' end and the set-up call's start
+        (an import that ended before the call does not count the wait for it)."""
         previous = marks["start"]
         for name in WORKER_STAGES:
             self.add(f"{where} {name}", previous - offset, marks[name] - offset)
-            previous = marks[name]
+            previous = max(marks[name], marks.get("setup", marks[name]))
 
     def write(self, folder: Path, first_iteration: float) -> None:
         """`startup.json`: each stage's start and end (seconds after launch) and length, and the first iteration's

@@ -89,6 +89,11 @@ def fetch_fields(fields: dict) -> dict[str, np.ndarray]:
 RUNTIME_MODULE = "hfplan.executor.runtime"  # the roles' engines: imports torch and transformers
 
 
+def _imported(name: str) -> tuple[object, float]:
+    """The module, and when its import ended (this process's clock)."""
+    return importlib.import_module(name), time.time()
+
+
 class SetWorker:
     """Instantiated by the controller as a Ray actor (see placement.py)."""
 
@@ -97,7 +102,7 @@ class SetWorker:
         # starts the other workers and the set's rendezvous, and waited for in setup.
         self.marks = {"start": time.time()}
         pool = ThreadPoolExecutor(1, thread_name_prefix="hfplan-imports")
-        self._imports: Future = pool.submit(importlib.import_module, RUNTIME_MODULE)
+        self._imports: Future = pool.submit(_imported, RUNTIME_MODULE)
         pool.shutdown(wait=False)
         self.spec = spec
         self.plan = Plan.model_validate_json(spec.plan_json)
@@ -115,13 +120,13 @@ class SetWorker:
         return time.time()
 
     def setup(self, host: str, port: int) -> dict[str, float]:
-        """Join the set's world and build its roles; returns this worker's start-up marks (its clock): `start`
-        and the end of each of startup.WORKER_STAGES."""
-        runtime = self._imports.result()
+        """Join the set's world and build its roles; returns this worker's start-up marks (its clock): `start`,
+        `setup` (when this call began) and the end of each of startup.WORKER_STAGES."""
+        self.marks["setup"] = time.time()
+        runtime, self.marks[WORKER_STAGES[0]] = self._imports.result()
         import torch
         import torch.distributed as dist
 
-        self.marks[WORKER_STAGES[0]] = time.time()
         spec = self.spec
         if spec.device == "cuda":
             torch.cuda.set_device(0)  # Ray exposes exactly the bundle's GPU to this process

@@ -20,7 +20,7 @@ from hfplan.errors import HfplanError
 from hfplan.executor.loopback import loopback_interface
 from hfplan.profiler.device import Device
 from hfplan.profiler.fit import COLLECTIVES, collective_terms
-from hfplan.profiler.runtime import FSDP, TP, engine_seconds
+from hfplan.profiler.runtime import FSDP, TP, engine_seconds, splits_by_tp
 
 Step = Callable[[], None]
 
@@ -32,8 +32,8 @@ def points(sizes: Sequence[int]) -> int:
 
 def measure_collectives(torch, device: Device, sizes: Sequence[int], min_time: float, step: Step) -> list[dict]:
     """All-reduce, all-gather, reduce-scatter and point-to-point over `device.world_size` processes, then the
-    training engine wrapped in FSDP2 and split by tensor parallelism across them (rows of kind `engine`, for
-    runtime.measure_runtime)."""
+    training engine wrapped in FSDP2 and (where the demo model splits over them) split by tensor parallelism
+    across them (rows of kind `engine`, for runtime.measure_runtime)."""
     import torch.multiprocessing as mp
 
     if device.world_size < 2:
@@ -43,7 +43,7 @@ def measure_collectives(torch, device: Device, sizes: Sequence[int], min_time: f
     with tempfile.TemporaryDirectory(prefix="hfplan-profile-") as folder:
         init = Path(folder, "rendezvous").as_uri()
         context = mp.start_processes(_worker, args=(device.world_size, device.kind, init, tuple(sizes), min_time,
-                                                    messages), nprocs=device.world_size, join=False,
+                                                    device.threads, messages), nprocs=device.world_size, join=False,
                                      start_method="spawn")
         try:
             done = False
@@ -72,7 +72,8 @@ def _drain(messages, step: Step) -> list[dict]:
             rows += payload
 
 
-def _worker(rank: int, world: int, kind: str, init: str, sizes: tuple[int, ...], min_time: float, messages) -> None:
+def _worker(rank: int, world: int, kind: str, init: str, sizes: tuple[int, ...], min_time: float, threads: int,
+            messages) -> None:
     import torch
     import torch.distributed as dist
 
@@ -89,7 +90,8 @@ def _worker(rank: int, world: int, kind: str, init: str, sizes: tuple[int, ...],
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=timedelta(minutes=5))
     try:
         rows = _sweep(torch, dist, rank, world, kind, dtype, sizes, min_time, messages)
-        for mode in (FSDP, TP):  # every rank computing at once, as a layout's ranks do in a run
+        torch.set_num_threads(threads)  # the engines as a run's workers compute (the collectives took one)
+        for mode in (FSDP, TP) if splits_by_tp(world) else (FSDP,):  # every rank computing at once, as in a run
             rows += engine_seconds(torch, kind, mode).rows()
         if rank == 0:
             messages.put(("rows", rows))

@@ -45,6 +45,9 @@ def fits_table(result: Result) -> Table:
                   f"{rt.forward_pass_s(True) * 1e6:.1f} / {rt.train_pass_s(True) * 1e6:.1f} / "
                   f"{rt.optimizer_tensor_s(True) * 1e6:.2f}",
                   "measured beyond the modelled kernels, on the engine wrapped in FSDP2")
+    table.add_row("split by tensor parallelism, on top: forward / training micro-batch / optimizer step per tensor us",
+                  f"{rt.tp_forward_pass_us:.1f} / {rt.tp_train_pass_us:.1f} / {rt.tp_optimizer_tensor_us:.2f}",
+                  "measured across the profiled world (0: not measured)")
     table.add_row("memory capacity / reserved GiB", f"{hw.memory.capacity_gib:g} / {hw.memory.reserved_gib:g}",
                   "per device")
     for label, link, fit in (("intra-node", hw.links.intra_node, fits.intra), ("host", hw.links.host, fits.host)):

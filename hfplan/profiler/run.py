@@ -113,15 +113,17 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
         across = runtime.EngineSeconds.from_rows(rows)
         rows = [r for r in rows if r["kind"] != "engine"]  # become runtime rows, with their predictions
         fixed = runtime.measure_runtime(torch, device, profile, sweeps.min_time, sweeps.ray_calls, across)
-    memory = profile.memory.model_copy(update={"worker_resident_gib": fixed.worker_resident_gib})
+    resident = fixed.worker_resident_gib if fixed.ray else request.base.memory.worker_resident_gib
+    memory = profile.memory.model_copy(update={"worker_resident_gib": resident})
     profile = profile.model_copy(update={
         "runtime": fixed.runtime, "memory": memory,
         "description": profile.description + " Runtime: a forward pass of the demo model, a decode step of the "
-                       "executor's torch rollout engine, and a micro-batch and an optimizer step of its training "
-                       "engine (as one rank trains, and wrapped in FSDP2 with a log-prob call), less their "
-                       "modelled kernels"
+                       "executor's torch rollout engine, and a micro-batch, an optimizer step and a log-prob "
+                       "call of its training engine (as one rank trains, and across the profiled world wrapped in "
+                       "FSDP2 and split by tensor parallelism), less their modelled kernels and collectives"
                        + (", and a round trip through a Ray actor (and that worker's resident memory)" if fixed.ray
-                          else "; controller call and worker memory not measured (--quick, or ray not importable)")
+                          else "; controller call and worker memory not measured (--quick, or ray not importable; "
+                          f"worker memory carried over from base profile '{request.base.name}')")
                        + "."})
     rows += fixed.rows
 

@@ -4,9 +4,10 @@ Each is what one unit of work takes beyond what the cost model charges for its k
 fitted: a forward pass of the demo model through its HF module, a decode step of the executor's torch rollout
 engine with static and with continuous batching (the slope of generation time over decode steps, so the
 prefills drop out), a training micro-batch and an optimizer step of the executor's training engine (the slope of
-a step's time over its micro-batches, and what is left at none) as it trains on one rank and wrapped in FSDP2
-(over a world of one), a log-prob call through the FSDP2-wrapped engine, and a round trip of a call through a
-Ray actor (how the controller reaches a worker).
+a step's time over its micro-batches, and what is left at none) and a log-prob call through it, as it trains on
+one rank and, across the profiled world (every rank computing at once), wrapped in FSDP2 and split by tensor
+parallelism, and a round trip of a call through a Ray actor (how the controller reaches a worker) with that
+worker's own resident memory.
 torch and ray are passed in or imported here, only when `hfplan profile` runs.
 """
 
@@ -21,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from hfplan.layout import stage_parameter_tensors, trains_through_fsdp
+from hfplan.layout import shape_problem, stage_parameter_tensors, trains_through_fsdp
 from hfplan.plan import InferConfig, Layout, TrainConfig
 from hfplan.profiler.compute import compute_dtype
 from hfplan.profiler.device import Device
@@ -152,6 +153,12 @@ class EngineSeconds:
         return out
 
 
+def splits_by_tp(world: int) -> bool:
+    """Whether the demo model trains split by tensor parallelism over the whole world (its KV heads, heads, MLP
+    width and vocabulary divide by it): where not, no tensor-parallel engine is timed."""
+    return world > 1 and shape_problem(CATALOG[MODEL], "train", world, 1) is None
+
+
 def engine_seconds(torch, kind: str, mode: str) -> EngineSeconds:
     """Time the executor's training engine on the process group this process is in (every rank calls this):
     each measurement the median of ENGINE_REPS calls, each call the slowest rank's (a collective ends with its
@@ -192,7 +199,8 @@ def engine_seconds(torch, kind: str, mode: str) -> EngineSeconds:
                  "old_log_probs": torch.zeros(n, LONG), "advantages": torch.ones(n, LONG)}
         steps[n] = timed(lambda batch=batch: role.update_actor(batch, mini_batches=1, epochs=1, micro_batch=1,
                                                                use_kl_loss=False))
-    one = {key: batch[key][:1] for key in ("prompts", "responses", "response_mask")}
+    one = {"prompts": torch.randint(1, arch.vocab, (1, PROMPT)), "responses": torch.randint(1, arch.vocab, (1, LONG)),
+           "response_mask": torch.ones(1, LONG, dtype=torch.long)}
     log_prob = timed(lambda: role.log_probs(**one, micro_batch=1))
     return EngineSeconds(world, mode, steps, log_prob)
 

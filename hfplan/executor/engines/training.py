@@ -131,7 +131,7 @@ class RoleModel:
             self.module.to(self.device).eval().requires_grad_(False)
             return
         if fsdp is None:
-            fsdp = trains_through_fsdp(self.dims.replicate * self.dims.shard, param_dtype.itemsize)
+            fsdp = trains_through_fsdp(self.dims.dp, param_dtype.itemsize)
         if fsdp:
             self._shard(param_dtype)
         else:
