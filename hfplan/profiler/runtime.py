@@ -114,6 +114,8 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
 
 
 PLAIN, FSDP, TP = "plain", "fsdp", "tp"  # the training engine as one rank trains, over FSDP2 ranks, split by tp
+# RoleModel's `fsdp` per mode: split by tp, the engine wraps as the layout rule says (one data-parallel rank)
+WRAPS_IN_FSDP = {PLAIN: False, FSDP: True, TP: None}
 ENGINE_REPS = 7  # timed calls per measurement of the training engine (the median kept); fixed, so every rank
 # of a world makes the same collectives
 
@@ -175,7 +177,7 @@ def engine_seconds(torch, kind: str, mode: str) -> EngineSeconds:
     mesh = (ParallelDims(1, 1, 1, world) if mode == TP else ParallelDims(1, 1, world, 1)).build(kind)
     model = build_model(MODEL, "lm", seed=0, dtype=torch.float32)
     role = RoleModel(model, mesh, Hyperparameters(), kind, compute_dtype(kind), pad_id=0, lr=1e-6,
-                     fsdp=True if mode == FSDP else None if mode == TP else False)
+                     fsdp=WRAPS_IN_FSDP[mode])
 
     def timed(fn) -> float:
         fn()  # warm-up
