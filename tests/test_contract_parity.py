@@ -145,12 +145,14 @@ class _Worker:
     """Stands in for one remote worker: keeps the share of each call dispatched to it (Ray's transport is not
     what this checks; tests/test_execute.py runs the whole path)."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "") -> None:
+        self.name = name
         self.shares: list[dict] = []
         self.call = self
 
-    def remote(self, role: str, op: str, share: dict, options: dict) -> None:
+    def remote(self, role: str, op: str, share: dict, options: dict, call_id: int, keep_from: int) -> str:
         self.shares.append(share)
+        return f"{self.name} call {call_id}"  # stands in for the reference to this rank's outputs
 
 
 LAYOUTS = [Layout(tp=t, pp=p, dp=d) for t, p, d in itertools.product((1, 2), (1, 2), (1, 2, 3, 4))]
@@ -172,3 +174,28 @@ def test_each_replica_receives_the_rows_of_its_batch_chunk(layout, rows):
             (share,) = workers[rank].shares
             assert set(share) == set(piece)
             assert all(np.array_equal(share[name], piece[name]) for name in piece)
+
+
+def test_a_rank_reads_rows_it_made_itself_where_they_are_and_fetches_the_others():
+    """A call's fields made by an earlier call on the same rank come as KeptOutputs of that call (no Ray
+    reference to wait for or fetch); rows of another rank or set come as that rank's output reference."""
+    from hfplan.executor.roles import KeptOutputs, RowsFrom
+
+    def role_on(set_index: int, name: str, workers: list[_Worker], recorder: Recorder) -> WorkerGroupRole:
+        return WorkerGroupRole(name, RoleFacts(output=f"{name}_log_probs"), WorkerSet(set_index, (name,), workers,
+                                                                                    lambda *a: ""),
+                               {ROLE_OPS["log_prob"].layout: Layout(dp=2)}, recorder, timeout_s=1.0)
+
+    recorder = Recorder(clock_offsets={})
+    recorder.start_iteration()
+    here, there = [_Worker("set 0 rank 0"), _Worker("set 0 rank 1")], [_Worker("set 1 rank 0"), _Worker("set 1 rank 1")]
+    first = role_on(0, "a", here, recorder).log_prob(Batch(prompts=np.zeros((4, 3)), responses=np.zeros((4, 2))))
+    made = first["a_log_probs"]
+    role_on(0, "b", here, recorder).log_prob(Batch(prompts=np.zeros((4, 3)), responses=made))
+    role_on(1, "c", there, recorder).log_prob(Batch(prompts=np.zeros((4, 3)), responses=made))
+    for rank in (0, 1):
+        kept = here[rank].shares[1]["responses"]
+        assert kept == RowsFrom("a_log_probs", ((KeptOutputs(made.call.call_id), 0, 2),))
+        fetched = there[rank].shares[0]["responses"]
+        assert fetched == RowsFrom("a_log_probs", ((f"set 0 rank {rank} call {made.call.call_id}", 0, 2),))
+    assert recorder.first_call_id == 0 and recorder.next_call_id == 3

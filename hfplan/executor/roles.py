@@ -8,7 +8,9 @@ rank 0 of the last pipeline stage), in data-parallel order.
 Data movement follows hfplan.layout.transfer_path: a field made by a role call reaches the next call
 directly, worker to worker through Ray's object store (the controller passes references and row ranges
 on, and never fetches the data); a field the controller made (a controller step's output, a rule's
-score) is sent from the controller.
+score) is sent from the controller. Rows a rank made itself in an earlier call of the iteration are read
+where they are: the worker keeps its calls' outputs for the iteration, and Ray runs one caller's calls to an
+actor in the order they were sent, so no Ray reference (no wait, no fetch) is needed for them.
 """
 
 from __future__ import annotations
@@ -43,12 +45,19 @@ class Recorder:
     spans: list[Span] = field(default_factory=list)
     observed: dict[tuple[str, str, bool], dict] = field(default_factory=dict)
     calls: list[PendingCall] = field(default_factory=list)
+    next_call_id: int = 0  # numbers every role call of the run, in dispatch order
+    first_call_id: int = 0  # the current iteration's first: workers keep the outputs of its calls and later
 
     def start_iteration(self) -> None:
         self.origin = time.time()
         self.spans = []
         self.observed = {}
         self.calls = []
+        self.first_call_id = self.next_call_id
+
+    def new_call_id(self) -> int:
+        self.next_call_id += 1
+        return self.next_call_id - 1
 
     def finish_iteration(self) -> None:
         """Fetch what no later call or step fetched (fields only workers read): their spans and the
@@ -76,12 +85,46 @@ class Recorder:
 
 
 @dataclass(frozen=True)
+class KeptOutputs:
+    """The outputs of call `call_id` that the receiving worker made itself and kept."""
+
+    call_id: int
+
+
+@dataclass(frozen=True)
 class RowsFrom:
-    """Rows of a field that a worker fetches itself from another call's outputs: (output ref, first
-    row, end row) pieces, concatenated in order."""
+    """Rows of a field that a worker reads itself from other calls' outputs: (source, first row, end row)
+    pieces, concatenated in order; a source is a Ray reference to fetch, or KeptOutputs of this worker."""
 
     name: str
     pieces: tuple[tuple[object, int, int], ...]
+
+
+@dataclass(frozen=True)
+class OutputPiece:
+    """Rows [lo, hi) of the outputs one rank of a set made in call `call_id` (the controller's view)."""
+
+    ref: object
+    lo: int
+    hi: int
+    set_index: int
+    rank: int
+    call_id: int
+
+    def source_for(self, set_index: int, rank: int) -> object:
+        """How the worker at (set_index, rank) reads these rows: from itself when it made them."""
+        return KeptOutputs(self.call_id) if (set_index, rank) == (self.set_index, self.rank) else self.ref
+
+
+@dataclass(frozen=True)
+class PendingRows:
+    """Rows of field `name` of dispatched calls, as the controller passes them on; RowsFrom per receiver."""
+
+    name: str
+    pieces: tuple[OutputPiece, ...]
+
+    def to(self, set_index: int, rank: int) -> RowsFrom:
+        return RowsFrom(self.name, tuple((p.source_for(set_index, rank), p.lo, p.hi) for p in self.pieces))
 
 
 class PendingCall:
@@ -89,9 +132,10 @@ class PendingCall:
 
     def __init__(self, label: tuple[str, str, bool], set_index: int, refs: list, collect: list[int],
                  rows: list[int], recorder: Recorder, describe_failure: Callable[[Exception], str],
-                 timeout_s: float) -> None:
+                 timeout_s: float, call_id: int) -> None:
         self.label, self.set_index, self.refs, self.collect, self.rows = label, set_index, refs, collect, rows
         self.recorder, self.describe_failure, self.timeout_s = recorder, describe_failure, timeout_s
+        self.call_id = call_id
         self._outputs: dict | None = None
         recorder.calls.append(self)
 
@@ -120,15 +164,16 @@ class PendingCall:
             self.recorder.observed[self.label] = self._outputs
         return self._outputs
 
-    def rows_from(self, name: str, start: int, end: int) -> RowsFrom:
+    def rows_from(self, name: str, start: int, end: int) -> PendingRows:
         """Rows [start, end) of output `name` as pieces of the replicas' outputs that hold them."""
         pieces, offset = [], 0
         for rank, count in zip(self.collect, self.rows, strict=True):
             lo, hi = max(start, offset), min(end, offset + count)
             if lo < hi:
-                pieces.append((self.refs[rank], lo - offset, hi - offset))
+                pieces.append(OutputPiece(self.refs[rank], lo - offset, hi - offset, self.set_index, rank,
+                                          self.call_id))
             offset += count
-        return RowsFrom(name, tuple(pieces))
+        return PendingRows(name, tuple(pieces))
 
 
 def merge_outputs(per_replica: list[dict]) -> dict:
@@ -196,17 +241,20 @@ class WorkerGroupRole(CallingRole):
         train = self.layouts.get("train")
         groups = replica_ranks(train, layout) if op == "generate" else replica_groups(layout)
         collectors = collector_ranks(train, layout) if op == "generate" else collecting_ranks(layout)
+        call_id, keep_from = self.recorder.new_call_id(), self.recorder.first_call_id
         for replica, ranks in enumerate(groups):
             for rank in ranks:
-                refs[rank] = self.workers.workers[rank].call.remote(self.name, op, shares[replica],
-                                                                    {"greedy": greedy, "n": n})
+                fields = {name: value.to(self.workers.index, rank) if isinstance(value, PendingRows) else value
+                          for name, value in shares[replica].items()}
+                refs[rank] = self.workers.workers[rank].call.remote(self.name, op, fields, {"greedy": greedy, "n": n},
+                                                                    call_id, keep_from)
 
         def describe(failure: Exception, op: str = op) -> str:
             return self.workers.describe_failure(self.name, op, failure)
 
         out_rows = [(end - start) * (n if op == "generate" else 1) for start, end in bounds]
         call = PendingCall((self.name, op, greedy), self.workers.index, refs, collectors, out_rows,
-                           self.recorder, describe, self.timeout_s)
+                           self.recorder, describe, self.timeout_s, call_id)
         return Batch({name: FieldFuture(call, name) for name in call_writes(self.name, self.facts, op)})
 
 

@@ -56,16 +56,19 @@ def free_port(host: str) -> int:
 
 
 def _remote_fields(fields: dict) -> tuple[dict, list]:
-    """The RowsFrom fields, and the distinct output refs their pieces come from."""
-    from hfplan.executor.roles import RowsFrom
+    """The RowsFrom fields, and the distinct Ray references their pieces come from (KeptOutputs are none)."""
+    from hfplan.executor.roles import KeptOutputs, RowsFrom
 
     remote = {name: value for name, value in fields.items() if isinstance(value, RowsFrom)}
-    return remote, list({id(ref): ref for value in remote.values() for ref, _, _ in value.pieces}.values())
+    refs = {id(source): source for value in remote.values() for source, _, _ in value.pieces
+            if not isinstance(source, KeptOutputs)}
+    return remote, list(refs.values())
 
 
 def wait_for_producers(fields: dict) -> None:
-    """Block until every call whose outputs these fields read has finished (its outputs exist somewhere,
-    not yet fetched here): a call is dispatched before its producers end, and that wait is not transfer."""
+    """Block until every call on another worker whose outputs these fields read has finished (its outputs
+    exist somewhere, not yet fetched here): a call is dispatched before its producers end, and that wait is
+    not transfer. This worker's own earlier calls have run: Ray runs them in the order they were sent."""
     import ray
 
     _, refs = _remote_fields(fields)
@@ -73,15 +76,27 @@ def wait_for_producers(fields: dict) -> None:
         ray.wait(refs, num_returns=len(refs), fetch_local=False)
 
 
-def fetch_fields(fields: dict) -> dict[str, np.ndarray]:
-    """Arrays for every field: those sent inline as they are, RowsFrom pieces fetched and joined."""
+def fetch_fields(fields: dict, kept: dict[int, dict]) -> dict[str, np.ndarray]:
+    """Arrays for every field: those sent inline as they are, RowsFrom pieces fetched (or read from `kept`,
+    this worker's own outputs by call id) and joined."""
     import ray
 
+    from hfplan.executor.roles import KeptOutputs
+
     remote, refs = _remote_fields(fields)
-    outputs = dict(zip((id(ref) for ref in refs), ray.get(refs), strict=True)) if refs else {}
+    fetched = dict(zip((id(ref) for ref in refs), ray.get(refs), strict=True)) if refs else {}
+
+    def outputs_of(source) -> dict:
+        if not isinstance(source, KeptOutputs):
+            return fetched[id(source)]["fields"]
+        if source.call_id not in kept:
+            raise RuntimeError(f"the outputs of call {source.call_id}, made on this worker, are gone: that call "
+                               "failed, or belongs to an earlier iteration")
+        return kept[source.call_id]
+
     arrays = {name: value for name, value in fields.items() if name not in remote}
     for name, value in remote.items():
-        parts = [outputs[id(ref)]["fields"][value.name][lo:hi] for ref, lo, hi in value.pieces]
+        parts = [outputs_of(source)[value.name][lo:hi] for source, lo, hi in value.pieces]
         arrays[name] = np.concatenate(parts, axis=0)  # a new, writable array
     return arrays
 
@@ -108,6 +123,7 @@ class SetWorker:
         self.plan = Plan.model_validate_json(spec.plan_json)
         self.hyper = Hyperparameters.model_validate_json(spec.hyper_json)
         self.runtimes: dict = {}
+        self.kept: dict[int, dict] = {}  # this iteration's call outputs by call id (roles.KeptOutputs)
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Where rank 0 of the set listens for its peers: this node's address and a free port."""
@@ -142,15 +158,18 @@ class SetWorker:
         self.marks[WORKER_STAGES[2]] = time.time()
         return self.marks
 
-    def call(self, role: str, op: str, fields: dict, options: dict) -> dict:
-        """Run one role call on this rank's share of the batch; returns {"fields", "spans"}. Fields made by
-        other calls arrive as RowsFrom references and are fetched here, straight from their producers; the
-        transfer span starts when the last producer has finished."""
+    def call(self, role: str, op: str, fields: dict, options: dict, call_id: int, keep_from: int) -> dict:
+        """Run role call `call_id` on this rank's share of the batch; returns {"fields", "spans"}. Fields made by
+        other calls arrive as RowsFrom references and are fetched here, straight from their producers (or read
+        from this worker's kept outputs); the transfer span starts when the last producer has finished. The
+        outputs are kept for later calls; those of calls before `keep_from` (an earlier iteration) are dropped."""
+        self.kept = {key: value for key, value in self.kept.items() if key >= keep_from}
         wait_for_producers(fields)
         start = time.time()
-        arrays = fetch_fields(fields)
+        arrays = fetch_fields(fields, self.kept)
         spans: list[Timed] = [Timed(op, "transfer", start, time.time())]
         outputs = self.runtimes[role].run(op, arrays, options, spans)
+        self.kept[call_id] = outputs
         return {"fields": outputs, "spans": spans}
 
     def weight_buckets(self, role: str, rollout_role: str) -> dict[int, list]:
