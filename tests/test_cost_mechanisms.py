@@ -43,6 +43,26 @@ def test_generation_pays_an_engine_step_per_prefill_and_decode_step(toy_hw):
     assert paid.parts.total == pytest.approx(paid.seconds)
 
 
+def test_an_engine_step_pays_a_fixed_cost_for_each_sequence_in_it(toy_hw):
+    per_sequence = toy_hw.model_copy(update={"runtime": Runtime(engine_step_us=50, engine_sequence_step_us=10)})
+    paid = costs.generation_time(per_sequence, LLAMA7, GenConfig(), ONE, 4, 64, 16, 1e12)
+    assert paid.waves == 1  # one batch of 4: a prefill and 16 decode steps of 4 sequences each
+    assert paid.parts["runtime"] == pytest.approx((1 + 16) * (50e-6 + 4 * 10e-6))
+
+
+def test_a_switch_pays_the_engines_fixed_cost_per_tensor_even_where_it_moves_nothing(toy_hw):
+    from hfplan.layout import stage_parameter_tensors
+
+    per_tensor = toy_hw.model_copy(update={"runtime": Runtime(switch_tensor_us=20)})
+    same = (TrainConfig(tp=2), GenConfig(tp=2))  # generation in the training layout: no weight moves
+    assert costs.transition_time(toy_hw, LLAMA7, *same, SetShape(2, 8)) == 0.0
+    fixed = stage_parameter_tensors(LLAMA7, 1, "lm") * 20e-6
+    assert costs.transition_time(per_tensor, LLAMA7, *same, SetShape(2, 8)) == pytest.approx(fixed)
+    moved = (TrainConfig(tp=4), GenConfig(tp=2, dp=2))
+    assert costs.transition_time(per_tensor, LLAMA7, *moved, SetShape(4, 8)) == pytest.approx(
+        costs.transition_time(toy_hw, LLAMA7, *moved, SetShape(4, 8)) + fixed)
+
+
 def test_a_continuous_engine_pays_its_own_step_cost(toy_hw):
     lengths = ResponseLengths(max_len=30, mean=20.0, points=((10, 0.5), (30, 0.5)))
     both = toy_hw.model_copy(update={"runtime": Runtime(engine_step_us=50, engine_step_continuous_us=80)})
@@ -274,3 +294,42 @@ def test_a_plans_engine_cap_limits_the_batch_and_the_waves(toy_hw):
     assert free.max_batch == 10 and free.waves == 1
     assert capped.max_batch == 4 and capped.waves == 3
     assert capped.seconds > free.seconds
+
+
+def test_a_role_call_pays_its_cost_on_the_worker_and_a_result_for_the_controller_the_rest_of_a_round_trip(toy_hw):
+    """call_dispatch_us is what a queued call costs its worker; the rest of controller_call_us (a round trip) is
+    paid where the controller waits for a result; a profile without the field pays the round trip per call."""
+    queued = Runtime(controller_call_us=1000, call_dispatch_us=300, controller_step_us=200)
+    cfg = InferConfig(micro_batch=2)
+    plain = costs.inference_time(toy_hw, LLAMA7, cfg, ONE, 8, 256, "lm")
+    paid = costs.inference_time(toy_hw.model_copy(update={"runtime": queued}), LLAMA7, cfg, ONE, 8, 256, "lm")
+    assert paid - plain == pytest.approx(300e-6)
+    assert queued.result_wait_s() == pytest.approx(700e-6) and queued.controller_step_s() == pytest.approx(200e-6)
+    older = Runtime(controller_call_us=1000)
+    assert older.call_dispatch_s() == pytest.approx(1000e-6) and older.result_wait_s() == 0.0
+
+
+def test_the_controller_s_steps_and_the_results_it_waits_for_are_priced_in_search_and_simulation(tmp_path):
+    """The demo on one CPU "GPU", on the cpu profile with the controller's costs set: the search's fast schedule
+    agrees with the simpy engine (search raises if not), advantages take the controller's step, and a field
+    reaching the controller takes the host link's transfer plus the rest of a round trip."""
+    from hfplan.layout import ON_CONTROLLER
+    from hfplan.planner.search import search
+    from hfplan.profiles.hardware import load_hardware
+    from hfplan.simulator import collectives
+    from hfplan.simulator.engine import simulate_plan
+    from hfplan.spec import load_workload, make_cluster
+
+    base = load_hardware("cpu")
+    runtime = base.runtime.model_copy(update={"controller_call_us": 2000.0, "call_dispatch_us": 500.0,
+                                              "controller_step_us": 400.0})
+    path = tmp_path / "slow-controller.yaml"
+    path.write_text(base.model_copy(update={"name": "slow-controller", "runtime": runtime}).to_yaml())
+    plan = search(load_workload("demo"), make_cluster(1, str(path)), top_k=1).top[0]
+    timeline = simulate_plan(plan).timeline
+    (gae,) = [s for s in timeline.spans if s.op == "gae" and s.kind == "compute"]
+    assert gae.end - gae.start == pytest.approx(400e-6)
+    into = [s for s in timeline.spans
+            if s.kind == "transfer" and s.set == ON_CONTROLLER and s.op.endswith("->controller.gae")]
+    assert into and all(s.end - s.start > 1500e-6 for s in into)
+    assert all(s.end - s.start < 1500e-6 + collectives.host_transfer(base, 1e6) for s in into)

@@ -315,6 +315,12 @@ def test_quick_cpu_profile_end_to_end(tmp_path):
     assert engine["train_step_3_micro_batches"] == engine["forward_pass"] == 1
     assert "engine" not in set(frame["kind"])
     assert profile.runtime.fsdp_train_pass_us is not None
+    # --quick starts no Ray: the controller's calls and the worker's memory are the base profile's.
+    base = load_hardware("cpu")
+    assert profile.runtime.controller_call_us == base.runtime.controller_call_us
+    assert profile.runtime.call_dispatch_us == base.runtime.call_dispatch_us
+    assert profile.memory.worker_resident_gib == base.memory.worker_resident_gib
+    assert profile.runtime.controller_step_us > 0 and "controller_step" in set(engine.index)
     layers = frame[frame["kind"] == "layer"]
     assert set(layers["op"]) == {"forward", "forward+backward", "decode"}
     # Predictions come from the profile as written, for the shapes that ran.
@@ -381,17 +387,24 @@ def test_runtime_costs_measured_on_the_executor_engine():
     from hfplan.layout import stage_parameter_tensors
     from hfplan.plan import Layout, TrainConfig
     from hfplan.profiler import device as devices
-    from hfplan.profiler.runtime import FEW, LONG, MANY, PROMPT, SHORT, measure_runtime
+    from hfplan.profiler.runtime import BATCH, FEW, LONG, MANY, PROMPT, SHORT, measure_runtime
     from hfplan.profiles.hardware import Runtime
     from hfplan.simulator import costs
 
     hw = load_hardware("cpu")
     fit = measure_runtime(torch, devices.probe(torch, "cpu", 1), hw, 0.02, ray_calls=0)
-    assert not fit.ray and fit.runtime.controller_call_us == 0.0
+    assert not fit.ray and fit.runtime.controller_call_us == 0.0 and fit.runtime.call_dispatch_us is None
     rows = {r["op"]: r for r in fit.rows}
     engines = {engine: {n: f"{engine}train_step_{n}_micro_batches" for n in (FEW, MANY)} for engine in ("", "fsdp_")}
-    assert set(rows) == {"forward_pass", "engine_step", "engine_step_continuous", "engine_log_prob",
-                         "fsdp_engine_log_prob", *(op for steps in engines.values() for op in steps.values())}
+    assert set(rows) == {"forward_pass", "engine_step", f"engine_step_{BATCH}_sequences", "engine_step_continuous",
+                         "engine_log_prob", "fsdp_engine_log_prob", "controller_step", "hybrid_switch",
+                         *(op for steps in engines.values() for op in steps.values())}
+    # A switch in the training layout on one rank moves nothing: all of it is the engines' cost per tensor.
+    assert rows["hybrid_switch"]["predicted_s"] == 0.0
+    assert fit.runtime.switch_tensor_us == pytest.approx(
+        rows["hybrid_switch"]["seconds"] * 1e6 / stage_parameter_tensors(CATALOG["tiny"], 1, "lm"), abs=1e-3)
+    # The controller's own step has no modelled kernels: all of it is fixed cost.
+    assert fit.runtime.controller_step_us == pytest.approx(rows["controller_step"]["seconds"] * 1e6, abs=0.01)
     assert all(r["seconds"] > 0 for r in fit.rows)
     # The modelled kernels alone: the profile's own fixed costs are what the measurement replaces.
     kernels_only = hw.model_copy(update={"runtime": Runtime()})
@@ -399,16 +412,25 @@ def test_runtime_costs_measured_on_the_executor_engine():
                                         PROMPT + (SHORT + LONG) / 2)
     assert rows["engine_step"]["predicted_s"] == rows["engine_step_continuous"]["predicted_s"] == pytest.approx(
         step_model)  # both run a batch of one
-    assert fit.runtime.engine_step_us == pytest.approx(max(0.0, rows["engine_step"]["seconds"] - step_model) * 1e6,
-                                                       abs=0.01)
-    assert fit.runtime.engine_step_continuous_us == pytest.approx(
-        max(0.0, rows["engine_step_continuous"]["seconds"] - step_model) * 1e6, abs=0.01)
+    # The fixed cost per sequence in a step is the slope from one sequence to BATCH; a step of one costs the
+    # measured step's fixed cost, whichever the engine.
+    rt = fit.runtime
+    batch_model = costs.decode_step_time(kernels_only, CATALOG["tiny"], Layout(), costs.SetShape(1, 1), BATCH,
+                                         PROMPT + (SHORT + LONG) / 2)
+    assert rows[f"engine_step_{BATCH}_sequences"]["predicted_s"] == pytest.approx(batch_model)
+    one, many = (max(0.0, rows[op]["seconds"] - model) for op, model in (("engine_step", step_model),
+                                                                        (f"engine_step_{BATCH}_sequences",
+                                                                         batch_model)))
+    assert rt.engine_sequence_step_us == pytest.approx(max(0.0, many - one) / (BATCH - 1) * 1e6, abs=0.01)
+    assert rt.engine_step_s("static", 1) == pytest.approx(max(one, rt.engine_sequence_step_us * 1e-6), abs=2e-8)
+    assert rt.engine_step_s("continuous", 1) == pytest.approx(max(
+        max(0.0, rows["engine_step_continuous"]["seconds"] - step_model), rt.engine_sequence_step_us * 1e-6),
+        abs=2e-8)
     # A step of n micro-batches beyond its modelled kernels is n passes and one optimizer step, for the engine
     # as one rank trains and as FSDP2 wraps it.
     tensors = stage_parameter_tensors(CATALOG["tiny"], 1, "lm")
     forward_model = costs.stage_pass(kernels_only, CATALOG["tiny"], 1, 1, costs.SetShape(1, 1), 1, PROMPT + LONG,
                                      "lm").forward
-    rt = fit.runtime
     for engine, steps in engines.items():
         fsdp = engine == "fsdp_"
         beyond = {}
@@ -426,6 +448,20 @@ def test_runtime_costs_measured_on_the_executor_engine():
     assert rt.forward_pass_s(True) == pytest.approx(max(0.0, log_prob["seconds"] - forward_model), abs=1e-8)
     # No world profiled (a world of one): nothing measured of a tensor-parallel engine, nothing charged for it.
     assert rt.tp_forward_pass_us == rt.tp_train_pass_us == rt.tp_optimizer_tensor_us == 0.0
+
+
+def test_the_ray_echo_answers_as_an_executor_call_and_the_controller_step_runs_the_registered_gae():
+    """What the profiler times through Ray is an executor call's shape (its outputs and spans back), and the
+    controller step it times is PPO's registered advantage step on the demo's batch."""
+    pytest.importorskip("numpy")
+    from hfplan.profiler.runtime import _batch_fields, _controller_step, _Echo
+
+    fields = _batch_fields()
+    answer = _Echo().call(fields)
+    assert set(answer) == {"fields", "spans"} and [t.kind for t in answer["spans"]] == ["transfer", "compute"]
+    out = _controller_step()()
+    assert set(out) == {"advantages", "returns"}
+    assert out["advantages"].shape == fields["response_mask"].shape
 
 
 def test_the_tensor_parallel_engine_is_timed_only_over_worlds_the_demo_model_splits_over():

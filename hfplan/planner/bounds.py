@@ -194,7 +194,7 @@ class PlacementBounds:
         """Lower bound of every allocation that starts with `prefix` (sizes of the first sets)."""
         left = self.gpus - sum(prefix)
         unsized = self.k - len(prefix)
-        seconds = np.zeros(self.rows.shape[2])
+        seconds = np.array(self.facts.controller_seconds)
         switch = 0.0
         for i, size in enumerate(prefix):
             j = self.sizes.index(size)
@@ -228,7 +228,7 @@ class PlacementBounds:
             js = [j for j in js if self.sizes[j] == left]  # the last set takes every GPU left
         if not js:
             return []
-        base = np.zeros(self.rows.shape[2])
+        base = np.array(self.facts.controller_seconds)
         switch = 0.0
         for i, size in enumerate(prefix):
             j = self.sizes.index(size)

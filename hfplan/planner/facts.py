@@ -79,6 +79,13 @@ class SearchFacts:
         """runs_on of every call, in node order."""
         return tuple(self.runs_on(n) for n in self.dag.nodes)
 
+    @cached_property
+    def controller_seconds(self) -> tuple[float, ...]:
+        """Seconds of every call in node order that the controller runs itself (its steps, rules), 0 for the
+        roles' calls: the row every strategy choice starts from."""
+        step = self.hw.runtime.controller_step_s()
+        return tuple(step if runner is None else 0.0 for runner in self.runners)
+
     def trains(self, role: str) -> bool:
         return facts_of(self.workload, role).trains
 

@@ -181,7 +181,7 @@ class _PairSearch:
             later = tuple(r for u in self.units[depth + 1:] if u.set_index == unit.set_index for r in u.roles)
             self.rest_front.append(ctx.fit.memory_front(later, pair.allocation[unit.set_index]))
         self._gen_cache: dict[_GenRoom, list[float]] = {}
-        self.floor = [0.0] * len(ctx.dag.nodes)  # fastest any option can make each call
+        self.floor = list(ctx.controller_seconds)  # fastest any option can make each call
         self.min_switch = 0.0
         for r in roles:
             floor = ctx.bounds.floor(r, self.gpus[r])

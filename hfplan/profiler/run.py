@@ -113,17 +113,22 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
         across = runtime.EngineSeconds.from_rows(rows)
         rows = [r for r in rows if r["kind"] != "engine"]  # become runtime rows, with their predictions
         fixed = runtime.measure_runtime(torch, device, profile, sweeps.min_time, sweeps.ray_calls, across)
-    resident = fixed.worker_resident_gib if fixed.ray else request.base.memory.worker_resident_gib
+    base = request.base
+    resident = fixed.worker_resident_gib if fixed.ray else base.memory.worker_resident_gib
     memory = profile.memory.model_copy(update={"worker_resident_gib": resident})
+    calls = {} if fixed.ray else {"controller_call_us": base.runtime.controller_call_us,
+                                  "call_dispatch_us": base.runtime.call_dispatch_us}
     profile = profile.model_copy(update={
-        "runtime": fixed.runtime, "memory": memory,
+        "runtime": fixed.runtime.model_copy(update=calls), "memory": memory,
         "description": profile.description + " Runtime: a forward pass of the demo model, a decode step of the "
                        "executor's torch rollout engine, and a micro-batch, an optimizer step and a log-prob "
                        "call of its training engine (as one rank trains, and across the profiled world wrapped in "
                        "FSDP2 and split by tensor parallelism), less their modelled kernels and collectives"
-                       + (", and a round trip through a Ray actor (and that worker's resident memory)" if fixed.ray
-                          else "; controller call and worker memory not measured (--quick, or ray not importable; "
-                          f"worker memory carried over from base profile '{request.base.name}')")
+                       + ", an advantage step of the controller"
+                       + (", and a call through a Ray actor shaped as the executor's, synchronous and queued (and "
+                          "that worker's resident memory)" if fixed.ray
+                          else "; controller calls and worker memory not measured (--quick, or ray not importable; "
+                          f"carried over from base profile '{base.name}')")
                        + "."})
     rows += fixed.rows
 

@@ -1,13 +1,15 @@
 """Fixed costs the kernels do not show (HardwareProfile.runtime), measured on the executor's own engines.
 
 Each is what one unit of work takes beyond what the cost model charges for its kernels on the profile just
-fitted: a forward pass of the demo model through its HF module, a decode step of the executor's torch rollout
-engine with static and with continuous batching (the slope of generation time over decode steps, so the
-prefills drop out), a training micro-batch and an optimizer step of the executor's training engine (the slope of
+fitted: a forward pass of the demo model through its HF module, a sampled decode step of the executor's torch
+rollout engine with static batching (of one sequence and of BATCH: the fixed cost per step and per sequence in
+it) and with continuous batching (the slope of generation time over decode steps, so the prefills drop out), a
+training micro-batch and an optimizer step of the executor's training engine (the slope of
 a step's time over its micro-batches, and what is left at none) and a log-prob call through it, as it trains on
 one rank and, across the profiled world (every rank computing at once), wrapped in FSDP2 and split by tensor
-parallelism, and a round trip of a call through a Ray actor (how the controller reaches a worker) with that
-worker's own resident memory.
+parallelism, a call through a Ray actor shaped as the executor's (how the controller reaches a worker: a round
+trip, and a call's own cost on the worker while calls queue) with that worker's own resident memory, and one
+advantage step of the controller.
 torch and ray are passed in or imported here, only when `hfplan profile` runs.
 """
 
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hfplan.layout import shape_problem, stage_parameter_tensors, trains_through_fsdp
-from hfplan.plan import InferConfig, Layout, TrainConfig
+from hfplan.plan import GenConfig, InferConfig, Layout, TrainConfig
 from hfplan.profiler.compute import compute_dtype
 from hfplan.profiler.device import Device
 from hfplan.profiler.timing import Clock
@@ -34,6 +36,7 @@ from hfplan.simulator import costs
 MODEL = "tiny"  # the demo model: its kernels are tiny, so what it takes is mostly the fixed cost
 PROMPT = 8
 SHORT, LONG = 2, 34  # response lengths whose time difference is LONG - SHORT decode steps
+BATCH = 8  # sequences of the larger static batch whose steps are timed (the demo's batch)
 FEW, MANY = 1, 3  # micro-batches (of one sequence) per optimizer step: the difference is MANY - FEW passes
 ROUNDS = 3
 RAY_CALLS = 200
@@ -81,12 +84,23 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
     static = TorchRolloutEngine(model, pad_id=0, eos_id=-1)
     continuous = TorchRolloutEngine(model, pad_id=0, eos_id=-1, batching="continuous", max_batch=1)
     step_s = _step_seconds(clock, static, prompts, min_time)
+    batch_s = _step_seconds(clock, static, prompts.repeat(BATCH, 1), min_time)
     continuous_s = _step_seconds(clock, continuous, prompts.repeat(2, 1), min_time)
-    step_model = costs.decode_step_time(bare, arch, Layout(), one, 1, PROMPT + (SHORT + LONG) / 2)
+    context = PROMPT + (SHORT + LONG) / 2
+    step_model = costs.decode_step_time(bare, arch, Layout(), one, 1, context)
+    batch_model = costs.decode_step_time(bare, arch, Layout(), one, BATCH, context)
+    # A step's fixed cost grows with the sequences in it: the slope between a batch of one and of BATCH.
+    sequence_us = max(0.0, fixed_us(batch_s, batch_model) - fixed_us(step_s, step_model)) / (BATCH - 1)
     rows = [_row("forward_pass", forward_s, forward_model), _row("engine_step", step_s, step_model),
+            _row(f"engine_step_{BATCH}_sequences", batch_s, batch_model),
             _row("engine_step_continuous", continuous_s, step_model)]
     across = across or {}
-    train = _train_fixed(bare, _engine_on_one_rank(torch, device, PLAIN))
+    plain = _engine_on_one_rank(torch, device, PLAIN)
+    train = _train_fixed(bare, plain)
+    # A switch in the training layout on one rank moves no weights: its time is the engines' fixed cost, per tensor.
+    switch_model = costs.transition_time(bare, arch, TrainConfig(), GenConfig(), one)
+    switch_us = fixed_us(plain.switch, switch_model) / stage_parameter_tensors(arch, 1, "lm")
+    rows.append(_row("hybrid_switch", plain.switch, switch_model))
     wrapped = _train_fixed(bare, across.get(FSDP) or _engine_on_one_rank(torch, device, FSDP))
     rows += train.rows + wrapped.rows
     # Tensor parallelism's costs on top of those of the engine it splits (one data-parallel rank): only where
@@ -94,23 +108,27 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
     unsplit = wrapped if trains_through_fsdp(1, bare.compute.value_bytes) else train
     split = _train_fixed(bare, across[TP]) if TP in across else unsplit
     rows += split.rows if TP in across else []
-    controller_us, measured_ray, resident_gib = 0.0, False, 0.0
-    ray_worker = _ray_worker(ray_calls)
-    if ray_worker is not None:
-        call_s, resident = ray_worker
-        controller_us, measured_ray, resident_gib = call_s * 1e6, True, resident / 2**30
-        rows.append(_row("controller_call", call_s, 0.0))
+    controller_step_s = clock.per_call(_controller_step(), min_time)
+    rows.append(_row("controller_step", controller_step_s, 0.0))
+    ray_costs = _ray_worker(ray_calls)
+    if ray_costs is not None:
+        rows += [_row("controller_call", ray_costs.round_trip_s, 0.0), _row("call_dispatch", ray_costs.queued_s, 0.0)]
     runtime = Runtime(forward_pass_us=round(fixed_us(forward_s, forward_model), 2),
-                      engine_step_us=round(fixed_us(step_s, step_model), 2),
-                      controller_call_us=round(controller_us, 2),
-                      engine_step_continuous_us=round(fixed_us(continuous_s, step_model), 2),
+                      engine_step_us=round(max(0.0, fixed_us(step_s, step_model) - sequence_us), 2),
+                      engine_sequence_step_us=round(sequence_us, 2), switch_tensor_us=round(switch_us, 3),
+                      controller_call_us=round(ray_costs.round_trip_s * 1e6, 2) if ray_costs else 0.0,
+                      call_dispatch_us=round(ray_costs.queued_s * 1e6, 2) if ray_costs else None,
+                      controller_step_us=round(controller_step_s * 1e6, 2),
+                      engine_step_continuous_us=round(max(0.0, fixed_us(continuous_s, step_model) - sequence_us),
+                                                      2),
                       train_pass_us=round(train.pass_us, 2), optimizer_tensor_us=round(train.tensor_us, 3),
                       fsdp_forward_pass_us=round(wrapped.forward_us, 2), fsdp_train_pass_us=round(wrapped.pass_us, 2),
                       fsdp_optimizer_tensor_us=round(wrapped.tensor_us, 3),
                       tp_forward_pass_us=round(max(0.0, split.forward_us - unsplit.forward_us), 2),
                       tp_train_pass_us=round(max(0.0, split.pass_us - unsplit.pass_us), 2),
                       tp_optimizer_tensor_us=round(max(0.0, split.tensor_us - unsplit.tensor_us), 3))
-    return RuntimeFit(runtime, rows, measured_ray, round(resident_gib, 3))
+    resident_gib = ray_costs.resident_bytes / 2**30 if ray_costs else 0.0
+    return RuntimeFit(runtime, rows, ray_costs is not None, round(resident_gib, 3))
 
 
 PLAIN, FSDP, TP = "plain", "fsdp", "tp"  # the training engine as one rank trains, over FSDP2 ranks, split by tp
@@ -130,6 +148,7 @@ class EngineSeconds:
     mode: str  # PLAIN, FSDP or TP
     steps: dict[int, float]
     log_prob: float
+    switch: float | None = None  # PLAIN only: the hybrid engine's switch into generation and back
 
     @property
     def prefix(self) -> str:
@@ -204,7 +223,23 @@ def engine_seconds(torch, kind: str, mode: str) -> EngineSeconds:
     one = {"prompts": torch.randint(1, arch.vocab, (1, PROMPT)), "responses": torch.randint(1, arch.vocab, (1, LONG)),
            "response_mask": torch.ones(1, LONG, dtype=torch.long)}
     log_prob = timed(lambda: role.log_probs(**one, micro_batch=1))
-    return EngineSeconds(world, mode, steps, log_prob)
+    return EngineSeconds(world, mode, steps, log_prob, timed(_switch(role)) if mode == PLAIN else None)
+
+
+def _switch(role):
+    """One switch of the hybrid engine over `role` in its training layout, as a call: the rollout engine given
+    the generation weights, then released, and the engine back in training (executor.runtime's generate)."""
+    from hfplan.executor.engines.hybrid import HybridEngine
+    from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
+
+    hybrid, engine = HybridEngine(role), TorchRolloutEngine(None, pad_id=0, eos_id=-1)
+
+    def switch() -> None:
+        engine.load_weights(hybrid.enter_generation(), presharded=hybrid.presharded)
+        engine.release_weights()
+        hybrid.exit_generation()
+
+    return switch
 
 
 @dataclass(frozen=True)
@@ -271,17 +306,27 @@ def _step_seconds(clock: Clock, engine, prompts, min_time: float) -> float:
     timed, steps = dict.fromkeys((SHORT, LONG), math.inf), {}
     for _ in range(ROUNDS):
         for tokens in (SHORT, LONG):
-            params = SamplingParams(max_new_tokens=tokens, greedy=True)
+            params = SamplingParams(max_new_tokens=tokens)  # sampled, as a run samples
             once = clock.per_call(lambda params=params: engine.generate(prompts, params), min_time / ROUNDS)
             timed[tokens] = min(timed[tokens], once)
             steps[tokens] = engine.stats.decode_steps
     return (timed[LONG] - timed[SHORT]) / (steps[LONG] - steps[SHORT])
 
 
-def _ray_worker(calls: int) -> tuple[float, int] | None:
-    """Seconds of one synchronous call to a Ray actor on this machine (best of three rounds), and that actor's
-    resident bytes once it has imported the executor's engines; None without ray or when a Ray session is
-    already running in this process (it is not ours to measure or stop)."""
+@dataclass(frozen=True)
+class RayCosts:
+    """A call of the controller to a Ray actor on this machine, shaped as the executor's (a batch's arrays in,
+    the outputs and spans back): synchronous, and queued (many sent before any result is read, as the
+    controller sends a program's calls), with that worker's resident memory."""
+
+    round_trip_s: float
+    queued_s: float  # seconds per call of a queue of calls: the worker's own cost of each
+    resident_bytes: int
+
+
+def _ray_worker(calls: int) -> RayCosts | None:
+    """Each figure the best of three rounds of `calls` calls; None without ray or when a Ray session is already
+    running in this process (it is not ours to measure or stop)."""
     try:
         import ray
     except ImportError:
@@ -290,26 +335,57 @@ def _ray_worker(calls: int) -> tuple[float, int] | None:
 
     if calls < 1 or ray.is_initialized():
         return None
+    fields = _batch_fields()
     with tempfile.TemporaryDirectory(prefix="hfplan-profile-ray-") as folder:
         ray.init(num_cpus=1, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
                  **local_ray_options(folder))
         try:
             actor = ray.remote(_Echo).remote()
-            ray.get(actor.ping.remote(), timeout=120)
-            best = float("inf")
+            ray.get(actor.call.remote(fields), timeout=120)
+            round_trip = queued = float("inf")
             for _ in range(3):
                 start = time.perf_counter()
                 for _ in range(calls):
-                    ray.get(actor.ping.remote(), timeout=60)
-                best = min(best, (time.perf_counter() - start) / calls)
-            return best, ray.get(actor.resident_bytes.remote(), timeout=300)
+                    ray.get(actor.call.remote(fields), timeout=60)
+                round_trip = min(round_trip, (time.perf_counter() - start) / calls)
+                start = time.perf_counter()
+                ray.get([actor.call.remote(fields) for _ in range(calls)], timeout=60)
+                queued = min(queued, (time.perf_counter() - start) / calls)
+            return RayCosts(round_trip, queued, ray.get(actor.resident_bytes.remote(), timeout=300))
         finally:
             ray.shutdown()
 
 
+def _batch_fields() -> dict:
+    """A call's arrays for the demo's batch: prompts, responses and their mask."""
+    import numpy as np
+
+    sequences, length = 8, 16
+    return {"prompts": np.ones((sequences, length), np.int64), "responses": np.ones((sequences, length), np.int64),
+            "response_mask": np.ones((sequences, length), np.float32)}
+
+
+def _controller_step():
+    """One advantage step of the controller (PPO's GAE) on the demo's batch, as a callable."""
+    import numpy as np
+
+    from hfplan.dataflow.controller import STEPS, ControllerState
+
+    step, state = STEPS["gae"], ControllerState()
+    mask = _batch_fields()["response_mask"].astype(np.float64)
+    fields = {name: np.zeros_like(mask) for name in step.reads} | {"response_mask": mask,
+                                                                  "rewards": np.zeros(len(mask))}
+    return lambda: step(fields, state)
+
+
 class _Echo:
-    def ping(self) -> None:
-        return None
+    def call(self, fields: dict) -> dict:
+        """What an executor call returns (hfplan.executor.worker.SetWorker.call): outputs and spans."""
+        from hfplan.executor.worker import Timed
+
+        now = time.time()
+        return {"fields": {"log_probs": fields["response_mask"]}, "spans": [Timed("log_prob", "transfer", now, now),
+                                                                           Timed("log_prob", "compute", now, now)]}
 
     def resident_bytes(self) -> int:
         """Peak resident memory of this Ray worker once it has imported what an executor worker imports to

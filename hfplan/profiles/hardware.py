@@ -120,13 +120,28 @@ class Runtime(_Strict):
     engine_step_us: float = Field(default=0.0, ge=0, description="fixed cost of one step of the generation engine "
                                                                  "(a prefill or a decode step): scheduling, input "
                                                                  "preparation, sampled tokens back to the host")
-    controller_call_us: float = Field(default=0.0, ge=0, description="fixed cost of one call of the single "
-                                                                     "controller to a worker group (dispatch and "
-                                                                     "collect)")
+    controller_call_us: float = Field(default=0.0, ge=0, description="fixed cost of one round trip of the "
+                                                                     "single controller to a worker group: a call "
+                                                                     "sent, and its result waited for")
+    call_dispatch_us: float | None = Field(
+        default=None, ge=0, description="fixed cost on a worker of one call of the controller while calls queue "
+                                        "for it (the call started, its arguments read, its outputs stored), paid "
+                                        "by every role call; None: controller_call_us, as for a profile written "
+                                        "before the field")
+    controller_step_us: float = Field(default=0.0, ge=0, description="fixed cost of one step the controller "
+                                                                     "runs itself (advantages, a rule reward)")
     engine_step_continuous_us: float | None = Field(
         default=None, ge=0, description="fixed cost of one step of a continuous-batching engine (its slot "
                                         "bookkeeping each step on top of the static step's work); None: "
                                         "engine_step_us, as for a profile written before the field")
+
+    engine_sequence_step_us: float = Field(default=0.0, ge=0, description="fixed cost per sequence of one step "
+                                           "of the generation engine, on top of engine_step_us (sampling its "
+                                           "token, the cache's bookkeeping for it)")
+
+    switch_tensor_us: float = Field(default=0.0, ge=0, description="fixed cost per parameter tensor of one "
+                                    "switch of the hybrid engine into generation and back (the rollout engine "
+                                    "given the weights and released), beyond the weights it moves")
 
     train_pass_us: float | None = Field(
         default=None, ge=0, description="fixed cost of one micro-batch through a training engine (forward and "
@@ -177,11 +192,26 @@ class Runtime(_Strict):
                 else self.optimizer_tensor_us)
         return (base + (self.tp_optimizer_tensor_us if tp else 0.0)) * 1e-6
 
-    def engine_step_s(self, batching: str) -> float:
-        """Seconds of fixed cost per step of an engine batching `batching` (GenConfig.batching)."""
+    def call_dispatch_s(self) -> float:
+        """Seconds a role call costs its worker beyond its work (Ray's start of it, arguments, outputs)."""
+        return (self.controller_call_us if self.call_dispatch_us is None else self.call_dispatch_us) * 1e-6
+
+    def result_wait_s(self) -> float:
+        """Seconds a worker's result takes to reach the controller beyond the call's cost on the worker: the
+        round trip less the worker's part of it."""
+        return max(0.0, self.controller_call_us * 1e-6 - self.call_dispatch_s())
+
+    def controller_step_s(self) -> float:
+        """Seconds of one step the controller runs itself (advantages, a rule reward)."""
+        return self.controller_step_us * 1e-6
+
+    def engine_step_s(self, batching: str, sequences: float = 0.0) -> float:
+        """Seconds of fixed cost per step of an engine batching `batching` (GenConfig.batching) that runs
+        `sequences` sequences in the step."""
+        step = self.engine_step_us
         if batching == "continuous" and self.engine_step_continuous_us is not None:
-            return self.engine_step_continuous_us * 1e-6
-        return self.engine_step_us * 1e-6
+            step = self.engine_step_continuous_us
+        return (step + sequences * self.engine_sequence_step_us) * 1e-6
 
 
 class HardwareProfile(_Strict):

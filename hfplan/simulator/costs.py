@@ -220,7 +220,7 @@ def _recompute_seconds(sp: StagePass, mode: Recompute) -> float:
 
 
 def _controller(hw: HardwareProfile) -> Parts:
-    return Parts(controller=hw.runtime.controller_call_us * 1e-6)
+    return Parts(controller=hw.runtime.call_dispatch_s())
 
 
 def _pipelined(per_micro: dict[str, float], n_micro: int, bubble_slots: float, **extra: float) -> Parts:
@@ -266,7 +266,7 @@ def update_parts(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: 
                  seq_len: int, head: str, mini_batches: int, epochs: int, *, memo: CostMemo | None = None) -> Parts:
     step = train_step_parts(hw, arch, cfg, where, sequences // mini_batches, seq_len, head, memo=memo)
     out = step.times(epochs * mini_batches)
-    out["controller"] = hw.runtime.controller_call_us * 1e-6
+    out["controller"] = hw.runtime.call_dispatch_s()
     return out
 
 
@@ -291,7 +291,7 @@ def inference_parts(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, wher
         gather = sharding.weight_gather_seconds(hw, arch, cfg, where, head, weight_shards)
         exposed = n_micro * max(0.0, gather - sp.forward)
     return _pipelined(per_micro, n_micro, cfg.pp - 1, dp_comm=exposed,
-                      controller=hw.runtime.controller_call_us * 1e-6)
+                      controller=hw.runtime.call_dispatch_s())
 
 
 @memoized
@@ -314,7 +314,7 @@ def decode_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: 
                  tp_comm=n * _layer_tp_comm(hw, arch, batch, cfg.tp, where) + _head_tp_comm(hw, batch, cfg.tp, where,
                                                                                             "lm"),
                  pp_comm=(cfg.pp - 1) * _p2p(hw, arch, cfg, where, batch),
-                 runtime=hw.runtime.engine_step_s(batching))
+                 runtime=hw.runtime.engine_step_s(batching, batch))
 
 
 def decode_step_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetShape, batch: float,
@@ -334,7 +334,7 @@ def prefill_parts(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetS
                  elementwise=n * layer.elementwise + head.elementwise + embed.elementwise,
                  tp_comm=n * _layer_tp_comm(hw, arch, tokens, cfg.tp, where),
                  pp_comm=(cfg.pp - 1) * _p2p(hw, arch, cfg, where, tokens),
-                 runtime=hw.runtime.engine_step_s(batching))
+                 runtime=hw.runtime.engine_step_s(batching, batch))
 
 
 def _lengths(response_len: int, lengths: ResponseLengths | None) -> ResponseLengths:
@@ -508,15 +508,17 @@ def transition_time(hw: HardwareProfile, arch: ModelArch, train: TrainConfig, ge
                     where: SetShape, *, memo: CostMemo | None = None) -> float:
     """Training layout -> generation layout: an all-gather of each GPU's generation shard among the
     GPUs holding its pieces (its generation group), sized by the slices the busiest GPU receives
-    (hfplan.layout's per-tensor plan, as the executor moves them). Going back is free: the generation
-    copy is dropped."""
+    (hfplan.layout's per-tensor plan, as the executor moves them). Going back moves nothing: the generation
+    copy is dropped. Both ways, the engines pay a fixed cost per parameter tensor of the generation model
+    (Runtime.switch_tensor_us)."""
+    fixed = stage_parameter_tensors(arch, gen.pp, "lm") * hw.runtime.switch_tensor_us * 1e-6
     plan = resharding(train, gen)
     received = most_received_numel(arch, train, gen)
     if plan.group <= 1 or received == 0:
-        return 0.0
+        return fixed
     group = coll.grid_group(list(plan.dims), where.per_node)
     # A ring all-gather in which each GPU receives (group - 1) / group of the result.
-    return coll.all_gather(hw, group, hw.compute.value_bytes * received * plan.group / (plan.group - 1))
+    return fixed + coll.all_gather(hw, group, hw.compute.value_bytes * received * plan.group / (plan.group - 1))
 
 
 def weight_sync_time(hw: HardwareProfile, arch: ModelArch, gen: GenConfig, rollout: SetShape,

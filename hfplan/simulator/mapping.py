@@ -108,7 +108,7 @@ class PlanCosts:
     def node_seconds(self, node: Node) -> float:
         index = self.set_of(node)
         if index < 0:
-            return 0.0  # controller steps and rules: host work, negligible next to GPU calls
+            return self.hw.runtime.controller_step_s()  # controller steps and rules: host work
         role = self.layout_role(node)
         return call_seconds(self.workload, self.hw, self.gpus_per_node, node, role, self.parallelism[role],
                             self.placement[index][1], self.memory[index].kv_budget, self.memo)
@@ -137,12 +137,14 @@ class PlanCosts:
                               self.placement[index][1], same, self.memo)
 
     def edge_seconds(self, src_set: int, dst_set: int, nbytes: float) -> float:
-        """Seconds to move `nbytes` of fields along the path the executor takes (layout.transfer_path)."""
+        """Seconds to move `nbytes` of fields along the path the executor takes (layout.transfer_path); a
+        result for the controller also waits to reach it (Runtime.result_wait_s)."""
         path = transfer_path(src_set, dst_set)
         if path == "none" or nbytes <= 0:
             return 0.0
         if path == "host":
-            return coll.host_transfer(self.hw, nbytes)
+            wait = self.hw.runtime.result_wait_s() if dst_set == ON_CONTROLLER else 0.0
+            return coll.host_transfer(self.hw, nbytes) + wait
         return coll.point_to_point(self.hw, nbytes, self.same_node(src_set, dst_set))
 
     # -- memory -----------------------------------------------------------------------------------
