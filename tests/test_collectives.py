@@ -56,15 +56,25 @@ def test_all_reduce_is_reduce_scatter_plus_all_gather(toy_hw):
 
 
 def test_all_reduce_spanning_two_nodes_by_hand(toy_hw):
-    # 16 ranks, 8 per node, all 8 GPUs of each node busy. Intra part: reduce-scatter and all-gather in
-    # the node (2 * 7/8 of N over NVLink). Inter part: a ring of 2 nodes over N/8 bytes per GPU, each
-    # GPU getting 1/8 of the node's network bandwidth.
-    intra = 2 * 7 * INTRA_ALPHA + 2 * 7 / 8 * N / INTRA_BW
-    # NCCL pipelines the phases: every latency is paid, and the slower link's bandwidth term.
+    # 16 ranks, 8 per node, all 8 GPUs of each node busy. NCCL's ring runs through all 16: each rank sends
+    # 2 * 15/16 of the data, over NVLink and, at each node boundary, over the node's whole network (one ring).
     latency = 2 * 7 * INTRA_ALPHA + 2 * 1 * INTER_ALPHA
-    intra = 2 * 7 / 8 * N / INTRA_BW  # 35 ms
-    inter = 2 * 1 / 2 * (N / 8) / (INTER_BW / 8)  # 125 ms: the network is the bottleneck
+    moved = 2 * 15 / 16 * N
+    intra, inter = moved / INTRA_BW, moved / INTER_BW  # 37.5 ms, 234 ms: the network is the bottleneck
     assert coll.all_reduce(toy_hw, Group(16, 8, 8), N) == pytest.approx(latency + max(intra, inter), rel=1e-12)
+
+
+def test_two_node_all_reduce_is_never_faster_than_its_slower_phase_plus_the_fill(toy_hw):
+    # The phases of a hierarchical scheme (reduce-scatter and all-gather in the node; the inter-node ring on 1/8 of
+    # the data per GPU, on its 1/8 of the NICs) bound the ring from below, with every step's latency (the fill).
+    latency = 2 * 7 * INTRA_ALPHA + 2 * 1 * INTER_ALPHA
+    for inter_gbytes in (1, 10, 100, 1000):
+        hw = toy_hw.model_copy(update={"links": toy_hw.links.model_copy(update={
+            "inter_node": toy_hw.links.inter_node.model_copy(update={"bandwidth_gbytes_per_s": inter_gbytes})})})
+        bandwidth = inter_gbytes * 1e9 * 0.8
+        intra_phase = 2 * 7 / 8 * N / INTRA_BW
+        inter_phase = 2 * 1 / 2 * (N / 8) / (bandwidth / 8)
+        assert coll.all_reduce(hw, Group(16, 8, 8), N) >= latency + max(intra_phase, inter_phase)
 
 
 def test_all_gather_one_rank_per_node_by_hand(toy_hw):
@@ -74,10 +84,11 @@ def test_all_gather_one_rank_per_node_by_hand(toy_hw):
 
 
 def test_all_reduce_two_per_node_by_hand(toy_hw):
-    # 8 ranks, 2 per node on 4 nodes, 2 busy GPUs per node.
+    # 8 ranks, 2 per node on 4 nodes, 2 busy GPUs per node: the ring's stream crosses each node boundary on the
+    # node's whole network (2 groups' worth of NICs shared by 2 busy GPUs, one group).
     latency = 2 * 1 * INTRA_ALPHA + 2 * 3 * INTER_ALPHA
-    intra = 2 * 1 / 2 * N / INTRA_BW
-    inter = 2 * 3 / 4 * (N / 2) / (INTER_BW / 2)
+    moved = 2 * 7 / 8 * N
+    intra, inter = moved / INTRA_BW, moved / INTER_BW
     assert coll.all_reduce(toy_hw, Group(8, 2, 2), N) == pytest.approx(latency + max(intra, inter), rel=1e-12)
 
 
@@ -114,13 +125,13 @@ def test_host_transfer_by_hand(toy_hw):
     assert coll.host_transfer(toy_hw, N) == pytest.approx(N / (20e9 * 0.5) + 3e-6)
 
 
-def test_two_level_phases_overlap_where_the_intra_node_link_is_the_slower(toy_hw):
-    # A fast network (80e9 B/s per node, 10 GPUs' worth): 16 ranks, 8 per node, all 8 GPUs busy.
+def test_ring_across_nodes_is_bound_by_nvlink_where_the_network_is_faster(toy_hw):
+    # A fast network (80e9 B/s per node): 16 ranks, 8 per node, all 8 GPUs busy.
     fast = toy_hw.model_copy(update={"links": toy_hw.links.model_copy(update={
         "inter_node": toy_hw.links.inter_node.model_copy(update={"bandwidth_gbytes_per_s": 100})})})
     latency = 2 * 7 * INTRA_ALPHA + 2 * 1 * INTER_ALPHA
-    intra = 2 * 7 / 8 * N / INTRA_BW  # 35 ms over NVLink
-    inter = 2 * 1 / 2 * (N / 8) / (80e9 / 8)  # 12.5 ms over the network, hidden behind NVLink
+    moved = 2 * 15 / 16 * N
+    intra, inter = moved / INTRA_BW, moved / 80e9  # the network's share is hidden behind NVLink's
     assert coll.all_reduce(fast, Group(16, 8, 8), N) == pytest.approx(latency + intra, rel=1e-12)
     assert intra > inter
 
@@ -139,11 +150,20 @@ def test_nvls_all_reduce_in_a_node_by_hand(toy_hw):
     assert coll.all_gather(nvls(toy_hw), Group(8, 8, 8), N) == coll.all_gather(toy_hw, Group(8, 8, 8), N)
 
 
-def test_nvls_two_level_all_reduce_by_hand(toy_hw):
-    latency = 2 * INTRA_ALPHA + 2 * 1 * INTER_ALPHA
-    intra = N / INTRA_BW
-    inter = 2 * 1 / 2 * (N / 8) / (INTER_BW / 8)
-    assert coll.all_reduce(nvls(toy_hw), Group(16, 8, 8), N) == pytest.approx(latency + max(intra, inter))
+def test_nvls_is_not_used_across_nodes(toy_hw):
+    # NCCL runs NVLS across nodes only with CollNet: a group spanning nodes takes the ring.
+    assert coll.all_reduce(nvls(toy_hw), Group(16, 8, 8), N) == coll.all_reduce(toy_hw, Group(16, 8, 8), N)
+
+
+def test_a_small_all_reduce_costs_at_least_its_latency():
+    # 1 KiB over 8 GPUs of one node (ring: 14 steps) and over 2 nodes of 8 (14 NVLink and 2 network steps).
+    from hfplan.profiles.hardware import load_hardware
+
+    hw = load_hardware("a100-80g")
+    intra, inter = hw.links.intra_node.latency_us * 1e-6, hw.links.inter_node.latency_us * 1e-6
+    assert coll.all_reduce(hw, Group(8, 8, 8), 1024) >= 14 * intra
+    assert coll.all_reduce(hw, Group(16, 8, 8), 1024) >= 14 * intra + 2 * inter
+    assert coll.all_reduce(hw, Group(8, 8, 8), 1024) < 1.01 * 14 * intra  # the bytes are nothing beside it
 
 
 def test_shipped_profiles_reduce_in_the_switch_only_on_hopper():

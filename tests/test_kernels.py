@@ -3,7 +3,7 @@
 import pytest
 
 from hfplan.profiles.hardware import GemmTiling, load_hardware
-from hfplan.simulator.kernels import gemm_shape_efficiency, gemm_time
+from hfplan.simulator.kernels import gemm_plan, gemm_shape_efficiency, gemm_time, split_k_bytes
 
 ONE_TILE = GemmTiling(sm_count=4, tiles=((128, 128),), tile_k=64, stages=1)
 
@@ -59,3 +59,35 @@ def test_a100_square_gemm_by_hand():
 
 def test_cpu_profile_keeps_its_plain_matmul_rate():
     assert load_hardware("cpu").compute.gemm is None
+
+
+def test_split_k_fills_the_sms_of_a_one_tile_output():
+    # M = 1, N = 128: one output tile on 4 SMs. Split-K may split K = 640 (10 blocks) over up to 4 tiles; 4 splits of
+    # ceil(10 / 4) = 3 blocks each is the least padded work (4 SM slots x 3 blocks against 10 useful blocks).
+    tiling = ONE_TILE.model_copy(update={"split_k": True})
+    assert gemm_plan(tiling, 1, 640, 128) == (pytest.approx(1 / 128 * 10 / (4 * 3)), 4)
+    assert gemm_plan(ONE_TILE, 1, 640, 128) == (pytest.approx(1 / 128 * 10 / (4 * 10)), 1)  # one SM works
+    # An output that fills the SMs is not split: 4 tiles on 4 SMs.
+    assert gemm_plan(tiling, 256, 640, 256).splits == 1
+    # The partial sums meet in memory: 3 fp32 1 x 128 partials written and read.
+    assert split_k_bytes(tiling, 1, 640, 128) == 2 * 3 * 4 * 128
+    assert split_k_bytes(ONE_TILE, 1, 640, 128) == 0
+
+
+def test_gemv_shaped_decode_gemm_is_weight_read_bound_on_h100():
+    # One token through a 4096 x 4096 bf16 weight on H100: 32 output tiles of 128 x 128 on 132 SMs, K split 4 ways
+    # (4 x 32 = 128 tiles in one wave). Its math is then ~6.6 us, its memory 11 us: the kernel costs its launch and
+    # the bytes over the achievable bandwidth (3350 GB/s x 0.9): the weights, the activations, the fp32 partials.
+    hw = load_hardware("h100-80g")
+    m, k, n = 1, 4096, 4096
+    assert gemm_plan(hw.compute.gemm, m, k, n).splits == 4
+    nbytes = 2 * (k * n + m * k + m * n) + 2 * 3 * 4 * m * n
+    assert gemm_time(hw, m, k, n) == pytest.approx(4e-6 + nbytes / (3350e9 * 0.9), rel=1e-12)
+    # Without split-K the same GEMM runs on 32 of the 132 SMs and is priced compute-bound, slower.
+    unsplit = hw.model_copy(update={"compute": hw.compute.model_copy(update={
+        "gemm": hw.compute.gemm.model_copy(update={"split_k": False})})})
+    assert gemm_time(unsplit, m, k, n) > 1.5 * gemm_time(hw, m, k, n)
+
+
+def test_shipped_gpu_profiles_split_k():
+    assert all(load_hardware(n).compute.gemm.split_k for n in ("a100-80g", "h100-80g", "h200-141g"))

@@ -351,23 +351,48 @@ def test_gpu_profile_carries_the_base_tiling_on_its_own_sm_count():
 
 
 def test_matmul_sweep_is_fitted_with_the_shape_model():
-    """A sweep timed exactly as the cost model charges it (rate / shape efficiency) fits back the rate."""
-    from hfplan.profiler.run import effective_flops
-    from hfplan.simulator.kernels import gemm_shape_efficiency
+    """A sweep timed exactly as the cost model charges it (rate / shape efficiency; the small-M shapes split K and
+    bound by their bytes, partial sums included) fits back the rate and the bandwidth."""
+    from hfplan.profiler.run import effective_bytes, effective_flops
+    from hfplan.profiler.sweeps import SMALL_M
+    from hfplan.simulator.kernels import gemm_shape_efficiency, split_k_bytes
 
     tiling = load_hardware("a100-80g").compute.gemm
-    rate, overhead = 2.5e14, 4e-6
+    rate, overhead, bandwidth = 2.5e14, 4e-6, 1.8e12
+    shapes = [(s, s, s) for s in (512, 1024, 2048, 3072, 4096, 6144, 8192)]
+    shapes += [(m, k, n) for m in SMALL_M for k, n in ((4096, 4096), (4096, 14336), (14336, 4096))]
     rows = [dict(kind="matmul", m=m, k=k, n=n, flops=2.0 * m * k * n, bytes=2.0 * (m * k + k * n + m * n))
-            for m, k, n in ((s, s, s) for s in (512, 1024, 2048, 3072, 4096, 6144, 8192))]
+            for m, k, n in shapes]
     rows += [dict(kind="memory", flops=0.0, bytes=float(b)) for b in (2**20, 2**24, 2**28)]
-    seconds = [overhead + max(r["flops"] / (rate * (gemm_shape_efficiency(tiling, r["m"], r["k"], r["n"])
-                                                    if r["kind"] == "matmul" else 1.0)), r["bytes"] / 1.8e12)
-               for r in rows]
+
+    def charged(r):
+        if r["kind"] != "matmul":
+            return overhead + r["bytes"] / bandwidth
+        flops = r["flops"] / (rate * gemm_shape_efficiency(tiling, r["m"], r["k"], r["n"]))
+        return overhead + max(flops, (r["bytes"] + split_k_bytes(tiling, r["m"], r["k"], r["n"])) / bandwidth)
+
+    seconds = [charged(r) for r in rows]
     assert effective_flops(rows[0], None) == rows[0]["flops"]
-    fit = fit_roofline([effective_flops(r, tiling) for r in rows], [r["bytes"] for r in rows], seconds)
+    assert effective_bytes(rows[-1], tiling) == rows[-1]["bytes"]
+    gemv = next(r for r in rows if r["m"] == 1)
+    assert effective_bytes(gemv, tiling) > gemv["bytes"]  # a decode GEMM splits K: its partial sums count
+    fit = fit_roofline([effective_flops(r, tiling) for r in rows], [effective_bytes(r, tiling) for r in rows], seconds)
     assert fit.flops_per_s == pytest.approx(rate, rel=1e-3)
+    assert fit.bytes_per_s == pytest.approx(bandwidth, rel=1e-3)
     plain = fit_roofline([r["flops"] for r in rows], [r["bytes"] for r in rows], seconds)
     assert plain.flops_per_s < 0.97 * rate  # the plain roofline mistakes the quantization loss for a slower rate
+
+
+def test_gpu_matmul_sweep_measures_decode_shaped_gemms():
+    """The CUDA sweep times GEMMs of one to a few rows against hidden and MLP widths (decode's weight-read bound,
+    where the library splits K), full and quick."""
+    from hfplan.profiler.sweeps import sweeps_for
+
+    for quick in (False, True):
+        shapes = sweeps_for("cuda", quick).matmuls
+        small = {m for m, k, n in shapes if k >= 4096 and n >= 4096 and m <= 16}
+        assert 1 in small and len(small) >= 2
+        assert any(m >= 1024 and k == n for m, k, n in shapes)
 
 
 def test_fixed_cost_is_what_the_kernels_leave_over():

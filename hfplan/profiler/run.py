@@ -16,7 +16,7 @@ from hfplan.profiler.fit import COLLECTIVES, LinkFit, fit_alpha_beta, fit_roofli
 from hfplan.profiler.sweeps import Sweeps
 from hfplan.profiles.hardware import HardwareProfile
 from hfplan.profiles.models import ModelArch
-from hfplan.simulator.kernels import gemm_shape_efficiency
+from hfplan.simulator.kernels import gemm_shape_efficiency, split_k_bytes
 
 COLUMNS = ("kind", "op", "dtype", "m", "k", "n", "flops", "bytes", "world", "link", "steps", "moved_bytes", "model",
            "scale", "hidden", "heads", "kv_heads", "ffn", "batch", "seq", "context", "tp", "tokens", "seconds", "rate",
@@ -90,8 +90,8 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
     collectives = [r for r in rows if r["kind"] == "collective"]
     tiling = device_tiling(device, request.base)
     fits = Fits(
-        roofline=fit_roofline([effective_flops(r, tiling) for r in kernels], [r["bytes"] for r in kernels],
-                              [r["seconds"] for r in kernels]),
+        roofline=fit_roofline([effective_flops(r, tiling) for r in kernels],
+                              [effective_bytes(r, tiling) for r in kernels], [r["seconds"] for r in kernels]),
         best_matmul_flops=max(r["rate"] for r in rows if r["kind"] == "matmul"),
         best_copy_bytes=max(r["rate"] for r in rows if r["kind"] == "memory"),
         intra=_link_fit(collectives),
@@ -153,6 +153,14 @@ def effective_flops(row: dict, tiling) -> float:
     if row["kind"] != "matmul":
         return row["flops"]
     return row["flops"] / gemm_shape_efficiency(tiling, row["m"], row["k"], row["n"])
+
+
+def effective_bytes(row: dict, tiling) -> float:
+    """A kernel's memory traffic as the cost model charges it: a split-K matmul's partial sums on top of its
+    operands (small-M shapes, where the library splits K), so that their weight-read bound fits the bandwidth."""
+    if row["kind"] != "matmul":
+        return row["bytes"]
+    return row["bytes"] + split_k_bytes(tiling, row["m"], row["k"], row["n"])
 
 
 def _size(nbytes: float) -> str:

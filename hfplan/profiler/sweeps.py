@@ -32,6 +32,12 @@ class Sweeps:
     ray_calls: int = 200  # synchronous Ray actor calls per timing round (controller call cost)
 
 
+# Rows (M) of the skinny GEMMs measured on a GPU against hidden and MLP widths: decode batches (where the GEMM
+# library splits K and the weights' read bounds the time) up to training micro-batches (compute-bound).
+SMALL_M = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
+SMALL_M_QUICK = (1, 8, 64, 256, 1024)
+
+
 def _square(sizes) -> tuple[tuple[int, int, int], ...]:
     return tuple((s, s, s) for s in sizes)
 
@@ -45,7 +51,8 @@ def sweeps_for(kind: str, quick: bool) -> Sweeps:
         return Sweeps(
             matmuls=_square((128, 256, 512, 1024, 2048, 4096, 8192) if quick else
                             (64, 128, 256, 512, 1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384))
-            + _skinny((1, 16, 128, 1024), ((4096, 4096), (4096, 14336), (14336, 4096)) if quick else
+            + _skinny(SMALL_M_QUICK if quick else SMALL_M,
+                      ((4096, 4096), (4096, 14336), (14336, 4096)) if quick else
                       ((4096, 4096), (4096, 14336), (14336, 4096), (8192, 8192), (8192, 28672))),
             copy_bytes=tuple(2**k for k in range(8, 31, 2 if quick else 1)),
             message_bytes=tuple(2**k for k in range(3, 30, 2 if quick else 1)),

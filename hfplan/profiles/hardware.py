@@ -38,6 +38,10 @@ class GemmTiling(_Strict):
                                                                          "library chooses among, per shape")
     tile_k: int = Field(gt=0, description="reduction-dimension block of one pipeline stage")
     stages: int = Field(ge=1, description="pipeline stages of the mainloop")
+    split_k: bool = Field(default=False, description="the library may split K over several tiles per output "
+                                                     "tile (split-K) to fill the SMs where the output has few "
+                                                     "tiles (small M: decode); their fp32 partial sums meet in "
+                                                     "memory. False: one tile per output tile")
 
     @field_validator("tiles")
     @classmethod
@@ -48,7 +52,7 @@ class GemmTiling(_Strict):
 
     def __hash__(self) -> int:
         # Tilings key the GEMM efficiency cache: hash the plain field values, not through pydantic.
-        return hash((self.sm_count, self.tiles, self.tile_k, self.stages))
+        return hash((self.sm_count, self.tiles, self.tile_k, self.stages, self.split_k))
 
 
 class Compute(_Strict):

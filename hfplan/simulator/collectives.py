@@ -2,15 +2,17 @@
 
 A group of `size` ranks may span nodes: `per_node` of its ranks share each node, and `busy_per_node`
 GPUs of that node (this group's and others' running the same collective at the same time, e.g. all
-data-parallel groups of a model) share the node's network interfaces. Collectives spanning nodes use
-the two-level scheme (reduce-scatter inside the node, the inter-node step on 1/per_node of the data
-per GPU, all-gather inside the node), which is what NCCL's tree and ring channels achieve in effect.
-NCCL pipelines those phases over chunks of the message (NCCL 2.4's pipelined trees; a ring's chunks
-cross NVLink and the network at once), so the intra- and inter-node links work at the same time: a
-two-level collective pays every phase's latency and the slower link's bandwidth term, not their sum.
+data-parallel groups of a model) share the node's network interfaces. Collectives spanning nodes run as
+NCCL's ring does: one ring through every rank of the group, each node's ranks adjacent on it, so every
+node boundary carries the ring's whole stream (passes (size - 1) / size of the data per rank), not the
+1/per_node share a hierarchical (reduce in the node first) scheme would send; nccl-tests' multi-node
+all-reduce bus bandwidth is accordingly about the node's network bandwidth. The ring's chunks cross
+NVLink and the network at once, so it pays every step's latency and the slower link's bandwidth term.
 Where the intra-node link reduces in the switch (NVLink SHARP, `Link.nvls`: NVSwitch gen 3, H100/H200),
 an all-reduce inside a node sends each GPU's data to the switch once and receives the reduced result
 once (NCCL's NVLS algorithm): n bytes each way in two steps, against the ring's 2(r-1)/r n in 2(r-1).
+NCCL runs NVLS across nodes only with CollNet (SHARP in the network), which the profiles do not describe:
+groups spanning nodes take the ring.
 """
 
 from __future__ import annotations
@@ -76,25 +78,26 @@ def _inter_bandwidth(hw: HardwareProfile, group: Group) -> float:
 
 
 def _ring(hw: HardwareProfile, group: Group, nbytes: float, passes: int) -> float:
-    """`passes` = 1 for all-gather or reduce-scatter (of an nbytes result), 2 for all-reduce."""
+    """`passes` = 1 for all-gather or reduce-scatter (of an nbytes result), 2 for all-reduce.
+
+    In a node: a ring (or, for all-reduce where the switch reduces, NVLS). Across nodes: NCCL's ring runs through
+    every rank, so each rank sends passes (size - 1) / size of the data, and each node's network hop carries the
+    whole ring's stream (the r ranks of the node pass it along over NVLink, one of them out of the node); the node's
+    NICs are shared by the busy_per_node / per_node groups crossing it at once. The stream is pipelined in chunks
+    through both links: every step's latency, and the slower link's bandwidth term."""
     if group.size <= 1 or nbytes <= 0:
         return 0.0
     intra = hw.links.intra_node
     r, n = group.per_node, group.nodes
-    latency, intra_time, inter_time = 0.0, 0.0, 0.0
-    if r > 1:
-        if passes == 2 and intra.nvls:
-            latency += 2 * intra.latency_us * 1e-6
-            intra_time = nbytes / intra.effective_bytes_per_s
-        else:
-            latency += passes * (r - 1) * intra.latency_us * 1e-6
-            intra_time = passes * (r - 1) / r * nbytes / intra.effective_bytes_per_s
+    if n == 1 and passes == 2 and intra.nvls:
+        return 2 * intra.latency_us * 1e-6 + nbytes / intra.effective_bytes_per_s
+    moved = passes * (group.size - 1) / group.size * nbytes  # what each rank sends around the ring
+    latency = passes * (r - 1) * intra.latency_us * 1e-6
+    intra_time = moved / intra.effective_bytes_per_s if r > 1 else 0.0
+    inter_time = 0.0
     if n > 1:
-        inter = hw.links.inter_node
-        # Each of the r local GPUs carries 1/r of the data across nodes, all sharing the node's NICs.
-        per_gpu = nbytes / r
-        latency += passes * (n - 1) * inter.latency_us * 1e-6
-        inter_time = passes * (n - 1) / n * per_gpu / _inter_bandwidth(hw, group)
+        latency += passes * (n - 1) * hw.links.inter_node.latency_us * 1e-6
+        inter_time = moved / (_inter_bandwidth(hw, group) * r)
     return latency + max(intra_time, inter_time)
 
 

@@ -5,7 +5,8 @@ achievable matmul rate) and its memory time (bytes at the profile's achievable b
 efficiency falls by itself where per-GPU work is small: small GEMMs are memory- or overhead-bound,
 decode steps are weight-read bound, and large training GEMMs run near the measured matmul rate.
 Where the profile describes its GEMM kernels' tiling, a GEMM's math rate is further scaled by its
-shape (`gemm_shape_efficiency`): padded tiles, a last partial wave of tiles, a short reduction.
+shape (`gemm_shape_efficiency`): padded tiles, a last partial wave of tiles, a short reduction; where the
+library splits K (small M, as in decode), the GEMM fills the SMs and becomes weight-read bound.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from hfplan.layout import kv_heads_per_rank
 from hfplan.profiles.hardware import GemmTiling, HardwareProfile
@@ -29,31 +31,64 @@ def kernel_time(hw: HardwareProfile, flops: float, nbytes: float, shape_efficien
     return hw.compute.kernel_overhead_us * 1e-6 + max(compute, memory)
 
 
+class GemmPlan(NamedTuple):
+    """How the library runs one GEMM: the useful share of the tensor cores' work, and the K splits per output
+    tile (1: no split-K)."""
+
+    efficiency: float
+    splits: int
+
+
+def _padded_work(tiling: GemmTiling, tiles: int, tile_m: int, tile_n: int, k_blocks: int, splits: int) -> int:
+    """Tensor-core work (multiply-adds) of `tiles` output tiles, each split over `splits` K ranges, in whole
+    waves of sm_count, each K range walked in whole blocks plus the stages - 1 that fill the pipeline."""
+    waves = math.ceil(tiles * splits / tiling.sm_count)
+    k_work = (math.ceil(k_blocks / splits) + tiling.stages - 1) * tiling.tile_k
+    return waves * tiling.sm_count * tile_m * tile_n * k_work
+
+
 @functools.lru_cache(maxsize=1 << 16)
-def gemm_shape_efficiency(tiling: GemmTiling | None, m: float, k: float, n: float) -> float:
-    """Useful fraction of the tensor cores' work for an (m x k)(k x n) GEMM, with the tile the library would
-    pick (the one with the least padded work): the output is covered by whole tiles (tile quantization), the
-    tiles run in whole waves of sm_count (wave quantization), and each tile walks K in whole blocks of tile_k
-    plus the stages - 1 blocks that fill its pipeline (the short-K loss). 1 without a tiling (CPUs)."""
+def gemm_plan(tiling: GemmTiling | None, m: float, k: float, n: float) -> GemmPlan:
+    """The tile and K split the library would pick for an (m x k)(k x n) GEMM: the one with the least padded work.
+    The output is covered by whole tiles (tile quantization), the tiles run in whole waves of sm_count (wave
+    quantization), and each tile walks K in whole blocks of tile_k plus the stages - 1 blocks that fill its
+    pipeline (the short-K loss). With `split_k`, an output of fewer tiles than SMs may split K over up to
+    ceil(sm_count / tiles) tiles each (more only adds waves), as CUTLASS's and cuBLAS's split-K kernels do for small
+    M: a decode GEMM then streams its weights from every SM instead of a few. (1, 1) without a tiling (CPUs)."""
     if tiling is None:
-        return 1.0
+        return GemmPlan(1.0, 1)
     k_blocks = math.ceil(k / tiling.tile_k)
-    k_work = (k_blocks + tiling.stages - 1) * tiling.tile_k
-    best = 0.0
+    best = GemmPlan(0.0, 1)
     for tile_m, tile_n in tiling.tiles:
         tiles = math.ceil(m / tile_m) * math.ceil(n / tile_n)
-        waves = math.ceil(tiles / tiling.sm_count)
-        padded = waves * tiling.sm_count * tile_m * tile_n * k_work
-        best = max(best, m * n * k / padded)
+        most = min(k_blocks, max(1, math.ceil(tiling.sm_count / tiles))) if tiling.split_k else 1
+        for splits in range(1, most + 1):
+            efficiency = m * n * k / _padded_work(tiling, tiles, tile_m, tile_n, k_blocks, splits)
+            if efficiency > best.efficiency:
+                best = GemmPlan(efficiency, splits)
     return best
+
+
+def gemm_shape_efficiency(tiling: GemmTiling | None, m: float, k: float, n: float) -> float:
+    """Useful fraction of the tensor cores' work for an (m x k)(k x n) GEMM (`gemm_plan`); 1 without a tiling."""
+    return gemm_plan(tiling, m, k, n).efficiency
+
+
+def split_k_bytes(tiling: GemmTiling | None, m: float, k: float, n: float) -> float:
+    """Memory traffic a split-K GEMM adds to its operands': the fp32 partial sums of its K ranges meet through
+    memory (serial split-K, CUTLASS's SplitKSerial: each range but the last writes its partial m x n sums, each but
+    the first reads the one before it)."""
+    splits = gemm_plan(tiling, m, k, n).splits
+    return 2.0 * (splits - 1) * FP32 * m * n
 
 
 def gemm_time(hw: HardwareProfile, m: float, k: float, n: float) -> float:
     """(m x k) @ (k x n) in the device's compute precision."""
     if m <= 0 or k <= 0 or n <= 0:
         return 0.0
-    return kernel_time(hw, 2.0 * m * k * n, hw.compute.value_bytes * (m * k + k * n + m * n),
-                       gemm_shape_efficiency(hw.compute.gemm, m, k, n))
+    tiling = hw.compute.gemm
+    nbytes = hw.compute.value_bytes * (m * k + k * n + m * n) + split_k_bytes(tiling, m, k, n)
+    return kernel_time(hw, 2.0 * m * k * n, nbytes, gemm_shape_efficiency(tiling, m, k, n))
 
 
 def memory_time(hw: HardwareProfile, nbytes: float) -> float:
