@@ -31,6 +31,20 @@ def test_inference_pays_a_forward_pass_per_micro_batch_and_one_controller_call(t
     assert paid - plain == pytest.approx(4 * 100e-6 + 1000e-6)  # 4 micro-batches, one call
 
 
+def test_a_pass_pays_a_fixed_cost_per_token_shared_by_the_pipeline_stages(toy_hw):
+    per_token = toy_hw.model_copy(update={"runtime": Runtime(forward_token_us=2, train_token_us=5)})
+    cfg = InferConfig(micro_batch=2)
+    plain = costs.inference_time(toy_hw, LLAMA7, cfg, ONE, 8, 256, "lm")
+    paid = costs.inference_time(per_token, LLAMA7, cfg, ONE, 8, 256, "lm")
+    assert paid - plain == pytest.approx(8 * 256 * 2e-6)  # every token once
+    train = TrainConfig(micro_batch=2)
+    step = costs.train_step_parts(per_token, LLAMA7, train, ONE, 8, 256, "lm")
+    assert step["runtime"] == pytest.approx(8 * 256 * 5e-6)
+    # Two stages: each micro-batch's tokens cost the busiest stage half as much, plus the pipeline's fill.
+    staged = costs.train_step_parts(per_token, LLAMA7, TrainConfig(pp=2, micro_batch=2), SetShape(2, 8), 8, 256, "lm")
+    assert staged["runtime"] == pytest.approx(4 * 2 * 256 * 5e-6 / 2)
+
+
 def test_generation_pays_an_engine_step_per_prefill_and_decode_step(toy_hw):
     gen = GenConfig()
     kv = 1e12  # room for everything: one wave of 4

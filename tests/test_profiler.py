@@ -404,9 +404,9 @@ def test_fixed_cost_is_what_the_kernels_leave_over():
 
 @pytest.mark.slow
 def test_runtime_costs_measured_on_the_executor_engine():
-    """The torch rollout engine's decode step, static and continuous, a forward pass of the demo model and the
-    training engine's micro-batch and optimizer step on CPU, less their modelled kernels; no Ray round trip
-    here (ray_calls=0)."""
+    """The torch rollout engine's decode step, static and continuous, the training engine's micro-batch,
+    optimizer step, log-prob call and costs per token, and the hybrid engine's switch on CPU, less their modelled
+    kernels; no Ray round trip here (ray_calls=0)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from hfplan.layout import stage_parameter_tensors
@@ -421,8 +421,9 @@ def test_runtime_costs_measured_on_the_executor_engine():
     assert not fit.ray and fit.runtime.controller_call_us == 0.0 and fit.runtime.call_dispatch_us is None
     rows = {r["op"]: r for r in fit.rows}
     engines = {engine: {n: f"{engine}train_step_{n}_micro_batches" for n in (FEW, MANY)} for engine in ("", "fsdp_")}
-    assert set(rows) == {"forward_pass", "engine_step", f"engine_step_{BATCH}_sequences", "engine_step_continuous",
+    assert set(rows) == {"engine_step", f"engine_step_{BATCH}_sequences", "engine_step_continuous",
                          "engine_log_prob", "fsdp_engine_log_prob", "controller_step", "hybrid_switch",
+                         f"train_step_1_micro_batch_of_{BATCH}", f"engine_log_prob_{BATCH}_sequences",
                          *(op for steps in engines.values() for op in steps.values())}
     # A switch in the training layout on one rank moves nothing: all of it is the engines' cost per tensor.
     assert rows["hybrid_switch"]["predicted_s"] == 0.0
@@ -451,8 +452,20 @@ def test_runtime_costs_measured_on_the_executor_engine():
     assert rt.engine_step_s("continuous", 1) == pytest.approx(max(
         max(0.0, rows["engine_step_continuous"]["seconds"] - step_model), rt.engine_sequence_step_us * 1e-6),
         abs=2e-8)
+    # Per token: a micro-batch of BATCH sequences against one, beyond their modelled kernels.
+    tokens = PROMPT + LONG
+
+    def beyond_row(op: str) -> float:
+        return max(0.0, rows[op]["seconds"] - rows[op]["predicted_s"])
+
+    assert rt.train_token_us == pytest.approx((max(0.0, beyond_row(f"train_step_1_micro_batch_of_{BATCH}")
+                                                   - beyond_row(f"train_step_{FEW}_micro_batches")))
+                                              / ((BATCH - 1) * tokens) * 1e6, abs=1e-3)
+    assert rt.forward_token_us == pytest.approx(max(0.0, beyond_row(f"engine_log_prob_{BATCH}_sequences")
+                                                    - beyond_row("engine_log_prob")) / ((BATCH - 1) * tokens) * 1e6,
+                                                abs=1e-3)
     # A step of n micro-batches beyond its modelled kernels is n passes and one optimizer step, for the engine
-    # as one rank trains and as FSDP2 wraps it.
+    # as one rank trains and as FSDP2 wraps it; a pass's fixed cost is what its tokens' leave.
     tensors = stage_parameter_tensors(CATALOG["tiny"], 1, "lm")
     forward_model = costs.stage_pass(kernels_only, CATALOG["tiny"], 1, 1, costs.SetShape(1, 1), 1, PROMPT + LONG,
                                      "lm").forward
@@ -465,12 +478,14 @@ def test_runtime_costs_measured_on_the_executor_engine():
             assert rows[op]["predicted_s"] == pytest.approx(modelled)
             beyond[n] = rows[op]["seconds"] - modelled
         pass_s = max(0.0, (beyond[MANY] - beyond[FEW]) / (MANY - FEW))
-        assert rt.train_pass_s(fsdp) == pytest.approx(pass_s, abs=1e-8)
+        assert rt.train_pass_s(fsdp) == pytest.approx(max(0.0, pass_s - tokens * rt.train_token_us * 1e-6),
+                                                      abs=1e-7)  # the per-token figure is rounded
         assert rt.optimizer_tensor_s(fsdp) == pytest.approx(max(0.0, beyond[FEW] - FEW * pass_s) / tensors,
                                                             abs=1e-9)
-    log_prob = rows["fsdp_engine_log_prob"]
-    assert log_prob["predicted_s"] == pytest.approx(forward_model)
-    assert rt.forward_pass_s(True) == pytest.approx(max(0.0, log_prob["seconds"] - forward_model), abs=1e-8)
+    for fsdp, op in ((False, "engine_log_prob"), (True, "fsdp_engine_log_prob")):
+        assert rows[op]["predicted_s"] == pytest.approx(forward_model)
+        assert rt.forward_pass_s(fsdp) == pytest.approx(max(0.0, rows[op]["seconds"] - forward_model
+                                                            - tokens * rt.forward_token_us * 1e-6), abs=1e-7)
     # No world profiled (a world of one): nothing measured of a tensor-parallel engine, nothing charged for it.
     assert rt.tp_forward_pass_us == rt.tp_train_pass_us == rt.tp_optimizer_tensor_us == 0.0
 

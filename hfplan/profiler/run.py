@@ -120,10 +120,11 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
                                   "call_dispatch_us": base.runtime.call_dispatch_us}
     profile = profile.model_copy(update={
         "runtime": fixed.runtime.model_copy(update=calls), "memory": memory,
-        "description": profile.description + " Runtime: a forward pass of the demo model, a decode step of the "
-                       "executor's torch rollout engine, and a micro-batch, an optimizer step and a log-prob "
-                       "call of its training engine (as one rank trains, and across the profiled world wrapped in "
-                       "FSDP2 and split by tensor parallelism), less their modelled kernels and collectives"
+        "description": profile.description + " Runtime: a sampled decode step of the executor's torch rollout "
+                       "engine (of one and of several sequences), a micro-batch, an optimizer step and a log-prob "
+                       "call of its training engine (as one rank trains, per token on that rank, and across the "
+                       "profiled world wrapped in FSDP2 and split by tensor parallelism) and the hybrid engine's "
+                       "switch, less their modelled kernels and collectives"
                        + ", an advantage step of the controller"
                        + (", and a call through a Ray actor shaped as the executor's, synchronous and queued (and "
                           "that worker's resident memory)" if fixed.ray

@@ -1,15 +1,15 @@
 """Fixed costs the kernels do not show (HardwareProfile.runtime), measured on the executor's own engines.
 
 Each is what one unit of work takes beyond what the cost model charges for its kernels on the profile just
-fitted: a forward pass of the demo model through its HF module, a sampled decode step of the executor's torch
-rollout engine with static batching (of one sequence and of BATCH: the fixed cost per step and per sequence in
-it) and with continuous batching (the slope of generation time over decode steps, so the prefills drop out), a
-training micro-batch and an optimizer step of the executor's training engine (the slope of
-a step's time over its micro-batches, and what is left at none) and a log-prob call through it, as it trains on
-one rank and, across the profiled world (every rank computing at once), wrapped in FSDP2 and split by tensor
-parallelism, a call through a Ray actor shaped as the executor's (how the controller reaches a worker: a round
-trip, and a call's own cost on the worker while calls queue) with that worker's own resident memory, and one
-advantage step of the controller.
+fitted: a sampled decode step of the executor's torch rollout engine with static batching (of one sequence and of
+BATCH: the fixed cost per step and per sequence in it) and with continuous batching (the slope of generation time
+over decode steps, so the prefills drop out), a training micro-batch and an optimizer step of the executor's
+training engine (the slope of a step's time over its micro-batches, and what is left at none) and a log-prob call
+through it, as it trains on one rank and, across the profiled world (every rank computing at once), wrapped in
+FSDP2 and split by tensor parallelism; per token of a micro-batch (one sequence against BATCH, on one rank); the
+hybrid engine's switch on one rank, a call through a Ray actor shaped as the executor's (how the controller
+reaches a worker: a round trip, and a call's own cost on the worker while calls queue) with that worker's own
+resident memory, and one advantage step of the controller.
 torch and ray are passed in or imported here, only when `hfplan profile` runs.
 """
 
@@ -62,10 +62,10 @@ def _row(op: str, seconds: float, predicted: float, world: int = 1) -> dict:
 
 def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: float, ray_calls: int = RAY_CALLS,
                     across: dict[str, EngineSeconds] | None = None) -> RuntimeFit:
-    """Forward-pass, engine-step (static and continuous), training-pass, optimizer-step and (with ray)
-    controller-call costs, with the rows behind them. `across`: the engine wrapped in FSDP2 and split by tensor
-    parallelism, each timed over the profiled world (measure_collectives' processes, all computing at once, as
-    a layout's ranks do); without them, FSDP2 over a world of one and no tensor-parallel costs."""
+    """The Runtime fields (the module docstring's measurements), with the rows behind them. `across`: the
+    engine wrapped in FSDP2 and split by tensor parallelism, each timed over the profiled world
+    (measure_collectives' processes, all computing at once, as a layout's ranks do); without them, FSDP2 over a
+    world of one and no tensor-parallel costs."""
     from hfplan.executor.models import build_model
     from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
 
@@ -76,9 +76,6 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
     model = build_model(MODEL, "lm", seed=0, dtype=compute_dtype(device)).to(device.kind).eval()
     prompts = torch.randint(1, arch.vocab, (1, PROMPT), device=device.kind)
 
-    with torch.inference_mode():
-        forward_s = clock.per_call(lambda: model(prompts), min_time)
-    forward_model = costs.stage_pass(bare, arch, 1, 1, one, 1, PROMPT, "lm").forward
     # No token is -1: every response runs its length. The continuous engine has one slot for two prompts, so
     # it refills the slot (a batch of one every step, as the static engine's).
     static = TorchRolloutEngine(model, pad_id=0, eos_id=-1)
@@ -91,29 +88,32 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
     batch_model = costs.decode_step_time(bare, arch, Layout(), one, BATCH, context)
     # A step's fixed cost grows with the sequences in it: the slope between a batch of one and of BATCH.
     sequence_us = max(0.0, fixed_us(batch_s, batch_model) - fixed_us(step_s, step_model)) / (BATCH - 1)
-    rows = [_row("forward_pass", forward_s, forward_model), _row("engine_step", step_s, step_model),
+    rows = [_row("engine_step", step_s, step_model),
             _row(f"engine_step_{BATCH}_sequences", batch_s, batch_model),
             _row("engine_step_continuous", continuous_s, step_model)]
     across = across or {}
     plain = _engine_on_one_rank(torch, device, PLAIN)
-    train = _train_fixed(bare, plain)
+    per_token = _token_fixed(bare, plain)
+    rows += per_token.rows
+    train = _train_fixed(bare, plain, per_token)
     # A switch in the training layout on one rank moves no weights: its time is the engines' fixed cost, per tensor.
     switch_model = costs.transition_time(bare, arch, TrainConfig(), GenConfig(), one)
     switch_us = fixed_us(plain.switch, switch_model) / stage_parameter_tensors(arch, 1, "lm")
     rows.append(_row("hybrid_switch", plain.switch, switch_model))
-    wrapped = _train_fixed(bare, across.get(FSDP) or _engine_on_one_rank(torch, device, FSDP))
+    wrapped = _train_fixed(bare, across.get(FSDP) or _engine_on_one_rank(torch, device, FSDP), per_token)
     rows += train.rows + wrapped.rows
     # Tensor parallelism's costs on top of those of the engine it splits (one data-parallel rank): only where
     # a world was profiled.
     unsplit = wrapped if trains_through_fsdp(1, bare.compute.value_bytes) else train
-    split = _train_fixed(bare, across[TP]) if TP in across else unsplit
+    split = _train_fixed(bare, across[TP], per_token) if TP in across else unsplit
     rows += split.rows if TP in across else []
     controller_step_s = clock.per_call(_controller_step(), min_time)
     rows.append(_row("controller_step", controller_step_s, 0.0))
     ray_costs = _ray_worker(ray_calls)
     if ray_costs is not None:
         rows += [_row("controller_call", ray_costs.round_trip_s, 0.0), _row("call_dispatch", ray_costs.queued_s, 0.0)]
-    runtime = Runtime(forward_pass_us=round(fixed_us(forward_s, forward_model), 2),
+    runtime = Runtime(forward_pass_us=round(train.forward_us, 2), forward_token_us=round(per_token.forward_us, 3),
+                      train_token_us=round(per_token.train_us, 3),
                       engine_step_us=round(max(0.0, fixed_us(step_s, step_model) - sequence_us), 2),
                       engine_sequence_step_us=round(sequence_us, 2), switch_tensor_us=round(switch_us, 3),
                       controller_call_us=round(ray_costs.round_trip_s * 1e6, 2) if ray_costs else 0.0,
@@ -149,6 +149,7 @@ class EngineSeconds:
     steps: dict[int, float]
     log_prob: float
     switch: float | None = None  # PLAIN only: the hybrid engine's switch into generation and back
+    wide: tuple[float, float] | None = None  # PLAIN only: (actor update, log-prob call) of one micro-batch of BATCH
 
     @property
     def prefix(self) -> str:
@@ -223,7 +224,16 @@ def engine_seconds(torch, kind: str, mode: str) -> EngineSeconds:
     one = {"prompts": torch.randint(1, arch.vocab, (1, PROMPT)), "responses": torch.randint(1, arch.vocab, (1, LONG)),
            "response_mask": torch.ones(1, LONG, dtype=torch.long)}
     log_prob = timed(lambda: role.log_probs(**one, micro_batch=1))
-    return EngineSeconds(world, mode, steps, log_prob, timed(_switch(role)) if mode == PLAIN else None)
+    if mode != PLAIN:
+        return EngineSeconds(world, mode, steps, log_prob)
+    wide = {"prompts": torch.randint(1, arch.vocab, (BATCH, PROMPT)),
+            "responses": torch.randint(1, arch.vocab, (BATCH, LONG)),
+            "response_mask": torch.ones(BATCH, LONG, dtype=torch.long)}
+    update = {**wide, "old_log_probs": torch.zeros(BATCH, LONG), "advantages": torch.ones(BATCH, LONG)}
+    wide_update = timed(lambda: role.update_actor(update, mini_batches=1, epochs=1, micro_batch=BATCH,
+                                                  use_kl_loss=False))
+    wide_log_prob = timed(lambda: role.log_probs(**wide, micro_batch=BATCH))
+    return EngineSeconds(world, mode, steps, log_prob, timed(_switch(role)), (wide_update, wide_log_prob))
 
 
 def _switch(role):
@@ -250,13 +260,40 @@ class _TrainFixed:
     rows: list[dict]
 
 
-def _train_fixed(bare: HardwareProfile, measured: EngineSeconds) -> _TrainFixed:
+@dataclass(frozen=True)
+class _TokenFixed:
+    train_us: float
+    forward_us: float
+    rows: list[dict]
+
+
+def _token_fixed(bare: HardwareProfile, plain: EngineSeconds) -> _TokenFixed:
+    """The fixed costs per token of the engine as one rank trains: an update and a log-prob call of one
+    micro-batch of BATCH sequences against the same of one sequence, each beyond its modelled kernels, over the
+    tokens between them."""
+    arch, one, tokens = CATALOG[MODEL], costs.SetShape(1, 1), PROMPT + LONG
+    update_model = {n: costs.train_step_time(bare, arch, TrainConfig(micro_batch=n), one, n, tokens, "lm")
+                    for n in (1, BATCH)}
+    forward_model = {n: costs.inference_time(bare, arch, InferConfig(micro_batch=n), one, n, tokens, "lm")
+                     for n in (1, BATCH)}
+    wide_update, wide_log_prob = plain.wide
+    more = (BATCH - 1) * tokens
+    train_us = max(0.0, fixed_us(wide_update, update_model[BATCH]) - fixed_us(plain.steps[1], update_model[1])) / more
+    forward_us = max(0.0, fixed_us(wide_log_prob, forward_model[BATCH])
+                     - fixed_us(plain.log_prob, forward_model[1])) / more
+    rows = [_row(f"train_step_1_micro_batch_of_{BATCH}", wide_update, update_model[BATCH]),
+            _row(f"engine_log_prob_{BATCH}_sequences", wide_log_prob, forward_model[BATCH])]
+    return _TokenFixed(train_us, forward_us, rows)
+
+
+def _train_fixed(bare: HardwareProfile, measured: EngineSeconds, per_token: _TokenFixed) -> _TrainFixed:
     """The training engine's fixed costs in the measured mode (as one rank trains, wrapped in FSDP2 or split by
     tensor parallelism over the measured world): a step of n micro-batches takes n passes and one optimizer
     step, so its time beyond the modelled kernels and collectives is n * pass + step; FEW and MANY micro-batches
     give both. The step's share is spread over the model's parameter tensors (the optimizer, the clipping and the
     zeroing visit each one). Also a log-prob call of one micro-batch through the same engine, beyond its modelled
-    forward (with FSDP2: gathering the weights for the call and freeing them after, on top of the pass)."""
+    forward (with FSDP2: gathering the weights for the call and freeing them after, on top of the pass). A pass's
+    fixed cost is what is left after `per_token`'s for its sequence's tokens."""
     arch, world, fsdp = CATALOG[MODEL], measured.world, measured.mode == FSDP
     where = costs.SetShape(world, world)
     tp, dp = (world, 1) if measured.mode == TP else (1, world)
@@ -265,13 +302,15 @@ def _train_fixed(bare: HardwareProfile, measured: EngineSeconds) -> _TrainFixed:
     beyond = {n: measured.steps[n] - modelled[n] for n in (FEW, MANY)}
     pass_s = max(0.0, (beyond[MANY] - beyond[FEW]) / (MANY - FEW))
     step_s = max(0.0, beyond[FEW] - FEW * pass_s)
+    tokens = PROMPT + LONG
     forward_model = costs.inference_time(bare, arch, InferConfig(tp=tp, dp=dp, micro_batch=1), where, dp,
                                          PROMPT + LONG, "lm", dp if fsdp else 1, fsdp)
     rows = [_row(f"{measured.prefix}train_step_{n}_micro_batches", measured.steps[n], modelled[n], world)
             for n in (FEW, MANY)]
     rows.append(_row(f"{measured.prefix}engine_log_prob", measured.log_prob, forward_model, world))
-    return _TrainFixed(pass_s * 1e6, step_s * 1e6 / stage_parameter_tensors(arch, 1, "lm"),
-                       fixed_us(measured.log_prob, forward_model), rows)
+    return _TrainFixed(max(0.0, pass_s * 1e6 - tokens * per_token.train_us),
+                       step_s * 1e6 / stage_parameter_tensors(arch, 1, "lm"),
+                       max(0.0, fixed_us(measured.log_prob, forward_model) - tokens * per_token.forward_us), rows)
 
 
 def _engine_on_one_rank(torch, device: Device, mode: str) -> EngineSeconds:

@@ -143,6 +143,12 @@ class Runtime(_Strict):
                                            "of the generation engine, on top of engine_step_us (sampling its "
                                            "token, the cache's bookkeeping for it)")
 
+    forward_token_us: float = Field(default=0.0, ge=0, description="fixed cost per token of a forward pass "
+                                    "beyond its kernels, whichever engine runs it (the host's share of the small "
+                                    "operators the kernels leave out: norms, rotary, activations, short "
+                                    "attention)")
+    train_token_us: float = Field(default=0.0, ge=0, description="the same per token of a training micro-batch "
+                                                                 "(forward and backward)")
     switch_tensor_us: float = Field(default=0.0, ge=0, description="fixed cost per parameter tensor of one "
                                     "switch of the hybrid engine into generation and back (the rollout engine "
                                     "given the weights and released), beyond the weights it moves")

@@ -247,7 +247,9 @@ def train_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, whe
     per_micro["recompute"] = _recompute_seconds(sp, Recompute.of(cfg.recompute))
     per_micro["pp_comm"] = 2 * v * _p2p(hw, arch, cfg, where, micro * seq_len)
     fsdp, split = trains_through_fsdp(cfg.dp, hw.compute.value_bytes), cfg.tp > 1
-    per_micro["runtime"] = v * hw.runtime.train_pass_s(fsdp, split)
+    # Per token: the busiest stage's share of the model's layers.
+    per_micro["runtime"] = (v * hw.runtime.train_pass_s(fsdp, split)
+                            + micro * seq_len * hw.runtime.train_token_us * 1e-6 / cfg.pp)
     local_params = stage_params(arch, cfg.pp, head) / cfg.tp
     exposed = sharding.exposed_step_comm(hw, arch, cfg, where, head, sp.forward,
                                          sp.backward + per_micro["recompute"], n_micro)
@@ -285,7 +287,8 @@ def inference_parts(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, wher
     micro, n_micro = _per_rank(sequences, cfg.dp, cfg.micro_batch)
     sp = stage_pass(hw, arch, cfg.tp, cfg.pp, where, micro, seq_len, head, memo=memo)
     per_micro = dict(sp.forward_parts, pp_comm=_p2p(hw, arch, cfg, where, micro * seq_len),
-                     runtime=hw.runtime.forward_pass_s(fsdp, cfg.tp > 1))
+                     runtime=hw.runtime.forward_pass_s(fsdp, cfg.tp > 1)
+                     + micro * seq_len * hw.runtime.forward_token_us * 1e-6 / cfg.pp)
     exposed = 0.0
     if weight_shards > 1:
         gather = sharding.weight_gather_seconds(hw, arch, cfg, where, head, weight_shards)
