@@ -1,13 +1,19 @@
 """The simulator against the executor: `hfplan validate`'s comparison over a grid of plans on this machine.
 
-Plans: the built-in `demo` (PPO) and `arith-grpo` (GRPO) workloads, every role on one set, in the layouts
-tp x pp x dp of bench/execute_layouts.py that fit --max-processes (--quick: 1x1x1, 1x1x2, 2x1x1). Each plan is
-validated (hfplan.validation.run.validate: executed, the first iteration a warm-up, then simulated with the
-measured mean response length) on one Ray session. Prints each plan's simulated and measured iteration, the
-median absolute per-stage, iteration and memory errors, and Kendall's tau between simulated and measured
-iteration times over the plans (the ranking the search relies on). Asserts nothing about time.
+Workloads: the built-in `demo` (PPO), `arith-grpo` (GRPO) and the demo run as ReMax (`demo-remax`: its actor,
+reference and rule reward); with --model, every model role runs that catalog model instead. Placements: every role
+on one set, in the layouts tp x pp x dp of bench/execute_layouts.py that fit --max-processes (--quick: 1x1x1, 1x1x2,
+2x1x1); the actor apart from the other roles on 2 processes (split, the search's best layouts for it); and a
+separate rollout engine beside the colocated roles on 2 processes (--quick: neither). Each plan is validated
+--repeats times (hfplan.validation.run.validate: executed, the first iteration a warm-up, then simulated with the
+measured mean response length) on one Ray session. Prints each plan's simulated and (median) measured iteration and
+its spread over the repeats ((highest - lowest) / median), then the median and worst absolute per-stage error, the
+iteration and memory errors, the median spread, and Kendall's tau between simulated and measured iteration times,
+over all plans and over the pairs whose measured ranges do not overlap (the ranking the search relies on, where the
+measurements settle it). Asserts nothing about time.
 
-    RAY_AUTH_MODE=disabled python bench/validate.py [--quick] [--iterations N] [--hardware NAME]
+    RAY_AUTH_MODE=disabled python bench/validate.py [--quick] [--iterations N] [--repeats N] [--hardware NAME|PATH]
+                                                    [--max-processes N] [--model NAME]
 """
 
 from __future__ import annotations
@@ -18,29 +24,103 @@ import shutil
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from execute_layouts import LAYOUTS, layout_plan  # bench/ is the script's folder, hence on sys.path
 
 from hfplan.executor.controller import ExecuteOptions
-from hfplan.spec import load_workload
-from hfplan.validation.compare import kendall_tau
+from hfplan.layout import ROLLOUT
+from hfplan.plan import Plan
+from hfplan.planner.search import search
+from hfplan.planner.strategies import Rules
+from hfplan.spec import BUILTIN_WORKLOADS, RULE_PREFIX, Workload, make_cluster, workload_from_dict
+from hfplan.validation.compare import Comparison, kendall_tau
 from hfplan.validation.run import validate
 
 QUICK_LAYOUTS = ((1, 1, 1), (1, 1, 2), (2, 1, 1))
-WORKLOADS = ("demo", "arith-grpo")
+
+
+def workloads(model: str | None = None) -> dict[str, Workload]:
+    """demo, arith-grpo and demo-remax (the demo's models, batch and lengths, trained by ReMax); `model`: every
+    model role of each runs that catalog model instead (rule rewards stay)."""
+    remax = dict(BUILTIN_WORKLOADS["demo"], algorithm="remax")
+    remax["models"] = {role: remax["models"][role] for role in ("actor", "reference", "reward")}
+    specs = {"demo": BUILTIN_WORKLOADS["demo"], "arith-grpo": BUILTIN_WORKLOADS["arith-grpo"], "demo-remax": remax}
+    out = {}
+    for name, spec in specs.items():
+        if model is not None:
+            spec = dict(spec, models={role: ref if ref.startswith(RULE_PREFIX) else model
+                                      for role, ref in spec["models"].items()})
+        out[name] = workload_from_dict(spec, name)
+    return out
+
+
+def placed_plans(workload: Workload, hardware: str) -> list[tuple[str, Plan]]:
+    """The actor apart from the other model roles, and a separate rollout engine beside them, on 2 processes:
+    the search's best layouts for each placement."""
+    roles = tuple(workload.model_roles)
+    rest = tuple(r for r in roles if r != "actor")
+    cluster = make_cluster(2, hardware)
+    split = Rules(name="split", placements=((("actor",), rest),))
+    rollout = Rules(name="rollout", rollout=True, placements=((roles, (ROLLOUT,)),))
+    return [("split 1|1", search(workload, cluster, rules=split).best),
+            ("rollout 1+1", search(workload, cluster, rules=rollout).best)]
+
+
+@dataclass
+class Point:
+    """One plan validated `repeats` times."""
+
+    label: str
+    runs: list[Comparison]
+
+    @property
+    def simulated(self) -> float:
+        return self.runs[0].iteration.simulated
+
+    @property
+    def measured(self) -> list[float]:
+        return [r.iteration.measured for r in self.runs]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.measured)
+
+    @property
+    def spread(self) -> float:
+        return (max(self.measured) - min(self.measured)) / self.median
+
+    @property
+    def error(self) -> float:
+        return (self.simulated - self.median) / self.median
+
+
+def median_abs(values) -> float:
+    values = [abs(v) for v in values if v is not None]
+    return statistics.median(values) * 100 if values else float("nan")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="three layouts, 3 iterations each")
-    parser.add_argument("--iterations", type=int, default=None, help="iterations per plan (default 5; quick 3)")
+    parser.add_argument("--quick", action="store_true", help="three colocated layouts, 3 iterations, one run each")
+    parser.add_argument("--iterations", type=int, default=None, help="iterations per run (default 5; quick 3)")
+    parser.add_argument("--repeats", type=int, default=None, help="runs per plan (default 3; quick 1)")
     parser.add_argument("--hardware", default="cpu", help="hardware profile the plans are simulated on")
     parser.add_argument("--max-processes", type=int, default=4)
+    parser.add_argument("--model", default=None, help="a catalog model every model role runs instead of the "
+                                                       "workloads' own (e.g. qwen2.5-0.5b on a GPU)")
     args = parser.parse_args()
     iterations = args.iterations or (3 if args.quick else 5)
+    repeats = args.repeats or (1 if args.quick else 3)
     layouts = [lay for lay in (QUICK_LAYOUTS if args.quick else LAYOUTS) if lay[0] * lay[1] * lay[2]
                <= args.max_processes]
+    plans: list[tuple[str, Plan]] = []
+    for name, workload in workloads(args.model).items():
+        plans += [(f"{name} t{tp}p{pp}d{dp}", layout_plan(workload, tp, pp, dp, args.hardware))
+                  for tp, pp, dp in layouts]
+        if not args.quick and args.max_processes >= 2:
+            plans += [(f"{name} {label}", plan) for label, plan in placed_plans(workload, args.hardware)]
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
@@ -49,38 +129,40 @@ def main() -> None:
     started = time.perf_counter()
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", _temp_dir=ray_tmp,
              log_to_driver=False)
-    rows = []
+    points = []
     try:
-        print(f"hfplan validate over {len(WORKLOADS) * len(layouts)} plans, {iterations} iterations each (first "
-              f"a warm-up), profile {args.hardware}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
-        print(f"{'plan':<22}{'simulated s':>12}{'measured s':>12}{'error':>9}")
-        for name in WORKLOADS:
-            workload = load_workload(name)
-            for tp, pp, dp in layouts:
-                label = f"{name} t{tp}p{pp}d{dp}"
-                plan = layout_plan(workload, tp, pp, dp, args.hardware)
-                options = ExecuteOptions(iterations=iterations, out=out / label.replace(" ", "-"),
+        print(f"hfplan validate over {len(plans)} plans x {repeats} runs, {iterations} iterations each (first a "
+              f"warm-up), profile {args.hardware}, models {args.model or 'of each workload'}, {os.cpu_count()} "
+              f"cores, load {os.getloadavg()[0]:.1f}")
+        print(f"{'plan':<26}{'simulated s':>12}{'measured s':>12}{'error':>9}{'spread':>8}")
+        for label, plan in plans:
+            runs = []
+            for repeat in range(repeats):
+                options = ExecuteOptions(iterations=iterations, out=out / f"{label.replace(' ', '-')}-{repeat}",
                                          call_timeout_s=300, start_timeout_s=120)
-                result = validate(plan, options, [f"set {i}" for i in range(len(plan.placement))]).comparison
-                it = result.iteration
-                print(f"{label:<22}{it.simulated:>12.3f}{it.measured:>12.3f}{it.error * 100:>+8.1f}%", flush=True)
-                rows.append(result)
+                runs.append(validate(plan, options, [f"set {i}" for i in range(len(plan.placement))]).comparison)
+            point = Point(label, runs)
+            print(f"{label:<26}{point.simulated:>12.3f}{point.median:>12.3f}{point.error * 100:>+8.1f}%"
+                  f"{point.spread * 100:>7.1f}%", flush=True)
+            points.append(point)
     finally:
         ray.shutdown()
         shutil.rmtree(ray_tmp, ignore_errors=True)
         shutil.rmtree(out, ignore_errors=True)
 
-    def median_abs(values) -> float:
-        values = [abs(v) for v in values if v is not None]
-        return statistics.median(values) * 100 if values else float("nan")
-
-    stage_errors = [f.error for r in rows for f in r.stages.values()]
+    stage_errors = [f.error for p in points for r in p.runs for f in r.stages.values()]
     print(f"median |error|: per stage {median_abs(stage_errors):.1f}% (worst "
           f"{max(abs(e) for e in stage_errors if e is not None) * 100:.1f}%), iteration "
-          f"{median_abs([r.iteration.error for r in rows]):.1f}%, memory "
-          f"{median_abs([f.error for r in rows for f in r.memory_gib.values()]):.1f}%")
-    tau = kendall_tau([r.iteration.simulated for r in rows], [r.iteration.measured for r in rows])
-    print(f"Kendall tau (simulated vs measured iteration, {len(rows)} plans): {tau:.2f}")
+          f"{median_abs([p.error for p in points]):.1f}% (worst {max(abs(p.error) for p in points) * 100:.1f}%), "
+          f"memory {median_abs([f.error for p in points for r in p.runs for f in r.memory_gib.values()]):.1f}%; "
+          f"median spread {statistics.median(p.spread for p in points) * 100:.1f}%")
+    simulated, measured = [p.simulated for p in points], [p.median for p in points]
+    ranges = [(min(p.measured), max(p.measured)) for p in points]
+    settled = sum(1 for i in range(len(ranges)) for j in range(i + 1, len(ranges))
+                  if ranges[i][1] < ranges[j][0] or ranges[j][1] < ranges[i][0])
+    print(f"Kendall tau (simulated vs measured iteration): {kendall_tau(simulated, measured):.2f} over all "
+          f"{len(points) * (len(points) - 1) // 2} pairs of plans; {kendall_tau(simulated, measured, ranges):.2f} "
+          f"over the {settled} whose measured ranges do not overlap")
     print(f"whole benchmark: {time.perf_counter() - started:.0f} s")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -70,6 +71,16 @@ def test_kendall_tau():
     assert kendall_tau([1, 2, 3], [10, 20, 30]) == 1.0
     assert kendall_tau([1, 2, 3], [30, 20, 10]) == -1.0
     assert kendall_tau([1, 2, 3, 4], [1, 2, 4, 3]) == pytest.approx(4 / 6)
+
+
+def test_kendall_tau_counts_only_the_pairs_the_measurements_settle():
+    # The last two plans' measured ranges overlap: their swapped order is not counted, the other five pairs are.
+    spans = [(0.9, 1.1), (1.9, 2.1), (3.0, 4.2), (3.9, 4.1)]
+    assert kendall_tau([1, 2, 3, 4], [1, 2, 4.1, 4.0], spans) == 1.0
+    assert kendall_tau([1, 2, 3, 4], [1, 2, 4.1, 4.0]) == pytest.approx(4 / 6)
+    assert math.isnan(kendall_tau([1, 2], [1, 1.1], [(0.5, 1.5), (0.6, 1.6)]))
+    with pytest.raises(ValueError):
+        kendall_tau([1, 2], [1, 2], [(0, 1)])
 
 
 def test_peak_per_set_and_side_by_side_rows():

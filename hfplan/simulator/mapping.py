@@ -129,8 +129,9 @@ class PlanCosts:
 
     def switch_seconds(self, role: str) -> float:
         """Cost of one switch of `role` into its generation layout (schedule.switch_points says when):
-        the hybrid engine's resharding, or a rollout engine's weight sync. Going back is free: the
-        generation copy is dropped, and inference shares the training layout."""
+        the hybrid engine's resharding, or a rollout engine's weight sync. Going back moves nothing (the
+        generation copy is dropped, and inference shares the training layout): its engines' fixed cost is
+        charged with the switch in (costs.transition_time)."""
         index = self.set_index[role]
         same = role == ROLLOUT and self.same_node(self.set_index[generating_role(self.workload)], index)
         return switch_seconds(self.workload, self.hw, self.gpus_per_node, role, self.parallelism[role],

@@ -137,13 +137,18 @@ def _mean_dicts(rows: Sequence[dict[str, float]]) -> dict[str, float]:
     return {k: _mean([row[k] for row in rows if k in row]) for k in keys}
 
 
-def kendall_tau(xs: Sequence[float], ys: Sequence[float]) -> float:
-    """Kendall's tau-a between two rankings (ties count as neither concordant nor discordant)."""
-    if len(xs) != len(ys):
+def kendall_tau(xs: Sequence[float], ys: Sequence[float],
+                 spans: Sequence[tuple[float, float]] | None = None) -> float:
+    """Kendall's tau-a between two rankings (ties count as neither concordant nor discordant). `spans`: each
+    y's (lowest, highest) measured value; then only the pairs whose spans do not overlap count (the pairs whose
+    order the measurements settle). NaN when no pair counts."""
+    if len(xs) != len(ys) or (spans is not None and len(spans) != len(ys)):
         raise ValueError("rankings of different lengths")
     pairs = concordant = discordant = 0
     for i in range(len(xs)):
         for j in range(i + 1, len(xs)):
+            if spans is not None and not (spans[i][1] < spans[j][0] or spans[j][1] < spans[i][0]):
+                continue
             pairs += 1
             sign = (xs[i] - xs[j]) * (ys[i] - ys[j])
             concordant += sign > 0

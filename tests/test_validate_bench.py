@@ -1,0 +1,57 @@
+"""bench/validate.py's grid: its workloads (PPO, GRPO, ReMax; another model on request) and its placements beyond
+the colocated layouts (the actor apart; a separate rollout engine), all simulated, nothing run."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH_DIR = ROOT / "bench"
+
+
+def _bench():
+    """bench/validate.py as a module (bench/ is a folder of scripts; it imports execute_layouts beside it)."""
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        spec = importlib.util.spec_from_file_location("validate_bench", BENCH_DIR / "validate.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up by name
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCH_DIR))
+
+
+BENCH = _bench()
+
+
+def test_the_grid_runs_ppo_grpo_and_remax_on_the_demo_models_or_another():
+    from hfplan.layout import ROLLOUT
+
+    own = BENCH.workloads()
+    assert {name: w.algorithm for name, w in own.items()} == {"demo": "ppo", "arith-grpo": "grpo",
+                                                              "demo-remax": "remax"}
+    assert set(own["demo-remax"].models) == {"actor", "reference", "reward"}
+    swapped = BENCH.workloads("qwen2.5-0.5b")
+    for name, workload in swapped.items():
+        assert workload.models["reward"] == own[name].models["reward"]  # rule rewards stay
+        assert {ref for role, ref in workload.models.items() if role != "reward"} == {"qwen2.5-0.5b"}
+    placed = dict(BENCH.placed_plans(own["demo"], "cpu"))
+    split, rollout = placed["split 1|1"], placed["rollout 1+1"]
+    assert [group.models for group in split.placement] == [["actor"], ["critic", "reference"]]
+    assert [group.gpus for group in split.placement] == [1, 1]
+    assert [group.models for group in rollout.placement][-1] == [ROLLOUT]
+    assert sum(group.gpus for group in rollout.placement) == 2
+
+
+def test_a_point_s_spread_and_error_are_over_its_repeats():
+    from hfplan.validation.compare import Comparison, Figure
+
+    def run(measured: float) -> Comparison:
+        return Comparison(calls=[], stages={}, iteration=Figure.of(1.0, measured), memory_gib={})
+
+    point = BENCH.Point("p", [run(0.8), run(1.0), run(1.25)])
+    assert point.median == 1.0 and point.error == 0.0
+    assert point.spread == (1.25 - 0.8) / 1.0
