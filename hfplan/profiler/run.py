@@ -124,7 +124,8 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
                        "engine (of one and of several sequences), a micro-batch, an optimizer step and a log-prob "
                        "call of its training engine (as one rank trains, per token on that rank, and across the "
                        "profiled world wrapped in FSDP2 and split by tensor parallelism) and the hybrid engine's "
-                       "switch, less their modelled kernels and collectives"
+                       "switch, less their modelled kernels and collectives (on one rank: timed in a Ray worker, "
+                       "as the executor runs them, where Ray is measured too)"
                        + ", an advantage step of the controller"
                        + (", and a call through a Ray actor shaped as the executor's, synchronous and queued (and "
                           "that worker's resident memory)" if fixed.ray

@@ -60,29 +60,50 @@ def _row(op: str, seconds: float, predicted: float, world: int = 1) -> dict:
                 error_pct=100.0 * (predicted - seconds) / seconds)
 
 
-def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: float, ray_calls: int = RAY_CALLS,
-                    across: dict[str, EngineSeconds] | None = None) -> RuntimeFit:
-    """The Runtime fields (the module docstring's measurements), with the rows behind them. `across`: the
-    engine wrapped in FSDP2 and split by tensor parallelism, each timed over the profiled world
-    (measure_collectives' processes, all computing at once, as a layout's ranks do); without them, FSDP2 over a
-    world of one and no tensor-parallel costs."""
+@dataclass(frozen=True)
+class EngineTimes:
+    """Seconds of the executor's engines on one rank (time_engines), before the modelled kernels are taken off."""
+
+    step: float  # a static decode step of one sequence
+    batch_step: float  # of BATCH sequences
+    continuous_step: float  # a continuous engine's, one slot refilled
+    plain: EngineSeconds  # the training engine as one rank trains (with its wide micro-batch and the switch)
+    controller_step: float
+
+
+def time_engines(torch, device: Device, min_time: float) -> EngineTimes:
+    """Time the rollout engine, the training engine on a world of this process alone, the hybrid engine's switch
+    and a controller step, here (in the process that calls this)."""
     from hfplan.executor.models import build_model
     from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
 
-    bare = profile.model_copy(update={"runtime": Runtime()})  # kernels only
-    arch = CATALOG[MODEL]
-    one = costs.SetShape(1, 1)
     clock = Clock(torch, device.kind)
     model = build_model(MODEL, "lm", seed=0, dtype=compute_dtype(device)).to(device.kind).eval()
-    prompts = torch.randint(1, arch.vocab, (1, PROMPT), device=device.kind)
-
+    prompts = torch.randint(1, CATALOG[MODEL].vocab, (1, PROMPT), device=device.kind)
     # No token is -1: every response runs its length. The continuous engine has one slot for two prompts, so
     # it refills the slot (a batch of one every step, as the static engine's).
     static = TorchRolloutEngine(model, pad_id=0, eos_id=-1)
     continuous = TorchRolloutEngine(model, pad_id=0, eos_id=-1, batching="continuous", max_batch=1)
-    step_s = _step_seconds(clock, static, prompts, min_time)
-    batch_s = _step_seconds(clock, static, prompts.repeat(BATCH, 1), min_time)
-    continuous_s = _step_seconds(clock, continuous, prompts.repeat(2, 1), min_time)
+    return EngineTimes(step=_step_seconds(clock, static, prompts, min_time),
+                       batch_step=_step_seconds(clock, static, prompts.repeat(BATCH, 1), min_time),
+                       continuous_step=_step_seconds(clock, continuous, prompts.repeat(2, 1), min_time),
+                       plain=_engine_on_one_rank(torch, device, PLAIN),
+                       controller_step=clock.per_call(_controller_step(), min_time))
+
+
+def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: float, ray_calls: int = RAY_CALLS,
+                    across: dict[str, EngineSeconds] | None = None) -> RuntimeFit:
+    """The Runtime fields (the module docstring's measurements), with the rows behind them. The engines on one
+    rank are timed where the executor runs them, in a Ray worker, when Ray is there to measure the controller's
+    calls (else here). `across`: the engine wrapped in FSDP2 and split by tensor parallelism, each timed over the
+    profiled world (measure_collectives' processes, all computing at once, as a layout's ranks do); without
+    them, FSDP2 over a world of one and no tensor-parallel costs."""
+    bare = profile.model_copy(update={"runtime": Runtime()})  # kernels only
+    arch = CATALOG[MODEL]
+    one = costs.SetShape(1, 1)
+    ray_costs = _ray_worker(ray_calls, device, min_time)
+    times = ray_costs.engines if ray_costs is not None else time_engines(torch, device, min_time)
+    step_s, batch_s, continuous_s, plain = times.step, times.batch_step, times.continuous_step, times.plain
     context = PROMPT + (SHORT + LONG) / 2
     step_model = costs.decode_step_time(bare, arch, Layout(), one, 1, context)
     batch_model = costs.decode_step_time(bare, arch, Layout(), one, BATCH, context)
@@ -92,7 +113,6 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
             _row(f"engine_step_{BATCH}_sequences", batch_s, batch_model),
             _row("engine_step_continuous", continuous_s, step_model)]
     across = across or {}
-    plain = _engine_on_one_rank(torch, device, PLAIN)
     per_token = _token_fixed(bare, plain)
     rows += per_token.rows
     train = _train_fixed(bare, plain, per_token)
@@ -107,9 +127,8 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
     unsplit = wrapped if trains_through_fsdp(1, bare.compute.value_bytes) else train
     split = _train_fixed(bare, across[TP], per_token) if TP in across else unsplit
     rows += split.rows if TP in across else []
-    controller_step_s = clock.per_call(_controller_step(), min_time)
+    controller_step_s = times.controller_step
     rows.append(_row("controller_step", controller_step_s, 0.0))
-    ray_costs = _ray_worker(ray_calls)
     if ray_costs is not None:
         rows += [_row("controller_call", ray_costs.round_trip_s, 0.0), _row("call_dispatch", ray_costs.queued_s, 0.0)]
     runtime = Runtime(forward_pass_us=round(train.forward_us, 2), forward_token_us=round(per_token.forward_us, 3),
@@ -356,16 +375,17 @@ def _step_seconds(clock: Clock, engine, prompts, min_time: float) -> float:
 class RayCosts:
     """A call of the controller to a Ray actor on this machine, shaped as the executor's (a batch's arrays in,
     the outputs and spans back): synchronous, and queued (many sent before any result is read, as the
-    controller sends a program's calls), with that worker's resident memory."""
+    controller sends a program's calls); that worker's resident memory, and the engines timed in it."""
 
     round_trip_s: float
     queued_s: float  # seconds per call of a queue of calls: the worker's own cost of each
     resident_bytes: int
+    engines: EngineTimes
 
 
-def _ray_worker(calls: int) -> RayCosts | None:
-    """Each figure the best of three rounds of `calls` calls; None without ray or when a Ray session is already
-    running in this process (it is not ours to measure or stop)."""
+def _ray_worker(calls: int, device: Device, min_time: float) -> RayCosts | None:
+    """Each call figure the best of three rounds of `calls` calls; None without ray or when a Ray session is
+    already running in this process (it is not ours to measure or stop)."""
     try:
         import ray
     except ImportError:
@@ -375,11 +395,12 @@ def _ray_worker(calls: int) -> RayCosts | None:
     if calls < 1 or ray.is_initialized():
         return None
     fields = _batch_fields()
+    gpus = 1 if device.kind == "cuda" else 0
     with tempfile.TemporaryDirectory(prefix="hfplan-profile-ray-") as folder:
-        ray.init(num_cpus=1, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
-                 **local_ray_options(folder))
+        ray.init(num_cpus=1, num_gpus=gpus, include_dashboard=False, logging_level=logging.WARNING,
+                 log_to_driver=False, **local_ray_options(folder))
         try:
-            actor = ray.remote(_Echo).remote()
+            actor = ray.remote(num_gpus=gpus)(_Echo).remote()
             ray.get(actor.call.remote(fields), timeout=120)
             round_trip = queued = float("inf")
             for _ in range(3):
@@ -390,7 +411,9 @@ def _ray_worker(calls: int) -> RayCosts | None:
                 start = time.perf_counter()
                 ray.get([actor.call.remote(fields) for _ in range(calls)], timeout=60)
                 queued = min(queued, (time.perf_counter() - start) / calls)
-            return RayCosts(round_trip, queued, ray.get(actor.resident_bytes.remote(), timeout=300))
+            resident = ray.get(actor.resident_bytes.remote(), timeout=300)
+            engines = ray.get(actor.time_engines.remote(device, min_time), timeout=900)
+            return RayCosts(round_trip, queued, resident, engines)
         finally:
             ray.shutdown()
 
@@ -434,3 +457,13 @@ class _Echo:
         import hfplan.executor.runtime  # noqa: F401  (torch, transformers, the engines)
 
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+    def time_engines(self, device: Device, min_time: float) -> EngineTimes:
+        """time_engines in this worker, with the threads an executor worker of `device` gets."""
+        import torch
+
+        if device.kind == "cpu":
+            torch.set_num_threads(device.threads)
+        else:
+            torch.cuda.set_device(0)  # Ray exposes exactly the actor's GPU
+        return time_engines(torch, device, min_time)

@@ -506,6 +506,11 @@ def batching_never_slower(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int
     return True
 
 
+def _engine_weights_fixed(hw: HardwareProfile, arch: ModelArch, gen: GenConfig) -> float:
+    """The generation engines' fixed cost of taking new weights, per parameter tensor a GPU generates with."""
+    return stage_parameter_tensors(arch, gen.pp, "lm") * hw.runtime.switch_tensor_us * 1e-6
+
+
 @memoized
 def transition_time(hw: HardwareProfile, arch: ModelArch, train: TrainConfig, gen: GenConfig,
                     where: SetShape, *, memo: CostMemo | None = None) -> float:
@@ -514,7 +519,7 @@ def transition_time(hw: HardwareProfile, arch: ModelArch, train: TrainConfig, ge
     (hfplan.layout's per-tensor plan, as the executor moves them). Going back moves nothing: the generation
     copy is dropped. Both ways, the engines pay a fixed cost per parameter tensor of the generation model
     (Runtime.switch_tensor_us)."""
-    fixed = stage_parameter_tensors(arch, gen.pp, "lm") * hw.runtime.switch_tensor_us * 1e-6
+    fixed = _engine_weights_fixed(hw, arch, gen)
     plan = resharding(train, gen)
     received = most_received_numel(arch, train, gen)
     if plan.group <= 1 or received == 0:
@@ -528,9 +533,11 @@ def weight_sync_time(hw: HardwareProfile, arch: ModelArch, gen: GenConfig, rollo
                      same_node: bool) -> float:
     """Separate generation engine: every rollout GPU receives its generation shard of the freshly
     trained weights (hfplan.layout's sync plan: the norms whole, the rest split); the receiving node's
-    links carry the shards of all its GPUs."""
+    links carry the shards of all its GPUs. The receiving engine takes them tensor by tensor, as the hybrid
+    engine's rollout engine does (Runtime.switch_tensor_us)."""
+    fixed = _engine_weights_fixed(hw, arch, gen)
     shard_bytes = hw.compute.value_bytes * most_generation_numel(arch, gen)
     node_bytes = shard_bytes * rollout.per_node
     if same_node:
-        return coll.point_to_point(hw, shard_bytes, same_node=True)
-    return coll.point_to_point(hw, node_bytes, same_node=False)
+        return fixed + coll.point_to_point(hw, shard_bytes, same_node=True)
+    return fixed + coll.point_to_point(hw, node_bytes, same_node=False)
