@@ -312,7 +312,7 @@ def test_quick_cpu_profile_end_to_end(tmp_path):
     engine = frame[frame["kind"] == "runtime"].set_index("op")["world"]
     assert engine["fsdp_train_step_3_micro_batches"] == engine["fsdp_engine_log_prob"] == 2
     assert engine["tp_train_step_3_micro_batches"] == engine["tp_engine_log_prob"] == 2
-    assert engine["train_step_3_micro_batches"] == engine["forward_pass"] == 1
+    assert engine["train_step_3_micro_batches"] == engine["engine_step"] == engine["hybrid_switch"] == 1
     assert "engine" not in set(frame["kind"])
     assert profile.runtime.fsdp_train_pass_us is not None
     # --quick starts no Ray: the controller's calls and the worker's memory are the base profile's.
