@@ -513,6 +513,13 @@ def generation_places(train: TrainLayoutLike, gen: LayoutLike) -> list[Generatio
     return [places[r] for r in range(len(places))]
 
 
+def reshards_by_plan(train: TrainLayoutLike | None, gen: LayoutLike | None) -> bool:
+    """Whether a hybrid actor's switch builds its generation shards by the per-tensor plan (another tp, or
+    pipelined training: generation runs pp = 1); otherwise it generates in the training layout, its weights
+    unsharded by the training engine (FSDP2's all-gathers where it trains through FSDP2)."""
+    return train is not None and gen is not None and (train.pp != gen.pp or gen.tp != train.tp)
+
+
 def generation_ranks(train: TrainLayoutLike, gen: LayoutLike) -> list[int]:
     """Each training rank's rank in the generation layout's own order (rank_of its generation place), by
     training rank: the identity where generation keeps the training tp and pp."""

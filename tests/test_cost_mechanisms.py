@@ -77,6 +77,37 @@ def test_a_switch_pays_the_engines_fixed_cost_per_tensor_even_where_it_moves_not
         costs.transition_time(toy_hw, LLAMA7, *moved, SetShape(4, 8)) + fixed)
 
 
+def test_a_switch_in_the_training_layout_pays_its_training_engines_cost_per_tensor(toy_hw):
+    """Generating in the training layout, the actor's weights are unsharded by its training engine: through
+    FSDP2 (dp > 1) its per-tensor cost replaces the rollout engine's, split by tp it adds on top. A switch
+    resharded by plan (another tp) pays the rollout engine's alone."""
+    from hfplan.layout import stage_parameter_tensors
+
+    tensors = stage_parameter_tensors(LLAMA7, 1, "lm")
+    rt = Runtime(switch_tensor_us=20, fsdp_switch_tensor_us=70, tp_switch_tensor_us=5)
+    hw = toy_hw.model_copy(update={"runtime": rt})
+
+    def fixed(train, gen, gpus):
+        return (costs.transition_time(hw, LLAMA7, train, gen, SetShape(gpus, 8))
+                - costs.transition_time(toy_hw, LLAMA7, train, gen, SetShape(gpus, 8)))
+
+    assert fixed(TrainConfig(dp=2), GenConfig(dp=2), 2) == pytest.approx(tensors * 70e-6)
+    assert fixed(TrainConfig(tp=2, dp=2), GenConfig(tp=2, dp=2), 4) == pytest.approx(tensors * 75e-6)
+    # One data-parallel rank trains through FSDP2 only below fp32 (layout.trains_through_fsdp).
+    fp32 = hw.model_copy(update={"compute": hw.compute.model_copy(update={"value_bytes": 4})})
+    for profile, through_fsdp in ((hw, hw.compute.value_bytes != 4), (fp32, False)):
+        split = (costs.transition_time(profile, LLAMA7, TrainConfig(tp=2), GenConfig(tp=2), SetShape(2, 8))
+                 - costs.transition_time(toy_hw.model_copy(update={"compute": profile.compute}), LLAMA7,
+                                         TrainConfig(tp=2), GenConfig(tp=2), SetShape(2, 8)))
+        assert split == pytest.approx(tensors * ((70 if through_fsdp else 20) + 5) * 1e-6)
+    assert fixed(TrainConfig(tp=4), GenConfig(tp=2, dp=2), 4) == pytest.approx(tensors * 20e-6)  # by plan
+    # A profile without the FSDP2 figure: the rollout engine's.
+    older = toy_hw.model_copy(update={"runtime": Runtime(switch_tensor_us=20)})
+    assert (costs.transition_time(older, LLAMA7, TrainConfig(dp=2), GenConfig(dp=2), SetShape(2, 8))
+            - costs.transition_time(toy_hw, LLAMA7, TrainConfig(dp=2), GenConfig(dp=2), SetShape(2, 8))
+            ) == pytest.approx(tensors * 20e-6)
+
+
 def test_a_continuous_engine_pays_its_own_step_cost(toy_hw):
     lengths = ResponseLengths(max_len=30, mean=20.0, points=((10, 0.5), (30, 0.5)))
     both = toy_hw.model_copy(update={"runtime": Runtime(engine_step_us=50, engine_step_continuous_us=80)})

@@ -1,7 +1,7 @@
 """Which set ranks make each generation replica of the generating role (hfplan.executor.generation_order)."""
 
-from hfplan.executor.generation_order import collector_ranks, generation_rank, replica_ranks, reshards_by_plan
-from hfplan.layout import generation_places, rank_coords
+from hfplan.executor.generation_order import collector_ranks, generation_rank, replica_ranks
+from hfplan.layout import generation_places, rank_coords, reshards_by_plan
 from hfplan.plan import GenConfig, TrainConfig
 
 

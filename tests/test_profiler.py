@@ -16,6 +16,7 @@ from hfplan import cli
 from hfplan.errors import HfplanError
 from hfplan.profiler import command
 from hfplan.profiler.build import Fits, build_profile
+from hfplan.profiler.call_gaps import CALL_FIELDS
 from hfplan.profiler.device import KNOWN_GPUS, Device, Nominal, nominal_rates
 from hfplan.profiler.fit import (
     COLLECTIVES,
@@ -315,12 +316,13 @@ def test_quick_cpu_profile_end_to_end(tmp_path):
     assert engine["train_step_3_micro_batches"] == engine["engine_step"] == engine["hybrid_switch"] == 1
     assert "engine" not in set(frame["kind"])
     assert profile.runtime.fsdp_train_pass_us is not None
-    # --quick starts no Ray: the controller's calls and the worker's memory are the base profile's.
+    # --quick starts no Ray: the executor's call gaps, its controller step and the worker's memory are the
+    # base profile's.
     base = load_hardware("cpu")
-    assert profile.runtime.controller_call_us == base.runtime.controller_call_us
-    assert profile.runtime.call_dispatch_us == base.runtime.call_dispatch_us
+    for name in CALL_FIELDS:
+        assert getattr(profile.runtime, name) == getattr(base.runtime, name), name
     assert profile.memory.worker_resident_gib == base.memory.worker_resident_gib
-    assert profile.runtime.controller_step_us > 0 and "controller_step" in set(engine.index)
+    assert "controller_step" not in set(engine.index)
     layers = frame[frame["kind"] == "layer"]
     assert set(layers["op"]) == {"forward", "forward+backward", "decode"}
     # Predictions come from the profile as written, for the shapes that ran.
@@ -406,7 +408,7 @@ def test_fixed_cost_is_what_the_kernels_leave_over():
 def test_runtime_costs_measured_on_the_executor_engine():
     """The torch rollout engine's decode step, static and continuous, the training engine's micro-batch,
     optimizer step, log-prob call and costs per token, and the hybrid engine's switch on CPU, less their modelled
-    kernels; no Ray round trip here (ray_calls=0)."""
+    kernels; no Ray and no probe run here (through_ray=False)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from hfplan.layout import stage_parameter_tensors
@@ -417,20 +419,19 @@ def test_runtime_costs_measured_on_the_executor_engine():
     from hfplan.simulator import costs
 
     hw = load_hardware("cpu")
-    fit = measure_runtime(torch, devices.probe(torch, "cpu", 1), hw, 0.02, ray_calls=0)
-    assert not fit.ray and fit.runtime.controller_call_us == 0.0 and fit.runtime.call_dispatch_us is None
+    fit = measure_runtime(torch, devices.probe(torch, "cpu", 1), hw, 0.02, through_ray=False)
+    assert not fit.ray and fit.runtime.controller_call_us == fit.runtime.controller_step_us == 0.0
+    assert fit.runtime.call_dispatch_us is None
     rows = {r["op"]: r for r in fit.rows}
     engines = {engine: {n: f"{engine}train_step_{n}_micro_batches" for n in (FEW, MANY)} for engine in ("", "fsdp_")}
     assert set(rows) == {"engine_step", f"engine_step_{BATCH}_sequences", "engine_step_continuous",
-                         "engine_log_prob", "fsdp_engine_log_prob", "controller_step", "hybrid_switch",
+                         "engine_log_prob", "fsdp_engine_log_prob", "hybrid_switch", "fsdp_hybrid_switch",
                          f"train_step_1_micro_batch_of_{BATCH}", f"engine_log_prob_{BATCH}_sequences",
                          *(op for steps in engines.values() for op in steps.values())}
     # A switch in the training layout on one rank moves nothing: all of it is the engines' cost per tensor.
     assert rows["hybrid_switch"]["predicted_s"] == 0.0
     assert fit.runtime.switch_tensor_us == pytest.approx(
         rows["hybrid_switch"]["seconds"] * 1e6 / stage_parameter_tensors(CATALOG["tiny"], 1, "lm"), abs=1e-3)
-    # The controller's own step has no modelled kernels: all of it is fixed cost.
-    assert fit.runtime.controller_step_us == pytest.approx(rows["controller_step"]["seconds"] * 1e6, abs=0.01)
     assert all(r["seconds"] > 0 for r in fit.rows)
     # The modelled kernels alone: the profile's own fixed costs are what the measurement replaces.
     kernels_only = hw.model_copy(update={"runtime": Runtime()})
@@ -488,20 +489,6 @@ def test_runtime_costs_measured_on_the_executor_engine():
                                                             - tokens * rt.forward_token_us * 1e-6), abs=1e-7)
     # No world profiled (a world of one): nothing measured of a tensor-parallel engine, nothing charged for it.
     assert rt.tp_forward_pass_us == rt.tp_train_pass_us == rt.tp_optimizer_tensor_us == 0.0
-
-
-def test_the_ray_echo_answers_as_an_executor_call_and_the_controller_step_runs_the_registered_gae():
-    """What the profiler times through Ray is an executor call's shape (its outputs and spans back), and the
-    controller step it times is PPO's registered advantage step on the demo's batch."""
-    pytest.importorskip("numpy")
-    from hfplan.profiler.runtime import _batch_fields, _controller_step, _Echo
-
-    fields = _batch_fields()
-    answer = _Echo().call(fields)
-    assert set(answer) == {"fields", "spans"} and [t.kind for t in answer["spans"]] == ["transfer", "compute"]
-    out = _controller_step()()
-    assert set(out) == {"advantages", "returns"}
-    assert out["advantages"].shape == fields["response_mask"].shape
 
 
 def test_the_tensor_parallel_engine_is_timed_only_over_worlds_the_demo_model_splits_over():

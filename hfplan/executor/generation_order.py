@@ -8,12 +8,8 @@ case, a rollout set included, generates in the generation layout's own rank orde
 
 from __future__ import annotations
 
-from hfplan.layout import generation_ranks, rank_of
+from hfplan.layout import generation_ranks, rank_of, reshards_by_plan
 from hfplan.plan import Layout, TrainConfig
-
-
-def reshards_by_plan(train: TrainConfig | None, gen: Layout | None) -> bool:
-    return train is not None and gen is not None and (train.pp != gen.pp or gen.tp != train.tp)
 
 
 def generation_rank(train: TrainConfig | None, gen: Layout, rank: int) -> int:

@@ -25,7 +25,7 @@ from hfplan.dataflow.roles import RoleFacts, update_field
 from hfplan.executor.engines import reshard
 from hfplan.executor.engines.hybrid import HybridEngine, assign
 from hfplan.executor.engines.training import RoleModel
-from hfplan.executor.generation_order import generation_rank, reshards_by_plan, set_ranks
+from hfplan.executor.generation_order import generation_rank, set_ranks
 from hfplan.executor.mesh import TP, WorkerMeshes, compute_dtype
 from hfplan.executor.models import build_model
 from hfplan.executor.rollout.base import RolloutEngine, SamplingParams
@@ -33,7 +33,7 @@ from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
 from hfplan.executor.tokenizers import build_tokenizer
 from hfplan.executor.worker import Timed
 from hfplan.hyperparams import Hyperparameters
-from hfplan.layout import facts_of, model_role, rank_coords, rank_of
+from hfplan.layout import facts_of, model_role, rank_coords, rank_of, reshards_by_plan
 from hfplan.plan import RESHARD_BACK_OP, RESHARD_OP, Plan, Recompute
 
 

@@ -21,6 +21,7 @@ from hfplan.executor.loopback import loopback_interface
 from hfplan.profiler.device import Device
 from hfplan.profiler.fit import COLLECTIVES, collective_terms
 from hfplan.profiler.runtime import FSDP, TP, engine_seconds, splits_by_tp
+from hfplan.profiler.timing import typical
 
 Step = Callable[[], None]
 
@@ -145,7 +146,7 @@ def _sweep(torch, dist, rank, world, kind, dtype, sizes, min_time, messages) -> 
             sync()
             once = agreed_max(time.perf_counter() - start)
             reps = int(min(500, max(1, math.ceil(min_time / 3 / max(once, 1e-7)))))
-            best = math.inf
+            trials = []
             for _ in range(3):
                 dist.barrier()
                 sync()
@@ -153,8 +154,8 @@ def _sweep(torch, dist, rank, world, kind, dtype, sizes, min_time, messages) -> 
                 for _ in range(reps):
                     call()
                 sync()
-                best = min(best, agreed_max((time.perf_counter() - start) / reps))
-            seconds = best / 2 if op == "p2p" else best
+                trials.append(agreed_max((time.perf_counter() - start) / reps))
+            seconds = typical(trials) / (2 if op == "p2p" else 1)
             nbytes = float(elements * esize)
             steps, factor = collective_terms(op, world)
             rows.append(dict(kind="collective", op=op, link="intra_node", world=world, dtype=str(dtype).split(".")[-1],

@@ -11,6 +11,7 @@ import pandas as pd
 
 from hfplan.profiler import comm, compute, layers, runtime
 from hfplan.profiler.build import Fits, build_profile, device_tiling
+from hfplan.profiler.call_gaps import CALL_FIELDS
 from hfplan.profiler.device import Device
 from hfplan.profiler.fit import COLLECTIVES, LinkFit, fit_alpha_beta, fit_roofline
 from hfplan.profiler.sweeps import Sweeps
@@ -112,12 +113,12 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
     with _cpu_threads(torch, device):
         across = runtime.EngineSeconds.from_rows(rows)
         rows = [r for r in rows if r["kind"] != "engine"]  # become runtime rows, with their predictions
-        fixed = runtime.measure_runtime(torch, device, profile, sweeps.min_time, sweeps.ray_calls, across)
+        fixed = runtime.measure_runtime(torch, device, profile, sweeps.min_time, sweeps.through_ray, across)
     base = request.base
     resident = fixed.worker_resident_gib if fixed.ray else base.memory.worker_resident_gib
     memory = profile.memory.model_copy(update={"worker_resident_gib": resident})
-    calls = {} if fixed.ray else {"controller_call_us": base.runtime.controller_call_us,
-                                  "call_dispatch_us": base.runtime.call_dispatch_us}
+    measured_calls = fixed.ray and fixed.runtime.call_dispatch_us is not None
+    calls = {} if measured_calls else {name: getattr(base.runtime, name) for name in CALL_FIELDS}
     profile = profile.model_copy(update={
         "runtime": fixed.runtime.model_copy(update=calls), "memory": memory,
         "description": profile.description + " Runtime: a sampled decode step of the executor's torch rollout "
@@ -126,11 +127,12 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
                        "profiled world wrapped in FSDP2 and split by tensor parallelism) and the hybrid engine's "
                        "switch, less their modelled kernels and collectives (on one rank: timed in a Ray worker, "
                        "as the executor runs them, where Ray is measured too)"
-                       + ", an advantage step of the controller"
-                       + (", and a call through a Ray actor shaped as the executor's, synchronous and queued (and "
-                          "that worker's resident memory)" if fixed.ray
-                          else "; controller calls and worker memory not measured (--quick, or ray not importable; "
-                          f"carried over from base profile '{base.name}')")
+                       + (", that worker's resident memory" if fixed.ray else "")
+                       + (", and the executor's gaps between calls and its controller's advantage step, read off "
+                          "a short run of it" if measured_calls
+                          else "; the executor's call gaps and controller step not measured (--quick, ray not "
+                          f"importable, or the probe run failed; carried over from base profile '{base.name}')")
+                       + ("" if fixed.ray else f"; worker memory carried over from base profile '{base.name}'")
                        + "."})
     rows += fixed.rows
 

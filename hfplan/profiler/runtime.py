@@ -7,16 +7,14 @@ over decode steps, so the prefills drop out), a training micro-batch and an opti
 training engine (the slope of a step's time over its micro-batches, and what is left at none) and a log-prob call
 through it, as it trains on one rank and, across the profiled world (every rank computing at once), wrapped in
 FSDP2 and split by tensor parallelism; per token of a micro-batch (one sequence against BATCH, on one rank); the
-hybrid engine's switch on one rank, a call through a Ray actor shaped as the executor's (how the controller
-reaches a worker: a round trip, and a call's own cost on the worker while calls queue) with that worker's own
-resident memory, and one advantage step of the controller.
+hybrid engine's switch on one rank, a Ray worker's own resident memory, and what the executor's calls cost
+between their spans and its controller's advantage step (call_gaps: read off a short run of the executor).
 torch and ray are passed in or imported here, only when `hfplan profile` runs.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import tempfile
 import time
 from collections.abc import Iterator
@@ -24,11 +22,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from hfplan.errors import HfplanError
 from hfplan.layout import shape_problem, stage_parameter_tensors, trains_through_fsdp
 from hfplan.plan import GenConfig, InferConfig, Layout, TrainConfig
+from hfplan.profiler.call_gaps import CallGaps, measure_call_gaps
 from hfplan.profiler.compute import compute_dtype
 from hfplan.profiler.device import Device
-from hfplan.profiler.timing import Clock
+from hfplan.profiler.timing import Clock, typical
 from hfplan.profiles.hardware import HardwareProfile, Runtime
 from hfplan.profiles.models import CATALOG
 from hfplan.simulator import costs
@@ -39,15 +39,16 @@ SHORT, LONG = 2, 34  # response lengths whose time difference is LONG - SHORT de
 BATCH = 8  # sequences of the larger static batch whose steps are timed (the demo's batch)
 FEW, MANY = 1, 3  # micro-batches (of one sequence) per optimizer step: the difference is MANY - FEW passes
 ROUNDS = 3
-RAY_CALLS = 200
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class RuntimeFit:
     runtime: Runtime
     rows: list[dict]
-    ray: bool  # whether the controller call was measured (ray importable)
-    worker_resident_gib: float = 0.0  # a Ray worker's own resident memory, measured with the controller call
+    ray: bool  # whether the executor's calls were measured (through Ray; else the engines timed here)
+    worker_resident_gib: float = 0.0  # a Ray worker's own resident memory, measured with them
 
 
 def fixed_us(measured_s: float, predicted_s: float) -> float:
@@ -68,12 +69,11 @@ class EngineTimes:
     batch_step: float  # of BATCH sequences
     continuous_step: float  # a continuous engine's, one slot refilled
     plain: EngineSeconds  # the training engine as one rank trains (with its wide micro-batch and the switch)
-    controller_step: float
 
 
 def time_engines(torch, device: Device, min_time: float) -> EngineTimes:
-    """Time the rollout engine, the training engine on a world of this process alone, the hybrid engine's switch
-    and a controller step, here (in the process that calls this)."""
+    """Time the rollout engine, the training engine on a world of this process alone and the hybrid engine's
+    switch, here (in the process that calls this)."""
     from hfplan.executor.models import build_model
     from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
 
@@ -87,21 +87,21 @@ def time_engines(torch, device: Device, min_time: float) -> EngineTimes:
     return EngineTimes(step=_step_seconds(clock, static, prompts, min_time),
                        batch_step=_step_seconds(clock, static, prompts.repeat(BATCH, 1), min_time),
                        continuous_step=_step_seconds(clock, continuous, prompts.repeat(2, 1), min_time),
-                       plain=_engine_on_one_rank(torch, device, PLAIN),
-                       controller_step=clock.per_call(_controller_step(), min_time))
+                       plain=_engine_on_one_rank(torch, device, PLAIN))
 
 
-def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: float, ray_calls: int = RAY_CALLS,
+def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: float, through_ray: bool = True,
                     across: dict[str, EngineSeconds] | None = None) -> RuntimeFit:
-    """The Runtime fields (the module docstring's measurements), with the rows behind them. The engines on one
-    rank are timed where the executor runs them, in a Ray worker, when Ray is there to measure the controller's
-    calls (else here). `across`: the engine wrapped in FSDP2 and split by tensor parallelism, each timed over the
-    profiled world (measure_collectives' processes, all computing at once, as a layout's ranks do); without
-    them, FSDP2 over a world of one and no tensor-parallel costs."""
+    """The Runtime fields (the module docstring's measurements), with the rows behind them. `through_ray` (and
+    ray importable, no Ray session already in this process): the engines on one rank are timed where the
+    executor runs them, in a Ray worker, and the executor's call gaps are measured; else the engines are timed
+    here and the call fields are left at their defaults. `across`: the engine wrapped in FSDP2 and split by
+    tensor parallelism, each timed over the profiled world (measure_collectives' processes, all computing at
+    once, as a layout's ranks do); without them, FSDP2 over a world of one and no tensor-parallel costs."""
     bare = profile.model_copy(update={"runtime": Runtime()})  # kernels only
     arch = CATALOG[MODEL]
     one = costs.SetShape(1, 1)
-    ray_costs = _ray_worker(ray_calls, device, min_time)
+    ray_costs = _ray_worker(device, profile, min_time) if through_ray else None
     times = ray_costs.engines if ray_costs is not None else time_engines(torch, device, min_time)
     step_s, batch_s, continuous_s, plain = times.step, times.batch_step, times.continuous_step, times.plain
     context = PROMPT + (SHORT + LONG) / 2
@@ -117,27 +117,36 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
     rows += per_token.rows
     train = _train_fixed(bare, plain, per_token)
     # A switch in the training layout on one rank moves no weights: its time is the engines' fixed cost, per tensor.
-    switch_model = costs.transition_time(bare, arch, TrainConfig(), GenConfig(), one)
-    switch_us = fixed_us(plain.switch, switch_model) / stage_parameter_tensors(arch, 1, "lm")
-    rows.append(_row("hybrid_switch", plain.switch, switch_model))
-    wrapped = _train_fixed(bare, across.get(FSDP) or _engine_on_one_rank(torch, device, FSDP), per_token)
+    switch_us, switch_row = _switch_fixed(bare, plain, PLAIN)
+    rows.append(switch_row)
+    fsdp = across.get(FSDP) or _engine_on_one_rank(torch, device, FSDP)
+    wrapped = _train_fixed(bare, fsdp, per_token)
+    fsdp_switch_us, fsdp_switch_row = _switch_fixed(bare, fsdp, FSDP)
+    rows.append(fsdp_switch_row)
     rows += train.rows + wrapped.rows
     # Tensor parallelism's costs on top of those of the engine it splits (one data-parallel rank): only where
     # a world was profiled.
     unsplit = wrapped if trains_through_fsdp(1, bare.compute.value_bytes) else train
     split = _train_fixed(bare, across[TP], per_token) if TP in across else unsplit
     rows += split.rows if TP in across else []
-    controller_step_s = times.controller_step
-    rows.append(_row("controller_step", controller_step_s, 0.0))
-    if ray_costs is not None:
-        rows += [_row("controller_call", ray_costs.round_trip_s, 0.0), _row("call_dispatch", ray_costs.queued_s, 0.0)]
+    tp_switch_us = 0.0
+    if TP in across:
+        split_switch_us, split_switch_row = _switch_fixed(bare, across[TP], TP)
+        rows.append(split_switch_row)
+        tp_switch_us = max(0.0, split_switch_us - (fsdp_switch_us if trains_through_fsdp(1, bare.compute.value_bytes)
+                                                   else switch_us))
+    gaps = ray_costs.gaps if ray_costs is not None else None
+    if gaps is not None:
+        rows += [_row("controller_step", gaps.controller_step_s, 0.0),
+                 _row("controller_call", gaps.controller_call_s, 0.0), _row("call_dispatch", gaps.call_dispatch_s, 0.0)]
     runtime = Runtime(forward_pass_us=round(train.forward_us, 2), forward_token_us=round(per_token.forward_us, 3),
                       train_token_us=round(per_token.train_us, 3),
                       engine_step_us=round(max(0.0, fixed_us(step_s, step_model) - sequence_us), 2),
                       engine_sequence_step_us=round(sequence_us, 2), switch_tensor_us=round(switch_us, 3),
-                      controller_call_us=round(ray_costs.round_trip_s * 1e6, 2) if ray_costs else 0.0,
-                      call_dispatch_us=round(ray_costs.queued_s * 1e6, 2) if ray_costs else None,
-                      controller_step_us=round(controller_step_s * 1e6, 2),
+                      fsdp_switch_tensor_us=round(fsdp_switch_us, 3), tp_switch_tensor_us=round(tp_switch_us, 3),
+                      controller_call_us=round(gaps.controller_call_s * 1e6, 2) if gaps else 0.0,
+                      call_dispatch_us=round(gaps.call_dispatch_s * 1e6, 2) if gaps else None,
+                      controller_step_us=round(gaps.controller_step_s * 1e6, 2) if gaps else 0.0,
                       engine_step_continuous_us=round(max(0.0, fixed_us(continuous_s, step_model) - sequence_us),
                                                       2),
                       train_pass_us=round(train.pass_us, 2), optimizer_tensor_us=round(train.tensor_us, 3),
@@ -146,7 +155,10 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
                       tp_forward_pass_us=round(max(0.0, split.forward_us - unsplit.forward_us), 2),
                       tp_train_pass_us=round(max(0.0, split.pass_us - unsplit.pass_us), 2),
                       tp_optimizer_tensor_us=round(max(0.0, split.tensor_us - unsplit.tensor_us), 3))
-    resident_gib = ray_costs.resident_bytes / 2**30 if ray_costs else 0.0
+    resident_gib = 0.0
+    if ray_costs is not None:  # a worker as it runs calls, where the probe ran; else one that only imported
+        probed = gaps.worker_resident_gib if gaps is not None else None
+        resident_gib = probed if probed is not None else ray_costs.resident_bytes / 2**30
     return RuntimeFit(runtime, rows, ray_costs is not None, round(resident_gib, 3))
 
 
@@ -167,7 +179,7 @@ class EngineSeconds:
     mode: str  # PLAIN, FSDP or TP
     steps: dict[int, float]
     log_prob: float
-    switch: float | None = None  # PLAIN only: the hybrid engine's switch into generation and back
+    switch: float  # the hybrid engine's switch into generation and back, in the training layout
     wide: tuple[float, float] | None = None  # PLAIN only: (actor update, log-prob call) of one micro-batch of BATCH
 
     @property
@@ -179,7 +191,9 @@ class EngineSeconds:
         return ([dict(kind="engine", op=f"{self.prefix}train_step_{n}_micro_batches", world=self.world,
                       mode=self.mode, seconds=s) for n, s in self.steps.items()]
                 + [dict(kind="engine", op=f"{self.prefix}engine_log_prob", world=self.world, mode=self.mode,
-                        seconds=self.log_prob)])
+                        seconds=self.log_prob),
+                   dict(kind="engine", op=f"{self.prefix}hybrid_switch", world=self.world, mode=self.mode,
+                        seconds=self.switch)])
 
     @classmethod
     def from_rows(cls, rows: list[dict]) -> dict[str, EngineSeconds]:
@@ -190,7 +204,8 @@ class EngineSeconds:
             if by_op:
                 steps = {n: by_op[f"{mode}_train_step_{n}_micro_batches"]["seconds"] for n in (FEW, MANY)}
                 log_prob = by_op[f"{mode}_engine_log_prob"]
-                out[mode] = cls(int(log_prob["world"]), mode, steps, log_prob["seconds"])
+                out[mode] = cls(int(log_prob["world"]), mode, steps, log_prob["seconds"],
+                                by_op[f"{mode}_hybrid_switch"]["seconds"])
         return out
 
 
@@ -243,8 +258,9 @@ def engine_seconds(torch, kind: str, mode: str) -> EngineSeconds:
     one = {"prompts": torch.randint(1, arch.vocab, (1, PROMPT)), "responses": torch.randint(1, arch.vocab, (1, LONG)),
            "response_mask": torch.ones(1, LONG, dtype=torch.long)}
     log_prob = timed(lambda: role.log_probs(**one, micro_batch=1))
+    switch = timed(_switch(role))
     if mode != PLAIN:
-        return EngineSeconds(world, mode, steps, log_prob)
+        return EngineSeconds(world, mode, steps, log_prob, switch)
     wide = {"prompts": torch.randint(1, arch.vocab, (BATCH, PROMPT)),
             "responses": torch.randint(1, arch.vocab, (BATCH, LONG)),
             "response_mask": torch.ones(BATCH, LONG, dtype=torch.long)}
@@ -252,7 +268,19 @@ def engine_seconds(torch, kind: str, mode: str) -> EngineSeconds:
     wide_update = timed(lambda: role.update_actor(update, mini_batches=1, epochs=1, micro_batch=BATCH,
                                                   use_kl_loss=False))
     wide_log_prob = timed(lambda: role.log_probs(**wide, micro_batch=BATCH))
-    return EngineSeconds(world, mode, steps, log_prob, timed(_switch(role)), (wide_update, wide_log_prob))
+    return EngineSeconds(world, mode, steps, log_prob, switch, (wide_update, wide_log_prob))
+
+
+def _switch_fixed(bare: HardwareProfile, measured: EngineSeconds, mode: str) -> tuple[float, dict]:
+    """Microseconds per parameter tensor of a switch in the training layout beyond its modelled collectives,
+    and its row: over `measured.world` ranks, data-parallel (PLAIN over one rank, FSDP) or split by tp."""
+    arch, world = CATALOG[MODEL], measured.world
+    train = TrainConfig(tp=world) if mode == TP else TrainConfig(dp=world)
+    gen = GenConfig(tp=world) if mode == TP else GenConfig(dp=world)
+    model = costs.transition_time(bare, arch, train, gen, costs.SetShape(world, world))
+    op = "hybrid_switch" if mode == PLAIN else f"{mode}_hybrid_switch"
+    return (fixed_us(measured.switch, model) / stage_parameter_tensors(arch, 1, "lm"),
+            _row(op, measured.switch, model, world))
 
 
 def _switch(role):
@@ -357,98 +385,67 @@ def _world_of_one(torch, device: Device) -> Iterator[None]:
 def _step_seconds(clock: Clock, engine, prompts, min_time: float) -> float:
     """Seconds per decode step of `engine` on `prompts`: the time between responses of SHORT and LONG tokens
     over the decode steps it counted between them (the prefills, the same in both, drop out). Each length is
-    timed in ROUNDS rounds taken in turn, its best kept: a burst of other work on a shared machine seldom
-    spans them all (one burst over the short runs alone would make the slope negative)."""
+    timed in ROUNDS rounds taken in turn, their median kept: a burst of other work on a shared machine seldom
+    spans most of them (one burst over the short runs alone would make the slope negative)."""
     from hfplan.executor.rollout.base import SamplingParams
 
-    timed, steps = dict.fromkeys((SHORT, LONG), math.inf), {}
+    timed: dict[int, list[float]] = {SHORT: [], LONG: []}
+    steps = {}
     for _ in range(ROUNDS):
         for tokens in (SHORT, LONG):
             params = SamplingParams(max_new_tokens=tokens)  # sampled, as a run samples
-            once = clock.per_call(lambda params=params: engine.generate(prompts, params), min_time / ROUNDS)
-            timed[tokens] = min(timed[tokens], once)
+            timed[tokens].append(clock.per_call(lambda params=params: engine.generate(prompts, params),
+                                                min_time / ROUNDS))
             steps[tokens] = engine.stats.decode_steps
-    return (timed[LONG] - timed[SHORT]) / (steps[LONG] - steps[SHORT])
+    return (typical(timed[LONG]) - typical(timed[SHORT])) / (steps[LONG] - steps[SHORT])
 
 
 @dataclass(frozen=True)
 class RayCosts:
-    """A call of the controller to a Ray actor on this machine, shaped as the executor's (a batch's arrays in,
-    the outputs and spans back): synchronous, and queued (many sent before any result is read, as the
-    controller sends a program's calls); that worker's resident memory, and the engines timed in it."""
+    """What is measured through Ray: a Ray worker's own resident memory, the engines timed in it, and the
+    executor's call gaps (None where the probe run failed: the rest of the profile stands)."""
 
-    round_trip_s: float
-    queued_s: float  # seconds per call of a queue of calls: the worker's own cost of each
     resident_bytes: int
     engines: EngineTimes
+    gaps: CallGaps | None
 
 
-def _ray_worker(calls: int, device: Device, min_time: float) -> RayCosts | None:
-    """Each call figure the best of three rounds of `calls` calls; None without ray or when a Ray session is
-    already running in this process (it is not ours to measure or stop)."""
+def _ray_worker(device: Device, profile: HardwareProfile, min_time: float) -> RayCosts | None:
+    """None without ray or when a Ray session is already running in this process (it is not ours to measure
+    or stop)."""
     try:
         import ray
     except ImportError:
         return None
     from hfplan.executor.compat import local_ray_options
 
-    if calls < 1 or ray.is_initialized():
+    if ray.is_initialized():
         return None
-    fields = _batch_fields()
     gpus = 1 if device.kind == "cuda" else 0
     with tempfile.TemporaryDirectory(prefix="hfplan-profile-ray-") as folder:
         ray.init(num_cpus=1, num_gpus=gpus, include_dashboard=False, logging_level=logging.WARNING,
                  log_to_driver=False, **local_ray_options(folder))
         try:
-            actor = ray.remote(num_gpus=gpus)(_Echo).remote()
-            ray.get(actor.call.remote(fields), timeout=120)
-            round_trip = queued = float("inf")
-            for _ in range(3):
-                start = time.perf_counter()
-                for _ in range(calls):
-                    ray.get(actor.call.remote(fields), timeout=60)
-                round_trip = min(round_trip, (time.perf_counter() - start) / calls)
-                start = time.perf_counter()
-                ray.get([actor.call.remote(fields) for _ in range(calls)], timeout=60)
-                queued = min(queued, (time.perf_counter() - start) / calls)
-            resident = ray.get(actor.resident_bytes.remote(), timeout=300)
-            engines = ray.get(actor.time_engines.remote(device, min_time), timeout=900)
-            return RayCosts(round_trip, queued, resident, engines)
+            timer = ray.remote(num_gpus=gpus)(_EngineTimer).remote()
+            resident = ray.get(timer.resident_bytes.remote(), timeout=300)
+            engines = ray.get(timer.time_engines.remote(device, min_time), timeout=900)
+            ray.kill(timer)  # its device and memory go back before the probe's worker starts
+            return RayCosts(resident, engines, _probe_gaps(profile))
         finally:
             ray.shutdown()
 
 
-def _batch_fields() -> dict:
-    """A call's arrays for the demo's batch: prompts, responses and their mask."""
-    import numpy as np
+def _probe_gaps(profile: HardwareProfile) -> CallGaps | None:
+    from hfplan.executor.errors import RunFailed
 
-    sequences, length = 8, 16
-    return {"prompts": np.ones((sequences, length), np.int64), "responses": np.ones((sequences, length), np.int64),
-            "response_mask": np.ones((sequences, length), np.float32)}
-
-
-def _controller_step():
-    """One advantage step of the controller (PPO's GAE) on the demo's batch, as a callable."""
-    import numpy as np
-
-    from hfplan.dataflow.controller import STEPS, ControllerState
-
-    step, state = STEPS["gae"], ControllerState()
-    mask = _batch_fields()["response_mask"].astype(np.float64)
-    fields = {name: np.zeros_like(mask) for name in step.reads} | {"response_mask": mask,
-                                                                  "rewards": np.zeros(len(mask))}
-    return lambda: step(fields, state)
+    try:
+        return measure_call_gaps(profile)
+    except (RunFailed, HfplanError, ValueError) as failure:
+        logger.warning("the executor's call gaps were not measured (the probe run failed: %s)", failure)
+        return None
 
 
-class _Echo:
-    def call(self, fields: dict) -> dict:
-        """What an executor call returns (hfplan.executor.worker.SetWorker.call): outputs and spans."""
-        from hfplan.executor.worker import Timed
-
-        now = time.time()
-        return {"fields": {"log_probs": fields["response_mask"]}, "spans": [Timed("log_prob", "transfer", now, now),
-                                                                           Timed("log_prob", "compute", now, now)]}
-
+class _EngineTimer:
     def resident_bytes(self) -> int:
         """Peak resident memory of this Ray worker once it has imported what an executor worker imports to
         build its roles (Linux reports ru_maxrss in KiB): the worker's own memory, before any model."""

@@ -29,7 +29,7 @@ class Sweeps:
     layers: LayerCases
     min_time: float  # seconds of timed calls per point (split over trials)
     comm_min_time: float
-    ray_calls: int = 200  # synchronous Ray actor calls per timing round (controller call cost)
+    through_ray: bool = True  # engines timed in a Ray worker, and the executor's call gaps measured on a run
 
 
 # Rows (M) of the skinny GEMMs measured on a GPU against hidden and MLP widths: decode batches (where the GEMM
@@ -61,7 +61,7 @@ def sweeps_for(kind: str, quick: bool) -> Sweeps:
                               contexts=(1024, 4096), tps=(1, 2, 4, 8), budget_s=30 if quick else 90),
             min_time=0.05 if quick else 0.2,
             comm_min_time=0.02 if quick else 0.1,
-            ray_calls=0 if quick else 200,  # --quick skips the Ray round trip (its start takes seconds)
+            through_ray=not quick,  # --quick skips Ray and the probe run (their start takes seconds)
         )
     return Sweeps(
         matmuls=_square((16, 64, 128, 256, 512, 1024) if quick else (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048))
@@ -76,5 +76,5 @@ def sweeps_for(kind: str, quick: bool) -> Sweeps:
                            contexts=(256, 1024, 4096), tps=(1, 2, 4), budget_s=120)),
         min_time=0.06 if quick else 0.3,
         comm_min_time=0.03 if quick else 0.15,
-        ray_calls=0 if quick else 200,  # --quick skips the Ray round trip (its start takes seconds)
+        through_ray=not quick,  # --quick skips Ray and the probe run (their start takes seconds)
     )

@@ -1,15 +1,21 @@
-"""Timing of device work: back-to-back calls between two synchronisations, best of a few trials.
+"""Timing of device work: back-to-back calls between two synchronisations, the median of a few trials.
 
 Kernels of a real layer run back to back, so a kernel's cost is measured the same way: a loop of
 calls with one synchronisation at each end, divided by the number of calls. Operands rotate over
 enough copies that their working set exceeds the last-level cache, as the weights of a many-layer
 model do.
+
+Every measurement of the profiler keeps the median of its trials (`typical`), not the best: the profile
+predicts runs, and a run sees the machine as it usually is, its bursts of other work included. On a shared
+machine the best trial is its quietest moment, and a profile of best trials predicted 17 of 18 executed plans
+faster than they ran (bench/validate.py).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,8 +31,7 @@ class Clock:
             self.torch.cuda.synchronize()
 
     def per_call(self, fn: Callable[[], Any], min_time: float, trials: int = 5, max_reps: int = 2000) -> float:
-        """Seconds per call of fn: warm up, size the loop to about min_time in all, best trial (the
-        least disturbed by other work on the machine)."""
+        """Seconds per call of fn: warm up, size the loop to about min_time in all, the median trial."""
         fn()
         self.sync()
         start = time.perf_counter()
@@ -34,15 +39,20 @@ class Clock:
         self.sync()
         once = max(time.perf_counter() - start, 1e-7)
         reps = int(min(max_reps, max(1, math.ceil(min_time / trials / once))))
-        best = math.inf
+        seconds = []
         for _ in range(trials):
             self.sync()
             start = time.perf_counter()
             for _ in range(reps):
                 fn()
             self.sync()
-            best = min(best, (time.perf_counter() - start) / reps)
-        return best
+            seconds.append((time.perf_counter() - start) / reps)
+        return typical(seconds)
+
+
+def typical(seconds: Sequence[float]) -> float:
+    """What a measurement keeps of its trials: their median (the module docstring says why)."""
+    return statistics.median(seconds)
 
 
 def copies_for(set_bytes: float, cache_bytes: int, budget_bytes: float, most: int = 64) -> int:

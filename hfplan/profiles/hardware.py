@@ -152,6 +152,12 @@ class Runtime(_Strict):
     switch_tensor_us: float = Field(default=0.0, ge=0, description="fixed cost per parameter tensor of one "
                                     "switch of the hybrid engine into generation and back (the rollout engine "
                                     "given the weights and released), beyond the weights it moves")
+    fsdp_switch_tensor_us: float | None = Field(
+        default=None, ge=0, description="switch_tensor_us of a role that generates in its training layout while it "
+                                        "trains through FSDP2 (its weights unsharded by the training engine and "
+                                        "resharded after), beyond the modelled all-gather; None: switch_tensor_us")
+    tp_switch_tensor_us: float = Field(default=0.0, ge=0, description="the same on top, of a role split by tensor "
+                                       "parallelism that generates in its training layout")
 
     train_pass_us: float | None = Field(
         default=None, ge=0, description="fixed cost of one micro-batch through a training engine (forward and "
@@ -201,6 +207,12 @@ class Runtime(_Strict):
         base = (self.fsdp_optimizer_tensor_us if fsdp and self.fsdp_optimizer_tensor_us is not None
                 else self.optimizer_tensor_us)
         return (base + (self.tp_optimizer_tensor_us if tp else 0.0)) * 1e-6
+
+    def switch_tensor_s(self, fsdp: bool = False, tp: bool = False) -> float:
+        """Seconds of a hybrid switch's fixed cost per parameter tensor; `fsdp`, `tp`: a role generating in its
+        training layout, trained through FSDP2, split by tensor parallelism (else the rollout engine's alone)."""
+        base = self.fsdp_switch_tensor_us if fsdp and self.fsdp_switch_tensor_us is not None else self.switch_tensor_us
+        return (base + (self.tp_switch_tensor_us if tp else 0.0)) * 1e-6
 
     def call_dispatch_s(self) -> float:
         """Seconds a role call costs its worker beyond its work (Ray's start of it, arguments, outputs)."""

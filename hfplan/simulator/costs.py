@@ -18,6 +18,7 @@ from hfplan.layout import (
     most_generation_numel,
     most_received_numel,
     resharding,
+    reshards_by_plan,
     stage_parameter_tensors,
     stage_params,
     trains_through_fsdp,
@@ -506,9 +507,15 @@ def batching_never_slower(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int
     return True
 
 
-def _engine_weights_fixed(hw: HardwareProfile, arch: ModelArch, gen: GenConfig) -> float:
-    """The generation engines' fixed cost of taking new weights, per parameter tensor a GPU generates with."""
-    return stage_parameter_tensors(arch, gen.pp, "lm") * hw.runtime.switch_tensor_us * 1e-6
+def _engine_weights_fixed(hw: HardwareProfile, arch: ModelArch, gen: GenConfig, train: TrainConfig | None = None
+                          ) -> float:
+    """The engines' fixed cost of a switch, per parameter tensor a GPU generates with: the rollout engine's, or
+    for a hybrid actor generating in its training layout (`train`, not resharded by plan) its training engine's
+    unshard and reshard through FSDP2 and tensor parallelism as well."""
+    in_place = train is not None and not reshards_by_plan(train, gen)
+    fsdp = in_place and trains_through_fsdp(train.dp, hw.compute.value_bytes)
+    split = in_place and train.tp > 1
+    return stage_parameter_tensors(arch, gen.pp, "lm") * hw.runtime.switch_tensor_s(fsdp, split)
 
 
 @memoized
@@ -518,8 +525,8 @@ def transition_time(hw: HardwareProfile, arch: ModelArch, train: TrainConfig, ge
     GPUs holding its pieces (its generation group), sized by the slices the busiest GPU receives
     (hfplan.layout's per-tensor plan, as the executor moves them). Going back moves nothing: the generation
     copy is dropped. Both ways, the engines pay a fixed cost per parameter tensor of the generation model
-    (Runtime.switch_tensor_us)."""
-    fixed = _engine_weights_fixed(hw, arch, gen)
+    (Runtime.switch_tensor_s)."""
+    fixed = _engine_weights_fixed(hw, arch, gen, train)
     plan = resharding(train, gen)
     received = most_received_numel(arch, train, gen)
     if plan.group <= 1 or received == 0:

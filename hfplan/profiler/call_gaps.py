@@ -1,0 +1,124 @@
+"""What the executor's calls cost between their spans, read off a real run of it.
+
+A probe plan (PPO on the demo's tiny models, shorter responses than the demo's, one device) is executed for a
+few iterations in the profiler's Ray session, and its measured timelines give three Runtime fields:
+
+- call_dispatch_us: the median gap between two calls on the set with no controller step between them (the
+  first call's outputs stored, the next one started and its arguments read: what Ray and the worker's wrapper
+  cost each call). The simulator charges it inside every role call's span.
+- controller_call_us: the median gap around the controller's advantage step, from the end of the last call
+  that feeds it to its start plus from its end to the start of the next call on the set (the results reach the
+  controller, the calls that need the advantages are sent and started). The simulator charges an edge into the
+  controller the round trip less a call's dispatch, and the next call its dispatch: the gap in all.
+- controller_step_us: the median seconds of that step itself, as the executor's controller runs it.
+
+On a CPU profile it also gives memory.worker_resident_gib: the worker's measured peak resident memory less the
+simulator's peak for the probe plan (what a worker process holds beyond the model states the simulator counts:
+the interpreter, torch, Ray's buffers of its calls).
+
+Measured through the executor rather than through a bare Ray actor, because a bare actor's round trip left out
+the controller's bookkeeping and the worker's wrapper (validate found such gaps 2-4x the bare figure).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from hfplan.plan import Plan, Span
+from hfplan.profiles.hardware import HardwareProfile, Runtime
+from hfplan.spec import BUILTIN_WORKLOADS, Workload, make_cluster, workload_from_dict
+
+CALL_FIELDS = ("call_dispatch_us", "controller_call_us", "controller_step_us")  # the Runtime fields it measures
+PROBE_ITERATIONS = 8  # the first a warm-up
+ADVANTAGE_STEP = ("controller", "gae")  # the controller step whose gaps are read (PPO's)
+
+
+@dataclass(frozen=True)
+class CallGaps:
+    call_dispatch_s: float
+    controller_call_s: float
+    controller_step_s: float
+    worker_resident_gib: float | None = None  # on a CPU profile; None on a GPU (its peak is allocated memory)
+
+
+def probe_workload() -> Workload:
+    """PPO on the demo's models and batch, with 8-token responses (the gaps do not depend on the length)."""
+    return workload_from_dict(dict(BUILTIN_WORKLOADS["demo"], response_len=8), "call-gap-probe")
+
+
+def probe_plan(profile: HardwareProfile, folder: Path) -> Plan:
+    """The search's plan for the probe on one device of `profile` (its rates fitted, its runtime not yet: the
+    plan only has to run, on the device kind the profile names)."""
+    from hfplan.planner.search import search
+
+    path = folder / "probe-hardware.yaml"
+    path.write_text(profile.model_copy(update={"runtime": Runtime()}).to_yaml())
+    return search(probe_workload(), make_cluster(1, str(path))).best
+
+
+def _calls(spans: Sequence[Span]) -> list[tuple[float, float]]:
+    """(start, end) of each call on the sets, in order: a call begins with its input transfer span (the worker
+    records one first for every call) and ends with the last span before the next call's."""
+    ordered = sorted((s for s in spans if s.set >= 0), key=lambda s: (s.start, s.end))
+    calls: list[list[float]] = []
+    for span in ordered:
+        if span.kind == "transfer" or not calls:
+            calls.append([span.start, span.end])
+        else:
+            calls[-1][1] = max(calls[-1][1], span.end)
+    return [(start, end) for start, end in calls]
+
+
+def gaps_of(spans: Sequence[Span]) -> tuple[list[float], list[float], list[float]]:
+    """One iteration's queued gaps, gaps around the advantage step (one figure: both sides) and the step's
+    seconds. Spans of one set on one rank (the probe's single device)."""
+    calls = _calls(spans)
+    controller = [s for s in spans if s.set < 0 and s.kind == "compute"]
+    queued = [after[0] - before[1] for before, after in zip(calls, calls[1:], strict=False)
+              if not any(c.start < after[0] and c.end > before[1] for c in controller)]
+    around, steps = [], []
+    for step in (s for s in controller if (s.role, s.op) == ADVANTAGE_STEP):
+        fed = [end for _, end in calls if end <= step.start]
+        next_starts = [start for start, _ in calls if start >= step.end]
+        if fed and next_starts:
+            around.append((step.start - max(fed)) + (min(next_starts) - step.end))
+            steps.append(step.end - step.start)
+    return queued, around, steps
+
+
+def call_gaps(iterations: Sequence[Sequence[Span]]) -> CallGaps:
+    """The medians over the measured iterations."""
+    queued, around, steps = [], [], []
+    for spans in iterations:
+        q, a, s = gaps_of(spans)
+        queued += q
+        around += a
+        steps += s
+    if not queued or not around:
+        raise ValueError("the probe's timeline has no queued calls or no advantage step between calls")
+    return CallGaps(statistics.median(queued), statistics.median(around), statistics.median(steps))
+
+
+def measure_call_gaps(profile: HardwareProfile) -> CallGaps:
+    """Execute the probe plan in the Ray session this process holds and read its gaps (and, on CPU, the
+    worker's own resident memory)."""
+    from hfplan.executor.controller import ExecuteOptions, execute
+    from hfplan.simulator.engine import simulate_plan
+
+    reports: list = []
+    with tempfile.TemporaryDirectory(prefix="hfplan-profile-probe-") as folder:
+        plan = probe_plan(profile, Path(folder))
+        options = ExecuteOptions(iterations=PROBE_ITERATIONS, out=Path(folder) / "run", call_timeout_s=300,
+                                 start_timeout_s=300)
+        summary = execute(plan, options, reports.append)
+        gaps = call_gaps([r.spans for r in reports[1:]])
+        if not profile.on_host:
+            return gaps
+        measured_gib = max(summary.peak_memory_bytes.values()) / 2**30
+        predicted_gib = simulate_plan(plan).estimate.peak_memory_gib[0]
+    return dataclasses.replace(gaps, worker_resident_gib=max(0.0, measured_gib - predicted_gib))

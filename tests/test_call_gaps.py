@@ -1,0 +1,81 @@
+"""The executor's call gaps as the profiler reads them off a run: queued gaps, the gap around the controller's
+advantage step and the step itself, on hand-made timelines and on a real probe run."""
+
+from __future__ import annotations
+
+import pytest
+
+from hfplan.plan import Span
+from hfplan.profiler.call_gaps import call_gaps, gaps_of, probe_plan, probe_workload
+from hfplan.profiles.hardware import load_hardware
+
+
+def _span(role, op, kind, start, end, set_=0, phase="preparation"):
+    return Span(role=role, op=op, phase=phase, set=set_, start=start / 1e3, end=end / 1e3, kind=kind)
+
+
+def _ppo_iteration(offset=0.0):
+    """generate (its input transfer, a switch, the compute, the switch back), three forwards, the controller's
+    reward (during a forward) and advantage step, and two updates: times in ms."""
+    o = offset
+    return [_span("actor", "generate", "transfer", o + 0.0, o + 0.1, phase="generation"),
+            _span("actor", "reshard", "transition", o + 0.2, o + 1.0, phase="generation"),
+            _span("actor", "generate", "compute", o + 1.0, o + 9.0, phase="generation"),
+            _span("actor", "reshard back", "transition", o + 9.0, o + 9.5, phase="generation"),
+            _span("actor", "log_prob", "transfer", o + 10.5, o + 10.6),  # queued: 1.0 after the switch back
+            _span("actor", "log_prob", "compute", o + 10.6, o + 14.0),
+            _span("reward", "score", "compute", o + 11.0, o + 11.5, set_=-1),  # during a call, in no gap
+            _span("reference", "log_prob", "transfer", o + 14.8, o + 14.9),  # queued: 0.8
+            _span("reference", "log_prob", "compute", o + 14.9, o + 18.0),
+            _span("critic", "values", "transfer", o + 18.6, o + 18.7),  # queued: 0.6
+            _span("critic", "values", "compute", o + 18.7, o + 22.0),
+            _span("controller", "gae", "compute", o + 23.5, o + 23.8, set_=-1),  # 1.5 before, 1.7 after
+            _span("critic", "update", "transfer", o + 25.5, o + 25.6, phase="training"),
+            _span("critic", "update", "compute", o + 25.6, o + 40.0, phase="training"),
+            _span("actor", "update", "transfer", o + 41.2, o + 41.3, phase="training"),  # queued: 1.2
+            _span("actor", "update", "compute", o + 41.3, o + 55.0, phase="training")]
+
+
+def test_gaps_are_read_between_calls_and_around_the_advantage_step():
+    queued, around, steps = gaps_of(_ppo_iteration())
+    assert queued == pytest.approx([1.0e-3, 0.8e-3, 0.6e-3, 1.2e-3])  # the gap through gae is not queued
+    assert around == pytest.approx([1.5e-3 + 1.7e-3])
+    assert steps == pytest.approx([0.3e-3])
+
+
+def test_the_figures_are_medians_over_the_iterations():
+    slower = [s.model_copy(update={"end": s.end + (0.4e-3 if s.op == "gae" else 0.0)}) for s in _ppo_iteration()]
+    gaps = call_gaps([_ppo_iteration(), _ppo_iteration(100.0), slower])
+    assert gaps.call_dispatch_s == pytest.approx(0.9e-3)  # the median of 12 queued gaps: 4 kinds, 3 each
+    # gae 0.4 ms longer and the next call as late as before: 0.4 ms less of gap after it.
+    assert gaps.controller_call_s == pytest.approx(3.2e-3)
+    assert gaps.controller_step_s == pytest.approx(0.3e-3)
+
+
+def test_a_timeline_without_an_advantage_step_between_calls_is_refused():
+    no_gae = [s for s in _ppo_iteration() if s.op != "gae"]
+    with pytest.raises(ValueError, match="advantage step"):
+        call_gaps([no_gae])
+
+
+def test_the_probe_is_ppo_with_an_advantage_step_on_one_device(tmp_path):
+    workload = probe_workload()
+    assert workload.algorithm == "ppo" and workload.response_len == 8
+    plan = probe_plan(load_hardware("cpu"), tmp_path)
+    assert plan.cluster.gpus == 1 and len(plan.placement) == 1
+    assert set(plan.placement[0].models) >= {"actor", "critic"}
+
+
+@pytest.mark.slow
+def test_a_probe_run_of_the_executor_gives_positive_gaps(ray_driver, tmp_path):
+    """The probe executed for real (in the test session's Ray): every figure measured and positive, the round
+    trip through the controller longer than a queued call's gap (it holds one and more), and the worker's own
+    resident memory."""
+    pytest.importorskip("torch")
+    from hfplan.profiler.call_gaps import measure_call_gaps
+
+    gaps = measure_call_gaps(load_hardware("cpu"))
+    assert gaps.call_dispatch_s > 0 and gaps.controller_step_s > 0
+    assert gaps.controller_call_s > gaps.call_dispatch_s
+    # On CPU, the worker's own memory beyond the probe plan's simulated peak: the interpreter and torch at least.
+    assert gaps.worker_resident_gib is not None and 0.1 < gaps.worker_resident_gib < 4
