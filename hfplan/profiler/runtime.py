@@ -245,7 +245,7 @@ def engine_seconds(torch, kind: str, mode: str) -> EngineSeconds:
             took = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=kind)
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
             seconds.append(float(took.item()))
-        return sorted(seconds)[len(seconds) // 2]
+        return typical(seconds)
 
     steps = {}
     for n in (FEW, MANY):
