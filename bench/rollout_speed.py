@@ -14,11 +14,12 @@ import time
 
 import torch
 
+from hfplan.executor.codec import build_codec
 from hfplan.executor.models import build_model
 from hfplan.executor.prompts import builtin_prompts
 from hfplan.executor.rollout.base import SamplingParams
 from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
-from hfplan.executor.tokenizers import build_tokenizer, encode_prompts
+from hfplan.executor.tokenizers import build_tokenizer
 
 # (model, batch, prompt_len, response_len): the demo workload's shape, arith-grpo's (8 prompts x 4
 # samples), and a wider batch of each.
@@ -29,7 +30,7 @@ def _prompts(model_ref: str, batch: int, prompt_len: int, vocab: int) -> torch.T
     texts = builtin_prompts(model_ref)
     if texts is None:
         return torch.randint(4, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
-    return encode_prompts(build_tokenizer(model_ref), [texts[i % len(texts)] for i in range(batch)], prompt_len)
+    return torch.from_numpy(build_codec(model_ref).encode([texts[i % len(texts)] for i in range(batch)], prompt_len))
 
 
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -14,9 +15,10 @@ from transformers import AutoTokenizer  # noqa: E402
 from hfplan.dataflow.rewards import arith_exact  # noqa: E402
 from hfplan.errors import HfplanError  # noqa: E402
 from hfplan.executor import models, sequences  # noqa: E402
+from hfplan.executor.codec import build_codec  # noqa: E402
 from hfplan.executor.models import build_model, model_config_for  # noqa: E402
 from hfplan.executor.prompts import builtin_prompts  # noqa: E402
-from hfplan.executor.tokenizers import build_tokenizer, decode_responses, encode_prompts  # noqa: E402
+from hfplan.executor.tokenizers import build_tokenizer  # noqa: E402
 from hfplan.profiles.models import CATALOG  # noqa: E402
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -95,24 +97,50 @@ def test_a_checkpoint_tokenizer_without_pad_pads_with_an_existing_token(tmp_path
     assert len(loaded) == 260 and loaded.padding_side == "left"
 
 
-def test_encode_prompts_left_pads_and_keeps_the_last_tokens():
-    tok = build_tokenizer("tiny-arith")
+def test_encode_left_pads_and_keeps_the_last_tokens():
+    tok, codec = build_tokenizer("tiny-arith"), build_codec("tiny-arith")
     word = tok.convert_tokens_to_ids
     pad, bos = tok.pad_token_id, tok.bos_token_id
-    out = encode_prompts(tok, ["add 3 5 =", "sub 10 2 ="], prompt_len=7)
-    assert out.dtype == torch.long and out.shape == (2, 7)
+    out = codec.encode(["add 3 5 =", "sub 10 2 ="], prompt_len=7)
+    assert out.dtype == np.int64 and out.shape == (2, 7)
     assert out[0].tolist() == [pad, pad, bos, word("add"), word("3"), word("5"), word("=")]
-    short = encode_prompts(tok, ["add 3 5 ="], prompt_len=3)
+    short = codec.encode(["add 3 5 ="], prompt_len=3)
     assert short[0].tolist() == [word("3"), word("5"), word("=")]
+    with pytest.raises(HfplanError, match="prompt length must be positive"):
+        codec.encode(["add 3 5 ="], prompt_len=0)
 
 
 def test_decode_responses_reads_only_masked_tokens_and_skips_specials():
-    tok = build_tokenizer("tiny-arith")
+    tok, codec = build_tokenizer("tiny-arith"), build_codec("tiny-arith")
     word = tok.convert_tokens_to_ids
-    responses = torch.tensor([[word("8"), tok.eos_token_id, tok.pad_token_id],
-                              [word("1"), word("2"), word("3")]])
-    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
-    assert decode_responses(tok, responses, mask) == ["8", "1 2"]
+    responses = np.array([[word("8"), tok.eos_token_id, tok.pad_token_id],
+                          [word("1"), word("2"), word("3")]])
+    mask = np.array([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    assert codec.decode_responses(responses, mask) == ["8", "1 2"]
+
+
+TEXTS = ["add 3 5 =", "sub 40 41 =", "<pad> <bos> <eos> <unk>", "add <pad>3 =", "", "  ", "héllo wörld ✓",
+         "Hello, world! 3+5=8", "a , b . c ' d n't", "\x00\x7f tabs\tand\nlines"]
+
+
+@pytest.mark.parametrize("ref", ["tiny", "tiny-arith"])
+def test_the_controllers_codec_encodes_and_decodes_as_the_transformers_tokenizer(ref):
+    """The controller encodes with the bare backend, the workers and exported folders use the transformers
+    object: the two must agree on every text, special-token look-alikes and random ids included."""
+    tok, codec = build_tokenizer(ref), build_codec(ref)
+    assert codec.encode_batch(TEXTS) == tok(TEXTS, add_special_tokens=True)["input_ids"]
+    assert codec.pad_id == tok.pad_token_id
+    rows = np.random.default_rng(0).integers(0, len(tok), size=(64, 12)).tolist()
+    rows += [[tok.bos_token_id, tok.pad_token_id, tok.eos_token_id, tok.unk_token_id]]
+    assert codec.decode_batch(rows) == tok.batch_decode(rows, skip_special_tokens=True)
+
+
+def test_a_checkpoint_folders_codec_reads_its_own_tokenizer(tmp_path):
+    made = build_tokenizer("tiny-arith")
+    made.save_pretrained(tmp_path)
+    codec = build_codec(str(tmp_path))
+    assert codec.encode_batch(TEXTS) == made(TEXTS)["input_ids"]
+    assert codec.decode(codec.encode(["add 3 5 ="], prompt_len=6)) == ["add 3 5 ="]
 
 
 def test_arith_prompts_are_every_allowed_sum_and_difference_once_in_a_fixed_order():

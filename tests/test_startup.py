@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +35,30 @@ def test_the_launch_is_this_process_s_start():
     now = time.time()
     assert now - 3600 < launched <= now  # this test process started within the hour, and before now
     assert StartupLog().origin == pytest.approx(launched, abs=1e-3)  # read again: the clocks tick between
+
+
+CONTROLLER_CHECKS = """
+import sys
+import hfplan.cli
+from hfplan.executor import controller, preflight
+from tests.support.executor_runs import ARITH_GRPO, TINY_PPO, cpu_plan, tiny_workload
+for workload in (tiny_workload("ppo", TINY_PPO), tiny_workload("grpo", ARITH_GRPO)):
+    plan = cpu_plan(workload, [(workload.model_roles, 1)])
+    checked = preflight.check(plan, controller.ExecuteOptions(out=controller.Path(sys.argv[1]) / "run"))
+    ids = checked.encode(checked.prompts[:4])
+    assert checked.decode_prompts(ids) and checked.decode_responses(ids, ids > 0)
+print(sorted(name for name in ("torch", "transformers", "ray") if name in sys.modules))
+"""
+
+
+def test_the_controller_checks_and_encodes_before_the_workers_start_without_torch_or_transformers(tmp_path):
+    """Start-up: the controller's work while Ray starts (every check, the tokenizer, the prompts) imports
+    neither torch nor transformers, seconds of the cores Ray's processes start on."""
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", CONTROLLER_CHECKS, str(tmp_path)], cwd=root, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[-2] == "[]", done.stdout
 
 
 @pytest.mark.slow

@@ -44,13 +44,14 @@ def test_runner_reward_is_the_rule_on_decoded_text():
     import torch
 
     from hfplan.dataflow.rewards import get_rule
-    from hfplan.executor.tokenizers import build_tokenizer, decode_responses
+    from hfplan.executor.codec import build_codec
+    from hfplan.executor.tokenizers import build_tokenizer
 
     runner = bench_module("trl_runner")
     reward = runner.reward_function("arith-close")
     tokenizer = build_tokenizer("tiny-arith")
     ids = torch.tensor([tokenizer.convert_tokens_to_ids(["7", "="]), tokenizer.convert_tokens_to_ids(["9", "add"])])
-    completions = decode_responses(tokenizer, ids, torch.ones_like(ids))
+    completions = build_codec("tiny-arith").decode_responses(ids.numpy(), torch.ones_like(ids).numpy())
     prompts = ["add 3 4 =", "sub 20 1 ="]
     assert reward(prompts=prompts, completions=completions) == [get_rule("arith-close")(p, c)
                                                                 for p, c in zip(prompts, completions, strict=True)]

@@ -171,8 +171,9 @@ def execute(plan: Plan, options: ExecuteOptions,
 
 def _codecs_while_ray_starts(plan: Plan, inputs: preflight.Inputs, options: ExecuteOptions,
                              ray_session: _RaySession, startup: StartupLog) -> preflight.Checked:
-    """The tokenizer (seconds of imports in this process) is built and the prompts checked against it while Ray
-    starts (in processes of its own); no worker starts before both are done."""
+    """The tokenizer is built and the prompts checked against it while Ray starts (in processes of its own): a
+    built-in one in milliseconds, a checkpoint folder's own through transformers' import, seconds of this
+    process; no worker starts before both are done."""
     def codecs() -> preflight.Checked:
         with startup.stage("tokenizer"):
             return preflight.with_codecs(plan, inputs, options)

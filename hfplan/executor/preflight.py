@@ -1,8 +1,7 @@
 """Every check `hfplan execute` makes before a worker starts, in two phases. `check_inputs` needs neither torch
 nor Ray (options, hyperparameters, hardware of a CPU plan, layouts, vocabularies, the prompts file, the run
-folder), so a bad input is refused in well under two seconds; `with_codecs` then builds the tokenizer (which
-imports transformers) and checks the prompts' lengths. Each failure is one HfplanError line; nothing has been
-started yet when it is raised."""
+folder), so a bad input is refused in well under two seconds; `with_codecs` then builds the tokenizer and checks
+the prompts' lengths. Each failure is one HfplanError line; nothing has been started yet when it is raised."""
 
 from __future__ import annotations
 
@@ -75,14 +74,15 @@ def check_inputs(plan: Plan, options: ExecuteOptions) -> Inputs:
 
 
 def with_codecs(plan: Plan, inputs: Inputs, options: ExecuteOptions) -> Checked:
-    """The tokenizer's encode and decode functions, and the prompts checked against `prompt_len`: a longer one
-    is refused (`--long-prompts refuse`) or keeps its last `prompt_len` tokens (`Checked.truncated` counts them,
-for a warning once every check has passed)."""
-    from hfplan.executor.tokenizers import build_tokenizer, decode_responses, encode_prompts
+    """The tokenizer's encode and decode functions (hfplan.executor.codec: no torch, and transformers only for a
+    checkpoint folder's own tokenizer), and the prompts checked against `prompt_len`: a longer one is refused
+    (`--long-prompts refuse`) or keeps its last `prompt_len` tokens (`Checked.truncated` counts them, for a
+    warning once every check has passed)."""
+    from hfplan.executor.codec import build_codec
 
-    tokenizer = build_tokenizer(plan.workload.models[generating_role(plan.workload)])
+    codec = build_codec(plan.workload.models[generating_role(plan.workload)])
     prompt_len = plan.workload.prompt_len
-    lengths = [len(ids) for ids in tokenizer(list(inputs.prompts), add_special_tokens=True)["input_ids"]]
+    lengths = [len(ids) for ids in codec.encode_batch(list(inputs.prompts))]
     longer = [n for n in lengths if n > prompt_len]
     truncated = None
     if longer:
@@ -93,18 +93,10 @@ for a warning once every check has passed)."""
         truncated = f"{what}: each keeps its last {prompt_len} tokens"
 
     def encode(texts: list[str]) -> np.ndarray:
-        return encode_prompts(tokenizer, texts, prompt_len).numpy()
+        return codec.encode(texts, prompt_len)
 
-    def decode(responses: np.ndarray, mask: np.ndarray) -> list[str]:
-        import torch
-
-        return decode_responses(tokenizer, torch.from_numpy(responses), torch.from_numpy(mask))
-
-    def decode_prompts(ids: np.ndarray) -> list[str]:
-        return tokenizer.batch_decode(ids.tolist(), skip_special_tokens=True)
-
-    return Checked(inputs.device, inputs.backend, inputs.hyper, inputs.prompts, encode, decode, decode_prompts,
-                   truncated)
+    return Checked(inputs.device, inputs.backend, inputs.hyper, inputs.prompts, encode, codec.decode_responses,
+                   codec.decode, truncated)
 
 
 def check_hardware(plan: Plan) -> tuple[str, str]:
