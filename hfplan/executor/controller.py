@@ -142,6 +142,7 @@ def execute(plan: Plan, options: ExecuteOptions,
     watch = DeathWatch(sets)
     summary = RunSummary(out, resumed_from=start.folder if start else None)
     recorded = len(start.controller.metrics) if start else 0
+    exported: dict[str, Path] | None = None
     try:
         with InterruptLatch() as interrupt:
             checked = _codecs_while_ray_starts(plan, inputs, options, ray_session, startup)
@@ -155,6 +156,9 @@ def execute(plan: Plan, options: ExecuteOptions,
             with watch:
                 _run_on_sets(plan, checked, options, sets, run, start, summary, on_iteration, on_start, interrupt,
                              startup, marks)
+                if summary.checkpoint is not None:
+                    exported = _export_beside_the_controller(sets, summary, out / EXPORT_FOLDER,
+                                                             options.call_timeout_s)
     except BaseException:
         if made_out and len(summary.iterations) <= recorded and summary.checkpoint is None:
             shutil.rmtree(out, ignore_errors=True)  # nothing of this run is worth keeping
@@ -163,10 +167,35 @@ def execute(plan: Plan, options: ExecuteOptions,
         if sets:
             stop_sets(sets)
         ray_session.stop()
-    from hfplan.executor.export_model import export_checkpoint
+    if exported is None:  # no worker shared this node: export here (imports torch and transformers)
+        from hfplan.executor.export_model import export_checkpoint
 
-    summary.exported = export_checkpoint(summary.checkpoint, out / EXPORT_FOLDER)
+        exported = export_checkpoint(summary.checkpoint, out / EXPORT_FOLDER)
+    summary.exported = exported
     return summary
+
+
+def _export_beside_the_controller(sets, summary: RunSummary, dest: Path,
+                                  timeout_s: float) -> dict[str, Path] | None:
+    """The run's last checkpoint exported as Hugging Face folders by a worker on the controller's node, which
+    has torch and transformers imported already (the controller would spend seconds importing them after the
+    run); None when no worker runs on this node."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    for worker_set in sets:
+        for rank, worker in enumerate(worker_set.workers):
+            if summary.nodes.get(f"set {worker_set.index} rank {rank}") != here:
+                continue
+            try:
+                made = ray.get(worker.export_model.remote(str(summary.checkpoint), str(dest)), timeout=timeout_s)
+            except Exception as failed:  # the export failed, the worker died, or it did not finish in time
+                if isinstance(getattr(failed, "cause", None), HfplanError):  # a RayTaskError's original error
+                    raise HfplanError(str(failed.cause)) from None
+                raise RunFailed(worker_set.describe_failure("+".join(worker_set.roles), "export", failed)) \
+                    from failed
+            return {role: Path(folder) for role, folder in made.items()}
+    return None
 
 
 def _codecs_while_ray_starts(plan: Plan, inputs: preflight.Inputs, options: ExecuteOptions,

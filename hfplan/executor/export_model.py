@@ -3,8 +3,9 @@ tokenizer, which `transformers.AutoModelForCausalLM.from_pretrained` reads (the 
 holds a token-classification model with one label, read by AutoModelForTokenClassification), and which
 a workload can name as a model.
 
-The full weights are gathered from the checkpoint's shards in this process alone (no workers, no
-process group): the export needs the host memory of one full copy of the largest trained model.
+The full weights are gathered from the checkpoint's shards in this process alone (no process group): the export
+needs the host memory of one full copy of the largest trained model. At the end of a run a worker process runs it
+(SetWorker.export_model), `hfplan export-model` the command's own process.
 """
 
 from __future__ import annotations

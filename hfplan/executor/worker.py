@@ -192,6 +192,13 @@ class SetWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def export_model(self, checkpoint_folder: str, dest: str) -> dict[str, str]:
+        """Write a checkpoint's trained roles as Hugging Face folders under `dest` (export_model.export_checkpoint)
+        in this process, which has torch and transformers imported already; returns each role's folder."""
+        from hfplan.executor.export_model import export_checkpoint
+
+        return {role: str(path) for role, path in export_checkpoint(Path(checkpoint_folder), Path(dest)).items()}
+
     def _generators(self) -> dict:
         return {role: rt.generator for role, rt in self.runtimes.items() if rt.generator is not None}
 
