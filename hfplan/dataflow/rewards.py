@@ -147,7 +147,7 @@ def columns_per_row(columns: Mapping[str, Sequence], rows: int) -> dict[str, lis
     return {name: [values[row // n] for row in range(rows)] for name, values in columns.items()}
 
 
-def score(reward: Reward, prompts: list[str], responses: list[str], columns: Mapping[str, list]) -> np.ndarray:
+def score_rows(reward: Reward, prompts: list[str], responses: list[str], columns: Mapping[str, list]) -> np.ndarray:
     """One score per row, each a finite number (RewardFailed: one line naming the function and the row)."""
     try:
         out = reward.fn(list(prompts), list(responses), {name: list(values) for name, values in columns.items()})
