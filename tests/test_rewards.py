@@ -3,6 +3,7 @@ calling convention with the data's other columns, and the one-line errors of eac
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import textwrap
@@ -24,11 +25,13 @@ from hfplan.dataflow.rewards import (
 )
 from hfplan.dataflow.roles import REWARD
 from hfplan.errors import HfplanError
+from hfplan.layout import ON_CONTROLLER
 from hfplan.spec import workload_from_dict
 from tests.support.cli import assert_user_error, invoke
 from tests.support.executor_runs import cpu_plan, tiny_workload
 
 USER_MODULE = '''
+import json
 import math
 
 
@@ -245,3 +248,24 @@ def test_the_catalog_lists_installed_rules(user_site):
     result = invoke("catalog")
     assert result.exit_code == 0, result.output
     assert "rule:constant-half" in result.stdout and "rule:arith-close" in result.stdout
+
+
+def test_search_and_simulate_price_a_function_reward_without_importing_it(user_site, tmp_path):
+    workload = tmp_path / "w.yaml"
+    workload.write_text(textwrap.dedent("""\
+        algorithm: grpo
+        models: {actor: tiny-arith, reference: tiny-arith, reward: "heavy_rewards:score"}
+        prompt_len: 8
+        response_len: 4
+        batch_prompts: 4
+        samples_per_prompt: 2
+        mini_batches: 1
+        """))
+    best = tmp_path / "best.json"
+    found = invoke("search", "--workload", workload, "--hardware", "cpu", "--gpus", 1, "--out", best, "--no-compare")
+    assert found.exit_code == 0, found.output
+    simulated = invoke("simulate", best, "--json")
+    assert simulated.exit_code == 0, simulated.output
+    spans = json.loads(simulated.stdout)["timeline"]
+    assert {(s["role"], s["set"]) for s in spans if s["op"] == "score"} == {("reward", ON_CONTROLLER)}
+    assert "heavy_rewards" not in sys.modules
