@@ -63,6 +63,10 @@ def a_dict(prompts, responses, columns):
     return {p: 1.0 for p in prompts}
 
 
+def per_row_by_mistake(prompt, response):
+    return 1.0
+
+
 NOT_CALLABLE = 42
 '''
 
@@ -146,6 +150,8 @@ def test_functions_load_by_entry_point_and_by_import_path(user_site):
     ("heavy_rewards:score", "cannot import module heavy_rewards (RuntimeError: imported at search time)"),
     ("rule:broken", "entry point 'broken' of hfplan.rewards: cannot load user_rewards:missing: AttributeError"),
     ("rule:shadow", "reward function rule:shadow: is a int, not a function"),
+    ("user_rewards:per_row_by_mistake", "reward function user_rewards:per_row_by_mistake: takes (prompt, response), "
+                                        "but is called as fn(prompts, responses, columns)"),
     ("rule:vowel-fraction", "entry point user_rewards:constant of hfplan.rewards has the name of a built-in rule"),
 ])
 def test_a_reward_that_cannot_load_is_one_line(user_site, ref, needle):
@@ -269,3 +275,14 @@ def test_search_and_simulate_price_a_function_reward_without_importing_it(user_s
     spans = json.loads(simulated.stdout)["timeline"]
     assert {(s["role"], s["set"]) for s in spans if s["op"] == "score"} == {("reward", ON_CONTROLLER)}
     assert "heavy_rewards" not in sys.modules
+
+
+def test_a_resumed_run_needs_the_same_other_columns():
+    from hfplan.executor.resume import run_identity
+
+    plan = cpu_plan(tiny_workload(), [(("actor", "critic", "reference"), 1)])
+    plain = run_identity(plan, 0, ["a", "b"])
+    assert run_identity(plan, 0, ["a", "b"], {}) == plain  # data without other columns: as before
+    answers = run_identity(plan, 0, ["a", "b"], {"answer": [1, 2]})
+    assert answers != plain
+    assert run_identity(plan, 0, ["a", "b"], {"answer": [1, 3]}).prompts_sha256 != answers.prompts_sha256

@@ -16,6 +16,7 @@ the role runs on the controller; `load_reward` imports it when a run starts.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
@@ -107,7 +108,22 @@ def load_reward(ref: str) -> Reward:
         raise HfplanError(f"reward {ref!r}: expected rule:<name> or module:function")
     if not callable(found):
         raise HfplanError(f"reward function {ref}: is a {type(found).__name__}, not a function")
+    _check_signature(ref, found)
     return Reward(ref, found)
+
+
+def _check_signature(ref: str, fn: Callable) -> None:
+    """A function that cannot take (prompts, responses, columns) is refused before the run, not at its first call."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # no signature to read (some builtins): its first call will tell
+    try:
+        signature.bind([], [], {})
+    except TypeError:
+        raise HfplanError(f"reward function {ref}: takes {signature}, but is called as fn(prompts, responses, "
+                          "columns) (a per-row rule (prompt, response) -> float is wrapped with "
+                          "hfplan.dataflow.rewards.per_row)") from None
 
 
 class RewardFailed(Exception):

@@ -128,7 +128,7 @@ def execute(plan: Plan, options: ExecuteOptions,
     with startup.stage("checks"):
         inputs = preflight.check_inputs(plan, options)
         out = options.out
-        run = resume.run_identity(plan, options.seed, inputs.prompts)
+        run = resume.run_identity(plan, options.seed, inputs.prompts, inputs.columns)
         start = resume.starting_point(out, options.resume, run, options.iterations)
         if start is not None:
             resume.check_tensor_headers(start)
