@@ -213,6 +213,7 @@ def test_infinity_and_numpy_results():
 
 # -- the controller's role ------------------------------------------------------------------------
 def test_the_rule_role_scores_decoded_text_with_each_samples_columns(user_site):
+    pytest.importorskip("tokenizers")  # the execute extra's
     from hfplan.executor.codec import build_codec
     from hfplan.executor.errors import RunFailed
     from hfplan.executor.roles import Recorder, RuleRole
@@ -241,6 +242,8 @@ def test_the_rule_role_scores_decoded_text_with_each_samples_columns(user_site):
 
 # -- hfplan execute -------------------------------------------------------------------------------
 def test_execute_refuses_a_reward_it_cannot_import_before_anything_starts(tmp_path):
+    for extra in ("torch", "ray", "transformers"):  # `hfplan execute` needs the execute extra first
+        pytest.importorskip(extra)
     workload = tiny_workload("grpo", {"actor": "tiny-arith", "reference": "tiny-arith",
                                       "reward": "missing_package.rewards:score"})
     plan = tmp_path / "plan.json"
