@@ -37,7 +37,7 @@ def prompts_in_order(workload, seed: int, iterations: int) -> list[str]:
     if prompts is None:
         raise SystemExit(f"model {workload.models['actor']} has no built-in prompt set")
     stream = PromptStream(prompts, workload.batch_prompts, seed)
-    return [text for _ in range(iterations) for text in stream.next_batch()]
+    return [text for _ in range(iterations) for text in stream.next_batch().prompts]
 
 
 def reward_function(rule_name: str):

@@ -159,7 +159,8 @@ def catalog() -> None:
     console.print(models)
     console.print("[bold]algorithms:[/] " + ", ".join(f"{a} ({', '.join(r)})" for a, r in ALGORITHM_ROLES.items()))
     console.print(f"[bold]hardware:[/] {', '.join(shipped_names())}")
-    console.print(f"[bold]reward rules:[/] {', '.join('rule:' + r for r in rule_names())}")
+    console.print(f"[bold]reward rules:[/] {', '.join('rule:' + r for r in rule_names())} (built in, and the "
+                  "hfplan.rewards entry points of installed packages; or reward: module:function)")
     console.print(f"[bold]workloads[/] ({len(BUILTIN_WORKLOADS)}; default {DEFAULT_WORKLOAD}): "
                   + ", ".join(BUILTIN_WORKLOADS))
 

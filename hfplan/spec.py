@@ -9,6 +9,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hfplan.dataflow.registry import BUILTIN_ALGORITHMS, get_algorithm
+from hfplan.dataflow.rewards import RULE_PREFIX, check_reward_ref, is_rule  # noqa: F401 (RULE_PREFIX: re-exported)
 from hfplan.errors import HfplanError, describe_validation_error, known_names
 from hfplan.files import read_mapping
 from hfplan.hyperparams import Hyperparameters
@@ -23,8 +24,8 @@ ALGORITHM_ROLES: dict[str, tuple[str, ...]] = {name: tuple(a.roles) for name, a 
 TRAINED_ROLES = frozenset(r for a in _BUILTIN.values() for r, f in a.roles.items() if f.trains)
 # Roles whose model ends in a scalar head (value or score) instead of the language-model head.
 SCALAR_HEAD_ROLES = frozenset(r for a in _BUILTIN.values() for r, f in a.roles.items() if f.head == "scalar")
-# A role whose facts allow it (a reward or a cost) may be a registered rule computed on the controller.
-RULE_PREFIX = "rule:"
+# A role whose facts allow it (a reward or a cost) may be a reward computed on the controller: `rule:<name>` or
+# `module:function` (hfplan.dataflow.rewards.is_rule).
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ class Workload(BaseModel):
             if role not in self.models:
                 raise ValueError(f"{self.algorithm} needs a model for role {role!r}")
         for role, ref in self.models.items():
-            if ref.startswith(RULE_PREFIX) and not algorithm.roles[role].may_be_rule:
+            if is_rule(ref) and not algorithm.roles[role].may_be_rule:
                 rules = [r for r, f in algorithm.roles.items() if f.may_be_rule]
                 raise ValueError(f"role {role!r} cannot be a rule; only {' and '.join(rules) or 'no role'} can")
         if self.samples_per_prompt < algorithm.min_samples_per_prompt:
@@ -162,7 +163,7 @@ class Workload(BaseModel):
     @property
     def model_roles(self) -> tuple[str, ...]:
         """Roles backed by a neural model (placed on GPUs), as opposed to rules on the controller."""
-        return tuple(r for r in self.roles if not self.models[r].startswith(RULE_PREFIX))
+        return tuple(r for r in self.roles if not is_rule(self.models[r]))
 
     @property
     def sequences(self) -> int:
@@ -201,13 +202,18 @@ class Workload(BaseModel):
 
     def check_models(self) -> None:
         """Resolve every model reference now, so that a bad name fails before any work starts, and check
-        that every sequence fits each model's context length."""
-        from hfplan.dataflow.rewards import check_rule
-
+        that every sequence fits each model's context length. A controller reward's function is not imported
+        here (the planner runs without the user's packages): `hfplan execute` imports it before any worker
+        starts."""
+        algorithm = get_algorithm(self.algorithm)
         for role in self.roles:
             ref = self.models[role]
-            if ref.startswith(RULE_PREFIX):
-                check_rule(ref[len(RULE_PREFIX):])
+            looks_like_function = ":" in ref and "/" not in ref and not Path(ref).exists()
+            if is_rule(ref) or (algorithm.roles[role].may_be_rule and looks_like_function):
+                try:
+                    check_reward_ref(ref)
+                except HfplanError as error:
+                    raise HfplanError(f"models.{role}: {error}") from None
                 continue
             context = self.arch(role).context_len
             if context is not None and self.seq_len > context:
@@ -274,7 +280,7 @@ DEFAULT_WORKLOAD = "ppo-llama2-7b"
 def _anchored(ref: object, folder: Path) -> object:
     """A model reference of a workload file: a relative path means relative to the file's folder, and is
     stored resolved (absolute), so the plan made from it works from any folder."""
-    if not isinstance(ref, str) or ref in CATALOG or ref.startswith(RULE_PREFIX) or Path(ref).is_absolute():
+    if not isinstance(ref, str) or ref in CATALOG or is_rule(ref) or Path(ref).is_absolute():
         return ref
     candidate = folder / ref
     if "/" in ref or ref.endswith(".json") or candidate.exists():

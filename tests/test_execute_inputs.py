@@ -28,7 +28,9 @@ def demo_plan(micro_batch=2, **overrides):
 def test_jsonl_prompts_in_file_order(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "a"}\n\n{"prompt": "b", "other": 1}\n')
-    assert read_prompts(path) == ["a", "b"]
+    data = read_prompts(path)
+    assert data.prompts == ["a", "b"]
+    assert data.columns == {"other": [None, 1]}  # a line without a column has None
 
 
 def test_parquet_prompts(tmp_path):
@@ -37,7 +39,9 @@ def test_parquet_prompts(tmp_path):
 
     path = tmp_path / "p.parquet"
     pq.write_table(pa.table({"prompt": ["x", "y", "z"], "id": [1, 2, 3]}), path)
-    assert read_prompts(path) == ["x", "y", "z"]
+    data = read_prompts(path)
+    assert data.prompts == ["x", "y", "z"]
+    assert data.columns == {"id": [1, 2, 3]}
 
 
 @pytest.mark.parametrize(("name", "content", "needle"), [
@@ -75,11 +79,19 @@ def test_missing_dataset(tmp_path):
 def test_prompt_stream_covers_every_prompt_once_per_pass_and_repeats_with_the_seed():
     prompts = [f"p{i}" for i in range(10)]
     stream = PromptStream(prompts, batch=4, seed=3)
-    first_pass = stream.next_batch() + stream.next_batch() + stream.next_batch()[:2]
+    first_pass = stream.next_batch().prompts + stream.next_batch().prompts + stream.next_batch().prompts[:2]
     assert sorted(first_pass) == sorted(prompts)
     again = PromptStream(prompts, batch=4, seed=3)
-    assert again.next_batch() == first_pass[:4]
-    assert PromptStream(prompts, batch=10, seed=4).next_batch() != first_pass
+    assert again.next_batch().prompts == first_pass[:4]
+    assert PromptStream(prompts, batch=10, seed=4).next_batch().prompts != first_pass
+
+
+def test_prompt_stream_hands_out_each_prompts_own_columns():
+    prompts = [f"p{i}" for i in range(10)]
+    stream = PromptStream(prompts, batch=4, seed=3, columns={"answer": [f"a{i}" for i in range(10)]})
+    for _ in range(3):
+        handed = stream.next_batch()
+        assert handed.columns["answer"] == ["a" + p[1:] for p in handed.prompts]
 
 
 def test_prompt_stream_resumes_from_its_position():

@@ -33,9 +33,9 @@ def test_runner_prompts_are_the_runs_batches_in_order():
     workload = load_workload("arith-grpo")
     prompts = runner.prompts_in_order(workload, seed=3, iterations=4)
     # What the executor's controller hands out: its iteration-0 progress on the built-in prompts.
-    inputs = Inputs("cpu", "gloo", workload.hyperparameters, builtin_prompts(workload.models["actor"]))
+    inputs = Inputs("cpu", "gloo", workload.hyperparameters, builtin_prompts(workload.models["actor"]), {}, {})
     progress = start_progress(SimpleNamespace(workload=workload), inputs, ExecuteOptions(seed=3))
-    assert prompts == [text for _ in range(4) for text in progress.stream.next_batch()]
+    assert prompts == [text for _ in range(4) for text in progress.stream.next_batch().prompts]
     assert len(prompts) == 4 * workload.batch_prompts
 
 

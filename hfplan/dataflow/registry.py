@@ -9,12 +9,12 @@ instead of testing role names.
 
 from __future__ import annotations
 
-import importlib.metadata
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from hfplan.dataflow import algorithms as programs
+from hfplan.dataflow.plugins import installed, load_entry_point
 from hfplan.dataflow.roles import ACTOR, COST, COST_CRITIC, CRITIC, REFERENCE, REWARD, RoleFacts
 from hfplan.errors import HfplanError, known_names
 
@@ -80,12 +80,8 @@ def _load_entry_points() -> None:
     if _entry_points_loaded:
         return
     _entry_points_loaded = True
-    for point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            loaded = point.load()
-        except Exception as error:  # a broken plugin must name itself, not crash with its traceback
-            raise HfplanError(f"entry point {point.name!r} of {ENTRY_POINT_GROUP}: cannot load {point.value}: "
-                              f"{error}") from None
+    for point in installed(ENTRY_POINT_GROUP).values():
+        loaded = load_entry_point(point)
         if not isinstance(loaded, Algorithm):
             raise HfplanError(f"entry point {point.name!r} of {ENTRY_POINT_GROUP}: {point.value} is a "
                               f"{type(loaded).__name__}, not an hfplan.dataflow.registry.Algorithm")

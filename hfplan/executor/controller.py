@@ -23,7 +23,6 @@ import numpy as np
 from hfplan.dataflow.batch import Batch, resolved
 from hfplan.dataflow.controller import ControllerState
 from hfplan.dataflow.registry import get_algorithm
-from hfplan.dataflow.rewards import get_rule
 from hfplan.dataflow.roles import RoleFacts, update_field
 from hfplan.errors import HfplanError
 from hfplan.executor import compat, preflight, resume
@@ -44,7 +43,6 @@ from hfplan.executor.startup import StartupLog
 from hfplan.files import write_atomically
 from hfplan.layout import ROLLOUT, facts_of, rank_coords
 from hfplan.plan import Plan, Span, phase_seconds
-from hfplan.spec import RULE_PREFIX
 
 METRICS_FILE = "metrics.jsonl"
 TIMELINE_FILE = "timeline.json"
@@ -111,7 +109,7 @@ def start_progress(plan: Plan, checked: preflight.Checked, options: ExecuteOptio
                             reuse_policy_log_probs=plan.workload.reuse_policy_log_probs,
                             lagrange=snapshot.lagrange if snapshot else None)
     stream = PromptStream(checked.prompts, plan.workload.batch_prompts, options.seed,
-                          position=snapshot.data_position if snapshot else 0)
+                          position=snapshot.data_position if snapshot else 0, columns=checked.columns)
     return Progress(snapshot.iteration if snapshot else 0, stream, state)
 
 
@@ -130,7 +128,7 @@ def execute(plan: Plan, options: ExecuteOptions,
     with startup.stage("checks"):
         inputs = preflight.check_inputs(plan, options)
         out = options.out
-        run = resume.run_identity(plan, options.seed, inputs.prompts)
+        run = resume.run_identity(plan, options.seed, inputs.prompts, inputs.columns)
         start = resume.starting_point(out, options.resume, run, options.iterations)
         if start is not None:
             resume.check_tensor_headers(start)
@@ -329,13 +327,14 @@ def _prepare_out(out: Path) -> None:
 
 def build_roles(plan: Plan, checked: preflight.Checked, recorder: Recorder,
                 model_role: Callable[[str, RoleFacts], object]) -> dict:
-    """The roles the algorithm's program gets: `rule:` rewards on the controller, model roles from
-    `model_role(name, facts)` (the backend's: worker groups, or single-process roles)."""
+    """The roles the algorithm's program gets: rewards computed on the controller (`rule:<name>`,
+    `module:function`; imported by the checks), model roles from `model_role(name, facts)` (the backend's:
+    worker groups, or single-process roles)."""
     roles: dict = {}
     for role in plan.workload.roles:
-        ref, facts = plan.workload.models[role], facts_of(plan.workload, role)
-        if ref.startswith(RULE_PREFIX):
-            roles[role] = RuleRole(role, facts, get_rule(ref[len(RULE_PREFIX):]), checked.decode_responses,
+        facts = facts_of(plan.workload, role)
+        if role in checked.rewards:
+            roles[role] = RuleRole(role, facts, checked.rewards[role], checked.decode_responses,
                                    checked.decode_prompts, recorder)
         else:
             roles[role] = model_role(role, facts)
@@ -353,8 +352,9 @@ def run_iterations(plan: Plan, roles: dict, checked: preflight.Checked, options:
     algorithm = get_algorithm(plan.workload.algorithm)
     while progress.iteration < options.iterations:
         iteration = progress.iteration
-        prompts = checked.encode(progress.stream.next_batch())
-        recorder.start_iteration()
+        handed = progress.stream.next_batch()
+        prompts = checked.encode(handed.prompts)
+        recorder.start_iteration(handed.columns)
         updates = algorithm.program(roles, Batch(prompts=prompts), controller)
         update_metrics = {name: resolved(value) for name, value in updates.items()}
         elapsed = time.time() - recorder.origin

@@ -1,5 +1,7 @@
 """Prompts for a run: a parquet or JSONL file with a `prompt` column, or a demo model's built-in set.
 
+The file's other columns (a reference answer, a test case...) travel with each prompt to the controller's
+reward function (hfplan.dataflow.rewards), as plain Python values (JSON's, or pyarrow's to_pylist).
 The order is a seeded shuffle per pass over the data, so a run (and a resumed run) sees the same
 prompts at the same iteration for the same seed.
 """
@@ -7,7 +9,7 @@ prompts at the same iteration for the same seed.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +19,16 @@ from hfplan.errors import HfplanError
 PROMPT_COLUMN = "prompt"
 
 
-def read_prompts(path: str | Path) -> list[str]:
-    """The `prompt` column of a .parquet, .jsonl or .json-lines file."""
+@dataclass(frozen=True)
+class PromptSet:
+    """Prompts and the data's other columns, one value per prompt (a JSONL line without a column has None)."""
+
+    prompts: list[str]
+    columns: dict[str, list] = field(default_factory=dict)
+
+
+def read_prompts(path: str | Path) -> PromptSet:
+    """The `prompt` column of a .parquet, .jsonl or .json-lines file, and its other columns."""
     path = Path(path)
     if not path.is_file():
         raise HfplanError(f"dataset not found: {path}")
@@ -28,12 +38,12 @@ def read_prompts(path: str | Path) -> list[str]:
         prompts = _jsonl_prompts(path)
     else:
         raise HfplanError(f"dataset {path}: expected a .parquet or .jsonl file")
-    if not prompts:
+    if not prompts.prompts:
         raise HfplanError(f"dataset {path}: no prompts")
     return prompts
 
 
-def _parquet_prompts(path: Path) -> list[str]:
+def _parquet_prompts(path: Path) -> PromptSet:
     import pyarrow.lib
     import pyarrow.parquet as pq
 
@@ -43,12 +53,13 @@ def _parquet_prompts(path: Path) -> list[str]:
         raise HfplanError(f"dataset {path}: not a readable parquet file ({bad})") from None
     if PROMPT_COLUMN not in schema.names:
         raise HfplanError(f"dataset {path}: no {PROMPT_COLUMN!r} column (columns: {', '.join(schema.names)})")
-    column = pq.read_table(path, columns=[PROMPT_COLUMN]).column(PROMPT_COLUMN).to_pylist()
-    return [_as_prompt(value, path, row) for row, value in enumerate(column)]
+    table = pq.read_table(path)
+    prompts = [_as_prompt(value, path, row) for row, value in enumerate(table.column(PROMPT_COLUMN).to_pylist())]
+    return PromptSet(prompts, {name: table.column(name).to_pylist() for name in schema.names if name != PROMPT_COLUMN})
 
 
-def _jsonl_prompts(path: Path) -> list[str]:
-    prompts = []
+def _jsonl_prompts(path: Path) -> PromptSet:
+    prompts, records = [], []
     with path.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():
@@ -60,13 +71,23 @@ def _jsonl_prompts(path: Path) -> list[str]:
             if not isinstance(record, dict) or PROMPT_COLUMN not in record:
                 raise HfplanError(f"dataset {path}: line {number} has no {PROMPT_COLUMN!r} field")
             prompts.append(_as_prompt(record[PROMPT_COLUMN], path, number))
-    return prompts
+            records.append(record)
+    names = sorted({name for record in records for name in record} - {PROMPT_COLUMN})
+    return PromptSet(prompts, {name: [record.get(name) for record in records] for name in names})
 
 
 def _as_prompt(value: object, path: Path, row: int) -> str:
     if not isinstance(value, str):
         raise HfplanError(f"dataset {path}: prompt at row {row} is {type(value).__name__}, not text")
     return value
+
+
+@dataclass(frozen=True)
+class PromptBatch:
+    """One iteration's prompts and their rows of the data's other columns."""
+
+    prompts: list[str]
+    columns: dict[str, list]
 
 
 @dataclass
@@ -77,17 +98,19 @@ class PromptStream:
     batch: int
     seed: int
     position: int = 0  # prompts handed out so far
+    columns: dict[str, list] = field(default_factory=dict)  # the data's other columns, aligned with prompts
 
     def __post_init__(self) -> None:
         self._orders: dict[int, np.ndarray] = {}
 
-    def next_batch(self) -> list[str]:
-        out = [self._at(self.position + i) for i in range(self.batch)]
+    def next_batch(self) -> PromptBatch:
+        rows = [self._row(self.position + i) for i in range(self.batch)]
         self.position += self.batch
-        return out
+        return PromptBatch([self.prompts[r] for r in rows],
+                           {name: [values[r] for r in rows] for name, values in self.columns.items()})
 
-    def _at(self, index: int) -> str:
+    def _row(self, index: int) -> int:
         epoch, offset = divmod(index, len(self.prompts))
         if epoch not in self._orders:
             self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(len(self.prompts))}
-        return self.prompts[int(self._orders[epoch][offset])]
+        return int(self._orders[epoch][offset])

@@ -1,6 +1,7 @@
 """Every check `hfplan execute` makes before a worker starts, in two phases. `check_inputs` needs neither torch
-nor Ray (options, hyperparameters, hardware of a CPU plan, layouts, vocabularies, the prompts file, the run
-folder), so a bad input is refused in well under two seconds; `with_codecs` then builds the tokenizer and checks
+nor Ray (options, hyperparameters, hardware of a CPU plan, layouts, vocabularies, the controller's reward
+functions, imported here, the prompts file, the run folder), so a bad input is refused in well under two seconds
+(unless a reward function's own module is slow to import); `with_codecs` then builds the tokenizer and checks
 the prompts' lengths. Each failure is one HfplanError line; nothing has been started yet when it is raised."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hfplan.dataflow.rewards import Reward, is_rule, load_reward
 from hfplan.errors import HfplanError
 from hfplan.files import check_new_folder
 from hfplan.hyperparams import Hyperparameters, with_overrides
@@ -20,6 +22,7 @@ from hfplan.plan import Plan
 
 if TYPE_CHECKING:
     from hfplan.executor.controller import ExecuteOptions
+    from hfplan.executor.data import PromptSet
 
 
 LONG_PROMPTS = ("truncate", "refuse")  # what a prompt longer than the workload's prompt_len gets
@@ -34,6 +37,8 @@ class Inputs:
     backend: str  # gloo | nccl
     hyper: Hyperparameters
     prompts: list[str]
+    columns: dict[str, list]  # the data's other columns, one value per prompt (what a reward function reads)
+    rewards: dict[str, Reward]  # the roles computed on the controller, imported
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,8 @@ class Checked:
     encode: Callable[[list[str]], np.ndarray]
     decode_responses: Callable[[np.ndarray, np.ndarray], list[str]]
     decode_prompts: Callable[[np.ndarray], list[str]]
+    columns: dict[str, list]
+    rewards: dict[str, Reward]
     truncated: str | None = None  # how many prompts keep only their last prompt_len tokens (a warning to give)
 
 
@@ -67,10 +74,12 @@ def check_inputs(plan: Plan, options: ExecuteOptions) -> Inputs:
     device, backend = check_hardware(plan)
     check_layouts(plan)
     check_vocabularies(plan)
+    rewards = load_rewards(plan)
     check_new_folder(options.out, "--out")
     if options.address is not None:
         check_reachable(options.address, options.connect_timeout_s)
-    return Inputs(device, backend, hyper, _prompts(plan, options.data))
+    data = _prompts(plan, options.data)
+    return Inputs(device, backend, hyper, data.prompts, data.columns, rewards)
 
 
 def with_codecs(plan: Plan, inputs: Inputs, options: ExecuteOptions) -> Checked:
@@ -96,7 +105,7 @@ def with_codecs(plan: Plan, inputs: Inputs, options: ExecuteOptions) -> Checked:
         return codec.encode(texts, prompt_len)
 
     return Checked(inputs.device, inputs.backend, inputs.hyper, inputs.prompts, encode, codec.decode_responses,
-                   codec.decode, truncated)
+                   codec.decode, inputs.columns, inputs.rewards, truncated)
 
 
 def check_hardware(plan: Plan) -> tuple[str, str]:
@@ -133,8 +142,22 @@ def check_vocabularies(plan: Plan) -> None:
                               f"actor's has {actor_vocab}: every model must read the actor's tokens")
 
 
-def _prompts(plan: Plan, data: str | None) -> list[str]:
-    from hfplan.executor.data import read_prompts
+def load_rewards(plan: Plan) -> dict[str, Reward]:
+    """The controller's rewards, imported now (the planner only checked their names): a function that is not
+    installed, not there or not callable stops the run before anything starts."""
+    rewards = {}
+    for role in plan.workload.roles:
+        ref = plan.workload.models[role]
+        if is_rule(ref):
+            try:
+                rewards[role] = load_reward(ref)
+            except HfplanError as error:
+                raise HfplanError(f"models.{role}: {error}") from None
+    return rewards
+
+
+def _prompts(plan: Plan, data: str | None) -> PromptSet:
+    from hfplan.executor.data import PromptSet, read_prompts
     from hfplan.executor.prompts import builtin_prompts
 
     if data is not None:
@@ -144,7 +167,7 @@ def _prompts(plan: Plan, data: str | None) -> list[str]:
     if prompts is None:
         raise HfplanError(f"model {actor_ref} has no built-in prompt set; give one with --data PATH "
                           "(.parquet or .jsonl with a 'prompt' column)")
-    return prompts
+    return PromptSet(prompts)
 
 
 def check_reachable(address: str, timeout_s: float) -> None:

@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -91,10 +92,14 @@ class Checkpoint:
         return self.manifest.placement == plan.placement and self.manifest.parallelism == plan.parallelism
 
 
-def run_identity(plan: Plan, seed: int, prompts: list[str]) -> RunIdentity:
-    digest = hashlib.sha256("\0".join(prompts).encode()).hexdigest()
+def run_identity(plan: Plan, seed: int, prompts: list[str], columns: Mapping[str, list] | None = None) -> RunIdentity:
+    """What a resumed run must share with the checkpoint's. The data's other columns (what a reward function reads)
+    count with the prompts when there are any."""
+    digest = hashlib.sha256("\0".join(prompts).encode())
+    if columns:
+        digest.update(json.dumps(columns, sort_keys=True, default=str).encode())
     return RunIdentity(algorithm=plan.workload.algorithm, models=dict(plan.workload.models), seed=seed,
-                       prompts=len(prompts), prompts_sha256=digest)
+                       prompts=len(prompts), prompts_sha256=digest.hexdigest())
 
 
 def manifest_of(plan: Plan, run: RunIdentity, iteration: int) -> Manifest:

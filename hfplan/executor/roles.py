@@ -24,6 +24,7 @@ import numpy as np
 from hfplan.dataflow.batch import Batch, row_split
 from hfplan.dataflow.controller import STEPS, ControllerState
 from hfplan.dataflow.ops import ROLE_OPS
+from hfplan.dataflow.rewards import Reward, RewardFailed, columns_per_row, score_rows
 from hfplan.dataflow.roles import CallingRole, RoleFacts, call_writes
 from hfplan.executor.errors import RunFailed
 from hfplan.executor.generation_order import collector_ranks, replica_ranks
@@ -38,7 +39,8 @@ def collecting_ranks(layout: Layout) -> list[int]:
 
 @dataclass
 class Recorder:
-    """Spans of the current iteration on the controller's clock, and the fields the metrics read."""
+    """Spans of the current iteration on the controller's clock, the fields the metrics read, and the data's
+    other columns for its prompts (what a controller reward reads)."""
 
     clock_offsets: dict[tuple[int, int], float]  # (set, rank) -> worker clock minus controller clock
     origin: float = 0.0
@@ -47,9 +49,11 @@ class Recorder:
     calls: list[PendingCall] = field(default_factory=list)
     next_call_id: int = 0  # numbers every role call of the run, in dispatch order
     first_call_id: int = 0  # the current iteration's first: workers keep the outputs of its calls and later
+    prompt_columns: dict[str, list] = field(default_factory=dict)  # one value per prompt of the iteration
 
-    def start_iteration(self) -> None:
+    def start_iteration(self, prompt_columns: dict[str, list] | None = None) -> None:
         self.origin = time.time()
+        self.prompt_columns = prompt_columns or {}
         self.spans = []
         self.observed = {}
         self.calls = []
@@ -317,12 +321,13 @@ class ActorRole(WorkerGroupRole):
 
 
 class RuleRole:
-    """A `rule:` reward or cost, computed on the controller from the decoded text."""
+    """A reward or cost computed on the controller from the decoded text (hfplan.dataflow.rewards: `rule:<name>`
+    or `module:function`), with the data's other columns of each sequence's prompt."""
 
-    def __init__(self, name: str, facts: RoleFacts, rule: Callable[[str, str], float],
+    def __init__(self, name: str, facts: RoleFacts, reward: Reward,
                  decode: Callable[[np.ndarray, np.ndarray], list[str]], decode_prompts: Callable[[np.ndarray],
                  list[str]], recorder: Recorder) -> None:
-        self.name, self.facts, self.rule = name, facts, rule
+        self.name, self.facts, self.reward = name, facts, reward
         self.decode, self.decode_prompts, self.recorder = decode, decode_prompts, recorder
 
     def score(self, batch: Batch) -> Batch:
@@ -331,7 +336,11 @@ class RuleRole:
         start = time.time()
         prompts = self.decode_prompts(fields["prompts"])
         responses = self.decode(fields["responses"], fields["response_mask"])
-        scores = np.array([self.rule(p, r) for p, r in zip(prompts, responses, strict=True)], dtype=np.float32)
+        try:
+            columns = columns_per_row(self.recorder.prompt_columns, len(prompts))
+            scores = score_rows(self.reward, prompts, responses, columns)
+        except (RewardFailed, ValueError) as failure:
+            raise RunFailed(f"role {self.name}: {failure}") from failure
         out = {self.facts.output: scores}
         self.recorder.span(self.name, "score", ON_CONTROLLER, start, time.time())
         self.recorder.observed[(self.name, "score", greedy)] = out

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import shlex
 
+from hfplan.dataflow.rewards import is_rule
 from hfplan.export.common import Env, Export, check_known, checked_target, model_path, pool_shape
 from hfplan.layout import ROLLOUT
 from hfplan.plan import Plan
 from hfplan.planner.targets import OPENRLHF, OPENRLHF_ALGORITHMS, ZERO_STAGES
-from hfplan.spec import RULE_PREFIX
 
 PROMPT_DATA = Env("PROMPT_DATA", "a dataset of prompts (Hugging Face name or path) with a `prompt` column")
 REWARD_URL = Env("REWARD_URL", "a remote reward model URL or a Python reward function file (--reward.remote_url)")
@@ -65,7 +65,7 @@ def flags(plan: Plan) -> list[tuple[str, object]]:
         out += [("--critic.model_name_or_path", model_path(w.models["critic"])), ("--critic.adam.lr", hp.critic_lr),
                 ("--critic.value_clip", hp.value_clip), ("--algo.advantage.gamma", hp.gamma),
                 ("--algo.advantage.lambd", hp.lam)]
-    if w.models["reward"].startswith(RULE_PREFIX):
+    if is_rule(w.models["reward"]):
         out.append(("--reward.remote_url", REWARD_URL))
     else:
         out.append(("--reward.model_name_or_path", model_path(w.models["reward"])))
@@ -84,13 +84,13 @@ def _arg(flag: str, value: object) -> str:
 def export(plan: Plan, source: str = "the plan") -> Export:
     checked_target(plan, "openrlhf")
     pairs = flags(plan)
-    envs = [PROMPT_DATA] + ([REWARD_URL] if plan.workload.models["reward"].startswith(RULE_PREFIX) else [])
+    envs = [PROMPT_DATA] + ([REWARD_URL] if is_rule(plan.workload.models["reward"]) else [])
     header = [f"# hfplan export --to openrlhf: written against {OPENRLHF.label}",
               f"# from {source}: {plan.workload.algorithm} on {plan.cluster.gpus} x {plan.cluster.hardware}"
               + (f", {plan.estimate.iteration_s:.2f} s per iteration simulated" if plan.estimate else ""),
               "# run it on the Ray cluster's head node (or under `ray job submit --address ... --`)"]
     header += [f"# set {e.name}: {e.meaning}" for e in envs]
-    if plan.workload.models["reward"].startswith(RULE_PREFIX):
+    if is_rule(plan.workload.models["reward"]):
         header.append(f"# the reward is hfplan's {plan.workload.models['reward']}: supply it as {REWARD_URL.name}")
     command = ("\n".join(header) + "\npython3 -m openrlhf.cli.train_ppo_ray \\\n    "
                + " \\\n    ".join(_arg(flag, value) for flag, value in pairs) + "\n")

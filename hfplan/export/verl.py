@@ -13,10 +13,10 @@ import shlex
 
 import yaml
 
+from hfplan.dataflow.rewards import is_rule
 from hfplan.export.common import Env, Export, check_known, checked_target, model_path, pool_shape
 from hfplan.plan import Plan, RoleParallelism, TrainConfig
 from hfplan.planner.targets import VERL, VERL_ALGORITHMS, verl_backends
-from hfplan.spec import RULE_PREFIX
 
 TRAIN_FILES = Env("TRAIN_FILES", "parquet file(s) of training prompts")
 VAL_FILES = Env("VAL_FILES", "parquet file(s) of validation prompts")
@@ -113,7 +113,7 @@ def overrides(plan: Plan) -> tuple[str, list[tuple[str, object]]]:
         if backend == "fsdp":  # Megatron's critic computes values with its ppo micro-batch
             out += [("critic.forward_micro_batch_size_per_gpu", critic.infer.micro_batch),
                     ("critic.model.enable_gradient_checkpointing", bool(critic.train.recompute))]
-    if w.models["reward"].startswith(RULE_PREFIX):
+    if is_rule(w.models["reward"]):
         out += [("reward_model.enable", False), ("custom_reward_function.path", REWARD_FN)]
     else:
         reward = par["reward"]
@@ -145,13 +145,13 @@ def _yaml_value(value: object) -> object:
 
 def _header(plan: Plan, backend: str, source: str) -> list[str]:
     envs = [e for e in (TRAIN_FILES, VAL_FILES, REWARD_FN)
-            if e is not REWARD_FN or plan.workload.models["reward"].startswith(RULE_PREFIX)]
+            if e is not REWARD_FN or is_rule(plan.workload.models["reward"])]
     lines = [f"# hfplan export --to verl: written against {VERL.label}, its {backend.upper()} backend",
              f"# ({VERL.note})",
              f"# from {source}: {plan.workload.algorithm} on {plan.cluster.gpus} x {plan.cluster.hardware}"
              + (f", {plan.estimate.iteration_s:.2f} s per iteration simulated" if plan.estimate else "")]
     lines += [f"# set {e.name}: {e.meaning}" for e in envs]
-    if plan.workload.models["reward"].startswith(RULE_PREFIX):
+    if is_rule(plan.workload.models["reward"]):
         lines.append(f"# the reward is hfplan's {plan.workload.models['reward']}: supply it as {REWARD_FN.name}")
     return lines
 
