@@ -49,6 +49,20 @@ def test_calls_matched_by_occurrence_and_averaged_over_iterations():
     assert json.loads(json.dumps(result.to_json()))["iteration"]["error"] == pytest.approx(result.iteration.error)
 
 
+def test_each_measured_figure_is_the_median_of_the_iterations_so_one_slow_iteration_does_not_move_it():
+    def run(generate: float, update: float) -> list[Span]:
+        return [span("actor", "generate", "generation", 0.0, generate),
+                span("actor", "update", "training", generate, generate + update)]
+
+    slow = run(40.0, 1.0)  # a hiccup in generation: the mean of the three would be 15
+    result = compare(SIMULATED[:1], [run(2.0, 1.0), slow, run(3.0, 2.0)], [], [], [])
+    (generate,) = [c for c in result.calls if c.op == "generate"]
+    assert generate.measured == pytest.approx(3.0)
+    assert result.stages["generation"].measured == pytest.approx(3.0)
+    assert result.stages["training"].measured == pytest.approx(1.0)
+    assert result.iteration.measured == pytest.approx(5.0)  # iterations of 3, 41 and 5 seconds
+
+
 def test_transfers_are_matched_with_the_call_they_feed():
     simulated = [span("actor", "controller.gae->actor.update", "training", 0.0, 0.25, kind="transfer"),
                  span("actor", "generate->actor.update", "training", 0.0, 0.5, kind="transfer")]

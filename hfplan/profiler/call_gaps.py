@@ -23,12 +23,12 @@ the controller's bookkeeping and the worker's wrapper (validate found such gaps 
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from hfplan.measure import typical
 from hfplan.plan import Plan, Span
 from hfplan.profiles.hardware import HardwareProfile, Runtime
 from hfplan.spec import BUILTIN_WORKLOADS, Workload, make_cluster, workload_from_dict
@@ -101,7 +101,7 @@ def call_gaps(iterations: Sequence[Sequence[Span]]) -> CallGaps:
         steps += s
     if not queued or not around:
         raise ValueError("the probe's timeline has no queued calls or no advantage step between calls")
-    return CallGaps(statistics.median(queued), statistics.median(around), statistics.median(steps))
+    return CallGaps(typical(queued), typical(around), typical(steps))
 
 
 def measure_call_gaps(profile: HardwareProfile) -> CallGaps:

@@ -18,10 +18,10 @@ from pathlib import Path
 
 from hfplan.errors import HfplanError
 from hfplan.executor.loopback import loopback_interface
+from hfplan.measure import typical
 from hfplan.profiler.device import Device
 from hfplan.profiler.fit import COLLECTIVES, collective_terms
 from hfplan.profiler.runtime import FSDP, TP, engine_seconds, splits_by_tp
-from hfplan.profiler.timing import typical
 
 Step = Callable[[], None]
 

@@ -24,11 +24,12 @@ from pathlib import Path
 
 from hfplan.errors import HfplanError
 from hfplan.layout import shape_problem, stage_parameter_tensors, trains_through_fsdp
+from hfplan.measure import typical
 from hfplan.plan import GenConfig, InferConfig, Layout, TrainConfig
 from hfplan.profiler.call_gaps import CallGaps, measure_call_gaps
 from hfplan.profiler.compute import compute_dtype
 from hfplan.profiler.device import Device
-from hfplan.profiler.timing import Clock, typical
+from hfplan.profiler.timing import Clock
 from hfplan.profiles.hardware import HardwareProfile, Runtime
 from hfplan.profiles.models import CATALOG
 from hfplan.simulator import costs

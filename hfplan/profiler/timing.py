@@ -5,20 +5,19 @@ calls with one synchronisation at each end, divided by the number of calls. Oper
 enough copies that their working set exceeds the last-level cache, as the weights of a many-layer
 model do.
 
-Every measurement of the profiler keeps the median of its trials (`typical`), not the best: the profile
-predicts runs, and a run sees the machine as it usually is, its bursts of other work included. On a shared
-machine the best trial is its quietest moment, and a profile of best trials predicted 17 of 18 executed plans
-faster than they ran (bench/validate.py).
+Every measurement of the profiler keeps the median of its trials (hfplan.measure.typical, which says why), not
+the best.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from hfplan.measure import typical
 
 
 class Clock:
@@ -48,11 +47,6 @@ class Clock:
             self.sync()
             seconds.append((time.perf_counter() - start) / reps)
         return typical(seconds)
-
-
-def typical(seconds: Sequence[float]) -> float:
-    """What a measurement keeps of its trials: their median (the module docstring says why)."""
-    return statistics.median(seconds)
 
 
 def copies_for(set_bytes: float, cache_bytes: int, budget_bytes: float, most: int = 64) -> int:

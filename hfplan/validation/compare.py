@@ -12,6 +12,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+from hfplan.measure import typical
 from hfplan.plan import Span, phase_seconds
 
 Key = tuple[int, str, str, str, str, int]  # set, role, op, phase, kind, occurrence
@@ -46,13 +47,13 @@ def call_keys(spans: Sequence[Span]) -> dict[Key, float]:
     return dict(out)
 
 
-def mean_calls(iterations: Sequence[Sequence[Span]]) -> dict[Key, float]:
-    """Each key's mean seconds over the iterations it appears in."""
-    sums: dict[Key, list[float]] = defaultdict(list)
+def typical_calls(iterations: Sequence[Sequence[Span]]) -> dict[Key, float]:
+    """Each key's typical (median) seconds over the iterations it appears in."""
+    seen: dict[Key, list[float]] = defaultdict(list)
     for spans in iterations:
         for key, seconds in call_keys(spans).items():
-            sums[key].append(seconds)
-    return {key: sum(values) / len(values) for key, values in sums.items()}
+            seen[key].append(seconds)
+    return {key: typical(values) for key, values in seen.items()}
 
 
 def iteration_seconds(spans: Sequence[Span]) -> float:
@@ -105,11 +106,12 @@ def _name(key: Key) -> str:
 
 def compare(simulated: Sequence[Span], measured: Sequence[Sequence[Span]], predicted_gib: Sequence[float],
             measured_gib: Sequence[float], set_labels: Sequence[str]) -> Comparison:
-    """The simulated iteration against the measured ones (each a list of spans; their means are compared).
+    """The simulated iteration against the measured ones (each a list of spans): each call, stage and the
+    iteration against its typical (median) measured seconds, hfplan.measure's statistic, as the profile's.
     Transfers that take no time in both timelines are left out of the calls."""
     if not measured:
         raise ValueError("no measured iteration to compare with")
-    sim_calls, run_calls = call_keys(simulated), mean_calls(measured)
+    sim_calls, run_calls = call_keys(simulated), typical_calls(measured)
     calls = []
     for key in sorted(sim_calls.keys() & run_calls.keys(), key=lambda k: (k[0], k[3], k[1], k[2], k[5])):
         sim, run = sim_calls[key], run_calls[key]
@@ -118,23 +120,19 @@ def compare(simulated: Sequence[Span], measured: Sequence[Sequence[Span]], predi
         set_, role, op, phase, kind, index = key
         calls.append(CallFigure(sim, run, signed_error(sim, run), set_, role, op, phase, kind, index))
     sim_stages = phase_seconds(simulated)
-    run_stages = _mean_dicts([phase_seconds(spans) for spans in measured])
+    run_stages = _typical_dicts([phase_seconds(spans) for spans in measured])
     stages = {phase: Figure.of(sim_stages.get(phase, 0.0), run_stages.get(phase, 0.0))
               for phase in dict.fromkeys([*sim_stages, *run_stages])}
-    iteration = Figure.of(iteration_seconds(simulated), _mean([iteration_seconds(s) for s in measured]))
+    iteration = Figure.of(iteration_seconds(simulated), typical([iteration_seconds(s) for s in measured]))
     memory = {label: Figure.of(p, m) for label, p, m in zip(set_labels, predicted_gib, measured_gib, strict=True)}
     unmatched = {"simulated": [_name(k) for k in sorted(sim_calls.keys() - run_calls.keys()) if sim_calls[k] > 0],
                  "measured": [_name(k) for k in sorted(run_calls.keys() - sim_calls.keys()) if run_calls[k] > 0]}
     return Comparison(calls, stages, iteration, memory, unmatched)
 
 
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values)
-
-
-def _mean_dicts(rows: Sequence[dict[str, float]]) -> dict[str, float]:
+def _typical_dicts(rows: Sequence[dict[str, float]]) -> dict[str, float]:
     keys = dict.fromkeys(k for row in rows for k in row)
-    return {k: _mean([row[k] for row in rows if k in row]) for k in keys}
+    return {k: typical([row[k] for row in rows if k in row]) for k in keys}
 
 
 def kendall_tau(xs: Sequence[float], ys: Sequence[float],
