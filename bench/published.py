@@ -108,6 +108,24 @@ def _engine_without_host_step(name: str) -> HardwareProfile:
     return hw.model_copy(update={"runtime": runtime})
 
 
+# FlashAttention's Triton kernel (the flash-attn repository's flash_attn_triton.py, which llm-foundry's attn_impl
+# "triton" runs), forward + backward, causal, head dimension 128, on A100 80GB SXM4: 50, 61, 68, 74, 78, 80 TFLOP/s at
+# sequence lengths 512 .. 16k (Dao-AILab/flash-attention README "Performance",
+# assets/flash2_a100_fwd_bwd_benchmark.png, panel (d), bars "FlashAttention Triton"), over 312 TFLOP/s peak.
+TRITON_ATTENTION_A100 = tuple((length, tflops / 312) for length, tflops in
+                              ((512, 50), (1024, 61), (2048, 68), (4096, 74), (8192, 78), (16384, 80)))
+
+
+@cache
+def _with_attention_rate(name: str, points: tuple[tuple[int, float], ...] | None) -> HardwareProfile:
+    """The shipped profile with the attention kernel the published run used (its measured rate); None: the
+    shipped one."""
+    hw = _hw(name)
+    if points is None:
+        return hw
+    return hw.model_copy(update={"compute": hw.compute.model_copy(update={"attention_rate": points})})
+
+
 def gpt_arch(name: str, layers: int, hidden: int, heads: int, vocab: int, tied: bool = True) -> ModelArch:
     """A GPT-style model (MLP 4h wide, GeLU) as a Llama-layout ModelArch of the same weights (module docstring)."""
     return ModelArch(name, layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=round(8 * hidden / 3),
@@ -174,6 +192,8 @@ def _bus_gbytes_per_s(hw: HardwareProfile, op: str, ranks: int, per_node: int, n
 FOUNDRY = ("mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7), table '{table}', "
            "row {row}: {gpus} GPUs, FSDP FULL_SHARD, bf16, seq {seq}, micro-batch {micro}, grad-accum {accum}, "
            "activation checkpointing {ckpt}; column Throughput (T/s/GPU)")
+# The runs' attention kernel: submit_benchmarks.py (same commit) sets model.attn_config.attn_impl from --attn_impl,
+# default "triton", which sweep.sh does not change: llm-foundry's Triton FlashAttention (with ALiBi as its bias).
 A100_FOUNDRY_TABLE = "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"
 H100_FOUNDRY_TABLE = "H100 80GB BF16"
 
@@ -184,9 +204,16 @@ def _foundry(table: str, hw_name: str, size: str, gpus: int, seq: int, micro: in
                             ckpt=ckpt)
     if inter_node is not None:
         source += f"; inter-node link set to the table's {inter_node:g} GB/s per node"
+    # The runs' attention: FOUNDRY_ATTENTION. Measured on A100 only; on H100 the shipped FlashAttention-2 rate stays.
+    attention = TRITON_ATTENTION_A100 if hw_name == "a100-80g" else None
+    if attention is not None:
+        source += "; attention at the Triton FlashAttention kernel's measured A100 rate"
 
     def predict() -> float:
-        hw = _hw(hw_name) if inter_node is None else _with_inter_node(hw_name, inter_node)
+        hw = _with_attention_rate(hw_name, attention)
+        if inter_node is not None:
+            inter = hw.links.inter_node.model_copy(update={"bandwidth_gbytes_per_s": inter_node})
+            hw = hw.model_copy(update={"links": hw.links.model_copy(update={"inter_node": inter})})
         return _fsdp_tokens_per_gpu(hw, MPT[size], gpus, seq, micro, accum, ckpt)
 
     return Case("training", f"MPT-{size} {hw_name} x{gpus} seq{seq} mb{micro}{' ckpt' if ckpt else ''}",
