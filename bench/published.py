@@ -116,6 +116,18 @@ TRITON_ATTENTION_A100 = tuple((length, tflops / 312) for length, tflops in
                               ((512, 50), (1024, 61), (2048, 68), (4096, 74), (8192, 78), (16384, 80)))
 
 
+
+@cache
+def _triton_attention_h100() -> tuple[tuple[int, float], ...]:
+    """The Triton kernel's rate on H100, derived (no published measurement found): it is written for Ampere's
+    synchronous mma.sync tensor-core instructions (its Triton predates Hopper's wgmma; llm-foundry's setup.py builds
+    a pre-MLIR Triton patched only to compile for sm90), as FlashAttention-2 is, so it is taken to gain on H100 what
+    FlashAttention-2 gains at each length: its A100 fraction of peak times FlashAttention-2's H100 fraction over its
+    A100 fraction (the shipped profiles' attention_rate, the same figure's panel (d))."""
+    a100, h100 = dict(_hw("a100-80g").compute.attention_rate), dict(_hw("h100-80g").compute.attention_rate)
+    return tuple((length, fraction * h100[length] / a100[length]) for length, fraction in TRITON_ATTENTION_A100)
+
+
 @cache
 def _with_attention_rate(name: str, points: tuple[tuple[int, float], ...] | None) -> HardwareProfile:
     """The shipped profile with the attention kernel the published run used (its measured rate); None: the
@@ -204,12 +216,15 @@ def _foundry(table: str, hw_name: str, size: str, gpus: int, seq: int, micro: in
                             ckpt=ckpt)
     if inter_node is not None:
         source += f"; inter-node link set to the table's {inter_node:g} GB/s per node"
-    # The runs' attention: FOUNDRY_ATTENTION. Measured on A100 only; on H100 the shipped FlashAttention-2 rate stays.
-    attention = TRITON_ATTENTION_A100 if hw_name == "a100-80g" else None
-    if attention is not None:
+    # The runs' attention kernel (Triton FlashAttention, the comment above A100_FOUNDRY_TABLE): its measured rate on
+    # A100, the rate derived from it on H100 (_triton_attention_h100).
+    if hw_name == "a100-80g":
         source += "; attention at the Triton FlashAttention kernel's measured A100 rate"
+    else:
+        source += "; attention at the Triton FlashAttention kernel's rate derived for H100 (_triton_attention_h100)"
 
     def predict() -> float:
+        attention = TRITON_ATTENTION_A100 if hw_name == "a100-80g" else _triton_attention_h100()
         hw = _with_attention_rate(hw_name, attention)
         if inter_node is not None:
             inter = hw.links.inter_node.model_copy(update={"bandwidth_gbytes_per_s": inter_node})
