@@ -12,7 +12,16 @@ Assumptions common to the cases:
   SwiGLU MLP of width round(8h/3): the same weights and FLOPs per token, GEMMs of other shapes; learned or ALiBi
   position encodings and LayerNorm biases (well under 0.1% of the weights) are left out.
 - Where a published system's network differs from the shipped profile's, the case prices the shipped profile with
-  that one link changed (`_with_inter_node`, `_without_nvls`), and says so; nothing else of a profile is changed.
+  that one link changed (`_with_inter_node`, `_without_nvls`), and says so.
+- Where a published run's attention kernel is not the shipped profiles' (FlashAttention-2), the case prices the
+  kernel it ran at that kernel's measured rate (`_with_attention_rate`): llm-foundry's MPT runs used its Triton
+  FlashAttention, measured on A100 in the flash-attention README's figure, and derived for H100 from it by
+  FlashAttention-2's measured H100/A100 ratio (`_triton_attention_h100`, no H100 measurement of it being published).
+  Nothing else of a profile is changed.
+- The MPT runs' optimizer (composer's DecoupledAdamW, one unfused kernel per line of the update, weight decay 0) and
+  gradient clipping by norm stream 92 bytes per parameter, as the shipped model's torch AdamW and clip do
+  (`costs.ADAM_PASS_BYTES`): the lerp the torch one uses is a mul and an add there, and its weight-decay pass is
+  skipped at weight decay 0, 8 bytes each way.
 - FP16 inference runs are priced as bf16 (same bytes and tensor-core rate on A100).
 - The shipped profiles' engine step (`runtime.engine_step_us`, 4 ms) is vLLM's Python scheduler's host work per step.
   gpt-fast does not pay it (`_engine_without_host_step`): it replays each decode step as one CUDA graph (generate.py:
