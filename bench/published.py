@@ -12,7 +12,16 @@ Assumptions common to the cases:
   SwiGLU MLP of width round(8h/3): the same weights and FLOPs per token, GEMMs of other shapes; learned or ALiBi
   position encodings and LayerNorm biases (well under 0.1% of the weights) are left out.
 - Where a published system's network differs from the shipped profile's, the case prices the shipped profile with
-  that one link changed (`_with_inter_node`, `_without_nvls`), and says so; nothing else of a profile is changed.
+  that one link changed (`_with_inter_node`, `_without_nvls`), and says so.
+- Where a published run's attention kernel is not the shipped profiles' (FlashAttention-2), the case prices the
+  kernel it ran at that kernel's measured rate (`_with_attention_rate`): llm-foundry's MPT runs used its Triton
+  FlashAttention, measured on A100 in the flash-attention README's figure, and derived for H100 from it by
+  FlashAttention-2's measured H100/A100 ratio (`_triton_attention_h100`, no H100 measurement of it being published).
+  Nothing else of a profile is changed.
+- The MPT runs' optimizer (composer's DecoupledAdamW, one unfused kernel per line of the update, weight decay 0) and
+  gradient clipping by norm stream 92 bytes per parameter, as the shipped model's torch AdamW and clip do
+  (`costs.ADAM_PASS_BYTES`): the lerp the torch one uses is a mul and an add there, and its weight-decay pass is
+  skipped at weight decay 0, 8 bytes each way.
 - FP16 inference runs are priced as bf16 (same bytes and tensor-core rate on A100).
 - The shipped profiles' engine step (`runtime.engine_step_us`, 4 ms) is vLLM's Python scheduler's host work per step.
   gpt-fast does not pay it (`_engine_without_host_step`): it replays each decode step as one CUDA graph (generate.py:
@@ -108,6 +117,36 @@ def _engine_without_host_step(name: str) -> HardwareProfile:
     return hw.model_copy(update={"runtime": runtime})
 
 
+# FlashAttention's Triton kernel (the flash-attn repository's flash_attn_triton.py, which llm-foundry's attn_impl
+# "triton" runs), forward + backward, causal, head dimension 128, on A100 80GB SXM4: 50, 61, 68, 74, 78, 80 TFLOP/s at
+# sequence lengths 512 .. 16k (Dao-AILab/flash-attention README "Performance",
+# assets/flash2_a100_fwd_bwd_benchmark.png, panel (d), bars "FlashAttention Triton"), over 312 TFLOP/s peak.
+TRITON_ATTENTION_A100 = tuple((length, tflops / 312) for length, tflops in
+                              ((512, 50), (1024, 61), (2048, 68), (4096, 74), (8192, 78), (16384, 80)))
+
+
+
+@cache
+def _triton_attention_h100() -> tuple[tuple[int, float], ...]:
+    """The Triton kernel's rate on H100, derived (no published measurement found): it is written for Ampere's
+    synchronous mma.sync tensor-core instructions (its Triton predates Hopper's wgmma; llm-foundry's setup.py builds
+    a pre-MLIR Triton patched only to compile for sm90), as FlashAttention-2 is, so it is taken to gain on H100 what
+    FlashAttention-2 gains at each length: its A100 fraction of peak times FlashAttention-2's H100 fraction over its
+    A100 fraction (the shipped profiles' attention_rate, the same figure's panel (d))."""
+    a100, h100 = dict(_hw("a100-80g").compute.attention_rate), dict(_hw("h100-80g").compute.attention_rate)
+    return tuple((length, fraction * h100[length] / a100[length]) for length, fraction in TRITON_ATTENTION_A100)
+
+
+@cache
+def _with_attention_rate(name: str, points: tuple[tuple[int, float], ...] | None) -> HardwareProfile:
+    """The shipped profile with the attention kernel the published run used (its measured rate); None: the
+    shipped one."""
+    hw = _hw(name)
+    if points is None:
+        return hw
+    return hw.model_copy(update={"compute": hw.compute.model_copy(update={"attention_rate": points})})
+
+
 def gpt_arch(name: str, layers: int, hidden: int, heads: int, vocab: int, tied: bool = True) -> ModelArch:
     """A GPT-style model (MLP 4h wide, GeLU) as a Llama-layout ModelArch of the same weights (module docstring)."""
     return ModelArch(name, layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=round(8 * hidden / 3),
@@ -174,6 +213,8 @@ def _bus_gbytes_per_s(hw: HardwareProfile, op: str, ranks: int, per_node: int, n
 FOUNDRY = ("mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7), table '{table}', "
            "row {row}: {gpus} GPUs, FSDP FULL_SHARD, bf16, seq {seq}, micro-batch {micro}, grad-accum {accum}, "
            "activation checkpointing {ckpt}; column Throughput (T/s/GPU)")
+# The runs' attention kernel: submit_benchmarks.py (same commit) sets model.attn_config.attn_impl from --attn_impl,
+# default "triton", which sweep.sh does not change: llm-foundry's Triton FlashAttention (with ALiBi as its bias).
 A100_FOUNDRY_TABLE = "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"
 H100_FOUNDRY_TABLE = "H100 80GB BF16"
 
@@ -184,9 +225,19 @@ def _foundry(table: str, hw_name: str, size: str, gpus: int, seq: int, micro: in
                             ckpt=ckpt)
     if inter_node is not None:
         source += f"; inter-node link set to the table's {inter_node:g} GB/s per node"
+    # The runs' attention kernel (Triton FlashAttention, the comment above A100_FOUNDRY_TABLE): its measured rate on
+    # A100, the rate derived from it on H100 (_triton_attention_h100).
+    if hw_name == "a100-80g":
+        source += "; attention at the Triton FlashAttention kernel's measured A100 rate"
+    else:
+        source += "; attention at the Triton FlashAttention kernel's rate derived for H100 (_triton_attention_h100)"
 
     def predict() -> float:
-        hw = _hw(hw_name) if inter_node is None else _with_inter_node(hw_name, inter_node)
+        attention = TRITON_ATTENTION_A100 if hw_name == "a100-80g" else _triton_attention_h100()
+        hw = _with_attention_rate(hw_name, attention)
+        if inter_node is not None:
+            inter = hw.links.inter_node.model_copy(update={"bandwidth_gbytes_per_s": inter_node})
+            hw = hw.model_copy(update={"links": hw.links.model_copy(update={"inter_node": inter})})
         return _fsdp_tokens_per_gpu(hw, MPT[size], gpus, seq, micro, accum, ckpt)
 
     return Case("training", f"MPT-{size} {hw_name} x{gpus} seq{seq} mb{micro}{' ckpt' if ckpt else ''}",

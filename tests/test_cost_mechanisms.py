@@ -1,13 +1,13 @@
-"""Runtime costs, recomputation modes, interleaved 1F1B, eager attention and response-length distributions,
-by hand on the toy profile of conftest.py (matmul 5e13 FLOP/s, memory 5e11 B/s, 5 us per kernel, intra-node
-5e10 B/s with alpha 1 us)."""
+"""Runtime costs, recomputation modes, interleaved 1F1B, eager attention, the flash kernel's measured rate and
+response-length distributions, by hand on the toy profile of conftest.py (matmul 5e13 FLOP/s, memory 5e11 B/s,
+5 us per kernel, intra-node 5e10 B/s with alpha 1 us)."""
 
 import pytest
 
 from hfplan.plan import GenConfig, InferConfig, Layout, TrainConfig
 from hfplan.profiles.hardware import Runtime
 from hfplan.profiles.models import CATALOG
-from hfplan.simulator import costs
+from hfplan.simulator import costs, kernels
 from hfplan.simulator.costs import SetShape
 from hfplan.simulator.kernels import attention_time, kernel_time, memory_time
 from hfplan.spec import ResponseLengths
@@ -199,6 +199,19 @@ def test_parameter_tensors_are_those_of_the_executor_models():
         assert stage_parameter_tensors(CATALOG["tiny"], 1, head) == len(list(model.parameters()))
 
 
+def test_the_optimizer_step_streams_every_pass_of_foreach_adamw_and_the_gradient_clip(toy_hw, small_arch):
+    """small_arch holds 107,328 parameters (conftest.py). torch's foreach AdamW passes over the fp32 shard, bytes per
+    parameter: weight decay 8, lerp of the first moment 12, the second moment's scaling 8 and addcmul 12, its sqrt,
+    division and epsilon 8 each, the addcdiv update 16 (80); clip_grad_norm_ reads the gradients (4) and scales them
+    (8): 92 bytes at 5e11 B/s, one kernel's 5 us."""
+    params = 2 * 36992 + 16640 + 64 + 16640
+    one = costs.train_step_parts(toy_hw, small_arch, TrainConfig(), ONE, 4, 64, "lm")
+    assert one["optimizer"] == pytest.approx(5e-6 + 92 * params / 5e11)
+    # Fully sharded over 4 ranks, each rank steps a quarter of them.
+    four = costs.train_step_parts(toy_hw, small_arch, TrainConfig(dp=4, shard="full"), SetShape(4, 8), 16, 64, "lm")
+    assert four["optimizer"] == pytest.approx(5e-6 + 92 * params / 4 / 5e11)
+
+
 # -- pipeline schedules and recomputation ------------------------------------------------------------------
 
 
@@ -244,6 +257,33 @@ def test_eager_attention_writes_and_reads_the_scores(toy_hw, small_arch):
     assert attention_time(eager, small_arch, tokens, (seq + 1) / 2, 1, False, seq) == pytest.approx(expected)
     flash = kernel_time(toy_hw, 4.0 * tokens * (seq + 1) / 2 * 64, io)
     assert attention_time(toy_hw, small_arch, tokens, (seq + 1) / 2, 1, False, seq) == pytest.approx(flash)
+
+
+def _with_attention_rate(hw, points):
+    return hw.model_copy(update={"compute": hw.compute.model_copy(update={"attention_rate": points})})
+
+
+def test_flash_attention_runs_at_its_measured_rate_by_sequence_length(toy_hw, small_arch):
+    """Measured: 10% of peak at 1024 keys, 30% at 4096; 2048 is halfway in log(length): 20%. Peak 1e14 FLOP/s, so
+    2e13 FLOP/s; one sequence of 2048 tokens through small_arch (q_dim 64) is far from memory-bound."""
+    hw = _with_attention_rate(toy_hw, ((1024, 0.1), (4096, 0.3)))
+    assert kernels.attention_fraction(hw, 2048) == pytest.approx(0.2)
+    assert kernels.attention_fraction(hw, 512) == pytest.approx(0.1)  # beyond the ends: the end's
+    assert kernels.attention_fraction(hw, 16384) == pytest.approx(0.3)
+    assert kernels.attention_fraction(toy_hw, 2048) == pytest.approx(0.5)  # no table: the matmul rate
+    tokens, seq = 2048, 2048
+    flops = 4.0 * tokens * (seq + 1) / 2 * 64
+    expected = 5e-6 + flops / 2e13
+    assert attention_time(hw, small_arch, tokens, (seq + 1) / 2, 1, False, seq) == pytest.approx(expected)
+    # The rate follows each sequence's length, not the tokens of the pass: 8 sequences of 256 run at 10%.
+    short = attention_time(hw, small_arch, tokens, (256 + 1) / 2, 1, False, 256)
+    assert short == pytest.approx(5e-6 + 4.0 * tokens * (256 + 1) / 2 * 64 / 1e13)
+
+
+def test_attention_rate_points_must_rise_in_length_and_be_fractions(toy_hw):
+    for bad in ((), ((2048, 0.2), (1024, 0.1)), ((1024, 0.1), (1024, 0.2)), ((1024, 0.0),), ((1024, 1.5),)):
+        with pytest.raises(ValueError):
+            toy_hw.compute.model_validate({**toy_hw.compute.model_dump(), "attention_rate": bad})
 
 
 # -- response lengths and batching ---------------------------------------------------------------------------

@@ -177,6 +177,7 @@ def test_profile_schema_round_trip(tmp_path):
     assert loaded.links.intra_node.effective_bytes_per_s == pytest.approx(2.4e9, rel=1e-3)
     assert loaded.links.inter_node == base.links.inter_node
     assert loaded.links.host == base.links.host
+    assert loaded.compute.attention_rate is None  # CPU: attention at the fitted matmul rate
     assert "carried over from base profile 'cpu'" in loaded.description
 
 
@@ -197,6 +198,9 @@ def test_gpu_profile_uses_datasheet_peaks():
     assert profile.backend == "nccl" and profile.gpus_per_node == 8
     assert profile.compute.peak_tflops == pytest.approx(989.4)
     assert profile.compute.matmul_efficiency == pytest.approx(700 / 989.4, rel=1e-3)
+    # The flash attention rate is not measured: the base profile's is carried, and said to be.
+    assert profile.compute.attention_rate == load_hardware("h100-80g").compute.attention_rate
+    assert "flash attention rate" in profile.description
     assert profile.memory.bandwidth_gbytes_per_s == pytest.approx(3350)
     assert profile.links.intra_node.bandwidth_gbytes_per_s == pytest.approx(450)
     assert profile.links.intra_node.effective_bytes_per_s == pytest.approx(3.6e11, rel=1e-3)

@@ -37,3 +37,14 @@ def test_every_prediction_is_finite_and_positive():
     summary = BENCH.summaries(rows)
     assert [s.label for s in summary] == [*BENCH.CATEGORIES, "overall"]
     assert summary[-1].cases == len(rows)
+
+
+def test_llm_foundry_cases_price_the_triton_attention_kernel_they_ran():
+    """A100: the Triton kernel's measured 68 of 312 TFLOP/s at 2048 tokens. H100: that times FlashAttention-2's
+    H100/A100 ratio at the same length, (265 / 989.4) / (155 / 312): 68 * 265 / (155 * 989.4) of peak."""
+    assert dict(BENCH.TRITON_ATTENTION_A100)[2048] == 68 / 312
+    h100 = dict(BENCH._triton_attention_h100())
+    assert math.isclose(h100[2048], 68 * 265 / (155 * 989.4), rel_tol=5e-3)  # the profiles round to 3 digits
+    a100_case = BENCH._with_attention_rate("a100-80g", BENCH.TRITON_ATTENTION_A100)
+    assert a100_case.compute.attention_rate == BENCH.TRITON_ATTENTION_A100
+    assert a100_case.compute.matmul_efficiency == BENCH._hw("a100-80g").compute.matmul_efficiency

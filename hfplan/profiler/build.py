@@ -36,6 +36,15 @@ def device_tiling(device: Device, base: HardwareProfile) -> GemmTiling | None:
     return base.compute.gemm.model_copy(update={"sm_count": device.sm_count})
 
 
+def device_attention_rate(device: Device, base: HardwareProfile) -> tuple[tuple[int, float], ...] | None:
+    """The flash attention kernel's rate the measured profile carries, not measured by the profiler: the base
+    profile's (a fraction of the datasheet peak, by sequence length) on a GPU; none on CPU, whose attention runs at
+    its fitted matmul rate."""
+    if device.kind != "cuda":
+        return None
+    return base.compute.attention_rate
+
+
 def _round(value: float, digits: int = 4) -> float:
     return float(f"{value:.{digits}g}")
 
@@ -64,8 +73,9 @@ def build_profile(device: Device, fits: Fits, base: HardwareProfile, name: str, 
                     latency_us=_round(fits.host.latency_s * 1e6))
     else:
         host = base.links.host
+    attention_rate = device_attention_rate(device, base)
     carried = ["inter-node link"] + (["intra-node link"] if fits.intra is None else []) \
-        + (["host link"] if fits.host is None else [])
+        + (["host link"] if fits.host is None else []) + (["flash attention rate"] if attention_rate else [])
     description = (
         f"Measured by hfplan profile on {device.world_size} x {device.name} ({device.kind}, "
         f"{device.backend}; {versions}). Compute: {sweep_note}; kernel overhead, matmul rate and memory "
@@ -89,7 +99,7 @@ def build_profile(device: Device, fits: Fits, base: HardwareProfile, name: str, 
         compute=Compute(peak_tflops=_round(peak_flops / 1e12), matmul_efficiency=_round(matmul_efficiency),
                         kernel_overhead_us=_round(fits.roofline.overhead_s * 1e6),
                         value_bytes=2 if device.kind == "cuda" else 4,  # bf16 on GPUs, fp32 on CPUs
-                        gemm=device_tiling(device, base)),
+                        gemm=device_tiling(device, base), attention_rate=attention_rate),
         memory=Memory(capacity_gib=_round(capacity), reserved_gib=_round(reserved, 3),
                       bandwidth_gbytes_per_s=_round(bandwidth), efficiency=_round(mem_eff)),
         links=Links(intra_node=intra, inter_node=base.links.inter_node, host=host),

@@ -67,6 +67,25 @@ class Compute(_Strict):
                                                                                "or eager (scores through memory)")
     gemm: GemmTiling | None = Field(default=None, description="tile and wave quantization of GEMMs; none (CPUs): "
                                                               "every GEMM runs at matmul_efficiency")
+    attention_rate: tuple[tuple[int, float], ...] | None = Field(
+        default=None, description="the flash attention kernel's measured rate, forward and backward together, of a "
+                                  "causal pass: (sequence length, fraction of peak) points, lengths increasing; "
+                                  "between two points the fraction is interpolated in log(length), beyond the ends "
+                                  "it is the end's. None: attention runs at the matmul rate (matmul_efficiency)")
+
+    @field_validator("attention_rate")
+    @classmethod
+    def _rising_lengths(cls, points: tuple[tuple[int, float], ...] | None) -> tuple[tuple[int, float], ...] | None:
+        if points is None:
+            return None
+        if not points:
+            raise ValueError("give at least one (sequence length, fraction of peak) point, or leave it unset")
+        lengths = [length for length, _ in points]
+        if any(length < 1 for length in lengths) or lengths != sorted(set(lengths)):
+            raise ValueError("sequence lengths must be positive and increasing")
+        if any(not 0 < fraction <= 1 for _, fraction in points):
+            raise ValueError("fractions of peak must be in (0, 1]")
+        return points
 
     @field_validator("value_bytes")
     @classmethod

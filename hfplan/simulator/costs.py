@@ -39,9 +39,24 @@ from hfplan.simulator.kernels import (
 from hfplan.simulator.memory import kv_sequence
 from hfplan.spec import ResponseLengths
 
-# Adam step traffic per parameter: read the fp32 gradient (4), read and write the fp32 master weight,
-# first and second moments (3 x 8), write the bf16 weight (2).
-ADAM_BYTES_PER_PARAM = 4 + 3 * 8 + 2
+# One optimizer step's memory traffic per parameter, bytes of each pass over the GPU's fp32 shard (parameters,
+# gradients and both moments are fp32: FSDP2 keeps the sharded parameters in fp32 and casts at the all-gather).
+# The executor steps torch.optim.AdamW, whose default CUDA path (torch/optim/adamw.py, _multi_tensor_adamw) runs
+# one foreach kernel per line of the update, each reading its operands and writing its result in full:
+ADAM_PASS_BYTES = (
+    4 + 4,  # params *= 1 - lr * weight_decay
+    8 + 4,  # exp_avg.lerp_(grad, 1 - beta1)
+    4 + 4,  # exp_avg_sq *= beta2
+    8 + 4,  # exp_avg_sq.addcmul_(grad, grad, 1 - beta2): the gradient read once for both operands
+    4 + 4,  # denom = sqrt(exp_avg_sq)
+    4 + 4,  # denom /= sqrt(bias_correction2)
+    4 + 4,  # denom += eps
+    12 + 4,  # params.addcdiv_(exp_avg, denom, -step_size)
+)
+# Before it, the training engine clips the gradients (torch.nn.utils.clip_grad_norm_): their norm reads them, the
+# scaling by the clip coefficient reads and writes them.
+CLIP_PASS_BYTES = (4, 4 + 4)
+ADAM_BYTES_PER_PARAM = sum(ADAM_PASS_BYTES) + sum(CLIP_PASS_BYTES)
 # Vocabulary-parallel log-softmax reduces a max and a sum per token across tensor-parallel ranks.
 LOGSOFTMAX_REDUCTIONS = 2
 

@@ -122,6 +122,25 @@ class LayerCost:
         return 2.0 * self.gemm + self.attention_backward * self.attention + 2.0 * self.elementwise
 
 
+def attention_fraction(hw: HardwareProfile, seq_len: float) -> float:
+    """Fraction of peak the flash attention kernel reaches over sequences of `seq_len` keys: the profile's measured
+    rate (Compute.attention_rate, interpolated in log(length), the end's fraction beyond either end), or
+    matmul_efficiency where it has none. A fused attention kernel keeps its softmax, masking and rescaling between
+    the two matmuls of each tile, on the SM's slower units, and a causal pass skips half its tiles and idles on the
+    diagonal ones, so it runs well below the GEMM rate, the more so on short sequences (fewer tiles per query
+    block to amortise each block's prologue and epilogue over)."""
+    points = hw.compute.attention_rate
+    if points is None:
+        return hw.compute.matmul_efficiency
+    if seq_len <= points[0][0]:
+        return points[0][1]
+    for (low, low_fraction), (high, high_fraction) in zip(points, points[1:], strict=False):
+        if seq_len <= high:
+            t = math.log(seq_len / low) / math.log(high / low)
+            return low_fraction + t * (high_fraction - low_fraction)
+    return points[-1][1]
+
+
 def shard(dim: int, tp: int) -> float:
     return dim / tp
 
@@ -131,9 +150,10 @@ def attention_time(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per
     """Attention of `tokens` queries on one of `tp` GPUs, with the profile's kernel (compute.attention).
 
     flash: one fused kernel; q, k, v and the output cross memory once (decode: the whole KV cache is read),
-    scores never do. eager (the scores through memory, as a plain PyTorch attention): QK^T writes the score
-    matrix, the softmax reads it and writes the probabilities, PV reads them; a causal pass computes every
-    query against all `seq_len` keys of its sequence (the mask is applied, not skipped)."""
+    scores never do; its math runs at the kernel's measured rate (`attention_fraction`). eager (the scores through
+    memory, as a plain PyTorch attention): QK^T writes the score matrix, the softmax reads it and writes the
+    probabilities, PV reads them; a causal pass computes every query against all `seq_len` keys of its sequence (the
+    mask is applied, not skipped)."""
     v = hw.compute.value_bytes
     kv_local = kv_heads_per_rank(arch.kv_heads, tp) * arch.dim_per_head
     q_local = shard(arch.q_dim, tp)
@@ -142,7 +162,10 @@ def attention_time(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per
     else:
         io_bytes = v * tokens * (2 * q_local + 2 * kv_local)
     if hw.compute.attention == "flash":
-        return kernel_time(hw, 4.0 * tokens * keys_per_token * q_local, io_bytes)
+        # Its rate by the sequence's length (a decode step: the context it reads), as a share of the matmul rate.
+        share = attention_fraction(hw, seq_len if seq_len is not None else keys_per_token)
+        return kernel_time(hw, 4.0 * tokens * keys_per_token * q_local, io_bytes,
+                           share / hw.compute.matmul_efficiency)
     keys = keys_per_token if decode or seq_len is None else seq_len
     heads_local = q_local / arch.dim_per_head
     scores = v * tokens * keys * heads_local  # bytes of one score (or probability) matrix
