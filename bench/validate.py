@@ -7,10 +7,11 @@ on one set, in the layouts tp x pp x dp of bench/execute_layouts.py that fit --m
 separate rollout engine beside the colocated roles on 2 processes (--quick: neither). Each plan is validated
 --repeats times (hfplan.validation.run.validate: executed, the first iteration a warm-up, then simulated with the
 measured mean response length) on one Ray session. Prints each plan's simulated and (median) measured iteration and
-its spread over the repeats ((highest - lowest) / median), then the median and worst absolute per-stage error, the
-iteration and memory errors, the median spread, and Kendall's tau between simulated and measured iteration times,
-over all plans and over the pairs whose measured ranges do not overlap (the ranking the search relies on, where the
-measurements settle it). Asserts nothing about time.
+its spread over the repeats ((highest - lowest) / median) and the most CPU other processes used during a run's
+compared iterations (`others`, cores: hfplan.validation.machine), then the median and worst absolute per-stage
+error, the iteration and memory errors, the median spread, and Kendall's tau between simulated and measured
+iteration times, over all plans and over the pairs whose measured ranges do not overlap (the ranking the search
+relies on, where the measurements settle it), and the other processes' CPU over all runs. Asserts nothing about time.
 
     RAY_AUTH_MODE=disabled python bench/validate.py [--quick] [--iterations N] [--repeats N] [--hardware NAME|PATH]
                                                     [--max-processes N] [--model NAME]
@@ -19,6 +20,7 @@ measurements settle it). Asserts nothing about time.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import statistics
@@ -74,6 +76,7 @@ class Point:
 
     label: str
     runs: list[Comparison]
+    other_cores: list[float]  # each run's CPU of other processes during its compared iterations (cores)
 
     @property
     def simulated(self) -> float:
@@ -134,16 +137,18 @@ def main() -> None:
         print(f"hfplan validate over {len(plans)} plans x {repeats} runs, {iterations} iterations each (first a "
               f"warm-up), profile {args.hardware}, models {args.model or 'of each workload'}, {os.cpu_count()} "
               f"cores, load {os.getloadavg()[0]:.1f}")
-        print(f"{'plan':<26}{'simulated s':>12}{'measured s':>12}{'error':>9}{'spread':>8}")
+        print(f"{'plan':<26}{'simulated s':>12}{'measured s':>12}{'error':>9}{'spread':>8}{'others':>8}")
         for label, plan in plans:
-            runs = []
+            runs, others = [], []
             for repeat in range(repeats):
                 options = ExecuteOptions(iterations=iterations, out=out / f"{label.replace(' ', '-')}-{repeat}",
                                          call_timeout_s=300, start_timeout_s=120)
-                runs.append(validate(plan, options, [f"set {i}" for i in range(len(plan.placement))]).comparison)
-            point = Point(label, runs)
+                checked = validate(plan, options, [f"set {i}" for i in range(len(plan.placement))])
+                runs.append(checked.comparison)
+                others.append(checked.other_cpu_cores if checked.other_cpu_cores is not None else math.nan)
+            point = Point(label, runs, others)
             print(f"{label:<26}{point.simulated:>12.3f}{point.median:>12.3f}{point.error * 100:>+8.1f}%"
-                  f"{point.spread * 100:>7.1f}%", flush=True)
+                  f"{point.spread * 100:>7.1f}%{max(others):>8.2f}", flush=True)
             points.append(point)
     finally:
         ray.shutdown()
@@ -163,6 +168,10 @@ def main() -> None:
     print(f"Kendall tau (simulated vs measured iteration): {kendall_tau(simulated, measured):.2f} over all "
           f"{len(points) * (len(points) - 1) // 2} pairs of plans; {kendall_tau(simulated, measured, ranges):.2f} "
           f"over the {settled} whose measured ranges do not overlap")
+    others = [o for p in points for o in p.other_cores if not math.isnan(o)]
+    if others:
+        print(f"other processes' CPU during the compared iterations (cores of {os.cpu_count()}): median "
+              f"{statistics.median(others):.2f}, most {max(others):.2f}")
     print(f"whole benchmark: {time.perf_counter() - started:.0f} s")
 
 

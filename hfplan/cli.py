@@ -7,6 +7,7 @@ import importlib
 import importlib.util
 import json
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -706,7 +707,7 @@ def validate(
                                                                             f"{plan_title(plan)}"))])
     if as_json:
         body = {"plan": str(plan_path), "iterations": iterations, "response_len_mean": result.response_len_mean,
-                **result.comparison.to_json()}
+                "other_cpu_cores": result.other_cpu_cores, **result.comparison.to_json()}
         sys.stdout.write(json.dumps(body, indent=2) + "\n")
         return
     render_validation(result)
@@ -720,7 +721,7 @@ def _error_cell(error: float | None) -> str:
 
 def render_validation(result) -> None:
     comparison = result.comparison
-    calls = Table(title="calls (mean of the measured iterations)", show_edge=False)
+    calls = Table(title="calls (median of the measured iterations)", show_edge=False)
     for column in ("set", "role", "call", "phase", "kind", "simulated s", "measured s", "error"):
         calls.add_column(column, justify="right" if column.endswith(("s", "error")) and column != "kind" else "left")
     for c in comparison.calls:
@@ -739,6 +740,10 @@ def render_validation(result) -> None:
     console.print(figures)
     console.print(f"simulated with the measured mean response length {result.response_len_mean:.1f} tokens; error = "
                   "(simulated - measured) / measured", highlight=False)
+    if result.other_cpu_cores is not None:
+        console.print(f"other processes used {result.other_cpu_cores:.2f} of the machine's {os.cpu_count()} cores "
+                      "during the compared iterations (their work slows the run and no profile predicts it)",
+                      highlight=False)
     for side, names in comparison.unmatched.items():
         if names:
             console.print(f"only {side}: {', '.join(names)}", style="dim", highlight=False)

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from hfplan.plan import Span, phase_seconds
+from hfplan.validation import machine
 from hfplan.validation.compare import compare, kendall_tau, signed_error
 from hfplan.validation.run import peak_gib_per_set, predicted_gib, side_by_side, with_profile
 from tests.support.cli import assert_user_error, invoke
@@ -186,3 +187,57 @@ def test_two_iterations_compared_as_json(tiny_plan_file, tmp_path, ray_driver):
     (label, memory), = body["memory_gib"].items()
     assert memory["measured"] > 0 and memory["simulated"] > 0
     assert f"simulated: {label}" in chart.read_text() and f"measured: {label}" in chart.read_text()
+    assert body["other_cpu_cores"] is None or body["other_cpu_cores"] >= 0.0
+
+
+def test_the_rest_of_the_machine_is_its_busy_time_less_the_run_s_own_cpu():
+    assert machine.busy_seconds("cpu  100 20 30 400 50 5 5 10 0 0", 100.0) == pytest.approx((100 + 20 + 30 + 10 + 10)
+                                                                                           / 100)
+    # A command name may hold spaces and parentheses: the fields follow the last ')'.
+    line = "42 (ray::IDLE (x) y) S 7 42 42 0 -1 4194560 100 0 0 0 250 50 3 2 20 0 1 0 100 1000 10"
+    assert machine.parse_process(line) == (42, 7, 250 + 50 + 3 + 2)
+    rows = [(1, 0, 1000), (10, 1, 5), (11, 10, 7), (12, 11, 11), (20, 1, 100)]
+    assert machine.tree_ticks(rows, 10) == 5 + 7 + 11
+    before = machine.CpuSample(wall_s=0.0, busy_s=10.0, run_s=4.0)
+    after = machine.CpuSample(wall_s=2.0, busy_s=13.0, run_s=5.0)
+    assert machine.other_cores(before, after) == pytest.approx((3.0 - 1.0) / 2.0)
+    assert machine.other_cores(before, machine.CpuSample(2.0, 10.5, 5.0)) == 0.0  # never below 0
+    assert machine.other_cores(None, after) is None
+
+
+BUSY = "import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass\n"
+
+
+def cpu_of(pid: int) -> float:
+    import os
+
+    return machine.parse_process(open(f"/proc/{pid}/stat").read())[2] / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(machine.sample() is None, reason="reads Linux's /proc")
+def test_a_descendant_s_cpu_is_the_run_s_and_a_stranger_s_is_the_rest_of_the_machine_s():
+    """Exact attribution, whatever the load: a busy child's CPU is inside the run's, a busy process that left the
+    tree (re-parented when its shell exited) is inside the rest of the machine's."""
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", BUSY.format(seconds=1.0)])
+    time.sleep(0.1)
+    before, child_before = machine.sample(), cpu_of(child.pid)
+    time.sleep(0.6)
+    child_cpu = cpu_of(child.pid) - child_before
+    during = machine.sample()
+    child.wait()
+    assert child_cpu > 0.05  # it ran
+    assert during.run_s - before.run_s >= child_cpu - 0.02  # one tick of slack per reading
+    started = subprocess.run(["sh", "-c", f"{sys.executable} -c '{BUSY.format(seconds=1.5)}' >/dev/null 2>&1 & "
+                              "echo $!"], check=True, capture_output=True, text=True)
+    stranger = int(started.stdout)
+    time.sleep(0.1)
+    start, stranger_before = machine.sample(), cpu_of(stranger)
+    time.sleep(0.6)
+    stranger_cpu = cpu_of(stranger) - stranger_before
+    end = machine.sample()
+    assert stranger_cpu > 0.05
+    assert machine.other_cores(start, end) * (end.wall_s - start.wall_s) >= stranger_cpu - 0.03

@@ -9,6 +9,7 @@ from pathlib import Path
 from hfplan.errors import HfplanError
 from hfplan.plan import Plan, Span
 from hfplan.spec import Cluster
+from hfplan.validation import machine
 from hfplan.validation.compare import Comparison, compare
 
 GIB = 2**30
@@ -21,6 +22,7 @@ class Validation:
     simulated: list[Span]
     measured: list[Span]  # the last measured iteration, from 0
     response_len_mean: float
+    other_cpu_cores: float | None = None  # CPU other processes used during the compared iterations (machine.py)
 
 
 def with_profile(plan: Plan, profile: Path | None) -> Plan:
@@ -77,9 +79,12 @@ def validate(plan: Plan, options, labels: Sequence[str],
         raise HfplanError("--iterations must be at least 2 (the first is a warm-up)")
     simulate_plan(plan)  # a plan the simulator cannot cost is refused before any worker starts
     reports: list = []
+    readings: dict[str, machine.CpuSample | None] = {}
 
     def keep(report) -> None:
         reports.append(report)
+        if report.iteration in (0, options.iterations - 1):  # the warm-up's end and the last compared one's
+            readings["after" if readings else "before"] = machine.sample()
         if on_iteration is not None:
             on_iteration(report)
 
@@ -93,7 +98,8 @@ def validate(plan: Plan, options, labels: Sequence[str],
     measured_gib = peak_gib_per_set(summary.peak_memory_bytes, len(plan.placement))
     comparison = compare(simulated, measured, predicted_gib(costed, result.estimate.peak_memory_gib), measured_gib,
                          labels)
-    return Validation(comparison, costed, simulated, measured[-1], mean_len)
+    return Validation(comparison, costed, simulated, measured[-1], mean_len,
+                      machine.other_cores(readings.get("before"), readings.get("after")))
 
 
 def side_by_side(simulated: Sequence[Span], measured: Sequence[Span], labels: Sequence[str]
