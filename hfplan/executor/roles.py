@@ -77,6 +77,18 @@ class Recorder:
         self.spans.append(Span(role=role, op=op, phase=phase, set=set_index, start=max(0.0, start - self.origin),
                                end=max(0.0, end - self.origin), kind=kind))
 
+    def fetched(self, role: str, op: str, batch: Batch) -> dict:
+        """The arrays of a controller step's or rule's inputs, fetched from the calls that made them. Their transfer
+        is recorded as the simulator prices an edge into the controller: from the end of the last producer (or from
+        when the controller asked, if later: it was busy before) until the data is here."""
+        asked = time.time()
+        fields = batch.resolve()
+        ends = [value.call.ended for value in batch.values() if isinstance(value, FieldFuture)]
+        if ends:
+            now = time.time()
+            self.span(role, op, ON_CONTROLLER, min(max(asked, *ends), now), now, kind="transfer")
+        return fields
+
     def worker_spans(self, role: str, op: str, set_index: int, results: list[dict]) -> None:
         """One span per stretch of call `op`, from the first rank's start to the last rank's end; every
         stretch (its input transfer, its layout switches) in the call's phase."""
@@ -141,6 +153,7 @@ class PendingCall:
         self.recorder, self.describe_failure, self.timeout_s = recorder, describe_failure, timeout_s
         self.call_id = call_id
         self._outputs: dict | None = None
+        self.ended = 0.0  # when its last rank finished (the controller's clock), once its outputs are fetched
         recorder.calls.append(self)
 
     @property
@@ -164,6 +177,9 @@ class PendingCall:
             except Exception as failure:  # a dead worker, a failed call, or a timeout: name who
                 raise RunFailed(self.describe_failure(failure)) from failure
             self.recorder.worker_spans(self.label[0], self.label[1], self.set_index, results)
+            offsets = self.recorder.clock_offsets
+            self.ended = max(timed.end - offsets[(self.set_index, rank)]
+                             for rank, result in enumerate(results) for timed in result["spans"])
             self._outputs = merge_outputs([results[r]["fields"] for r in self.collect])
             self.recorder.observed[self.label] = self._outputs
         return self._outputs
@@ -332,7 +348,7 @@ class RuleRole:
 
     def score(self, batch: Batch) -> Batch:
         greedy = from_greedy(batch)
-        fields = batch.resolve()
+        fields = self.recorder.fetched(self.name, "score", batch)
         start = time.time()
         prompts = self.decode_prompts(fields["prompts"])
         responses = self.decode(fields["responses"], fields["response_mask"])
@@ -363,7 +379,7 @@ class ExecutionController:
 
     def step(self, name: str, batch: Batch) -> Batch:
         step = STEPS[name]
-        fields = batch.select(*step.reads).resolve()
+        fields = self.recorder.fetched(CONTROLLER, name, batch.select(*step.reads))
         start = time.time()
         out = step({k: np.asarray(v, dtype=np.float64) for k, v in fields.items()}, self.state)
         self.recorder.span(CONTROLLER, name, ON_CONTROLLER, start, time.time())
