@@ -1,0 +1,93 @@
+"""`hfplan execute --logger ... --samples K --config FILE` end to end: every file of the run folder, the samples'
+scores against the reward itself, the progress lines; and the refusals that come before anything starts."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+
+import pytest
+
+from hfplan.dataflow.rewards import load_reward
+from tests.support.cli import assert_user_error, invoke
+
+
+@pytest.fixture
+def demo_plan_file(tmp_path):
+    result = invoke("search", "--workload", "demo", "--hardware", "cpu", "--gpus", 2, "--out", tmp_path / "demo.json",
+                    "--no-compare")
+    assert result.exit_code == 0, result.output
+    return tmp_path / "demo.json"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
+def test_wandb_without_its_package_is_refused_before_anything_starts(demo_plan_file, tmp_path):
+    assert_user_error(invoke("execute", demo_plan_file, "--out", tmp_path / "run", "--logger", "jsonl,wandb"),
+                      "--logger wandb needs the wandb package", "pip install '.[wandb]'")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("iterations: 2\nsampels: 2\n", "unknown option 'sampels'"),
+    ("set: {actor_lr: fast}\n", "actor_lr"),
+    ("loggers: [jsonl, mlflow]\n", "mlflow: unknown logger"),
+    ("iterations: [2\n", "not valid YAML"),
+])
+def test_a_bad_config_file_is_one_line_before_anything_starts(demo_plan_file, tmp_path, text, needle):
+    config = tmp_path / "run.yaml"
+    config.write_text(text)
+    assert_user_error(invoke("execute", demo_plan_file, "--out", tmp_path / "run", "--config", config),
+                      f"--config {config}", needle)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_bad_logger_name_on_the_command_line(demo_plan_file, tmp_path):
+    assert_user_error(invoke("execute", demo_plan_file, "--out", tmp_path / "run", "--logger", "csv,mlflow"),
+                      "--logger mlflow: unknown logger")
+
+
+@pytest.mark.slow
+def test_loggers_samples_and_config_in_one_run(demo_plan_file, tmp_path, ray_driver):
+    """The file gives the length, the progress interval, a learning rate and 3 samples; the command line gives the
+    loggers and 2 samples, which win. The demo's reward is a rule: each sample's reward is the rule's score of its
+    own text."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hfplan.executor.prompts import builtin_prompts
+
+    config = tmp_path / "run.yaml"
+    config.write_text("iterations: 2\nlog_every: 1\nsamples: 3\nset: {actor_lr: 1e-4}\n")
+    run = tmp_path / "run"
+    result = invoke("execute", demo_plan_file, "--config", config, "--out", run, "--logger", "jsonl,csv,tensorboard",
+                    "--samples", 2, "--address", ray_driver)
+    assert result.exit_code == 0, result.output
+
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in metrics] == [0, 1]
+    with (run / "metrics.csv").open(newline="") as stream:
+        table = list(csv.DictReader(stream))
+    assert list(table[0]) == list(metrics[0])  # same names, same order
+    assert [float(r["reward"]) for r in table] == [m["reward"] for m in metrics]
+    accumulator = EventAccumulator(str(run / "tensorboard"))
+    accumulator.Reload()
+    assert set(accumulator.Tags()["scalars"]) == set(metrics[0]) - {"iteration"}
+    assert [(e.step, e.value) for e in accumulator.Scalars("reward")] == \
+        [(m["iteration"], pytest.approx(m["reward"], rel=1e-6)) for m in metrics]
+
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert [(s["iteration"], s["row"]) for s in samples] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    prompts = set(builtin_prompts("tiny"))
+    rule = load_reward("rule:vowel-fraction")
+    for sample in samples:
+        assert sample["prompt"] in prompts
+        assert sample["reward"] == pytest.approx(rule.fn([sample["prompt"]], [sample["response"]], {})[0])
+    shown = [line for line in result.stderr.splitlines() if line.startswith("  sample: ")]
+    assert len(shown) == 2  # one per progress line (--log-every 1 from the file)
+    assert json.dumps(samples[2]["prompt"], ensure_ascii=False)[:40] in shown[1]
+
+    resolved = json.loads((run / "run_config.json").read_text())
+    assert resolved == {"iterations": 2, "data": None, "seed": 0, "out": str(run), "checkpoint_every": None,
+                        "keep": 2, "log_every": 1, "loggers": ["jsonl", "csv", "tensorboard"], "samples": 2,
+                        "long_prompts": "truncate", "set": {"actor_lr": 1e-4}}
