@@ -91,3 +91,28 @@ def test_loggers_samples_and_config_in_one_run(demo_plan_file, tmp_path, ray_dri
     assert resolved == {"iterations": 2, "data": None, "seed": 0, "out": str(run), "checkpoint_every": None,
                         "keep": 2, "log_every": 1, "loggers": ["jsonl", "csv", "tensorboard"], "samples": 2,
                         "long_prompts": "truncate", "set": {"actor_lr": 1e-4}}
+
+
+@pytest.mark.slow
+def test_a_reward_models_samples_are_decoded_with_the_runs_tokenizer(tmp_path, ray_driver):
+    """GRPO with a reward *model*: the controller has only token ids, and decodes the samples' rows itself. K above
+    the iteration's 8 sequences gives all of them: their rewards average to the metrics' reward, and each prompt's
+    4 samples come together."""
+    from hfplan.executor.controller import ExecuteOptions, execute
+    from hfplan.executor.prompts import builtin_prompts
+    from tests.support.executor_runs import cpu_plan, tiny_workload
+
+    models = {"actor": "tiny", "reference": "tiny", "reward": "tiny"}
+    plan = cpu_plan(tiny_workload("grpo", models), [(("actor", "reference", "reward"), 1)])
+    run = tmp_path / "run"
+    summary = execute(plan, ExecuteOptions(iterations=1, out=run, samples=100, loggers=("csv",), call_timeout_s=120,
+                                           start_timeout_s=120))
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert [s["row"] for s in samples] == list(range(8))
+    assert len({s["prompt"] for s in samples[:4]}) == len({s["prompt"] for s in samples[4:]}) == 1
+    # prompt_len is 8 bytes here: each prompt is what the model read, a built-in prompt's last 8
+    assert {s["prompt"] for s in samples} <= {prompt[-8:] for prompt in builtin_prompts("tiny")}
+    assert sum(s["reward"] for s in samples) / 8 == pytest.approx(summary.iterations[0]["reward"], rel=1e-5)
+    assert not (run / "metrics.jsonl").exists()  # only the loggers asked for
+    with (run / "metrics.csv").open(newline="") as stream:
+        assert float(next(csv.DictReader(stream))["reward"]) == summary.iterations[0]["reward"]

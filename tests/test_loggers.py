@@ -123,27 +123,37 @@ def test_a_resumed_run_supersedes_tensorboards_steps_after_its_checkpoint(tmp_pa
     assert read["reward"] == [(0, 0.0), (1, pytest.approx(0.1)), (2, pytest.approx(0.2)), (3, 9.0), (4, 9.0)]
 
 
-def test_samples_are_the_first_k_rows_decoded_with_their_scores():
-    fields = {"prompts": np.array([[1, 2], [1, 2], [3, 4]]), "responses": np.array([[5, 6], [7, 0], [8, 8]]),
-              "response_mask": np.array([[1, 1], [1, 0], [1, 1]]), "rewards": np.array([0.5, 0.25, 1.0])}
-    decoded: list[str] = []
+def test_samples_are_the_first_k_rows_decoded_with_the_runs_codec_and_their_scores():
+    """A reward model's run: the K rows' token ids decoded with the actor's tokenizer (the real codec of `tiny`)."""
+    from hfplan.executor.codec import build_codec
 
-    def decode_prompts(ids):
-        decoded.append("prompts")
-        return ["p" + "".join(map(str, row)) for row in ids]
+    codec = build_codec("tiny")
+    prompts = codec.encode(["the cat", "the cat", "a sun"], 8)
+    responses = np.full((3, 6), codec.pad_id, dtype=np.int64)
+    mask = np.zeros((3, 6), dtype=np.float32)
+    for row, text in enumerate(["aei", "xy", "zzzz"]):
+        ids = [i for i in codec.encode_batch([text])[0] if i >= 4]  # its bytes, without <bos>
+        responses[row, :len(ids)], mask[row, :len(ids)] = ids, 1
+    fields = {"prompts": prompts, "responses": responses, "response_mask": mask,
+              "rewards": np.array([0.5, 0.25, 1.0], dtype=np.float32), "costs": np.array([1.0, 2.0, 3.0])}
+    got = take_samples(4, 2, fields, None, codec.decode, codec.decode_responses)
+    assert got == [Sample(4, 0, "the cat", "aei", 0.5, 1.0), Sample(4, 1, "the cat", "xy", 0.25, 2.0)]
+    assert got[1].as_json() == {"iteration": 4, "row": 1, "prompt": "the cat", "response": "xy", "reward": 0.25,
+                                "cost": 2.0}
 
-    def decode_responses(ids, mask):
-        return ["r" + "".join(str(t) for t, m in zip(row, keep, strict=True) if m) for row, keep in zip(ids, mask,
-                                                                                                        strict=True)]
 
-    got = take_samples(4, 2, fields, None, decode_prompts, decode_responses)
-    assert got == [Sample(4, 0, "p12", "r56", 0.5), Sample(4, 1, "p12", "r7", 0.25)]
-    # a controller reward's texts are taken as they are: nothing is decoded again
-    decoded.clear()
+def test_samples_take_a_controller_rewards_texts_without_decoding_again():
+    fields = {"prompts": np.zeros((3, 2)), "responses": np.zeros((3, 2)), "response_mask": np.ones((3, 2)),
+              "rewards": np.array([0.5, 0.25, 1.0])}
+
+    def never(*_):
+        raise AssertionError("decoded again")
+
     texts = (["a", "b", "c"], ["x", "y", "z"])
-    assert take_samples(4, 5, fields, texts, decode_prompts, decode_responses)[2] == Sample(4, 2, "c", "z", 1.0)
-    assert decoded == []
-    assert take_samples(4, 0, {}, None, decode_prompts, decode_responses) == []
+    assert take_samples(4, 5, fields, texts, never, never) == [Sample(4, row, p, r, score) for row, (p, r, score)
+                                                                in enumerate(zip(*texts, [0.5, 0.25, 1.0],
+                                                                                 strict=True))]
+    assert take_samples(4, 0, {}, None, never, never) == []
 
 
 def test_samples_file_keeps_a_resumed_runs_earlier_iterations(tmp_path):
