@@ -51,21 +51,21 @@ def test_a_bad_logger_name_on_the_command_line(demo_plan_file, tmp_path):
 def test_loggers_samples_and_config_in_one_run(demo_plan_file, tmp_path, ray_driver):
     """The file gives the length, the progress interval, a learning rate and 3 samples; the command line gives the
     loggers and 2 samples, which win. The demo's reward is a rule: each sample's reward is the rule's score of its
-    own text."""
+    own text. Then `--resume --iterations 2` alone continues with the run's own options: every file goes on."""
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from hfplan.executor.prompts import builtin_prompts
 
     config = tmp_path / "run.yaml"
-    config.write_text("iterations: 2\nlog_every: 1\nsamples: 3\nset: {actor_lr: 1e-4}\n")
+    config.write_text("iterations: 1\nlog_every: 1\nsamples: 3\nset: {actor_lr: 1e-4}\n")
     run = tmp_path / "run"
     result = invoke("execute", demo_plan_file, "--config", config, "--out", run, "--logger", "jsonl,csv,tensorboard",
                     "--samples", 2, "--address", ray_driver)
     assert result.exit_code == 0, result.output
 
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["iteration"] for m in metrics] == [0, 1]
+    assert [m["iteration"] for m in metrics] == [0]
     with (run / "metrics.csv").open(newline="") as stream:
         table = list(csv.DictReader(stream))
     assert list(table[0]) == list(metrics[0])  # same names, same order
@@ -77,20 +77,32 @@ def test_loggers_samples_and_config_in_one_run(demo_plan_file, tmp_path, ray_dri
         [(m["iteration"], pytest.approx(m["reward"], rel=1e-6)) for m in metrics]
 
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
-    assert [(s["iteration"], s["row"]) for s in samples] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [(s["iteration"], s["row"]) for s in samples] == [(0, 0), (0, 1)]
     prompts = set(builtin_prompts("tiny"))
     rule = load_reward("rule:vowel-fraction")
     for sample in samples:
         assert sample["prompt"] in prompts
         assert sample["reward"] == pytest.approx(rule.fn([sample["prompt"]], [sample["response"]], {})[0])
     shown = [line for line in result.stderr.splitlines() if line.startswith("  sample: ")]
-    assert len(shown) == 2  # one per progress line (--log-every 1 from the file)
-    assert json.dumps(samples[2]["prompt"], ensure_ascii=False)[:40] in shown[1]
+    assert len(shown) == 1 and json.dumps(samples[0]["prompt"], ensure_ascii=False) in shown[0]
 
     resolved = json.loads((run / "run_config.json").read_text())
-    assert resolved == {"iterations": 2, "data": None, "seed": 0, "out": str(run), "checkpoint_every": None,
+    assert resolved == {"iterations": 1, "data": None, "seed": 0, "out": str(run), "checkpoint_every": None,
                         "keep": 2, "log_every": 1, "loggers": ["jsonl", "csv", "tensorboard"], "samples": 2,
                         "long_prompts": "truncate", "set": {"actor_lr": 1e-4}}
+
+    result = invoke("execute", demo_plan_file, "--out", run, "--resume", "--iterations", 2, "--address", ray_driver)
+    assert result.exit_code == 0, result.output
+    assert json.loads((run / "run_config.json").read_text()) == resolved | {"iterations": 2}
+    assert [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    with (run / "metrics.csv").open(newline="") as stream:
+        assert [r["iteration"] for r in csv.DictReader(stream)] == ["0", "1"]
+    accumulator = EventAccumulator(str(run / "tensorboard"))
+    accumulator.Reload()
+    assert [e.step for e in accumulator.Scalars("reward")] == [0, 1]
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert [(s["iteration"], s["row"]) for s in samples] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert len([line for line in result.stderr.splitlines() if line.startswith("  sample: ")]) == 1
 
 
 @pytest.mark.slow

@@ -85,7 +85,8 @@ class ExecuteOptions:
 
     def config(self) -> run_config.RunConfig:
         """The run's configuration (what OUT/run_config.json holds)."""
-        return run_config.RunConfig(iterations=self.iterations, data=self.data, seed=self.seed, out=str(self.out),
+        return run_config.RunConfig(iterations=self.iterations, data=None if self.data is None else str(self.data),
+                                    seed=self.seed, out=str(self.out),
                                     checkpoint_every=self.checkpoint_every, keep=self.keep, log_every=self.log_every,
                                     loggers=self.loggers, samples=self.samples, long_prompts=self.long_prompts,
                                     set=run_config.parse_assignments(self.overrides))

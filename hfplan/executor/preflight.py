@@ -72,6 +72,8 @@ def check_inputs(plan: Plan, options: ExecuteOptions) -> Inputs:
         raise HfplanError(f"--keep must be at least 1, got {options.keep}")
     if options.long_prompts not in LONG_PROMPTS:
         raise HfplanError(f"--long-prompts {options.long_prompts}: expected one of {', '.join(LONG_PROMPTS)}")
+    if options.log_every < 1:
+        raise HfplanError(f"--log-every must be at least 1, got {options.log_every}")
     if options.samples < 0:
         raise HfplanError(f"--samples must be at least 0, got {options.samples}")
     check_loggers(parse_names(options.loggers))
