@@ -115,7 +115,7 @@ def read_config(path: Path) -> dict[str, object]:
     """The options a `--config` file gives (only those it names), checked: one line for a missing or malformed
     file, an unknown key or a value of the wrong type."""
     if not path.is_file():
-        raise HfplanError(f"--config {path}: file not found")
+        raise HfplanError(f"--config {path}: {'not a file' if path.exists() else 'file not found'}")
     data = read_mapping(path, "--config")
     return _validated(data, f"--config {path}").model_dump(include=set(data))
 
