@@ -12,6 +12,8 @@ import pytest
 from hfplan.dataflow.rewards import load_reward
 from tests.support.cli import assert_user_error, invoke
 
+pytest.importorskip("torch", reason="hfplan execute needs the execute extra")
+
 
 @pytest.fixture
 def demo_plan_file(tmp_path):

@@ -125,6 +125,7 @@ def test_a_resumed_run_supersedes_tensorboards_steps_after_its_checkpoint(tmp_pa
 
 def test_samples_are_the_first_k_rows_decoded_with_the_runs_codec_and_their_scores():
     """A reward model's run: the K rows' token ids decoded with the actor's tokenizer (the real codec of `tiny`)."""
+    pytest.importorskip("tokenizers")  # the execute extra's
     from hfplan.executor.codec import build_codec
 
     codec = build_codec("tiny")
