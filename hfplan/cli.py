@@ -584,14 +584,28 @@ def render_totals(estimate, plan) -> None:
                   f"{estimate.tokens_per_s:,.0f} tokens/s ({estimate.tokens_per_s / plan.cluster.gpus:,.0f} per GPU)")
 
 
+# execute's options that a --config file (and a resumed run's run_config.json) may give: parameter -> its key
+RUN_CONFIG_OPTIONS = {"iterations": "iterations", "data": "data", "out": "out", "seed": "seed", "overrides": "set",
+                      "checkpoint_every": "checkpoint_every", "keep": "keep", "long_prompts": "long_prompts",
+                      "log_every": "log_every", "logger": "loggers", "samples": "samples"}
+
+
+def given_on_command_line(ctx: typer.Context, name: str) -> bool:
+    """Whether the user gave option `name` on the command line (not its default)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name == "COMMANDLINE"
+
+
 @app.command()
 @user_errors
 def execute(
+    ctx: typer.Context,
     plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="plan JSON (as written by `hfplan search`)")],
     iterations: Annotated[int, typer.Option(min=1, help="RLHF iterations to run")] = 40,
     data: Annotated[str | None, typer.Option(help="prompts: .parquet or .jsonl with a 'prompt' column "
                                                   "(default: the actor model's built-in set)")] = None,
-    out: Annotated[Path, typer.Option(help="run folder: metrics.jsonl, timeline.json")] = Path("run"),
+    out: Annotated[Path, typer.Option(help="run folder: metrics, timeline.json, checkpoints, run_config.json")]
+    = Path("run"),
     address: Annotated[str | None, typer.Option(help="an existing Ray cluster (default: start a local one)")] = None,
     seed: Annotated[int, typer.Option(help="seed of weights, data order and sampling")] = 0,
     overrides: Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE",
@@ -613,12 +627,23 @@ def execute(
                                                                                "cluster to answer")] = 30.0,
     log_every: Annotated[int, typer.Option(min=1, metavar="N", help="when stderr is not a terminal, a progress "
                                                                     "line every N iterations")] = 10,
+    logger: Annotated[str, typer.Option(metavar="NAMES", help="where the metrics go, comma-separated: jsonl "
+                                                              "(metrics.jsonl), csv (metrics.csv), tensorboard "
+                                                              "(tensorboard/), wandb (wandb/)")] = "jsonl",
+    samples: Annotated[int, typer.Option(min=0, metavar="K", help="write each iteration's first K sampled responses "
+                                                                  "(prompt, response, reward) to samples.jsonl; one "
+                                                                  "is shown every --log-every iterations")] = 0,
+    config_file: Annotated[Path | None, typer.Option("--config", metavar="PATH",
+                                                     help="a YAML or JSON file of these options (the command line "
+                                                          "overrides it)")] = None,
 ) -> None:
     """Run a plan for real on Ray: the single controller, torch.distributed workers, the hybrid engine."""
     require_execute_extra("execute")
     from hfplan.executor.controller import ExecuteOptions
     from hfplan.executor.controller import execute as run_plan
     from hfplan.executor.errors import RunFailed
+    from hfplan.executor.loggers import parse_names
+    from hfplan.executor.run_config import parse_assignments, resolve
     from hfplan.executor.startup import StartupLog
     from hfplan.files import check_outputs, write_outputs
     from hfplan.plan import load_plan
@@ -628,15 +653,18 @@ def execute(
     if timeline is not None:
         check_timeline_path(timeline)
     check_outputs([(timeline, "--timeline")])
+    values = {"iterations": iterations, "data": data, "out": str(out), "seed": seed, "checkpoint_every":
+              checkpoint_every, "keep": keep, "long_prompts": long_prompts, "log_every": log_every,
+              "overrides": parse_assignments(overrides or []), "logger": parse_names(logger), "samples": samples}
+    given = {key: values[name] for name, key in RUN_CONFIG_OPTIONS.items() if given_on_command_line(ctx, name)}
+    config = resolve(given, config_file, resume_run)
     plan = load_plan(plan_path)
-    options = ExecuteOptions(iterations=iterations, data=data, out=out, address=address, seed=seed,
-                             overrides=tuple(overrides or ()), checkpoint_every=checkpoint_every, keep=keep,
-                             resume=resume_run, long_prompts=long_prompts, connect_timeout_s=connect_timeout)
+    options = ExecuteOptions.from_config(config, address=address, resume=resume_run, connect_timeout_s=connect_timeout)
     last_spans: list = []
-    with _IterationProgress(iterations, log_every) as progress:
+    with _IterationProgress(options.iterations, options.log_every) as progress:
         def on_iteration(report) -> None:
             last_spans[:] = report.spans
-            progress.update(report.iteration, report.metrics)
+            progress.update(report.iteration, report.metrics, report.samples)
 
         try:
             summary = run_plan(plan, options, on_iteration, on_start=progress.started, startup=startup)
@@ -813,7 +841,7 @@ class _IterationProgress:
                               soft_wrap=True)
         self._bar.update(self._task, completed=first_iteration, status="running")
 
-    def update(self, iteration: int, metrics: dict) -> None:
+    def update(self, iteration: int, metrics: dict, samples: list | None = None) -> None:
         done = iteration + 1
         parts = [f"reward {metrics['reward']:.3f}"] if "reward" in metrics else []
         parts += [f"{key} {value:.4g}" for key, value in metrics.items() if key.endswith("loss")]
@@ -826,12 +854,25 @@ class _IterationProgress:
         elif done % self.log_every == 0 or done == self.total:
             err_console.print(f"iteration {done}/{self.total}  " + "  ".join(parts) + f"  ETA {_clock_time(left)}",
                               highlight=False, soft_wrap=True)
+        if samples and (done % self.log_every == 0 or done == self.total):
+            err_console.print(escape(sample_line(samples[0])), highlight=False, soft_wrap=True)
 
     def stop(self) -> None:
         self._bar.stop()
 
     def __exit__(self, *exc) -> None:
         self._bar.stop()
+
+
+def sample_line(sample) -> str:
+    """One sample as a progress line: `  sample: "prompt" -> "response"  reward 0.25` (texts cut at 80 characters)."""
+    def quoted(text: str) -> str:
+        shown = json.dumps(text, ensure_ascii=False)
+        return shown if len(shown) <= 80 else shown[:79] + '…"'
+
+    scores = "".join(f"  {key} {value:.3f}" for key, value in (("reward", sample.reward), ("cost", sample.cost))
+                     if value is not None)
+    return f"  sample: {quoted(sample.prompt)} -> {quoted(sample.response)}{scores}"
 
 
 def _clock_time(seconds_left: float) -> str:

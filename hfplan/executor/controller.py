@@ -1,5 +1,6 @@
 """The single controller: runs the plan's registered algorithm over worker-group roles, iteration by
-iteration, and records what happened (metrics as JSONL, the measured timeline in the simulator's format).
+iteration, and records what happened (metrics through the run's loggers, samples of its responses, the measured
+timeline in the simulator's format).
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from hfplan.dataflow.controller import ControllerState
 from hfplan.dataflow.registry import get_algorithm
 from hfplan.dataflow.roles import RoleFacts, update_field
 from hfplan.errors import HfplanError
-from hfplan.executor import compat, preflight, resume
+from hfplan.executor import compat, preflight, resume, run_config
 from hfplan.executor.data import PromptStream
 from hfplan.executor.errors import RunFailed
 from hfplan.executor.generation_order import generation_rank
 from hfplan.executor.interrupts import InterruptLatch
+from hfplan.executor.loggers import DEFAULT_LOGGERS, open_loggers
+from hfplan.executor.loggers import METRICS_FILE as METRICS_FILE  # its old home, where callers import it from
 from hfplan.executor.placement import (
     DeathWatch,
     call_every_worker,
@@ -39,12 +42,12 @@ from hfplan.executor.placement import (
     stop_sets,
 )
 from hfplan.executor.roles import ActorRole, ExecutionController, Recorder, RuleRole, WorkerGroupRole
+from hfplan.executor.samples import Sample, SamplesFile, take_samples
 from hfplan.executor.startup import StartupLog
 from hfplan.files import write_atomically
 from hfplan.layout import ROLLOUT, facts_of, rank_coords
 from hfplan.plan import Plan, Span, phase_seconds
 
-METRICS_FILE = "metrics.jsonl"
 TIMELINE_FILE = "timeline.json"
 WORKERS_FILE = "workers.json"
 RAY_LOG_FILE = "ray.log"  # what Ray prints while it starts or connects
@@ -68,6 +71,25 @@ class ExecuteOptions:
     resume: str | None = None  # continue from a checkpoint: "latest" (in `out`), an iteration of `out`, a folder
     long_prompts: str = "truncate"  # a prompt longer than prompt_len: "truncate" (with a warning) | "refuse"
     connect_timeout_s: float = 30.0  # how long an `address` cluster may take to answer
+    loggers: tuple[str, ...] = DEFAULT_LOGGERS  # where the metrics go (hfplan.executor.loggers)
+    samples: int = 0  # the first K sampled sequences of each iteration as text, in samples.jsonl
+    log_every: int = 10  # the caller's progress lines (kept with the run's configuration)
+
+    @classmethod
+    def from_config(cls, config: run_config.RunConfig, **others) -> ExecuteOptions:
+        """A run's options from its configuration, and those that are not part of it (address, resume, ...)."""
+        return cls(iterations=config.iterations, data=config.data, out=Path(config.out), seed=config.seed,
+                   overrides=config.overrides, checkpoint_every=config.checkpoint_every, keep=config.keep,
+                   long_prompts=config.long_prompts, loggers=config.loggers, samples=config.samples,
+                   log_every=config.log_every, **others)
+
+    def config(self) -> run_config.RunConfig:
+        """The run's configuration (what OUT/run_config.json holds)."""
+        return run_config.RunConfig(iterations=self.iterations, data=None if self.data is None else str(self.data),
+                                    seed=self.seed, out=str(self.out),
+                                    checkpoint_every=self.checkpoint_every, keep=self.keep, log_every=self.log_every,
+                                    loggers=self.loggers, samples=self.samples, long_prompts=self.long_prompts,
+                                    set=run_config.parse_assignments(self.overrides))
 
 
 @dataclass
@@ -75,6 +97,7 @@ class IterationReport:
     iteration: int
     metrics: dict[str, float]
     spans: list[Span]
+    samples: list[Sample] = field(default_factory=list)  # the first `samples` sequences as text
 
 
 @dataclass
@@ -135,6 +158,7 @@ def execute(plan: Plan, options: ExecuteOptions,
     made_out = not out.exists()
     _prepare_out(out)
     resume.clear_partial(out)
+    run_config.write_config(options.config(), out)
     ray_session = _RaySession(options.address, plan, inputs.device)
     sets: list = []
     watch = DeathWatch(sets)
@@ -235,24 +259,27 @@ def _run_on_sets(plan: Plan, checked: preflight.Checked, options: ExecuteOptions
     progress = start_progress(plan, checked, options, start.controller if start else None)
     summary.iterations = list(start.controller.metrics) if start else []
     timeline: list[dict] = list(start.controller.timeline) if start else []
-    metrics_path = out / METRICS_FILE
-    metrics_path.write_text("".join(json.dumps(m, allow_nan=False) + "\n" for m in summary.iterations))
-    interrupt.check()
-    startup.write(out, time.time())
-    if on_start is not None:
-        on_start(progress.iteration, start.folder if start else None)
-    for report in run_iterations(plan, roles, checked, options, recorder, progress):
+    samples = SamplesFile(out, progress.iteration) if options.samples else None
+    with open_loggers(options.loggers, out, summary.iterations, progress.iteration,
+                      options.config().model_dump(mode="json")) as loggers:
         interrupt.check()
-        check_finite(report)
-        summary.iterations.append(report.metrics)
-        with metrics_path.open("a") as sink:
-            sink.write(json.dumps(report.metrics, allow_nan=False) + "\n")
-        timeline.append({"iteration": report.iteration, "spans": [s.model_dump() for s in report.spans]})
-        every = options.checkpoint_every
-        if progress.iteration == options.iterations or (every and progress.iteration % every == 0):
-            summary.checkpoint = _write_checkpoint(sets, plan, run, progress, summary.iterations, timeline, options)
-        if on_iteration is not None:
-            on_iteration(report)
+        startup.write(out, time.time())
+        if on_start is not None:
+            on_start(progress.iteration, start.folder if start else None)
+        for report in run_iterations(plan, roles, checked, options, recorder, progress):
+            interrupt.check()
+            check_finite(report)
+            summary.iterations.append(report.metrics)
+            loggers.log(report.metrics)
+            if samples is not None:
+                samples.write(report.samples)
+            timeline.append({"iteration": report.iteration, "spans": [s.model_dump() for s in report.spans]})
+            every = options.checkpoint_every
+            if progress.iteration == options.iterations or (every and progress.iteration % every == 0):
+                summary.checkpoint = _write_checkpoint(sets, plan, run, progress, summary.iterations, timeline,
+                                                       options)
+            if on_iteration is not None:
+                on_iteration(report)
     summary.peak_memory_bytes = ask_workers(sets, "peak_memory_bytes", options.call_timeout_s)
     write_atomically(out / WORKERS_FILE, json.dumps({"pids": pids, "nodes": summary.nodes,
                                                      "peak_memory_bytes": summary.peak_memory_bytes}, indent=2) + "\n")
@@ -360,8 +387,10 @@ def run_iterations(plan: Plan, roles: dict, checked: preflight.Checked, options:
         elapsed = time.time() - recorder.origin
         recorder.finish_iteration()
         metrics = iteration_metrics(plan, iteration, elapsed, recorder, update_metrics, progress.state)
+        samples = take_samples(iteration, options.samples, sampled_outputs(recorder), recorder.texts.get(False),
+                               checked.decode_prompts, checked.decode_responses) if options.samples else []
         progress.iteration += 1
-        yield IterationReport(iteration, metrics, list(recorder.spans))
+        yield IterationReport(iteration, metrics, list(recorder.spans), samples)
 
 
 def _worker_group_roles(plan: Plan, sets, recorder: Recorder, timeout_s: float
@@ -386,14 +415,21 @@ def _layouts(plan: Plan, role: str) -> dict:
     return {kind: layout for kind in ("train", "infer", "gen") if (layout := getattr(par, kind)) is not None}
 
 
+def sampled_outputs(recorder: Recorder) -> dict:
+    """The fields of this iteration's sampled (not greedy) responses, by name: the generation's outputs, the
+    scores, log-probs and values of those responses."""
+    seen: dict = {}
+    for (_, _, greedy), outputs in recorder.observed.items():
+        if not greedy:
+            seen |= outputs
+    return seen
+
+
 def iteration_metrics(plan: Plan, iteration: int, elapsed: float, recorder: Recorder, updates: dict,
                       state: ControllerState) -> dict:
     """What one iteration did: speed, the sampled responses' scores and lengths, the KL to the
     reference, each trained role's update metrics (`<role>/<name>`), and seconds per stage."""
-    seen: dict = {}  # the fields of this iteration's sampled (not greedy) responses, by name
-    for (_, _, greedy), outputs in recorder.observed.items():
-        if not greedy:
-            seen |= outputs
+    seen = sampled_outputs(recorder)
     mask = seen["response_mask"]
     metrics: dict[str, float] = {"iteration": iteration, "iteration_s": elapsed,
                                  "tokens_per_s": plan.workload.tokens_per_iteration / elapsed,

@@ -15,6 +15,8 @@ import numpy as np
 
 from hfplan.dataflow.rewards import Reward, is_rule, load_reward
 from hfplan.errors import HfplanError
+from hfplan.executor.loggers import check_available as check_loggers
+from hfplan.executor.loggers import parse_names
 from hfplan.files import check_new_folder
 from hfplan.hyperparams import Hyperparameters, with_overrides
 from hfplan.layout import generating_role, unsupported_role
@@ -70,6 +72,11 @@ def check_inputs(plan: Plan, options: ExecuteOptions) -> Inputs:
         raise HfplanError(f"--keep must be at least 1, got {options.keep}")
     if options.long_prompts not in LONG_PROMPTS:
         raise HfplanError(f"--long-prompts {options.long_prompts}: expected one of {', '.join(LONG_PROMPTS)}")
+    if options.log_every < 1:
+        raise HfplanError(f"--log-every must be at least 1, got {options.log_every}")
+    if options.samples < 0:
+        raise HfplanError(f"--samples must be at least 0, got {options.samples}")
+    check_loggers(parse_names(options.loggers))
     hyper = with_overrides(plan.workload.hyperparameters, list(options.overrides))
     device, backend = check_hardware(plan)
     check_layouts(plan)

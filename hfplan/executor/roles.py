@@ -50,12 +50,15 @@ class Recorder:
     next_call_id: int = 0  # numbers every role call of the run, in dispatch order
     first_call_id: int = 0  # the current iteration's first: workers keep the outputs of its calls and later
     prompt_columns: dict[str, list] = field(default_factory=dict)  # one value per prompt of the iteration
+    # (prompts, responses) as a controller reward decoded them, by greedy: what --samples shows without decoding
+    texts: dict[bool, tuple[list[str], list[str]]] = field(default_factory=dict)
 
     def start_iteration(self, prompt_columns: dict[str, list] | None = None) -> None:
         self.origin = time.time()
         self.prompt_columns = prompt_columns or {}
         self.spans = []
         self.observed = {}
+        self.texts = {}
         self.calls = []
         self.first_call_id = self.next_call_id
 
@@ -360,6 +363,7 @@ class RuleRole:
         out = {self.facts.output: scores}
         self.recorder.span(self.name, "score", ON_CONTROLLER, start, time.time())
         self.recorder.observed[(self.name, "score", greedy)] = out
+        self.recorder.texts[greedy] = (prompts, responses)
         return Batch(out)
 
 
