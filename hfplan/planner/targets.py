@@ -250,10 +250,10 @@ def _verl_train(per_step: int, role: str, train: TrainConfig) -> str | None:
 
 def _verl_infer(role: str, infer: InferConfig) -> str | None:
     """verl's reward loop serves the reward model with vLLM replicas (reward.reward_model.rollout), outside the
-    training backend; hfplan writes their tensor-parallel size only."""
+    training backend; its rollout config refuses a vLLM pipeline (pipeline_model_parallel_size > 1)."""
     if role == "reward" and infer.pp > 1:
         return (f"reward infers with pp={infer.pp}: verl serves the reward model with vLLM replicas "
-                "(reward.reward_model.rollout), and hfplan exports them with one pipeline stage")
+                "(reward.reward_model.rollout), which run one pipeline stage")
     return None
 
 
@@ -283,7 +283,7 @@ def verl_target(workload: Workload) -> Target:
                   "or in its own pool); FSDP training (tp = pp = 1; full, hybrid of any fsdp_size, or ZeRO-2; full "
                   "recomputation) or Megatron (tp x pp, virtual stages; replicated or ZeRO-1; selective or full "
                   "recomputation); vLLM rollout, continuous batching in a paged KV cache, any tensor-parallel size; "
-                  "the reward model served by vLLM (one pipeline stage)",
+                  "the reward model served by vLLM (any tensor-parallel size, one pipeline stage)",
                   VERL,
                   (rules,), _verl_workload, _verl_placement, train, _verl_infer, gen_problem=gen)
 
@@ -298,9 +298,6 @@ def _openrlhf_workload(workload: Workload) -> str | None:
     if workload.algorithm not in OPENRLHF_ALGORITHMS:
         return (f"OpenRLHF's train_ppo_ray has no {workload.algorithm} estimator (it runs "
                 f"{', '.join(OPENRLHF_ALGORITHMS)} through --algo.advantage.estimator)")
-    if workload.algorithm == "grpo" and workload.samples_per_prompt < 2:
-        return ("OpenRLHF's group_norm estimator needs more than one response per prompt (train_ppo_ray.py asserts "
-                "--rollout.n_samples_per_prompt > 1); this workload samples one")
     return _shared_models("OpenRLHF", workload)
 
 
