@@ -1,6 +1,6 @@
 """Other systems' mappings (hfplan/planner/baselines.py): each plan obeys its system's rules, the
 search within those rules finds the same optimum as a brute-force enumeration written here from the
-systems' descriptions (OpenRLHF's from openrlhf/cli/train_ppo_ray.py at 3c3be623), and hfplan's own
+systems' descriptions (OpenRLHF's from openrlhf/cli/train_ppo_ray.py in openrlhf 0.11.2), and hfplan's own
 search (a superset of the colocated mappings) is never slower than the colocated ones."""
 
 from __future__ import annotations

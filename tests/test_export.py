@@ -1,7 +1,8 @@
 """`hfplan export`: plans found by `--target` export without refusal; every key or flag written is one the
-framework defines (hfplan/export/known/*.txt, read from verl's generated trainer configs at b178a3cd5 and
-OpenRLHF's openrlhf/cli/train_ppo_ray.py at 3c3be623); GPU counts and batch sizes in the output match the
-plan; the YAML says what the command says; refusals and bad input are one line, exit code 2."""
+targeted release defines (hfplan/export/known/*.txt, written by scripts/export_keys.py from the wheels of verl
+0.9.1, its generated trainer configs, and openrlhf 0.11.2, its openrlhf/cli/train_ppo_ray.py); GPU counts and
+batch sizes in the output match the plan; the YAML says what the command says; refusals and bad input are one
+line, exit code 2."""
 
 from __future__ import annotations
 
@@ -20,17 +21,28 @@ from hfplan.spec import load_workload, make_cluster
 from tests.support.cli import assert_user_error, invoke
 from tests.support.plans import build_plan
 
-SOURCES = {"verl-fsdp": ("verl/trainer/config/_generated_ppo_trainer.yaml", "b178a3cd5"),
-           "verl-megatron": ("verl/trainer/config/_generated_ppo_megatron_trainer.yaml", "b178a3cd5"),
-           "openrlhf": ("openrlhf/cli/train_ppo_ray.py", "3c3be623")}
+VERL_WHEEL, OPENRLHF_WHEEL = "verl-0.9.1-py3-none-any.whl", "openrlhf-0.11.2-cp311-cp311-manylinux1_x86_64.whl"
+SOURCES = {"verl-0.9.1-fsdp": ("verl 0.9.1", "verl/trainer/config/_generated_ppo_trainer.yaml", VERL_WHEEL),
+           "verl-0.9.1-megatron": ("verl 0.9.1", "verl/trainer/config/_generated_ppo_megatron_trainer.yaml",
+                                   VERL_WHEEL),
+           "openrlhf-0.11.2": ("openrlhf 0.11.2", "openrlhf/cli/train_ppo_ray.py", OPENRLHF_WHEEL)}
 
 
 def known(name: str) -> set[str]:
     text = resources.files("hfplan.export").joinpath("known", f"{name}.txt").read_text()
-    header = [line for line in text.splitlines() if line.startswith("#")]
-    path, commit = SOURCES[name]
-    assert path in " ".join(header) and commit in " ".join(header)  # each list names its source
+    header = " ".join(line for line in text.splitlines() if line.startswith("#"))
+    assert all(fact in header for fact in SOURCES[name])  # each list names its release, file and wheel
     return {line for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_the_known_lists_are_those_of_the_targeted_releases():
+    """Only the targeted releases' lists ship (the source-snapshot lists are gone), and the targets name them."""
+    from hfplan.planner.targets import OPENRLHF, VERL
+
+    shipped = {p.name for p in resources.files("hfplan.export").joinpath("known").iterdir()}
+    assert shipped == {f"{name}.txt" for name in SOURCES}
+    assert (VERL.version, VERL.wheel, OPENRLHF.version, OPENRLHF.wheel) == ("0.9.1", VERL_WHEEL, "0.11.2",
+                                                                            OPENRLHF_WHEEL)
 
 
 def _shell_words(command: str) -> list[str]:
@@ -72,16 +84,23 @@ def _pool(nodes: str, per_node: str) -> int:
 
 def check_verl_command(plan, command: str) -> None:
     config, o = verl_overrides(command)
-    backend = "verl-megatron" if config == "ppo_megatron_trainer" else "verl-fsdp"
+    backend = "verl-0.9.1-megatron" if config == "ppo_megatron_trainer" else "verl-0.9.1-fsdp"
+    # the reward loop's keys only: the legacy top-level ones are in the schema but main_ppo reads none of them
+    assert not [k for k in o if k.startswith(("reward_model.", "custom_reward_function."))]
     assert set(o) <= known(backend)
     w, par = plan.workload, plan.parallelism
     assert _pool(o["trainer.nnodes"], o["trainer.n_gpus_per_node"]) == plan.placement[plan.set_of("actor")].gpus
     assert int(o["trainer.n_gpus_per_node"]) <= plan.cluster.gpus_per_node
     reward_own = "reward" in par and plan.set_of("reward") != plan.set_of("actor")
-    assert (o.get("reward_model.enable_resource_pool") == "true") == reward_own
+    rm = "reward.reward_model"
+    assert (o.get(f"{rm}.enable_resource_pool") == "true") == reward_own
     if reward_own:
-        assert _pool(o["reward_model.nnodes"], o["reward_model.n_gpus_per_node"]) == \
-            plan.placement[plan.set_of("reward")].gpus
+        assert _pool(o[f"{rm}.nnodes"], o[f"{rm}.n_gpus_per_node"]) == plan.placement[plan.set_of("reward")].gpus
+    if "reward" in par:
+        assert o[f"{rm}.enable"] == "true" and o[f"{rm}.rollout.name"] == "vllm"
+        assert int(o[f"{rm}.rollout.tensor_model_parallel_size"]) == par["reward"].infer.tp
+    else:
+        assert o[f"{rm}.enable"] == "false" and o["reward.custom_reward_function.path"] == "$REWARD_FN"
     assert int(o["data.train_batch_size"]) == w.batch_prompts
     assert int(o["actor_rollout_ref.rollout.n"]) == w.samples_per_prompt
     assert int(o["actor_rollout_ref.actor.ppo_mini_batch_size"]) * w.mini_batches == w.batch_prompts
@@ -99,18 +118,18 @@ def check_verl_command(plan, command: str) -> None:
         if role not in par:
             continue
         train = par[role].train
-        if backend == "verl-megatron":
+        if backend == "verl-0.9.1-megatron":
             assert int(o[f"{prefix}.megatron.tensor_model_parallel_size"]) == train.tp
             assert int(o[f"{prefix}.megatron.pipeline_model_parallel_size"]) == train.pp
         else:
-            fsdp = "actor_rollout_ref.actor.fsdp_config" if role == "actor" else "critic.model.fsdp_config"
+            fsdp = "actor_rollout_ref.actor.fsdp_config" if role == "actor" else "critic.fsdp"
             assert int(o[f"{fsdp}.fsdp_size"]) == (train.shard_group if train.shard == "hybrid" else -1)
             assert (train.tp, train.pp) == (1, 1)
 
 
 def check_openrlhf_command(plan, command: str) -> None:
     f = openrlhf_flags(command)
-    assert set(f) <= known("openrlhf")
+    assert set(f) <= known("openrlhf-0.11.2")
     w, par = plan.workload, plan.parallelism
     used = {}
     for role, prefix in (("actor", "actor"), ("reference", "ref"), ("critic", "critic"), ("reward", "reward")):
@@ -167,8 +186,8 @@ def test_hybrid_and_zero2_fsdp_plans_write_fsdp_size_and_reshard(tmp_path):
     assert config == "ppo_trainer"
     assert o["actor_rollout_ref.actor.fsdp_config.fsdp_size"] == "8"
     assert o["actor_rollout_ref.actor.fsdp_config.reshard_after_forward"] == "true"
-    assert o["critic.model.fsdp_config.fsdp_size"] == "-1"
-    assert o["critic.model.fsdp_config.reshard_after_forward"] == "false"
+    assert o["critic.fsdp.fsdp_size"] == "-1"
+    assert o["critic.fsdp.reshard_after_forward"] == "false"
     assert (o["trainer.nnodes"], o["trainer.n_gpus_per_node"]) == ("4", "8")
 
 
@@ -197,8 +216,9 @@ def test_export_prints_the_command_and_writes_the_file(searched, tmp_path, targe
 
     plan = load_plan(searched[target])
     CHECKS[target](plan, result.stdout)
-    version = "b178a3cd5" if target == "verl" else "3c3be623"
-    assert version in result.stdout.splitlines()[0]
+    release = "verl 0.9.1 (pip install verl==0.9.1)" if target == "verl" else \
+        "OpenRLHF 0.11.2 (pip install openrlhf==0.11.2)"
+    assert f"written for {release}" in result.stdout.splitlines()[0]
     text = out.read_text()
     if target == "verl":
         config = yaml.safe_load(text)
@@ -285,7 +305,7 @@ def test_megatron_plans_write_virtual_stages_and_selective_recomputation():
         "actor": RoleParallelism(train=interleaved, infer=infer, gen=GenConfig(tp=2, dp=4, batching="continuous",
                                                                               kv_cache="paged")),
         "critic": RoleParallelism(train=plain, infer=infer), "reference": RoleParallelism(infer=infer),
-        "reward": RoleParallelism(infer=infer)})
+        "reward": RoleParallelism(infer=InferConfig(tp=2, dp=4, micro_batch=2))})  # vLLM servers: one stage
     config, o = verl_overrides(export_plan(plan, "verl").command)
     assert config == "ppo_megatron_trainer"
     megatron = "actor_rollout_ref.actor.megatron"
@@ -293,4 +313,127 @@ def test_megatron_plans_write_virtual_stages_and_selective_recomputation():
     assert o[f"{megatron}.override_transformer_config.recompute_granularity"] == "selective"
     assert "critic.megatron.virtual_pipeline_model_parallel_size" not in o
     assert o["critic.megatron.override_transformer_config.recompute_granularity"] == "full"
-    assert set(o) <= known("verl-megatron")
+    assert o["reward.reward_model.rollout.tensor_model_parallel_size"] == "2"
+    assert set(o) <= known("verl-0.9.1-megatron")
+
+
+# -- every key and flag of a range of plans is in the release's list ----------------------------------------
+def _rule_reward(algorithm: str):
+    from tests.support.plans import small_workload
+
+    models = {"actor": "qwen2.5-0.5b", "reference": "qwen2.5-0.5b", "reward": "rule:vowel-fraction"}
+    return small_workload(algorithm, models=models | ({"critic": "qwen2.5-0.5b"} if algorithm == "ppo" else {}))
+
+
+RULE_CASES = [(target, algorithm) for target in ("verl", "openrlhf") for algorithm in ("ppo", "grpo")] + \
+    [("verl", "remax")]
+
+
+@pytest.mark.parametrize(("target", "algorithm"), RULE_CASES, ids=[f"{t}-{a}" for t, a in RULE_CASES])
+def test_rule_reward_plans_write_only_the_releases_keys(target, algorithm):
+    workload = _rule_reward(algorithm)
+    result = search_target(get_target(target, workload), workload, make_cluster(8, "a100-80g"), top_k=2)
+    for plan in result.top:
+        out = export_plan(plan, target)
+        CHECKS[target](plan, out.command)  # the keys in the list, pools and batches as planned
+        if target == "openrlhf":
+            assert openrlhf_flags(out.command)["--reward.remote_url"] == "$REWARD_URL"
+
+
+def test_a_reward_model_in_its_own_pool_is_the_reward_loops_pool():
+    """verl 0.9.1: reward.reward_model.enable_resource_pool with its nnodes x n_gpus_per_node, and vLLM servers of
+    the reward's tensor-parallel size; the FSDP roles keep FSDP although the reward runs tp=4."""
+    from hfplan.plan import InferConfig, RoleParallelism
+
+    workload = load_workload("ppo-llama2-7b")
+    plan = build_plan(workload, [(["actor", "critic", "reference"], 32), (["reward"], 16)], tp=1,
+                      batching="continuous", kv_cache="paged",
+                      overrides={"reward": RoleParallelism(infer=InferConfig(tp=4, dp=4, micro_batch=4))})
+    command = export_plan(plan, "verl").command
+    check_verl_command(plan, command)
+    config, o = verl_overrides(command)
+    assert config == "ppo_trainer"
+    assert (o["reward.reward_model.nnodes"], o["reward.reward_model.n_gpus_per_node"]) == ("2", "8")
+    assert o["reward.reward_model.rollout.tensor_model_parallel_size"] == "4"
+
+
+def test_keys_the_releases_dropped_are_refused_by_the_exporters_check():
+    """The guard every export runs: verl 0.9.1 has no reward-model micro-batch or Megatron reward keys (the reward
+    loop replaced them) and no critic.model.fsdp_config; the check names what is missing."""
+    from hfplan.export.common import check_known
+
+    gone = ["reward_model.micro_batch_size_per_gpu", "reward_model.megatron.tensor_model_parallel_size",
+            "critic.model.fsdp_config.fsdp_size"]
+    for name in ("verl-0.9.1-fsdp", "verl-0.9.1-megatron"):
+        with pytest.raises(AssertionError, match="reward_model.micro_batch_size_per_gpu"):
+            check_known(gone, name)
+        assert not set(gone) & known(name)
+    check_known(["--actor.adam.lr", "--critic.adam.lr"], "openrlhf-0.11.2")  # flags made in a loop over roles
+
+
+# -- scripts/export_keys.py ------------------------------------------------------------------------------
+def _script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "export_keys.py"
+    spec = importlib.util.spec_from_file_location("export_keys", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_script_reads_leaf_keys_from_yaml():
+    script = _script()
+    text = "a:\n  b: 1\n  c:\n    d: null\n  e: {}\n  f: [1, 2]\nlast: ???\n"
+    assert script.yaml_keys(text) == ["a.b", "a.c.d", "a.e", "a.f", "last"]
+    with pytest.raises(script.ExtractError, match="not a mapping"):
+        script.yaml_keys("- a\n- b\n")
+
+
+def test_the_script_reads_argparse_flags_without_running_the_code():
+    script = _script()
+    source = '''
+import argparse
+raise SystemExit("never run")
+parser = argparse.ArgumentParser()
+parser.add_argument("--train.batch_size", type=int)
+parser.add_argument("-v", "--verbose", action="store_true")
+parser.add_argument("data")  # positional: not a flag
+for role in ("actor", "critic"):
+    parser.add_argument(f"--{role}.adam.lr", type=float)
+    parser.add_argument(f"--{role}.no_x", dest=f"{role}.x", action="store_false")
+'''
+    assert script.argparse_flags(source) == ["--actor.adam.lr", "--actor.no_x", "--critic.adam.lr",
+                                             "--critic.no_x", "--train.batch_size", "--verbose", "-v"]
+    for unreadable in ('for r in roles():\n    p.add_argument(f"--{r}.lr")\n', 'p.add_argument(FLAG)\n',
+                       'p.add_argument(f"--{x!r}")\n'):
+        with pytest.raises(script.ExtractError, match="line"):
+            script.argparse_flags(unreadable)
+
+
+def test_the_script_writes_lists_that_name_the_release_and_wheel(tmp_path):
+    """A wheel made here (a zip: the platform wheel's purelib layout) -> the list with its header; a wheel of
+    another release, or one without the file, is one line and exit 2."""
+    import hashlib
+    import zipfile
+
+    script = _script()
+    wheel = tmp_path / "openrlhf-9.9-cp311-cp311-manylinux1_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("openrlhf-9.9.data/purelib/openrlhf/cli/train_ppo_ray.py", 'p.add_argument("--a.b")\n')
+    out = tmp_path / "known"
+    out.mkdir()
+    assert script.main(["openrlhf", "9.9", "--wheel", str(wheel), "--out", str(out)]) == 0
+    lines = (out / "openrlhf-9.9.txt").read_text().splitlines()
+    assert lines[-1] == "--a.b" and all(line.startswith("#") for line in lines[:-1])
+    header = " ".join(lines[:-1])
+    assert "openrlhf 9.9" in header and wheel.name in header and "openrlhf/cli/train_ppo_ray.py" in header
+    assert hashlib.sha256(wheel.read_bytes()).hexdigest() in header
+    assert script.main(["openrlhf", "9.8", "--wheel", str(wheel), "--out", str(out)]) == 2
+    assert script.main(["verl", "9.9", "--wheel", str(tmp_path / "verl-9.9-py3-none-any.whl"), "--out",
+                        str(out)]) == 2  # no such file
+    with zipfile.ZipFile(tmp_path / "verl-9.9-py3-none-any.whl", "w") as z:
+        z.writestr("verl/other.yaml", "a: 1\n")
+    assert script.main(["verl", "9.9", "--wheel", str(tmp_path / "verl-9.9-py3-none-any.whl"), "--out",
+                        str(out)]) == 2

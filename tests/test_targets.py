@@ -1,7 +1,7 @@
-"""Targets (hfplan/planner/targets.py): the verl search equals a brute force written here from verl's
-launcher and configs (verl/trainer/main_ppo.py, verl/workers/fsdp_workers.py and the two generated
-trainer configs at b178a3cd5); plans a target cannot run are refused with the reason; workloads outside
-a framework are refused up front."""
+"""Targets (hfplan/planner/targets.py): the verl search equals a brute force written here from verl 0.9.1's
+trainer and configs (verl/trainer/ppo/v1/trainer_base.py's resource pools, the FSDP engine, the reward loop's
+vLLM reward servers and the two generated trainer configs in verl-0.9.1-py3-none-any.whl); plans a target cannot
+run are refused with the reason; workloads outside a framework are refused up front."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from tests.support.plans import build_plan, small_workload
 # -- verl, as its launcher describes it -----------------------------------------------------------------
 def verl_placements(roles) -> list[tuple[tuple[str, ...], ...]]:
     """One global pool for actor (with rollout and reference) and critic; the reward model in it, or in its
-    own reward pool (reward_model.enable_resource_pool)."""
+    own reward pool (reward.reward_model.enable_resource_pool)."""
     out = [(tuple(roles),)]
     if "reward" in roles:
         out.append((tuple(r for r in roles if r != "reward"), ("reward",)))
@@ -52,8 +52,12 @@ def verl_backends(role: str, par) -> set[str]:
 
 
 def verl_plan_ok(workload, pars) -> bool:
+    """One backend for the trained roles and the reference; the reward model is the reward loop's vLLM servers
+    (reward.reward_model.rollout), outside the backend, one pipeline stage (its rollout config refuses more)."""
     per_step = workload.sequences // workload.mini_batches
-    if not set.intersection(*(verl_backends(r, p) for r, p in pars.items())):
+    if not set.intersection(*(verl_backends(r, p) for r, p in pars.items() if r != "reward")):
+        return False
+    if "reward" in pars and pars["reward"].infer.pp > 1:
         return False
     return all(per_step % p.train.dp == 0 and (per_step // p.train.dp) % p.train.micro_batch == 0
                for p in pars.values() if p.train is not None)
@@ -190,7 +194,7 @@ def test_verl_recomputes_selectively_and_interleaves_only_under_megatron_and_gen
         critic = RoleParallelism(train=train, infer=InferConfig(tp=train.tp, pp=train.pp, dp=train.dp,
                                                                 micro_batch=train.micro_batch))
         return build_plan(workload, sets, overrides={"actor": actor, "critic": critic, "reference": critic.model_copy(
-            update={"train": None}), "reward": critic.model_copy(update={"train": None})})
+            update={"train": None}), "reward": RoleParallelism(infer=InferConfig(dp=8))})  # vLLM: one stage
 
     megatron = TrainConfig(pp=2, dp=4, micro_batch=2, shard="zero1", recompute="selective", virtual_stages=3)
     assert get_target("verl", workload).plan_problem(plan_of(megatron)) is None
@@ -250,6 +254,22 @@ def test_openrlhf_refuses_what_its_flags_cannot_say():
                       overrides={"actor": stage3, "critic": stage2})
     assert _refusal("openrlhf", plan) == ("OpenRLHF has one ZeRO stage (--ds.zero_stage); this plan gives actor full "
                                           "and critic zero2")
+
+
+def test_verl_serves_the_reward_model_outside_the_training_backend():
+    """verl 0.9.1's reward loop serves the reward model with vLLM: a tensor-parallel reward beside FSDP roles is
+    a verl plan (before, it forced Megatron on every role); a pipelined one is refused."""
+    workload = small_workload()
+    sets = [(["actor", "critic", "reference", "reward"], 8)]
+    fsdp = RoleParallelism(train=TrainConfig(dp=8, micro_batch=2, shard="full"), infer=InferConfig(dp=8),
+                           gen=GenConfig(tp=2, dp=4, batching="continuous", kv_cache="paged"))
+    critic = fsdp.model_copy(update={"gen": None})
+    for infer, problem in ((InferConfig(tp=2, dp=4), None), (InferConfig(pp=2, dp=4), "reward infers with pp=2")):
+        plan = build_plan(workload, sets, overrides={"actor": fsdp, "critic": critic,
+                                                     "reference": RoleParallelism(infer=InferConfig(dp=8)),
+                                                     "reward": RoleParallelism(infer=infer)})
+        found = get_target("verl", workload).plan_problem(plan)
+        assert found is None if problem is None else problem in found
 
 
 @pytest.mark.parametrize(("target", "workload", "needle"), [

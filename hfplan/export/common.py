@@ -1,6 +1,6 @@
 """What every exporter shares: the refusal of plans a target cannot run, model paths, placeholders, the
-lists of keys and flags each framework defines (hfplan/export/known/*.txt, read from its source files
-at the commit named in each list's header), and the result."""
+lists of keys and flags each framework release defines (hfplan/export/known/<framework>-<version>*.txt, written
+by scripts/export_keys.py from the release's wheel named in each list's header), and the result."""
 
 from __future__ import annotations
 

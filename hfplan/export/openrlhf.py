@@ -1,9 +1,9 @@
 """A plan as OpenRLHF's `python3 -m openrlhf.cli.train_ppo_ray` command line.
 
-Flags are those openrlhf/cli/train_ppo_ray.py defines at the commit the OpenRLHF target names
-(hfplan.planner.targets.OPENRLHF); every flag written is checked against them. Batch sizes follow
-OpenRLHF's units: --rollout.batch_size counts prompts, --train.batch_size the samples of one optimizer
-step, micro-batch sizes samples per GPU.
+Flags are those openrlhf/cli/train_ppo_ray.py defines in the wheel of the release the OpenRLHF target names
+(hfplan.planner.targets.OPENRLHF; known/openrlhf-<version>.txt); every flag written is checked against them.
+Batch sizes follow OpenRLHF's units: --rollout.batch_size counts prompts, --train.batch_size the samples of one
+optimizer step, micro-batch sizes samples per GPU.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from hfplan.planner.targets import OPENRLHF, OPENRLHF_ALGORITHMS, ZERO_STAGES
 
 PROMPT_DATA = Env("PROMPT_DATA", "a dataset of prompts (Hugging Face name or path) with a `prompt` column")
 REWARD_URL = Env("REWARD_URL", "a remote reward model URL or a Python reward function file (--reward.remote_url)")
-KNOWN = "openrlhf"
+KNOWN = f"openrlhf-{OPENRLHF.version}"
 _FLAG_PREFIX = {"actor": "actor", "reference": "ref", "critic": "critic", "reward": "reward"}
 
 
@@ -85,7 +85,7 @@ def export(plan: Plan, source: str = "the plan") -> Export:
     checked_target(plan, "openrlhf")
     pairs = flags(plan)
     envs = [PROMPT_DATA] + ([REWARD_URL] if is_rule(plan.workload.models["reward"]) else [])
-    header = [f"# hfplan export --to openrlhf: written against {OPENRLHF.label}",
+    header = [f"# hfplan export --to openrlhf: written for {OPENRLHF.label}",
               f"# from {source}: {plan.workload.algorithm} on {plan.cluster.gpus} x {plan.cluster.hardware}"
               + (f", {plan.estimate.iteration_s:.2f} s per iteration simulated" if plan.estimate else ""),
               "# run it on the Ray cluster's head node (or under `ray job submit --address ... --`)"]

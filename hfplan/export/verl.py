@@ -1,10 +1,11 @@
 """A plan as verl's `python3 -m verl.trainer.main_ppo` Hydra overrides, and as a YAML config.
 
 Keys are those of verl/trainer/config/_generated_ppo_trainer.yaml (FSDP backend) and
-_generated_ppo_megatron_trainer.yaml (Megatron backend, `--config-name=ppo_megatron_trainer`) at the
-commit the verl target names (hfplan.planner.targets.VERL); every key written is checked against them.
-Batch sizes follow verl's units: data.train_batch_size and ppo_mini_batch_size count prompts (verl
-multiplies by rollout.n), micro-batch sizes count sequences per GPU.
+_generated_ppo_megatron_trainer.yaml (Megatron backend, `--config-name=ppo_megatron_trainer`) in the wheel of
+the release the verl target names (hfplan.planner.targets.VERL; known/verl-<version>-*.txt); every key written
+is checked against them. Batch sizes follow verl's units: data.train_batch_size and ppo_mini_batch_size count
+prompts (verl multiplies by rollout.n), micro-batch sizes count sequences per GPU. The reward model is the
+reward loop's (`reward.reward_model.*`): vLLM servers of its tensor-parallel size, whatever the training backend.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ TRAIN_FILES = Env("TRAIN_FILES", "parquet file(s) of training prompts")
 VAL_FILES = Env("VAL_FILES", "parquet file(s) of validation prompts")
 REWARD_FN = Env("REWARD_FN", "a Python file whose compute_score is the reward")
 CONFIG_NAMES = {"fsdp": "ppo_trainer", "megatron": "ppo_megatron_trainer"}
-KNOWN = {"fsdp": "verl-fsdp", "megatron": "verl-megatron"}
+KNOWN = {backend: f"verl-{VERL.version}-{backend}" for backend in ("fsdp", "megatron")}
 
 
 def backend_of(plan: Plan) -> str:
-    """FSDP when every role's layout has it, else Megatron (the target's rules make one of them fit all)."""
-    common = set.intersection(*(verl_backends(par) for par in plan.parallelism.values()))
+    """FSDP when every trained or reference role's layout has it, else Megatron (the target's rules make one of
+    them fit all; the reward model is served by the reward loop, outside the training backend)."""
+    common = set.intersection(*(verl_backends(par) for role, par in plan.parallelism.items() if role != "reward"))
     return "fsdp" if "fsdp" in common else "megatron"
 
 
@@ -60,6 +62,24 @@ def _megatron_infer(megatron: str, par: RoleParallelism, backend: str) -> list[t
         return []
     return [(f"{megatron}.tensor_model_parallel_size", par.infer.tp),
             (f"{megatron}.pipeline_model_parallel_size", par.infer.pp)]
+
+
+def _reward(plan: Plan) -> list[tuple[str, object]]:
+    """The reward loop's keys (`reward.*`; the top-level reward_model.* and custom_reward_function.* keys are
+    legacy ones main_ppo does not read): a rule reward is a function file; a reward model is served by vLLM
+    replicas of its tensor-parallel size over its pool, the actor's or one of its own."""
+    w, rm = plan.workload, "reward.reward_model"
+    if is_rule(w.models["reward"]):
+        return [(f"{rm}.enable", False), ("reward.custom_reward_function.path", REWARD_FN)]
+    out: list[tuple[str, object]] = [
+        (f"{rm}.enable", True), (f"{rm}.model_path", model_path(w.models["reward"])),
+        (f"{rm}.rollout.name", "vllm"),
+        (f"{rm}.rollout.tensor_model_parallel_size", plan.parallelism["reward"].infer.tp)]
+    index = plan.set_of("reward")
+    if index != plan.set_of("actor"):
+        nodes, gpus = pool_shape(plan.placement[index].gpus, plan.cluster.gpus_per_node)
+        out += [(f"{rm}.enable_resource_pool", True), (f"{rm}.nnodes", nodes), (f"{rm}.n_gpus_per_node", gpus)]
+    return out
 
 
 def overrides(plan: Plan) -> tuple[str, list[tuple[str, object]]]:
@@ -108,23 +128,12 @@ def overrides(plan: Plan) -> tuple[str, list[tuple[str, object]]]:
                 ("critic.ppo_micro_batch_size_per_gpu", critic.train.micro_batch),
                 ("critic.ppo_epochs", w.epochs), ("critic.optim.lr", hp.critic_lr),
                 ("critic.cliprange_value", hp.value_clip),
-                *_training("critic.model.fsdp_config", critic.train, backend, "critic.megatron"),
+                *_training("critic.fsdp", critic.train, backend, "critic.megatron"),
                 *_recompute("critic.megatron", critic.train, backend)]
         if backend == "fsdp":  # Megatron's critic computes values with its ppo micro-batch
             out += [("critic.forward_micro_batch_size_per_gpu", critic.infer.micro_batch),
                     ("critic.model.enable_gradient_checkpointing", bool(critic.train.recompute))]
-    if is_rule(w.models["reward"]):
-        out += [("reward_model.enable", False), ("custom_reward_function.path", REWARD_FN)]
-    else:
-        reward = par["reward"]
-        out += [("reward_model.enable", True), ("reward_model.model.path", model_path(w.models["reward"])),
-                ("reward_model.micro_batch_size_per_gpu", reward.infer.micro_batch),
-                *_megatron_infer("reward_model.megatron", reward, backend)]
-        index = plan.set_of("reward")
-        if index != plan.set_of("actor"):
-            r_nodes, r_gpus = pool_shape(plan.placement[index].gpus, per_node)
-            out += [("reward_model.enable_resource_pool", True), ("reward_model.nnodes", r_nodes),
-                    ("reward_model.n_gpus_per_node", r_gpus)]
+    out += _reward(plan)
     check_known([key for key, _ in out], KNOWN[backend])
     return backend, out
 
@@ -146,8 +155,7 @@ def _yaml_value(value: object) -> object:
 def _header(plan: Plan, backend: str, source: str) -> list[str]:
     envs = [e for e in (TRAIN_FILES, VAL_FILES, REWARD_FN)
             if e is not REWARD_FN or is_rule(plan.workload.models["reward"])]
-    lines = [f"# hfplan export --to verl: written against {VERL.label}, its {backend.upper()} backend",
-             f"# ({VERL.note})",
+    lines = [f"# hfplan export --to verl: written for {VERL.label}, its {backend.upper()} backend",
              f"# from {source}: {plan.workload.algorithm} on {plan.cluster.gpus} x {plan.cluster.hardware}"
              + (f", {plan.estimate.iteration_s:.2f} s per iteration simulated" if plan.estimate else "")]
     lines += [f"# set {e.name}: {e.meaning}" for e in envs]

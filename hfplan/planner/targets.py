@@ -6,16 +6,17 @@ its flags fixes for several roles at once (Rules.agree). Every rule is a functio
 is outside it (None when it is inside); the search keeps what they accept and `hfplan export` refuses
 what they reject with their reason, so the two never disagree.
 
-Read from (facts only: key names, flags, what goes to which resource pool):
-- verl, volcengine/verl at b178a3cd5 (2026-01-29): verl/trainer/config/_generated_ppo_trainer.yaml and
-  _generated_ppo_megatron_trainer.yaml (every key), verl/trainer/main_ppo.py (resource pools),
-  verl/workers/fsdp_workers.py (fsdp_size meshes, reshard_after_forward = ZeRO-3 vs ZeRO-2, batch
-  normalisation). verl's later commit 1dda039b9 (2026-08-22) could not be read to check against;
-  b178a3cd5 is the newest commit checked.
-- OpenRLHF, OpenRLHF/OpenRLHF at 3c3be623 (2026-08-13): openrlhf/cli/train_ppo_ray.py (flags, placement
-  groups, colocation, vLLM engines), openrlhf/utils/utils.py (one DeepSpeed strategy for every model),
-  openrlhf/trainer/ray/ppo_actor.py and ppo_critic.py (micro-batch and gradient-checkpointing flags
-  shared by actor and critic).
+Read from the released wheels (facts only: key names, flags, what goes to which resource pool; the key and
+flag lists are written by scripts/export_keys.py):
+- verl 0.9.1, verl-0.9.1-py3-none-any.whl: verl/trainer/config/_generated_ppo_trainer.yaml and
+  _generated_ppo_megatron_trainer.yaml (every key), verl/trainer/ppo/v1/trainer_base.py (resource pools: actor,
+  rollout, reference and critic in the global pool, the reward model there or in its own), verl/workers/engine/fsdp
+  (fsdp_size meshes, reshard_after_forward = ZeRO-3 vs ZeRO-2), verl/experimental/reward_loop (the reward model
+  served by vLLM replicas of reward.reward_model.rollout's tensor-parallel size, whatever the training backend).
+- OpenRLHF 0.11.2, openrlhf-0.11.2-cp311-cp311-manylinux1_x86_64.whl: openrlhf/cli/train_ppo_ray.py (flags,
+  placement groups, colocation, vLLM engines), openrlhf/utils/utils.py (one DeepSpeed strategy for every model),
+  openrlhf/trainer/ray/ppo_actor.py and ppo_critic.py (micro-batch and gradient-checkpointing flags shared by
+  actor and critic).
 """
 
 from __future__ import annotations
@@ -37,27 +38,24 @@ TARGETS = ("hfplan", "verl", "openrlhf")
 
 @dataclass(frozen=True)
 class Source:
-    """The framework release a target's rules were read from."""
+    """The framework release a target's rules and exported keys were read from (its wheel on the package index)."""
 
     framework: str
-    repository: str
-    commit: str
-    date: str
+    package: str  # the name pip installs
+    version: str
+    wheel: str  # the wheel file the key lists were read from
     files: tuple[str, ...]
-    note: str = ""
 
     @property
     def label(self) -> str:
-        return f"{self.framework} at {self.repository}@{self.commit} ({self.date})"
+        return f"{self.framework} {self.version} (pip install {self.package}=={self.version})"
 
 
-VERL = Source("verl", "volcengine/verl", "b178a3cd5", "2026-01-29",
+VERL = Source("verl", "verl", "0.9.1", "verl-0.9.1-py3-none-any.whl",
               ("verl/trainer/config/_generated_ppo_trainer.yaml",
-               "verl/trainer/config/_generated_ppo_megatron_trainer.yaml", "verl/trainer/main_ppo.py",
-               "verl/workers/fsdp_workers.py"),
-              note="verl 1dda039b9 (2026-08-22) could not be read to check against; "
-                   "b178a3cd5 is the newest commit checked")
-OPENRLHF = Source("OpenRLHF", "OpenRLHF/OpenRLHF", "3c3be623", "2026-08-13",
+               "verl/trainer/config/_generated_ppo_megatron_trainer.yaml", "verl/trainer/ppo/v1/trainer_base.py",
+               "verl/workers/engine/fsdp/transformer_impl.py", "verl/experimental/reward_loop/reward_model.py"))
+OPENRLHF = Source("OpenRLHF", "openrlhf", "0.11.2", "openrlhf-0.11.2-cp311-cp311-manylinux1_x86_64.whl",
                   ("openrlhf/cli/train_ppo_ray.py", "openrlhf/utils/utils.py", "openrlhf/trainer/ray/ppo_actor.py",
                    "openrlhf/trainer/ray/ppo_critic.py"))
 
@@ -250,10 +248,19 @@ def _verl_train(per_step: int, role: str, train: TrainConfig) -> str | None:
     return _even_steps("verl", per_step, role, train)
 
 
+def _verl_infer(role: str, infer: InferConfig) -> str | None:
+    """verl's reward loop serves the reward model with vLLM replicas (reward.reward_model.rollout), outside the
+    training backend; its rollout config refuses a vLLM pipeline (pipeline_model_parallel_size > 1)."""
+    if role == "reward" and infer.pp > 1:
+        return (f"reward infers with pp={infer.pp}: verl serves the reward model with vLLM replicas "
+                "(reward.reward_model.rollout), which run one pipeline stage")
+    return None
+
+
 def _verl_facets(role: str, par: RoleParallelism) -> Facets:
     backends = verl_backends(par)
     out: list[tuple[str, object]] = []
-    if len(backends) == 1:
+    if len(backends) == 1 and role != "reward":  # the reward loop's vLLM servers are outside the backend
         out.append(("training backend (fsdp or megatron config)", next(iter(backends))))
     if role == "critic" and "megatron" in backends:
         # Megatron's critic computes values with its ppo_micro_batch_size_per_gpu (no forward micro-batch key).
@@ -271,13 +278,14 @@ def verl_target(workload: Workload) -> Target:
     train = functools.partial(_verl_train, per_step)
     gen = functools.partial(_vllm_engine, "verl")
     rules = _rules("verl", allowed_placements(workload, _verl_placement, rollout=False), rollout=False, train=train,
-                   gen=gen, agree=_verl_facets)
+                   infer=_verl_infer, gen=gen, agree=_verl_facets)
     return Target("verl", "actor, critic and reference in one pool with the hybrid engine (the reward model there "
                   "or in its own pool); FSDP training (tp = pp = 1; full, hybrid of any fsdp_size, or ZeRO-2; full "
                   "recomputation) or Megatron (tp x pp, virtual stages; replicated or ZeRO-1; selective or full "
-                  "recomputation); vLLM rollout, continuous batching in a paged KV cache, any tensor-parallel size",
+                  "recomputation); vLLM rollout, continuous batching in a paged KV cache, any tensor-parallel size; "
+                  "the reward model served by vLLM (any tensor-parallel size, one pipeline stage)",
                   VERL,
-                  (rules,), _verl_workload, _verl_placement, train, gen_problem=gen)
+                  (rules,), _verl_workload, _verl_placement, train, _verl_infer, gen_problem=gen)
 
 
 # -- OpenRLHF --------------------------------------------------------------------------------------------
