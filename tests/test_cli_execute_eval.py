@@ -85,3 +85,30 @@ def test_eval_rows_and_training_unchanged(tmp_path, ray_driver):
             ("actor", "generate"), ("reward", "score")}
     config = json.loads((run / "run_config.json").read_text())
     assert (config["eval_data"], config["eval_every"]) == (str(held_out), 1)
+
+
+@pytest.mark.slow
+def test_eval_with_a_reward_model_on_a_separate_rollout_set(tmp_path, ray_driver):
+    """The reward's forward pass scores the answers; the rollout set is synced for each evaluation and again for the
+    next training generation, so every training iteration keeps its weight sync."""
+    from hfplan.executor.controller import ExecuteOptions, execute
+    from hfplan.layout import ROLLOUT
+    from hfplan.plan import WEIGHT_SYNC_OP
+
+    plan = cpu_plan(tiny_workload(models={"actor": "tiny", "critic": "tiny", "reference": "tiny", "reward": "tiny"}),
+                    [(("actor", "critic", "reference", "reward"), 1), ((ROLLOUT,), 1)])
+    held_out = tmp_path / "held-out.jsonl"
+    held_out.write_text("".join(json.dumps({"prompt": row["prompt"]}) + "\n" for row in HELD_OUT[:3]))
+    run = tmp_path / "run"
+    summary = execute(plan, ExecuteOptions(iterations=2, out=run, eval_data=str(held_out), eval_every=1, samples=1,
+                                           call_timeout_s=120, start_timeout_s=120))
+    assert all({"eval/reward", "eval/response_len", "eval_s"} <= set(row) for row in summary.iterations)
+    for entry in json.loads((run / "timeline.json").read_text())["iterations"]:
+        for key in ("spans", "eval_spans"):
+            syncs = [s for s in entry[key] if s["role"] == ROLLOUT and s["op"] == WEIGHT_SYNC_OP]
+            assert len(syncs) == 1, (entry["iteration"], key)
+        assert ("reward", "score") in {(s["role"], s["op"]) for s in entry["eval_spans"]}
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    answers = [s for s in samples if s.get("eval")]
+    assert [(s["iteration"], s["row"]) for s in answers] == [(0, 0), (1, 0)]
+    assert answers[0]["prompt"] == HELD_OUT[0]["prompt"][-8:]  # decoded from the ids: the last prompt_len bytes
