@@ -911,6 +911,8 @@ def render_run(summary, plan) -> None:
     elif "reward" in rows[0]:
         console.print(f"{len(rows)} iteration{'s' if len(rows) > 1 else ''}: too few to compare the first "
                       "iterations' reward with the last ones'")
+    if "eval/reward" in rows[-1]:
+        console.print(f"[bold]eval/reward[/] after the last iteration: {rows[-1]['eval/reward']:.4f}")
     console.print(f"metrics and measured timeline written to {summary.out}/")
     if summary.checkpoint is not None:
         console.print(f"checkpoint: {summary.checkpoint}", highlight=False)

@@ -33,6 +33,7 @@ def _run(plan_file, out, address, *more) -> list[dict]:
     result = invoke("execute", plan_file, "--iterations", 2, "--out", out, "--seed", 3, "--logger", "jsonl,csv",
                     "--address", address, *more)
     assert result.exit_code == 0, result.output
+    assert ("eval/reward after the last iteration" in result.stdout) == bool(more)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -14,7 +14,7 @@ from hfplan.dataflow.registry import algorithms, get_algorithm
 from hfplan.errors import HfplanError
 from hfplan.executor import preflight
 from hfplan.executor.controller import ExecuteOptions, IterationReport, timeline_entry
-from hfplan.executor.evaluation import due
+from hfplan.executor.evaluation import due, eval_metrics
 from hfplan.executor.run_config import RunConfig, resolve, write_config
 from hfplan.executor.samples import Sample
 from hfplan.plan import Span
@@ -101,6 +101,16 @@ def test_an_evaluation_follows_every_nth_iteration_and_the_last():
     assert [done for done in range(1, 8) if due(done, 3, 7)] == [3, 6, 7]
     assert [done for done in range(1, 5) if due(done, None, 4)] == [4]
     assert [done for done in range(1, 4) if due(done, 1, 3)] == [1, 2, 3]
+
+
+def test_eval_metrics_name_each_score_as_the_training_metrics_do():
+    import numpy as np
+
+    fields = {"prompts": np.zeros((2, 3)), "responses": np.zeros((2, 4)),
+              "response_mask": np.array([[1, 1, 0, 0], [1, 1, 1, 1]], dtype=np.float32),
+              "rewards": np.array([0.5, 1.0]), "costs": np.array([2.0, 0.0]), "novelty": np.array([1.0, 3.0])}
+    assert eval_metrics(fields, 1.5) == {"eval/response_len": 3.0, "eval/reward": 0.75, "eval/cost": 1.0,
+                                         "eval/novelty": 2.0, "eval_s": 1.5}
 
 
 # -- the dataflow's program -------------------------------------------------------------------------

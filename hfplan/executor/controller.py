@@ -385,7 +385,8 @@ def run_iterations(plan: Plan, roles: dict, checked: preflight.Checked, options:
     """The single controller's loop: each iteration's prompts through the registered program, then its
     metrics and spans, from `progress` (default: iteration 0) up to `options.iterations`; `progress` counts
     the iteration as done before its report is yielded. The iteration's time ends when the updates' results
-    are in."""
+    are in; an evaluation on held-out prompts, when one is due, runs after that and joins the report
+    (hfplan.executor.evaluation)."""
     progress = progress or start_progress(plan, checked, options)
     controller = ExecutionController(progress.state, recorder)
     algorithm = get_algorithm(plan.workload.algorithm)

@@ -70,13 +70,21 @@ def run_eval(plan: Plan, roles: dict, checked: preflight.Checked, recorder: Reco
             pending.append((evaluate(roles, Batch(prompts=checked.encode(chunk.prompts)), algorithm), rows))
         fields = _joined(pending)
     recorder.finish_iteration()
-    elapsed = time.time() - start
-    metrics = {f"{PREFIX}response_len": float(fields["response_mask"].sum(axis=1).mean())}
-    for name, key in _score_keys(fields):
-        metrics[f"{PREFIX}{key}"] = float(np.mean(fields[name]))
-    metrics[SECONDS] = elapsed
+    metrics = eval_metrics(fields, time.time() - start)
     answers = take_samples(iteration, samples, fields, None, checked.decode_prompts, checked.decode_responses)
     return EvalReport(metrics, list(recorder.spans), [dataclasses.replace(s, eval=True) for s in answers])
+
+
+def eval_metrics(fields: dict[str, np.ndarray], seconds: float) -> dict[str, float]:
+    """eval/response_len, each score's mean under the training metrics' name (rewards -> eval/reward, costs ->
+    eval/cost; another scoring role's field under its own), and eval_s."""
+    known = dict(SCORES)
+    metrics = {f"{PREFIX}response_len": float(fields["response_mask"].sum(axis=1).mean())}
+    for name in fields:
+        if name not in GENERATED:
+            metrics[f"{PREFIX}{known.get(name, name)}"] = float(np.mean(fields[name]))
+    metrics[SECONDS] = seconds
+    return metrics
 
 
 def _filled(held_out: PromptSet, first: int, size: int) -> tuple[PromptSet, int]:
@@ -94,9 +102,3 @@ def _joined(pending: list[tuple[Batch, int]]) -> dict[str, np.ndarray]:
     chunks = [{name: np.asarray(resolved(value))[:rows] for name, value in batch.items()} for batch, rows in pending]
     return {name: np.concatenate([chunk[name] for chunk in chunks]) for name in chunks[0]}
 
-
-def _score_keys(fields: dict) -> list[tuple[str, str]]:
-    """(field, metric name) of each score: rewards -> reward, costs -> cost, as the training metrics; another
-    scoring role's field under its own name."""
-    known = dict(SCORES)
-    return [(name, known.get(name, name)) for name in fields if name not in GENERATED]
