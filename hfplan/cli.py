@@ -587,7 +587,8 @@ def render_totals(estimate, plan) -> None:
 # execute's options that a --config file (and a resumed run's run_config.json) may give: parameter -> its key
 RUN_CONFIG_OPTIONS = {"iterations": "iterations", "data": "data", "out": "out", "seed": "seed", "overrides": "set",
                       "checkpoint_every": "checkpoint_every", "keep": "keep", "long_prompts": "long_prompts",
-                      "log_every": "log_every", "logger": "loggers", "samples": "samples"}
+                      "log_every": "log_every", "logger": "loggers", "samples": "samples", "eval_data": "eval_data",
+                      "eval_every": "eval_every"}
 
 
 def given_on_command_line(ctx: typer.Context, name: str) -> bool:
@@ -633,6 +634,12 @@ def execute(
     samples: Annotated[int, typer.Option(min=0, metavar="K", help="write each iteration's first K sampled responses "
                                                                   "(prompt, response, reward) to samples.jsonl; one "
                                                                   "is shown every --log-every iterations")] = 0,
+    eval_data: Annotated[str | None, typer.Option(metavar="PATH", help="held-out prompts (.parquet or .jsonl "
+                                                                       "with a 'prompt' column) the actor answers "
+                                                                       "greedily: eval/reward in the metrics")] = None,
+    eval_every: Annotated[int | None, typer.Option(min=1, metavar="N", help="evaluate on --eval-data every N "
+                                                                            "iterations (and after the last; the "
+                                                                            "default: after the last only)")] = None,
     config_file: Annotated[Path | None, typer.Option("--config", metavar="PATH",
                                                      help="a YAML or JSON file of these options (the command line "
                                                           "overrides it)")] = None,
@@ -655,7 +662,8 @@ def execute(
     check_outputs([(timeline, "--timeline")])
     values = {"iterations": iterations, "data": data, "out": str(out), "seed": seed, "checkpoint_every":
               checkpoint_every, "keep": keep, "long_prompts": long_prompts, "log_every": log_every,
-              "overrides": parse_assignments(overrides or []), "logger": parse_names(logger), "samples": samples}
+              "overrides": parse_assignments(overrides or []), "logger": parse_names(logger), "samples": samples,
+              "eval_data": eval_data, "eval_every": eval_every}
     given = {key: values[name] for name, key in RUN_CONFIG_OPTIONS.items() if given_on_command_line(ctx, name)}
     config = resolve(given, config_file, resume_run)
     plan = load_plan(plan_path)
@@ -845,6 +853,7 @@ class _IterationProgress:
         done = iteration + 1
         parts = [f"reward {metrics['reward']:.3f}"] if "reward" in metrics else []
         parts += [f"{key} {value:.4g}" for key, value in metrics.items() if key.endswith("loss")]
+        parts += [f"eval/reward {metrics['eval/reward']:.3f}"] if "eval/reward" in metrics else []
         parts.append(f"{metrics['tokens_per_s']:,.0f} tokens/s")
         per_iteration = (time.monotonic() - self._clock) / max(done - self._first, 1)
         left = per_iteration * (self.total - done)
@@ -902,6 +911,8 @@ def render_run(summary, plan) -> None:
     elif "reward" in rows[0]:
         console.print(f"{len(rows)} iteration{'s' if len(rows) > 1 else ''}: too few to compare the first "
                       "iterations' reward with the last ones'")
+    if "eval/reward" in rows[-1]:
+        console.print(f"[bold]eval/reward[/] after the last iteration: {rows[-1]['eval/reward']:.4f}")
     console.print(f"metrics and measured timeline written to {summary.out}/")
     if summary.checkpoint is not None:
         console.print(f"checkpoint: {summary.checkpoint}", highlight=False)

@@ -91,7 +91,7 @@ def test_loggers_samples_and_config_in_one_run(demo_plan_file, tmp_path, ray_dri
     resolved = json.loads((run / "run_config.json").read_text())
     assert resolved == {"iterations": 1, "data": None, "seed": 0, "out": str(run), "checkpoint_every": None,
                         "keep": 2, "log_every": 1, "loggers": ["jsonl", "csv", "tensorboard"], "samples": 2,
-                        "long_prompts": "truncate", "set": {"actor_lr": 1e-4}}
+                        "long_prompts": "truncate", "eval_data": None, "eval_every": None, "set": {"actor_lr": 1e-4}}
 
     result = invoke("execute", demo_plan_file, "--out", run, "--resume", "--iterations", 2, "--address", ray_driver)
     assert result.exit_code == 0, result.output

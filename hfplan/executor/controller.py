@@ -26,7 +26,7 @@ from hfplan.dataflow.controller import ControllerState
 from hfplan.dataflow.registry import get_algorithm
 from hfplan.dataflow.roles import RoleFacts, update_field
 from hfplan.errors import HfplanError
-from hfplan.executor import compat, preflight, resume, run_config
+from hfplan.executor import compat, evaluation, preflight, resume, run_config
 from hfplan.executor.data import PromptStream
 from hfplan.executor.errors import RunFailed
 from hfplan.executor.generation_order import generation_rank
@@ -74,6 +74,8 @@ class ExecuteOptions:
     loggers: tuple[str, ...] = DEFAULT_LOGGERS  # where the metrics go (hfplan.executor.loggers)
     samples: int = 0  # the first K sampled sequences of each iteration as text, in samples.jsonl
     log_every: int = 10  # the caller's progress lines (kept with the run's configuration)
+    eval_data: str | None = None  # held-out prompts, evaluated greedily after some iterations (evaluation.py)
+    eval_every: int | None = None  # evaluate every N iterations; always after the last one when eval_data is given
 
     @classmethod
     def from_config(cls, config: run_config.RunConfig, **others) -> ExecuteOptions:
@@ -81,7 +83,7 @@ class ExecuteOptions:
         return cls(iterations=config.iterations, data=config.data, out=Path(config.out), seed=config.seed,
                    overrides=config.overrides, checkpoint_every=config.checkpoint_every, keep=config.keep,
                    long_prompts=config.long_prompts, loggers=config.loggers, samples=config.samples,
-                   log_every=config.log_every, **others)
+                   log_every=config.log_every, eval_data=config.eval_data, eval_every=config.eval_every, **others)
 
     def config(self) -> run_config.RunConfig:
         """The run's configuration (what OUT/run_config.json holds)."""
@@ -89,15 +91,17 @@ class ExecuteOptions:
                                     seed=self.seed, out=str(self.out),
                                     checkpoint_every=self.checkpoint_every, keep=self.keep, log_every=self.log_every,
                                     loggers=self.loggers, samples=self.samples, long_prompts=self.long_prompts,
-                                    set=run_config.parse_assignments(self.overrides))
+                                    eval_data=None if self.eval_data is None else str(self.eval_data),
+                                    eval_every=self.eval_every, set=run_config.parse_assignments(self.overrides))
 
 
 @dataclass
 class IterationReport:
     iteration: int
     metrics: dict[str, float]
-    spans: list[Span]
-    samples: list[Sample] = field(default_factory=list)  # the first `samples` sequences as text
+    spans: list[Span]  # the training iteration's only: what `hfplan validate` compares
+    samples: list[Sample] = field(default_factory=list)  # the first `samples` sequences as text (eval's after)
+    eval_spans: list[Span] = field(default_factory=list)  # the evaluation after it, if any (evaluation.py)
 
 
 @dataclass
@@ -273,7 +277,7 @@ def _run_on_sets(plan: Plan, checked: preflight.Checked, options: ExecuteOptions
             loggers.log(report.metrics)
             if samples is not None:
                 samples.write(report.samples)
-            timeline.append({"iteration": report.iteration, "spans": [s.model_dump() for s in report.spans]})
+            timeline.append(timeline_entry(report))
             every = options.checkpoint_every
             if progress.iteration == options.iterations or (every and progress.iteration % every == 0):
                 summary.checkpoint = _write_checkpoint(sets, plan, run, progress, summary.iterations, timeline,
@@ -285,6 +289,14 @@ def _run_on_sets(plan: Plan, checked: preflight.Checked, options: ExecuteOptions
                                                      "peak_memory_bytes": summary.peak_memory_bytes}, indent=2) + "\n")
     write_atomically(out / TIMELINE_FILE, json.dumps({"plan": plan.model_dump(mode="json"),
                                                       "iterations": timeline}) + "\n")
+
+
+def timeline_entry(report: IterationReport) -> dict:
+    """An iteration in timeline.json: its spans, and an evaluation's after it apart (`eval_spans`)."""
+    entry: dict = {"iteration": report.iteration, "spans": [s.model_dump() for s in report.spans]}
+    if report.eval_spans:
+        entry["eval_spans"] = [s.model_dump() for s in report.eval_spans]
+    return entry
 
 
 def check_finite(report: IterationReport) -> None:
@@ -373,7 +385,8 @@ def run_iterations(plan: Plan, roles: dict, checked: preflight.Checked, options:
     """The single controller's loop: each iteration's prompts through the registered program, then its
     metrics and spans, from `progress` (default: iteration 0) up to `options.iterations`; `progress` counts
     the iteration as done before its report is yielded. The iteration's time ends when the updates' results
-    are in."""
+    are in; an evaluation on held-out prompts, when one is due, runs after that and joins the report
+    (hfplan.executor.evaluation)."""
     progress = progress or start_progress(plan, checked, options)
     controller = ExecutionController(progress.state, recorder)
     algorithm = get_algorithm(plan.workload.algorithm)
@@ -389,8 +402,14 @@ def run_iterations(plan: Plan, roles: dict, checked: preflight.Checked, options:
         metrics = iteration_metrics(plan, iteration, elapsed, recorder, update_metrics, progress.state)
         samples = take_samples(iteration, options.samples, sampled_outputs(recorder), recorder.texts.get(False),
                                checked.decode_prompts, checked.decode_responses) if options.samples else []
+        report = IterationReport(iteration, metrics, list(recorder.spans), samples)
         progress.iteration += 1
-        yield IterationReport(iteration, metrics, list(recorder.spans), samples)
+        if checked.eval_set is not None and evaluation.due(progress.iteration, options.eval_every, options.iterations):
+            evaluated = evaluation.run_eval(plan, roles, checked, recorder, iteration, options.samples)
+            report.metrics |= evaluated.metrics
+            report.samples += evaluated.samples
+            report.eval_spans = evaluated.spans
+        yield report
 
 
 def _worker_group_roles(plan: Plan, sets, recorder: Recorder, timeout_s: float

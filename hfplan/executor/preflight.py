@@ -41,6 +41,7 @@ class Inputs:
     prompts: list[str]
     columns: dict[str, list]  # the data's other columns, one value per prompt (what a reward function reads)
     rewards: dict[str, Reward]  # the roles computed on the controller, imported
+    eval_set: PromptSet | None = None  # the held-out prompts of --eval-data
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class Checked:
     columns: dict[str, list]
     rewards: dict[str, Reward]
     truncated: str | None = None  # how many prompts keep only their last prompt_len tokens (a warning to give)
+    eval_set: PromptSet | None = None  # the held-out prompts of --eval-data (their columns go to the rewards)
 
 
 def check(plan: Plan, options: ExecuteOptions) -> Checked:
@@ -76,6 +78,7 @@ def check_inputs(plan: Plan, options: ExecuteOptions) -> Inputs:
         raise HfplanError(f"--log-every must be at least 1, got {options.log_every}")
     if options.samples < 0:
         raise HfplanError(f"--samples must be at least 0, got {options.samples}")
+    check_eval_options(options.eval_data, options.eval_every)
     check_loggers(parse_names(options.loggers))
     hyper = with_overrides(plan.workload.hyperparameters, list(options.overrides))
     device, backend = check_hardware(plan)
@@ -86,7 +89,7 @@ def check_inputs(plan: Plan, options: ExecuteOptions) -> Inputs:
     if options.address is not None:
         check_reachable(options.address, options.connect_timeout_s)
     data = _prompts(plan, options.data)
-    return Inputs(device, backend, hyper, data.prompts, data.columns, rewards)
+    return Inputs(device, backend, hyper, data.prompts, data.columns, rewards, _eval_prompts(options.eval_data))
 
 
 def with_codecs(plan: Plan, inputs: Inputs, options: ExecuteOptions) -> Checked:
@@ -98,12 +101,13 @@ def with_codecs(plan: Plan, inputs: Inputs, options: ExecuteOptions) -> Checked:
 
     codec = build_codec(plan.workload.models[generating_role(plan.workload)])
     prompt_len = plan.workload.prompt_len
-    lengths = [len(ids) for ids in codec.encode_batch(list(inputs.prompts))]
-    longer = [n for n in lengths if n > prompt_len]
+    found = [_longer(codec, inputs.prompts, prompt_len, "prompts")]
+    if inputs.eval_set is not None:
+        found.append(_longer(codec, inputs.eval_set.prompts, prompt_len, "--eval-data prompts"))
+    longer = [what for what in found if what is not None]
     truncated = None
     if longer:
-        what = (f"{len(longer)} of {len(lengths)} prompts are longer than the workload's prompt_len of {prompt_len} "
-                f"tokens (the longest has {max(longer)})")
+        what = "; ".join(longer)
         if options.long_prompts == "refuse":
             raise HfplanError(f"{what}; shorten them, raise prompt_len, or run with --long-prompts truncate")
         truncated = f"{what}: each keeps its last {prompt_len} tokens"
@@ -112,7 +116,37 @@ def with_codecs(plan: Plan, inputs: Inputs, options: ExecuteOptions) -> Checked:
         return codec.encode(texts, prompt_len)
 
     return Checked(inputs.device, inputs.backend, inputs.hyper, inputs.prompts, encode, codec.decode_responses,
-                   codec.decode, inputs.columns, inputs.rewards, truncated)
+                   codec.decode, inputs.columns, inputs.rewards, truncated, inputs.eval_set)
+
+
+def _longer(codec, prompts: list[str], prompt_len: int, what: str) -> str | None:
+    """How many of `prompts` are longer than prompt_len tokens, as a sentence (None: none is)."""
+    lengths = [len(ids) for ids in codec.encode_batch(list(prompts))]
+    longer = [n for n in lengths if n > prompt_len]
+    if not longer:
+        return None
+    return (f"{len(longer)} of {len(lengths)} {what} are longer than the workload's prompt_len of {prompt_len} "
+            f"tokens (the longest has {max(longer)})")
+
+
+def check_eval_options(eval_data: str | None, eval_every: int | None) -> None:
+    """--eval-every is a positive interval, and only with the prompts it evaluates."""
+    if eval_every is not None and eval_every < 1:
+        raise HfplanError(f"--eval-every must be at least 1, got {eval_every}")
+    if eval_every is not None and eval_data is None:
+        raise HfplanError(f"--eval-every {eval_every} needs --eval-data PATH (the held-out prompts to evaluate)")
+
+
+def _eval_prompts(eval_data: str | None) -> PromptSet | None:
+    """The held-out prompts, read as --data's (.parquet or .jsonl with a `prompt` column, other columns kept)."""
+    if eval_data is None:
+        return None
+    from hfplan.executor.data import read_prompts
+
+    try:
+        return read_prompts(eval_data)
+    except HfplanError as bad:
+        raise HfplanError(f"--eval-data: {bad}") from None
 
 
 def check_hardware(plan: Plan) -> tuple[str, str]:

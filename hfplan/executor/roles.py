@@ -15,8 +15,9 @@ actor in the order they were sent, so no Ray reference (no wait, no fetch) is ne
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,12 +55,18 @@ class Recorder:
     texts: dict[bool, tuple[list[str], list[str]]] = field(default_factory=dict)
 
     def start_iteration(self, prompt_columns: dict[str, list] | None = None) -> None:
+        """A new recording (a training iteration, or an evaluation): spans from now, nothing observed yet."""
         self.origin = time.time()
-        self.prompt_columns = prompt_columns or {}
         self.spans = []
         self.observed = {}
         self.texts = {}
         self.calls = []
+        self.start_batch(prompt_columns)
+
+    def start_batch(self, prompt_columns: dict[str, list] | None = None) -> None:
+        """The next batch of prompts of this recording (an evaluation's next chunk): a controller reward reads its
+        columns, and the workers no longer keep the outputs of the calls before it."""
+        self.prompt_columns = prompt_columns or {}
         self.first_call_id = self.next_call_id
 
     def new_call_id(self) -> int:
@@ -316,6 +323,16 @@ class ActorRole(WorkerGroupRole):
     def update(self, batch: Batch) -> Batch:
         self.rollout_stale = self.rollout is not None
         return super().update(batch)
+
+    @contextlib.contextmanager
+    def outside_training(self) -> Iterator[None]:
+        """Generations in the block (an evaluation's) leave the next training generation as it would have been: a
+        separate rollout set they synced is synced again then, so each training iteration keeps its weight sync."""
+        stale = self.rollout_stale
+        try:
+            yield
+        finally:
+            self.rollout_stale = stale
 
     def _sync_rollout(self) -> None:
         """Each rank of the actor puts, per rollout rank, the slices of that rank's generation shard it holds

@@ -4,8 +4,8 @@ options a run starts with (what `--resume` continues with).
 Precedence, lowest first: the defaults; on `--resume`, the resumed run's own `run_config.json` (every option but
 `out`); the `--config` file; the options given on the command line. `set` (hyperparameter overrides) merges key by
 key across those layers. The file is YAML, or JSON for a `.json` name (yaml.safe_load / json: never pickle); a
-path in it (`data`, `out`) is read from the working directory, as on the command line. Torch-free: every error is
-one HfplanError line, raised before anything starts.
+path in it (`data`, `eval_data`, `out`) is read from the working directory, as on the command line. Torch-free:
+every error is one HfplanError line, raised before anything starts.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ class RunConfig(BaseModel):
     loggers: tuple[str, ...] = DEFAULT_LOGGERS
     samples: int = Field(default=0, ge=0)
     long_prompts: Literal["truncate", "refuse"] = "truncate"
+    eval_data: str | None = None  # held-out prompts, evaluated greedily (hfplan.executor.evaluation)
+    eval_every: int | None = Field(default=None, ge=1)  # None: only after the last iteration
     set: dict[str, Scalar] = Field(default_factory=dict)
 
     @field_validator("loggers", mode="before")

@@ -4,7 +4,9 @@ The samples of an iteration are its first K sequences of the sampled (not greedy
 order (the iteration's prompts in data order, each prompt's n samples together), with the score of each: the
 `reward` (and Safe-RLHF's `cost`) as the reward role returned it, before the KL penalty. Texts a controller
 reward decoded already are taken as they are; otherwise (a reward model) the K rows' token ids are decoded with
-the run's tokenizer. With K = 0 nothing is decoded and the file is neither written nor touched.
+the run's tokenizer. With K = 0 nothing is decoded and the file is neither written nor touched. An evaluation
+(--eval-data) adds the first K of its greedy responses to the held-out prompts after its iteration's rows, each
+marked `"eval": true`.
 """
 
 from __future__ import annotations
@@ -30,9 +32,12 @@ class Sample:
     response: str
     reward: float | None = None
     cost: float | None = None
+    eval: bool = False  # a greedy response to a held-out prompt (--eval-data); `row` is then the prompt's row there
 
     def as_json(self) -> dict:
-        return {key: value for key, value in asdict(self).items() if value is not None or key == "reward"}
+        """The sample's keys; `eval` only on an evaluation's rows (`"eval": true`)."""
+        return {key: value for key, value in asdict(self).items()
+                if (value is not None or key == "reward") and (key != "eval" or value)}
 
 
 def take_samples(iteration: int, count: int, fields: dict, texts: tuple[list[str], list[str]] | None,
