@@ -136,6 +136,17 @@ class Link(_Strict):
     latency_us: float = Field(ge=0, description="per-step latency (alpha)")
     nvls: bool = Field(default=False, description="the switch reduces (NVLink SHARP): all-reduce sends each "
                                                   "device's data once and receives the result once")
+    nvls_efficiency: float | None = Field(
+        default=None, gt=0, le=1, description="fraction of the link's bandwidth an NVLS all-reduce reaches (the "
+                                              "switch's reduction and multicast pace it, not the ring's copies); "
+                                              "None: `efficiency`")
+
+    @property
+    def nvls_bytes_per_s(self) -> float:
+        """Bytes/s one device sends to (and receives from) the switch in an NVLS all-reduce."""
+        fraction = self.efficiency if self.nvls_efficiency is None else self.nvls_efficiency
+        return self.bandwidth_gbytes_per_s * 1e9 * fraction
+
     @property
     def effective_bytes_per_s(self) -> float:
         return self.bandwidth_gbytes_per_s * 1e9 * self.efficiency
