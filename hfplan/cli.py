@@ -397,12 +397,16 @@ def render_cost(result) -> None:
     if result.detail.get("fits") is False:
         console.print(f"[bold red]does not fit:[/] {result.memory_gib_per_gpu:,.1f} GiB per GPU, "
                       f"{result.detail['usable_gib_per_gpu']:,.1f} GiB usable", highlight=False)
+    from hfplan.simulator.call_cost import part_meaning
+
     parts = Table(title="seconds by part", show_edge=False)
-    for column in ("part", "seconds", "share %"):
-        parts.add_column(column, justify="left" if column == "part" else "right")
+    phases = list(result.phases)
+    for column in ("part", "seconds", "share %", *phases, "what it is"):
+        parts.add_column(column, justify="left" if column in ("part", "what it is") else "right")
     for name, value in sorted(result.parts.items(), key=lambda item: -item[1]):
         if value > 0:
-            parts.add_row(name, seconds(value), f"{100 * value / result.seconds:.1f}")
+            by_phase = [seconds(result.phases[phase].get(name, 0.0)) for phase in phases]
+            parts.add_row(name, seconds(value), f"{100 * value / result.seconds:.1f}", *by_phase, part_meaning(name))
     console.print(parts)
 
 

@@ -70,7 +70,8 @@ def test_collective_bus_bandwidth_by_hand():
     assert result.seconds == pytest.approx(seconds)
     assert result.detail["busbw_gbytes_per_s"] == pytest.approx(2**30 / seconds * 2 * 7 / 8 / 1e9)
     nvls = call_cost(CallRequest("collective", "h100-80g", op="all_reduce", nbytes=2**30, gpus=8))
-    assert nvls.seconds == pytest.approx(2 * 2e-6 + 2**30 / (450e9 * 0.8))
+    # NVLS on H100: 2^30 (1 + 1/8) bytes each way at 450 x 0.70 GB/s (the profile's nvls_efficiency), two steps.
+    assert nvls.seconds == pytest.approx(2 * 2e-6 + 1.125 * 2**30 / (450e9 * 0.70))
     assert nvls.detail["nvls"] == "true"
     across = call_cost(CallRequest("collective", "a100-80g", op="all_gather", nbytes=2**30, gpus=16))
     assert across.seconds == coll.all_gather(A100, coll.group_of(16, 1, 8), 2**30)
@@ -104,3 +105,40 @@ def test_cli_tables_and_errors():
     assert out.exit_code == 0 and "busbw" in out.output and "all_reduce" in out.output
     bad = invoke("cost", "train", "--recompute", "half")
     assert bad.exit_code == 2 and "--recompute half" in bad.output
+
+
+def test_generate_splits_its_seconds_into_prefill_and_decode_by_hand():
+    """4 prompts of 16 tokens, 8-token responses, on one A100: one static wave, one prefill, then 8 decode steps at
+    the mean context 16 + (8 - 1) / 2 = 19.5. Each step, the prefill one too, pays the profile's engine step
+    (4 ms): 4 ms of prefill runtime, 32 ms of decode runtime. Prefill, decode and the controller's dispatch add up
+    to the parts, and the parts to the seconds."""
+    result = call_cost(CallRequest("generate", "a100-80g", batch=4, prompt_len=16, response_len=8))
+    where = costs.SetShape(1, 8)
+    prefill = costs.prefill_parts(A100, LLAMA7, GenConfig(), where, 4, 16)
+    step = costs.decode_step_parts(A100, LLAMA7, GenConfig(), where, 4, 19.5)
+    assert result.detail["waves"] == 1 and result.detail["decode_steps"] == 8
+    assert result.phases["prefill"] == pytest.approx(dict(prefill))
+    assert result.phases["decode"] == pytest.approx({name: 8 * s for name, s in step.items()})
+    assert result.phases["prefill"]["runtime"] == pytest.approx(4e-3)
+    assert result.phases["decode"]["runtime"] == pytest.approx(8 * 4e-3)
+    assert result.detail["decode_step_ms"] == pytest.approx(1e3 * step.total)
+    together = {name: result.phases["prefill"].get(name, 0.0) + result.phases["decode"].get(name, 0.0)
+                for name in result.parts}
+    together["controller"] += result.parts["controller"]
+    assert together == pytest.approx(result.parts)
+    assert sum(result.parts.values()) == pytest.approx(result.seconds)
+    # Two waves of 2 (a cache that holds 2): each phase is both waves'; the decode steps run one wave after another.
+    two = costs.waves_phases(A100, LLAMA7, 1, 1, where, 4, 2, 16, 8)
+    one = costs.wave_phases(A100, LLAMA7, 1, 1, where, 2, 16, 8)
+    assert two.decode_steps == 16 and two.prefill == pytest.approx(dict(one.prefill.times(2)))
+
+
+def test_cli_shows_where_the_time_goes():
+    out = invoke("cost", "generate", "--batch", 4, "--prompt-len", 16, "--response-len", 8)
+    assert out.exit_code == 0, out.output
+    for text in ("prefill", "decode", "what it is", "host overhead", "matmul kernels", "decode step ms"):
+        assert text in out.output, text
+    data = json.loads(invoke("cost", "generate", "--batch", 4, "--prompt-len", 16, "--response-len", 8,
+                             "--json").output)
+    assert set(data["phases"]) == {"prefill", "decode"}
+    assert "phases" not in json.loads(invoke("cost", "collective", "--gpus", 8, "--json").output)

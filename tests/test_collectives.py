@@ -136,18 +136,34 @@ def test_ring_across_nodes_is_bound_by_nvlink_where_the_network_is_faster(toy_hw
     assert intra > inter
 
 
-def nvls(hw):
+def nvls(hw, efficiency=None):
     return hw.model_copy(update={"links": hw.links.model_copy(update={
-        "intra_node": hw.links.intra_node.model_copy(update={"nvls": True})})})
+        "intra_node": hw.links.intra_node.model_copy(update={"nvls": True, "nvls_efficiency": efficiency})})})
 
 
 def test_nvls_all_reduce_in_a_node_by_hand(toy_hw):
-    # NVLink SHARP: each GPU sends N to the switch and receives the reduced N: two steps, N / bandwidth.
-    assert coll.all_reduce(nvls(toy_hw), Group(8, 8, 8), N) == pytest.approx(2 * INTRA_ALPHA + N / INTRA_BW)
+    # NVLink SHARP: each GPU's link carries its whole buffer to the switch and its reduced chunk back out, and the
+    # reduced chunks of all 8 in: N (1 + 1/8) each way, in two steps; NVLS's rate unset: the link's (5e10 B/s).
+    expected = 2 * INTRA_ALPHA + 1.125 * N / INTRA_BW
+    assert coll.all_reduce(nvls(toy_hw), Group(8, 8, 8), N) == pytest.approx(expected)
     ring = coll.all_reduce(toy_hw, Group(8, 8, 8), N)
-    assert ring / coll.all_reduce(nvls(toy_hw), Group(8, 8, 8), N) == pytest.approx(1.75, rel=1e-3)  # 2 x 7/8
+    assert ring == pytest.approx(14 * INTRA_ALPHA + 1.75 * N / INTRA_BW)  # 2 x 7/8
+    assert coll.uses_nvls(nvls(toy_hw), Group(8, 8, 8), N)
     # All-gather and reduce-scatter keep the ring.
     assert coll.all_gather(nvls(toy_hw), Group(8, 8, 8), N) == coll.all_gather(toy_hw, Group(8, 8, 8), N)
+
+
+def test_nvls_runs_at_its_own_rate_and_only_where_faster_than_the_ring(toy_hw):
+    # At 0.4 of the 100 GB/s link: 1.125 N / 4e10 = 28.1 ms, faster than the ring's 35.0 ms on 8 GPUs.
+    slow = nvls(toy_hw, 0.4)
+    assert coll.all_reduce(slow, Group(8, 8, 8), N) == pytest.approx(2 * INTRA_ALPHA + 1.125 * N / 4e10)
+    # At 0.25: 45 ms, slower than the ring: NCCL's tuner runs the ring.
+    slower = nvls(toy_hw, 0.25)
+    assert coll.all_reduce(slower, Group(8, 8, 8), N) == coll.all_reduce(toy_hw, Group(8, 8, 8), N)
+    assert not coll.uses_nvls(slower, Group(8, 8, 8), N)
+    # A pair: NVLS moves 1.5 N each way (30 ms), the ring N (20 ms): the ring.
+    assert coll.all_reduce(nvls(toy_hw), Group(2, 2, 2), N) == pytest.approx(2 * INTRA_ALPHA + N / INTRA_BW)
+    assert not coll.uses_nvls(nvls(toy_hw), Group(2, 2, 2), N)
 
 
 def test_nvls_is_not_used_across_nodes(toy_hw):

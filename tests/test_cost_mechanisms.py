@@ -280,6 +280,46 @@ def test_flash_attention_runs_at_its_measured_rate_by_sequence_length(toy_hw, sm
     assert short == pytest.approx(5e-6 + 4.0 * tokens * (256 + 1) / 2 * 64 / 1e13)
 
 
+def _per_query_head(hw, l2=None, vector=None):
+    compute = hw.compute.model_copy(update={"decode_attention": "per_query_head", "vector_tflops": vector})
+    memory = hw.memory.model_copy(update={"l2_gbytes_per_s": l2})
+    return hw.model_copy(update={"compute": compute, "memory": memory})
+
+
+def test_per_query_head_decode_attention_reads_each_kv_head_once_per_query_head(toy_hw, small_arch):
+    """small_arch at tp 1: 4 query heads of 16 (q 64) on 2 KV heads (kv 32), 2 query heads per KV head. A decode
+    step of 8 sequences at 100 keys: the cache is 2 B x 8 x 100 x (k, v) x 32 = 102,400 B, with q and the output
+    (2 B x 2 x 8 x 64 = 2,048 B) 104,448 B through HBM: 2.08896e-7 s at 5e11 B/s. The second query head of each
+    KV head reads the cache again from L2: 206,848 B, 2.06848e-6 s at 100 GB/s. Its math, 4 x 8 x 100 x 64 =
+    204,800 FLOP, in fp32 on the CUDA cores: 2.048e-6 s at 0.1 TFLOP/s. Plus the 5 us launch."""
+    tokens, keys = 8, 100
+    grouped = attention_time(toy_hw, small_arch, tokens, keys, 1, True)
+    hbm_only = attention_time(_per_query_head(toy_hw), small_arch, tokens, keys, 1, True)
+    assert hbm_only == pytest.approx(5e-6 + 104_448 / 5e11)
+    assert grouped == pytest.approx(kernel_time(toy_hw, 4.0 * tokens * keys * 64, 104_448))  # flash, one read
+    l2_bound = attention_time(_per_query_head(toy_hw, l2=100, vector=0.1), small_arch, tokens, keys, 1, True)
+    assert l2_bound == pytest.approx(5e-6 + 206_848 / 1e11)
+    vector_bound = attention_time(_per_query_head(toy_hw, l2=100, vector=0.01), small_arch, tokens, keys, 1, True)
+    assert vector_bound == pytest.approx(5e-6 + 204_800 / 1e10)
+    # Split by tensor parallelism over 2: one KV head and 2 query heads per GPU, the same group of 2.
+    tp2 = attention_time(_per_query_head(toy_hw, l2=100), small_arch, tokens, keys, 2, True)
+    assert tp2 == pytest.approx(5e-6 + (104_448 + 102_400) / 2 / 1e11)
+    # Prefill is not decode: the flash kernel either way.
+    assert attention_time(_per_query_head(toy_hw, l2=100), small_arch, 128, 64.5, 1, False, 128) == \
+        pytest.approx(attention_time(toy_hw, small_arch, 128, 64.5, 1, False, 128))
+
+
+def test_per_query_head_decode_of_multi_head_attention_is_its_hbm_read(toy_hw):
+    """One query head per KV head: nothing is read twice, so L2 (as fast as HBM here) adds no time."""
+    from hfplan.profiles.models import ModelArch
+
+    mha = ModelArch("mha", layers=2, hidden=64, heads=4, kv_heads=4, ffn=128, vocab=260)
+    tokens, keys = 8, 100
+    hbm = 2 * (tokens * keys * 2 * 64 + 2 * tokens * 64)
+    slow_l2 = _per_query_head(toy_hw, l2=toy_hw.memory.bandwidth_gbytes_per_s * toy_hw.memory.efficiency)
+    assert attention_time(slow_l2, mha, tokens, keys, 1, True) == pytest.approx(5e-6 + hbm / 5e11)
+
+
 def test_attention_rate_points_must_rise_in_length_and_be_fractions(toy_hw):
     for bad in ((), ((2048, 0.2), (1024, 0.1)), ((1024, 0.1), (1024, 0.2)), ((1024, 0.0),), ((1024, 1.5),)):
         with pytest.raises(ValueError):

@@ -201,6 +201,11 @@ def test_gpu_profile_uses_datasheet_peaks():
     # The flash attention rate is not measured: the base profile's is carried, and said to be.
     assert profile.compute.attention_rate == load_hardware("h100-80g").compute.attention_rate
     assert "flash attention rate" in profile.description
+    # So are the CUDA cores' fp32 peak (67 TFLOP/s on H100) and the stack's decode attention kernel.
+    assert profile.compute.vector_tflops == 67 and "fp32 CUDA-core peak" in profile.description
+    assert profile.compute.decode_attention == "grouped" and profile.memory.l2_gbytes_per_s is None
+    a100 = build_profile(device, fits, load_hardware("a100-80g"), "a100", "torch x", "note")
+    assert a100.memory.l2_gbytes_per_s == 7219 and "L2 bandwidth" in a100.description
     assert profile.memory.bandwidth_gbytes_per_s == pytest.approx(3350)
     assert profile.links.intra_node.bandwidth_gbytes_per_s == pytest.approx(450)
     assert profile.links.intra_node.effective_bytes_per_s == pytest.approx(3.6e11, rel=1e-3)

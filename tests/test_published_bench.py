@@ -48,3 +48,15 @@ def test_llm_foundry_cases_price_the_triton_attention_kernel_they_ran():
     a100_case = BENCH._with_attention_rate("a100-80g", BENCH.TRITON_ATTENTION_A100)
     assert a100_case.compute.attention_rate == BENCH.TRITON_ATTENTION_A100
     assert a100_case.compute.matmul_efficiency == BENCH._hw("a100-80g").compute.matmul_efficiency
+
+
+def test_tensorrt_llm_throughput_cases_price_its_per_query_head_decode_kernel():
+    """TensorRT-LLM v0.6.1's masked multi-head attention runs one block per query head: its throughput cases say so
+    in their source, and the profile they price differs from the shipped one in that kernel alone."""
+    trt = [c for c in BENCH.decode_cases() if "TensorRT-LLM" in c.source]
+    assert trt and all("one block per query head" in c.source for c in trt)
+    hw = BENCH._with_decode_attention("a100-80g", "per_query_head")
+    shipped = BENCH._hw("a100-80g")
+    assert hw.compute.decode_attention == "per_query_head" and shipped.compute.decode_attention == "grouped"
+    assert hw.compute.model_copy(update={"decode_attention": "grouped"}) == shipped.compute
+    assert all("one block per query head" not in c.source for c in BENCH.decode_cases() if "gpt-fast" in c.source)

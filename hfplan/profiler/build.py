@@ -74,8 +74,14 @@ def build_profile(device: Device, fits: Fits, base: HardwareProfile, name: str, 
     else:
         host = base.links.host
     attention_rate = device_attention_rate(device, base)
+    # Datasheet figures the profiler does not measure, a GPU's alone: its CUDA cores' fp32 peak and its L2 bandwidth
+    # (what a per-query-head decode attention runs at), and the stack's decode attention kernel.
+    gpu = device.kind == "cuda"
+    vector_tflops = base.compute.vector_tflops if gpu else None
+    l2 = base.memory.l2_gbytes_per_s if gpu else None
     carried = ["inter-node link"] + (["intra-node link"] if fits.intra is None else []) \
-        + (["host link"] if fits.host is None else []) + (["flash attention rate"] if attention_rate else [])
+        + (["host link"] if fits.host is None else []) + (["flash attention rate"] if attention_rate else []) \
+        + (["fp32 CUDA-core peak"] if vector_tflops else []) + (["L2 bandwidth"] if l2 else [])
     description = (
         f"Measured by hfplan profile on {device.world_size} x {device.name} ({device.kind}, "
         f"{device.backend}; {versions}). Compute: {sweep_note}; kernel overhead, matmul rate and memory "
@@ -99,8 +105,10 @@ def build_profile(device: Device, fits: Fits, base: HardwareProfile, name: str, 
         compute=Compute(peak_tflops=_round(peak_flops / 1e12), matmul_efficiency=_round(matmul_efficiency),
                         kernel_overhead_us=_round(fits.roofline.overhead_s * 1e6),
                         value_bytes=2 if device.kind == "cuda" else 4,  # bf16 on GPUs, fp32 on CPUs
-                        gemm=device_tiling(device, base), attention_rate=attention_rate),
+                        gemm=device_tiling(device, base), attention_rate=attention_rate,
+                        decode_attention=base.compute.decode_attention if gpu else "grouped",
+                        vector_tflops=vector_tflops),
         memory=Memory(capacity_gib=_round(capacity), reserved_gib=_round(reserved, 3),
-                      bandwidth_gbytes_per_s=_round(bandwidth), efficiency=_round(mem_eff)),
+                      bandwidth_gbytes_per_s=_round(bandwidth), efficiency=_round(mem_eff), l2_gbytes_per_s=l2),
         links=Links(intra_node=intra, inter_node=base.links.inter_node, host=host),
     )

@@ -72,6 +72,17 @@ class Compute(_Strict):
                                   "causal pass: (sequence length, fraction of peak) points, lengths increasing; "
                                   "between two points the fraction is interpolated in log(length), beyond the ends "
                                   "it is the end's. None: attention runs at the matmul rate (matmul_efficiency)")
+    decode_attention: Literal["grouped", "per_query_head"] = Field(
+        default="grouped", description="how the stack's decode attention kernel treats the query heads that share "
+                                       "a KV head (grouped-query attention): grouped (one pass over each KV head's "
+                                       "cache for all of them, as FlashAttention's decode kernels pack them) or "
+                                       "per_query_head (one thread block per query head, computing in fp32 on the "
+                                       "CUDA cores, each reading its KV head's cache through L2: TensorRT-LLM's "
+                                       "masked multi-head attention before its XQA kernel, vLLM's paged attention "
+                                       "v1/v2 kernels)")
+    vector_tflops: float | None = Field(
+        default=None, gt=0, description="fp32 peak of the CUDA cores (not the tensor cores), TFLOP/s: the rate of a "
+                                        "per_query_head decode attention's math; None: not limited by it")
 
     @field_validator("attention_rate")
     @classmethod
@@ -102,6 +113,10 @@ class Memory(_Strict):
     bandwidth_gbytes_per_s: float = Field(gt=0, validation_alias=BANDWIDTH_NAMES,
                                           description="peak device-memory bandwidth, GB/s")
     efficiency: float = Field(gt=0, le=1, description="fraction of peak bandwidth reached by streaming kernels")
+    l2_gbytes_per_s: float | None = Field(
+        default=None, gt=0, description="peak L2-cache read bandwidth, GB/s: what a per_query_head decode "
+                                        "attention's repeated reads of a KV head's cache run at; None: not limited "
+                                        "by it")
     worker_resident_gib: float = Field(default=0.0, ge=0, description="resident memory of one executor worker "
                                        "process before it builds a model (the interpreter, torch, transformers, "
                                        "Ray's worker): on a CPU profile, part of what a run's resident set shows")
@@ -121,6 +136,16 @@ class Link(_Strict):
     latency_us: float = Field(ge=0, description="per-step latency (alpha)")
     nvls: bool = Field(default=False, description="the switch reduces (NVLink SHARP): all-reduce sends each "
                                                   "device's data once and receives the result once")
+    nvls_efficiency: float | None = Field(
+        default=None, gt=0, le=1, description="fraction of the link's bandwidth an NVLS all-reduce reaches (the "
+                                              "switch's reduction and multicast pace it, not the ring's copies); "
+                                              "None: `efficiency`")
+
+    @property
+    def nvls_bytes_per_s(self) -> float:
+        """Bytes/s one device sends to (and receives from) the switch in an NVLS all-reduce."""
+        fraction = self.efficiency if self.nvls_efficiency is None else self.nvls_efficiency
+        return self.bandwidth_gbytes_per_s * 1e9 * fraction
 
     @property
     def effective_bytes_per_s(self) -> float:

@@ -53,6 +53,27 @@ class CallRequest:
     gpus: int | None = None  # collective group size (default tp * pp * dp)
 
 
+# What each part of a call's seconds is (costs.Parts), for a person comparing them with a measurement.
+PART_MEANINGS = {
+    "gemm": "matmul kernels (projections, MLP, output head)",
+    "attention": "attention kernels",
+    "elementwise": "memory-bound kernels: norms, rotary, activations, residuals, softmax, sampling",
+    "tp_comm": "tensor-parallel all-reduces",
+    "pp_comm": "pipeline-stage sends",
+    "dp_comm": "data-parallel and sharding collectives not hidden behind compute",
+    "bubble": "pipeline fill and drain",
+    "recompute": "activation recomputation",
+    "optimizer": "optimizer step's memory traffic",
+    "runtime": "host overhead: engine steps, passes, per-tensor work",
+    "controller": "the controller's dispatch of the call",
+}
+
+
+def part_meaning(name: str) -> str:
+    """What a part of a call's seconds is; a collective's own part (its op) is the collective."""
+    return PART_MEANINGS.get(name, "the collective" if name in COLLECTIVES else "")
+
+
 @dataclass(frozen=True)
 class CallCost:
     kind: str
@@ -63,11 +84,17 @@ class CallCost:
     tokens_per_s: float | None = None
     memory_gib_per_gpu: float | None = None
     detail: dict[str, float | int | str] = field(default_factory=dict)
+    # generate: the parts of its prefills and of its decode steps apart ("prefill", "decode"); with the
+    # controller's part they add up to `parts`
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "seconds": self.seconds, "gpus": self.gpus, "flops_per_gpu_per_s":
-                self.flops_per_gpu_per_s, "tokens_per_s": self.tokens_per_s,
-                "memory_gib_per_gpu": self.memory_gib_per_gpu, "parts": dict(self.parts), "detail": dict(self.detail)}
+        out = {"kind": self.kind, "seconds": self.seconds, "gpus": self.gpus, "flops_per_gpu_per_s":
+               self.flops_per_gpu_per_s, "tokens_per_s": self.tokens_per_s,
+               "memory_gib_per_gpu": self.memory_gib_per_gpu, "parts": dict(self.parts), "detail": dict(self.detail)}
+        if self.phases:
+            out["phases"] = {name: dict(parts) for name, parts in self.phases.items()}
+        return out
 
 
 def _forward_flops(arch: ModelArch, head: str, tokens: float, keys_per_token: float) -> float:
@@ -192,10 +219,14 @@ def _generate(hw: HardwareProfile, arch: ModelArch, req: CallRequest, where: cos
     tokens = req.batch * req.prompt_len + response_tokens
     flops = _forward_flops(arch, "lm", tokens, req.prompt_len / 2 + lengths.mean / 2)
     seconds = result.seconds
+    phases = costs.waves_phases(hw, arch, req.tp, req.pp, where, per_replica, result.waves, req.prompt_len,
+                                req.response_len, lengths, req.batching)
     return CallCost("generate", seconds, where.gpus, result.parts, flops / (where.gpus * seconds),
                     response_tokens / seconds, _gib(held + kv_used),
                     {"waves": result.waves, "batch_per_replica": result.max_batch, "batching": req.batching,
-                     "kv_cache": req.kv_cache})
+                     "kv_cache": req.kv_cache, "decode_steps": phases.decode_steps,
+                     "decode_step_ms": 1e3 * phases.decode.total / phases.decode_steps},
+                    phases={"prefill": dict(phases.prefill), "decode": dict(phases.decode)})
 
 
 def _collective(hw: HardwareProfile, req: CallRequest, per_node: int) -> CallCost:
@@ -219,4 +250,4 @@ def _collective(hw: HardwareProfile, req: CallRequest, per_node: int) -> CallCos
     return CallCost("collective", seconds, size, {req.op: seconds},
                     detail={"op": req.op, "algbw_gbytes_per_s": algbw / 1e9, "busbw_gbytes_per_s": algbw * factor / 1e9,
                             "nodes": group.nodes, "per_node": group.per_node,
-                            "nvls": str(hw.links.intra_node.nvls and req.op == "all_reduce").lower()})
+                            "nvls": str(req.op == "all_reduce" and coll.uses_nvls(hw, group, req.nbytes)).lower()})

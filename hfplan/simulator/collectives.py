@@ -9,10 +9,14 @@ node boundary carries the ring's whole stream (passes (size - 1) / size of the d
 all-reduce bus bandwidth is accordingly about the node's network bandwidth. The ring's chunks cross
 NVLink and the network at once, so it pays every step's latency and the slower link's bandwidth term.
 Where the intra-node link reduces in the switch (NVLink SHARP, `Link.nvls`: NVSwitch gen 3, H100/H200),
-an all-reduce inside a node sends each GPU's data to the switch once and receives the reduced result
-once (NCCL's NVLS algorithm): n bytes each way in two steps, against the ring's 2(r-1)/r n in 2(r-1).
-NCCL runs NVLS across nodes only with CollNet (SHARP in the network), which the profiles do not describe:
-groups spanning nodes take the ring.
+an all-reduce inside a node may run NCCL's NVLS algorithm (src/device/all_reduce.h, the one-node path): each
+rank stages chunk h of its input in its own buffer of head h; head h loads its chunk reduced by the switch
+(multimem.ld_reduce: the switch reads that chunk from every rank) and stores the result to every rank at once
+(multimem.st). Each GPU's link so carries its whole buffer and its reduced chunk out, n (1 + 1/r), and as much
+in, in two steps, at the NVLS rate (`Link.nvls_bytes_per_s`); against the ring's 2(r-1)/r n in 2(r-1) steps.
+NCCL's tuner runs whichever its model finds faster (src/graph/tuning.cc), so the faster of the two is taken:
+NVLS for large groups, the ring for a pair. NCCL runs NVLS across nodes only with CollNet (SHARP in the
+network), which the profiles do not describe: groups spanning nodes take the ring.
 """
 
 from __future__ import annotations
@@ -77,20 +81,34 @@ def _inter_bandwidth(hw: HardwareProfile, group: Group) -> float:
     return inter.effective_bytes_per_s / max(1, group.busy_per_node)
 
 
+def _nvls_all_reduce(hw: HardwareProfile, group: Group, nbytes: float) -> float:
+    """NCCL's NVLS all-reduce in one node (module docstring): n (1 + 1/r) bytes each way per GPU in two steps at the
+    NVLS rate; infinite where the switch does not reduce or the group spans nodes."""
+    intra = hw.links.intra_node
+    if not intra.nvls or group.nodes > 1 or group.size <= 1:
+        return math.inf
+    return 2 * intra.latency_us * 1e-6 + (1 + 1 / group.size) * nbytes / intra.nvls_bytes_per_s
+
+
+def uses_nvls(hw: HardwareProfile, group: Group, nbytes: float) -> bool:
+    """Whether an all-reduce of `nbytes` in `group` runs NVLS (faster than the ring there) rather than the ring."""
+    nvls = _nvls_all_reduce(hw, group, nbytes)
+    return nvls < math.inf and all_reduce(hw, group, nbytes) == nvls
+
+
 def _ring(hw: HardwareProfile, group: Group, nbytes: float, passes: int) -> float:
     """`passes` = 1 for all-gather or reduce-scatter (of an nbytes result), 2 for all-reduce.
 
-    In a node: a ring (or, for all-reduce where the switch reduces, NVLS). Across nodes: NCCL's ring runs through
-    every rank, so each rank sends passes (size - 1) / size of the data, and each node's network hop carries the
-    whole ring's stream (the r ranks of the node pass it along over NVLink, one of them out of the node); the node's
-    NICs are shared by the busy_per_node / per_node groups crossing it at once. The stream is pipelined in chunks
-    through both links: every step's latency, and the slower link's bandwidth term."""
+    In a node: a ring (or, for all-reduce where the switch reduces, NVLS where it is faster). Across nodes: NCCL's
+    ring runs through every rank, so each rank sends passes (size - 1) / size of the data, and each node's network
+    hop carries the whole ring's stream (the r ranks of the node pass it along over NVLink, one of them out of the
+    node); the node's NICs are shared by the busy_per_node / per_node groups crossing it at once. The stream is
+    pipelined in chunks through both links: every step's latency, and the slower link's bandwidth term."""
     if group.size <= 1 or nbytes <= 0:
         return 0.0
     intra = hw.links.intra_node
     r, n = group.per_node, group.nodes
-    if n == 1 and passes == 2 and intra.nvls:
-        return 2 * intra.latency_us * 1e-6 + nbytes / intra.effective_bytes_per_s
+    nvls = _nvls_all_reduce(hw, group, nbytes) if passes == 2 else math.inf
     moved = passes * (group.size - 1) / group.size * nbytes  # what each rank sends around the ring
     latency = passes * (r - 1) * intra.latency_us * 1e-6
     intra_time = moved / intra.effective_bytes_per_s if r > 1 else 0.0
@@ -98,7 +116,7 @@ def _ring(hw: HardwareProfile, group: Group, nbytes: float, passes: int) -> floa
     if n > 1:
         latency += passes * (n - 1) * hw.links.inter_node.latency_us * 1e-6
         inter_time = moved / (_inter_bandwidth(hw, group) * r)
-    return latency + max(intra_time, inter_time)
+    return min(nvls, latency + max(intra_time, inter_time))
 
 
 def all_reduce(hw: HardwareProfile, group: Group, nbytes: float) -> float:

@@ -360,11 +360,30 @@ def _lengths(response_len: int, lengths: ResponseLengths | None) -> ResponseLeng
     return lengths if lengths is not None else ResponseLengths.fixed(response_len)
 
 
+class WavePhases(NamedTuple):
+    """One wave (or a continuous engine's run) by phase: its prefills' parts, its decode steps' parts, and how
+    many decode steps (the decode parts are that many steps of one step's parts)."""
+
+    prefill: Parts
+    decode: Parts
+    decode_steps: float
+
+
 @memoized
 def wave_parts(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, batch: int,
                prompt_len: int, response_len: int, lengths: ResponseLengths | None = None, batching: str = "static",
                sequences: int = 0, *, memo: CostMemo | None = None) -> Parts:
-    """Generation of `sequences` sequences (`batch` when 0) with `batch` of them in the engine at once.
+    """Generation of `sequences` sequences (`batch` when 0) with `batch` of them in the engine at once: its
+    prefill and decode phases (`wave_phases`) together."""
+    phases = wave_phases(hw, arch, tp, pp, where, batch, prompt_len, response_len, lengths, batching, sequences,
+                         memo=memo)
+    return phases.prefill.plus(phases.decode)
+
+
+def wave_phases(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, batch: int,
+                prompt_len: int, response_len: int, lengths: ResponseLengths | None = None, batching: str = "static",
+                sequences: int = 0, *, memo: CostMemo | None = None) -> WavePhases:
+    """Generation of `sequences` sequences (`batch` when 0) with `batch` of them in the engine at once, by phase.
 
     static: one prefill, then as many decode steps as the longest of the batch's responses (expected, from
     the length distribution), every row decoding until the batch ends; costed at the mean context length
@@ -385,8 +404,9 @@ def wave_parts(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: Se
         steps = dist.expected_max(batch)
         context = prompt_len + (steps - 1) / 2
         prefills = 1.0
-    return prefill_parts(hw, arch, layout, where, batch, prompt_len, engine, memo=memo).times(prefills).plus(
-        decode_step_parts(hw, arch, layout, where, batch, context, engine, memo=memo), times=steps)
+    return WavePhases(prefill_parts(hw, arch, layout, where, batch, prompt_len, engine, memo=memo).times(prefills),
+                      decode_step_parts(hw, arch, layout, where, batch, context, engine, memo=memo).times(steps),
+                      steps)
 
 
 @dataclass(frozen=True)
@@ -433,6 +453,24 @@ def _waves_parts(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: 
         out = out.plus(wave_parts(hw, arch, tp, pp, where, small, prompt_len, response_len, lengths,
                                   memo=memo), times=waves - bigger)
     return out
+
+
+def waves_phases(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, sequences: int,
+                 waves: int, prompt_len: int, response_len: int, lengths: ResponseLengths | None = None,
+                 batching: str = "static", *, memo: CostMemo | None = None) -> WavePhases:
+    """`_waves_parts` by phase (what `hfplan cost generate` shows): the same waves, their prefills' and decode
+    steps' parts summed apart; the decode steps are every wave's, one after another."""
+    small, bigger = divmod(sequences, waves)
+    if batching == "continuous":
+        return wave_phases(hw, arch, tp, pp, where, small + (1 if bigger else 0), prompt_len, response_len, lengths,
+                           batching, sequences, memo=memo)
+    prefill, decode, steps = Parts(), Parts(), 0.0
+    for size, count in ((small + 1, bigger), (small, waves - bigger)):
+        if size and count:
+            one = wave_phases(hw, arch, tp, pp, where, size, prompt_len, response_len, lengths, memo=memo)
+            prefill, decode = prefill.plus(one.prefill, times=count), decode.plus(one.decode, times=count)
+            steps += count * one.decode_steps
+    return WavePhases(prefill, decode, steps)
 
 
 @functools.lru_cache(maxsize=1 << 12)

@@ -145,6 +145,24 @@ def shard(dim: int, tp: int) -> float:
     return dim / tp
 
 
+def per_query_head_decode_time(hw: HardwareProfile, tokens: float, keys: float, q_local: float, kv_local: float,
+                               hbm_bytes: float) -> float:
+    """A decode attention kernel that runs one thread block per query head (Compute.decode_attention
+    "per_query_head"): each of the `q_local / kv_local` query heads sharing a KV head reads that head's whole
+    cache, so the cache crosses HBM once (the first reader brings it into L2) and L2 that many times; the dot
+    products and the weighted sum run in fp32 on the CUDA cores. The slowest of the three bounds (HBM, L2, CUDA
+    cores) sets its time; with one query head per KV head (multi-head attention) it is the HBM read, as a grouped
+    kernel's."""
+    group = max(1.0, q_local / kv_local)
+    cache_bytes = hw.compute.value_bytes * tokens * keys * 2 * kv_local
+    times = [hbm_bytes / (hw.memory.bandwidth_gbytes_per_s * 1e9 * hw.memory.efficiency)]
+    if hw.memory.l2_gbytes_per_s is not None:
+        times.append((hbm_bytes + (group - 1) * cache_bytes) / (hw.memory.l2_gbytes_per_s * 1e9))
+    if hw.compute.vector_tflops is not None:
+        times.append(4.0 * tokens * keys * q_local / (hw.compute.vector_tflops * 1e12))
+    return hw.compute.kernel_overhead_us * 1e-6 + max(times)
+
+
 def attention_time(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per_token: float, tp: int,
                    decode: bool, seq_len: float | None = None) -> float:
     """Attention of `tokens` queries on one of `tp` GPUs, with the profile's kernel (compute.attention).
@@ -153,12 +171,15 @@ def attention_time(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per
     scores never do; its math runs at the kernel's measured rate (`attention_fraction`). eager (the scores through
     memory, as a plain PyTorch attention): QK^T writes the score matrix, the softmax reads it and writes the
     probabilities, PV reads them; a causal pass computes every query against all `seq_len` keys of its sequence (the
-    mask is applied, not skipped)."""
+    mask is applied, not skipped). A decode step with compute.decode_attention "per_query_head" runs the stack's
+    one-block-per-query-head kernel instead (`per_query_head_decode_time`)."""
     v = hw.compute.value_bytes
     kv_local = kv_heads_per_rank(arch.kv_heads, tp) * arch.dim_per_head
     q_local = shard(arch.q_dim, tp)
     if decode:
         io_bytes = v * (tokens * keys_per_token * 2 * kv_local + 2 * tokens * q_local)
+        if hw.compute.decode_attention == "per_query_head":
+            return per_query_head_decode_time(hw, tokens, keys_per_token, q_local, kv_local, io_bytes)
     else:
         io_bytes = v * tokens * (2 * q_local + 2 * kv_local)
     if hw.compute.attention == "flash":
