@@ -55,6 +55,17 @@ def plan_file(tmp_path):
     return path
 
 
+@pytest.fixture
+def demo_plan_file(tmp_path):
+    """The demo workload's plan on 2 CPU processes, as `hfplan search` writes it: what `execute` tests run."""
+    from tests.support.cli import invoke
+
+    result = invoke("search", "--workload", "demo", "--hardware", "cpu", "--gpus", 2, "--out", tmp_path / "demo.json",
+                    "--no-compare")
+    assert result.exit_code == 0, result.output
+    return tmp_path / "demo.json"
+
+
 @pytest.fixture(scope="session")
 def ray_cluster() -> str:
     """The session's one local Ray cluster, started on first use: its address (for `--address`). Its folder

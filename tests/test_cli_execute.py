@@ -14,14 +14,6 @@ from tests.support.cli import assert_user_error, invoke
 from tests.support.executor_runs import cpu_plan, tiny_workload
 
 
-@pytest.fixture
-def demo_plan_file(tmp_path):
-    result = invoke("search", "--workload", "demo", "--hardware", "cpu", "--gpus", 2, "--out", tmp_path / "demo.json",
-                    "--no-compare")
-    assert result.exit_code == 0, result.output
-    return tmp_path / "demo.json"
-
-
 def write_plan(tmp_path, plan) -> str:
     path = tmp_path / "plan.json"
     path.write_text(plan.to_json())

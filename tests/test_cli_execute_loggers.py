@@ -15,14 +15,6 @@ from tests.support.cli import assert_user_error, invoke
 pytest.importorskip("torch", reason="hfplan execute needs the execute extra")
 
 
-@pytest.fixture
-def demo_plan_file(tmp_path):
-    result = invoke("search", "--workload", "demo", "--hardware", "cpu", "--gpus", 2, "--out", tmp_path / "demo.json",
-                    "--no-compare")
-    assert result.exit_code == 0, result.output
-    return tmp_path / "demo.json"
-
-
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
 def test_wandb_without_its_package_is_refused_before_anything_starts(demo_plan_file, tmp_path):
     assert_user_error(invoke("execute", demo_plan_file, "--out", tmp_path / "run", "--logger", "jsonl,wandb"),
