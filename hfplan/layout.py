@@ -720,9 +720,15 @@ def _most_received_numel(arch: ModelArch, train: SwitchLayout, gen: tuple[int, i
     return max(received_numel(train, _Sizes(*gen), arch_specs(arch), arch.layers))
 
 
-@functools.lru_cache(maxsize=4096)
 def most_generation_numel(arch: ModelArch, gen: LayoutLike) -> int:
     """The most parameters one GPU of a generation layout holds (generation_numel over arch_specs, in gen's own
-    rank order): what a separate rollout set's weight sync sends each of its GPUs (sync_transfers)."""
-    return max(generation_numel(gen, arch_specs(arch), arch.layers, GenerationPlace(*rank_coords(gen, r)))
-               for r in range(gen.pp * gen.dp * gen.tp))
+    rank order): what a separate rollout set's weight sync sends each of its GPUs (sync_transfers). A shard
+    depends on its rank's pipeline stage and tp coordinate alone (generation_box), so one replica's ranks say it."""
+    return _most_generation_numel(arch, gen.tp, gen.pp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _most_generation_numel(arch: ModelArch, tp: int, pp: int) -> int:
+    gen, specs = _Sizes(tp, pp, 1), arch_specs(arch)
+    return max(generation_numel(gen, specs, arch.layers, GenerationPlace(stage, 0, rank))
+               for stage in range(pp) for rank in range(tp))

@@ -18,6 +18,7 @@ from hfplan.layout import (
     generation_numel,
     generation_places,
     generation_ranks,
+    most_generation_numel,
     most_received_numel,
     nests,
     rank_coords,
@@ -203,3 +204,13 @@ def test_most_received_is_shared_by_configs_the_switch_cannot_tell_apart():
     full = base.model_copy(update={"shard": "full"})  # weights in dp pieces: another plan
     assert SwitchLayout.of(full) != SwitchLayout.of(base)
     assert most_received_numel(arch, full, gen) == max(received_numel(full, gen, specs, arch.layers))
+
+
+def test_most_generation_numel_is_the_largest_shard_of_any_rank():
+    """most_generation_numel reads one replica's ranks: every rank of the layout holds no more."""
+    arch = ModelArch(name="t", layers=4, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=100)
+    specs = arch_specs(arch)
+    for gen in (GenConfig(tp=2, pp=2, dp=3), GenConfig(tp=4, pp=1, dp=2), GenConfig(tp=1, pp=4, dp=1)):
+        every = [generation_numel(gen, specs, arch.layers, GenerationPlace(*rank_coords(gen, r)))
+                 for r in range(gen.tp * gen.pp * gen.dp)]
+        assert most_generation_numel(arch, gen) == max(every)
