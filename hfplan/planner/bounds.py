@@ -26,6 +26,7 @@ from hfplan.layout import ON_CONTROLLER, set_index
 from hfplan.planner import space
 from hfplan.planner.facts import RoleKey, SearchFacts, SetKey
 from hfplan.planner.options import RoleOptions
+from hfplan.planner.pareto import pareto
 from hfplan.simulator.schedule import Precedence
 
 
@@ -38,6 +39,13 @@ class Floor:
     gen: tuple[float, ...]  # generate calls (generating role)
     switch: float
     resident: float
+
+
+class GeneratorRows(NamedTuple):
+    """A set holding the generating role, one row per option of that role (Floors.generator_rows)."""
+
+    rows: np.ndarray  # (options, calls in node order): the set's calls, 0 for the others
+    switch: np.ndarray  # each option's switch
 
 
 class SetBound(NamedTuple):
@@ -55,6 +63,7 @@ class BoundCaches:
     floors: dict[RoleKey, Floor | None] = field(default_factory=dict)
     set_floors: dict[SetKey, dict[int, float] | None] = field(default_factory=dict)
     set_bounds: dict[SetKey, SetBound] = field(default_factory=dict)
+    generator_rows: dict[SetKey, GeneratorRows | None] = field(default_factory=dict)
 
 
 class Floors:
@@ -149,6 +158,29 @@ class Floors:
         return self.caches.set_bounds[key]
 
 
+    def generator_rows(self, roles: tuple[str, ...], gpus: int) -> GeneratorRows | None:
+        """For a set holding the generating role, a bound per option of that role: its own calls as the option makes
+        them, its generate calls with all memory it does not hold for the KV cache (alone_gen: colocated roles only
+        take room away, and more room never slows generation), its switch (a rollout set's at its cheaper case), the
+        set's other roles at their floors; rows no faster on any call than another are left out. Every strategy
+        choice of the set is at or above one of these rows, so their least makespan is a lower bound, tighter than
+        set_bound's, whose generating role takes each call's fastest over options that cannot all be chosen at
+        once. None when the set cannot fit or its generating role has no option."""
+        f = self.facts
+        key = f.set_key(roles, gpus)
+        if key not in self.caches.generator_rows:
+            bound, result = self.set_bound(roles, gpus), None
+            choices = self.options.choices(f.generator, gpus)
+            if not bound.why and choices.options:
+                cols = [n.id for n in f.own_nodes(f.generator)] + [n.id for n in f.generate_nodes]
+                rows = np.tile(bound.row, (len(choices.options), 1))
+                rows[:, cols] = np.concatenate([choices.seconds, choices.alone_gen], axis=1)
+                kept = pareto(np.column_stack([rows[:, cols], choices.switch]))
+                result = GeneratorRows(rows[kept], choices.switch[kept])
+            self.caches.generator_rows[key] = result
+        return self.caches.generator_rows[key]
+
+
 class PlacementBounds:
     """Bounds of the allocations of one placement on at most `gpus` GPUs, by prefix."""
 
@@ -176,6 +208,9 @@ class PlacementBounds:
         masked = np.where(self.feasible[..., None], self.rows, np.inf)
         self.best_rows = np.minimum.accumulate(masked, axis=1)
         self.best_switch = np.minimum.accumulate(np.where(self.feasible, self.switch, np.inf), axis=1)
+        held = [i for i, roles in enumerate(placement) if facts.generator in roles]
+        self.gen_set = held[0] if held else None  # the set holding the generating role
+        self.gen_cols = [n.id for n in facts.own_nodes(facts.generator)] + [n.id for n in facts.generate_nodes]
 
     def _fill(self, i: int, j: int, roles: tuple[str, ...], size: int) -> None:
         bound = self.floors.set_bound(roles, size)
@@ -243,11 +278,36 @@ class PlacementBounds:
                     rows[n] += self.best_rows[i, limit]
                     switches[n] += self.best_switch[i, limit]
         rows[~self.feasible[index, js]] = np.inf
-        if self.switch_ids:
-            rows[:, self.switch_ids] += switches[:, None]
-        bounds = self.precedence.makespan_many(rows)  # an infinite floor anywhere makes its bound infinite
+        if self.gen_set is not None and self.gen_set <= index:
+            bounds = self._by_generator_option(prefix, js, rows, switches)
+        else:
+            bounds = self._makespans(rows, switches)
         return [(prefix + (self.sizes[j],), float(b), "" if self.feasible[index, j] else self.why[(index, j)])
                 for j, b in zip(js, bounds, strict=True)]
+
+    def _makespans(self, rows: np.ndarray, switches: np.ndarray) -> np.ndarray:
+        if self.switch_ids:
+            rows[:, self.switch_ids] += switches[:, None]
+        return self.precedence.makespan_many(rows)  # an infinite floor anywhere makes its bound infinite
+
+    def _by_generator_option(self, prefix: tuple[int, ...], js: list[int], rows: np.ndarray, switches: np.ndarray
+                             ) -> np.ndarray:
+        """children's bounds once the set holding the generating role is sized: the least over that role's options
+        (Floors.generator_rows) of the schedule with the set's calls as the option makes them."""
+        g, index = self.gen_set, len(prefix)
+        sized = [self.sizes.index(prefix[g])] * len(js) if g < index else js
+        out = np.full(len(js), np.inf)
+        for j in sorted(set(sized)):
+            ns = [n for n, s in enumerate(sized) if s == j and np.all(np.isfinite(rows[n]))]
+            options = self.floors.generator_rows(self.placement[g], self.sizes[j]) if ns else None
+            if options is None:
+                continue  # nothing fits: the rows are infinite already
+            m = len(options.switch)
+            grid = np.repeat(rows[ns], m, axis=0)
+            grid[:, self.gen_cols] = np.tile(options.rows[:, self.gen_cols], (len(ns), 1))
+            switch = np.repeat(switches[ns] - self.switch[g, j], m) + np.tile(options.switch, len(ns))
+            out[ns] = self._makespans(grid, switch).reshape(len(ns), m).min(axis=1)
+        return out
 
     def completions(self, prefix: tuple[int, ...]) -> int:
         """How many complete allocations start with `prefix`."""
