@@ -22,11 +22,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hfplan.layout import ON_CONTROLLER, set_index
+from hfplan.layout import ON_CONTROLLER, ROLLOUT, set_index
 from hfplan.planner import space
 from hfplan.planner.facts import RoleKey, SearchFacts, SetKey
 from hfplan.planner.options import RoleOptions
 from hfplan.planner.pareto import pareto
+from hfplan.simulator.mapping import switch_seconds
 from hfplan.simulator.schedule import Precedence
 
 
@@ -45,7 +46,8 @@ class GeneratorRows(NamedTuple):
     """A set holding the generating role, one row per option of that role (Floors.generator_rows)."""
 
     rows: np.ndarray  # (options, calls in node order): the set's calls, 0 for the others
-    switch: np.ndarray  # each option's switch
+    switch: np.ndarray  # each option's switch (a rollout set's weight sync at its cheaper case)
+    apart: np.ndarray  # each option's switch where the generating set shares no node with the actor's
 
 
 class SetBound(NamedTuple):
@@ -175,8 +177,12 @@ class Floors:
                 cols = [n.id for n in f.own_nodes(f.generator)] + [n.id for n in f.generate_nodes]
                 rows = np.tile(bound.row, (len(choices.options), 1))
                 rows[:, cols] = np.concatenate([choices.seconds, choices.alone_gen], axis=1)
-                kept = pareto(np.column_stack([rows[:, cols], choices.switch]))
-                result = GeneratorRows(rows[kept], choices.switch[kept])
+                apart = choices.switch
+                if f.generator == ROLLOUT:
+                    apart = np.array([switch_seconds(f.workload, f.hw, f.gpus_per_node, ROLLOUT, o.par, gpus, False,
+                                                     f.memo) for o in choices.options])
+                kept = pareto(np.column_stack([rows[:, cols], choices.switch, apart]))
+                result = GeneratorRows(rows[kept], choices.switch[kept], apart[kept])
             self.caches.generator_rows[key] = result
         return self.caches.generator_rows[key]
 
@@ -210,6 +216,7 @@ class PlacementBounds:
         self.best_switch = np.minimum.accumulate(np.where(self.feasible, self.switch, np.inf), axis=1)
         held = [i for i, roles in enumerate(placement) if facts.generator in roles]
         self.gen_set = held[0] if held else None  # the set holding the generating role
+        self.actor_set = where.get(facts.trained_generator)  # the set whose weights a rollout set receives
         self.gen_cols = [n.id for n in facts.own_nodes(facts.generator)] + [n.id for n in facts.generate_nodes]
 
     def _fill(self, i: int, j: int, roles: tuple[str, ...], size: int) -> None:
@@ -293,21 +300,32 @@ class PlacementBounds:
     def _by_generator_option(self, prefix: tuple[int, ...], js: list[int], rows: np.ndarray, switches: np.ndarray
                              ) -> np.ndarray:
         """children's bounds once the set holding the generating role is sized: the least over that role's options
-        (Floors.generator_rows) of the schedule with the set's calls as the option makes them."""
-        g, index = self.gen_set, len(prefix)
-        sized = [self.sizes.index(prefix[g])] * len(js) if g < index else js
+        (Floors.generator_rows) of the schedule with the set's calls as the option makes them, a rollout set's
+        weight sync across nodes where it cannot share one with the actor's set (_apart)."""
+        g = self.gen_set
+        sizes = [(*prefix, self.sizes[j]) for j in js]
         out = np.full(len(js), np.inf)
-        for j in sorted(set(sized)):
-            ns = [n for n, s in enumerate(sized) if s == j and np.all(np.isfinite(rows[n]))]
+        for j in sorted({self.sizes.index(s[g]) for s in sizes}):
+            ns = [n for n, s in enumerate(sizes) if s[g] == self.sizes[j] and np.all(np.isfinite(rows[n]))]
             options = self.floors.generator_rows(self.placement[g], self.sizes[j]) if ns else None
             if options is None:
                 continue  # nothing fits: the rows are infinite already
             m = len(options.switch)
             grid = np.repeat(rows[ns], m, axis=0)
             grid[:, self.gen_cols] = np.tile(options.rows[:, self.gen_cols], (len(ns), 1))
-            switch = np.repeat(switches[ns] - self.switch[g, j], m) + np.tile(options.switch, len(ns))
+            apart = np.array([self._apart(sizes[n]) for n in ns])
+            own = np.where(np.repeat(apart, m), np.tile(options.apart, len(ns)), np.tile(options.switch, len(ns)))
+            switch = np.repeat(switches[ns] - self.switch[g, j], m) + own
             out[ns] = self._makespans(grid, switch).reshape(len(ns), m).min(axis=1)
         return out
+
+    def _apart(self, sizes: tuple[int, ...]) -> bool:
+        """Whether the set holding the generating role shares no node with the actor's, whatever the rest: sets
+        are laid out on consecutive GPUs, so two sets share one node only if their GPUs together fit on it
+        (PlanCosts.same_node). False while the actor's set is not sized."""
+        if self.actor_set is None or self.actor_set >= len(sizes) or self.actor_set == self.gen_set:
+            return False
+        return sizes[self.gen_set] + sizes[self.actor_set] > self.facts.gpus_per_node
 
     def completions(self, prefix: tuple[int, ...]) -> int:
         """How many complete allocations start with `prefix`."""
