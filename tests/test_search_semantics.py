@@ -196,3 +196,18 @@ def test_a_walk_cut_by_the_time_limit_proves_its_gap():
     assert any(c.status == "open" for c in cut.candidates)
     stats = cut.stats
     assert stats.evaluated + stats.pruned + stats.infeasible + stats.open == stats.allocations
+
+
+@pytest.mark.parametrize(("gpus", "per_node", "powers"),
+                         [(40, 4, False), (40, 4, True), (12, 8, False), (19, 2, False)])
+def test_allocation_counts_equal_the_allocations_listed(gpus, per_node, powers):
+    """The walk's allocation counts (bounds._counts, a running sum over the whole-node sizes) equal the allocations
+    space.allocations lists, with and without idle GPUs."""
+    from hfplan.planner.bounds import _counts
+
+    sizes = [s for s in space.set_sizes(gpus, per_node) if not powers or s & (s - 1) == 0]
+    for idle in (False, True):
+        table = _counts(tuple(sizes), gpus, idle, 4)
+        for sets in range(1, 5):
+            listed = sum(1 for _ in space.allocations(sets, gpus, per_node, powers, idle))
+            assert table[sets][gpus] == listed, (sets, idle)

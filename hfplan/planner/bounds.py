@@ -329,12 +329,34 @@ class PlacementBounds:
 
     def completions(self, prefix: tuple[int, ...]) -> int:
         """How many complete allocations start with `prefix`."""
-        return _count(tuple(self.sizes), self.k - len(prefix), self.gpus - sum(prefix), self.facts.rules.idle_gpus)
+        return _counts(tuple(self.sizes), self.gpus, self.facts.rules.idle_gpus, self.k)[self.k - len(prefix)][
+            self.gpus - sum(prefix)]
 
 
 @cache
-def _count(sizes: tuple[int, ...], sets: int, gpus: int, idle: bool) -> int:
-    """Ways to give `sets` sets sizes from `sizes` using all `gpus` GPUs (with `idle`, at most `gpus`)."""
-    if sets == 0:
-        return 1 if idle or gpus == 0 else 0
-    return sum(_count(sizes, sets - 1, gpus - s, idle) for s in sizes if s <= gpus - (sets - 1))
+def _counts(sizes: tuple[int, ...], gpus: int, idle: bool, sets: int) -> list[list[int]]:
+    """table[m][g]: ways to give m sets sizes from `sizes` (ascending) using all g GPUs (with `idle`, at most g),
+    for every m <= sets and g <= gpus: table[m][g] = sum over sizes s <= g of table[m - 1][g - s]. The largest
+    sizes are whole nodes d, 2d, ..., kd, whose part of that sum runs along g in steps of d (run[g] = prev[g - d] +
+    run[g - d] - prev[g - (k + 1) d]), so a table costs sets x gpus x (the other sizes), not x (every size)."""
+    d, k = _progression(sizes)
+    others = sizes[:len(sizes) - k]
+    table = [[1] * (gpus + 1) if idle else [1] + [0] * gpus]
+    for _ in range(sets):
+        prev, cur, run = table[-1], [0] * (gpus + 1), [0] * (gpus + 1)
+        for g in range(gpus + 1):
+            if k and g >= d:
+                run[g] = prev[g - d] + run[g - d] - (prev[g - d * (k + 1)] if g >= d * (k + 1) else 0)
+            cur[g] = run[g] + sum(prev[g - s] for s in others if s <= g)
+        table.append(cur)
+    return table
+
+
+def _progression(sizes: tuple[int, ...]) -> tuple[int, int]:
+    """(d, k) of the longest run of largest sizes that are d, 2d, ..., kd; k = 0 when there is none."""
+    n = len(sizes)
+    for k in range(n, 0, -1):
+        d = sizes[n - k]
+        if all(sizes[n - k + i] == d * (i + 1) for i in range(k)):
+            return d, k
+    return 0, 0
