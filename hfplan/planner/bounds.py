@@ -197,6 +197,8 @@ class PlacementBounds:
         if facts.rules.power_of_two_sets:
             sizes = [s for s in sizes if s & (s - 1) == 0]
         self.sizes = sizes
+        self.size_array = np.array(sizes)
+        self.index_of = {size: j for j, size in enumerate(sizes)}
         self.k = len(placement)
         n_nodes = len(facts.dag.nodes)
         where = set_index(placement)
@@ -239,7 +241,7 @@ class PlacementBounds:
         seconds = np.array(self.facts.controller_seconds)
         switch = 0.0
         for i, size in enumerate(prefix):
-            j = self.sizes.index(size)
+            j = self.index_of[size]
             seconds += self.rows[i, j]
             switch += self.switch[i, j]
         if unsized:
@@ -273,17 +275,17 @@ class PlacementBounds:
         base = np.array(self.facts.controller_seconds)
         switch = 0.0
         for i, size in enumerate(prefix):
-            j = self.sizes.index(size)
+            j = self.index_of[size]
             base = base + self.rows[i, j]
             switch += self.switch[i, j]
         rows = base + self.rows[index, js]
         switches = switch + self.switch[index, js]
         if unsized_after:
-            for n, j in enumerate(js):
-                limit = self._largest_index(left - self.sizes[j] - (unsized_after - 1))  # >= 0: size 1 exists
-                for i in range(index + 1, self.k):
-                    rows[n] += self.best_rows[i, limit]
-                    switches[n] += self.best_switch[i, limit]
+            # the largest size each later set could get (>= 0: size 1 exists)
+            limits = np.searchsorted(self.sizes, left - self.size_array[js] - (unsized_after - 1), side="right") - 1
+            for i in range(index + 1, self.k):
+                rows += self.best_rows[i, limits]
+                switches += self.best_switch[i, limits]
         rows[~self.feasible[index, js]] = np.inf
         if self.gen_set is not None and self.gen_set <= index:
             bounds = self._by_generator_option(prefix, js, rows, switches)
@@ -302,30 +304,35 @@ class PlacementBounds:
         """children's bounds once the set holding the generating role is sized: the least over that role's options
         (Floors.generator_rows) of the schedule with the set's calls as the option makes them, a rollout set's
         weight sync across nodes where it cannot share one with the actor's set (_apart)."""
-        g = self.gen_set
-        sizes = [(*prefix, self.sizes[j]) for j in js]
+        g, index = self.gen_set, len(prefix)
+        child = self.size_array[js]
+        gen_js = np.array(js) if g == index else np.full(len(js), self.index_of[prefix[g]])
+        apart = self._apart(prefix, self.size_array[gen_js], child)
+        finite = np.isfinite(rows).all(axis=1)
         out = np.full(len(js), np.inf)
-        for j in sorted({self.sizes.index(s[g]) for s in sizes}):
-            ns = [n for n, s in enumerate(sizes) if s[g] == self.sizes[j] and np.all(np.isfinite(rows[n]))]
-            options = self.floors.generator_rows(self.placement[g], self.sizes[j]) if ns else None
+        for j in np.unique(gen_js[finite]).tolist():
+            ns = np.flatnonzero(finite & (gen_js == j))
+            options = self.floors.generator_rows(self.placement[g], self.sizes[j])
             if options is None:
                 continue  # nothing fits: the rows are infinite already
             m = len(options.switch)
             grid = np.repeat(rows[ns], m, axis=0)
             grid[:, self.gen_cols] = np.tile(options.rows[:, self.gen_cols], (len(ns), 1))
-            apart = np.array([self._apart(sizes[n]) for n in ns])
-            own = np.where(np.repeat(apart, m), np.tile(options.apart, len(ns)), np.tile(options.switch, len(ns)))
+            own = np.where(np.repeat(apart[ns], m), np.tile(options.apart, len(ns)), np.tile(options.switch, len(ns)))
             switch = np.repeat(switches[ns] - self.switch[g, j], m) + own
             out[ns] = self._makespans(grid, switch).reshape(len(ns), m).min(axis=1)
         return out
 
-    def _apart(self, sizes: tuple[int, ...]) -> bool:
-        """Whether the set holding the generating role shares no node with the actor's, whatever the rest: sets
-        are laid out on consecutive GPUs, so two sets share one node only if their GPUs together fit on it
-        (PlanCosts.same_node). False while the actor's set is not sized."""
-        if self.actor_set is None or self.actor_set >= len(sizes) or self.actor_set == self.gen_set:
-            return False
-        return sizes[self.gen_set] + sizes[self.actor_set] > self.facts.gpus_per_node
+    def _apart(self, prefix: tuple[int, ...], gen_sizes: np.ndarray, child: np.ndarray) -> np.ndarray:
+        """For each child (the next set at `child` GPUs, the generating set's at `gen_sizes`): whether the set
+        holding the generating role shares no node with the actor's, whatever the rest. Sets lie on consecutive
+        GPUs, so two share one node only if their GPUs together fit on it (PlanCosts.same_node). False while the
+        actor's set is not sized."""
+        a, index = self.actor_set, len(prefix)
+        if a is None or a > index or a == self.gen_set:
+            return np.zeros(len(child), dtype=bool)
+        actor = child if a == index else np.full(len(child), prefix[a])
+        return gen_sizes + actor > self.facts.gpus_per_node
 
     def completions(self, prefix: tuple[int, ...]) -> int:
         """How many complete allocations start with `prefix`."""
