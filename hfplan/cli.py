@@ -216,8 +216,9 @@ def search(
     csv: Annotated[Path | None, typer.Option(help="write every candidate (placement x allocation) to this CSV")] = None,
     jobs: Annotated[int | None, typer.Option(min=1, help="processes (default: all cores)")] = None,
     time_limit: Annotated[float | None, typer.Option(
-        min=0, help="seconds after which the walk of the allocations stops and the best so far is reported with its "
-                    "proven gap to the optimum (default: walk to the end, the best is optimal)")] = None,
+        min=0, help="seconds from the start after which the walk of the allocations stops and the best so far "
+                    "is reported with its proven gap to the optimum (default: walk to the end, the best is "
+                    "optimal)")] = None,
     compare: Annotated[bool, typer.Option(help="also search other systems' fixed mappings and compare")] = True,
     target: Annotated[str, typer.Option(help="search only what this framework runs: hfplan (all), verl or "
                                              "openrlhf; then `hfplan export` writes its command")] = "hfplan",

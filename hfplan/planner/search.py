@@ -384,8 +384,8 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
            jobs: int = 1, rules: Rules | None = None, time_limit: float | None = None) -> SearchResult:
     """Best plans for `workload` on `cluster`, best first (at most top_k; twins counted once), within
     `rules`; None: hfplan's own space, every placement both with the hybrid engine and with a separate
-    rollout set, using at most the cluster's GPUs. time_limit: seconds after which the walk of the
-    allocations stops, the ones left marked open and the result's lower_bound their least bound (None: walk
+    rollout set, using at most the cluster's GPUs. time_limit: seconds from the start after which the walk of
+    the allocations stops, the ones left marked open and the result's lower_bound their least bound (None: walk
     to the end: the best is the optimum). Raises HfplanError when nothing fits, or when the cluster is more
     than the search can cover (check_scale)."""
     started = time.perf_counter()
@@ -420,10 +420,16 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
             progress("bounding placements", index + 1, len(entries))
     order = len(heap)
     lower_bound = math.inf  # the least bound left open; infinite when the walk ends
-    while heap:
+    dive: tuple[float, int, tuple[int, ...]] | None = None  # the next prefix, taken out of best-first order
+    while heap or dive is not None:
         threshold = -kept[0][0] if len(kept) >= top_k else math.inf
-        bound, _, index, prefix = heapq.heappop(heap)
-        if time_limit is not None and kept and time.perf_counter() - started > time_limit and bound < threshold:
+        popped = dive is None  # best-first: every entry left has a bound at least this one's
+        if dive is not None:
+            (bound, index, prefix), dive = dive, None
+        else:
+            bound, _, index, prefix = heapq.heappop(heap)
+        late = time_limit is not None and time.perf_counter() - started > time_limit
+        if popped and late and kept and bound < threshold:
             lower_bound = bound
             for b, _, i, p in [(bound, 0, index, prefix), *heap]:
                 reason = f"not walked (time limit): bound {b:.4g} s"
@@ -433,7 +439,7 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
         pb, (ctx, placement) = bounds[index], entries[index]
         if progress is not None:
             progress("searching allocations", stats.evaluated + stats.pruned + stats.infeasible, stats.allocations)
-        if bound >= threshold:
+        if popped and bound >= threshold:
             # Best-first: every allocation left has a bound at least this large. An infinite bound
             # means no allocation under it fits at all.
             for b, _, i, p in [(bound, 0, index, prefix), *heap]:
@@ -454,6 +460,14 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
                         seen_infeasible.add(key)
                         candidates.append(Candidate(placement, child, "infeasible",
                                                     reason=why or "some set fits with no GPU count left"))
+                    continue
+                if late and not kept and (dive is None or child_bound < dive[0]):
+                    # Past the time limit with no plan yet: dive to a complete allocation (the most promising
+                    # child next) so that a plan, and with it a gap, comes soon; the other children wait in the heap.
+                    if dive is not None:
+                        order += 1
+                        heapq.heappush(heap, (dive[0], order, dive[1], dive[2]))
+                    dive = (child_bound, index, child)
                     continue
                 order += 1
                 heapq.heappush(heap, (child_bound, order, index, child))
