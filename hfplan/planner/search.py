@@ -9,6 +9,8 @@ program-order chain, so it never shortens when a call lengthens. That gives exac
 - within an allocation, a partial choice of strategies whose schedule, with every unchosen call at its
   fastest, is no better than the best known is abandoned.
 Complete choices that beat the best known are run on the simpy engine, which gives their time.
+A walk cut short by a time limit keeps that proof's other half: every allocation left open has a bound at least
+the least one popped, so the best found is within best / that bound - 1 of the optimum (SearchResult.gap).
 """
 
 from __future__ import annotations
