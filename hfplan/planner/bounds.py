@@ -159,7 +159,6 @@ class Floors:
             self.caches.set_bounds[key] = SetBound(row, switch, why)
         return self.caches.set_bounds[key]
 
-
     def generator_rows(self, roles: tuple[str, ...], gpus: int) -> GeneratorRows | None:
         """For a set holding the generating role, a bound per option of that role: its own calls as the option makes
         them, its generate calls with all memory it does not hold for the KV cache (alone_gen: colocated roles only
