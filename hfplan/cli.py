@@ -7,6 +7,7 @@ import importlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -215,6 +216,10 @@ def search(
     top: Annotated[int, typer.Option(min=1, help="plans to show")] = 5,
     csv: Annotated[Path | None, typer.Option(help="write every candidate (placement x allocation) to this CSV")] = None,
     jobs: Annotated[int | None, typer.Option(min=1, help="processes (default: all cores)")] = None,
+    time_limit: Annotated[float | None, typer.Option(
+        min=0, help="seconds from the start after which the walk of the allocations stops and the best so far "
+                    "is reported with its proven gap to the optimum (default: walk to the end, the best is "
+                    "optimal)")] = None,
     compare: Annotated[bool, typer.Option(help="also search other systems' fixed mappings and compare")] = True,
     target: Annotated[str, typer.Option(help="search only what this framework runs: hfplan (all), verl or "
                                              "openrlhf; then `hfplan export` writes its command")] = "hfplan",
@@ -234,7 +239,7 @@ def search(
     chosen = get_target(target, spec)
     jobs = jobs or os.cpu_count() or 1
     with _progress() as progress:
-        result = search_target(chosen, spec, cluster, top_k=top, progress=progress, jobs=jobs)
+        result = search_target(chosen, spec, cluster, top_k=top, progress=progress, jobs=jobs, time_limit=time_limit)
         own = run_search(spec, cluster, top_k=1, jobs=jobs).best if target != "hfplan" else None
         comparison = []
         if compare:
@@ -258,13 +263,23 @@ def search(
     console.print(f"searched {stats.placements:,} placements and {stats.allocations:,} allocations in "
                   f"{stats.seconds:.2f} s ({stats.simpy_runs:,} simpy runs): {sum(counts.values()):,} candidates, "
                   f"{counts['evaluated']:,} evaluated, {counts['pruned']:,} pruned by bounds, "
-                  f"{counts['infeasible']:,} infeasible (a pruned or infeasible candidate may stand for many "
-                  f"allocations); {stats.twins:,} twins of a shown plan left out", highlight=False)
-    console.print(f"[bold]best:[/] {seconds(result.best.estimate.iteration_s)} s per iteration, "
+                  f"{counts['infeasible']:,} infeasible"
+                  + (f", {counts['open']:,} left open by --time-limit" if counts["open"] else "")
+                  + f" (a pruned, infeasible or open candidate may stand for many allocations); {stats.twins:,} twins "
+                    f"of a shown plan left out", highlight=False)
+    console.print(f"[bold]best ({optimality_text(result.gap)}):[/] {seconds(result.best.estimate.iteration_s)} s "
+                  f"per iteration, "
                   f"{result.best.estimate.tokens_per_s:,.0f} tokens/s; plan written to {escape(str(out))}"
                   + (f"; candidates to {escape(str(csv))}" if csv is not None else ""), highlight=False)
     if own is not None:
         render_target_gap(chosen, result.best, own, out)
+
+
+def optimality_text(gap: float) -> str:
+    """'optimal' when the walk proved it, else how far from the optimum the best may be (its proven gap)."""
+    if gap <= 0:
+        return "optimal"
+    return f"within {gap:.2%} of optimal" if math.isfinite(gap) else "no bound on the gap to the optimum"
 
 
 def render_target_gap(target, best, own, out: Path) -> None:

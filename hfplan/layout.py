@@ -544,19 +544,34 @@ def _placed_pieces(train: TrainLayoutLike, gen: LayoutLike, specs: Sequence[Tens
 def received_numel(train: TrainLayoutLike, gen: LayoutLike, specs: Sequence[TensorSpec], layers: int,
                    places: Sequence[GenerationPlace] | None = None) -> list[int]:
     """Elements each training rank receives at the switch to generation: its generation shard less what its
-    training shard already holds of it (reshard_transfers says from whom; the simulator prices these)."""
+    training shard already holds of it (reshard_transfers says from whom; the simulator prices these).
+    Counted once per kind of rank: a rank's count depends only on its training stage, tp coordinate and FSDP
+    chunk (training_box) and its generation stage and tp coordinate (generation_box); and pieces alike in shape,
+    split and stages (whatever their name or layer) add up as one, their counts summed."""
     places = places if places is not None else generation_places(train, gen)
+    alike: dict[tuple, int] = {}
+    for piece, train_stage, gen_stage in _placed_pieces(train, gen, specs, layers):
+        key = (TensorSpec("", piece.shape, piece.tp_dim, 0, 1, piece.kv_heads), train_stage, gen_stage)
+        alike[key] = alike.get(key, 0) + piece.count
+    shards = train.shards("weights")
+    needed: dict[tuple[int, int], int] = {}  # (generation stage, tp coordinate) -> elements of the shard
+    counted: dict[tuple[int, int, int, int, int], int] = {}
     out = []
     for rank, place in enumerate(places):
-        stage = rank_coords(train, rank)[0]
-        total = 0
-        for piece, train_stage, gen_stage in _placed_pieces(train, gen, specs, layers):
-            if gen_stage != place.pp:
-                continue
-            need = generation_box(gen, piece, place)
-            own = box_meet(need, training_box(train, piece, rank)) if train_stage == stage else None
-            total += (box_numel(need) - box_numel(own)) * piece.count
-        out.append(total)
+        stage, dp, tp = rank_coords(train, rank)
+        shard = (place.pp, place.tp)
+        if shard not in needed:
+            needed[shard] = sum(box_numel(generation_box(gen, piece, place)) * count
+                                for (piece, _, gen_stage), count in alike.items() if gen_stage == place.pp)
+        key = (stage, tp, dp % shards, place.pp, place.tp)
+        if key not in counted:
+            held = 0
+            for (piece, train_stage, gen_stage), count in alike.items():
+                if gen_stage == place.pp and train_stage == stage:
+                    held += box_numel(box_meet(generation_box(gen, piece, place),
+                                               training_box(train, piece, rank))) * count
+            counted[key] = needed[shard] - held
+        out.append(counted[key])
     return out
 
 
@@ -666,16 +681,54 @@ def stage_parameter_tensors(arch: ModelArch, pp: int, head: str) -> int:
                + (stage == 0) + (head_tensors if stage == pp - 1 else 0) for stage in range(pp))
 
 
-@functools.lru_cache(maxsize=4096)
 def most_received_numel(arch: ModelArch, train: TrainLayoutLike, gen: LayoutLike) -> int:
     """The most parameters any GPU receives at the switch to generation (received_numel over arch_specs):
-    what the simulator's transition cost and generation memory price."""
-    return max(received_numel(train, gen, arch_specs(arch), arch.layers))
+    what the simulator's transition cost and generation memory price. Cached by what the per-tensor plan reads
+    of the layouts (SwitchLayout, and gen's sizes), so training configs differing only in micro-batch,
+    recomputation or the sharding of other states share one count."""
+    return _most_received_numel(arch, SwitchLayout.of(train), (gen.tp, gen.pp, gen.dp))
+
+
+@dataclass(frozen=True)
+class SwitchLayout:
+    """What the switch's per-tensor plan reads of a training layout: its sizes, its stages per pipeline rank and
+    how many pieces its weights are sharded into (received_numel, generation_places)."""
+
+    tp: int
+    pp: int
+    dp: int
+    virtual_stages: int
+    weight_shards: int
+
+    @classmethod
+    def of(cls, train: TrainLayoutLike) -> SwitchLayout:
+        return cls(train.tp, train.pp, train.dp, train.virtual_stages, train.shards("weights"))
+
+    def shards(self, state: str) -> int:
+        return self.weight_shards if state == "weights" else 1
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    tp: int
+    pp: int
+    dp: int
 
 
 @functools.lru_cache(maxsize=4096)
+def _most_received_numel(arch: ModelArch, train: SwitchLayout, gen: tuple[int, int, int]) -> int:
+    return max(received_numel(train, _Sizes(*gen), arch_specs(arch), arch.layers))
+
+
 def most_generation_numel(arch: ModelArch, gen: LayoutLike) -> int:
     """The most parameters one GPU of a generation layout holds (generation_numel over arch_specs, in gen's own
-    rank order): what a separate rollout set's weight sync sends each of its GPUs (sync_transfers)."""
-    return max(generation_numel(gen, arch_specs(arch), arch.layers, GenerationPlace(*rank_coords(gen, r)))
-               for r in range(gen.pp * gen.dp * gen.tp))
+    rank order): what a separate rollout set's weight sync sends each of its GPUs (sync_transfers). A shard
+    depends on its rank's pipeline stage and tp coordinate alone (generation_box), so one replica's ranks say it."""
+    return _most_generation_numel(arch, gen.tp, gen.pp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _most_generation_numel(arch: ModelArch, tp: int, pp: int) -> int:
+    gen, specs = _Sizes(tp, pp, 1), arch_specs(arch)
+    return max(generation_numel(gen, specs, arch.layers, GenerationPlace(stage, 0, rank))
+               for stage in range(pp) for rank in range(tp))

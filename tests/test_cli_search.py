@@ -289,7 +289,10 @@ def test_idle_gpus_are_shown_in_the_table(tmp_path, wide_console):
 def test_a_cluster_beyond_the_search_is_refused_with_the_reason(tmp_path):
     out = tmp_path / "best.json"
     result = _invoke("search", "--gpus", 1_000_000, "--out", out, "--jobs", 1)
-    _assert_user_error(result, "1,000,000", "beyond the search", "nodes")
+    _assert_user_error(result, "1,000,000", "beyond the search", "32,768")
+    assert not out.exists()
+    result = _invoke("search", "--gpus", 4100, "--out", out, "--jobs", 1)
+    _assert_user_error(result, "4,100", "not whole nodes", "4,096")
     assert not out.exists()
 
 
@@ -309,3 +312,17 @@ def test_a_long_search_shows_its_progress(monkeypatch):
         assert walk.completed == walk.total > 0
     finally:
         shown.__exit__(None, None, None)
+
+
+def test_the_best_says_whether_it_is_optimal_or_its_proven_gap(tmp_path, wide_console):
+    """A finished walk prints 'optimal'; one cut by --time-limit prints the gap to the least bound it left open."""
+    out = tmp_path / "best.json"
+    args = ("search", "--gpus", 16, "--workload", "grpo-qwen2.5-1.5b", "--out", out, "--no-compare", "--jobs", 1)
+    finished = _invoke(*args)
+    assert finished.exit_code == 0, (finished.output, finished.exception)
+    assert "best (optimal):" in finished.stdout and "left open" not in finished.stdout
+    cut = _invoke(*args, "--time-limit", 0)
+    assert cut.exit_code == 0, (cut.output, cut.exception)
+    gap = re.search(r"best \(within (\d+\.\d\d)% of optimal\):", cut.stdout)
+    assert gap is not None and float(gap.group(1)) > 0, cut.stdout
+    assert "left open by --time-limit" in cut.stdout

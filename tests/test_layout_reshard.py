@@ -9,6 +9,7 @@ import pytest
 
 from hfplan.layout import (
     GenerationPlace,
+    SwitchLayout,
     TensorSpec,
     arch_specs,
     box_meet,
@@ -17,6 +18,8 @@ from hfplan.layout import (
     generation_numel,
     generation_places,
     generation_ranks,
+    most_generation_numel,
+    most_received_numel,
     nests,
     rank_coords,
     received_numel,
@@ -182,3 +185,32 @@ def test_a_rollout_sets_sync_sends_each_rollout_rank_exactly_its_shard():
                 assert (a.name, a.layer) != (b.name, b.layer) or box_meet(a.box, b.box) is None
         # Data-parallel replicas share the sending.
         assert len({t.src for t in transfers}) == train.gpus
+
+
+def test_most_received_is_shared_by_configs_the_switch_cannot_tell_apart():
+    """most_received_numel is cached by what the per-tensor plan reads (SwitchLayout): configs differing only in
+    micro-batch, recomputation or the sharding of states other than the weights share one count, and it is the
+    largest of received_numel's."""
+    arch = ModelArch(name="t", layers=4, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=100)
+    specs = arch_specs(arch)
+    base = TrainConfig(tp=2, pp=2, dp=2, shard="zero1", micro_batch=1)
+    gen = GenConfig(tp=4, pp=1, dp=2)
+    expected = max(received_numel(base, gen, specs, arch.layers))
+    assert expected > 0
+    for other in (base.model_copy(update={"micro_batch": 4}), base.model_copy(update={"recompute": "full"}),
+                  base.model_copy(update={"shard": "replicated"})):
+        assert SwitchLayout.of(other) == SwitchLayout.of(base)
+        assert most_received_numel(arch, other, gen) == expected
+    full = base.model_copy(update={"shard": "full"})  # weights in dp pieces: another plan
+    assert SwitchLayout.of(full) != SwitchLayout.of(base)
+    assert most_received_numel(arch, full, gen) == max(received_numel(full, gen, specs, arch.layers))
+
+
+def test_most_generation_numel_is_the_largest_shard_of_any_rank():
+    """most_generation_numel reads one replica's ranks: every rank of the layout holds no more."""
+    arch = ModelArch(name="t", layers=4, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=100)
+    specs = arch_specs(arch)
+    for gen in (GenConfig(tp=2, pp=2, dp=3), GenConfig(tp=4, pp=1, dp=2), GenConfig(tp=1, pp=4, dp=1)):
+        every = [generation_numel(gen, specs, arch.layers, GenerationPlace(*rank_coords(gen, r)))
+                 for r in range(gen.tp * gen.pp * gen.dp)]
+        assert most_generation_numel(arch, gen) == max(every)

@@ -380,3 +380,39 @@ def test_progress_reports_reach_the_end(lab):
     assert seen
     stage, done, total = seen[-1]
     assert done == total
+
+
+@pytest.mark.parametrize("name", ["ppo-4gpu-2nodes", "grpo-4gpu-2nodes", "ppo-tight-4gpu-2nodes"])
+def test_prefix_bounds_are_below_every_allocation_under_them(lab, name):
+    """Every prefix bound the walk uses (children) is at most the exhaustive best of every allocation that extends
+    it, by the generating role's options (Floors.generator_rows) as by the floors alone; and the options' bound is
+    above the floors' somewhere, or the rule would not prune anything."""
+    from hfplan.planner.bounds import PlacementBounds
+    from hfplan.planner.context import SearchContext
+    from hfplan.planner.strategies import Rules
+
+    case = ALL_CASES[name]
+    workload, cluster, reference = lab.workload(case), lab.cluster(case), lab.reference(name)
+    dag = trace(workload)
+    hybrid = SearchContext(workload, cluster.profile, cluster.gpus_per_node, dag, Rules(idle_gpus=True))
+    rollout = SearchContext(workload, cluster.profile, cluster.gpus_per_node, dag,
+                            Rules(rollout=True, idle_gpus=True), shared=hybrid)
+    tighter = 0
+    for ctx in (hybrid, rollout):
+        for placement in ctx.placements:
+            pb = PlacementBounds(ctx.bounds, placement, cluster.gpus)
+            floors_only = PlacementBounds(ctx.bounds, placement, cluster.gpus)
+            floors_only.gen_set = None
+            todo = [()]
+            while todo:
+                prefix = todo.pop()
+                if len(prefix) == pb.k:
+                    continue
+                for (child, bound, _), (_, floor_bound, _) in zip(pb.children(prefix), floors_only.children(prefix),
+                                                                  strict=True):
+                    best = min((r.best_s for (p, a), r in reference.items()
+                                if p == placement and a[:len(child)] == child), default=math.inf)
+                    assert floor_bound <= bound <= best * (1 + 1e-9), (placement, child, floor_bound, bound, best)
+                    tighter += floor_bound < bound < math.inf
+                    todo.append(child)
+    assert tighter

@@ -14,7 +14,7 @@ from hfplan.errors import HfplanError
 from hfplan.layout import ROLLOUT
 from hfplan.planner import space
 from hfplan.planner.baselines import baselines
-from hfplan.planner.search import MAX_NODES, search, twin_key
+from hfplan.planner.search import MAX_GPUS, PARTIAL_NODE_GPUS, search, twin_key
 from hfplan.simulator import engine
 from hfplan.simulator.schedule import Precedence
 from hfplan.spec import load_workload, make_cluster
@@ -162,12 +162,14 @@ def test_stages_add_up_to_the_iteration_and_sets_keep_their_busy_time(name, gpus
 
 # -- limits and progress --------------------------------------------------------------------------
 def test_a_cluster_beyond_the_search_is_refused_at_once():
-    gpus = (MAX_NODES + 1) * 8
-    with _deadline(5), pytest.raises(HfplanError, match="beyond the search") as error:
+    for gpus in (MAX_GPUS + 8, 1_000_000):
+        with _deadline(5), pytest.raises(HfplanError, match="beyond the search") as error:
+            search(load_workload("ppo-llama2-7b"), make_cluster(gpus))
+        assert f"{gpus:,}" in str(error.value) and "idle" in str(error.value) and "\n" not in str(error.value)
+    gpus = PARTIAL_NODE_GPUS + 12  # a partial node past the pinned range
+    with _deadline(5), pytest.raises(HfplanError, match="not whole nodes") as error:
         search(load_workload("ppo-llama2-7b"), make_cluster(gpus))
-    assert f"{gpus:,}" in str(error.value) and "idle" in str(error.value)
-    with _deadline(5), pytest.raises(HfplanError, match="beyond the search"):
-        search(load_workload("ppo-llama2-7b"), make_cluster(1_000_000))
+    assert f"{gpus - 4:,}" in str(error.value)
 
 
 def test_progress_covers_bounding_and_the_walk():
@@ -177,3 +179,35 @@ def test_progress_covers_bounding_and_the_walk():
     assert "bounding placements" in stages and "searching allocations" in stages
     bounding = [(done, total) for stage, done, total in seen if stage == "bounding placements"]
     assert bounding[-1][0] == bounding[-1][1] == 5 + 15  # GRPO: three roles, with and without a rollout set
+
+
+def test_a_walk_cut_by_the_time_limit_proves_its_gap():
+    """With no time at all the walk stops at its first plan: the allocations left are open, counted once, and the
+    lower bound it reports is at most the optimum the full walk finds (gap 0 there)."""
+    workload, cluster = load_workload("grpo-qwen2.5-1.5b"), make_cluster(16)
+    full = search(workload, cluster, top_k=3)
+    assert full.gap == 0 and full.lower_bound == full.best.estimate.iteration_s
+    assert not any(c.status == "open" for c in full.candidates)
+    cut = search(workload, cluster, top_k=3, time_limit=0)
+    optimum = full.best.estimate.iteration_s
+    assert cut.lower_bound <= optimum <= cut.best.estimate.iteration_s
+    assert cut.gap == pytest.approx(cut.best.estimate.iteration_s / cut.lower_bound - 1)
+    assert cut.gap > 0 and cut.stats.open > 0
+    assert any(c.status == "open" for c in cut.candidates)
+    stats = cut.stats
+    assert stats.evaluated + stats.pruned + stats.infeasible + stats.open == stats.allocations
+
+
+@pytest.mark.parametrize(("gpus", "per_node", "powers"),
+                         [(40, 4, False), (40, 4, True), (12, 8, False), (19, 2, False)])
+def test_allocation_counts_equal_the_allocations_listed(gpus, per_node, powers):
+    """The walk's allocation counts (bounds._counts, a running sum over the whole-node sizes) equal the allocations
+    space.allocations lists, with and without idle GPUs."""
+    from hfplan.planner.bounds import _counts
+
+    sizes = [s for s in space.set_sizes(gpus, per_node) if not powers or s & (s - 1) == 0]
+    for idle in (False, True):
+        table = _counts(tuple(sizes), gpus, idle, 4)
+        for sets in range(1, 5):
+            listed = sum(1 for _ in space.allocations(sets, gpus, per_node, powers, idle))
+            assert table[sets][gpus] == listed, (sets, idle)

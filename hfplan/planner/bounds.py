@@ -22,10 +22,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hfplan.layout import ON_CONTROLLER, set_index
+from hfplan.layout import ON_CONTROLLER, ROLLOUT, set_index
 from hfplan.planner import space
 from hfplan.planner.facts import RoleKey, SearchFacts, SetKey
 from hfplan.planner.options import RoleOptions
+from hfplan.planner.pareto import pareto
+from hfplan.simulator.mapping import switch_seconds
 from hfplan.simulator.schedule import Precedence
 
 
@@ -38,6 +40,14 @@ class Floor:
     gen: tuple[float, ...]  # generate calls (generating role)
     switch: float
     resident: float
+
+
+class GeneratorRows(NamedTuple):
+    """A set holding the generating role, one row per option of that role (Floors.generator_rows)."""
+
+    rows: np.ndarray  # (options, calls in node order): the set's calls, 0 for the others
+    switch: np.ndarray  # each option's switch (a rollout set's weight sync at its cheaper case)
+    apart: np.ndarray  # each option's switch where the generating set shares no node with the actor's
 
 
 class SetBound(NamedTuple):
@@ -55,6 +65,7 @@ class BoundCaches:
     floors: dict[RoleKey, Floor | None] = field(default_factory=dict)
     set_floors: dict[SetKey, dict[int, float] | None] = field(default_factory=dict)
     set_bounds: dict[SetKey, SetBound] = field(default_factory=dict)
+    generator_rows: dict[SetKey, GeneratorRows | None] = field(default_factory=dict)
 
 
 class Floors:
@@ -148,6 +159,32 @@ class Floors:
             self.caches.set_bounds[key] = SetBound(row, switch, why)
         return self.caches.set_bounds[key]
 
+    def generator_rows(self, roles: tuple[str, ...], gpus: int) -> GeneratorRows | None:
+        """For a set holding the generating role, a bound per option of that role: its own calls as the option makes
+        them, its generate calls with all memory it does not hold for the KV cache (alone_gen: colocated roles only
+        take room away, and more room never slows generation), its switch (a rollout set's at its cheaper case), the
+        set's other roles at their floors; rows no faster on any call than another are left out. Every strategy
+        choice of the set is at or above one of these rows, so their least makespan is a lower bound, tighter than
+        set_bound's, whose generating role takes each call's fastest over options that cannot all be chosen at
+        once. None when the set cannot fit or its generating role has no option."""
+        f = self.facts
+        key = f.set_key(roles, gpus)
+        if key not in self.caches.generator_rows:
+            bound, result = self.set_bound(roles, gpus), None
+            choices = self.options.choices(f.generator, gpus)
+            if not bound.why and choices.options:
+                cols = [n.id for n in f.own_nodes(f.generator)] + [n.id for n in f.generate_nodes]
+                rows = np.tile(bound.row, (len(choices.options), 1))
+                rows[:, cols] = np.concatenate([choices.seconds, choices.alone_gen], axis=1)
+                apart = choices.switch
+                if f.generator == ROLLOUT:
+                    apart = np.array([switch_seconds(f.workload, f.hw, f.gpus_per_node, ROLLOUT, o.par, gpus, False,
+                                                     f.memo) for o in choices.options])
+                kept = pareto(np.column_stack([rows[:, cols], choices.switch, apart]))
+                result = GeneratorRows(rows[kept], choices.switch[kept], apart[kept])
+            self.caches.generator_rows[key] = result
+        return self.caches.generator_rows[key]
+
 
 class PlacementBounds:
     """Bounds of the allocations of one placement on at most `gpus` GPUs, by prefix."""
@@ -159,6 +196,8 @@ class PlacementBounds:
         if facts.rules.power_of_two_sets:
             sizes = [s for s in sizes if s & (s - 1) == 0]
         self.sizes = sizes
+        self.size_array = np.array(sizes)
+        self.index_of = {size: j for j, size in enumerate(sizes)}
         self.k = len(placement)
         n_nodes = len(facts.dag.nodes)
         where = set_index(placement)
@@ -176,6 +215,10 @@ class PlacementBounds:
         masked = np.where(self.feasible[..., None], self.rows, np.inf)
         self.best_rows = np.minimum.accumulate(masked, axis=1)
         self.best_switch = np.minimum.accumulate(np.where(self.feasible, self.switch, np.inf), axis=1)
+        held = [i for i, roles in enumerate(placement) if facts.generator in roles]
+        self.gen_set = held[0] if held else None  # the set holding the generating role
+        self.actor_set = where.get(facts.trained_generator)  # the set whose weights a rollout set receives
+        self.gen_cols = [n.id for n in facts.own_nodes(facts.generator)] + [n.id for n in facts.generate_nodes]
 
     def _fill(self, i: int, j: int, roles: tuple[str, ...], size: int) -> None:
         bound = self.floors.set_bound(roles, size)
@@ -197,7 +240,7 @@ class PlacementBounds:
         seconds = np.array(self.facts.controller_seconds)
         switch = 0.0
         for i, size in enumerate(prefix):
-            j = self.sizes.index(size)
+            j = self.index_of[size]
             seconds += self.rows[i, j]
             switch += self.switch[i, j]
         if unsized:
@@ -231,32 +274,95 @@ class PlacementBounds:
         base = np.array(self.facts.controller_seconds)
         switch = 0.0
         for i, size in enumerate(prefix):
-            j = self.sizes.index(size)
+            j = self.index_of[size]
             base = base + self.rows[i, j]
             switch += self.switch[i, j]
         rows = base + self.rows[index, js]
         switches = switch + self.switch[index, js]
         if unsized_after:
-            for n, j in enumerate(js):
-                limit = self._largest_index(left - self.sizes[j] - (unsized_after - 1))  # >= 0: size 1 exists
-                for i in range(index + 1, self.k):
-                    rows[n] += self.best_rows[i, limit]
-                    switches[n] += self.best_switch[i, limit]
+            # the largest size each later set could get (>= 0: size 1 exists)
+            limits = np.searchsorted(self.sizes, left - self.size_array[js] - (unsized_after - 1), side="right") - 1
+            for i in range(index + 1, self.k):
+                rows += self.best_rows[i, limits]
+                switches += self.best_switch[i, limits]
         rows[~self.feasible[index, js]] = np.inf
-        if self.switch_ids:
-            rows[:, self.switch_ids] += switches[:, None]
-        bounds = self.precedence.makespan_many(rows)  # an infinite floor anywhere makes its bound infinite
+        if self.gen_set is not None and self.gen_set <= index:
+            bounds = self._by_generator_option(prefix, js, rows, switches)
+        else:
+            bounds = self._makespans(rows, switches)
         return [(prefix + (self.sizes[j],), float(b), "" if self.feasible[index, j] else self.why[(index, j)])
                 for j, b in zip(js, bounds, strict=True)]
 
+    def _makespans(self, rows: np.ndarray, switches: np.ndarray) -> np.ndarray:
+        if self.switch_ids:
+            rows[:, self.switch_ids] += switches[:, None]
+        return self.precedence.makespan_many(rows)  # an infinite floor anywhere makes its bound infinite
+
+    def _by_generator_option(self, prefix: tuple[int, ...], js: list[int], rows: np.ndarray, switches: np.ndarray
+                             ) -> np.ndarray:
+        """children's bounds once the set holding the generating role is sized: the least over that role's options
+        (Floors.generator_rows) of the schedule with the set's calls as the option makes them, a rollout set's
+        weight sync across nodes where it cannot share one with the actor's set (_apart)."""
+        g, index = self.gen_set, len(prefix)
+        child = self.size_array[js]
+        gen_js = np.array(js) if g == index else np.full(len(js), self.index_of[prefix[g]])
+        apart = self._apart(prefix, self.size_array[gen_js], child)
+        finite = np.isfinite(rows).all(axis=1)
+        out = np.full(len(js), np.inf)
+        for j in np.unique(gen_js[finite]).tolist():
+            ns = np.flatnonzero(finite & (gen_js == j))
+            options = self.floors.generator_rows(self.placement[g], self.sizes[j])
+            if options is None:
+                continue  # nothing fits: the rows are infinite already
+            m = len(options.switch)
+            grid = np.repeat(rows[ns], m, axis=0)
+            grid[:, self.gen_cols] = np.tile(options.rows[:, self.gen_cols], (len(ns), 1))
+            own = np.where(np.repeat(apart[ns], m), np.tile(options.apart, len(ns)), np.tile(options.switch, len(ns)))
+            switch = np.repeat(switches[ns] - self.switch[g, j], m) + own
+            out[ns] = self._makespans(grid, switch).reshape(len(ns), m).min(axis=1)
+        return out
+
+    def _apart(self, prefix: tuple[int, ...], gen_sizes: np.ndarray, child: np.ndarray) -> np.ndarray:
+        """For each child (the next set at `child` GPUs, the generating set's at `gen_sizes`): whether the set
+        holding the generating role shares no node with the actor's, whatever the rest. Sets lie on consecutive
+        GPUs, so two share one node only if their GPUs together fit on it (PlanCosts.same_node). False while the
+        actor's set is not sized."""
+        a, index = self.actor_set, len(prefix)
+        if a is None or a > index or a == self.gen_set:
+            return np.zeros(len(child), dtype=bool)
+        actor = child if a == index else np.full(len(child), prefix[a])
+        return gen_sizes + actor > self.facts.gpus_per_node
+
     def completions(self, prefix: tuple[int, ...]) -> int:
         """How many complete allocations start with `prefix`."""
-        return _count(tuple(self.sizes), self.k - len(prefix), self.gpus - sum(prefix), self.facts.rules.idle_gpus)
+        return _counts(tuple(self.sizes), self.gpus, self.facts.rules.idle_gpus, self.k)[self.k - len(prefix)][
+            self.gpus - sum(prefix)]
 
 
 @cache
-def _count(sizes: tuple[int, ...], sets: int, gpus: int, idle: bool) -> int:
-    """Ways to give `sets` sets sizes from `sizes` using all `gpus` GPUs (with `idle`, at most `gpus`)."""
-    if sets == 0:
-        return 1 if idle or gpus == 0 else 0
-    return sum(_count(sizes, sets - 1, gpus - s, idle) for s in sizes if s <= gpus - (sets - 1))
+def _counts(sizes: tuple[int, ...], gpus: int, idle: bool, sets: int) -> list[list[int]]:
+    """table[m][g]: ways to give m sets sizes from `sizes` (ascending) using all g GPUs (with `idle`, at most g),
+    for every m <= sets and g <= gpus: table[m][g] = sum over sizes s <= g of table[m - 1][g - s]. The largest
+    sizes are whole nodes d, 2d, ..., kd, whose part of that sum runs along g in steps of d (run[g] = prev[g - d] +
+    run[g - d] - prev[g - (k + 1) d]), so a table costs sets x gpus x (the other sizes), not x (every size)."""
+    d, k = _progression(sizes)
+    others = sizes[:len(sizes) - k]
+    table = [[1] * (gpus + 1) if idle else [1] + [0] * gpus]
+    for _ in range(sets):
+        prev, cur, run = table[-1], [0] * (gpus + 1), [0] * (gpus + 1)
+        for g in range(gpus + 1):
+            if k and g >= d:
+                run[g] = prev[g - d] + run[g - d] - (prev[g - d * (k + 1)] if g >= d * (k + 1) else 0)
+            cur[g] = run[g] + sum(prev[g - s] for s in others if s <= g)
+        table.append(cur)
+    return table
+
+
+def _progression(sizes: tuple[int, ...]) -> tuple[int, int]:
+    """(d, k) of the longest run of largest sizes that are d, 2d, ..., kd; k = 0 when there is none."""
+    n = len(sizes)
+    for k in range(n, 0, -1):
+        d = sizes[n - k]
+        if all(sizes[n - k + i] == d * (i + 1) for i in range(k)):
+            return d, k
+    return 0, 0

@@ -40,7 +40,7 @@ def describe_role(par: RoleParallelism) -> str:
 
 def status_counts(result: SearchResult) -> dict[str, int]:
     """Candidates per status, as the candidates CSV has them (its rows)."""
-    counts = dict.fromkeys(("evaluated", "pruned", "infeasible"), 0)
+    counts = dict.fromkeys(("evaluated", "pruned", "infeasible", "open"), 0)
     for candidate in result.candidates:
         counts[candidate.status] += 1
     return counts

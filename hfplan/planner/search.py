@@ -9,6 +9,8 @@ program-order chain, so it never shortens when a call lengthens. That gives exac
 - within an allocation, a partial choice of strategies whose schedule, with every unchosen call at its
   fastest, is no better than the best known is abandoned.
 Complete choices that beat the best known are run on the simpy engine, which gives their time.
+A walk cut short by a time limit keeps that proof's other half: every allocation left open has a bound at least
+the least one popped, so the best found is within best / that bound - 1 of the optimum (SearchResult.gap).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class Candidate:
 
     placement: tuple[tuple[str, ...], ...]
     allocation: tuple[int, ...]
-    status: str  # evaluated | infeasible | pruned
+    status: str  # evaluated | infeasible | pruned | open (not walked: the time limit came first)
     iteration_s: float = math.inf
     reason: str = ""
     pars: dict[str, RoleParallelism] | None = None
@@ -63,6 +65,7 @@ class SearchStats:
     evaluated: int = 0
     pruned: int = 0
     infeasible: int = 0
+    open: int = 0  # allocations left unwalked when the time limit came (their least bound is the lower bound)
     twins: int = 0  # evaluated pairs left out of the top as twins of a kept plan
     strategy_choices: int = 0  # complete strategy choices reached by the branch and bound
     simpy_runs: int = 0
@@ -74,10 +77,18 @@ class SearchResult:
     top: list[Plan]
     candidates: list[Candidate]
     stats: SearchStats = field(default_factory=SearchStats)
+    # No plan in the space is faster than this: the best plan's time when the walk finished, else the least bound
+    # of the allocations it left open (best-first, so every one left has a bound at least as large).
+    lower_bound: float = 0.0
 
     @property
     def best(self) -> Plan:
         return self.top[0]
+
+    @property
+    def gap(self) -> float:
+        """How much slower the best plan may be than the optimum: 0 when it is the optimum."""
+        return max(0.0, self.best.estimate.iteration_s / self.lower_bound - 1.0) if self.lower_bound > 0 else math.inf
 
 
 class _Pair:
@@ -372,11 +383,13 @@ def _cyclic_gc_paused(fn: Callable[..., SearchResult]) -> Callable[..., SearchRe
 
 @_cyclic_gc_paused
 def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progress | None = None,
-           jobs: int = 1, rules: Rules | None = None) -> SearchResult:
+           jobs: int = 1, rules: Rules | None = None, time_limit: float | None = None) -> SearchResult:
     """Best plans for `workload` on `cluster`, best first (at most top_k; twins counted once), within
     `rules`; None: hfplan's own space, every placement both with the hybrid engine and with a separate
-    rollout set, using at most the cluster's GPUs. Raises HfplanError when nothing fits, or when the
-    cluster is more than the search can cover (check_scale)."""
+    rollout set, using at most the cluster's GPUs. time_limit: seconds from the start after which the walk of
+    the allocations stops, the ones left marked open and the result's lower_bound their least bound (None: walk
+    to the end: the best is the optimum). Raises HfplanError when nothing fits, or when the cluster is more
+    than the search can cover (check_scale)."""
     started = time.perf_counter()
     check_scale(cluster)
     hw, per_node = cluster.profile, cluster.gpus_per_node
@@ -408,13 +421,27 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
         if progress is not None:
             progress("bounding placements", index + 1, len(entries))
     order = len(heap)
-    while heap:
+    lower_bound = math.inf  # the least bound left open; infinite when the walk ends
+    dive: tuple[float, int, tuple[int, ...]] | None = None  # the next prefix, taken out of best-first order
+    while heap or dive is not None:
         threshold = -kept[0][0] if len(kept) >= top_k else math.inf
-        bound, _, index, prefix = heapq.heappop(heap)
+        popped = dive is None  # best-first: every entry left has a bound at least this one's
+        if dive is not None:
+            (bound, index, prefix), dive = dive, None
+        else:
+            bound, _, index, prefix = heapq.heappop(heap)
+        late = time_limit is not None and time.perf_counter() - started > time_limit
+        if popped and late and kept and bound < threshold:
+            lower_bound = bound
+            for b, _, i, p in [(bound, 0, index, prefix), *heap]:
+                reason = f"not walked (time limit): bound {b:.4g} s"
+                candidates.append(Candidate(entries[i][1], p, "open", reason=reason))
+                stats.open += bounds[i].completions(p)
+            break
         pb, (ctx, placement) = bounds[index], entries[index]
         if progress is not None:
             progress("searching allocations", stats.evaluated + stats.pruned + stats.infeasible, stats.allocations)
-        if bound >= threshold:
+        if popped and bound >= threshold:
             # Best-first: every allocation left has a bound at least this large. An infinite bound
             # means no allocation under it fits at all.
             for b, _, i, p in [(bound, 0, index, prefix), *heap]:
@@ -435,6 +462,14 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
                         seen_infeasible.add(key)
                         candidates.append(Candidate(placement, child, "infeasible",
                                                     reason=why or "some set fits with no GPU count left"))
+                    continue
+                if late and not kept and (dive is None or child_bound < dive[0]):
+                    # Past the time limit with no plan yet: dive to a complete allocation (the most promising
+                    # child next) so that a plan, and with it a gap, comes soon; the other children wait in the heap.
+                    if dive is not None:
+                        order += 1
+                        heapq.heappush(heap, (dive[0], order, dive[1], dive[2]))
+                    dive = (child_bound, index, child)
                     continue
                 order += 1
                 heapq.heappush(heap, (child_bound, order, index, child))
@@ -465,7 +500,7 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
     best = sorted((c for _, _, c in kept), key=lambda c: c.iteration_s)
     top = [_to_plan(workload, cluster, dag, c) for c in best]
     stats.seconds = time.perf_counter() - started
-    return SearchResult(top, candidates, stats)
+    return SearchResult(top, candidates, stats, min(lower_bound, best[0].iteration_s))
 
 
 def twin_key(workload: Workload, c: Candidate) -> tuple:
@@ -482,21 +517,22 @@ def twin_key(workload: Workload, c: Candidate) -> tuple:
                         for roles, gpus in zip(c.placement, c.allocation, strict=True)))
 
 
-# The most whole nodes the search covers. Every role is costed at every set size (each whole-node count up
-# to the cluster), and with idle GPUs allowed the allocations whose bounds tie grow fast with the sizes:
-# measured on the 2-core development machine, the default workload at 256 nodes (2,048 GPUs) takes 44 s of
-# CPU, and at 512 nodes (4,096 GPUs) it had not finished after 10 minutes.
-MAX_NODES = 256
+# The most GPUs the search covers: 4,096 nodes of 8.
+MAX_GPUS = 32_768
+# Up to here a partial last node is searched (its GPUs as sets under a node); past it, whole nodes only.
+PARTIAL_NODE_GPUS = 2_048
 
 
 def check_scale(cluster: Cluster) -> None:
-    """Refuse a cluster of more whole nodes than the search covers (MAX_NODES), naming why."""
-    nodes = cluster.gpus // cluster.gpus_per_node
-    if nodes > MAX_NODES:
-        raise HfplanError(f"--gpus {cluster.gpus:,} is beyond the search: {nodes:,} nodes of {cluster.gpus_per_node} "
-                          f"GPUs, and it costs every role at each whole-node set size and walks the allocations "
-                          f"over them; it covers at most {MAX_NODES} nodes ({MAX_NODES * cluster.gpus_per_node:,} "
-                          f"GPUs here). Plan for fewer GPUs: a plan may leave GPUs idle")
+    """Refuse a cluster the search does not cover (more than MAX_GPUS, or past PARTIAL_NODE_GPUS a GPU count that
+    is not whole nodes), naming why, in one line."""
+    gpus, per_node = cluster.gpus, cluster.gpus_per_node
+    if gpus > MAX_GPUS:
+        raise HfplanError(f"--gpus {gpus:,} is beyond the search: it covers at most {MAX_GPUS:,} GPUs. Plan for fewer "
+                          f"GPUs: a plan may leave GPUs idle")
+    if gpus > PARTIAL_NODE_GPUS and gpus % per_node:
+        raise HfplanError(f"--gpus {gpus:,} is not whole nodes of {per_node} GPUs: past {PARTIAL_NODE_GPUS:,} GPUs the "
+                          f"search covers whole nodes only (try {gpus - gpus % per_node:,})")
 
 
 def _unbounded_reason(pb: PlacementBounds, prefix: tuple[int, ...]) -> str:

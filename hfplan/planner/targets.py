@@ -385,17 +385,19 @@ def get_target(name: str, workload: Workload) -> Target:
 
 
 def search_target(target: Target, workload: Workload, cluster: Cluster, top_k: int = 5,
-                  progress: Progress | None = None, jobs: int = 1) -> SearchResult:
-    """The best plans within the target's rules: each variant searched exactly, the best of all kept.
-    hfplan's own target is the search's default space (both engines, idle GPUs allowed)."""
+                  progress: Progress | None = None, jobs: int = 1, time_limit: float | None = None) -> SearchResult:
+    """The best plans within the target's rules: each variant searched exactly (or until time_limit, as search
+    does), the best of all kept. hfplan's own target is the search's default space (both engines, idle GPUs
+    allowed)."""
     if target is HFPLAN:
-        return search(workload, cluster, top_k=top_k, progress=progress, jobs=jobs)
+        return search(workload, cluster, top_k=top_k, progress=progress, jobs=jobs, time_limit=time_limit)
     results, errors = [], []
     for rules in target.variants:
         if rules.placements == ():
             continue
         try:
-            results.append(search(workload, cluster, top_k=top_k, progress=progress, jobs=jobs, rules=rules))
+            results.append(search(workload, cluster, top_k=top_k, progress=progress, jobs=jobs, rules=rules,
+                                  time_limit=time_limit))
         except HfplanError as error:
             errors.append(str(error))
     if not results:
@@ -408,7 +410,8 @@ def search_target(target: Target, workload: Workload, cluster: Cluster, top_k: i
     top = sorted((p for r in results for p in r.top), key=lambda p: p.estimate.iteration_s)[:top_k]
     stats = SearchStats()
     for r in results:
-        for field in ("placements", "allocations", "evaluated", "pruned", "infeasible", "strategy_choices",
+        for field in ("placements", "allocations", "evaluated", "pruned", "infeasible", "open", "strategy_choices",
                       "simpy_runs", "seconds"):
             setattr(stats, field, getattr(stats, field) + getattr(r.stats, field))
-    return replace(results[0], top=top, candidates=[c for r in results for c in r.candidates], stats=stats)
+    return replace(results[0], top=top, candidates=[c for r in results for c in r.candidates], stats=stats,
+                   lower_bound=min(r.lower_bound for r in results))
