@@ -662,6 +662,9 @@ def execute(
     config_file: Annotated[Path | None, typer.Option("--config", metavar="PATH",
                                                      help="a YAML or JSON file of these options (the command line "
                                                           "overrides it)")] = None,
+    rollout: Annotated[str | None, typer.Option(metavar="torch|vllm", help="generate with this rollout engine "
+                                                                           "instead of the plan's gen.engine")]
+    = None,
 ) -> None:
     """Run a plan for real on Ray: the single controller, torch.distributed workers, the hybrid engine."""
     require_execute_extra("execute")
@@ -686,6 +689,8 @@ def execute(
     given = {key: values[name] for name, key in RUN_CONFIG_OPTIONS.items() if given_on_command_line(ctx, name)}
     config = resolve(given, config_file, resume_run)
     plan = load_plan(plan_path)
+    if rollout is not None:
+        plan = plan.with_rollout_engine(rollout)
     options = ExecuteOptions.from_config(config, address=address, resume=resume_run, connect_timeout_s=connect_timeout)
     last_spans: list = []
     with _IterationProgress(options.iterations, options.log_every) as progress:

@@ -250,9 +250,11 @@ def unsupported_layout(arch: ModelArch, kind: str, layout: LayoutLike, train: La
         return problem
     if kind == "gen" and pp > 1:
         return f"generation with pp={pp}: rollout engines run one pipeline stage"
-    if kind == "gen" and getattr(layout, "kv_cache", "reserved") == "paged":
-        return ("kv_cache=paged: the executor's torch rollout engine reserves each sequence's KV cache at its "
-                "longest (paged caches are vLLM's: plans for verl or OpenRLHF)")
+    if kind == "gen" and getattr(layout, "engine", "torch") == "vllm" and layout.tp > 1 and (
+            train is None or reshards_by_plan(train, layout)):
+        return (f"engine=vllm at tp={layout.tp}: vLLM cuts whole weights over its own tensor-parallel group, so it "
+                "generates in the actor's training tp and pp (hybrid engine), not from the pre-cut shards of "
+                "another tp, a pipelined actor or a rollout set's weight sync")
     if kind == "gen" and train is not None:
         return nesting_problem(train, layout)
     if kind == "train" and getattr(layout, "shard", None) in ("zero1", "zero2"):

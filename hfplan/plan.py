@@ -57,13 +57,19 @@ class Layout(_Strict):
 
 Batching = Literal["static", "continuous"]  # how a rollout engine batches (GenConfig.batching)
 KvCache = Literal["reserved", "paged"]  # how a rollout engine allocates its KV cache (GenConfig.kv_cache)
+RolloutEngineName = Literal["torch", "vllm"]  # which rollout engine generates (GenConfig.engine)
+# The KV cache each engine keeps: hfplan's torch engine reserves a sequence's longest, vLLM pages.
+ENGINE_KV_CACHE: dict[str, str] = {"torch": "reserved", "vllm": "paged"}
 
 
-def engine_problem(batching: str, kv_cache: str) -> str | None:
+def engine_problem(batching: str, kv_cache: str, engine: str | None = None) -> str | None:
     """Why a rollout engine's batching and KV allocation do not go together (None when they do): a paged
-    cache is costed as a scheduler that admits waiting sequences as finished ones free their blocks."""
+    cache is costed as a scheduler that admits waiting sequences as finished ones free their blocks. Given the
+    engine, its KV cache must be the one it keeps (ENGINE_KV_CACHE)."""
     if kv_cache == "paged" and batching != "continuous":
         return f"kv_cache=paged needs batching=continuous (got {batching}): a paged engine refills freed blocks"
+    if engine is not None and ENGINE_KV_CACHE[engine] != kv_cache:
+        return f"engine={engine} keeps a {ENGINE_KV_CACHE[engine]} KV cache (got kv_cache={kv_cache})"
     return None
 ShardMode = Literal["replicated", "zero1", "zero2", "full", "hybrid"]
 
@@ -175,10 +181,28 @@ class GenConfig(Layout):
         default="reserved", description="reserved: each sequence in the engine holds KV-cache room for its longest "
                                         "(prompt + maximum response; hfplan's torch engine); paged: blocks of "
                                         "tokens as they are generated, freed when a sequence ends (vLLM)")
+    engine: RolloutEngineName = Field(
+        default="torch", description="the rollout engine: torch (hfplan's own, reserved KV cache) or vllm (paged "
+                                     "KV cache, continuous batching); left out, the one kv_cache names")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_of_cache(cls, data: object) -> object:
+        """Plans written before the field: the engine their KV cache names (a paged cache is vLLM's); an engine
+        given alone brings its KV cache (and vLLM its continuous batching)."""
+        if not isinstance(data, dict):
+            return data
+        if "engine" not in data:
+            return {**data, "engine": "vllm" if data.get("kv_cache") == "paged" else "torch"}
+        if "kv_cache" not in data and data["engine"] in ENGINE_KV_CACHE:
+            data = {**data, "kv_cache": ENGINE_KV_CACHE[data["engine"]]}
+            if data["engine"] == "vllm":
+                data.setdefault("batching", "continuous")
+        return data
 
     @model_validator(mode="after")
     def _engine(self) -> GenConfig:
-        problem = engine_problem(self.batching, self.kv_cache)
+        problem = engine_problem(self.batching, self.kv_cache, self.engine)
         if problem:
             raise ValueError(problem)
         return self
@@ -324,6 +348,20 @@ class Plan(_Strict):
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2) + "\n"
+
+    def with_rollout_engine(self, engine: str) -> Plan:
+        """The plan with every generation layout on `engine` (hfplan execute --rollout): its KV cache with it, vLLM
+        batching continuously; the estimate is dropped, as it costed the other engine."""
+        if engine not in ENGINE_KV_CACHE:
+            raise HfplanError(f"--rollout {engine}: use {' or '.join(ENGINE_KV_CACHE)}")
+        data = self.model_dump(mode="json") | {"estimate": None}
+        for par in data["parallelism"].values():
+            gen = par.get("gen")
+            if gen is not None:
+                gen.update(engine=engine, kv_cache=ENGINE_KV_CACHE[engine])
+                if engine == "vllm":
+                    gen["batching"] = "continuous"
+        return plan_from_dict(data, f"with --rollout {engine}")
 
 
 def migrate_plan(data: dict) -> dict:

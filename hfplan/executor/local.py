@@ -42,7 +42,8 @@ def single_process_world(timeout_s: float = 600.0) -> Iterator[None]:
         try:
             yield
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # a vLLM engine's close ends the world it joined
+                dist.destroy_process_group()
 
 
 class LocalRole(CallingRole):
@@ -72,8 +73,13 @@ def run_local(plan: Plan, options: ExecuteOptions,
     recorder = Recorder(clock_offsets={})
     roles = build_roles(plan, checked, recorder, lambda role, facts: LocalRole(role, runtimes[role], recorder))
     summary = RunSummary(options.out)
-    for report in run_iterations(plan, roles, checked, options, recorder):
-        summary.iterations.append(report.metrics)
-        if on_iteration is not None:
-            on_iteration(report)
+    try:
+        for report in run_iterations(plan, roles, checked, options, recorder):
+            summary.iterations.append(report.metrics)
+            if on_iteration is not None:
+                on_iteration(report)
+    finally:
+        for runtime in runtimes.values():
+            if runtime.engine is not None:
+                runtime.engine.close()
     return summary

@@ -17,6 +17,7 @@ from hfplan.dataflow.rewards import Reward, is_rule, load_reward
 from hfplan.errors import HfplanError
 from hfplan.executor.loggers import check_available as check_loggers
 from hfplan.executor.loggers import parse_names
+from hfplan.executor.rollout.installed import vllm_missing
 from hfplan.files import check_new_folder
 from hfplan.hyperparams import Hyperparameters, with_overrides
 from hfplan.layout import generating_role, unsupported_role
@@ -83,6 +84,7 @@ def check_inputs(plan: Plan, options: ExecuteOptions) -> Inputs:
     hyper = with_overrides(plan.workload.hyperparameters, list(options.overrides))
     device, backend = check_hardware(plan)
     check_layouts(plan)
+    check_rollout_engine(plan)
     check_vocabularies(plan)
     rewards = load_rewards(plan)
     check_new_folder(options.out, "--out")
@@ -170,6 +172,16 @@ def check_layouts(plan: Plan) -> None:
         problem = unsupported_role(plan.workload, role, par)
         if problem:
             raise HfplanError(f"parallelism.{role}: {problem}")
+
+
+def check_rollout_engine(plan: Plan) -> None:
+    """A plan that generates with vLLM needs it installed (one line naming the extra; --rollout torch runs the
+    plan on hfplan's own engine instead)."""
+    for role, par in plan.parallelism.items():
+        problem = vllm_missing() if par.gen is not None and par.gen.engine == "vllm" else None
+        if problem:
+            raise HfplanError(f"parallelism.{role}.gen.engine is vllm but {problem}; or run it on hfplan's own "
+                              "engine: hfplan execute --rollout torch")
 
 
 def check_vocabularies(plan: Plan) -> None:

@@ -206,7 +206,7 @@ def _build_role(role: str, plan: Plan, hyper: Hyperparameters, seed: int, device
         if by_plan:  # generation in the per-tensor plan's places: their own tensor-parallel groups
             group, tp_ranks = _place_tp_group(par.train, par.gen)
         # The hybrid engine hands the engine its weights at each generation; a rollout set's model holds them.
-        runtime.engine = _rollout_engine(runtime, None if trained is not None else model, group, tp_ranks)
+        runtime.engine = _rollout_engine(runtime, model, trained is None, group, tp_ranks)
     if generates and trained is not None:
         runtime.hybrid = HybridEngine(trained, (par.train, par.gen) if by_plan else None)
     return runtime
@@ -232,6 +232,22 @@ def _tp_group(meshes: WorkerMeshes, gen):
     return meshes.of(gen)[TP].get_group() if gen.tp > 1 else None
 
 
-def _rollout_engine(runtime: RoleRuntime, model: torch.nn.Module | None, group, tp_ranks=None) -> TorchRolloutEngine:
-    gen = runtime.plan.parallelism[runtime.role].gen
-    return TorchRolloutEngine(model, runtime.pad_id, runtime.eos_id, group, gen.batching, gen.max_batch, tp_ranks)
+def _rollout_engine(runtime: RoleRuntime, model: torch.nn.Module, holds_weights: bool, group, tp_ranks=None
+                    ) -> RolloutEngine:
+    """The plan's rollout engine over the generation layout's tp group. `holds_weights`: it starts with `model`'s
+    (a rollout set's); a hybrid actor's engine gets them at each generation. vLLM makes its tensor-parallel
+    groups itself, from the set's world (rollout.vllm_engine)."""
+    plan, gen = runtime.plan, runtime.plan.parallelism[runtime.role].gen
+    if gen.engine == "torch":
+        return TorchRolloutEngine(model if holds_weights else None, runtime.pad_id, runtime.eos_id, group,
+                                  gen.batching, gen.max_batch, tp_ranks)
+    from hfplan.executor.rollout.vllm_engine import VllmRolloutEngine
+
+    workload = plan.workload
+    engine = VllmRolloutEngine(model.config, runtime.pad_id, runtime.eos_id, tp=gen.tp,
+                               max_num_seqs=gen.max_batch or -(-workload.sequences // gen.dp),
+                               max_model_len=workload.prompt_len + workload.response_len,
+                               dtype=compute_dtype(runtime.device), device=runtime.device)
+    if holds_weights:
+        engine.load_weights(model)
+    return engine

@@ -250,5 +250,8 @@ class SetWorker:
     def close(self) -> None:
         import torch.distributed as dist
 
+        for role_runtime in self.runtimes.values():
+            if role_runtime.engine is not None:
+                role_runtime.engine.close()  # before the world ends: vLLM tears down its groups in it
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -43,7 +43,9 @@ class Rollout:
     prompts: torch.Tensor  # [B*n, P] long, each prompt repeated n times (consecutive rows)
     responses: torch.Tensor  # [B*n, R] long, R == max_new_tokens, pad id after EOS
     response_mask: torch.Tensor  # [B*n, R] float32, 1 on real tokens (EOS included)
-    log_probs: torch.Tensor  # [B*n, R] float32, log_softmax(logits / temperature) of each token, 0 where masked
+    # [B*n, R] float32, log_softmax(logits / temperature) of each token, 0 where masked (vLLM's with top_p < 1:
+    # renormalised over the nucleus)
+    log_probs: torch.Tensor
 
 
 @runtime_checkable
@@ -66,4 +68,8 @@ class RolloutEngine(Protocol):
     def release_weights(self) -> None:
         """Drop every reference to the loaded weights (the hybrid engine frees its gathered copy); the next
         `generate` needs `load_weights` first."""
+        ...
+
+    def close(self) -> None:
+        """Free what the engine holds, at the end of its worker (vLLM: its engine and process groups)."""
         ...

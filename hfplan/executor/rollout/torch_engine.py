@@ -305,6 +305,10 @@ class TorchRolloutEngine:
         keeps its memory savings while training); the next `generate` needs `load_weights` first."""
         self._w = None
 
+    def close(self) -> None:
+        """Nothing beyond the weights to free: it lets them go."""
+        self.release_weights()
+
     @torch.inference_mode()
     def generate(
         self, prompts: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
