@@ -3,7 +3,7 @@
 iterations (two windows that share no iteration) and the median change. Prints figures; asserts nothing.
 
     python bench/demo_learning.py [--workload demo|arith-grpo] [--gpus G] [--iterations N] [--seeds 0 1 2]
-                                  [--window 10]
+                                  [--window 10] [--rollout torch|vllm]
 """
 
 from __future__ import annotations
@@ -27,11 +27,13 @@ def _run(args: list[str], cwd: Path) -> None:
         sys.exit(f"hfplan {' '.join(args)} failed ({done.returncode}): {done.stderr.strip().splitlines()[-1:]}")
 
 
-def rewards(workload: str, gpus: int, iterations: int, seed: int, folder: Path) -> list[float]:
+def rewards(workload: str, gpus: int, iterations: int, seed: int, folder: Path, rollout: str | None = None
+            ) -> list[float]:
     _run(["search", "--gpus", str(gpus), "--hardware", "cpu", "--workload", workload, "--out", "plan.json",
           "--no-compare"], folder)
-    _run(["execute", "plan.json", "--iterations", str(iterations), "--seed", str(seed), "--out", f"run-{seed}"],
-         folder)
+    engine = [] if rollout is None else ["--rollout", rollout]
+    _run(["execute", "plan.json", "--iterations", str(iterations), "--seed", str(seed), "--out", f"run-{seed}",
+          *engine], folder)
     lines = (folder / f"run-{seed}" / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line)["reward"] for line in lines]
 
@@ -43,15 +45,18 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=60)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--window", type=int, default=10)
+    parser.add_argument("--rollout", choices=["torch", "vllm"], help="generate with this engine (hfplan execute "
+                                                                     "--rollout), not the plan's")
     args = parser.parse_args()
     if 2 * args.window > args.iterations:
         parser.error("--iterations must hold two --window windows")
-    print(f"{args.workload} on {args.gpus} CPU process(es), {args.iterations} iterations, mean reward of the "
+    engine = f", rollout {args.rollout}" if args.rollout else ""
+    print(f"{args.workload} on {args.gpus} CPU process(es){engine}, {args.iterations} iterations, mean reward of the "
           f"first and last {args.window}")
     gains = []
     with tempfile.TemporaryDirectory(prefix="hfplan-learning-") as tmp:
         for seed in args.seeds:
-            series = rewards(args.workload, args.gpus, args.iterations, seed, Path(tmp))
+            series = rewards(args.workload, args.gpus, args.iterations, seed, Path(tmp), args.rollout)
             first = statistics.fmean(series[:args.window])
             last = statistics.fmean(series[-args.window:])
             gains.append(last - first)

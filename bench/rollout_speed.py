@@ -1,10 +1,12 @@
-"""Generated tokens/s of the torch rollout engine against transformers' `generate`, in the same run.
+"""Generated tokens/s of the torch rollout engine and of vLLM (where installed) against transformers' `generate`,
+in the same run.
 
-Same model, prompts and lengths for both; every response runs to full length (no EOS), greedy and
-sampled (temperature 1, top-p 1). The figure is the best of a few repeats, to damp the noise of a shared
-machine. `measure(...)` is importable (bench/execute_speed.py prints its ratio).
+Same model, prompts and lengths for all; every response runs to full length (no EOS), greedy and sampled
+(temperature 1, top-p 1). The figure is the best of a few repeats, to damp the noise of a shared machine. vLLM
+runs in this process (its CPU build on CPU; a model whose head size its CPU attention does not run shows n/a).
+`measure(...)` is importable (bench/execute_speed.py prints its ratio).
 
-    PYTHONPATH=. python bench/rollout_speed.py [--threads N] [--repeats N] [--clock cpu|wall]
+    PYTHONPATH=. python bench/rollout_speed.py [--threads N] [--repeats N] [--clock cpu|wall] [--no-vllm]
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import time
 
 import torch
 
+from hfplan.errors import HfplanError
 from hfplan.executor.codec import build_codec
 from hfplan.executor.models import build_model
 from hfplan.executor.prompts import builtin_prompts
 from hfplan.executor.rollout.base import SamplingParams
+from hfplan.executor.rollout.installed import vllm_missing
 from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
 from hfplan.executor.tokenizers import build_tokenizer
 
@@ -50,18 +54,37 @@ def _best_seconds(runs, repeats: int, clock: str) -> list[float]:
     return best
 
 
+def _vllm_engine(model, pad: int, batch: int, length: int):
+    """vLLM over the model's weights, or None where it does not run here (not installed, or a head size its CPU
+    attention lacks)."""
+    if vllm_missing():
+        return None
+    from hfplan.executor.rollout.vllm_engine import VllmRolloutEngine
+
+    try:
+        engine = VllmRolloutEngine(model.config, pad, -1, max_num_seqs=batch, max_model_len=length,
+                                   dtype=torch.float32, device=torch.device("cpu"))
+    except HfplanError:
+        return None
+    engine.load_weights(model)
+    return engine
+
+
 def measure(
-    model_ref: str, batch: int, prompt_len: int, response_len: int, repeats: int = 5, clock: str = "cpu"
+    model_ref: str, batch: int, prompt_len: int, response_len: int, repeats: int = 5, clock: str = "cpu",
+    with_vllm: bool = False,
 ) -> dict:
-    """Generated tokens/s of both engines, greedy and sampled, and their ratio (engine / transformers).
-    clock "cpu" counts this process's CPU seconds (equal to wall seconds on an idle machine with one
-    torch thread; steadier on a shared one), "wall" counts elapsed time."""
+    """Generated tokens/s of the engines, greedy and sampled, and their ratios to transformers' (`ratio`: the torch
+    engine's; `vllm_ratio`: vLLM's, None where it does not run). clock "cpu" counts this process's CPU seconds
+    (equal to wall seconds on an idle machine with one torch thread; steadier on a shared one), "wall" counts
+    elapsed time."""
     model = build_model(model_ref, "lm", seed=0).eval()
     tokenizer = build_tokenizer(model_ref)
     pad = tokenizer.pad_token_id
     prompts = _prompts(model_ref, batch, prompt_len, model.config.vocab_size)
     attention_mask = (prompts != pad).long()
     engine = TorchRolloutEngine(model, pad, eos_id=-1)  # no EOS: every response runs to full length
+    vllm = _vllm_engine(model, pad, batch, prompt_len + response_len) if with_vllm else None
     tokens = batch * response_len
     result: dict = {"model": model_ref, "batch": batch, "prompt_len": prompt_len, "response_len": response_len,
                     "threads": torch.get_num_threads(), "clock": clock}
@@ -81,10 +104,18 @@ def measure(
                     use_cache=True, **sampling,
                 )
 
-        engine_seconds, hf_seconds = _best_seconds([ours, theirs], repeats, clock)
-        engine_rate, hf_rate = tokens / engine_seconds, tokens / hf_seconds
+        def vllm_run(params=params, generator=generator):
+            return vllm.generate(prompts, params, generator)
+
+        runs = [ours, theirs] + ([vllm_run] if vllm is not None else [])
+        seconds = _best_seconds(runs, repeats, clock)
+        engine_rate, hf_rate = tokens / seconds[0], tokens / seconds[1]
+        vllm_rate = tokens / seconds[2] if vllm is not None else None
         result[mode] = {"engine_tokens_per_s": engine_rate, "transformers_tokens_per_s": hf_rate,
-                        "ratio": engine_rate / hf_rate}
+                        "ratio": engine_rate / hf_rate, "vllm_tokens_per_s": vllm_rate,
+                        "vllm_ratio": None if vllm_rate is None else vllm_rate / hf_rate}
+    if vllm is not None:
+        vllm.close()
     return result
 
 
@@ -94,17 +125,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
                         help="cpu: process CPU seconds (steady on a shared machine); wall: elapsed seconds")
+    parser.add_argument("--no-vllm", action="store_true", help="leave vLLM out even where it is installed")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"{'model':<11} {'batch':>5} {'P':>3} {'R':>3} {'mode':<8} {'engine tok/s':>13} {'HF tok/s':>10} "
-          f"{'ratio':>6}")
+          f"{'ratio':>6} {'vLLM tok/s':>11} {'vLLM ratio':>10}")
     for model_ref, batch, prompt_len, response_len in CASES:
-        row = measure(model_ref, batch, prompt_len, response_len, repeats=args.repeats, clock=args.clock)
+        row = measure(model_ref, batch, prompt_len, response_len, repeats=args.repeats, clock=args.clock,
+                      with_vllm=not args.no_vllm)
         for mode in ("greedy", "sampled"):
             m = row[mode]
+            vllm = ("n/a", "n/a") if m["vllm_tokens_per_s"] is None else (
+                f"{m['vllm_tokens_per_s']:.0f}", f"{m['vllm_ratio']:.2f}x")
             print(f"{model_ref:<11} {batch:>5} {prompt_len:>3} {response_len:>3} {mode:<8} "
-                  f"{m['engine_tokens_per_s']:>13.0f} {m['transformers_tokens_per_s']:>10.0f} {m['ratio']:>5.2f}x")
+                  f"{m['engine_tokens_per_s']:>13.0f} {m['transformers_tokens_per_s']:>10.0f} {m['ratio']:>5.2f}x "
+                  f"{vllm[0]:>11} {vllm[1]:>10}")
     print(f"torch threads: {torch.get_num_threads()}; clock: {args.clock} (tokens per {args.clock} second)")
 
 

@@ -150,9 +150,13 @@ def test_supported_layouts(kind, lay, train):
     assert unsupported_layout(GQA12, kind, lay, train) is None
 
 
-def test_the_executor_runs_no_paged_kv_cache():
+def test_a_paged_kv_cache_runs_on_vllm_which_cuts_whole_weights_over_its_own_tp_groups():
     paged = GenConfig(tp=2, dp=2, batching="continuous", kv_cache="paged")
-    assert "kv_cache=paged" in unsupported_layout(GQA12, "gen", paged, TrainConfig(tp=4))
+    assert paged.engine == "vllm"
+    assert unsupported_layout(GQA12, "gen", paged, TrainConfig(tp=2, dp=2)) is None  # the training tp: whole weights
+    assert unsupported_layout(GQA12, "gen", GenConfig(dp=4, engine="vllm"), TrainConfig(tp=4)) is None  # tp 1: whole
+    assert "engine=vllm at tp=2" in unsupported_layout(GQA12, "gen", paged, TrainConfig(tp=4))  # pre-cut shards
+    assert "engine=vllm at tp=2" in unsupported_layout(GQA12, "gen", paged)  # a rollout set's synced shards
 
 
 def test_batches_split_over_data_parallel_ranks():

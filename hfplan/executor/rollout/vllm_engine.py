@@ -47,7 +47,7 @@ class VllmRolloutEngine:
     iteration); `max_model_len`: prompt + response length. `gpu_memory_utilization`: on GPUs, the fraction of
     the device vLLM budgets for its weights, activations and KV cache (vLLM's default where None). On CPU the
     KV cache gets the room of `max_num_seqs` sequences at `max_model_len` (vLLM's CPU default is most of the
-    host's memory)."""
+    host's memory). `eos_id` < 0: no token ends a response (as the torch engine's)."""
 
     def __init__(self, config, pad_id: int, eos_id: int, *, max_num_seqs: int, max_model_len: int,
                  dtype: torch.dtype, device: torch.device, tp: int = 1,
@@ -147,7 +147,8 @@ class VllmRolloutEngine:
         sampling = [VllmParams(n=n, temperature=0.0 if params.greedy else params.temperature,
                                top_p=params.top_p, max_tokens=params.max_new_tokens, logprobs=0,
                                # the engine's EOS alone ends a response (not the config's too)
-                               ignore_eos=True, stop_token_ids=[self.eos_id], detokenize=False, seed=seed)
+                               ignore_eos=True, stop_token_ids=[self.eos_id] if self.eos_id >= 0 else [],
+                               detokenize=False, seed=seed)
                     for seed in seeds for _ in range(copies)]
         outputs = self._llm.generate(requests, sampling, use_tqdm=False)
         total, length = rows.shape[0] * params.n, params.max_new_tokens
