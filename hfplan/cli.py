@@ -110,6 +110,18 @@ def user_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def parse_rollout_engines(names: str) -> tuple[str, ...]:
+    """--rollout-engines torch,vllm: the engine names, each known."""
+    from hfplan.plan import ENGINE_KV_CACHE
+
+    engines = tuple(dict.fromkeys(name.strip() for name in names.split(",")))
+    unknown = [name for name in engines if name not in ENGINE_KV_CACHE]
+    if unknown or not engines:
+        raise HfplanError(f"--rollout-engines {names}: name engines among {', '.join(ENGINE_KV_CACHE)}, "
+                          "comma-separated")
+    return engines
+
+
 def require_execute_extra(command: str) -> None:
     """The executor's packages are an extra: without them, one line saying how to install them."""
     missing = [name for name in ("torch", "ray", "transformers") if importlib.util.find_spec(name) is None]
@@ -223,6 +235,9 @@ def search(
     compare: Annotated[bool, typer.Option(help="also search other systems' fixed mappings and compare")] = True,
     target: Annotated[str, typer.Option(help="search only what this framework runs: hfplan (all), verl or "
                                              "openrlhf; then `hfplan export` writes its command")] = "hfplan",
+    rollout_engines: Annotated[str, typer.Option(metavar="torch[,vllm]", help="the rollout engines hfplan's plans "
+                                                                             "may generate with (vllm: where the "
+                                                                             "run has it installed)")] = "torch",
 ) -> None:
     """Search placements and parallelism for the fastest RLHF iteration; write the best plan."""
     import os
@@ -234,12 +249,14 @@ def search(
     from hfplan.spec import load_workload, make_cluster
 
     check_outputs([(out, "--out"), (csv, "--csv")])
+    engines = parse_rollout_engines(rollout_engines)
     spec = load_workload(workload)
     cluster = make_cluster(gpus, hardware, gpus_per_node)
     chosen = get_target(target, spec)
     jobs = jobs or os.cpu_count() or 1
     with _progress() as progress:
-        result = search_target(chosen, spec, cluster, top_k=top, progress=progress, jobs=jobs, time_limit=time_limit)
+        result = search_target(chosen, spec, cluster, top_k=top, progress=progress, jobs=jobs, time_limit=time_limit,
+                               engines=engines)
         own = run_search(spec, cluster, top_k=1, jobs=jobs).best if target != "hfplan" else None
         comparison = []
         if compare:

@@ -105,9 +105,12 @@ class RoleRuntime:
                                 top_p=1.0 if greedy else self.hyper.top_p, greedy=greedy,
                                 n=int(options.get("n", 1)))
         prompts = torch.from_numpy(np.ascontiguousarray(fields["prompts"])).to(self.device)
+        copies = self.engine.copies_weights  # vLLM: the gathered weights are freed once copied in
         if self.hybrid is not None:
             start = time.time()
             self.engine.load_weights(self.hybrid.enter_generation(), presharded=self.hybrid.presharded)
+            if copies:
+                self.hybrid.exit_generation()
             spans.append(Timed(RESHARD_OP, "transition", start, time.time()))
         start = time.time()
         rollout = self.engine.generate(prompts, params, self.generator)
@@ -115,7 +118,8 @@ class RoleRuntime:
         if self.hybrid is not None:
             start = time.time()
             self.engine.release_weights()
-            self.hybrid.exit_generation()
+            if not copies:
+                self.hybrid.exit_generation()
             spans.append(Timed(RESHARD_BACK_OP, "transition", start, time.time()))
         return {"prompts": rollout.prompts.cpu().numpy(), "responses": rollout.responses.cpu().numpy(),
                 "response_mask": rollout.response_mask.float().cpu().numpy()}

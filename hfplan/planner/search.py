@@ -383,22 +383,25 @@ def _cyclic_gc_paused(fn: Callable[..., SearchResult]) -> Callable[..., SearchRe
 
 @_cyclic_gc_paused
 def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progress | None = None,
-           jobs: int = 1, rules: Rules | None = None, time_limit: float | None = None) -> SearchResult:
+           jobs: int = 1, rules: Rules | None = None, time_limit: float | None = None,
+           engines: tuple[str, ...] = ("torch",)) -> SearchResult:
     """Best plans for `workload` on `cluster`, best first (at most top_k; twins counted once), within
     `rules`; None: hfplan's own space, every placement both with the hybrid engine and with a separate
     rollout set, using at most the cluster's GPUs. time_limit: seconds from the start after which the walk of
     the allocations stops, the ones left marked open and the result's lower_bound their least bound (None: walk
-    to the end: the best is the optimum). Raises HfplanError when nothing fits, or when the cluster is more
+    to the end: the best is the optimum). engines: the rollout engines hfplan's own space generates with
+    (Rules.engines). Raises HfplanError when nothing fits, or when the cluster is more
     than the search can cover (check_scale)."""
     started = time.perf_counter()
     check_scale(cluster)
     hw, per_node = cluster.profile, cluster.gpus_per_node
     dag = trace(workload)
     own = rules is None
-    hybrid = SearchContext(workload, hw, per_node, dag, Rules(idle_gpus=True) if own else rules)
+    hybrid = SearchContext(workload, hw, per_node, dag, Rules(idle_gpus=True, engines=engines) if own else rules)
     contexts = [hybrid]
     if own:
-        contexts.append(SearchContext(workload, hw, per_node, dag, Rules(rollout=True, idle_gpus=True), shared=hybrid))
+        contexts.append(SearchContext(workload, hw, per_node, dag, Rules(rollout=True, idle_gpus=True, engines=engines),
+                                      shared=hybrid))
     stats = SearchStats()
     entries = [(ctx, placement) for ctx in contexts for placement in ctx.placements]
     stats.placements = len(entries)

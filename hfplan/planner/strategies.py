@@ -34,11 +34,16 @@ class Rules:
     # its layouts; a choice of strategies is allowed only when every facet name has one value.
     agree: Callable[[str, RoleParallelism], Facets] | None = None
     executable: bool = True  # only layouts hfplan's executor runs (False: the plan runs on another framework)
+    # The rollout engines an executable plan may generate with (hfplan search --rollout-engines): torch alone by
+    # default, since a plan names vLLM only for a machine that has it installed.
+    engines: tuple[str, ...] = ("torch",)
 
     def train_ok(self, role: str, train: TrainConfig) -> bool:
         return self.train is None or self.train(role, train)
 
     def gen_ok(self, train: TrainConfig | None, gen: GenConfig) -> bool:
+        if self.executable and gen.engine not in self.engines:
+            return False
         return self.gen is None or self.gen(train, gen)
 
     def infer_ok(self, role: str, infer: InferConfig) -> bool:

@@ -116,11 +116,14 @@ def infer_transient_bytes(arch: ModelArch, cfg: InferConfig, seq_len: int, head:
 def generation_weights_bytes(arch: ModelArch, gen: GenConfig, train: TrainConfig | None,
                              value_bytes: int = BF16) -> float:
     """Extra weights generation needs: the part of the generation shard the GPU does not already hold
-    from training (all of it for a separate rollout engine)."""
-    full = value_bytes * arch.params("lm")
+    from training (all of it for a separate rollout engine). vLLM (gen.engine) keeps its own copy of the shard:
+    the hybrid engine gathers its part and vLLM copies the shard in. The gathered part is freed before vLLM's KV
+    cache is allocated; counted beside the copy for the whole generation, it makes this an upper bound."""
+    shard = value_bytes * arch.params("lm") / (gen.tp * gen.pp)
     if train is None:
-        return full / (gen.tp * gen.pp)
-    return value_bytes * most_received_numel(arch, train, gen)
+        return shard
+    gathered = value_bytes * most_received_numel(arch, train, gen)
+    return shard + gathered if gen.engine == "vllm" else gathered
 
 
 def generation_working_bytes(arch: ModelArch, gen: GenConfig, prompt_len: int, value_bytes: int = BF16,

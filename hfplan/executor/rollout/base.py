@@ -54,6 +54,10 @@ class RolloutEngine(Protocol):
     loads the actor's current weights before each generation and releases them after; a rollout set loads
     the weights it receives. Every rank of a tensor-parallel group calls each method together."""
 
+    # True: `load_weights` copies the weights into the engine's own (vLLM), so the caller may free its tensors
+    # at once; False: the engine generates from the caller's tensors until `release_weights`.
+    copies_weights: bool
+
     def generate(
         self, prompts: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
     ) -> Rollout:

@@ -281,6 +281,7 @@ class TorchRolloutEngine:
         tensor-parallel group this rank generates with (None: alone, whole weights); every rank of a group
         must call `load_weights` and `generate` together, with the same prompts. `tp_ranks`: each global
         rank's tensor-parallel rank where the group's own order is not it."""
+        self.copies_weights = False  # it generates from the weights it is handed
         if batching not in get_args(Batching):
             raise ValueError(f"batching must be one of {', '.join(get_args(Batching))}, got {batching!r}")
         if max_batch is not None and max_batch < 1:

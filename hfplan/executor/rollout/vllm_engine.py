@@ -13,7 +13,8 @@ vLLM builds its model from the HF config alone (dummy weights); `load_weights` t
 from the actor's tensors in memory (the worker's `reload_weights`, whole tensors by HF name: vLLM cuts its own
 tensor-parallel pieces) and drops the prefix cache, which holds keys of the old weights. Where the platform has
 vLLM's sleep mode (CUDA, ROCm, XPU), `release_weights` puts the engine to sleep (level 2: weights and KV cache
-freed) and `load_weights` wakes it; on CPU the engine keeps both between generations.
+freed), `load_weights` wakes its weights and `generate` its KV cache (after the hybrid engine has freed what it
+gathered); on CPU the engine keeps both between generations.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class VllmRolloutEngine:
         import torch.distributed as dist
 
         self.pad_id, self.eos_id, self.tp = pad_id, eos_id, tp
+        self.copies_weights = True  # reload_weights copies into vLLM's own parameters
         self._device = torch.device(device)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process, its steps deterministic
         # hfplan's CPU workers share the host's cores (one Ray CPU each): vLLM's own binding would pin every
@@ -94,29 +96,33 @@ class VllmRolloutEngine:
             self._llm = LLM(**args)
         finally:
             torch.set_num_threads = set_num_threads
-        self._loaded = False
+        self._loaded = self._asleep = self._kv_asleep = False
         if self._sleeps:
-            self._llm.sleep(level=2)
+            self._sleep()
 
     def load_weights(self, model: torch.nn.Module, presharded: bool = False) -> None:
         """Reload vLLM's weights in place from `model`'s tensors by HF name. `presharded` tensors are this rank's
         tensor-parallel pieces: whole ones at tp = 1, which is the only size vLLM takes them at."""
         if presharded and self.tp > 1:
             raise ValueError("vLLM cuts its own tensor-parallel pieces: it needs whole weights at tp > 1")
-        if self._sleeps:
+        if self._asleep:
             self._llm.wake_up(tags=["weights"])
+            self._asleep, self._kv_asleep = False, True  # its KV cache waits for the next generate: by then the
+            # caller has freed what it gathered
         weights = ((name, _whole(tensor)) for name, tensor in model.state_dict().items())
         self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        if self._sleeps:
-            self._llm.wake_up(tags=["kv_cache"])
         self._llm.reset_prefix_cache()
         self._loaded = True
 
     def release_weights(self) -> None:
         """Where vLLM can sleep, free its weights and KV cache until the next `load_weights`."""
         if self._sleeps and self._loaded:
-            self._llm.sleep(level=2)
+            self._sleep()
         self._loaded = False
+
+    def _sleep(self) -> None:
+        self._llm.sleep(level=2)  # level 2: its weights are dropped, not kept on the host (reloaded anyway)
+        self._asleep, self._kv_asleep = True, False
 
     def close(self) -> None:
         """Stop the engine. vLLM's teardown also ends this process's torch.distributed world (it ends the
@@ -131,6 +137,9 @@ class VllmRolloutEngine:
         (so every rank of a tensor-parallel group samples the same tokens)."""
         if not self._loaded:
             raise RuntimeError("the rollout engine holds no weights: call load_weights(model) first")
+        if self._kv_asleep:
+            self._llm.wake_up(tags=["kv_cache"])
+            self._kv_asleep = False
         if prompts.dim() != 2 or prompts.dtype != torch.long or prompts.shape[0] == 0:
             raise ValueError(f"prompts must be a non-empty [B, P] long tensor, got {tuple(prompts.shape)} "
                              f"{prompts.dtype}")
