@@ -1,6 +1,7 @@
-"""GRPO on `tiny-arith` (the arith-grpo workload, its searched one-process plan) generating with vLLM learns as the
-torch engine's run does, through the hybrid engine: the actor's weights are pushed into vLLM from memory before
-every generation. One vLLM engine for the module; the runs are in this process (the single-process backend)."""
+"""GRPO on `tiny-arith` (the arith-grpo workload, its one-process plan searched with vLLM as the only engine)
+learns as the torch engine's searched plan does, through the hybrid engine: the actor's weights are pushed into
+vLLM from memory before every generation. One vLLM engine for the module; the runs are in this process (the
+single-process backend)."""
 
 from __future__ import annotations
 
@@ -29,15 +30,20 @@ def gain(series: list[float]) -> float:
     return statistics.fmean(series[-WINDOW:]) - statistics.fmean(series[:WINDOW])
 
 
+def searched(folder, *engines: str):
+    out = folder / f"{'-'.join(engines) or 'default'}.json"
+    result = invoke("search", "--workload", "arith-grpo", "--hardware", "cpu", "--gpus", 1, "--out", out,
+                    "--no-compare", *(("--rollout-engines", ",".join(engines)) if engines else ()))
+    assert result.exit_code == 0, result.output
+    return load_plan(out)
+
+
 @pytest.mark.slow
 def test_grpo_generating_with_vllm_learns_as_the_torch_engine_run_does(tmp_path):
-    result = invoke("search", "--workload", "arith-grpo", "--hardware", "cpu", "--gpus", 1, "--out",
-                    tmp_path / "plan.json", "--no-compare")
-    assert result.exit_code == 0, result.output
-    searched = load_plan(tmp_path / "plan.json")
-    assert searched.parallelism["actor"].gen.engine == "torch"  # the search's default engine
-    torch_run = rewards(searched.with_rollout_engine("torch"))
-    vllm_run = rewards(searched.with_rollout_engine("vllm"))
+    torch_plan, vllm_plan = searched(tmp_path), searched(tmp_path, "vllm")
+    assert torch_plan.parallelism["actor"].gen.engine == "torch"  # the search's default engine
+    assert vllm_plan.parallelism["actor"].gen.engine == "vllm"
+    torch_run, vllm_run = rewards(torch_plan), rewards(vllm_plan)
     assert torch_run != vllm_run  # vLLM samples with its own random streams
     assert gain(torch_run) > 0
     assert gain(vllm_run) > gain(torch_run) / 2, (gain(vllm_run), gain(torch_run))

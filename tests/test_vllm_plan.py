@@ -47,3 +47,45 @@ def test_a_plan_generating_with_vllm_where_it_is_missing_gets_one_line_naming_th
     assert_user_error(result, "parallelism.actor.gen.engine is vllm but vLLM is not installed", "'.[vllm]'",
                       "--rollout torch")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("target", ["verl", "openrlhf"])
+def test_the_exports_give_vllm_the_kv_cache_room_the_plan_was_costed_with(tmp_path, monkeypatch, target):
+    """vLLM's KV cache is capacity x gpu_memory_utilization less its own weights and activations (vLLM 0.32's
+    worker): with the exported fraction that is the generating set's KV budget, to within the rounding."""
+    from hfplan.plan import load_plan
+    from hfplan.profiles.hardware import GIB
+    from hfplan.simulator import memory
+    from hfplan.simulator.mapping import PlanCosts
+
+    monkeypatch.chdir(tmp_path)
+    assert invoke("search", "--gpus", 16, "--target", target, "--out", "p.json", "--no-compare").exit_code == 0
+    plan = load_plan("p.json")
+    costs = PlanCosts.of_plan(plan)
+    fraction = costs.vllm_memory_utilization()
+    key = "actor_rollout_ref.rollout.gpu_memory_utilization=" if target == "verl" else "--vllm.gpu_memory_utilization "
+    assert f"{key}{fraction}" in invoke("export", "p.json", "--to", target).stdout
+    hw, gen = plan.cluster.profile, plan.parallelism[plan.generation_role].gen
+    arch = plan.workload.arch("actor")
+    weights = hw.compute.value_bytes * arch.params("lm") / gen.tp
+    activations = memory.generation_working_bytes(arch, gen, plan.workload.prompt_len, hw.compute.value_bytes,
+                                                  hw.compute.attention)
+    capacity = hw.memory.capacity_gib * GIB
+    kv_room = fraction * capacity - weights - activations
+    budget = costs.memory[plan.set_of(plan.generation_role)].kv_budget
+    assert budget - capacity / 1000 < kv_room <= budget
+    assert 0 < fraction < 1
+
+
+def test_the_search_offers_vllm_where_asked_and_an_unknown_engine_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    common = ("search", "--workload", "arith-grpo", "--hardware", "cpu", "--gpus", 1, "--no-compare", "--out")
+    assert invoke(*common, "t.json").exit_code == 0
+    assert invoke(*common, "v.json", "--rollout-engines", "vllm").exit_code == 0
+    from hfplan.plan import load_plan
+
+    assert load_plan("t.json").parallelism["actor"].gen.engine == "torch"
+    vllm = load_plan("v.json").parallelism["actor"].gen
+    assert (vllm.engine, vllm.kv_cache, vllm.batching) == ("vllm", "paged", "continuous")
+    assert_user_error(invoke(*common, "x.json", "--rollout-engines", "torch,sglang"),
+                      "--rollout-engines torch,sglang", "torch, vllm")

@@ -24,7 +24,7 @@ from hfplan.layout import (
     transfer_path,
 )
 from hfplan.plan import GenConfig, InferConfig, Plan, RoleParallelism, TrainConfig
-from hfplan.profiles.hardware import HardwareProfile
+from hfplan.profiles.hardware import GIB, HardwareProfile
 from hfplan.profiles.models import ModelArch
 from hfplan.simulator import collectives as coll
 from hfplan.simulator import costs, memory
@@ -162,6 +162,22 @@ class PlanCosts:
     @property
     def infeasible_reason(self) -> str:
         return next((m.reason for m in self.memory if m.reason), "")
+
+    def vllm_memory_utilization(self) -> float:
+        """vLLM's gpu_memory_utilization that gives its KV cache the room this plan's generation was costed with
+        (the generating set's kv_budget). vLLM budgets capacity x fraction for what it allocates itself - its
+        copy of the weights, its activations' peak and the KV cache - and does not count memory held before it
+        starts (the training states beside it) against the fraction (vLLM 0.32's worker, request_memory and
+        determine_available_memory): so the fraction is those three over the GPU's capacity, rounded down."""
+        generator = self.generator
+        gen = self.parallelism[generator].gen
+        arch = self.workload.arch(generating_role(self.workload))
+        value_bytes = self.hw.compute.value_bytes
+        own = (value_bytes * arch.params("lm") / (gen.tp * gen.pp)
+               + memory.generation_working_bytes(arch, gen, self.workload.prompt_len, value_bytes,
+                                                 self.hw.compute.attention))
+        budget = self.memory[self.set_index[generator]].kv_budget
+        return math.floor(1000 * (own + budget) / (self.hw.memory.capacity_gib * GIB)) / 1000
 
 
 @dataclass(frozen=True)
