@@ -19,8 +19,12 @@ gathered); on CPU the engine keeps both between generations.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -74,10 +78,14 @@ class VllmRolloutEngine:
                           max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           # log-probs of the sampled tokens after temperature (the interface's), not raw ones
                           logprobs_mode="processed_logprobs")
+        self._ident: str | None = None  # the name of this group of engines (in a world)
         if dist.is_available() and dist.is_initialized():
             args["distributed_executor_backend"] = "external_launcher"
             os.environ["RANK"] = str(dist.get_rank())
             os.environ["LOCAL_RANK"] = str(self._device.index or 0) if self._device.type == "cuda" else "0"
+            ident = [f"hfplan-vllm-{uuid.uuid4().hex[:12]}"]
+            dist.broadcast_object_list(ident, src=0)  # every rank of the world builds its engine now
+            self._ident = ident[0]
         if self._device.type == "cpu":
             args["enforce_eager"] = True  # no torch.compile of the model on CPU: minutes of start-up for nothing
             block = _cpu_block_tokens()
@@ -93,7 +101,8 @@ class VllmRolloutEngine:
             args["enable_sleep_mode"] = True
         set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it process-wide; put it back
         try:
-            self._llm = LLM(**args)
+            with _launcher_ident(self._ident):
+                self._llm = LLM(**args)
         finally:
             torch.set_num_threads = set_num_threads
         self._loaded = self._asleep = self._kv_asleep = False
@@ -129,6 +138,9 @@ class VllmRolloutEngine:
         distributed state it joined): for the end of a worker, or of a test."""
         self._llm.llm_engine.engine_core.shutdown()
         self._folder.cleanup()
+        if self._ident is not None:  # the CPU workers' shared-memory segments, which vLLM leaves behind
+            for segment in Path("/dev/shm").glob(f"{self._ident}-*"):
+                segment.unlink(missing_ok=True)
 
     def generate(
         self, prompts: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
@@ -177,6 +189,30 @@ class VllmRolloutEngine:
         out_device = prompts.device
         return Rollout(prompts.repeat_interleave(params.n, dim=0), responses.to(out_device), mask.to(out_device),
                        log_probs.to(out_device))
+
+
+@contextlib.contextmanager
+def _launcher_ident(ident: str | None) -> Iterator[None]:
+    """vLLM's CPU workers name their tensor-parallel shared-memory segments after the launcher's init method,
+    which `external_launcher` fixes to env://: every engine group of a host would share names, and a segment an
+    ended run left behind collides with the next. Here the group's engines get `ident` as that name (a file://
+    init method whose base name it is; the method itself goes unused, as the world exists)."""
+    if ident is None:
+        yield
+        return
+    from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
+
+    original = ExecutorWithExternalLauncher._distributed_args
+
+    def named(executor) -> tuple[str, int, int]:
+        _, rank, local_rank = original(executor)
+        return f"file:///{ident}", rank, local_rank
+
+    ExecutorWithExternalLauncher._distributed_args = named
+    try:
+        yield
+    finally:
+        ExecutorWithExternalLauncher._distributed_args = original
 
 
 def _cpu_block_tokens() -> int:
