@@ -69,6 +69,8 @@ class VllmRolloutEngine:
         # hfplan's CPU workers share the host's cores (one Ray CPU each): vLLM's own binding would pin every
         # worker's threads to the same cores. A user who binds (VLLM_CPU_OMP_THREADS_BIND) keeps that.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        # vLLM logs its configuration and warm-up at INFO on stdout; errors only, unless the user says otherwise
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         if self._device.type == "cpu":
             _check_cpu_head_dim(config)
         self._folder = tempfile.TemporaryDirectory(prefix="hfplan-vllm-")
