@@ -184,6 +184,11 @@ class GenConfig(Layout):
     engine: RolloutEngineName = Field(
         default="torch", description="the rollout engine: torch (hfplan's own, reserved KV cache) or vllm (paged "
                                      "KV cache, continuous batching); left out, the one kv_cache names")
+    gpu_memory_utilization: float | None = Field(
+        default=None, gt=0, le=1, description="vllm only: the fraction of each GPU's memory vLLM budgets for its "
+                                              "copy of the weights, its activations and its KV cache (the search "
+                                              "writes the one that gives the KV cache the room the plan was "
+                                              "costed with); null: vLLM's default")
 
     @model_validator(mode="before")
     @classmethod
@@ -203,6 +208,8 @@ class GenConfig(Layout):
     @model_validator(mode="after")
     def _engine(self) -> GenConfig:
         problem = engine_problem(self.batching, self.kv_cache, self.engine)
+        if self.gpu_memory_utilization is not None and self.engine != "vllm":
+            problem = f"gpu_memory_utilization is vLLM's (engine={self.engine})"
         if problem:
             raise ValueError(problem)
         return self
@@ -351,14 +358,15 @@ class Plan(_Strict):
 
     def with_rollout_engine(self, engine: str) -> Plan:
         """The plan with every generation layout on `engine` (hfplan execute --rollout): its KV cache with it, vLLM
-        batching continuously; the estimate is dropped, as it costed the other engine."""
+        batching continuously (at its default gpu_memory_utilization); the estimate is dropped, as it costed the
+        other engine."""
         if engine not in ENGINE_KV_CACHE:
             raise HfplanError(f"--rollout {engine}: use {' or '.join(ENGINE_KV_CACHE)}")
         data = self.model_dump(mode="json") | {"estimate": None}
         for par in data["parallelism"].values():
             gen = par.get("gen")
             if gen is not None:
-                gen.update(engine=engine, kv_cache=ENGINE_KV_CACHE[engine])
+                gen.update(engine=engine, kv_cache=ENGINE_KV_CACHE[engine], gpu_memory_utilization=None)
                 if engine == "vllm":
                     gen["batching"] = "continuous"
         return plan_from_dict(data, f"with --rollout {engine}")

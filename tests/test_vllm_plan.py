@@ -22,6 +22,9 @@ def test_a_vllm_engine_keeps_a_paged_kv_cache_and_batches_continuously():
         GenConfig(batching="continuous", kv_cache="paged", engine="torch")
     with pytest.raises(ValueError, match="kv_cache=paged needs batching=continuous"):
         GenConfig(engine="vllm", batching="static")
+    with pytest.raises(ValueError, match="gpu_memory_utilization is vLLM's"):
+        GenConfig(gpu_memory_utilization=0.5)
+    assert GenConfig(engine="vllm", gpu_memory_utilization=0.5).gpu_memory_utilization == 0.5
 
 
 def test_the_rollout_option_puts_every_generation_layout_on_that_engine():
@@ -30,6 +33,7 @@ def test_the_rollout_option_puts_every_generation_layout_on_that_engine():
     plan = plan_from_dict(valid_plan(), "test")
     vllm = plan.with_rollout_engine("vllm")
     gen = vllm.parallelism["actor"].gen
+    assert gen.gpu_memory_utilization is None and vllm.estimate is None  # vLLM's default: nothing costed it
     assert (gen.engine, gen.kv_cache, gen.batching, gen.tp, gen.dp) == ("vllm", "paged", "continuous", 1, 4)
     back = vllm.with_rollout_engine("torch").parallelism["actor"].gen
     assert (back.engine, back.kv_cache, back.batching) == ("torch", "reserved", "continuous")
@@ -63,6 +67,7 @@ def test_the_exports_give_vllm_the_kv_cache_room_the_plan_was_costed_with(tmp_pa
     plan = load_plan("p.json")
     costs = PlanCosts.of_plan(plan)
     fraction = costs.vllm_memory_utilization()
+    assert plan.parallelism[plan.generation_role].gen.gpu_memory_utilization == fraction  # the search wrote it
     key = "actor_rollout_ref.rollout.gpu_memory_utilization=" if target == "verl" else "--vllm.gpu_memory_utilization "
     assert f"{key}{fraction}" in invoke("export", "p.json", "--to", target).stdout
     hw, gen = plan.cluster.profile, plan.parallelism[plan.generation_role].gen

@@ -251,7 +251,8 @@ def _rollout_engine(runtime: RoleRuntime, model: torch.nn.Module, holds_weights:
     engine = VllmRolloutEngine(model.config, runtime.pad_id, runtime.eos_id, tp=gen.tp,
                                max_num_seqs=gen.max_batch or -(-workload.sequences // gen.dp),
                                max_model_len=workload.prompt_len + workload.response_len,
-                               dtype=compute_dtype(runtime.device), device=runtime.device)
+                               dtype=compute_dtype(runtime.device), device=runtime.device,
+                               gpu_memory_utilization=gen.gpu_memory_utilization)
     if holds_weights:
         engine.load_weights(model)
     return engine

@@ -10,9 +10,10 @@ from importlib import resources
 from pathlib import Path
 
 from hfplan.errors import HfplanError
-from hfplan.plan import Plan
+from hfplan.plan import GenConfig, Plan
 from hfplan.planner.targets import Target, get_target
 from hfplan.profiles.models import CATALOG, DEMO_MODELS
+from hfplan.simulator.mapping import PlanCosts
 
 # Hugging Face repositories of the catalog's models (the published checkpoints their architectures are).
 HF_REPOS = {
@@ -77,3 +78,11 @@ def check_known(keys: list[str], name: str) -> None:
     unknown = [k for k in keys if k not in known(name)]
     if unknown:
         raise AssertionError(f"exporter wrote keys {name} does not define: {unknown}")
+
+
+def vllm_memory_fraction(plan: Plan, gen: GenConfig) -> float:
+    """vLLM's gpu_memory_utilization for a plan: the plan's (the search writes the one that gives vLLM's KV cache
+    the room the plan was costed with), else that one computed now (PlanCosts.vllm_memory_utilization)."""
+    if gen.gpu_memory_utilization is not None:
+        return gen.gpu_memory_utilization
+    return PlanCosts.of_plan(plan).vllm_memory_utilization()

@@ -11,11 +11,18 @@ from __future__ import annotations
 import shlex
 
 from hfplan.dataflow.rewards import is_rule
-from hfplan.export.common import Env, Export, check_known, checked_target, model_path, pool_shape
+from hfplan.export.common import (
+    Env,
+    Export,
+    check_known,
+    checked_target,
+    model_path,
+    pool_shape,
+    vllm_memory_fraction,
+)
 from hfplan.layout import ROLLOUT
 from hfplan.plan import Plan
 from hfplan.planner.targets import OPENRLHF, OPENRLHF_ALGORITHMS, ZERO_STAGES
-from hfplan.simulator.mapping import PlanCosts
 
 PROMPT_DATA = Env("PROMPT_DATA", "a dataset of prompts (Hugging Face name or path) with a `prompt` column")
 REWARD_URL = Env("REWARD_URL", "a remote reward model URL or a Python reward function file (--reward.remote_url)")
@@ -43,7 +50,7 @@ def flags(plan: Plan) -> list[tuple[str, object]]:
     gen = par[plan.generation_role].gen
     out += [("--vllm.num_engines", gen.dp), ("--vllm.tensor_parallel_size", gen.tp),
             # the KV-cache room the plan was costed with
-            ("--vllm.gpu_memory_utilization", PlanCosts.of_plan(plan).vllm_memory_utilization())]
+            ("--vllm.gpu_memory_utilization", vllm_memory_fraction(plan, gen))]
     trained = [p.train for p in par.values() if p.train is not None]
     sharded = [t.shard for t in trained if t.dp > 1]
     out.append(("--ds.zero_stage", ZERO_STAGES[sharded[0]] if sharded else 0))

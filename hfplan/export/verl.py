@@ -7,7 +7,7 @@ is checked against them. Batch sizes follow verl's units: data.train_batch_size 
 prompts (verl multiplies by rollout.n), micro-batch sizes count sequences per GPU. The reward model is the
 reward loop's (`reward.reward_model.*`): vLLM servers of its tensor-parallel size, whatever the training backend.
 The rollout's gpu_memory_utilization gives vLLM the KV-cache room the plan was costed with
-(PlanCosts.vllm_memory_utilization).
+(hfplan.export.common.vllm_memory_fraction).
 """
 
 from __future__ import annotations
@@ -17,10 +17,17 @@ import shlex
 import yaml
 
 from hfplan.dataflow.rewards import is_rule
-from hfplan.export.common import Env, Export, check_known, checked_target, model_path, pool_shape
+from hfplan.export.common import (
+    Env,
+    Export,
+    check_known,
+    checked_target,
+    model_path,
+    pool_shape,
+    vllm_memory_fraction,
+)
 from hfplan.plan import Plan, RoleParallelism, TrainConfig
 from hfplan.planner.targets import VERL, VERL_ALGORITHMS, verl_backends
-from hfplan.simulator.mapping import PlanCosts
 
 TRAIN_FILES = Env("TRAIN_FILES", "parquet file(s) of training prompts")
 VAL_FILES = Env("VAL_FILES", "parquet file(s) of validation prompts")
@@ -105,7 +112,7 @@ def overrides(plan: Plan) -> tuple[str, list[tuple[str, object]]]:
         (f"{aro}.rollout.name", "vllm"), (f"{aro}.rollout.n", w.samples_per_prompt),
         (f"{aro}.rollout.tensor_model_parallel_size", actor.gen.tp),
         *([(f"{aro}.rollout.max_num_seqs", actor.gen.max_batch)] if actor.gen.max_batch is not None else []),
-        (f"{aro}.rollout.gpu_memory_utilization", PlanCosts.of_plan(plan).vllm_memory_utilization()),
+        (f"{aro}.rollout.gpu_memory_utilization", vllm_memory_fraction(plan, actor.gen)),
         (f"{aro}.rollout.log_prob_micro_batch_size_per_gpu", actor.infer.micro_batch),
         (f"{aro}.rollout.temperature", hp.temperature), (f"{aro}.rollout.top_p", hp.top_p),
         (f"{aro}.actor.ppo_mini_batch_size", w.batch_prompts // w.mini_batches),

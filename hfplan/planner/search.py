@@ -588,14 +588,18 @@ def _to_plan(workload: Workload, cluster: Cluster, dag: Dag, c: Candidate) -> Pl
 
 def _with_engine_batch(plan: Plan, dag: Dag) -> Plan:
     """The plan with its generation engine capped at the batch the simulator chose (GenConfig.max_batch),
-    so that `hfplan execute` runs the waves or slots the estimate assumes."""
+    so that `hfplan execute` runs the waves or slots the estimate assumes; a vLLM engine also gets the
+    gpu_memory_utilization that gives its KV cache the room the plan was costed with."""
     plan_costs = PlanCosts.of_plan(plan)
     batch = plan_costs.engine_batch(dag)
     if batch is None:
         return plan
     role = plan_costs.generator
     par = plan.parallelism[role]
-    capped = par.model_copy(update={"gen": par.gen.model_copy(update={"max_batch": batch})})
+    update: dict = {"max_batch": batch}
+    if par.gen.engine == "vllm":
+        update["gpu_memory_utilization"] = plan_costs.vllm_memory_utilization()
+    capped = par.model_copy(update={"gen": par.gen.model_copy(update=update)})
     return plan.model_copy(update={"parallelism": {**plan.parallelism, role: capped}})
 
 
