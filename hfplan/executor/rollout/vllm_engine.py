@@ -31,6 +31,7 @@ import torch
 from hfplan.errors import HfplanError
 from hfplan.executor.rollout.base import Rollout, SamplingParams
 from hfplan.executor.rollout.installed import vllm_missing
+from hfplan.layout import kv_heads_per_rank
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -38,11 +39,13 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()
 
 
-def kv_bytes(config, dtype: torch.dtype, tokens: int) -> int:
-    """Bytes of the KV cache holding `tokens` tokens of a whole model (every layer's keys and values)."""
+def _kv_bytes(config, dtype: torch.dtype, tokens: int, tp: int) -> int:
+    """Bytes of one tensor-parallel rank's KV cache holding `tokens` tokens (every layer's keys and values of the
+    rank's KV heads: a share of them, or one copied head where tp exceeds them)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize * tokens
+    heads = kv_heads_per_rank(config.num_key_value_heads, tp)
+    return 2 * config.num_hidden_layers * heads * head_dim * itemsize * tokens
 
 
 class VllmRolloutEngine:
@@ -92,7 +95,7 @@ class VllmRolloutEngine:
             args["enforce_eager"] = True  # no torch.compile of the model on CPU: minutes of start-up for nothing
             block = _cpu_block_tokens()
             blocks = max_num_seqs * -(-max_model_len // block) + 1  # vLLM keeps one block aside (its null block)
-            args |= dict(block_size=block, kv_cache_memory_bytes=kv_bytes(config, dtype, blocks * block) // tp)
+            args |= dict(block_size=block, kv_cache_memory_bytes=_kv_bytes(config, dtype, blocks * block, tp))
         elif gpu_memory_utilization is not None:
             args["gpu_memory_utilization"] = gpu_memory_utilization
         from vllm import LLM
