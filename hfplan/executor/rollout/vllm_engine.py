@@ -86,8 +86,6 @@ class VllmRolloutEngine:
         self._ident: str | None = None  # the name of this group of engines (in a world)
         if dist.is_available() and dist.is_initialized():
             args["distributed_executor_backend"] = "external_launcher"
-            os.environ["RANK"] = str(dist.get_rank())
-            os.environ["LOCAL_RANK"] = str(self._device.index or 0) if self._device.type == "cuda" else "0"
             ident = [f"hfplan-vllm-{uuid.uuid4().hex[:12]}"]
             dist.broadcast_object_list(ident, src=0)  # every rank of the world builds its engine now
             self._ident = ident[0]
@@ -106,7 +104,7 @@ class VllmRolloutEngine:
             args["enable_sleep_mode"] = True
         set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it process-wide; put it back
         try:
-            with _launcher_ident(self._ident):
+            with _external_launcher(self._ident, self._device):
                 self._llm = LLM(**args)
         finally:
             torch.set_num_threads = set_num_threads
@@ -197,27 +195,38 @@ class VllmRolloutEngine:
 
 
 @contextlib.contextmanager
-def _launcher_ident(ident: str | None) -> Iterator[None]:
-    """vLLM's CPU workers name their tensor-parallel shared-memory segments after the launcher's init method,
-    which `external_launcher` fixes to env://: every engine group of a host would share names, and a segment an
-    ended run left behind collides with the next. Here the group's engines get `ident` as that name (a file://
-    init method whose base name it is; the method itself goes unused, as the world exists)."""
+def _external_launcher(ident: str | None, device: torch.device) -> Iterator[None]:
+    """What vLLM's `external_launcher` reads while an engine starts in a world: RANK and LOCAL_RANK (set for the
+    start only), and a name for the group. vLLM's CPU workers name their tensor-parallel shared-memory segments
+    after the launcher's init method, which the launcher fixes to env://: every engine group of a host would
+    share names, and a segment an ended run left behind would collide with the next. On CPU the group's engines
+    get `ident` as that name (a file:// init method whose base name it is; the method itself goes unused, as the
+    world exists). `ident` None: no world, nothing to set."""
     if ident is None:
         yield
         return
+    import torch.distributed as dist
     from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
 
     original = ExecutorWithExternalLauncher._distributed_args
+    local_rank = (device.index or 0) if device.type == "cuda" else 0
 
     def named(executor) -> tuple[str, int, int]:
-        _, rank, local_rank = original(executor)
-        return f"file:///{ident}", rank, local_rank
+        method, rank, local = original(executor)  # env:// and the ranks set here
+        return (f"file:///{ident}" if device.type == "cpu" else method), rank, local
 
+    saved = {name: os.environ.get(name) for name in ("RANK", "LOCAL_RANK")}
+    os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(local_rank))
     ExecutorWithExternalLauncher._distributed_args = named
     try:
         yield
     finally:
         ExecutorWithExternalLauncher._distributed_args = original
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _cpu_block_tokens() -> int:
