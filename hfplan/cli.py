@@ -762,7 +762,8 @@ def validate(
                                                                             f"{plan_title(plan)}"))])
     if as_json:
         body = {"plan": str(plan_path), "iterations": iterations, "response_len_mean": result.response_len_mean,
-                "other_cpu_cores": result.other_cpu_cores, **result.comparison.to_json()}
+                "other_cpu_cores": result.other_cpu_cores,
+                "pace": result.pace.to_json() if result.pace is not None else None, **result.comparison.to_json()}
         sys.stdout.write(json.dumps(body, indent=2) + "\n")
         return
     render_validation(result)
@@ -799,6 +800,12 @@ def render_validation(result) -> None:
         console.print(f"other processes used {result.other_cpu_cores:.2f} of the machine's {os.cpu_count()} cores "
                       "during the compared iterations (their work slows the run and no profile predicts it)",
                       highlight=False)
+    if result.pace is not None:
+        pace = result.pace
+        console.print(f"machine pace: the probe (a decode step of the tiny model) took {pace.before_s * 1e6:,.0f} us "
+                      f"before the run and {pace.after_s * 1e6:,.0f} us after it, {pace.ratio:.2f}x the "
+                      f"{pace.profiled_s * 1e6:,.0f} us the profile implies (above 1: the machine ran slower than "
+                      "when profiled, which stretches every measured call alike)", highlight=False)
     for side, names in comparison.unmatched.items():
         if names:
             console.print(f"only {side}: {', '.join(names)}", style="dim", highlight=False)
