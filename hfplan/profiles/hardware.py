@@ -83,6 +83,12 @@ class Compute(_Strict):
     vector_tflops: float | None = Field(
         default=None, gt=0, description="fp32 peak of the CUDA cores (not the tensor cores), TFLOP/s: the rate of a "
                                         "per_query_head decode attention's math; None: not limited by it")
+    overlap_slowdown: float = Field(
+        default=0.0, ge=0, description="how much slower compute kernels run while a collective runs beside them "
+                                       "(its kernels hold SMs and memory bandwidth), as a fraction: 0.2 = 20% "
+                                       "slower. What overlapping a collective with compute leaves exposed "
+                                       "(sharding.exposed_beside); 0: a collective shorter than the compute beside "
+                                       "it is free")
 
     @field_validator("attention_rate")
     @classmethod
