@@ -262,6 +262,10 @@ class Plan(_Strict):
         for role in needed:
             if role not in placed:
                 raise ValueError(f"placement leaves out role {role!r}")
+        if self.workload.staleness and ROLLOUT not in placed:
+            raise ValueError(f"workload.staleness {self.workload.staleness} needs a separate {ROLLOUT!r} set to "
+                             "generate on while the actor trains; this plan's actor generates on its own GPUs "
+                             "(set staleness to 0, or place the rollout engine on GPUs of its own)")
         total = sum(group.gpus for group in self.placement)
         if total > self.cluster.gpus:
             raise ValueError(f"placement uses {total} GPUs but the cluster has {self.cluster.gpus}")

@@ -134,6 +134,7 @@ def start_progress(plan: Plan, checked: preflight.Checked, options: ExecuteOptio
     """Iteration 0's controller state, or the state a checkpoint's controller left."""
     state = ControllerState(cfg=checked.hyper, samples_per_prompt=plan.workload.samples_per_prompt,
                             reuse_policy_log_probs=plan.workload.reuse_policy_log_probs,
+                            staleness=plan.workload.staleness,
                             lagrange=snapshot.lagrange if snapshot else None)
     stream = PromptStream(checked.prompts, plan.workload.batch_prompts, options.seed,
                           position=snapshot.data_position if snapshot else 0, columns=checked.columns)

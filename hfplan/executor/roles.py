@@ -398,6 +398,10 @@ class ExecutionController:
     def reuse_policy_log_probs(self) -> bool:
         return self.state.reuse_policy_log_probs
 
+    @property
+    def staleness(self) -> int:
+        return self.state.staleness
+
     def step(self, name: str, batch: Batch) -> Batch:
         step = STEPS[name]
         fields = self.recorder.fetched(CONTROLLER, name, batch.select(*step.reads))
