@@ -273,6 +273,21 @@ def search(
                   + (f"; candidates to {escape(str(csv))}" if csv is not None else ""), highlight=False)
     if own is not None:
         render_target_gap(chosen, result.best, own, out)
+    if spec.staleness and target == "hfplan":
+        render_staleness(result)
+
+
+def render_staleness(result) -> None:
+    """A workload that allows staleness: the synchronous and the asynchronous best, and what the staleness buys."""
+    sync, pipelined = result.synchronous, result.asynchronous
+    line = f"[bold]synchronous best:[/] {seconds(sync.estimate.iteration_s)} s per iteration; "
+    if pipelined is None:
+        console.print(line + "no plan with a separate rollout set fits, so none runs asynchronously", highlight=False)
+        return
+    speedup = sync.estimate.iteration_s / pipelined.estimate.iteration_s
+    console.print(line + f"[bold]asynchronous best[/] (staleness {pipelined.workload.staleness}, generation "
+                  f"overlapping training on a rollout set): {seconds(pipelined.estimate.iteration_s)} s per "
+                  f"iteration in the steady state: {speedup:.2f}x the synchronous best's speed", highlight=False)
 
 
 def optimality_text(gap: float) -> str:
@@ -455,7 +470,9 @@ def _placement_lines(plan) -> str:
     lines = [f"{' + '.join(g.models)} ({gpus_text(g.gpus)}, {memory_text(peak)})"
              for g, peak in zip(plan.placement, peaks, strict=True)]
     idle = plan.estimate.idle_gpus
-    return "\n".join(lines + ([f"idle ({gpus_text(idle)})"] if idle else []))
+    stale = plan.workload.staleness
+    return "\n".join(lines + ([f"idle ({gpus_text(idle)})"] if idle else [])
+                     + ([f"asynchronous: staleness {stale}"] if stale else []))
 
 
 def gpus_text(count: int) -> str:

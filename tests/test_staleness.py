@@ -139,3 +139,25 @@ def test_importance_weights_scale_each_token_and_are_truncated():
     # behaviour twice as likely: weight 1/2
     _, _, halved = _loss(lambda old: old + math.log(2.0))
     assert torch.allclose(halved, 0.5 * grad)
+
+
+def test_search_reports_the_synchronous_and_the_asynchronous_best():
+    from hfplan.planner.search import search
+    from hfplan.planner.targets import get_target, search_target
+    from hfplan.spec import make_cluster
+
+    workload = load_workload("grpo-qwen2.5-0.5b").model_copy(update={"staleness": 2})
+    cluster = make_cluster(8)
+    result = search(workload, cluster, top_k=3)
+    sync, pipelined = result.synchronous, result.asynchronous
+    assert sync.workload.staleness == 0 and pipelined.workload.staleness == 1
+    assert any(g.models == ["rollout"] for g in pipelined.placement)
+    assert result.best.estimate.iteration_s == min(sync.estimate.iteration_s, pipelined.estimate.iteration_s)
+    # the search's own bound agreed with the engine on every plan it ran (search._leaf); the plan's estimate
+    # is the pipelined window's, which no synchronous schedule of the same plan beats
+    as_sync = simulate_plan(pipelined.model_copy(update={"workload": sync.workload}))
+    assert pipelined.estimate.iteration_s < as_sync.estimate.iteration_s
+    assert sync.estimate.iteration_s == search(sync.workload, cluster, top_k=1).best.estimate.iteration_s
+    # a target's plans are exported to run synchronously
+    verl = search_target(get_target("verl", workload), workload, cluster, top_k=1)
+    assert verl.best.workload.staleness == 0
