@@ -314,7 +314,7 @@ class ActorRole(WorkerGroupRole):
         if self.rollout is None:
             return super().generate(batch, n, greedy)
         if self.rollout_stale:
-            self._sync_rollout()
+            self.sync_rollout()
         out = self.rollout.generate(batch, n, greedy)
         for value in out.values():
             value.call.label = (self.name, "generate", greedy)
@@ -334,7 +334,7 @@ class ActorRole(WorkerGroupRole):
         finally:
             self.rollout_stale = stale
 
-    def _sync_rollout(self) -> None:
+    def sync_rollout(self) -> None:
         """Each rank of the actor puts, per rollout rank, the slices of that rank's generation shard it holds
         into the object store in buckets (a pipelined actor's ranks their stages' slices), and each rollout worker
         fetches only its own; the rollout workers run their generation after the load, in submission order."""
