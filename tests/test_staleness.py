@@ -80,6 +80,11 @@ def test_staleness_needs_a_separate_rollout_set():
     with pytest.raises(HfplanError, match="staleness 1 needs a separate 'rollout' set"):
         plan_from_dict(_split_plan(1, rollout=False), "p.json")
     assert plan_from_dict(_split_plan(1), "p.json").workload.staleness == 1
+    shared = _split_plan(1)
+    shared["placement"] = [{"models": ["reference"], "gpus": 1}, {"models": ["actor", "rollout"], "gpus": 1}]
+    with pytest.raises(HfplanError, match="needs generation on GPUs that no training uses; the 'rollout' set also "
+                                          "holds actor"):
+        plan_from_dict(shared, "p.json")
     with pytest.raises(HfplanError, match="staleness"):
         workload_from_dict({**_split_plan(0)["workload"], "staleness": -1}, "w")
 
@@ -151,7 +156,10 @@ def test_search_reports_the_synchronous_and_the_asynchronous_best():
     result = search(workload, cluster, top_k=3)
     sync, pipelined = result.synchronous, result.asynchronous
     assert sync.workload.staleness == 0 and pipelined.workload.staleness == 1
-    assert any(g.models == ["rollout"] for g in pipelined.placement)
+    rollout_set = next(g.models for g in pipelined.placement if "rollout" in g.models)
+    assert "actor" not in rollout_set
+    assert all("actor" not in next(g.models for g in p.placement if "rollout" in g.models)
+               for p in result.top if p.workload.staleness)
     assert result.best.estimate.iteration_s == min(sync.estimate.iteration_s, pipelined.estimate.iteration_s)
     # the search's own bound agreed with the engine on every plan it ran (search._leaf); the plan's estimate
     # is the pipelined window's, which no synchronous schedule of the same plan beats
@@ -161,3 +169,27 @@ def test_search_reports_the_synchronous_and_the_asynchronous_best():
     # a target's plans are exported to run synchronously
     verl = search_target(get_target("verl", workload), workload, cluster, top_k=1)
     assert verl.best.workload.staleness == 0
+
+
+def test_cli_search_prints_both_bests_and_writes_both_plans(tmp_path, monkeypatch):
+    import yaml
+    from rich.console import Console
+
+    from hfplan import cli
+    from hfplan.plan import load_plan
+    from tests.support.cli import invoke
+
+    monkeypatch.setattr(cli, "console", Console(width=400))
+    spec = tmp_path / "w.yaml"
+    spec.write_text(yaml.safe_dump({"algorithm": "grpo", "staleness": 1, "batch_prompts": 256,
+                                    "samples_per_prompt": 4,
+                                    "models": {"actor": "qwen2.5-0.5b", "reference": "qwen2.5-0.5b",
+                                               "reward": "qwen2.5-0.5b"}}))
+    out = tmp_path / "best.json"
+    result = invoke("search", "--gpus", 8, "--workload", spec, "--out", out, "--no-compare", "--jobs", 1)
+    assert result.exit_code == 0, result.output
+    sync, pipelined = load_plan(tmp_path / "best.sync.json"), load_plan(tmp_path / "best.async.json")
+    assert (sync.workload.staleness, pipelined.workload.staleness) == (0, 1)
+    speedup = sync.estimate.iteration_s / pipelined.estimate.iteration_s
+    assert f"speedup {speedup:.2f}x over the synchronous best" in result.output
+    assert load_plan(out).estimate.iteration_s == min(sync.estimate.iteration_s, pipelined.estimate.iteration_s)

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hfplan.errors import HfplanError
-from hfplan.layout import ROLLOUT, facts_of, generating_role, model_role, set_index
+from hfplan.layout import ROLLOUT, facts_of, generating_role, model_role, set_index, staleness_problem
 from hfplan.plan import PlacementSet, Plan, RoleParallelism
 from hfplan.planner import space
 from hfplan.planner.bounds import PlacementBounds
@@ -527,9 +527,12 @@ def _sync_and_async(workload: Workload, cluster: Cluster, top_k: int, progress: 
     rollout set asynchronously (staleness 1, the pipelined window), each searched exactly; the best of both kept,
     and each side's best reported."""
     sync = search(workload.model_copy(update={"staleness": 0}), cluster, top_k, progress, jobs, None, time_limit)
+    pipelined_workload = workload.model_copy(update={"staleness": ASYNC_STALENESS})
+    placements = tuple(p for p in space.set_partitions((*workload.model_roles, ROLLOUT))
+                       if staleness_problem(pipelined_workload, p) is None)
     try:
-        pipelined = search(workload.model_copy(update={"staleness": ASYNC_STALENESS}), cluster, top_k, progress, jobs,
-                           Rules(rollout=True, idle_gpus=True), time_limit)
+        pipelined = search(pipelined_workload, cluster, top_k, progress, jobs,
+                           Rules(placements=placements, rollout=True, idle_gpus=True), time_limit)
     except HfplanError:  # no plan with a rollout set of its own fits
         return replace(sync, synchronous=sync.best)
     return replace(merge_results([sync, pipelined], top_k), synchronous=sync.best, asynchronous=pipelined.best)
