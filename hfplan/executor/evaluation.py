@@ -26,7 +26,7 @@ import numpy as np
 
 from hfplan.dataflow.batch import Batch, resolved
 from hfplan.dataflow.evaluation import evaluate
-from hfplan.dataflow.ops import GENERATE_WRITES
+from hfplan.dataflow.ops import GENERATED
 from hfplan.dataflow.registry import get_algorithm
 from hfplan.executor import preflight
 from hfplan.executor.data import PromptSet
@@ -81,7 +81,7 @@ def eval_metrics(fields: dict[str, np.ndarray], seconds: float) -> dict[str, flo
     known = dict(SCORES)
     metrics = {f"{PREFIX}response_len": float(fields["response_mask"].sum(axis=1).mean())}
     for name in fields:
-        if name not in GENERATE_WRITES:
+        if name not in GENERATED:
             metrics[f"{PREFIX}{known.get(name, name)}"] = float(np.mean(fields[name]))
     metrics[SECONDS] = seconds
     return metrics
