@@ -50,9 +50,14 @@ def _log_probs(folder, sampled) -> np.ndarray:
 
 
 def test_staleness_one_overlaps_and_generates_with_the_weights_of_the_update_before_last(tmp_path):
+    """The reference shares the rollout set's process (it reads the generations sent ahead where they were made),
+    and an evaluation runs between windows."""
     workload = tiny_workload("grpo", ARITH_GRPO, staleness=1)
-    plan = cpu_plan(workload, [(("actor", "reference"), 1), ((ROLLOUT,), 1)])
-    reports = _run(plan, tmp_path / "a", checkpoint_every=1, keep=ITERATIONS)
+    plan = cpu_plan(workload, [(("actor",), 1), (("reference", ROLLOUT), 1)])
+    held_out = tmp_path / "eval.jsonl"
+    held_out.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("add 3 4 =", "sub 9 2 =", "add 10 5 =")))
+    evaluate = {"eval_data": str(held_out), "eval_every": 2}
+    reports = _run(plan, tmp_path / "a", checkpoint_every=1, keep=ITERATIONS, **evaluate)
     timeline = json.loads((tmp_path / "a" / TIMELINE_FILE).read_text())["iterations"]
 
     # one weight sync per update, the initial one before the first generation besides
@@ -79,11 +84,13 @@ def test_staleness_one_overlaps_and_generates_with_the_weights_of_the_update_bef
         assert np.abs(_log_probs(folders[i] / "actor", sampled) - behaviour).max() > 1e-3, i
         assert reports[i].metrics["actor/behaviour_weight"] != pytest.approx(1.0, abs=1e-6)
 
+    assert "eval/reward" in reports[1].metrics and "eval/reward" in reports[3].metrics
     # the same seed, the same run
-    again = _run(plan, tmp_path / "b")
+    again = _run(plan, tmp_path / "b", **evaluate)
     first = [json.loads(line) for line in (tmp_path / "a" / METRICS_FILE).read_text().splitlines()]
     second = [json.loads(line) for line in (tmp_path / "b" / METRICS_FILE).read_text().splitlines()]
     for a, b in zip(first, second, strict=True):
-        for key in ("reward", "response_len", "actor/policy_loss", "actor/grad_norm", "actor/behaviour_weight"):
+        for key in ("reward", "response_len", "actor/policy_loss", "actor/grad_norm", "actor/behaviour_weight",
+                    *(("eval/reward",) if "eval/reward" in a else ())):
             assert a[key] == b[key], key
     assert len(again) == ITERATIONS

@@ -67,6 +67,10 @@ class Generations:
                                "iteration")
         return self.sent.pop((iteration, k))
 
+    def first_call_id(self) -> int | None:
+        """The first call id of the generations sent and not yet taken (None: none)."""
+        return min((call_of(batch).call_id for batch in self.sent.values()), default=None)
+
     def calls_of(self, iteration: int) -> list[PendingCall]:
         """The pending calls of the generations sent for `iteration` that its program has not taken yet."""
         return [call_of(batch) for (i, _), batch in self.sent.items() if i == iteration]
@@ -117,14 +121,14 @@ def run_pipelined(plan: Plan, roles: dict, checked: preflight.Checked, options: 
         recorder.start_iteration(handed.columns)
         if iteration > first:
             draw(iteration + staleness)
-            # workers keep this iteration's generations (made before the window) for its calls
-            recorder.first_call_id = min(call.call_id for call in generations.calls_of(iteration))
             for k, signature in enumerate(generations.signatures):
                 generations.send(iteration + staleness, k, signature)
         program_actor = _ProgramActor(actor, generations, iteration, first)
         updates = algorithm.program({**roles, generator: program_actor}, Batch(prompts=prompts), controller)
         update_metrics = {name: resolved(value) for name, value in updates.items()}
         del generations.prompts[iteration]
+        # the workers keep the generations sent ahead for the iterations that read them (an evaluation between)
+        recorder.hold_from = generations.first_call_id()
         for call in generations.calls_of(iteration + staleness):
             call.outputs()  # the generation that ran in this window: its spans, before the sync's
         if iteration + 1 < options.iterations:
