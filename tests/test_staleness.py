@@ -193,3 +193,10 @@ def test_cli_search_prints_both_bests_and_writes_both_plans(tmp_path, monkeypatc
     speedup = sync.estimate.iteration_s / pipelined.estimate.iteration_s
     assert f"speedup {speedup:.2f}x over the synchronous best" in result.output
     assert load_plan(out).estimate.iteration_s == min(sync.estimate.iteration_s, pipelined.estimate.iteration_s)
+
+
+def test_export_refuses_an_asynchronous_plan():
+    from hfplan.export.common import checked_target
+
+    with pytest.raises(HfplanError, match=r"runs asynchronously \(staleness 1\)"):
+        checked_target(plan_from_dict(_split_plan(1), "p.json"), "verl")

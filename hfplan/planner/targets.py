@@ -76,6 +76,9 @@ class Target:
 
     def plan_problem(self, plan: Plan) -> str | None:
         """Why this target cannot run `plan` (None when it can)."""
+        if plan.workload.staleness and self is not HFPLAN:
+            return (f"the plan runs asynchronously (staleness {plan.workload.staleness}), and its export is written "
+                    "for synchronous runs (a search writes the synchronous best beside it, as OUT.sync.json)")
         problem = self.workload_problem(plan.workload)
         if problem:
             return problem
