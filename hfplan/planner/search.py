@@ -397,7 +397,8 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
            jobs: int = 1, rules: Rules | None = None, time_limit: float | None = None) -> SearchResult:
     """Best plans for `workload` on `cluster`, best first (at most top_k; twins counted once), within
     `rules`; None: hfplan's own space, every placement both with the hybrid engine and with a separate
-    rollout set, using at most the cluster's GPUs. time_limit: seconds from the start after which the walk of
+    rollout set, using at most the cluster's GPUs (a workload with staleness > 0 given rules: they place a rollout
+    set apart from training, as _sync_and_async's do). time_limit: seconds from the start after which the walk of
     the allocations stops, the ones left marked open and the result's lower_bound their least bound (None: walk
     to the end: the best is the optimum). Raises HfplanError when nothing fits, or when the cluster is more
     than the search can cover (check_scale)."""
@@ -523,16 +524,17 @@ ASYNC_STALENESS = 1
 
 def _sync_and_async(workload: Workload, cluster: Cluster, top_k: int, progress: Progress | None, jobs: int,
                     time_limit: float | None) -> SearchResult:
-    """A workload that allows staleness: hfplan's space synchronously (staleness 0), and its plans with a separate
-    rollout set asynchronously (staleness 1, the pipelined window), each searched exactly; the best of both kept,
-    and each side's best reported."""
+    """A workload that allows staleness: hfplan's space synchronously (staleness 0), and its plans with a rollout set
+    apart from training asynchronously (staleness 1, the pipelined window), each searched exactly; the best of both
+    kept, and each side's best reported. A time limit covers both: the second gets what the first left."""
     sync = search(workload.model_copy(update={"staleness": 0}), cluster, top_k, progress, jobs, None, time_limit)
     pipelined_workload = workload.model_copy(update={"staleness": ASYNC_STALENESS})
     placements = tuple(p for p in space.set_partitions((*workload.model_roles, ROLLOUT))
                        if staleness_problem(pipelined_workload, p) is None)
+    left = None if time_limit is None else max(0.0, time_limit - sync.stats.seconds)
     try:
         pipelined = search(pipelined_workload, cluster, top_k, progress, jobs,
-                           Rules(placements=placements, rollout=True, idle_gpus=True), time_limit)
+                           Rules(placements=placements, rollout=True, idle_gpus=True), left)
     except HfplanError:  # no plan with a rollout set of its own fits
         return replace(sync, synchronous=sync.best)
     return replace(merge_results([sync, pipelined], top_k), synchronous=sync.best, asynchronous=pipelined.best)
