@@ -272,14 +272,17 @@ class RoleModel:
     def update_actor(self, batch: Batch, *, mini_batches: int, epochs: int, micro_batch: int,
                      use_kl_loss: bool) -> dict[str, float]:
         """PPO clipped surrogate - entropy bonus (+ KL loss to the reference when `use_kl_loss`); without
-        old_log_probs in the batch, one on-policy step against the current log-probs (losses.actor_objective).
+        old_log_probs in the batch, one on-policy step against the current log-probs; with behaviour_log_probs
+        (an asynchronous run), each token weighed by its truncated importance ratio (losses.actor_objective).
 
         Metrics, averaged over the optimizer steps: policy_loss, entropy, approx_kl (to the old
-        policy), clip_frac, kl (to the reference, with use_kl_loss), grad_norm, lr."""
+        policy), clip_frac, kl (to the reference, with use_kl_loss), behaviour_weight (the mean importance
+        weight, asynchronous runs), grad_norm, lr."""
         if "old_log_probs" not in batch and (mini_batches, epochs) != (1, 1):
             raise ValueError("an update without old log-probs must be one optimizer step (on-policy)")
         keys = ("prompts", "responses", "response_mask", *(("old_log_probs",) if "old_log_probs" in batch else ()),
-                "advantages", *(("ref_log_probs",) if use_kl_loss else ()))
+                "advantages", *(("ref_log_probs",) if use_kl_loss else ()),
+                *((losses.BEHAVIOUR,) if losses.BEHAVIOUR in batch else ()))
         hp = self.hp
         readout = Readout("log_probs", batch["responses"].shape[1], hp.temperature, with_entropy=True,
                           entropy_grad=hp.entropy_coef > 0)
