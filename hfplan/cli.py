@@ -974,3 +974,7 @@ def render_run(summary, plan) -> None:
         console.print(f"checkpoint: {summary.checkpoint}", highlight=False)
     for role, path in summary.exported.items():
         console.print(f"{role} exported as a Hugging Face model: {path}", highlight=False)
+
+
+if __name__ == "__main__":  # `python -m hfplan.cli`, as the `hfplan` script
+    app(prog_name="hfplan")
