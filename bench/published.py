@@ -22,6 +22,12 @@ Assumptions common to the cases:
   gradient clipping by norm stream 92 bytes per parameter, as the shipped model's torch AdamW and clip do
   (`costs.ADAM_PASS_BYTES`): the lerp the torch one uses is a mul and an add there, and its weight-decay pass is
   skipped at weight decay 0, 8 bytes each way.
+- FSDP's all-gathers and reduce-scatters run beside the compute they overlap, which they slow by the shipped
+  profiles' `compute.overlap_slowdown` (18.9%, Lee et al., arXiv 2507.03114); each micro-batch's first and last
+  layers' collectives have nothing beside them (`sharding.exposed_step_comm`).
+- Collectives in a node run in the fastest of NCCL's ring protocols (LL, LL128, Simple) as NCCL's tuning model prices
+  them (the shipped profiles' `links.intra_node.protocols`, from NVIDIA/nccl src/graph/tuning.cc); NVLS pays that
+  model's 25 us latency on H100.
 - FP16 inference runs are priced as bf16 (same bytes and tensor-core rate on A100).
 - The shipped profiles' engine step (`runtime.engine_step_us`, 4 ms) is vLLM's Python scheduler's host work per step.
   gpt-fast does not pay it (`_engine_without_host_step`): it replays each decode step as one CUDA graph (generate.py:

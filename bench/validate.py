@@ -8,10 +8,13 @@ separate rollout engine beside the colocated roles on 2 processes (--quick: neit
 --repeats times (hfplan.validation.run.validate: executed, the first iteration a warm-up, then simulated with the
 measured mean response length) on one Ray session. Prints each plan's simulated and (median) measured iteration and
 its spread over the repeats ((highest - lowest) / median) and the most CPU other processes used during a run's
-compared iterations (`others`, cores: hfplan.validation.machine), then the median and worst absolute per-stage
+compared iterations (`others`, cores: hfplan.validation.machine) and the machine's pace around its runs (`pace`:
+the probe's time over the profile's, hfplan.profiler.pace; nan where the profile was not measured on CPU), then the
+median and worst absolute per-stage
 error, the iteration and memory errors, the median spread, and Kendall's tau between simulated and measured
 iteration times, over all plans and over the pairs whose measured ranges do not overlap (the ranking the search
-relies on, where the measurements settle it), and the other processes' CPU over all runs. Asserts nothing about time.
+relies on, where the measurements settle it), the other processes' CPU and the pace over all runs. Asserts nothing
+about time.
 
     RAY_AUTH_MODE=disabled python bench/validate.py [--quick] [--iterations N] [--repeats N] [--hardware NAME|PATH]
                                                     [--max-processes N] [--model NAME]
@@ -77,6 +80,7 @@ class Point:
     label: str
     runs: list[Comparison]
     other_cores: list[float]  # each run's CPU of other processes during its compared iterations (cores)
+    paces: list[float]  # each run's machine pace against the profile's (hfplan.profiler.pace; nan: not measured)
 
     @property
     def simulated(self) -> float:
@@ -137,18 +141,19 @@ def main() -> None:
         print(f"hfplan validate over {len(plans)} plans x {repeats} runs, {iterations} iterations each (first a "
               f"warm-up), profile {args.hardware}, models {args.model or 'of each workload'}, {os.cpu_count()} "
               f"cores, load {os.getloadavg()[0]:.1f}")
-        print(f"{'plan':<26}{'simulated s':>12}{'measured s':>12}{'error':>9}{'spread':>8}{'others':>8}")
+        print(f"{'plan':<26}{'simulated s':>12}{'measured s':>12}{'error':>9}{'spread':>8}{'others':>8}{'pace':>7}")
         for label, plan in plans:
-            runs, others = [], []
+            runs, others, paces = [], [], []
             for repeat in range(repeats):
                 options = ExecuteOptions(iterations=iterations, out=out / f"{label.replace(' ', '-')}-{repeat}",
                                          call_timeout_s=300, start_timeout_s=120)
                 checked = validate(plan, options, [f"set {i}" for i in range(len(plan.placement))])
                 runs.append(checked.comparison)
                 others.append(checked.other_cpu_cores if checked.other_cpu_cores is not None else math.nan)
-            point = Point(label, runs, others)
+                paces.append(checked.pace.ratio if checked.pace is not None else math.nan)
+            point = Point(label, runs, others, paces)
             print(f"{label:<26}{point.simulated:>12.3f}{point.median:>12.3f}{point.error * 100:>+8.1f}%"
-                  f"{point.spread * 100:>7.1f}%{max(others):>8.2f}", flush=True)
+                  f"{point.spread * 100:>7.1f}%{max(others):>8.2f}{statistics.median(paces):>7.2f}", flush=True)
             points.append(point)
     finally:
         ray.shutdown()
@@ -172,6 +177,10 @@ def main() -> None:
     if others:
         print(f"other processes' CPU during the compared iterations (cores of {os.cpu_count()}): median "
               f"{statistics.median(others):.2f}, most {max(others):.2f}")
+    paces = [r for p in points for r in p.paces if not math.isnan(r)]
+    if paces:
+        print(f"machine pace against the profile's (the probe's time around each run over the profile's; above 1: "
+              f"slower): median {statistics.median(paces):.2f}, range {min(paces):.2f}-{max(paces):.2f}")
     print(f"whole benchmark: {time.perf_counter() - started:.0f} s")
 
 

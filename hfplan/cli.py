@@ -264,6 +264,8 @@ def search(
 
             comparison = compare_systems(spec, cluster, jobs=jobs)
     outputs: list[tuple[Path, str]] = [(out, result.best.to_json())]
+    sides = staleness_outputs(out, result) if spec.staleness and target == "hfplan" else {}
+    outputs += [(path, plan.to_json()) for path, plan in sides.values()]
     if csv is not None:
         outputs.append((csv, candidates_frame(result, spec).to_csv(index=False)))
     write_outputs(outputs)
@@ -290,6 +292,32 @@ def search(
                   + (f"; candidates to {escape(str(csv))}" if csv is not None else ""), highlight=False)
     if own is not None:
         render_target_gap(chosen, result.best, own, out)
+    if sides:
+        render_staleness(result, sides)
+
+
+def staleness_outputs(out: Path, result) -> dict[str, tuple[Path, object]]:
+    """A workload that allows staleness: its synchronous and asynchronous best, each beside --out (OUT.sync.json,
+    OUT.async.json), by side."""
+    found = {"sync": result.synchronous, "async": result.asynchronous}
+    return {side: (out.with_name(f"{out.stem}.{side}{out.suffix}"), plan) for side, plan in found.items()
+            if plan is not None}
+
+
+def render_staleness(result, sides: dict[str, tuple[Path, object]]) -> None:
+    """The synchronous and the asynchronous best, what the staleness buys, and where each plan went."""
+    sync, pipelined = result.synchronous, result.asynchronous
+    line = (f"[bold]synchronous best:[/] {seconds(sync.estimate.iteration_s)} s per iteration "
+            f"({escape(str(sides['sync'][0]))}); ")
+    if pipelined is None:
+        console.print(line + "no plan with a rollout set apart from training fits, so none runs asynchronously",
+                      highlight=False)
+        return
+    speedup = sync.estimate.iteration_s / pipelined.estimate.iteration_s
+    console.print(line + f"[bold]asynchronous best[/] (staleness {pipelined.workload.staleness}: generation "
+                  f"overlapping training on a rollout set): {seconds(pipelined.estimate.iteration_s)} s per "
+                  f"iteration in the steady state ({escape(str(sides['async'][0]))}); [bold]speedup "
+                  f"{speedup:.2f}x[/] over the synchronous best", highlight=False)
 
 
 def optimality_text(gap: float) -> str:
@@ -472,7 +500,9 @@ def _placement_lines(plan) -> str:
     lines = [f"{' + '.join(g.models)} ({gpus_text(g.gpus)}, {memory_text(peak)})"
              for g, peak in zip(plan.placement, peaks, strict=True)]
     idle = plan.estimate.idle_gpus
-    return "\n".join(lines + ([f"idle ({gpus_text(idle)})"] if idle else []))
+    stale = plan.workload.staleness
+    return "\n".join(lines + ([f"idle ({gpus_text(idle)})"] if idle else [])
+                     + ([f"asynchronous: staleness {stale}"] if stale else []))
 
 
 def gpus_text(count: int) -> str:
@@ -784,7 +814,8 @@ def validate(
                                                                             f"{plan_title(plan)}"))])
     if as_json:
         body = {"plan": str(plan_path), "iterations": iterations, "response_len_mean": result.response_len_mean,
-                "other_cpu_cores": result.other_cpu_cores, **result.comparison.to_json()}
+                "other_cpu_cores": result.other_cpu_cores,
+                "pace": result.pace.to_json() if result.pace is not None else None, **result.comparison.to_json()}
         sys.stdout.write(json.dumps(body, indent=2) + "\n")
         return
     render_validation(result)
@@ -821,6 +852,12 @@ def render_validation(result) -> None:
         console.print(f"other processes used {result.other_cpu_cores:.2f} of the machine's {os.cpu_count()} cores "
                       "during the compared iterations (their work slows the run and no profile predicts it)",
                       highlight=False)
+    if result.pace is not None:
+        pace = result.pace
+        console.print(f"machine pace: the probe (a decode step of the tiny model) took {pace.before_s * 1e6:,.0f} us "
+                      f"before the run and {pace.after_s * 1e6:,.0f} us after it, {pace.ratio:.2f}x the "
+                      f"{pace.profiled_s * 1e6:,.0f} us the profile implies (above 1: the machine ran slower than "
+                      "when profiled, which stretches every measured call alike)", highlight=False)
     for side, names in comparison.unmatched.items():
         if names:
             console.print(f"only {side}: {', '.join(names)}", style="dim", highlight=False)
@@ -959,3 +996,7 @@ def render_run(summary, plan) -> None:
         console.print(f"checkpoint: {summary.checkpoint}", highlight=False)
     for role, path in summary.exported.items():
         console.print(f"{role} exported as a Hugging Face model: {path}", highlight=False)
+
+
+if __name__ == "__main__":  # `python -m hfplan.cli`, as the `hfplan` script
+    app(prog_name="hfplan")

@@ -31,6 +31,9 @@ class Hyperparameters(BaseModel):
     kl_loss_coef: float = Field(default=0.001, ge=0, description="GRPO: KL term in the actor loss")
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         default="k3", description="estimator of KL(pi || pi_ref) per token (Schulman's k1, k2, k3)")
+    off_policy_cap: float = Field(
+        default=2.0, ge=1, description="asynchronous runs (staleness > 0): each token's importance weight "
+        "old / behaviour policy probability is truncated at this (truncated importance sampling)")
     # Advantages.
     gamma: float = Field(default=1.0, ge=0, le=1, description="GAE discount")
     lam: float = Field(default=0.95, ge=0, le=1, description="GAE lambda")

@@ -352,6 +352,23 @@ def call_role(workload: Workload, generator: str, role: str, op: str) -> str | N
     return generator if op == "generate" else role
 
 
+def staleness_problem(workload: Workload, placement: Sequence[Sequence[str]]) -> str | None:
+    """Why a placement cannot run the workload asynchronously (None when it can, or when it runs synchronously):
+    generation must have GPUs that no training uses, a rollout set holding no trained role."""
+    if not workload.staleness:
+        return None
+    rollout = [roles for roles in placement if ROLLOUT in roles]
+    if not rollout:
+        return (f"workload.staleness {workload.staleness} needs a separate {ROLLOUT!r} set to generate on while the "
+                "actor trains; this plan's actor generates on its own GPUs (set staleness to 0, or place the "
+                "rollout engine on GPUs of its own)")
+    trained = [role for role in rollout[0] if role != ROLLOUT and facts_of(workload, role).trains]
+    if trained:
+        return (f"workload.staleness {workload.staleness} needs generation on GPUs that no training uses; the "
+                f"{ROLLOUT!r} set also holds {', '.join(trained)}, which trains")
+    return None
+
+
 def set_index(placement: Sequence[Sequence[str]]) -> dict[str, int]:
     """Placed role -> index of its set."""
     return {role: i for i, roles in enumerate(placement) for role in roles}

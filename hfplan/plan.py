@@ -18,7 +18,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from hfplan.errors import HfplanError, describe_validation_error
 from hfplan.files import read_mapping
-from hfplan.layout import ROLLOUT, call_set, generation_role, layouts_of, nesting_problem, set_index
+from hfplan.layout import (
+    ROLLOUT,
+    call_set,
+    generation_role,
+    layouts_of,
+    nesting_problem,
+    set_index,
+    staleness_problem,
+)
 from hfplan.spec import Cluster, Workload
 
 # ROLLOUT (re-exported): the pseudo-role of a separate generation engine (weights synced from the actor
@@ -293,6 +301,9 @@ class Plan(_Strict):
         for role in needed:
             if role not in placed:
                 raise ValueError(f"placement leaves out role {role!r}")
+        problem = staleness_problem(self.workload, [group.models for group in self.placement])
+        if problem:
+            raise ValueError(problem)
         total = sum(group.gpus for group in self.placement)
         if total > self.cluster.gpus:
             raise ValueError(f"placement uses {total} GPUs but the cluster has {self.cluster.gpus}")

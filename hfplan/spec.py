@@ -109,6 +109,10 @@ class Workload(BaseModel):
         default=False, description="skip the actor's log_prob call: with one optimizer step per iteration "
         "(mini_batches = epochs = 1) the loss's ratio is taken against the current policy's own log-probs, "
         "detached (the same values and gradients); only for algorithms that read them nowhere else (GRPO)")
+    staleness: int = Field(
+        default=0, ge=0, description="0: synchronous (each iteration generates with the weights of the update "
+        "before it); k > 0: generation may use weights up to k updates old, so that it overlaps the training of "
+        "earlier iterations on a separate rollout set (the actor's loss then corrects for the older policy)")
     hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters,
                                              description="what a real run learns with; ignored by the simulator")
 

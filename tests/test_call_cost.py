@@ -64,15 +64,22 @@ def test_generate_counts_response_tokens():
 
 
 def test_collective_bus_bandwidth_by_hand():
-    """All-reduce of 1 GiB on 8 A100s: ring of 8, 14 steps of 2 us, 2 x 7/8 of the bytes at 300 x 0.77 GB/s."""
+    """All-reduce of 1 GiB on 8 A100s: a ring of 8 in NCCL's Simple protocol (the profile's), 8.4 us and 14 steps of
+    3.4 us, 2 x 7/8 of the bytes at 300 x 0.77 GB/s."""
     result = call_cost(CallRequest("collective", "a100-80g", op="all_reduce", nbytes=2**30, gpus=8))
-    seconds = 14 * 2e-6 + 2 * 7 / 8 * 2**30 / (300e9 * 0.77)
+    seconds = (8.4 + 14 * 3.4) * 1e-6 + 2 * 7 / 8 * 2**30 / (300e9 * 0.77)
     assert result.seconds == pytest.approx(seconds)
     assert result.detail["busbw_gbytes_per_s"] == pytest.approx(2**30 / seconds * 2 * 7 / 8 / 1e9)
+    assert (result.detail["nvls"], result.detail["runs_as"]) == ("false", "Simple")
     nvls = call_cost(CallRequest("collective", "h100-80g", op="all_reduce", nbytes=2**30, gpus=8))
-    # NVLS on H100: 2^30 (1 + 1/8) bytes each way at 450 x 0.70 GB/s (the profile's nvls_efficiency), two steps.
-    assert nvls.seconds == pytest.approx(2 * 2e-6 + 1.125 * 2**30 / (450e9 * 0.70))
-    assert nvls.detail["nvls"] == "true"
+    # NVLS on H100: 2^30 (1 + 1/8) bytes each way at 450 x 0.70 GB/s (the profile's nvls_efficiency), after NCCL's
+    # 25 us of NVLS latency (the profile's nvls_latency_us).
+    assert nvls.seconds == pytest.approx(25e-6 + 1.125 * 2**30 / (450e9 * 0.70))
+    assert (nvls.detail["nvls"], nvls.detail["runs_as"]) == ("true", "nvls")
+    small = call_cost(CallRequest("collective", "a100-80g", op="all_gather", nbytes=4096, gpus=4))
+    # 4 KiB gathered on 4 A100s: LL, 6.6 us and 3 steps of 0.6 us, 3/4 of the bytes at LL's cap of 87.7 GB/s.
+    assert small.seconds == pytest.approx((6.6 + 3 * 0.6) * 1e-6 + 3072 / 87.7e9)
+    assert small.detail["runs_as"] == "LL"
     across = call_cost(CallRequest("collective", "a100-80g", op="all_gather", nbytes=2**30, gpus=16))
     assert across.seconds == coll.all_gather(A100, coll.group_of(16, 1, 8), 2**30)
 

@@ -3,6 +3,7 @@ intra-node 5e10 B/s per GPU with alpha 1 us; inter-node 8e9 B/s per node with al
 
 import pytest
 
+from hfplan.profiles.hardware import Protocol
 from hfplan.simulator import collectives as coll
 from hfplan.simulator.collectives import Group, group_of
 
@@ -172,14 +173,97 @@ def test_nvls_is_not_used_across_nodes(toy_hw):
 
 
 def test_a_small_all_reduce_costs_at_least_its_latency():
-    # 1 KiB over 8 GPUs of one node (ring: 14 steps) and over 2 nodes of 8 (14 NVLink and 2 network steps).
+    # 1 KiB over 2 nodes of 8 (14 NVLink and 2 network steps, the profile's latency per step) and in one node, where
+    # the profile lists NCCL's protocols: LL, 6.6 us + 14 x 0.6 us (test_protocols_of_the_a100_profile_by_hand).
     from hfplan.profiles.hardware import load_hardware
 
     hw = load_hardware("a100-80g")
     intra, inter = hw.links.intra_node.latency_us * 1e-6, hw.links.inter_node.latency_us * 1e-6
-    assert coll.all_reduce(hw, Group(8, 8, 8), 1024) >= 14 * intra
     assert coll.all_reduce(hw, Group(16, 8, 8), 1024) >= 14 * intra + 2 * inter
-    assert coll.all_reduce(hw, Group(8, 8, 8), 1024) < 1.01 * 14 * intra  # the bytes are nothing beside it
+    assert coll.all_reduce(hw, Group(8, 8, 8), 1024) >= (6.6 + 14 * 0.6) * 1e-6
+    assert coll.all_reduce(hw, Group(8, 8, 8), 1024) < 1.01 * (6.6 + 14 * 0.6) * 1e-6  # the bytes are nothing
+
+
+def protocols(hw, *rows, nvls_latency_us=None):
+    """hw with its intra-node link listing the protocols (name, base_us, hop_us, fraction, cap GB/s)."""
+    listed = tuple(Protocol(name=n, base_us=b, hop_us=h, bandwidth_fraction=f, max_gbytes_per_s=c)
+                   for n, b, h, f, c in rows)
+    return hw.model_copy(update={"links": hw.links.model_copy(update={
+        "intra_node": hw.links.intra_node.model_copy(update={"protocols": listed,
+                                                              "nvls_latency_us": nvls_latency_us})})})
+
+
+FAST_START = ("FAST_START", 5.0, 0.5, 0.5, 20.0)  # 5 us + 0.5 us a step, half the 5e10 B/s link, at most 2e10 B/s
+FULL_RATE = ("FULL_RATE", 10.0, 2.0, 1.0, None)  # 10 us + 2 us a step, the whole link
+
+
+@pytest.mark.parametrize(("nbytes", "expected", "runs_as"), [
+    # 8 KiB all-reduce on 8 GPUs: 14 steps, each rank sends 2 x 7/8 x 8192 = 14336 bytes.
+    (8192, 5e-6 + 14 * 0.5e-6 + 14336 / 20e9, "FAST_START"),  # 12.0 us + 0.7 us; FULL_RATE 38 us
+    # 64 MiB: FAST_START 12 us + 5.87 ms, FULL_RATE 38 us + 2.35 ms.
+    (64 * 2**20, 10e-6 + 14 * 2e-6 + 1.75 * 64 * 2**20 / INTRA_BW, "FULL_RATE"),
+])
+def test_a_ring_in_a_node_runs_its_fastest_protocol_by_hand(toy_hw, nbytes, expected, runs_as):
+    hw = protocols(toy_hw, FAST_START, FULL_RATE)
+    assert coll.all_reduce(hw, Group(8, 8, 8), nbytes) == pytest.approx(expected, rel=1e-12)
+    assert coll.how_it_runs(hw, Group(8, 8, 8), nbytes, passes=2) == runs_as
+    # The profile's one latency per step is no longer paid in the node: 14 x 1 us + the bytes at the full rate.
+    assert coll.all_reduce(toy_hw, Group(8, 8, 8), nbytes) == pytest.approx(14e-6 + 1.75 * nbytes / INTRA_BW)
+    assert coll.how_it_runs(toy_hw, Group(8, 8, 8), nbytes, passes=2) == "ring"
+
+
+def test_all_gather_by_protocol_by_hand(toy_hw):
+    # 4 ranks: 3 steps, each rank sends 3/4 of 4 KiB = 3072 bytes; FAST_START 5 + 1.5 us + 0.15 us.
+    hw = protocols(toy_hw, FAST_START, FULL_RATE)
+    assert coll.all_gather(hw, Group(4, 4, 8), 4096) == pytest.approx(6.5e-6 + 3072 / 20e9, rel=1e-12)
+    assert coll.reduce_scatter(hw, Group(4, 4, 8), 4096) == coll.all_gather(hw, Group(4, 4, 8), 4096)
+
+
+def test_rings_spanning_nodes_keep_the_latency_per_step(toy_hw):
+    # The protocols describe a node's link alone: a ring through two nodes pays each link's latency_us per step.
+    hw = protocols(toy_hw, FAST_START, FULL_RATE)
+    for group in (Group(16, 8, 8), Group(4, 1, 8), Group(8, 2, 2)):
+        assert coll.all_reduce(hw, group, 8192) == coll.all_reduce(toy_hw, group, 8192)
+
+
+def test_nvls_latency_by_hand(toy_hw):
+    # NVLS with its own latency (25 us) against the protocols' rings: 8 KiB takes FAST_START's 12.7 us ring, 1 GiB
+    # NVLS's 25 us + 1.125 GiB / 5e10 B/s.
+    hw = nvls(protocols(toy_hw, FAST_START, FULL_RATE, nvls_latency_us=25.0))
+    assert coll.how_it_runs(hw, Group(8, 8, 8), 8192, passes=2) == "FAST_START"
+    assert not coll.uses_nvls(hw, Group(8, 8, 8), 8192)
+    assert coll.all_reduce(hw, Group(8, 8, 8), N) == pytest.approx(25e-6 + 1.125 * N / INTRA_BW, rel=1e-12)
+    assert coll.uses_nvls(hw, Group(8, 8, 8), N)
+
+
+def test_protocols_of_the_a100_profile_by_hand():
+    """NCCL's tuning model (src/graph/tuning.cc, 2.21.5 to 2.30.7) on 8 A100s, bus bandwidth 300 x 0.77 GB/s: an
+    8 KiB all-reduce (a decode step's tensor-parallel one) runs LL, 6.6 + 14 x 0.6 us + 14336 bytes at LL's cap of
+    87.7 GB/s; 1 GiB runs Simple, 8.4 + 14 x 3.4 us + 2 x 7/8 GiB at the full rate; between, LL128."""
+    from hfplan.profiles.hardware import load_hardware
+
+    hw = load_hardware("a100-80g")
+    small = coll.all_reduce(hw, Group(8, 8, 8), 8192)
+    assert small == pytest.approx((6.6 + 14 * 0.6) * 1e-6 + 14336 / 87.7e9, rel=1e-12)
+    assert coll.how_it_runs(hw, Group(8, 8, 8), 8192, passes=2) == "LL"
+    large = coll.all_reduce(hw, Group(8, 8, 8), 2**30)
+    assert large == pytest.approx((8.4 + 14 * 3.4) * 1e-6 + 1.75 * 2**30 / (300e9 * 0.77), rel=1e-12)
+    assert coll.how_it_runs(hw, Group(8, 8, 8), 2**30, passes=2) == "Simple"
+    # 4 MiB (each rank sends 1.75 x 4 MiB = 7,340,032 bytes): LL 15.0 + 83.7 us; LL128 14 + 14 x 1.9 = 40.6 us +
+    # the bytes at 0.92 x 231 GB/s, 34.5 us; Simple 56.0 + 31.8 us.
+    mid = coll.all_reduce(hw, Group(8, 8, 8), 4 * 2**20)
+    assert mid == pytest.approx(40.6e-6 + 7340032 / (0.92 * 300e9 * 0.77), rel=1e-12)
+    assert coll.how_it_runs(hw, Group(8, 8, 8), 4 * 2**20, passes=2) == "LL128"
+
+
+def test_collective_time_never_falls_as_the_message_grows():
+    from hfplan.profiles.hardware import load_hardware
+
+    for name in ("a100-80g", "h100-80g"):
+        hw = load_hardware(name)
+        for group in (Group(2, 2, 8), Group(8, 8, 8)):
+            times = [coll.all_reduce(hw, group, 2.0**k) for k in range(0, 34)]
+            assert times == sorted(times)
 
 
 def test_shipped_profiles_reduce_in_the_switch_only_on_hopper():

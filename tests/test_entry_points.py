@@ -89,3 +89,10 @@ def test_a_broken_entry_point_names_itself(tmp_path):
     done = _hfplan(site, "search", "--gpus", "1", "--workload", str(workload), "--no-compare")
     assert done.returncode == 2
     assert "entry point 'judged-grpo' of hfplan.algorithms" in done.stderr and "not an" in done.stderr
+
+
+@pytest.mark.parametrize("module", ["hfplan", "hfplan.cli"])
+def test_python_dash_m_runs_the_command_line(module):
+    done = subprocess.run([sys.executable, "-m", module, "catalog"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "tiny-arith" in done.stdout

@@ -153,3 +153,13 @@ def test_profiles_with_the_old_bandwidth_name_still_load(tmp_path):
     old = _load_data(tmp_path, text)
     assert old == load_hardware("a100-80g")
     assert "bandwidth_gbps" not in old.to_yaml()
+
+
+def test_a_bad_protocol_is_named(tmp_path):
+    """A protocol's share of the bus bandwidth is at most all of it: one line naming the field."""
+    data = _shipped_data()
+    data["links"]["intra_node"]["protocols"] = [{"name": "LL", "base_us": 6.6, "hop_us": 0.6,
+                                                  "bandwidth_fraction": 1.5}]
+    with pytest.raises(HfplanError) as caught:
+        _load_data(tmp_path, data)
+    assert "field links.intra_node.protocols.0.bandwidth_fraction" in str(caught.value)

@@ -384,6 +384,7 @@ def test_tensor_parallel_continuous_batching_equals_one_process(tmp_path):
 def test_a_rollout_set_generates_with_the_batching_its_plan_gives():
     import numpy as np
 
+    from hfplan.dataflow.ops import BEHAVIOUR
     from hfplan.executor.mesh import WorkerMeshes
     from hfplan.executor.runtime import _build_role
     from hfplan.plan import ROLLOUT, GenConfig, RoleParallelism
@@ -404,7 +405,10 @@ def test_a_rollout_set_generates_with_the_batching_its_plan_gives():
         prefills = runtime.engine.stats.prefills
         assert prefills == 1 if gen.max_batch is None else prefills >= 3
     for name, value in outputs["static"].items():
-        assert np.array_equal(outputs["continuous"][name], value), name
+        if name == BEHAVIOUR:  # the same tokens' log-probs, from batches of other shapes
+            np.testing.assert_allclose(outputs["continuous"][name], value, atol=1e-5, rtol=0)
+        else:
+            assert np.array_equal(outputs["continuous"][name], value), name
 
 
 @pytest.mark.slow

@@ -78,6 +78,36 @@ def test_backward_hides_the_gradient_reduction_but_not_the_weight_gather(toy_hw,
     assert zero1 == pytest.approx(_ring(4, 2 * P))
 
 
+def _slowed(hw, slowdown: float):
+    return hw.model_copy(update={"compute": hw.compute.model_copy(update={"overlap_slowdown": slowdown})})
+
+
+def test_compute_beside_a_collective_runs_slower(toy_hw):
+    """Compute 1.25 times slower while the collective runs: a short one adds comm * 0.25 / 1.25, one outlasting the
+    slowed compute all it outlasts the compute by; the two meet at comm = 1.25 x compute."""
+    hw = _slowed(toy_hw, 0.25)
+    assert sharding.exposed_beside(hw, 1.0, 10.0) == pytest.approx(0.2)
+    assert sharding.exposed_beside(hw, 20.0, 10.0) == pytest.approx(10.0)
+    assert sharding.exposed_beside(hw, 12.5, 10.0) == pytest.approx(2.5)
+    assert sharding.exposed_beside(toy_hw, 1.0, 10.0) == 0.0  # no slowdown: hidden
+    # More compute never shortens compute + what the collective adds.
+    totals = [c + sharding.exposed_beside(hw, 12.0, c) for c in (0.0, 5.0, 9.0, 9.6, 10.0, 20.0)]
+    assert totals == sorted(totals)
+
+
+def test_full_sharding_leaves_the_first_and_last_layers_collectives_exposed(toy_hw, small_arch):
+    """Layer by layer, each gather beside the layer before it: however long the passes, the forward's and the
+    backward's first gather and the backward's last reduce-scatter (one layer's share each) stay exposed."""
+    gather, scatter = _ring(4, 2 * P), _ring(4, 4 * P)
+    layer = 36992 / P
+    got = sharding.exposed_step_comm(toy_hw, small_arch, _config("full", dp=4), SetShape(4, 8), "lm", 10.0, 10.0, 3)
+    assert got == pytest.approx(3 * layer * (2 * gather + scatter), rel=1e-12)
+    slowed = sharding.exposed_step_comm(_slowed(toy_hw, 0.25), small_arch, _config("full", dp=4), SetShape(4, 8),
+                                        "lm", 10.0, 10.0, 3)
+    beside = (1 - layer) * (2 * gather + scatter)  # the rest, beside compute 1.25 times slower
+    assert slowed == pytest.approx(got + 3 * beside * 0.25 / 1.25, rel=1e-12)
+
+
 def test_optimizer_step_runs_on_the_shard_of_the_optimizer_states():
     assert [sharding.optimizer_fraction(_config(s, group=g)) for s, g in
             (("replicated", None), ("zero1", None), ("zero2", None), ("full", None), ("hybrid", 2))] == \

@@ -246,8 +246,8 @@ def test_output_fields_follow_the_role_facts_not_the_role_name(registered):
                            "prompt_len": 16, "response_len": 16}, "test")
     dag = trace(w)
     assert [(n.label, n.writes) for n in dag.nodes] == [
-        ("policy.generate", ("prompts", "responses", "response_mask")), ("judge.score", ("rewards",)),
-        ("anchor.log_prob", ("ref_log_probs",))]
+        ("policy.generate", ("prompts", "responses", "response_mask", "behaviour_log_probs")),
+        ("judge.score", ("rewards",)), ("anchor.log_prob", ("ref_log_probs",))]
     assert w.model_roles == ("policy", "anchor")
 
 

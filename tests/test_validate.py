@@ -8,6 +8,8 @@ import math
 import pytest
 
 from hfplan.plan import Span, phase_seconds
+from hfplan.profiler.pace import profiled_step_seconds
+from hfplan.profiles.hardware import Runtime, load_hardware
 from hfplan.validation import machine
 from hfplan.validation.compare import compare, kendall_tau, signed_error
 from hfplan.validation.run import peak_gib_per_set, predicted_gib, side_by_side, with_profile
@@ -188,6 +190,11 @@ def test_two_iterations_compared_as_json(tiny_plan_file, tmp_path, ray_driver):
     assert memory["measured"] > 0 and memory["simulated"] > 0
     assert f"simulated: {label}" in chart.read_text() and f"measured: {label}" in chart.read_text()
     assert body["other_cpu_cores"] is None or body["other_cpu_cores"] >= 0.0
+    pace = body["pace"]  # the tiny plan's profile was measured on CPU processes: the probe ran around the run
+    assert pace["profiled_step_s"] == pytest.approx(profiled_step_seconds(load_hardware("cpu")))
+    assert pace["before_step_s"] > 0 and pace["after_step_s"] > 0
+    assert pace["ratio"] == pytest.approx((pace["before_step_s"] + pace["after_step_s"]) / 2
+                                          / pace["profiled_step_s"])
 
 
 def test_the_rest_of_the_machine_is_its_busy_time_less_the_run_s_own_cpu():
@@ -241,3 +248,24 @@ def test_a_descendant_s_cpu_is_the_run_s_and_a_stranger_s_is_the_rest_of_the_mac
     end = machine.sample()
     assert stranger_cpu > 0.05
     assert machine.other_cores(start, end) * (end.wall_s - start.wall_s) >= stranger_cpu - 0.03
+
+
+def test_the_profile_implies_the_probe_s_time_from_its_fit():
+    """The probe's time at profiling is what the fit split it into: the step's fixed costs (per step and per
+    sequence, one sequence) on top of its modelled kernels; a profile not measured on CPU processes has none."""
+    cpu = load_hardware("cpu")
+    bare = profiled_step_seconds(cpu.model_copy(update={"runtime": Runtime()}))
+    runtime = cpu.runtime.model_copy(update={"engine_step_us": 300.0, "engine_sequence_step_us": 20.0})
+    assert profiled_step_seconds(cpu.model_copy(update={"runtime": runtime})) == pytest.approx(bare + 320e-6)
+    assert bare > 0
+    assert profiled_step_seconds(load_hardware("a100-80g")) is None
+    assert profiled_step_seconds(cpu.model_copy(update={"measured": False})) is None
+
+
+def test_pace_is_the_probe_around_the_run_over_the_profile_s():
+    pace = machine.Pace(profiled_s=200e-6, before_s=300e-6, after_s=500e-6)
+    assert pace.ratio == pytest.approx(2.0)
+    assert pace.to_json()["ratio"] == pytest.approx(2.0)
+    with machine.PaceProbe(None) as probe:  # nothing to compare with: no process is started
+        assert probe.process is None
+        assert probe.finish() is None

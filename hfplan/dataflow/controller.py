@@ -25,6 +25,7 @@ class ControllerState:
     cfg: Hyperparameters = field(default_factory=Hyperparameters)
     samples_per_prompt: int = 1
     reuse_policy_log_probs: bool = False  # Workload.reuse_policy_log_probs
+    staleness: int = 0  # Workload.staleness
     lagrange: float | None = None
 
 

@@ -20,7 +20,7 @@ def evaluate(roles: Roles, prompts: Batch, algorithm: Algorithm) -> Batch:
     """Greedy responses to `prompts` (the generated fields) and each scoring role's output field."""
     greedy = roles[algorithm.generator].generate(prompts, greedy=True)
     seqs = greedy.select(*SEQUENCE)
-    batch = greedy
+    batch = seqs
     for role in scoring_roles(algorithm):
         batch = batch | roles[role].score(seqs)
     return batch

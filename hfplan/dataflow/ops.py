@@ -27,5 +27,9 @@ ROLE_OPS: dict[str, RoleOp] = {
     "score": RoleOp(PREPARATION, "infer", "scalar"),
     "update": RoleOp(TRAINING, "train"),
 }
-# The fields a generate call writes: the prompts repeated n times, the responses and their mask.
+# The sequences a generate call writes: the prompts repeated n times, the responses and their mask.
 GENERATED = ("prompts", "responses", "response_mask")
+# Beside them, each response token's log-prob under the policy that sampled it (the behaviour policy): what an
+# off-policy (asynchronous, Workload.staleness > 0) update weighs its tokens by. Read by no call unless selected.
+BEHAVIOUR = "behaviour_log_probs"
+GENERATE_WRITES = (*GENERATED, BEHAVIOUR)

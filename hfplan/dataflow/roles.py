@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from hfplan.dataflow.batch import Batch
-from hfplan.dataflow.ops import GENERATED, ROLE_OPS
+from hfplan.dataflow.ops import GENERATE_WRITES, ROLE_OPS
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,9 @@ class Role(Protocol):
     """One model role of a program (actor, critic, reference, reward, ...)."""
 
     def generate(self, batch: Batch, n: int = 1, greedy: bool = False) -> Batch:
-        """Reads prompts; writes prompts (each repeated n times, consecutively), responses and
-        response_mask. greedy: argmax decoding instead of sampling."""
+        """Reads prompts; writes prompts (each repeated n times, consecutively), responses, response_mask and
+        behaviour_log_probs (each response token's log-prob under the sampling policy). greedy: argmax decoding
+        instead of sampling."""
         ...
 
     def log_prob(self, batch: Batch) -> Batch:
@@ -72,6 +73,7 @@ class Controller(Protocol):
 
     samples_per_prompt: int
     reuse_policy_log_probs: bool  # the workload's option: the actor's loss reuses the current policy's log-probs
+    staleness: int  # Workload.staleness: > 0, the responses come from older weights (an off-policy update)
 
     def step(self, name: str, batch: Batch) -> Batch:
         """Runs step `name` on the fields it reads (taken from `batch`); returns the fields it writes."""
@@ -125,7 +127,7 @@ def call_writes(role: str, facts: RoleFacts, op: str) -> tuple[str, ...]:
     if problem:
         raise ValueError(problem)
     if op == "generate":
-        return GENERATED
+        return GENERATE_WRITES
     if op == "update":
         return (update_field(role),)
     return (facts.output,)

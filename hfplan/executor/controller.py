@@ -102,6 +102,7 @@ class IterationReport:
     spans: list[Span]  # the training iteration's only: what `hfplan validate` compares
     samples: list[Sample] = field(default_factory=list)  # the first `samples` sequences as text (eval's after)
     eval_spans: list[Span] = field(default_factory=list)  # the evaluation after it, if any (evaluation.py)
+    sampled: dict = field(default_factory=dict)  # its sampled sequences' fields (sampled_outputs), for on_iteration
 
 
 @dataclass
@@ -134,6 +135,7 @@ def start_progress(plan: Plan, checked: preflight.Checked, options: ExecuteOptio
     """Iteration 0's controller state, or the state a checkpoint's controller left."""
     state = ControllerState(cfg=checked.hyper, samples_per_prompt=plan.workload.samples_per_prompt,
                             reuse_policy_log_probs=plan.workload.reuse_policy_log_probs,
+                            staleness=plan.workload.staleness,
                             lagrange=snapshot.lagrange if snapshot else None)
     stream = PromptStream(checked.prompts, plan.workload.batch_prompts, options.seed,
                           position=snapshot.data_position if snapshot else 0, columns=checked.columns)
@@ -387,6 +389,11 @@ def run_iterations(plan: Plan, roles: dict, checked: preflight.Checked, options:
     the iteration as done before its report is yielded. The iteration's time ends when the updates' results
     are in; an evaluation on held-out prompts, when one is due, runs after that and joins the report
     (hfplan.executor.evaluation)."""
+    if plan.workload.staleness:  # asynchronous: generation runs ahead on the rollout set
+        from hfplan.executor.pipelined import run_pipelined  # it builds on this module
+
+        yield from run_pipelined(plan, roles, checked, options, recorder, progress)
+        return
     progress = progress or start_progress(plan, checked, options)
     controller = ExecutionController(progress.state, recorder)
     algorithm = get_algorithm(plan.workload.algorithm)
@@ -402,7 +409,7 @@ def run_iterations(plan: Plan, roles: dict, checked: preflight.Checked, options:
         metrics = iteration_metrics(plan, iteration, elapsed, recorder, update_metrics, progress.state)
         samples = take_samples(iteration, options.samples, sampled_outputs(recorder), recorder.texts.get(False),
                                checked.decode_prompts, checked.decode_responses) if options.samples else []
-        report = IterationReport(iteration, metrics, list(recorder.spans), samples)
+        report = IterationReport(iteration, metrics, list(recorder.spans), samples, sampled=sampled_outputs(recorder))
         progress.iteration += 1
         if checked.eval_set is not None and evaluation.due(progress.iteration, options.eval_every, options.iterations):
             evaluated = evaluation.run_eval(plan, roles, checked, recorder, iteration, options.samples)

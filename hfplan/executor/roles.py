@@ -50,6 +50,7 @@ class Recorder:
     calls: list[PendingCall] = field(default_factory=list)
     next_call_id: int = 0  # numbers every role call of the run, in dispatch order
     first_call_id: int = 0  # the current iteration's first: workers keep the outputs of its calls and later
+    hold_from: int | None = None  # an earlier call whose outputs (and later ones) workers keep across recordings
     prompt_columns: dict[str, list] = field(default_factory=dict)  # one value per prompt of the iteration
     # (prompts, responses) as a controller reward decoded them, by greedy: what --samples shows without decoding
     texts: dict[bool, tuple[list[str], list[str]]] = field(default_factory=dict)
@@ -65,9 +66,10 @@ class Recorder:
 
     def start_batch(self, prompt_columns: dict[str, list] | None = None) -> None:
         """The next batch of prompts of this recording (an evaluation's next chunk): a controller reward reads its
-        columns, and the workers no longer keep the outputs of the calls before it."""
+        columns, and the workers no longer keep the outputs of the calls before it (nor before `hold_from`: an
+        asynchronous run's generations sent ahead, which later iterations read)."""
         self.prompt_columns = prompt_columns or {}
-        self.first_call_id = self.next_call_id
+        self.first_call_id = self.next_call_id if self.hold_from is None else min(self.next_call_id, self.hold_from)
 
     def new_call_id(self) -> int:
         self.next_call_id += 1
@@ -314,7 +316,7 @@ class ActorRole(WorkerGroupRole):
         if self.rollout is None:
             return super().generate(batch, n, greedy)
         if self.rollout_stale:
-            self._sync_rollout()
+            self.sync_rollout()
         out = self.rollout.generate(batch, n, greedy)
         for value in out.values():
             value.call.label = (self.name, "generate", greedy)
@@ -334,7 +336,7 @@ class ActorRole(WorkerGroupRole):
         finally:
             self.rollout_stale = stale
 
-    def _sync_rollout(self) -> None:
+    def sync_rollout(self) -> None:
         """Each rank of the actor puts, per rollout rank, the slices of that rank's generation shard it holds
         into the object store in buckets (a pipelined actor's ranks their stages' slices), and each rollout worker
         fetches only its own; the rollout workers run their generation after the load, in submission order."""
@@ -397,6 +399,10 @@ class ExecutionController:
     @property
     def reuse_policy_log_probs(self) -> bool:
         return self.state.reuse_policy_log_probs
+
+    @property
+    def staleness(self) -> int:
+        return self.state.staleness
 
     def step(self, name: str, batch: Batch) -> Batch:
         step = STEPS[name]

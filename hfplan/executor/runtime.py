@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hfplan.dataflow.ops import GENERATED
+from hfplan.dataflow.ops import BEHAVIOUR, GENERATED
 from hfplan.dataflow.roles import RoleFacts, update_field
 from hfplan.executor.engines import reshard
 from hfplan.executor.engines.hybrid import HybridEngine, assign
@@ -122,7 +122,8 @@ class RoleRuntime:
                 self.hybrid.exit_generation()
             spans.append(Timed(RESHARD_BACK_OP, "transition", start, time.time()))
         return {"prompts": rollout.prompts.cpu().numpy(), "responses": rollout.responses.cpu().numpy(),
-                "response_mask": rollout.response_mask.float().cpu().numpy()}
+                "response_mask": rollout.response_mask.float().cpu().numpy(),
+                BEHAVIOUR: rollout.log_probs.float().cpu().numpy()}
 
     def sync_buckets(self, rollout) -> dict[int, list]:
         """What this rank of the trained actor sends each rank of a separate rollout set (layout rollout): only

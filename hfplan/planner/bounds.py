@@ -28,6 +28,7 @@ from hfplan.planner.facts import RoleKey, SearchFacts, SetKey
 from hfplan.planner.options import RoleOptions
 from hfplan.planner.pareto import pareto
 from hfplan.simulator.mapping import switch_seconds
+from hfplan.simulator.pipeline import Pipelined
 from hfplan.simulator.schedule import Precedence
 
 
@@ -201,8 +202,11 @@ class PlacementBounds:
         self.k = len(placement)
         n_nodes = len(facts.dag.nodes)
         where = set_index(placement)
-        self.precedence = Precedence.of(facts.dag, [ON_CONTROLLER if r is None else where[r] for r in facts.runners])
+        sets = [ON_CONTROLLER if r is None else where[r] for r in facts.runners]
+        self.precedence = Precedence.of(facts.dag, sets)
         self.switch_ids = facts.switch_ids
+        # An asynchronous workload's bound is its pipelined window's (free transfers), the weight sync after it
+        self.pipelined = Pipelined.of(facts.dag, sets) if facts.workload.staleness else None
         # rows[i, j]: floor seconds of set i's calls on sizes[j]; feasible[i, j]; switch[i, j]
         self.rows = np.zeros((self.k, len(sizes), n_nodes))
         self.switch = np.zeros((self.k, len(sizes)))
@@ -256,6 +260,8 @@ class PlacementBounds:
         if not np.all(np.isfinite(seconds)) or not np.isfinite(switch):
             return np.inf
         durations = [float(x) for x in seconds]
+        if self.pipelined is not None:
+            return self.pipelined.window(durations, switch)
         for i in self.switch_ids:
             durations[i] += switch
         return self.precedence.makespan(durations)
@@ -294,6 +300,8 @@ class PlacementBounds:
                 for j, b in zip(js, bounds, strict=True)]
 
     def _makespans(self, rows: np.ndarray, switches: np.ndarray) -> np.ndarray:
+        if self.pipelined is not None:
+            return self.pipelined.window_many(rows, switches)
         if self.switch_ids:
             rows[:, self.switch_ids] += switches[:, None]
         return self.precedence.makespan_many(rows)  # an infinite floor anywhere makes its bound infinite

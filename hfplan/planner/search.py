@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hfplan.errors import HfplanError
-from hfplan.layout import ROLLOUT, facts_of, generating_role, model_role, set_index
+from hfplan.layout import ROLLOUT, facts_of, generating_role, model_role, set_index, staleness_problem
 from hfplan.plan import PlacementSet, Plan, RoleParallelism
 from hfplan.planner import space
 from hfplan.planner.bounds import PlacementBounds
@@ -37,6 +37,7 @@ from hfplan.planner.fit import MemoryFront
 from hfplan.planner.strategies import GenKey, RoleChoices, RoleOption, Rules, agrees
 from hfplan.simulator import engine
 from hfplan.simulator.mapping import PlanCosts, switch_seconds
+from hfplan.simulator.pipeline import Pipelined
 from hfplan.simulator.schedule import Precedence
 from hfplan.simulator.trace import Dag, trace
 from hfplan.spec import Cluster, Workload
@@ -80,6 +81,9 @@ class SearchResult:
     # No plan in the space is faster than this: the best plan's time when the walk finished, else the least bound
     # of the allocations it left open (best-first, so every one left has a bound at least as large).
     lower_bound: float = 0.0
+    # A workload that allows staleness: the best synchronous plan and the best asynchronous one (None: none fits).
+    synchronous: Plan | None = None
+    asynchronous: Plan | None = None
 
     @property
     def best(self) -> Plan:
@@ -104,17 +108,24 @@ class _Pair:
         # Only the sets' positions matter for transfers: no parallelism needed.
         where = PlanCosts(ctx.workload, list(zip(placement, allocation, strict=True)), {}, ctx.hw, ctx.gpus_per_node)
         self.same_node = where.same_node
-        self.precedence = Precedence.of(ctx.dag, [where.set_of(n) for n in ctx.dag.nodes], where.edge_seconds)
+        sets = [where.set_of(n) for n in ctx.dag.nodes]
+        self.precedence = Precedence.of(ctx.dag, sets, where.edge_seconds)
         self.switch_ids = ctx.switch_ids
+        # An asynchronous workload's time is its pipelined window, the weight sync after it
+        self.pipelined = Pipelined.of(ctx.dag, sets, where.edge_seconds) if ctx.workload.staleness else None
 
     def makespan_many(self, seconds: np.ndarray, switch: np.ndarray) -> np.ndarray:
         """makespan() of many duration rows at once: seconds (rows x nodes), switch (rows,)."""
+        if self.pipelined is not None:
+            return self.pipelined.window_many(seconds, switch)
         if self.switch_ids:
             seconds = seconds.copy()
             seconds[:, self.switch_ids] += switch[:, None]
         return self.precedence.makespan_many(seconds)
 
     def makespan(self, seconds: Sequence[float], switch: float) -> float:
+        if self.pipelined is not None:
+            return self.pipelined.window(seconds, switch)
         durations = list(seconds)
         for i in self.switch_ids:
             durations[i] += switch
@@ -387,13 +398,16 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
            engines: tuple[str, ...] = ("torch",)) -> SearchResult:
     """Best plans for `workload` on `cluster`, best first (at most top_k; twins counted once), within
     `rules`; None: hfplan's own space, every placement both with the hybrid engine and with a separate
-    rollout set, using at most the cluster's GPUs. time_limit: seconds from the start after which the walk of
+    rollout set, using at most the cluster's GPUs (a workload with staleness > 0 given rules: they place a rollout
+    set apart from training, as _sync_and_async's do). time_limit: seconds from the start after which the walk of
     the allocations stops, the ones left marked open and the result's lower_bound their least bound (None: walk
     to the end: the best is the optimum). engines: the rollout engines hfplan's own space generates with
     (Rules.engines). Raises HfplanError when nothing fits, or when the cluster is more
     than the search can cover (check_scale)."""
     started = time.perf_counter()
     check_scale(cluster)
+    if workload.staleness and rules is None:
+        return _sync_and_async(workload, cluster, top_k, progress, jobs, time_limit, engines)
     hw, per_node = cluster.profile, cluster.gpus_per_node
     dag = trace(workload)
     own = rules is None
@@ -506,6 +520,42 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
     return SearchResult(top, candidates, stats, min(lower_bound, best[0].iteration_s))
 
 
+# The staleness an asynchronous plan runs with: the pipelined window is the same for every staleness >= 1
+# (hfplan.simulator.pipeline), so the least stale.
+ASYNC_STALENESS = 1
+
+
+def _sync_and_async(workload: Workload, cluster: Cluster, top_k: int, progress: Progress | None, jobs: int,
+                    time_limit: float | None, engines: tuple[str, ...]) -> SearchResult:
+    """A workload that allows staleness: hfplan's space synchronously (staleness 0), and its plans with a rollout set
+    apart from training asynchronously (staleness 1, the pipelined window), each searched exactly; the best of both
+    kept, and each side's best reported. A time limit covers both: the second gets what the first left."""
+    sync = search(workload.model_copy(update={"staleness": 0}), cluster, top_k, progress, jobs, None, time_limit,
+                  engines)
+    pipelined_workload = workload.model_copy(update={"staleness": ASYNC_STALENESS})
+    placements = tuple(p for p in space.set_partitions((*workload.model_roles, ROLLOUT))
+                       if staleness_problem(pipelined_workload, p) is None)
+    left = None if time_limit is None else max(0.0, time_limit - sync.stats.seconds)
+    try:
+        pipelined = search(pipelined_workload, cluster, top_k, progress, jobs,
+                           Rules(placements=placements, rollout=True, idle_gpus=True, engines=engines), left)
+    except HfplanError:  # no plan with a rollout set of its own fits
+        return replace(sync, synchronous=sync.best)
+    return replace(merge_results([sync, pipelined], top_k), synchronous=sync.best, asynchronous=pipelined.best)
+
+
+def merge_results(results: Sequence[SearchResult], top_k: int) -> SearchResult:
+    """Searches of parts of one space as one: the best top_k of all, every candidate, the counts added."""
+    top = sorted((p for r in results for p in r.top), key=lambda p: p.estimate.iteration_s)[:top_k]
+    stats = SearchStats()
+    for r in results:
+        for name in ("placements", "allocations", "evaluated", "pruned", "infeasible", "open", "twins",
+                     "strategy_choices", "simpy_runs", "seconds"):
+            setattr(stats, name, getattr(stats, name) + getattr(r.stats, name))
+    return replace(results[0], top=top, candidates=[c for r in results for c in r.candidates], stats=stats,
+                   lower_bound=min(r.lower_bound for r in results))
+
+
 def twin_key(workload: Workload, c: Candidate) -> tuple:
     """The (placement, allocation) with each role replaced by what it is (its model, whether it trains
     or generates, its head): pairs that map onto each other by swapping roles holding the same model
@@ -556,9 +606,11 @@ def _evaluate_pair(ctx: SearchContext, placement, allocation, threshold: float, 
     pair = _Pair(ctx, placement, allocation)
     sets = [(roles, gpus) for roles, gpus in zip(placement, allocation, strict=True)]
 
+    run = engine.run_pipelined if ctx.workload.staleness else engine.run
+
     def exact(pars: dict[str, RoleParallelism]) -> float:
         plan_costs = PlanCosts(ctx.workload, sets, pars, ctx.hw, ctx.gpus_per_node, ctx.memo)
-        return engine.run(ctx.dag, plan_costs).iteration_s
+        return run(ctx.dag, plan_costs).iteration_s
 
     bb = _PairSearch(pair, threshold, stats, exact)
     bb.run()

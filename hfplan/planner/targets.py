@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from hfplan.errors import HfplanError
 from hfplan.layout import ROLLOUT
 from hfplan.plan import GenConfig, InferConfig, Plan, RoleParallelism, TrainConfig
-from hfplan.planner.search import Progress, SearchResult, SearchStats, search
+from hfplan.planner.search import Progress, SearchResult, merge_results, search
 from hfplan.planner.space import set_partitions
 from hfplan.planner.strategies import Facets, Rules
 from hfplan.spec import Cluster, Workload
@@ -76,6 +76,9 @@ class Target:
 
     def plan_problem(self, plan: Plan) -> str | None:
         """Why this target cannot run `plan` (None when it can)."""
+        if plan.workload.staleness and self is not HFPLAN:
+            return (f"the plan runs asynchronously (staleness {plan.workload.staleness}), and its export is written "
+                    "for synchronous runs (a search writes the synchronous best beside it, as OUT.sync.json)")
         problem = self.workload_problem(plan.workload)
         if problem:
             return problem
@@ -393,6 +396,8 @@ def search_target(target: Target, workload: Workload, cluster: Cluster, top_k: i
     if target is HFPLAN:
         return search(workload, cluster, top_k=top_k, progress=progress, jobs=jobs, time_limit=time_limit,
                       engines=engines)
+    # A target's plans are exported to run synchronously: a workload's staleness is an allowance, not a demand
+    workload = workload.model_copy(update={"staleness": 0})
     results, errors = [], []
     for rules in target.variants:
         if rules.placements == ():
@@ -407,13 +412,4 @@ def search_target(target: Target, workload: Workload, cluster: Cluster, top_k: i
             raise HfplanError(f"{target.name} expresses no placement of this workload's roles")
         # The variant that names the fewest GPUs that would fit says the most.
         raise HfplanError(min(errors, key=lambda e: "at least" not in e))
-    if len(results) == 1:
-        return results[0]
-    top = sorted((p for r in results for p in r.top), key=lambda p: p.estimate.iteration_s)[:top_k]
-    stats = SearchStats()
-    for r in results:
-        for field in ("placements", "allocations", "evaluated", "pruned", "infeasible", "open", "strategy_choices",
-                      "simpy_runs", "seconds"):
-            setattr(stats, field, getattr(stats, field) + getattr(r.stats, field))
-    return replace(results[0], top=top, candidates=[c for r in results for c in r.candidates], stats=stats,
-                   lower_bound=min(r.lower_bound for r in results))
+    return results[0] if len(results) == 1 else merge_results(results, top_k)

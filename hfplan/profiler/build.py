@@ -79,9 +79,11 @@ def build_profile(device: Device, fits: Fits, base: HardwareProfile, name: str, 
     gpu = device.kind == "cuda"
     vector_tflops = base.compute.vector_tflops if gpu else None
     l2 = base.memory.l2_gbytes_per_s if gpu else None
+    overlap_slowdown = base.compute.overlap_slowdown if gpu else 0.0
     carried = ["inter-node link"] + (["intra-node link"] if fits.intra is None else []) \
         + (["host link"] if fits.host is None else []) + (["flash attention rate"] if attention_rate else []) \
-        + (["fp32 CUDA-core peak"] if vector_tflops else []) + (["L2 bandwidth"] if l2 else [])
+        + (["fp32 CUDA-core peak"] if vector_tflops else []) + (["L2 bandwidth"] if l2 else []) \
+        + (["compute slowdown beside a collective"] if overlap_slowdown else [])
     description = (
         f"Measured by hfplan profile on {device.world_size} x {device.name} ({device.kind}, "
         f"{device.backend}; {versions}). Compute: {sweep_note}; kernel overhead, matmul rate and memory "
@@ -107,7 +109,7 @@ def build_profile(device: Device, fits: Fits, base: HardwareProfile, name: str, 
                         value_bytes=2 if device.kind == "cuda" else 4,  # bf16 on GPUs, fp32 on CPUs
                         gemm=device_tiling(device, base), attention_rate=attention_rate,
                         decode_attention=base.compute.decode_attention if gpu else "grouped",
-                        vector_tflops=vector_tflops),
+                        vector_tflops=vector_tflops, overlap_slowdown=overlap_slowdown),
         memory=Memory(capacity_gib=_round(capacity), reserved_gib=_round(reserved, 3),
                       bandwidth_gbytes_per_s=_round(bandwidth), efficiency=_round(mem_eff), l2_gbytes_per_s=l2),
         links=Links(intra_node=intra, inter_node=base.links.inter_node, host=host),

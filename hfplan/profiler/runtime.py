@@ -85,9 +85,9 @@ def time_engines(torch, device: Device, min_time: float) -> EngineTimes:
     # it refills the slot (a batch of one every step, as the static engine's).
     static = TorchRolloutEngine(model, pad_id=0, eos_id=-1)
     continuous = TorchRolloutEngine(model, pad_id=0, eos_id=-1, batching="continuous", max_batch=1)
-    return EngineTimes(step=_step_seconds(clock, static, prompts, min_time),
-                       batch_step=_step_seconds(clock, static, prompts.repeat(BATCH, 1), min_time),
-                       continuous_step=_step_seconds(clock, continuous, prompts.repeat(2, 1), min_time),
+    return EngineTimes(step=step_seconds(clock, static, prompts, min_time),
+                       batch_step=step_seconds(clock, static, prompts.repeat(BATCH, 1), min_time),
+                       continuous_step=step_seconds(clock, continuous, prompts.repeat(2, 1), min_time),
                        plain=_engine_on_one_rank(torch, device, PLAIN))
 
 
@@ -383,7 +383,7 @@ def _world_of_one(torch, device: Device) -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def _step_seconds(clock: Clock, engine, prompts, min_time: float) -> float:
+def step_seconds(clock: Clock, engine, prompts, min_time: float) -> float:
     """Seconds per decode step of `engine` on `prompts`: the time between responses of SHORT and LONG tokens
     over the decode steps it counted between them (the prefills, the same in both, drop out). Each length is
     timed in ROUNDS rounds taken in turn, their median kept: a burst of other work on a shared machine seldom

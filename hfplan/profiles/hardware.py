@@ -83,6 +83,12 @@ class Compute(_Strict):
     vector_tflops: float | None = Field(
         default=None, gt=0, description="fp32 peak of the CUDA cores (not the tensor cores), TFLOP/s: the rate of a "
                                         "per_query_head decode attention's math; None: not limited by it")
+    overlap_slowdown: float = Field(
+        default=0.0, ge=0, description="how much slower compute kernels run while a collective runs beside them "
+                                       "(its kernels hold SMs and memory bandwidth), as a fraction: 0.2 = 20% "
+                                       "slower. What overlapping a collective with compute leaves exposed "
+                                       "(sharding.exposed_beside); 0: a collective shorter than the compute beside "
+                                       "it is free")
 
     @field_validator("attention_rate")
     @classmethod
@@ -126,8 +132,22 @@ class Memory(_Strict):
         return (self.capacity_gib - self.reserved_gib) * GIB
 
 
+class Protocol(_Strict):
+    """One of the ways a collective library moves a ring's data through a node (NCCL's LL, LL128, Simple): a fixed
+    latency per collective, one per ring step, and a share of the link's bus bandwidth (the rest carries the
+    protocol's flags). The library runs each collective in whichever its own model finds fastest."""
+
+    name: str = Field(min_length=1)
+    base_us: float = Field(ge=0, description="latency of one collective, whatever its ring's length")
+    hop_us: float = Field(ge=0, description="latency of each step of the ring")
+    bandwidth_fraction: float = Field(gt=0, le=1, description="share of the link's bus bandwidth the data gets")
+    max_gbytes_per_s: float | None = Field(default=None, gt=0, description="cap on that bandwidth, GB/s; None: "
+                                                                          "none")
+
+
 class Link(_Strict):
-    """Alpha-beta model of one link class: a collective step costs latency + bytes / bandwidth."""
+    """Alpha-beta model of one link class: a collective step costs latency + bytes / bandwidth (or, for rings in a
+    node over a link that lists `protocols`, the fastest protocol's cost)."""
 
     bandwidth_gbytes_per_s: float = Field(gt=0, validation_alias=BANDWIDTH_NAMES,
                                           description="GB/s (not Gb/s) one device can drive (intra) or one node's "
@@ -140,6 +160,12 @@ class Link(_Strict):
         default=None, gt=0, le=1, description="fraction of the link's bandwidth an NVLS all-reduce reaches (the "
                                               "switch's reduction and multicast pace it, not the ring's copies); "
                                               "None: `efficiency`")
+    nvls_latency_us: float | None = Field(
+        default=None, ge=0, description="latency of one NVLS all-reduce; None: two steps of latency_us")
+    protocols: tuple[Protocol, ...] = Field(
+        default=(), description="the collective library's protocols for rings in a node (Protocol), the fastest "
+                                "taken for each collective; empty: every step costs latency_us, at the full "
+                                "bus bandwidth")
 
     @property
     def nvls_bytes_per_s(self) -> float:

@@ -250,4 +250,6 @@ def _collective(hw: HardwareProfile, req: CallRequest, per_node: int) -> CallCos
     return CallCost("collective", seconds, size, {req.op: seconds},
                     detail={"op": req.op, "algbw_gbytes_per_s": algbw / 1e9, "busbw_gbytes_per_s": algbw * factor / 1e9,
                             "nodes": group.nodes, "per_node": group.per_node,
-                            "nvls": str(req.op == "all_reduce" and coll.uses_nvls(hw, group, req.nbytes)).lower()})
+                            "nvls": str(req.op == "all_reduce" and coll.uses_nvls(hw, group, req.nbytes)).lower(),
+                            "runs_as": coll.how_it_runs(hw, group, req.nbytes, passes=2 if req.op == "all_reduce"
+                                                        else 1)})

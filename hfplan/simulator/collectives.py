@@ -17,6 +17,13 @@ in, in two steps, at the NVLS rate (`Link.nvls_bytes_per_s`); against the ring's
 NCCL's tuner runs whichever its model finds faster (src/graph/tuning.cc), so the faster of the two is taken:
 NVLS for large groups, the ring for a pair. NCCL runs NVLS across nodes only with CollNet (SHARP in the
 network), which the profiles do not describe: groups spanning nodes take the ring.
+A ring in a node over a link that lists protocols (`Link.protocols`: NCCL's LL, LL128 and Simple) runs in whichever
+is fastest, as NCCL's tuner picks (ncclTopoGetAlgoTime: latency + bytes / bandwidth per algorithm and protocol):
+each costs its fixed latency, its latency per ring step and the data at its share of the bus bandwidth. LL (8-byte
+stores, 4 of data and 4 of flag) costs least per step and so carries small messages (a decode step's tensor-parallel
+all-reduce); Simple carries large ones at the full bandwidth. Rings spanning nodes keep the one latency per step of
+each link (`Link.latency_us`): NCCL's per-step network latency adds its topology graph's own, which the profiles do
+not describe.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from hfplan.profiles.hardware import HardwareProfile, Link
+from hfplan.profiles.hardware import HardwareProfile, Link, Protocol
 
 
 @dataclass(frozen=True)
@@ -87,36 +94,58 @@ def _nvls_all_reduce(hw: HardwareProfile, group: Group, nbytes: float) -> float:
     intra = hw.links.intra_node
     if not intra.nvls or group.nodes > 1 or group.size <= 1:
         return math.inf
-    return 2 * intra.latency_us * 1e-6 + (1 + 1 / group.size) * nbytes / intra.nvls_bytes_per_s
+    latency = 2 * intra.latency_us if intra.nvls_latency_us is None else intra.nvls_latency_us
+    return latency * 1e-6 + (1 + 1 / group.size) * nbytes / intra.nvls_bytes_per_s
 
 
 def uses_nvls(hw: HardwareProfile, group: Group, nbytes: float) -> bool:
     """Whether an all-reduce of `nbytes` in `group` runs NVLS (faster than the ring there) rather than the ring."""
-    nvls = _nvls_all_reduce(hw, group, nbytes)
-    return nvls < math.inf and all_reduce(hw, group, nbytes) == nvls
+    return how_it_runs(hw, group, nbytes, passes=2) == "nvls"
 
 
-def _ring(hw: HardwareProfile, group: Group, nbytes: float, passes: int) -> float:
-    """`passes` = 1 for all-gather or reduce-scatter (of an nbytes result), 2 for all-reduce.
+def how_it_runs(hw: HardwareProfile, group: Group, nbytes: float, passes: int) -> str:
+    """How a collective (`passes` as _ring's) runs: "nvls", the name of the ring's protocol (Link.protocols) or
+    "ring" (one latency per step at the full bandwidth)."""
+    return min(_ways(hw, group, nbytes, passes), key=lambda way: way[0])[1]  # ties: the first listed
 
-    In a node: a ring (or, for all-reduce where the switch reduces, NVLS where it is faster). Across nodes: NCCL's
-    ring runs through every rank, so each rank sends passes (size - 1) / size of the data, and each node's network
-    hop carries the whole ring's stream (the r ranks of the node pass it along over NVLink, one of them out of the
-    node); the node's NICs are shared by the busy_per_node / per_node groups crossing it at once. The stream is
-    pipelined in chunks through both links: every step's latency, and the slower link's bandwidth term."""
-    if group.size <= 1 or nbytes <= 0:
-        return 0.0
+
+def _protocol_ring(link: Link, protocol: Protocol, steps: int, moved: float) -> float:
+    """One protocol's ring of `steps` steps in which each rank sends `moved` bytes (module docstring)."""
+    rate = link.effective_bytes_per_s * protocol.bandwidth_fraction
+    if protocol.max_gbytes_per_s is not None:
+        rate = min(rate, protocol.max_gbytes_per_s * 1e9)
+    return (protocol.base_us + steps * protocol.hop_us) * 1e-6 + moved / rate
+
+
+def _ways(hw: HardwareProfile, group: Group, nbytes: float, passes: int) -> list[tuple[float, str]]:
+    """(seconds, how_it_runs) of each way the collective may run: the fastest runs (_ring)."""
     intra = hw.links.intra_node
     r, n = group.per_node, group.nodes
-    nvls = _nvls_all_reduce(hw, group, nbytes) if passes == 2 else math.inf
+    ways = [(_nvls_all_reduce(hw, group, nbytes), "nvls")] if passes == 2 else []
     moved = passes * (group.size - 1) / group.size * nbytes  # what each rank sends around the ring
+    if n == 1 and intra.protocols:
+        return ways + [(_protocol_ring(intra, p, passes * (r - 1), moved), p.name) for p in intra.protocols]
     latency = passes * (r - 1) * intra.latency_us * 1e-6
     intra_time = moved / intra.effective_bytes_per_s if r > 1 else 0.0
     inter_time = 0.0
     if n > 1:
         latency += passes * (n - 1) * hw.links.inter_node.latency_us * 1e-6
         inter_time = moved / (_inter_bandwidth(hw, group) * r)
-    return min(nvls, latency + max(intra_time, inter_time))
+    return ways + [(latency + max(intra_time, inter_time), "ring")]
+
+
+def _ring(hw: HardwareProfile, group: Group, nbytes: float, passes: int) -> float:
+    """`passes` = 1 for all-gather or reduce-scatter (of an nbytes result), 2 for all-reduce.
+
+    In a node: a ring (or, for all-reduce where the switch reduces, NVLS where it is faster), in the fastest of the
+    link's protocols where it lists them. Across nodes: NCCL's ring runs through every rank, so each rank sends
+    passes (size - 1) / size of the data, and each node's network hop carries the whole ring's stream (the r ranks
+    of the node pass it along over NVLink, one of them out of the node); the node's NICs are shared by the
+    busy_per_node / per_node groups crossing it at once. The stream is pipelined in chunks through both links: every
+    step's latency, and the slower link's bandwidth term."""
+    if group.size <= 1 or nbytes <= 0:
+        return 0.0
+    return min(seconds for seconds, _ in _ways(hw, group, nbytes, passes))
 
 
 def all_reduce(hw: HardwareProfile, group: Group, nbytes: float) -> float:

@@ -308,7 +308,8 @@ def inference_parts(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, wher
     exposed = 0.0
     if weight_shards > 1:
         gather = sharding.weight_gather_seconds(hw, arch, cfg, where, head, weight_shards)
-        exposed = n_micro * max(0.0, gather - sp.forward)
+        first = sharding.layer_share(arch, cfg.pp, head) * gather  # the first layer's: nothing to run beside
+        exposed = n_micro * (first + sharding.exposed_beside(hw, gather - first, sp.forward))
     return _pipelined(per_micro, n_micro, cfg.pp - 1, dp_comm=exposed,
                       controller=hw.runtime.call_dispatch_s())
 

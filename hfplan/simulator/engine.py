@@ -11,12 +11,13 @@ from dataclasses import dataclass
 
 import simpy
 
-from hfplan.dataflow.ops import PHASES
+from hfplan.dataflow.ops import GENERATION, PHASES
 from hfplan.errors import HfplanError
-from hfplan.layout import generating_role, kv_heads_per_rank, model_role
-from hfplan.plan import Estimate, Plan, Span, switch_op
+from hfplan.layout import ROLLOUT, generating_role, kv_heads_per_rank, model_role
+from hfplan.plan import WEIGHT_SYNC_OP, Estimate, Plan, Span, switch_op
 from hfplan.simulator.mapping import PlanCosts
 from hfplan.simulator.memory import gib
+from hfplan.simulator.pipeline import PREVIOUS, window_dag
 from hfplan.simulator.schedule import Precedence, switch_points
 from hfplan.simulator.trace import Dag, Node, trace
 
@@ -86,6 +87,28 @@ EdgeSeconds = Callable[[int, int, float], float]
 
 def run(dag: Dag, plan_costs: PlanCosts) -> Timeline:
     return run_calls(schedule(dag, plan_costs), plan_costs.edge_seconds, plan_costs.workload.tokens_per_iteration)
+
+
+def run_pipelined(dag: Dag, plan_costs: PlanCosts) -> Timeline:
+    """One steady-state iteration of an asynchronous plan (hfplan.simulator.pipeline): the window's calls on the
+    simpy engine, their generate calls without the weight sync, which follows the window on the rollout set."""
+    return run_window(schedule(dag, plan_costs), plan_costs.edge_seconds, plan_costs.workload.tokens_per_iteration)
+
+
+def run_window(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: int) -> Timeline:
+    """The pipelined window of calls costed for the synchronous schedule (their one layout switch, the weight
+    sync before the first generation, moves to the window's end)."""
+    window = window_dag(Dag("", tuple(c.node for c in calls)))
+    rollout = next(c.set for c in calls if c.node.op == "generate")
+    sync = sum(c.switch for c in calls)
+    moved = [Scheduled(window.nodes[0], rollout, 0.0, 0.0, None)]
+    moved += [Scheduled(node, c.set, c.seconds, 0.0, None) for node, c in zip(window.nodes[1:], calls, strict=True)]
+    ran = run_calls(moved, edge_seconds, tokens)
+    end = ran.iteration_s
+    spans = [s for s in ran.spans if s.role != PREVIOUS]
+    spans.append(Span(role=ROLLOUT, op=WEIGHT_SYNC_OP, phase=GENERATION, set=rollout, start=end, end=end + sync,
+                      kind="transition"))
+    return Timeline(tuple(spans), tokens, (*ran.critical, (GENERATION, sync)))
 
 
 def run_calls(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: int) -> Timeline:
@@ -174,6 +197,7 @@ def simulate_plan(plan: Plan) -> Simulation:
     reason = plan_costs.infeasible_reason
     if reason:
         raise HfplanError(f"plan does not fit: {reason}")
-    timeline = run(trace(plan.workload), plan_costs)
+    dag = trace(plan.workload)
+    timeline = run_pipelined(dag, plan_costs) if plan.workload.staleness else run(dag, plan_costs)
     idle = plan.cluster.gpus - sum(group.gpus for group in plan.placement)
     return Simulation(timeline, plan_costs, timeline.estimate([round(gib(m.peak), 3) for m in plan_costs.memory], idle))

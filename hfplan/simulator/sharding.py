@@ -94,22 +94,46 @@ def backward_hides_at_most_once_per_micro_batch(cfg: TrainConfig) -> bool:
     return cfg.dp == 1 or cfg.shard != "hybrid" or cfg.shard_size == cfg.dp
 
 
+def exposed_beside(hw: HardwareProfile, comm: float, compute: float) -> float:
+    """Seconds a collective of `comm` seconds adds to `compute` seconds of kernels it runs beside. While it runs,
+    the compute runs 1 + s times slower (Compute.overlap_slowdown: the collective's kernels hold SMs and memory
+    bandwidth); the compute left when it ends runs at full speed. So a collective shorter than the slowed compute
+    adds comm * s / (1 + s), a longer one all it outlasts the compute by (comm - compute). Never negative, never more
+    than comm, and never decreasing by more than the compute grows (more compute never shortens the pair)."""
+    slowdown = hw.compute.overlap_slowdown
+    if comm >= compute * (1.0 + slowdown):
+        return comm - compute
+    return comm * slowdown / (1.0 + slowdown)
+
+
+def layer_share(arch: ModelArch, pp: int, head: str) -> float:
+    """One layer's share of a stage's parameters: of its layer-by-layer collectives, what the first (or the last)
+    layer's moves, with no other layer's compute beside it."""
+    return arch.params_per_layer / stage_params(arch, pp, head)
+
+
 def exposed_step_comm(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: SetShape, head: str,
                       forward: float, backward: float, n_micro: int) -> float:
     """Seconds of data-parallel communication one optimizer step does not hide behind compute
-    (`forward`, `backward`: one micro-batch's passes through the stage)."""
+    (`forward`, `backward`: one micro-batch's passes through the stage; `exposed_beside`). Full and hybrid sharding
+    gather and reduce layer by layer, each collective beside the next layer's compute (prefetch): the forward's and
+    the backward's first gather and the backward's last reduce-scatter, one layer's share each, have no compute
+    beside them."""
     if cfg.dp == 1:
         return 0.0
     first, second, third = _step_collectives(hw, arch, cfg.tp, cfg.pp, cfg.dp, cfg.shard, cfg.shard_size, where,
                                              head)
     if cfg.shard == "replicated":
-        return max(0.0, first - backward)
+        return exposed_beside(hw, first, backward)
     if cfg.shard == "zero1":
-        return max(0.0, first - backward) + second
+        return exposed_beside(hw, first, backward) + second
     if cfg.shard == "zero2":
-        return n_micro * max(0.0, first - backward) + second
+        return n_micro * exposed_beside(hw, first, backward) + second
     gather, scatter, replicas = first, second, third
-    exposed = n_micro * (max(0.0, gather - forward) + max(0.0, gather + scatter - backward))
+    edge = layer_share(arch, cfg.pp, head)
+    unhidden = edge * (2 * gather + scatter)
+    beside = (1.0 - edge) * gather, (1.0 - edge) * (gather + scatter)
+    exposed = n_micro * (unhidden + exposed_beside(hw, beside[0], forward) + exposed_beside(hw, beside[1], backward))
     if cfg.shard_size < cfg.dp:
-        exposed += max(0.0, replicas - backward)
+        exposed += exposed_beside(hw, replicas, backward)
     return exposed

@@ -157,10 +157,12 @@ class TracingRole:
 
 
 class TracingController:
-    def __init__(self, tracer: Tracer, samples_per_prompt: int, reuse_policy_log_probs: bool) -> None:
+    def __init__(self, tracer: Tracer, samples_per_prompt: int, reuse_policy_log_probs: bool,
+                 staleness: int = 0) -> None:
         self.tracer = tracer
         self.samples_per_prompt = samples_per_prompt
         self.reuse_policy_log_probs = reuse_policy_log_probs
+        self.staleness = staleness
 
     def step(self, name: str, batch: Batch) -> Batch:
         step = STEPS[name]
@@ -175,5 +177,5 @@ def trace(workload: Workload) -> Dag:
     roles = {role: TracingRole(role, facts, tracer) for role, facts in algorithm.roles.items()}
     prompts = Batch(prompts=Sym(None, "prompts", workload.batch_prompts))
     algorithm.program(roles, prompts, TracingController(tracer, workload.samples_per_prompt,
-                                                            workload.reuse_policy_log_probs))
+                                                            workload.reuse_policy_log_probs, workload.staleness))
     return Dag(workload.algorithm, tuple(tracer.nodes))

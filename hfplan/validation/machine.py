@@ -1,4 +1,4 @@
-"""The machine's other work during a measurement: CPU time that processes outside the run spent meanwhile.
+"""The machine during a measurement: CPU time that processes outside the run spent meanwhile, and its pace.
 
 A run on a machine it shares (a CI runner, a laptop, a VM beside others) is slowed by whatever else runs there,
 and no profile taken at another moment predicts that. `hfplan validate` says how busy the rest of the machine was
@@ -6,14 +6,25 @@ during its compared iterations, so a miss can be read as the model's or the mach
 processor spent on anything but idling (the kernel's /proc/stat, hypervisor steal included), less those of this
 process and its descendants (the run: its Ray, when hfplan or the caller started it in this process, and the
 workers Ray starts), per second of wall time. Linux only (its /proc); elsewhere nothing is measured.
+
+The pace (hfplan.profiler.pace) catches what that cannot: the machine itself running slower or faster than when
+the profile was taken (a VM's host busy with other tenants), as the probe's time just before and after the run
+over the time the profile implies for it.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import select
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 PROC = Path("/proc")
 IDLE_FIELDS = (3, 4)  # idle and iowait among /proc/stat's cpu fields: user nice system idle iowait irq softirq steal
@@ -85,3 +96,78 @@ def other_cores(before: CpuSample | None, after: CpuSample | None) -> float | No
         return None
     other = (after.busy_s - before.busy_s) - (after.run_s - before.run_s)
     return max(0.0, other / (after.wall_s - before.wall_s))
+
+
+@dataclass(frozen=True)
+class Pace:
+    """The machine's pace around a run (hfplan.profiler.pace): the probe's seconds when the profile was
+    measured, and timed just before and just after the run."""
+
+    profiled_s: float
+    before_s: float
+    after_s: float
+
+    @property
+    def ratio(self) -> float:
+        """How much slower than at profiling time the machine ran the probe around the run (above 1: slower)."""
+        return (self.before_s + self.after_s) / 2 / self.profiled_s
+
+    def to_json(self) -> dict:
+        return {"profiled_step_s": self.profiled_s, "before_step_s": self.before_s, "after_step_s": self.after_s,
+                "ratio": self.ratio}
+
+
+class PaceProbe:
+    """The probe as a process of its own (`python -m hfplan.profiler.pace`), started before a run and read after:
+    it imports torch once and sleeps in between. Any failure of the probe leaves the pace unknown (None), never
+    the run failed."""
+
+    TIMEOUT_S = 120.0
+
+    def __init__(self, profiled_s: float | None) -> None:
+        self.profiled_s = profiled_s
+        self.process: subprocess.Popen | None = None
+        self.before_s: float | None = None
+
+    def __enter__(self) -> PaceProbe:
+        if self.profiled_s is None:
+            return self
+        try:
+            self.process = subprocess.Popen([sys.executable, "-m", "hfplan.profiler.pace"], stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            self.before_s = self._read()
+        except (OSError, ValueError) as error:
+            logger.warning("the machine's pace is not measured: %s", error)
+            self._stop()
+        return self
+
+    def finish(self) -> Pace | None:
+        """The second probe, after the run; the pace (None where either probe failed)."""
+        if self.process is None or self.before_s is None or self.profiled_s is None:
+            return None
+        try:
+            self.process.stdin.write("\n")
+            self.process.stdin.flush()
+            after_s = self._read()
+        except (OSError, ValueError) as error:
+            logger.warning("the machine's pace is not measured: %s", error)
+            return None
+        finally:
+            self._stop()
+        return Pace(self.profiled_s, self.before_s, after_s)
+
+    def __exit__(self, *exc) -> None:
+        self._stop()
+
+    def _read(self) -> float:
+        ready, _, _ = select.select([self.process.stdout], [], [], self.TIMEOUT_S)
+        line = self.process.stdout.readline() if ready else ""
+        if not line:
+            raise ValueError("the probe process gave no measurement")
+        return float(json.loads(line)["step_s"])
+
+    def _stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.process = None

@@ -23,6 +23,7 @@ class Validation:
     measured: list[Span]  # the last measured iteration, from 0
     response_len_mean: float
     other_cpu_cores: float | None = None  # CPU other processes used during the compared iterations (machine.py)
+    pace: machine.Pace | None = None  # the machine's speed around the run against the profile's (machine.py)
 
 
 def with_profile(plan: Plan, profile: Path | None) -> Plan:
@@ -73,6 +74,7 @@ def validate(plan: Plan, options, labels: Sequence[str],
     """Run `options.iterations` iterations (the first a warm-up, not compared) and compare the rest with the
     simulated iteration. `options` is the executor's ExecuteOptions."""
     from hfplan.executor.controller import execute
+    from hfplan.profiler.pace import profiled_step_seconds
     from hfplan.simulator.engine import simulate_plan
 
     if options.iterations < 2:
@@ -88,7 +90,9 @@ def validate(plan: Plan, options, labels: Sequence[str],
         if on_iteration is not None:
             on_iteration(report)
 
-    summary = execute(plan, options, keep)
+    with machine.PaceProbe(profiled_step_seconds(plan.cluster.profile)) as probe:
+        summary = execute(plan, options, keep)
+        pace = probe.finish()
     timed = reports[1:]
     measured = [from_zero(r.spans) for r in timed]
     mean_len = sum(r.metrics["response_len"] for r in timed) / len(timed)
@@ -99,7 +103,7 @@ def validate(plan: Plan, options, labels: Sequence[str],
     comparison = compare(simulated, measured, predicted_gib(costed, result.estimate.peak_memory_gib), measured_gib,
                          labels)
     return Validation(comparison, costed, simulated, measured[-1], mean_len,
-                      machine.other_cores(readings.get("before"), readings.get("after")))
+                      machine.other_cores(readings.get("before"), readings.get("after")), pace)
 
 
 def side_by_side(simulated: Sequence[Span], measured: Sequence[Span], labels: Sequence[str]

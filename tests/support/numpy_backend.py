@@ -73,7 +73,8 @@ class Backend:
         prompts = Batch(prompts=self.rng.integers(0, VOCAB, size=(w.batch_prompts, w.prompt_len)))
         controller = NumpyController(self, ControllerState(cfg=w.hyperparameters,
                                                            samples_per_prompt=w.samples_per_prompt,
-                                                           reuse_policy_log_probs=w.reuse_policy_log_probs))
+                                                           reuse_policy_log_probs=w.reuse_policy_log_probs,
+                                                           staleness=w.staleness))
         return Batch(algorithm.program(roles, prompts, controller)).resolve(timeout=30)
 
 
@@ -130,7 +131,8 @@ class NumpyRole:
                 responses = rng.integers(0, VOCAB, size=(s, r))
                 lengths = rng.integers(1, r + 1, size=s)
             mask = (np.arange(r)[None, :] < lengths[:, None]).astype(float)
-            return Batch(prompts=prompts, responses=responses, response_mask=mask)
+            behaviour = -rng.exponential(size=mask.shape) * mask
+            return Batch(prompts=prompts, responses=responses, response_mask=mask, behaviour_log_probs=behaviour)
 
         return self.backend.dispatch(f"{self.name}.generate" + ("(greedy)" if greedy else ""),
                                      batch.select("prompts"), run, writes)
@@ -183,6 +185,7 @@ class NumpyController:
         self.backend, self.state = backend, state
         self.samples_per_prompt = state.samples_per_prompt
         self.reuse_policy_log_probs = state.reuse_policy_log_probs
+        self.staleness = state.staleness
 
     def step(self, name: str, batch: Batch) -> Batch:
         step = STEPS[name]

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from hfplan.dataflow.ops import BEHAVIOUR
+
 if TYPE_CHECKING:
     from hfplan.hyperparams import Hyperparameters
 
@@ -34,13 +36,17 @@ class PolicyLoss:
 
 
 def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, clip_ratio: float, tokens: float | torch.Tensor) -> PolicyLoss:
-    """PPO clipped surrogate: per token max(-A * ratio, -A * clip(ratio, 1 - c, 1 + c))."""
+                mask: torch.Tensor, clip_ratio: float, tokens: float | torch.Tensor,
+                weights: torch.Tensor | None = None) -> PolicyLoss:
+    """PPO clipped surrogate: per token max(-A * ratio, -A * clip(ratio, 1 - c, 1 + c)), times `weights` per
+    token when given (an off-policy run's importance weights, constants of the gradient)."""
     log_ratio = log_probs - old_log_probs
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio)
     per_token = torch.maximum(unclipped, clipped)
+    if weights is not None:
+        per_token = per_token * weights
     with torch.no_grad():
         clip_frac = masked_sum((clipped > unclipped).to(per_token.dtype), mask) / tokens
         approx_kl = masked_sum(0.5 * log_ratio.detach() ** 2, mask) / tokens
@@ -94,18 +100,30 @@ def token_mean(values: torch.Tensor, mask: torch.Tensor, tokens: float | torch.T
 Objective = tuple[torch.Tensor, dict[str, torch.Tensor]]
 
 
+def behaviour_weights(old_log_probs: torch.Tensor, behaviour_log_probs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Per-token importance weights of an off-policy batch: min(pi_old / pi_behaviour, cap), detached. The PPO
+    ratio is taken against pi_old (the weights the update starts from), and these weights carry the samples from
+    the behaviour policy (older weights, that generated them) over to pi_old; truncating them bounds the variance
+    (truncated importance sampling, as the decoupled PPO objective of asynchronous trainers does)."""
+    return torch.exp(old_log_probs.detach() - behaviour_log_probs).clamp(max=cap)
+
+
 def actor_objective(log_probs: torch.Tensor, entropy: torch.Tensor, batch: dict[str, torch.Tensor],
                     tokens: float | torch.Tensor, hp: Hyperparameters, use_kl_loss: bool) -> Objective:
     """PPO clipped surrogate - entropy_coef * entropy (+ kl_loss_coef * KL to the reference). Without
     old_log_probs in the batch (Workload.reuse_policy_log_probs: on-policy), the ratio is against the current
-    log-probs, detached."""
+    log-probs, detached. With behaviour_log_probs (an asynchronous run, Workload.staleness > 0), every token's
+    surrogate is weighed by behaviour_weights."""
     mask = batch["response_mask"]
     old = batch["old_log_probs"] if "old_log_probs" in batch else log_probs.detach()
-    policy = policy_loss(log_probs, old, batch["advantages"], mask, hp.clip_ratio, tokens)
+    weights = behaviour_weights(old, batch[BEHAVIOUR], hp.off_policy_cap) if BEHAVIOUR in batch else None
+    policy = policy_loss(log_probs, old, batch["advantages"], mask, hp.clip_ratio, tokens, weights)
     entropy_term = token_mean(entropy, mask, tokens)
     loss = policy.loss - hp.entropy_coef * entropy_term
     stats = {"policy_loss": policy.loss, "entropy": entropy_term, "approx_kl": policy.approx_kl,
              "clip_frac": policy.clip_frac}
+    if weights is not None:
+        stats["behaviour_weight"] = token_mean(weights, mask, tokens)
     if use_kl_loss:
         kl = token_mean(kl_per_token(log_probs, batch["ref_log_probs"], hp.kl_estimator), mask, tokens)
         loss = loss + hp.kl_loss_coef * kl

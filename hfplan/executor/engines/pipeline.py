@@ -53,6 +53,7 @@ from torch.distributed.tensor import DTensor
 
 from hfplan.executor import sequences
 from hfplan.executor.engines.forward import Readout
+from hfplan.executor.engines.grad_norm import clip_by_norm, squared_grad_norm
 from hfplan.executor.engines.pipeline_split import RankStages, rank_stages, split_model, stage_names
 from hfplan.executor.engines.stages import Batch, Objective
 from hfplan.executor.mesh import PP
@@ -226,17 +227,10 @@ class PipelineStages:
                     dist.all_reduce(grad, group=self.tied_group)
             if self.last:
                 params = [p for p in params if p is not tied]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        squared = (norm.to(self.device, torch.float32) ** 2).reshape(1)
+        squared = squared_grad_norm([p.grad for p in params]).to(self.device).reshape(1)
         dist.all_reduce(squared, group=self.pp_group)
         grad_norm = float(squared.sqrt())
-        coef = min(1.0, max_norm / (grad_norm + 1e-6))  # torch's clip_grad_norm_ rule
-        if math.isfinite(grad_norm) and coef < 1.0:
-            for p in module.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+        clip_by_norm([p.grad for p in module.parameters() if p.grad is not None], grad_norm, max_norm)
         return grad_norm
 
     # -- whole-model weights ------------------------------------------------------------------------

@@ -22,6 +22,7 @@ averaging and a step equals the single-process step on the full mini-batch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from collections.abc import Iterator
@@ -136,7 +137,9 @@ class RoleModel:
             self._shard(param_dtype)
         else:
             self.module.to(self.device)
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr, weight_decay=hp.weight_decay)
+        # The fused kernel updates every tensor in one pass (CPU and CUDA): torch's default on CPU is a Python loop
+        # over the tensors, each op dispatched through DTensor under FSDP2 (5.6x slower on the demo model there).
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr, weight_decay=hp.weight_decay, fused=True)
         self.module.train()
 
     def _shard(self, param_dtype: torch.dtype) -> None:
@@ -153,10 +156,15 @@ class RoleModel:
 
     # Collectives over every data-parallel rank (tensor-parallel peers and pipeline stages hold the same batch).
     def _dp_all_reduce(self, tensor: torch.Tensor, op=torch.distributed.ReduceOp.SUM) -> torch.Tensor:
-        for name in DP_DIMS:
-            if self.mesh[name].size() > 1:
-                torch.distributed.all_reduce(tensor, op=op, group=self.mesh.get_group(name))
+        for group in self._dp_groups:
+            torch.distributed.all_reduce(tensor, op=op, group=group)
         return tensor
+
+    @functools.cached_property
+    def _dp_groups(self) -> list[torch.distributed.ProcessGroup]:
+        """The data-parallel dims' groups of more than one rank, looked up once: slicing the mesh builds a new
+        DeviceMesh each time, a cost every optimizer step would pay."""
+        return [self.mesh.get_group(name) for name in DP_DIMS if self.mesh[name].size() > 1]
 
     def _check_same_size(self, size: int) -> None:
         """Every rank must run the same number of micro-batches, or FSDP's collectives would hang."""
@@ -264,14 +272,17 @@ class RoleModel:
     def update_actor(self, batch: Batch, *, mini_batches: int, epochs: int, micro_batch: int,
                      use_kl_loss: bool) -> dict[str, float]:
         """PPO clipped surrogate - entropy bonus (+ KL loss to the reference when `use_kl_loss`); without
-        old_log_probs in the batch, one on-policy step against the current log-probs (losses.actor_objective).
+        old_log_probs in the batch, one on-policy step against the current log-probs; with behaviour_log_probs
+        (an asynchronous run), each token weighed by its truncated importance ratio (losses.actor_objective).
 
         Metrics, averaged over the optimizer steps: policy_loss, entropy, approx_kl (to the old
-        policy), clip_frac, kl (to the reference, with use_kl_loss), grad_norm, lr."""
+        policy), clip_frac, kl (to the reference, with use_kl_loss), behaviour_weight (the mean importance
+        weight, asynchronous runs), grad_norm, lr."""
         if "old_log_probs" not in batch and (mini_batches, epochs) != (1, 1):
             raise ValueError("an update without old log-probs must be one optimizer step (on-policy)")
         keys = ("prompts", "responses", "response_mask", *(("old_log_probs",) if "old_log_probs" in batch else ()),
-                "advantages", *(("ref_log_probs",) if use_kl_loss else ()))
+                "advantages", *(("ref_log_probs",) if use_kl_loss else ()),
+                *((losses.BEHAVIOUR,) if losses.BEHAVIOUR in batch else ()))
         hp = self.hp
         readout = Readout("log_probs", batch["responses"].shape[1], hp.temperature, with_entropy=True,
                           entropy_grad=hp.entropy_coef > 0)

@@ -2,7 +2,7 @@
 
 Forward calls run the contract's micro-batches one after another; a training step runs forward and
 backward per micro-batch, accumulating gradients and summing each micro-batch's statistics, and clips
-by torch's `clip_grad_norm_` over the model's (DTensor) gradients.
+by the norm of the model's (DTensor) gradients (hfplan.executor.engines.grad_norm).
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from hfplan.executor import sequences
 from hfplan.executor.engines import forward
 from hfplan.executor.engines.forward import Readout
+from hfplan.executor.engines.grad_norm import clip_by_norm, squared_grad_norm
 from hfplan.executor.engines.modules import decoder_layers
 from hfplan.executor.engines.stages import Batch, Objective
 
@@ -65,8 +65,10 @@ class WholeModel:
         return totals
 
     def clip_grad_norm(self, module: nn.Module, max_norm: float) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
-        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        norm = float(squared_grad_norm(grads).sqrt())
+        clip_by_norm(grads, norm, max_norm)
+        return norm
 
     def names_from_last(self, names: list[str]) -> list[str]:
         return names

@@ -1,0 +1,68 @@
+"""The machine's pace: how fast it runs the executor's work now, against the moment a CPU profile was taken.
+
+A shared or virtual machine does not keep one speed: on the project's 2-core VM the same 1-second loop of small
+torch ops took 58 us per call at one moment and 105 us minutes later, with no other process running (the host's
+other tenants). A profile is a snapshot of one such moment, so a run measured at another is off by the
+machine's drift before the model errs at all. The probe is one of the profile's own measurements, a sampled
+decode step of the executor's torch rollout engine on the tiny model with one sequence (hfplan.profiler.runtime,
+one CPU thread as an executor worker has); the profile implies what it took then (the step's fitted fixed cost
+plus its modelled kernels), and `hfplan validate` times it again around its run.
+
+`python -m hfplan.profiler.pace` is the probe as a process of its own: it prints the step's seconds as a JSON
+line, waits for a line on stdin, then prints a second measurement and exits, so a caller brackets a run with
+one process that imports torch once and sleeps in between.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from hfplan.plan import Layout
+from hfplan.profiles.hardware import HardwareProfile, Runtime
+from hfplan.profiles.models import CATALOG
+from hfplan.simulator import costs
+
+PROBE_SECONDS = 0.6  # timing budget of one probe (its warm-up and rounds on top)
+
+
+def profiled_step_seconds(profile: HardwareProfile) -> float | None:
+    """What the probe took when `profile` was measured, from its fitted runtime fields and modelled kernels;
+    None for a profile that was not measured on CPU processes (a GPU's, or a shipped figure)."""
+    from hfplan.profiler import runtime
+
+    if not (profile.measured and profile.on_host):
+        return None
+    bare = profile.model_copy(update={"runtime": Runtime()})
+    context = runtime.PROMPT + (runtime.SHORT + runtime.LONG) / 2
+    kernels = costs.decode_step_time(bare, CATALOG[runtime.MODEL], Layout(), costs.SetShape(1, 1), 1, context)
+    fixed_us = profile.runtime.engine_step_us + profile.runtime.engine_sequence_step_us
+    return kernels + fixed_us * 1e-6
+
+
+def measure_step_seconds(torch, min_time: float = PROBE_SECONDS) -> float:
+    """The probe, timed here with one CPU thread (as an executor worker on CPU runs)."""
+    from hfplan.executor.models import build_model
+    from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
+    from hfplan.profiler import runtime
+    from hfplan.profiler.timing import Clock
+
+    torch.set_num_threads(1)
+    model = build_model(runtime.MODEL, "lm", seed=0, dtype=torch.float32).eval()
+    prompts = torch.randint(1, CATALOG[runtime.MODEL].vocab, (1, runtime.PROMPT))
+    engine = TorchRolloutEngine(model, pad_id=0, eos_id=-1)
+    return runtime.step_seconds(Clock(torch, "cpu"), engine, prompts, min_time)
+
+
+def main() -> None:
+    import torch
+
+    for turn in range(2):
+        if turn:
+            sys.stdin.readline()  # the caller's run has ended
+        sys.stdout.write(json.dumps({"step_s": measure_step_seconds(torch)}) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
