@@ -65,9 +65,14 @@ def test_the_exports_give_vllm_the_kv_cache_room_the_plan_was_costed_with(tmp_pa
     monkeypatch.chdir(tmp_path)
     assert invoke("search", "--gpus", 16, "--target", target, "--out", "p.json", "--no-compare").exit_code == 0
     plan = load_plan("p.json")
-    costs = PlanCosts.of_plan(plan)
+    role = plan.generation_role
+    par = plan.parallelism[role]
+    # the room as costed: the set's free memory, before the fraction written into the plan caps it
+    unset = plan.model_copy(update={"parallelism": plan.parallelism | {role: par.model_copy(
+        update={"gen": par.gen.model_copy(update={"gpu_memory_utilization": None})})}})
+    costs = PlanCosts.of_plan(unset)
     fraction = costs.vllm_memory_utilization()
-    assert plan.parallelism[plan.generation_role].gen.gpu_memory_utilization == fraction  # the search wrote it
+    assert par.gen.gpu_memory_utilization == fraction  # the search wrote it
     key = "actor_rollout_ref.rollout.gpu_memory_utilization=" if target == "verl" else "--vllm.gpu_memory_utilization "
     assert f"{key}{fraction}" in invoke("export", "p.json", "--to", target).stdout
     hw, gen = plan.cluster.profile, plan.parallelism[plan.generation_role].gen
@@ -77,9 +82,15 @@ def test_the_exports_give_vllm_the_kv_cache_room_the_plan_was_costed_with(tmp_pa
                                                   hw.compute.attention)
     capacity = hw.memory.capacity_gib * GIB
     kv_room = fraction * capacity - weights - activations
-    budget = costs.memory[plan.set_of(plan.generation_role)].kv_budget
+    budget = costs.memory[plan.set_of(role)].kv_budget
     assert budget - capacity / 1000 < kv_room <= budget
     assert 0 < fraction < 1
+    # the simulator reads the plan's fraction: the KV cache gets what it leaves vLLM, and a smaller one less
+    assert PlanCosts.of_plan(plan).memory[plan.set_of(role)].kv_budget == pytest.approx(kv_room)
+    half = plan.model_copy(update={"parallelism": plan.parallelism | {role: par.model_copy(
+        update={"gen": par.gen.model_copy(update={"gpu_memory_utilization": fraction / 2})})}})
+    assert PlanCosts.of_plan(half).memory[plan.set_of(role)].kv_budget == pytest.approx(
+        fraction / 2 * capacity - weights - activations)
 
 
 def test_the_search_offers_vllm_where_asked_and_an_unknown_engine_is_one_line(tmp_path, monkeypatch):

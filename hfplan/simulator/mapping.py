@@ -170,14 +170,10 @@ class PlanCosts:
         starts (the training states beside it) against the fraction (vLLM 0.32's worker, request_memory and
         determine_available_memory): so the fraction is those three over the GPU's capacity, rounded down."""
         generator = self.generator
-        gen = self.parallelism[generator].gen
-        arch = self.workload.arch(generating_role(self.workload))
-        value_bytes = self.hw.compute.value_bytes
-        own = (value_bytes * arch.params("lm") / (gen.tp * gen.pp)
-               + memory.generation_working_bytes(arch, gen, self.workload.prompt_len, value_bytes,
-                                                 self.hw.compute.attention))
+        need = role_memory(self.workload, generator, self.parallelism[generator], self.hw.compute.value_bytes,
+                           self.hw.compute.attention)
         budget = self.memory[self.set_index[generator]].kv_budget
-        return math.floor(1000 * (own + budget) / (self.hw.memory.capacity_gib * GIB)) / 1000
+        return math.floor(1000 * (need.vllm_own + budget) / (self.hw.memory.capacity_gib * GIB)) / 1000
 
 
 @dataclass(frozen=True)
@@ -191,6 +187,8 @@ class RoleMemory:
     gen_extra: float = 0.0
     kv: memory.KvSequence = memory.NO_KV
     gen_replicas: int = 1
+    vllm_own: float = 0.0  # vLLM: what it allocates besides its KV cache (its copy of the shard, activations)
+    vllm_fraction: float | None = None  # vLLM: the plan's gpu_memory_utilization, which caps its KV cache
 
     @property
     def kv_per_sequence(self) -> float:
@@ -255,7 +253,12 @@ def role_memory(workload: Workload, role: str, par: RoleParallelism, value_bytes
     if par.gen is None:
         return RoleMemory(resident, transient)
     extra, kv = gen_memory(workload, par.gen, par.train if role != ROLLOUT else None, v, attention)
-    return RoleMemory(resident, transient, extra, kv, par.gen.dp)
+    if par.gen.engine != "vllm":
+        return RoleMemory(resident, transient, extra, kv, par.gen.dp)
+    arch = workload.arch(generating_role(workload))
+    own = (v * arch.params("lm") / (par.gen.tp * par.gen.pp)
+           + memory.generation_working_bytes(arch, par.gen, workload.prompt_len, v, attention))
+    return RoleMemory(resident, transient, extra, kv, par.gen.dp, own, par.gen.gpu_memory_utilization)
 
 
 def set_memory(workload: Workload, hw: HardwareProfile, index: int, roles: Sequence[str], gpus: int,
@@ -270,6 +273,8 @@ def set_memory(workload: Workload, hw: HardwareProfile, index: int, roles: Seque
     if generator in roles:
         need = needs[generator]
         kv_budget = max(0.0, usable - held - need.gen_extra)
+        if need.vllm_fraction is not None:  # vLLM's KV cache: what its fraction of the GPU leaves it, at most
+            kv_budget = min(kv_budget, max(0.0, need.vllm_fraction * hw.memory.capacity_gib * GIB - need.vllm_own))
         if kv_budget < need.kv_per_sequence:
             reason = (f"set {index} ({', '.join(roles)}): no room for the KV cache of one sequence "
                       f"({memory.gib(need.kv_per_sequence):.2f} GiB) after "
