@@ -256,6 +256,18 @@ class PlacementBounds:
                 switch += self.best_switch[i, j]
         return self._makespan(seconds, switch)
 
+    def last_floor(self, prefix: tuple[int, ...]) -> tuple[np.ndarray, float] | None:
+        """With every set sized but the last: the floor of each of the last set's calls (by node id, 0 for the
+        others) over every size it can still get (at most the GPUs left), and its least switch; None when no
+        size left fits it."""
+        j = self._largest_index(self.gpus - sum(prefix))
+        if j < 0:
+            return None
+        row, switch = self.best_rows[self.k - 1, j], float(self.best_switch[self.k - 1, j])
+        if not np.all(np.isfinite(row)) or not np.isfinite(switch):
+            return None
+        return row, switch
+
     def _makespan(self, seconds: np.ndarray, switch: float) -> float:
         if not np.all(np.isfinite(seconds)) or not np.isfinite(switch):
             return np.inf

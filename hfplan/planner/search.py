@@ -152,6 +152,14 @@ class _GenRoom(NamedTuple):
     bursts: int
 
 
+class _Free(NamedTuple):
+    """The last set of a placement left unsized (_PairSearch's bound mode): the floor of each of its calls over every
+    size it can still get, and its least switch (when it holds the generating role)."""
+
+    row: np.ndarray  # by node id; only the set's own calls (and generate calls) are read
+    switch: float
+
+
 class _Held(NamedTuple):
     """The memory the chosen units of one set take together."""
 
@@ -166,18 +174,23 @@ class _PairSearch:
     its KV-cache room), then every other set as one unit of joint choices (RoleOptions.joint; its roles
     one by one when those are too many)."""
 
-    def __init__(self, pair: _Pair, threshold: float, stats: SearchStats, exact: Callable[[dict], float]):
-        """exact: the simpy iteration time of a complete choice."""
-        self.pair, self.threshold, self.stats, self.exact = pair, threshold, stats, exact
+    def __init__(self, pair: _Pair, threshold: float, stats: SearchStats, exact: Callable[[dict], float] | None,
+                 free: _Free | None = None):
+        """exact: the simpy iteration time of a complete choice. free: bound mode (_last_set_prunes): the placement's
+        last set is not sized, its calls stay at `free`'s floors, and the search only asks whether some choice of
+        the other sets' strategies has a schedule under `threshold` (best_time: the first such, no simpy run)."""
+        self.pair, self.threshold, self.stats, self.exact, self.free = pair, threshold, stats, exact, free
         ctx = pair.ctx
         self.ctx = ctx
         self.usable = ctx.hw.memory.usable_bytes
         gen_set = pair.set_of_role.get(ctx.generator, -1)
         self.gen_set = gen_set
-        self.gpus = {r: pair.allocation[pair.set_of_role[r]] for r in pair.set_of_role}
+        self.free_set = len(pair.placement) - 1 if free is not None else None
+        sized = [r for r in pair.set_of_role if pair.set_of_role[r] != self.free_set]
+        self.gpus = {r: pair.allocation[pair.set_of_role[r]] for r in sized}
         self.gen_ids = [n.id for n in ctx.generate_nodes]
-        roles = sorted(pair.set_of_role, key=lambda r: (r != ctx.generator, pair.set_of_role[r] != gen_set,
-                                                        not ctx.trains(r), r))
+        roles = sorted(sized, key=lambda r: (r != ctx.generator, pair.set_of_role[r] != gen_set,
+                                             not ctx.trains(r), r))
         role_arrays = {r: ctx.options.choices(r, self.gpus[r]) for r in roles}
         if ROLLOUT in role_arrays:
             role_arrays[ROLLOUT] = self._with_weight_sync(role_arrays[ROLLOUT])
@@ -215,8 +228,15 @@ class _PairSearch:
                 for node_id, secs in zip(self.gen_ids, floor.gen, strict=True):
                     self.floor[node_id] = secs
                 self.min_switch = floor.switch
-        for group, gpus in zip(pair.placement, pair.allocation, strict=True):
-            if len(group) > 1:
+        if free is not None:
+            for r in pair.placement[self.free_set]:
+                ids = [n.id for n in ctx.own_nodes(r)] + (self.gen_ids if r == ctx.generator else [])
+                for node_id in ids:
+                    self.floor[node_id] = float(free.row[node_id])
+                if r == ctx.generator:
+                    self.min_switch = free.switch
+        for index, (group, gpus) in enumerate(zip(pair.placement, pair.allocation, strict=True)):
+            if len(group) > 1 and index != self.free_set:
                 for node_id, secs in (ctx.bounds.set_floor(group, gpus) or {}).items():
                     self.floor[node_id] = max(self.floor[node_id], secs)
         self.best_time = math.inf
@@ -247,8 +267,8 @@ class _PairSearch:
     def run(self) -> None:
         if any(not opts for opts in self.options.values()):
             return
-        for roles, gpus in zip(self.pair.placement, self.pair.allocation, strict=True):
-            if not self.ctx.fit.set_fits(roles, gpus):
+        for index, (roles, gpus) in enumerate(zip(self.pair.placement, self.pair.allocation, strict=True)):
+            if index != self.free_set and not self.ctx.fit.set_fits(roles, gpus):
                 self.unfit = self.ctx.set_key(roles, gpus)
                 return
         self._descend(0, {}, list(self.floor), self.min_switch)
@@ -356,15 +376,21 @@ class _PairSearch:
         self.stats.strategy_choices += 1
         seconds = list(seconds)
         gen = self.ctx.generator
-        held = self._held(chosen, self.gen_set)
-        need = chosen[gen].memory
-        kv_budget = self.usable - held.resident - need.gen_extra
-        if kv_budget < need.kv_per_sequence:
-            return
-        for node_id, secs in zip(self.gen_ids, self._gen_seconds(chosen[gen], kv_budget), strict=True):
-            seconds[node_id] = secs
+        if gen in self.gpus:  # else the generating role's set is the free one: its calls stay at their floors
+            held = self._held(chosen, self.gen_set)
+            need = chosen[gen].memory
+            kv_budget = self.usable - held.resident - need.gen_extra
+            if kv_budget < need.kv_per_sequence:
+                return
+            for node_id, secs in zip(self.gen_ids, self._gen_seconds(chosen[gen], kv_budget), strict=True):
+                seconds[node_id] = secs
         fast = self.pair.makespan(seconds, switch)
         if fast >= min(self.best_time, self.threshold):
+            return
+        if self.free is not None:
+            # Bound mode: one choice under the threshold settles it (the prefix cannot be pruned), so stop the
+            # descent: every comparison against min(best_time, threshold) now fails.
+            self.best_time, self.threshold = fast, -math.inf
             return
         picked = {r: o for unit in chosen.values() for r, o in unit.parts.items()}
         measured = self.exact({r: o.par for r, o in picked.items()})
@@ -468,6 +494,12 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
                 stats.pruned += bounds[i].completions(p)
             break
         if len(prefix) < pb.k:
+            if len(prefix) == pb.k - 1 and _last_set_prunes(ctx, pb, prefix, threshold, stats):
+                reason = (f"no strategy choice of the sized sets beats {threshold:.4g} s with the last set at its "
+                          f"fastest on any size left")
+                candidates.append(Candidate(placement, prefix, "pruned", reason=reason))
+                stats.pruned += pb.completions(prefix)
+                continue
             for child, child_bound, why in pb.children(prefix):
                 if math.isinf(child_bound):
                     stats.infeasible += pb.completions(child)
@@ -596,6 +628,37 @@ def _alone_reason(ctx: SearchContext, placement, allocation) -> str:
             if ctx.bounds.floor(role, gpus) is None:
                 return f"{role} alone does not fit on {gpus} GPUs with any parallel layout"
     return "no strategy fits"
+
+
+def _last_set_prunes(ctx: SearchContext, pb: PlacementBounds, prefix: tuple[int, ...], threshold: float,
+                     stats: SearchStats) -> bool:
+    """Whether no allocation completing `prefix` (every set sized but the last) can beat `threshold`, proved by one
+    branch and bound for all the last set's sizes instead of one per size: the allocations that differ only in how
+    many GPUs the last set takes and how many stay idle.
+
+    Proof. A completion gives the last set some size s <= the GPUs left; its time is the schedule's longest path
+    (the fast schedule, equal to the simpy engine's) over its calls and transfers. (1) A set of whole nodes shares
+    no node with another set (sets hold disjoint GPUs), so when every sized set is whole nodes, no two sets share a
+    node whatever s is: every transfer, and a rollout set's weight sync, costs what it costs with the last set at
+    one node (the stand-in _Pair below). (2) The sized sets have their sizes, so the same strategy choices, memory
+    and KV-cache room as in the completion. (3) Each of the last set's calls takes at least its floor on s, so at
+    least the least floor over every size left (PlacementBounds.last_floor, generation at the most room alone), and
+    its switch at least the least switch. The longest path never shortens when a duration lengthens, so each
+    completion's time is at least the schedule of some choice of the sized sets with the last set at those floors.
+    If the branch and bound finds no such schedule under the threshold (the K-th best time so far; it only falls),
+    no completion is under it, and none would have been kept: the walk's plans are the same. Returns False when
+    that does not apply or some sized set fits with no choice (the per-size walk then says why)."""
+    k = len(pb.placement)
+    if math.isinf(threshold) or k < 2 or len(prefix) != k - 1 or any(size % ctx.gpus_per_node
+                                                                    for size in prefix):
+        return False
+    last = pb.last_floor(prefix)
+    if last is None:
+        return False
+    pair = _Pair(ctx, pb.placement, (*prefix, ctx.gpus_per_node))
+    bb = _PairSearch(pair, threshold, stats, None, _Free(*last))
+    bb.run()
+    return all(bb.options.values()) and bb.unfit is None and math.isinf(bb.best_time)
 
 
 def _evaluate_pair(ctx: SearchContext, placement, allocation, threshold: float, stats: SearchStats) -> Candidate:
