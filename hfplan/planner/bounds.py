@@ -256,14 +256,16 @@ class PlacementBounds:
                 switch += self.best_switch[i, j]
         return self._makespan(seconds, switch)
 
-    def last_floor(self, prefix: tuple[int, ...]) -> tuple[np.ndarray, float] | None:
-        """With every set sized but the last: the floor of each of the last set's calls (by node id, 0 for the
-        others) over every size it can still get (at most the GPUs left), and its least switch; None when no
-        size left fits it."""
-        j = self._largest_index(self.gpus - sum(prefix))
+    def unsized_floor(self, prefix: tuple[int, ...]) -> tuple[np.ndarray, float] | None:
+        """The floor of each call of the sets `prefix` leaves unsized (by node id, 0 for the others), each over
+        every size it can still get (the GPUs left, less one for each other unsized set), and their least switch;
+        None when some unsized set fits on no size left."""
+        unsized = self.k - len(prefix)
+        j = self._largest_index(self.gpus - sum(prefix) - (unsized - 1))  # the others need at least one GPU each
         if j < 0:
             return None
-        row, switch = self.best_rows[self.k - 1, j], float(self.best_switch[self.k - 1, j])
+        row = self.best_rows[len(prefix):, j].sum(axis=0)
+        switch = float(self.best_switch[len(prefix):, j].sum())
         if not np.all(np.isfinite(row)) or not np.isfinite(switch):
             return None
         return row, switch
