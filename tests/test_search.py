@@ -416,3 +416,40 @@ def test_prefix_bounds_are_below_every_allocation_under_them(lab, name):
                     tighter += floor_bound < bound < math.inf
                     todo.append(child)
     assert tighter
+
+
+@pytest.mark.parametrize("name", ["ppo-4gpu-2nodes", "grpo-4gpu-2nodes", "ppo-tight-4gpu-2nodes"])
+def test_unsized_sets_rule_never_prunes_an_allocation_that_beats_the_threshold(lab, name):
+    """The walk's rule for a prefix of whole-node sets with the others unsized (search._unsized_prunes: one branch
+    and bound for every size they can take, idle GPUs the rest) prunes at a threshold only when no completion of
+    the prefix beats it: never at just above the exhaustive best of its completions. And it is not vacuous: at just
+    below that best it prunes some prefixes, with one set unsized and with two, where the floors' bound does not."""
+    from hfplan.planner.bounds import PlacementBounds
+    from hfplan.planner.context import SearchContext
+    from hfplan.planner.search import SearchStats, _unsized_prunes
+    from hfplan.planner.strategies import Rules
+
+    case = ALL_CASES[name]
+    workload, cluster, reference = lab.workload(case), lab.cluster(case), lab.reference(name)
+    dag = trace(workload)
+    hybrid = SearchContext(workload, cluster.profile, cluster.gpus_per_node, dag, Rules(idle_gpus=True))
+    rollout = SearchContext(workload, cluster.profile, cluster.gpus_per_node, dag,
+                            Rules(rollout=True, idle_gpus=True), shared=hybrid)
+    checked, tighter = 0, set()
+    for ctx in (hybrid, rollout):
+        for placement in ctx.placements:
+            pb = PlacementBounds(ctx.bounds, placement, cluster.gpus)
+            prefixes = {a[:m] for p, a in reference if p == placement for m in range(1, len(p))}
+            for prefix in prefixes:
+                best = min(r.best_s for (p, a), r in reference.items()
+                           if p == placement and a[:len(prefix)] == prefix)
+                if best == math.inf or any(size % cluster.gpus_per_node for size in prefix):
+                    continue
+                checked += 1
+                assert not _unsized_prunes(ctx, pb, prefix, best * (1 + 1e-9), SearchStats()), (placement, prefix)
+                if _unsized_prunes(ctx, pb, prefix, best * (1 - 1e-9), SearchStats()) and \
+                        pb.bound(prefix) < best * (1 - 1e-9):
+                    tighter.add(len(placement) - len(prefix))
+    assert checked and tighter, (checked, tighter)
+    if name == "ppo-4gpu-2nodes":
+        assert tighter == {1, 2}, tighter

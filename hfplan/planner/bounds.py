@@ -256,6 +256,20 @@ class PlacementBounds:
                 switch += self.best_switch[i, j]
         return self._makespan(seconds, switch)
 
+    def unsized_floor(self, prefix: tuple[int, ...]) -> tuple[np.ndarray, float] | None:
+        """The floor of each call of the sets `prefix` leaves unsized (by node id, 0 for the others), each over
+        every size it can still get (the GPUs left, less one for each other unsized set), and their least switch;
+        None when some unsized set fits on no size left."""
+        unsized = self.k - len(prefix)
+        j = self._largest_index(self.gpus - sum(prefix) - (unsized - 1))  # the others need at least one GPU each
+        if j < 0:
+            return None
+        row = self.best_rows[len(prefix):, j].sum(axis=0)
+        switch = float(self.best_switch[len(prefix):, j].sum())
+        if not np.all(np.isfinite(row)) or not np.isfinite(switch):
+            return None
+        return row, switch
+
     def _makespan(self, seconds: np.ndarray, switch: float) -> float:
         if not np.all(np.isfinite(seconds)) or not np.isfinite(switch):
             return np.inf

@@ -100,7 +100,10 @@ class _Pair:
     of this allocation; durations come per strategy choice, the generating role's switch added at
     each switch point."""
 
-    def __init__(self, ctx: SearchContext, placement: tuple[tuple[str, ...], ...], allocation: tuple[int, ...]):
+    def __init__(self, ctx: SearchContext, placement: tuple[tuple[str, ...], ...], allocation: tuple[int, ...],
+                 edge_seconds: Callable[[int, int, float], float] | None = None):
+        """edge_seconds: the transfers' seconds by (source set, destination set, bytes); by default this
+        allocation's (_unsized_prunes passes a lower bound over the allocations it stands for)."""
         self.ctx = ctx
         self.placement = placement
         self.allocation = allocation
@@ -109,10 +112,11 @@ class _Pair:
         where = PlanCosts(ctx.workload, list(zip(placement, allocation, strict=True)), {}, ctx.hw, ctx.gpus_per_node)
         self.same_node = where.same_node
         sets = [where.set_of(n) for n in ctx.dag.nodes]
-        self.precedence = Precedence.of(ctx.dag, sets, where.edge_seconds)
+        edges = where.edge_seconds if edge_seconds is None else edge_seconds
+        self.precedence = Precedence.of(ctx.dag, sets, edges)
         self.switch_ids = ctx.switch_ids
         # An asynchronous workload's time is its pipelined window, the weight sync after it
-        self.pipelined = Pipelined.of(ctx.dag, sets, where.edge_seconds) if ctx.workload.staleness else None
+        self.pipelined = Pipelined.of(ctx.dag, sets, edges) if ctx.workload.staleness else None
 
     def makespan_many(self, seconds: np.ndarray, switch: np.ndarray) -> np.ndarray:
         """makespan() of many duration rows at once: seconds (rows x nodes), switch (rows,)."""
@@ -152,6 +156,16 @@ class _GenRoom(NamedTuple):
     bursts: int
 
 
+class _Free(NamedTuple):
+    """The sets of a placement after its first `sized` left unsized (_PairSearch's bound mode): the floor of each
+    of their calls over every size they can still get, and their least switch (where one holds the generating
+    role)."""
+
+    sized: int
+    row: np.ndarray  # by node id; only the unsized sets' own calls (and generate calls) are read
+    switch: float
+
+
 class _Held(NamedTuple):
     """The memory the chosen units of one set take together."""
 
@@ -166,18 +180,24 @@ class _PairSearch:
     its KV-cache room), then every other set as one unit of joint choices (RoleOptions.joint; its roles
     one by one when those are too many)."""
 
-    def __init__(self, pair: _Pair, threshold: float, stats: SearchStats, exact: Callable[[dict], float]):
-        """exact: the simpy iteration time of a complete choice."""
-        self.pair, self.threshold, self.stats, self.exact = pair, threshold, stats, exact
+    def __init__(self, pair: _Pair, threshold: float, stats: SearchStats, exact: Callable[[dict], float] | None,
+                 free: _Free | None = None):
+        """exact: the simpy iteration time of a complete choice. free: bound mode (_unsized_prunes): the
+        placement's sets after its first free.sized are not sized, their calls stay at `free`'s floors, and the
+        search only asks whether some choice of the sized sets' strategies has a schedule under `threshold`
+        (best_time: the first such, no simpy run)."""
+        self.pair, self.threshold, self.stats, self.exact, self.free = pair, threshold, stats, exact, free
         ctx = pair.ctx
         self.ctx = ctx
         self.usable = ctx.hw.memory.usable_bytes
         gen_set = pair.set_of_role.get(ctx.generator, -1)
         self.gen_set = gen_set
-        self.gpus = {r: pair.allocation[pair.set_of_role[r]] for r in pair.set_of_role}
+        self.free_sets = set(range(free.sized, len(pair.placement))) if free is not None else set()
+        sized = [r for r in pair.set_of_role if pair.set_of_role[r] not in self.free_sets]
+        self.gpus = {r: pair.allocation[pair.set_of_role[r]] for r in sized}
         self.gen_ids = [n.id for n in ctx.generate_nodes]
-        roles = sorted(pair.set_of_role, key=lambda r: (r != ctx.generator, pair.set_of_role[r] != gen_set,
-                                                        not ctx.trains(r), r))
+        roles = sorted(sized, key=lambda r: (r != ctx.generator, pair.set_of_role[r] != gen_set,
+                                             not ctx.trains(r), r))
         role_arrays = {r: ctx.options.choices(r, self.gpus[r]) for r in roles}
         if ROLLOUT in role_arrays:
             role_arrays[ROLLOUT] = self._with_weight_sync(role_arrays[ROLLOUT])
@@ -215,8 +235,15 @@ class _PairSearch:
                 for node_id, secs in zip(self.gen_ids, floor.gen, strict=True):
                     self.floor[node_id] = secs
                 self.min_switch = floor.switch
-        for group, gpus in zip(pair.placement, pair.allocation, strict=True):
-            if len(group) > 1:
+        if free is not None:
+            for r in (r for index in self.free_sets for r in pair.placement[index]):
+                ids = [n.id for n in ctx.own_nodes(r)] + (self.gen_ids if r == ctx.generator else [])
+                for node_id in ids:
+                    self.floor[node_id] = float(free.row[node_id])
+                if r == ctx.generator:
+                    self.min_switch = free.switch
+        for index, (group, gpus) in enumerate(zip(pair.placement, pair.allocation, strict=True)):
+            if len(group) > 1 and index not in self.free_sets:
                 for node_id, secs in (ctx.bounds.set_floor(group, gpus) or {}).items():
                     self.floor[node_id] = max(self.floor[node_id], secs)
         self.best_time = math.inf
@@ -247,8 +274,8 @@ class _PairSearch:
     def run(self) -> None:
         if any(not opts for opts in self.options.values()):
             return
-        for roles, gpus in zip(self.pair.placement, self.pair.allocation, strict=True):
-            if not self.ctx.fit.set_fits(roles, gpus):
+        for index, (roles, gpus) in enumerate(zip(self.pair.placement, self.pair.allocation, strict=True)):
+            if index not in self.free_sets and not self.ctx.fit.set_fits(roles, gpus):
                 self.unfit = self.ctx.set_key(roles, gpus)
                 return
         self._descend(0, {}, list(self.floor), self.min_switch)
@@ -356,15 +383,21 @@ class _PairSearch:
         self.stats.strategy_choices += 1
         seconds = list(seconds)
         gen = self.ctx.generator
-        held = self._held(chosen, self.gen_set)
-        need = chosen[gen].memory
-        kv_budget = self.usable - held.resident - need.gen_extra
-        if kv_budget < need.kv_per_sequence:
-            return
-        for node_id, secs in zip(self.gen_ids, self._gen_seconds(chosen[gen], kv_budget), strict=True):
-            seconds[node_id] = secs
+        if gen in self.gpus:  # else the generating role's set is unsized: its calls stay at their floors
+            held = self._held(chosen, self.gen_set)
+            need = chosen[gen].memory
+            kv_budget = self.usable - held.resident - need.gen_extra
+            if kv_budget < need.kv_per_sequence:
+                return
+            for node_id, secs in zip(self.gen_ids, self._gen_seconds(chosen[gen], kv_budget), strict=True):
+                seconds[node_id] = secs
         fast = self.pair.makespan(seconds, switch)
         if fast >= min(self.best_time, self.threshold):
+            return
+        if self.free is not None:
+            # Bound mode: one choice under the threshold settles it (the prefix cannot be pruned), so stop the
+            # descent: every comparison against min(best_time, threshold) now fails.
+            self.best_time, self.threshold = fast, -math.inf
             return
         picked = {r: o for unit in chosen.values() for r, o in unit.parts.items()}
         measured = self.exact({r: o.par for r, o in picked.items()})
@@ -471,6 +504,12 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
                 stats.pruned += bounds[i].completions(p)
             break
         if len(prefix) < pb.k:
+            if _unsized_prunes(ctx, pb, prefix, threshold, stats):
+                reason = (f"no strategy choice of the sized sets beats {threshold:.4g} s with the others at their "
+                          f"fastest on any size left")
+                candidates.append(Candidate(placement, prefix, "pruned", reason=reason))
+                stats.pruned += pb.completions(prefix)
+                continue
             for child, child_bound, why in pb.children(prefix):
                 if math.isinf(child_bound):
                     stats.infeasible += pb.completions(child)
@@ -600,6 +639,47 @@ def _alone_reason(ctx: SearchContext, placement, allocation) -> str:
             if ctx.bounds.floor(role, gpus) is None:
                 return f"{role} alone does not fit on {gpus} GPUs with any parallel layout"
     return "no strategy fits"
+
+
+def _unsized_prunes(ctx: SearchContext, pb: PlacementBounds, prefix: tuple[int, ...], threshold: float,
+                    stats: SearchStats) -> bool:
+    """Whether no allocation completing `prefix` (its first sets sized, the rest not) can beat `threshold`, proved by
+    one branch and bound over the sized sets' strategies for every size the others can take, instead of one per
+    allocation: in particular the allocations that differ only in how many GPUs the last set takes and how many stay
+    idle.
+
+    Proof. A completion gives each unsized set some size; its time is the schedule's longest path (the fast
+    schedule, equal to the simpy engine's) over its calls and transfers. (1) A set of whole nodes shares no node
+    with another set (sets hold disjoint GPUs), so when every sized set is whole nodes, a transfer to or from a
+    sized set, and a sized rollout set's weight sync, cross nodes in every completion; a transfer between two
+    unsized sets may or may not, so it costs at least the lesser of the two (`near`: the unsized sets on one node,
+    `far`: each on nodes of its own). (2) The sized sets have their sizes, so the same strategy choices, memory and
+    KV-cache room as in the completion. (3) Each call of an unsized set takes at least its floor on the size it
+    gets, so at least the least floor over every size it can still get (PlacementBounds.unsized_floor, generation
+    at the most room alone), and the switch at least the least switch. The longest path never shortens when a
+    duration lengthens, so each completion's time is at least the schedule of some choice of the sized sets with
+    the rest at these bounds. If the branch and bound finds none under the threshold (the K-th best time so far; it
+    only falls), no completion is under it, and none would have been kept: the walk's plans are the same.
+    Returns False when this does not apply, or when some sized set fits with no choice (the walk then says why)."""
+    k, per_node = len(pb.placement), ctx.gpus_per_node
+    unsized = k - len(prefix)
+    if math.isinf(threshold) or not prefix or not 0 < unsized <= per_node or any(size % per_node for size in prefix):
+        return False
+    floor = pb.unsized_floor(prefix)
+    if floor is None:
+        return False
+    sets = list(pb.placement)
+    near = PlanCosts(ctx.workload, list(zip(sets, (*prefix, *[1] * unsized), strict=True)), {}, ctx.hw, per_node)
+    far_allocation = (*prefix, *[per_node] * unsized)
+    far = PlanCosts(ctx.workload, list(zip(sets, far_allocation, strict=True)), {}, ctx.hw, per_node)
+
+    def edge_seconds(src: int, dst: int, nbytes: float) -> float:
+        return min(near.edge_seconds(src, dst, nbytes), far.edge_seconds(src, dst, nbytes))
+
+    pair = _Pair(ctx, pb.placement, far_allocation, edge_seconds)
+    bb = _PairSearch(pair, threshold, stats, None, _Free(len(prefix), *floor))
+    bb.run()
+    return all(bb.options.values()) and bb.unfit is None and math.isinf(bb.best_time)
 
 
 def _evaluate_pair(ctx: SearchContext, placement, allocation, threshold: float, stats: SearchStats) -> Candidate:
