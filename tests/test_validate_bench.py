@@ -52,6 +52,6 @@ def test_a_point_s_spread_and_error_are_over_its_repeats():
     def run(measured: float) -> Comparison:
         return Comparison(calls=[], stages={}, iteration=Figure.of(1.0, measured), memory_gib={})
 
-    point = BENCH.Point("p", [run(0.8), run(1.0), run(1.25)], [0.1, 0.0, 0.3])
+    point = BENCH.Point("p", [run(0.8), run(1.0), run(1.25)], [0.1, 0.0, 0.3], [1.1, 0.9, 1.0])
     assert point.median == 1.0 and point.error == 0.0
     assert point.spread == (1.25 - 0.8) / 1.0

@@ -174,11 +174,12 @@ def gen_configs(arch: ModelArch, gpus: int, gpus_per_node: int, train: TrainConf
     return out
 
 
-def role_strategies(workload: Workload, role: str, gpus: int, gpus_per_node: int, rollout: bool = False
-                    ) -> list[RoleParallelism]:
+def role_strategies(workload: Workload, role: str, gpus: int, gpus_per_node: int, rollout: bool = False,
+                    engines: tuple[str, ...] = ("torch",)) -> list[RoleParallelism]:
     """Every parallel strategy of one role on `gpus` GPUs that the executor runs (its pre-flight,
-    hfplan.layout.unsupported_role), unpruned: the space an exhaustive search multiplies out. `rollout`: a
-    separate rollout set generates (ROLLOUT's strategies are generation layouts; the actor then has none)."""
+    hfplan.layout.unsupported_role) with the rollout `engines` (as the search's Rules.engines), unpruned: the space
+    an exhaustive search multiplies out. `rollout`: a separate rollout set generates (ROLLOUT's strategies are
+    generation layouts; the actor then has none)."""
     if role == ROLLOUT:
         pars = [RoleParallelism(gen=gen) for gen in gen_configs(workload.arch(model_role(workload, role)), gpus,
                                                                 gpus_per_node)]
@@ -191,7 +192,8 @@ def role_strategies(workload: Workload, role: str, gpus: int, gpus_per_node: int
             gens = gen_configs(arch, gpus, gpus_per_node, train) if role == "actor" and not rollout else [None]
             for infer in infer_configs(arch, gpus, gpus_per_node, workload.sequences, train):
                 pars.extend(RoleParallelism(train=train, infer=infer, gen=gen) for gen in gens)
-    return [par for par in pars if unsupported_role(workload, role, par) is None]
+    return [par for par in pars if (par.gen is None or par.gen.engine in engines)
+            and unsupported_role(workload, role, par) is None]
 
 
 def own_placements(workload: Workload) -> list[tuple[tuple[str, ...], ...]]:
