@@ -392,6 +392,9 @@ def profile(
     note = report.flag_note(result)
     if note is not None:
         console.print(note, style="bold yellow", highlight=False)
+    pace = report.pace_note(result)
+    if pace is not None:
+        console.print(pace[0], style="bold yellow" if pace[1] else None, highlight=False)
     console.print(f"profile written to {escape(str(outcome.out))} (raw measurements: {escape(str(outcome.csv_path))});"
                   f" use it with `hfplan search --hardware {escape(str(outcome.out))}`", highlight=False)
 

@@ -26,7 +26,7 @@ from hfplan.profiler.fit import (
     fit_alpha_beta,
     fit_roofline,
 )
-from hfplan.profiler.report import FLAG_PCT, PASS_LABEL
+from hfplan.profiler.report import FLAG_PCT, PACE_DRIFT, PASS_LABEL
 from hfplan.profiles.hardware import HardwareProfile, Link, load_hardware
 from hfplan.profiles.models import CATALOG, ModelArch
 from hfplan.simulator import collectives as coll
@@ -346,6 +346,12 @@ def test_quick_cpu_profile_end_to_end(tmp_path):
         assert math.isclose(row.error_pct, 100 * (row.predicted_s - row.seconds) / row.seconds, rel_tol=1e-9)
     # Passes predicted more than 25% off are named under the tables (the note wraps to the terminal's width).
     note = " ".join(result.output.split())
+    # The pace probe at the start and the end, in the raw rows and under the tables.
+    paces = frame[frame["kind"] == "pace"].set_index("op")["seconds"]
+    assert set(paces.index) == {"pace_start", "pace_end"} and (paces > 0).all()
+    assert f"took {paces['pace_start'] * 1e6:,.0f} us at the start and {paces['pace_end'] * 1e6:,.0f} us" in note
+    moved = max(paces) / min(paces) - 1
+    assert ("moved by" in note) == (moved > PACE_DRIFT)
     for op, group in layers.groupby("op"):
         label = PASS_LABEL[op]
         assert (f"{label} predictions (" in note) == bool((group["error_pct"].abs() > FLAG_PCT).any()), op
@@ -509,3 +515,10 @@ def test_the_tensor_parallel_engine_is_timed_only_over_worlds_the_demo_model_spl
     for world in (3, 4, 8):  # its 2 KV heads split over 2 ranks only
         assert shape_problem(tiny, "train", world, 1) is not None
         assert not splits_by_tp(world)
+
+
+def test_pace_drift_is_symmetric_and_zero_at_the_same_pace():
+    from hfplan.profiler.pace import drift
+
+    assert drift(200e-6, 200e-6) == 0.0
+    assert drift(200e-6, 300e-6) == pytest.approx(0.5) == drift(300e-6, 200e-6)

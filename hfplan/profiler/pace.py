@@ -8,6 +8,7 @@ decode step of the executor's torch rollout engine on the tiny model with one se
 one CPU thread as an executor worker has); the profile implies what it took then (the step's fitted fixed cost
 plus its modelled kernels), and `hfplan validate` times it again around its run.
 
+`hfplan profile` on CPU times the probe at its start and at its end (a moving machine shows there), and
 `python -m hfplan.profiler.pace` is the probe as a process of its own: it prints the step's seconds as a JSON
 line, waits for a line on stdin, then prints a second measurement and exits, so a caller brackets a run with
 one process that imports torch once and sleeps in between.
@@ -41,17 +42,22 @@ def profiled_step_seconds(profile: HardwareProfile) -> float | None:
 
 
 def measure_step_seconds(torch, min_time: float = PROBE_SECONDS) -> float:
-    """The probe, timed here with one CPU thread (as an executor worker on CPU runs)."""
+    """The probe, timed here with one CPU thread (as an executor worker on CPU runs; the thread count is put
+    back after)."""
     from hfplan.executor.models import build_model
     from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
     from hfplan.profiler import runtime
     from hfplan.profiler.timing import Clock
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    model = build_model(runtime.MODEL, "lm", seed=0, dtype=torch.float32).eval()
-    prompts = torch.randint(1, CATALOG[runtime.MODEL].vocab, (1, runtime.PROMPT))
-    engine = TorchRolloutEngine(model, pad_id=0, eos_id=-1)
-    return runtime.step_seconds(Clock(torch, "cpu"), engine, prompts, min_time)
+    try:
+        model = build_model(runtime.MODEL, "lm", seed=0, dtype=torch.float32).eval()
+        prompts = torch.randint(1, CATALOG[runtime.MODEL].vocab, (1, runtime.PROMPT))
+        engine = TorchRolloutEngine(model, pad_id=0, eos_id=-1)
+        return runtime.step_seconds(Clock(torch, "cpu"), engine, prompts, min_time)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def main() -> None:
@@ -66,3 +72,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def drift(start_s: float, end_s: float) -> float:
+    """How far apart two timings of the probe are, as the slower over the faster less 1 (0: the same pace)."""
+    return max(start_s, end_s) / min(start_s, end_s) - 1.0

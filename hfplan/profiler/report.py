@@ -118,3 +118,25 @@ def error_summary(frame: pd.DataFrame) -> str:
         parts.append(f"{PASS_LABEL[op]} median {group['error_pct'].median():+.0f}% "
                      f"(|error| median {group['error_pct'].abs().median():.0f}%)")
     return "prediction error (predicted - measured) / measured: " + "; ".join(parts)
+
+
+PACE_DRIFT = 0.25  # the probe's start and end further apart than this: the machine changed speed while profiled
+
+
+def pace_note(result: Result) -> tuple[str, bool] | None:
+    """The pace probe's line under the tables (CPU profiles), and whether it is a warning; None without one."""
+    if result.pace_s is None:
+        return None
+    from hfplan.profiler.pace import drift, profiled_step_seconds
+
+    start, end = result.pace_s
+    implied = profiled_step_seconds(result.profile)
+    line = (f"machine pace while profiling: the probe (a decode step of the tiny model) took {start * 1e6:,.0f} us at "
+            f"the start and {end * 1e6:,.0f} us at the end"
+            + (f"; the fitted runtime implies {implied * 1e6:,.0f} us" if implied is not None else ""))
+    moved = drift(start, end)
+    if moved <= PACE_DRIFT:
+        return line, False
+    return (line + f": the machine's speed moved by {moved * 100:.0f}% while it was profiled, so the fixed costs "
+            "(runtime) hold one moment of it; profile again when the machine is quiet, or compare `hfplan "
+            "validate`'s pace"), True

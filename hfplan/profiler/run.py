@@ -9,7 +9,7 @@ from typing import Protocol
 
 import pandas as pd
 
-from hfplan.profiler import comm, compute, layers, runtime
+from hfplan.profiler import comm, compute, layers, pace, runtime
 from hfplan.profiler.build import Fits, build_profile, device_tiling
 from hfplan.profiler.call_gaps import CALL_FIELDS
 from hfplan.profiler.device import Device
@@ -50,6 +50,7 @@ class Result:
     fits: Fits
     layers: layers.LayerPlan
     device: Device
+    pace_s: tuple[float, float] | None = None  # CPU: the pace probe's seconds at the run's start and end
 
 
 @contextmanager
@@ -74,6 +75,9 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
     tracker = tracker or Silent()
     device, sweeps = request.device, request.sweeps
     rows: list[dict] = []
+    # The machine's pace at the start and at the end (hfplan.profiler.pace): a shared or virtual machine that
+    # changes speed while it is profiled shows it there.
+    pace_start = pace.measure_step_seconds(torch) if device.kind == "cpu" else None
     with _cpu_threads(torch, device):
         rows += compute.measure_matmuls(torch, device, sweeps.matmuls, sweeps.min_time,
                                         tracker.phase("matmul sweep", len(sweeps.matmuls)))
@@ -146,9 +150,14 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
         row["predicted_s"] = layers.predict(profile, plan.arch, case)
         row["error_pct"] = 100.0 * (row["predicted_s"] - row["seconds"]) / row["seconds"]
     rows += layer_rows
+    pace_s = None
+    if pace_start is not None:
+        pace_s = (pace_start, pace.measure_step_seconds(torch))
+        rows += [dict(kind="pace", op=op, model=runtime.MODEL, world=1, seconds=seconds)
+                 for op, seconds in zip(("pace_start", "pace_end"), pace_s, strict=True)]
     frame = pd.DataFrame(rows)
     frame = frame[[c for c in COLUMNS if c in frame.columns]]
-    return Result(profile=profile, measurements=frame, fits=fits, layers=plan, device=device)
+    return Result(profile=profile, measurements=frame, fits=fits, layers=plan, device=device, pace_s=pace_s)
 
 
 def effective_flops(row: dict, tiling) -> float:
