@@ -382,23 +382,31 @@ def test_progress_reports_reach_the_end(lab):
     assert done == total
 
 
+def _own_contexts(lab, name: str):
+    """A reference case's cluster, its exhaustive reference, and hfplan's two search contexts over it (the hybrid
+    engine's placements and, sharing its costs, those with a rollout set)."""
+    from hfplan.planner.context import SearchContext
+    from hfplan.planner.strategies import Rules
+
+    case = ALL_CASES[name]
+    workload, cluster = lab.workload(case), lab.cluster(case)
+    dag = trace(workload)
+    hybrid = SearchContext(workload, cluster.profile, cluster.gpus_per_node, dag, Rules(idle_gpus=True))
+    rollout = SearchContext(workload, cluster.profile, cluster.gpus_per_node, dag,
+                            Rules(rollout=True, idle_gpus=True), shared=hybrid)
+    return cluster, lab.reference(name), (hybrid, rollout)
+
+
 @pytest.mark.parametrize("name", ["ppo-4gpu-2nodes", "grpo-4gpu-2nodes", "ppo-tight-4gpu-2nodes"])
 def test_prefix_bounds_are_below_every_allocation_under_them(lab, name):
     """Every prefix bound the walk uses (children) is at most the exhaustive best of every allocation that extends
     it, by the generating role's options (Floors.generator_rows) as by the floors alone; and the options' bound is
     above the floors' somewhere, or the rule would not prune anything."""
     from hfplan.planner.bounds import PlacementBounds
-    from hfplan.planner.context import SearchContext
-    from hfplan.planner.strategies import Rules
 
-    case = ALL_CASES[name]
-    workload, cluster, reference = lab.workload(case), lab.cluster(case), lab.reference(name)
-    dag = trace(workload)
-    hybrid = SearchContext(workload, cluster.profile, cluster.gpus_per_node, dag, Rules(idle_gpus=True))
-    rollout = SearchContext(workload, cluster.profile, cluster.gpus_per_node, dag,
-                            Rules(rollout=True, idle_gpus=True), shared=hybrid)
+    cluster, reference, contexts = _own_contexts(lab, name)
     tighter = 0
-    for ctx in (hybrid, rollout):
+    for ctx in contexts:
         for placement in ctx.placements:
             pb = PlacementBounds(ctx.bounds, placement, cluster.gpus)
             floors_only = PlacementBounds(ctx.bounds, placement, cluster.gpus)
@@ -425,18 +433,11 @@ def test_unsized_sets_rule_never_prunes_an_allocation_that_beats_the_threshold(l
     the prefix beats it: never at just above the exhaustive best of its completions. And it is not vacuous: at just
     below that best it prunes some prefixes, with one set unsized and with two, where the floors' bound does not."""
     from hfplan.planner.bounds import PlacementBounds
-    from hfplan.planner.context import SearchContext
     from hfplan.planner.search import SearchStats, _unsized_prunes
-    from hfplan.planner.strategies import Rules
 
-    case = ALL_CASES[name]
-    workload, cluster, reference = lab.workload(case), lab.cluster(case), lab.reference(name)
-    dag = trace(workload)
-    hybrid = SearchContext(workload, cluster.profile, cluster.gpus_per_node, dag, Rules(idle_gpus=True))
-    rollout = SearchContext(workload, cluster.profile, cluster.gpus_per_node, dag,
-                            Rules(rollout=True, idle_gpus=True), shared=hybrid)
+    cluster, reference, contexts = _own_contexts(lab, name)
     checked, tighter = 0, set()
-    for ctx in (hybrid, rollout):
+    for ctx in contexts:
         for placement in ctx.placements:
             pb = PlacementBounds(ctx.bounds, placement, cluster.gpus)
             prefixes = {a[:m] for p, a in reference if p == placement for m in range(1, len(p))}

@@ -406,17 +406,26 @@ def run_iterations(plan: Plan, roles: dict, checked: preflight.Checked, options:
         update_metrics = {name: resolved(value) for name, value in updates.items()}
         elapsed = time.time() - recorder.origin
         recorder.finish_iteration()
-        metrics = iteration_metrics(plan, iteration, elapsed, recorder, update_metrics, progress.state)
-        samples = take_samples(iteration, options.samples, sampled_outputs(recorder), recorder.texts.get(False),
-                               checked.decode_prompts, checked.decode_responses) if options.samples else []
-        report = IterationReport(iteration, metrics, list(recorder.spans), samples, sampled=sampled_outputs(recorder))
-        progress.iteration += 1
-        if checked.eval_set is not None and evaluation.due(progress.iteration, options.eval_every, options.iterations):
-            evaluated = evaluation.run_eval(plan, roles, checked, recorder, iteration, options.samples)
-            report.metrics |= evaluated.metrics
-            report.samples += evaluated.samples
-            report.eval_spans = evaluated.spans
-        yield report
+        yield finish_iteration_report(plan, options, checked, roles, recorder, progress, iteration, elapsed,
+                                      update_metrics)
+
+
+def finish_iteration_report(plan: Plan, options: ExecuteOptions, checked, roles, recorder: Recorder,
+                            progress: Progress, iteration: int, elapsed: float, update_metrics: dict
+                            ) -> IterationReport:
+    """An iteration's report once its calls are recorded (metrics, samples, spans), the progress moved on past it,
+    and the evaluation run when one is due after it (the synchronous and the asynchronous loop alike)."""
+    metrics = iteration_metrics(plan, iteration, elapsed, recorder, update_metrics, progress.state)
+    samples = take_samples(iteration, options.samples, sampled_outputs(recorder), recorder.texts.get(False),
+                           checked.decode_prompts, checked.decode_responses) if options.samples else []
+    report = IterationReport(iteration, metrics, list(recorder.spans), samples, sampled=sampled_outputs(recorder))
+    progress.iteration += 1
+    if checked.eval_set is not None and evaluation.due(progress.iteration, options.eval_every, options.iterations):
+        evaluated = evaluation.run_eval(plan, roles, checked, recorder, iteration, options.samples)
+        report.metrics |= evaluated.metrics
+        report.samples += evaluated.samples
+        report.eval_spans = evaluated.spans
+    return report
 
 
 def _worker_group_roles(plan: Plan, sets, recorder: Recorder, timeout_s: float

@@ -21,18 +21,16 @@ from collections.abc import Iterator
 
 from hfplan.dataflow.batch import Batch, resolved
 from hfplan.dataflow.registry import get_algorithm
-from hfplan.executor import evaluation, preflight
+from hfplan.executor import preflight
 from hfplan.executor.controller import (
     ExecuteOptions,
     IterationReport,
     Progress,
-    iteration_metrics,
-    sampled_outputs,
+    finish_iteration_report,
     start_progress,
 )
 from hfplan.executor.data import PromptBatch
 from hfplan.executor.roles import ActorRole, ExecutionController, PendingCall, Recorder
-from hfplan.executor.samples import take_samples
 from hfplan.plan import Plan
 
 Signature = tuple[int, bool]  # (n, greedy) of one generate call of the program
@@ -137,14 +135,5 @@ def run_pipelined(plan: Plan, roles: dict, checked: preflight.Checked, options: 
         recorder.finish_iteration()
         for call in program_actor.calls:  # the metrics read this iteration's responses, not the window's generation
             recorder.observed[call.label] = call.outputs()
-        metrics = iteration_metrics(plan, iteration, elapsed, recorder, update_metrics, progress.state)
-        samples = take_samples(iteration, options.samples, sampled_outputs(recorder), recorder.texts.get(False),
-                               checked.decode_prompts, checked.decode_responses) if options.samples else []
-        report = IterationReport(iteration, metrics, list(recorder.spans), samples, sampled=sampled_outputs(recorder))
-        progress.iteration += 1
-        if checked.eval_set is not None and evaluation.due(progress.iteration, options.eval_every, options.iterations):
-            evaluated = evaluation.run_eval(plan, roles, checked, recorder, iteration, options.samples)
-            report.metrics |= evaluated.metrics
-            report.samples += evaluated.samples
-            report.eval_spans = evaluated.spans
-        yield report
+        yield finish_iteration_report(plan, options, checked, roles, recorder, progress, iteration, elapsed,
+                                      update_metrics)
