@@ -49,10 +49,18 @@ class Timed:
     end: float
 
 
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
+def listening_socket(host: str) -> socket.socket:
+    """A socket bound to a port the system chose on `host`, listening. Rank 0 hands it to its TCPStore, so
+    the port stays taken from the moment its number is given out (a port found free and closed again can be
+    taken by any other connection before the store binds it)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((host, 0))
+        listener.listen()
+    except OSError:
+        listener.close()
+        raise
+    return listener
 
 
 def _remote_fields(fields: dict) -> tuple[dict, list]:
@@ -124,13 +132,15 @@ class SetWorker:
         self.hyper = Hyperparameters.model_validate_json(spec.hyper_json)
         self.runtimes: dict = {}
         self.kept: dict[int, dict] = {}  # this iteration's call outputs by call id (roles.KeptOutputs)
+        self._listener: socket.socket | None = None  # rank 0's, until its store takes it in setup
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """Where rank 0 of the set listens for its peers: this node's address and a free port."""
+        """Where rank 0 of the set listens for its peers: this node's address and a port it holds from now on."""
         import ray
 
         host = ray.util.get_node_ip_address()
-        return host, free_port(host)
+        self._listener = listening_socket(host)
+        return host, self._listener.getsockname()[1]
 
     def clock(self) -> float:
         return time.time()
@@ -151,8 +161,12 @@ class SetWorker:
         loopback = loopback_interface()
         if host.startswith("127.") and loopback:  # a set on one machine talks over loopback
             os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
-        dist.init_process_group(spec.backend, init_method=f"tcp://{host}:{port}", rank=spec.rank,
-                                world_size=spec.world_size, timeout=timedelta(seconds=spec.collective_timeout_s))
+        timeout = timedelta(seconds=spec.collective_timeout_s)
+        listener, self._listener = self._listener, None
+        store = dist.TCPStore(host, port, spec.world_size, is_master=listener is not None, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=listener.detach() if listener else None)
+        dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.world_size,
+                                timeout=timeout)
         self.marks[WORKER_STAGES[1]] = time.time()
         self.runtimes = runtime.build_runtimes(self.plan, self.hyper, spec.set_index, spec.seed, spec.device)
         self.marks[WORKER_STAGES[2]] = time.time()

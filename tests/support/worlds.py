@@ -29,6 +29,7 @@ import os
 import pickle
 import queue as queue_errors
 import signal
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -39,7 +40,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.support.processes import free_port
 
 _CALLS = itertools.count()
 
@@ -49,13 +49,13 @@ class _Call:
     number: int
     fn: Callable[..., Any]
     args: tuple
-    port: int
+    rendezvous: str  # a file no call has used: its ranks meet there (a port found free could be taken meanwhile)
     pg_timeout: float
 
 
 def _run_call(call: _Call, rank: int, world_size: int) -> tuple[bool, bytes | str]:
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{call.port}", rank=rank,
+        dist.init_process_group("gloo", init_method=f"file://{call.rendezvous}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=call.pg_timeout))
         out = call.fn(rank, world_size, *call.args)
         buffer = io.BytesIO()
@@ -173,11 +173,13 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
               pg_timeout: float | None = None) -> list[Any]:
     deadline = time.monotonic() + timeout
     world = _POOL.pop(world_size, None) or _World.spawn(world_size)
-    call = _Call(next(_CALLS), fn, args, free_port(), pg_timeout or timeout)
-    try:
-        results = world.run(call, deadline)
-    except BaseException:
-        world.kill()
-        raise
+    number = next(_CALLS)
+    with tempfile.TemporaryDirectory(prefix="hfplan-world-") as folder:
+        call = _Call(number, fn, args, os.path.join(folder, "rendezvous"), pg_timeout or timeout)
+        try:
+            results = world.run(call, deadline)
+        except BaseException:
+            world.kill()
+            raise
     _POOL[world_size] = world
     return results
