@@ -40,7 +40,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-
 _CALLS = itertools.count()
 
 
