@@ -615,8 +615,9 @@ def plan_title(plan) -> str:
             f"{w.prompt_len:,}+{w.response_len:,} tokens, on {plan.cluster.gpus:,} x {plan.cluster.profile.name}")
 
 
-# A transfer this short shows as 0.000 s: `simulate` lists it only with --all.
+# A transfer or dispatch this short shows as 0.000 s: `simulate` lists it only with --all.
 ZERO_S = 0.0005
+HIDDEN_WHEN_SHORT = ("transfer", "dispatch")
 
 
 def render_timeline(estimate, show_all: bool = False) -> None:
@@ -625,14 +626,15 @@ def render_timeline(estimate, show_all: bool = False) -> None:
         table.add_column(column, justify="right" if column.endswith("s") and column != "kind" else "left")
     hidden = 0
     for span in estimate.timeline:
-        if not show_all and span.kind == "transfer" and span.end - span.start < ZERO_S:
+        if not show_all and span.kind in HIDDEN_WHEN_SHORT and span.end - span.start < ZERO_S:
             hidden += 1
             continue
         table.add_row("controller" if span.set < 0 else str(span.set), span.role, span.op, span.phase, span.kind,
                       f"{span.start:,.3f}", f"{span.end:,.3f}", f"{span.end - span.start:,.3f}")
     console.print(table)
     if hidden:
-        console.print(f"{hidden:,} transfers of under half a millisecond not shown (--all shows them)", style="dim",
+        console.print(f"{hidden:,} transfers and dispatches of under half a millisecond not shown (--all shows them)",
+                      style="dim",
                       highlight=False)
 
 

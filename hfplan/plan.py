@@ -253,14 +253,20 @@ class Span(_Strict):
     set: int = Field(description="index of the placement set it ran on; -1 for the controller")
     start: float
     end: float
-    kind: Literal["compute", "transfer", "transition"] = "compute"
+    kind: Literal["compute", "transfer", "transition", "dispatch"] = Field(
+        default="compute", description="compute: the call's work; transfer: an input on its way; transition: a "
+                                       "layout switch; dispatch (simulated only): what the call costs its worker "
+                                       "beyond its work (Ray's start of it, arguments, outputs), before the call")
 
 
 def phase_seconds(spans: Sequence[Span]) -> dict[str, float]:
     """Wall seconds from the first start to the last end of each phase: a run's `<phase>_s` metrics, and the
-    rule `hfplan validate` applies to both timelines."""
+    rule `hfplan validate` applies to both timelines. Dispatch spans do not count (a measured timeline has none:
+    there the dispatch is the gap before a call)."""
     windows: dict[str, tuple[float, float]] = {}
     for span in spans:
+        if span.kind == "dispatch":
+            continue
         first, last = windows.get(span.phase, (span.start, span.end))
         windows[span.phase] = (min(first, span.start), max(last, span.end))
     return {phase: last - first for phase, (first, last) in windows.items()}

@@ -37,9 +37,10 @@ def _ppo_iteration(offset=0.0):
 
 
 def test_gaps_are_read_between_calls_and_around_the_advantage_step():
-    queued, around, steps = gaps_of(_ppo_iteration())
+    queued, around, sends, steps = gaps_of(_ppo_iteration())
     assert queued == pytest.approx([1.0e-3, 0.8e-3, 0.6e-3, 1.2e-3])  # the gap through gae is not queued
     assert around == pytest.approx([1.5e-3 + 1.7e-3])
+    assert sends == pytest.approx([1.7e-3])
     assert steps == pytest.approx([0.3e-3])
 
 
@@ -49,6 +50,7 @@ def test_the_figures_are_medians_over_the_iterations():
     assert gaps.call_dispatch_s == pytest.approx(0.9e-3)  # the median of 12 queued gaps: 4 kinds, 3 each
     # gae 0.4 ms longer and the next call as late as before: 0.4 ms less of gap after it.
     assert gaps.controller_call_s == pytest.approx(3.2e-3)
+    assert gaps.controller_send_s == pytest.approx(1.7e-3)  # 1.7, 1.7 and 1.3 ms
     assert gaps.controller_step_s == pytest.approx(0.3e-3)
 
 

@@ -138,19 +138,19 @@ def test_numbers_of_four_digits_or_more_have_thousands_separators(big_run):
 
 
 def _timeline_rows(text: str) -> list[str]:
-    return [line for line in text.splitlines() if re.search(r"\b(compute|transfer|transition)\b", line)]
+    return [line for line in text.splitlines() if re.search(r"\b(compute|transfer|transition|dispatch)\b", line)]
 
 
 def test_simulate_hides_zero_second_transfers_unless_all(plan_file, monkeypatch):
     _console(monkeypatch, 200)
     spans = simulate_plan(sample_plan()).estimate.timeline
-    zero = [s for s in spans if s.kind == "transfer" and s.end - s.start < cli.ZERO_S]
+    zero = [s for s in spans if s.kind in ("transfer", "dispatch") and s.end - s.start < cli.ZERO_S]
     assert zero and len(zero) < len(spans)
     shown = _timeline_rows(invoke("simulate", plan_file).stdout)
     everything = invoke("simulate", plan_file, "--all").stdout
     assert len(shown) == len(spans) - len(zero)
     assert len(_timeline_rows(everything)) == len(spans)
-    assert f"{len(zero)} transfers of under half a millisecond not shown (--all shows them)" in \
+    assert f"{len(zero)} transfers and dispatches of under half a millisecond not shown (--all shows them)" in \
         invoke("simulate", plan_file).stdout
     assert "not shown" not in everything
 

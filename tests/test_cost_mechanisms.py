@@ -430,14 +430,25 @@ def test_a_role_call_pays_its_cost_on_the_worker_and_a_result_for_the_controller
     paid = costs.inference_time(toy_hw.model_copy(update={"runtime": queued}), LLAMA7, cfg, ONE, 8, 256, "lm")
     assert paid - plain == pytest.approx(300e-6)
     assert queued.result_wait_s() == pytest.approx(700e-6) and queued.controller_step_s() == pytest.approx(200e-6)
+    assert queued.send_wait_s() == 0.0  # no sending side measured: a fed call pays its dispatch alone
     older = Runtime(controller_call_us=1000)
     assert older.call_dispatch_s() == pytest.approx(1000e-6) and older.result_wait_s() == 0.0
+
+
+def test_the_round_trip_splits_into_a_result_s_way_in_and_a_call_s_way_out_of_the_controller():
+    """With its sending side measured, the round trip is a result's wait on its way in (round trip less the
+    sending side) and, on the way out, the sending side less the dispatch the call pays itself."""
+    split = Runtime(controller_call_us=2300, call_dispatch_us=800, controller_send_us=1500)
+    assert split.result_wait_s() == pytest.approx(800e-6)
+    assert split.send_wait_s() == pytest.approx(700e-6)
+    assert split.result_wait_s() + split.send_wait_s() + split.call_dispatch_s() == pytest.approx(2300e-6)
 
 
 def test_the_controller_s_steps_and_the_results_it_waits_for_are_priced_in_search_and_simulation(tmp_path):
     """The demo on one CPU "GPU", on the cpu profile with the controller's costs set: the search's fast schedule
     agrees with the simpy engine (search raises if not), advantages take the controller's step, and a field
-    reaching the controller takes the host link's transfer plus the rest of a round trip."""
+    reaching the controller takes the host link's transfer plus the round trip less its sending side, a field leaving
+    it the sending side less the dispatch the call pays itself."""
     from hfplan.layout import ON_CONTROLLER
     from hfplan.planner.search import search
     from hfplan.profiles.hardware import load_hardware
@@ -447,7 +458,7 @@ def test_the_controller_s_steps_and_the_results_it_waits_for_are_priced_in_searc
 
     base = load_hardware("cpu")
     runtime = base.runtime.model_copy(update={"controller_call_us": 2000.0, "call_dispatch_us": 500.0,
-                                              "controller_step_us": 400.0})
+                                              "controller_step_us": 400.0, "controller_send_us": 1200.0})
     path = tmp_path / "slow-controller.yaml"
     path.write_text(base.model_copy(update={"name": "slow-controller", "runtime": runtime}).to_yaml())
     plan = search(load_workload("demo"), make_cluster(1, str(path)), top_k=1).top[0]
@@ -456,5 +467,7 @@ def test_the_controller_s_steps_and_the_results_it_waits_for_are_priced_in_searc
     assert gae.end - gae.start == pytest.approx(400e-6)
     into = [s for s in timeline.spans
             if s.kind == "transfer" and s.set == ON_CONTROLLER and s.op.endswith("->controller.gae")]
-    assert into and all(s.end - s.start > 1500e-6 for s in into)
-    assert all(s.end - s.start < 1500e-6 + collectives.host_transfer(base, 1e6) for s in into)
+    assert into and all(s.end - s.start > 800e-6 for s in into)
+    assert all(s.end - s.start < 800e-6 + collectives.host_transfer(base, 1e6) for s in into)
+    out = [s for s in timeline.spans if s.kind == "transfer" and s.set >= 0 and "controller.gae->" in s.op]
+    assert out and all(700e-6 < s.end - s.start < 700e-6 + collectives.host_transfer(base, 1e6) for s in out)

@@ -68,6 +68,11 @@ def _hw():
     return make_cluster(8).profile
 
 
+def _dispatch(plan) -> float:
+    """What each call on a set costs its worker before its work (a dispatch span on the timeline)."""
+    return plan.cluster.profile.runtime.call_dispatch_s()
+
+
 # -- serialisation and program order ------------------------------------------------------------------
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_calls_on_one_set_serialise_in_program_order(name):
@@ -80,9 +85,14 @@ def test_calls_on_one_set_serialise_in_program_order(name):
         assert [f"{s.role}.{s.op}" for s in spans] == [n.label for n in nodes], f"set {index}"
         for before, after in zip(spans, spans[1:], strict=False):
             assert after.start >= before.end - 1e-9, f"set {index}: {before} overlaps {after}"
-        # Each call lasts what the cost model says for it.
-        for span, node in zip(spans, nodes, strict=True):
-            assert span.end - span.start == pytest.approx(sim.costs.node_seconds(node), rel=1e-9, abs=1e-12)
+        # Each call lasts what the cost model says for it: its dispatch on the worker, drawn before it, and its work.
+        dispatches = sorted((s for s in sim.timeline.spans if s.kind == "dispatch" and s.set == index),
+                            key=lambda s: s.start)
+        assert len(dispatches) == len(spans)
+        for span, dispatch, node in zip(spans, dispatches, nodes, strict=True):
+            assert dispatch.end <= span.start + 1e-12 and (dispatch.role, dispatch.op) == (node.role, node.op)
+            assert (span.end - span.start) + (dispatch.end - dispatch.start) == pytest.approx(
+                sim.costs.node_seconds(node), rel=1e-9, abs=1e-12)
         # A switch on a set never overlaps a call on it.
         for switch in (s for s in sim.timeline.spans if s.kind == "transition" and s.set == index):
             assert all(switch.end <= s.start + 1e-9 or switch.start >= s.end - 1e-9 for s in spans)
@@ -117,8 +127,10 @@ def test_estimate_fields(name):
 
 # -- concurrency across sets --------------------------------------------------------------------------
 def test_inference_on_disjoint_sets_overlaps():
-    sim = simulate_plan(PLANS["ppo-standalone"]())
+    plan = PLANS["ppo-standalone"]()
+    sim = simulate_plan(plan)
     tl = sim.timeline
+    dispatch = _dispatch(plan)
     generate = _span(tl, "actor", "generate")
     calls = [_span(tl, "actor", "log_prob"), _span(tl, "critic", "values"), _span(tl, "reference", "log_prob"),
              _span(tl, "reward", "score")]
@@ -128,9 +140,9 @@ def test_inference_on_disjoint_sets_overlaps():
     # Sets of 8 on 8-GPU nodes each sit on their own node: the sequences cross the inter-node link,
     # 1024 x (1024 + 1024 token ids of 8 bytes + 1024 fp32 mask values) bytes at 25 GB/s x 0.9 + 6 us.
     hop = 1024 * 1024 * 20 / (25e9 * 0.9) + 6e-6
-    assert _span(tl, "actor", "log_prob").start == pytest.approx(generate.end)  # same set: no transfer
+    assert _span(tl, "actor", "log_prob").start == pytest.approx(generate.end + dispatch)  # same set: no transfer
     for span in calls[1:]:
-        assert span.start == pytest.approx(generate.end + hop, rel=1e-12)
+        assert span.start == pytest.approx(generate.end + hop + dispatch, rel=1e-12)
         transfer = _span(tl, span.role, f"actor.generate->{span.role}.{span.op}", kind="transfer")
         assert (transfer.start, transfer.set) == (pytest.approx(generate.end), span.set)
         assert transfer.end - transfer.start == pytest.approx(hop, rel=1e-9)
@@ -139,10 +151,11 @@ def test_inference_on_disjoint_sets_overlaps():
 def test_remax_reference_on_its_own_set_overlaps_the_greedy_generation():
     """Calls start when their inputs arrive, not at a stage barrier: the reference can score the sampled
     responses while the actor is still generating the greedy baseline."""
-    tl = simulate_plan(PLANS["remax-standalone"]()).timeline
+    plan = PLANS["remax-standalone"]()
+    tl = simulate_plan(plan).timeline
     sampled, greedy = _span(tl, "actor", "generate"), _span(tl, "actor", "generate(greedy)")
     reference = _span(tl, "reference", "log_prob")
-    assert greedy.start == pytest.approx(sampled.end)
+    assert greedy.start == pytest.approx(sampled.end + _dispatch(plan))
     assert sampled.end < reference.start < greedy.end
     # Phases overlap in time; the stages follow the critical path, so they still add up to the iteration.
     stages = tl.stages()
@@ -165,10 +178,10 @@ def test_moving_the_reference_to_its_own_set():
     ref_b = _span(b, "reference", "log_prob")
     assert ref_b.set == 1
     expected = mapping.call_seconds(w, hw, 8, ref_node, "reference", split_plan.parallelism["reference"], 8, 0.0)
-    assert ref_b.end - ref_b.start == pytest.approx(expected, rel=1e-9)
+    assert ref_b.end - ref_b.start == pytest.approx(expected - _dispatch(split_plan), rel=1e-9)
     hop = 1024 * 1024 * 20 / (hw.links.inter_node.bandwidth_gbytes_per_s * 1e9 * hw.links.inter_node.efficiency) \
         + hw.links.inter_node.latency_us * 1e-6
-    assert ref_b.start == pytest.approx(_span(b, "actor", "generate").end + hop, rel=1e-12)
+    assert ref_b.start == pytest.approx(_span(b, "actor", "generate").end + hop + _dispatch(split_plan), rel=1e-12)
 
     # On 16 GPUs (colocated) the same call is faster than on 8.
     ref_a = _span(a, "reference", "log_prob")
@@ -189,11 +202,13 @@ def test_moving_the_reference_to_its_own_set():
     def busy(tl):
         return sum(s.end - s.start for s in tl.spans if s.set == 0 and s.kind != "transfer")
 
-    assert busy(b) <= busy(a) - (ref_a.end - ref_a.start) + 1e-9
+    dispatch = _dispatch(split_plan)
+    assert busy(b) <= busy(a) - (ref_a.end - ref_a.start) - dispatch + 1e-9
     # The reference finishes before set 0's last preparation call, so the iteration shortens by exactly
-    # what set 0 no longer does.
+    # what set 0 no longer does (the call and its dispatch).
     assert ref_b.end < _span(b, "reward", "score").end
-    saved = (ref_a.end - ref_a.start) + (durations_a[("actor", "generate")] - durations_b[("actor", "generate")])
+    saved = (ref_a.end - ref_a.start + dispatch
+             + durations_a[("actor", "generate")] - durations_b[("actor", "generate")])
     assert b.iteration_s == pytest.approx(a.iteration_s - saved, rel=1e-9)
 
 
@@ -211,7 +226,7 @@ def test_resharding_transition_before_generate_by_hand():
     tl = simulate_plan(plan).timeline
     switch = _span(tl, "actor", "reshard", kind="transition")
     generate = _span(tl, "actor", "generate")
-    assert (switch.set, switch.phase, switch.start) == (0, "generation", 0.0)
+    assert (switch.set, switch.phase, switch.start) == (0, "generation", pytest.approx(_dispatch(plan)))
     assert generate.start == pytest.approx(switch.end)
     # Training shard per GPU: 1/(tp 4) of the model, split again over dp 4 by FSDP = 1/16; generation
     # shard = 1/2. Ranks are pp-major, then dp, then tp: the pieces of a GPU's half sit on its tp
@@ -236,7 +251,7 @@ def test_no_transition_when_generation_reuses_the_training_shards():
     plan = _actor_plan(TrainConfig(tp=4, dp=4, micro_batch=2, shard=False), GenConfig(tp=4, dp=4))
     tl = simulate_plan(plan).timeline
     assert [s for s in tl.spans if s.kind == "transition"] == []
-    assert _span(tl, "actor", "generate").start == 0.0
+    assert _span(tl, "actor", "generate").start == pytest.approx(_dispatch(plan))
 
 
 def test_fsdp_training_pays_a_gather_even_with_the_same_tp():
@@ -268,7 +283,7 @@ def test_rollout_engine_syncs_weights_before_generating():
     sync = _span(tl, "rollout", "weight sync", kind="transition")
     generate = _span(tl, "actor", "generate")
     assert sync.set == generate.set == rollout_set
-    assert (sync.start, generate.start) == (0.0, pytest.approx(sync.end))
+    assert (sync.start, generate.start) == (pytest.approx(_dispatch(plan)), pytest.approx(sync.end))
     # Only the rollout engine switches: the actor's own set never holds a generation layout.
     assert [s.role for s in tl.spans if s.kind == "transition"] == ["rollout"]
     # Each of the 8 rollout GPUs receives its tp=2 shard of bf16 weights; the node's link carries all 8
@@ -361,4 +376,4 @@ def test_sets_sharing_a_node_transfer_over_nvlink():
     # 16 prompts x 4 samples = 64 sequences of 256 + 256 token ids (8 B) and 256 mask values (4 B),
     # over the intra-node link: 300 GB/s x 0.77, 2 us.
     hop = 64 * (256 * 8 + 256 * 8 + 256 * 4) / (300e9 * 0.77) + 2e-6
-    assert reference.start == pytest.approx(generate.end + hop, rel=1e-9)
+    assert reference.start == pytest.approx(generate.end + hop + _dispatch(plan), rel=1e-9)

@@ -77,6 +77,23 @@ def test_transfers_are_matched_with_the_call_they_feed():
 def test_phase_seconds_is_first_start_to_last_end():
     spans = [span("a", "x", "p", 1.0, 2.0), span("b", "y", "p", 1.5, 4.0, set_=1), span("a", "z", "q", 4.0, 4.25)]
     assert phase_seconds(spans) == {"p": 3.0, "q": 0.25}
+    # A simulated dispatch is the gap before a measured call: it opens no phase window.
+    assert phase_seconds([span("a", "x", "p", 0.5, 1.0, kind="dispatch"), *spans]) == {"p": 3.0, "q": 0.25}
+
+
+def test_dispatches_are_not_matched_and_the_greedy_generation_is_the_second_generate():
+    simulated = [span("actor", "generate", "generation", 0.0, 0.1, kind="dispatch"),
+                 span("actor", "generate", "generation", 0.1, 2.0),
+                 span("actor", "generate", "generation", 2.0, 2.1, kind="dispatch"),
+                 span("actor", "generate(greedy)", "generation", 2.1, 3.0)]
+    measured = [span("actor", "generate", "generation", 0.2, 2.2),
+                span("actor", "generate", "generation", 2.4, 3.4)]
+    result = compare(simulated, [measured], [], [], [])
+    assert [(c.op, c.occurrence, c.simulated, c.measured) for c in result.calls] == [
+        ("generate", 0, pytest.approx(1.9), pytest.approx(2.0)),
+        ("generate", 1, pytest.approx(0.9), pytest.approx(1.0))]
+    assert result.unmatched == {"simulated": [], "measured": []}
+    assert result.stages["generation"].simulated == pytest.approx(2.9)
 
 
 def test_compare_needs_a_measured_iteration():

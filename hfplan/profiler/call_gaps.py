@@ -8,8 +8,10 @@ few iterations in the profiler's Ray session, and its measured timelines give th
   cost each call). The simulator charges it inside every role call's span.
 - controller_call_us: the median gap around the controller's advantage step, from the end of the last call
   that feeds it to its start plus from its end to the start of the next call on the set (the results reach the
-  controller, the calls that need the advantages are sent and started). The simulator charges an edge into the
-  controller the round trip less a call's dispatch, and the next call its dispatch: the gap in all.
+  controller, the calls that need the advantages are sent and started).
+- controller_send_us: the median of that gap's second side alone (sent and started on an idle worker). The
+  simulator charges an edge into the controller the round trip less its sending side, an edge out of it the
+  sending side less a call's dispatch, and the call its dispatch: the gap in all.
 - controller_step_us: the median seconds of that step itself, as the executor's controller runs it.
 
 On a CPU profile it also gives memory.worker_resident_gib: the worker's measured peak resident memory less the
@@ -33,7 +35,8 @@ from hfplan.plan import Plan, Span
 from hfplan.profiles.hardware import HardwareProfile, Runtime
 from hfplan.spec import BUILTIN_WORKLOADS, Workload, make_cluster, workload_from_dict
 
-CALL_FIELDS = ("call_dispatch_us", "controller_call_us", "controller_step_us")  # the Runtime fields it measures
+# The Runtime fields it measures.
+CALL_FIELDS = ("call_dispatch_us", "controller_call_us", "controller_step_us", "controller_send_us")
 PROBE_ITERATIONS = 8  # the first a warm-up
 ADVANTAGE_STEP = ("controller", "gae")  # the controller step whose gaps are read (PPO's)
 
@@ -43,6 +46,7 @@ class CallGaps:
     call_dispatch_s: float
     controller_call_s: float
     controller_step_s: float
+    controller_send_s: float
     worker_resident_gib: float | None = None  # on a CPU profile; None on a GPU (its peak is allocated memory)
 
 
@@ -74,34 +78,36 @@ def _calls(spans: Sequence[Span]) -> list[tuple[float, float]]:
     return [(start, end) for start, end in calls]
 
 
-def gaps_of(spans: Sequence[Span]) -> tuple[list[float], list[float], list[float]]:
-    """One iteration's queued gaps, gaps around the advantage step (one figure: both sides) and the step's
-    seconds. Spans of one set on one rank (the probe's single device)."""
+def gaps_of(spans: Sequence[Span]) -> tuple[list[float], list[float], list[float], list[float]]:
+    """One iteration's queued gaps, gaps around the advantage step (one figure: both sides), their sending sides
+    and the step's seconds. Spans of one set on one rank (the probe's single device)."""
     calls = _calls(spans)
     controller = [s for s in spans if s.set < 0 and s.kind == "compute"]
     queued = [after[0] - before[1] for before, after in zip(calls, calls[1:], strict=False)
               if not any(c.start < after[0] and c.end > before[1] for c in controller)]
-    around, steps = [], []
+    around, sends, steps = [], [], []
     for step in (s for s in controller if (s.role, s.op) == ADVANTAGE_STEP):
         fed = [end for _, end in calls if end <= step.start]
         next_starts = [start for start, _ in calls if start >= step.end]
         if fed and next_starts:
-            around.append((step.start - max(fed)) + (min(next_starts) - step.end))
+            sends.append(min(next_starts) - step.end)
+            around.append((step.start - max(fed)) + sends[-1])
             steps.append(step.end - step.start)
-    return queued, around, steps
+    return queued, around, sends, steps
 
 
 def call_gaps(iterations: Sequence[Sequence[Span]]) -> CallGaps:
     """The medians over the measured iterations."""
-    queued, around, steps = [], [], []
+    queued, around, sends, steps = [], [], [], []
     for spans in iterations:
-        q, a, s = gaps_of(spans)
+        q, a, sent, s = gaps_of(spans)
         queued += q
         around += a
+        sends += sent
         steps += s
     if not queued or not around:
         raise ValueError("the probe's timeline has no queued calls or no advantage step between calls")
-    return CallGaps(typical(queued), typical(around), typical(steps))
+    return CallGaps(typical(queued), typical(around), typical(steps), typical(sends))
 
 
 def measure_call_gaps(profile: HardwareProfile) -> CallGaps:

@@ -139,7 +139,8 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
     gaps = ray_costs.gaps if ray_costs is not None else None
     if gaps is not None:
         rows += [_row("controller_step", gaps.controller_step_s, 0.0),
-                 _row("controller_call", gaps.controller_call_s, 0.0), _row("call_dispatch", gaps.call_dispatch_s, 0.0)]
+                 _row("controller_call", gaps.controller_call_s, 0.0), _row("call_dispatch", gaps.call_dispatch_s, 0.0),
+                 _row("controller_send", gaps.controller_send_s, 0.0)]
     runtime = Runtime(forward_pass_us=round(train.forward_us, 2), forward_token_us=round(per_token.forward_us, 3),
                       train_token_us=round(per_token.train_us, 3),
                       engine_step_us=round(max(0.0, fixed_us(step_s, step_model) - sequence_us), 2),
@@ -148,6 +149,7 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
                       controller_call_us=round(gaps.controller_call_s * 1e6, 2) if gaps else 0.0,
                       call_dispatch_us=round(gaps.call_dispatch_s * 1e6, 2) if gaps else None,
                       controller_step_us=round(gaps.controller_step_s * 1e6, 2) if gaps else 0.0,
+                      controller_send_us=round(gaps.controller_send_s * 1e6, 2) if gaps else None,
                       engine_step_continuous_us=round(max(0.0, fixed_us(continuous_s, step_model) - sequence_us),
                                                       2),
                       train_pass_us=round(train.pass_us, 2), optimizer_tensor_us=round(train.tensor_us, 3),

@@ -204,6 +204,12 @@ class Runtime(_Strict):
                                         "before the field")
     controller_step_us: float = Field(default=0.0, ge=0, description="fixed cost of one step the controller "
                                                                      "runs itself (advantages, a rule reward)")
+    controller_send_us: float | None = Field(
+        default=None, ge=0, description="the sending side of controller_call_us: from the end of a controller "
+                                        "step to the start of the call it feeds on an idle worker (the call sent, "
+                                        "Ray's start of it, its arguments read); the rest of the round trip is a "
+                                        "result's way into the controller. None: call_dispatch_us, as for a "
+                                        "profile written before the field")
     engine_step_continuous_us: float | None = Field(
         default=None, ge=0, description="fixed cost of one step of a continuous-batching engine (its slot "
                                         "bookkeeping each step on top of the static step's work); None: "
@@ -288,10 +294,19 @@ class Runtime(_Strict):
         """Seconds a role call costs its worker beyond its work (Ray's start of it, arguments, outputs)."""
         return (self.controller_call_us if self.call_dispatch_us is None else self.call_dispatch_us) * 1e-6
 
+    def controller_send_s(self) -> float:
+        """Seconds from a controller step's end to the start of the call it feeds on an idle worker."""
+        return self.call_dispatch_s() if self.controller_send_us is None else self.controller_send_us * 1e-6
+
     def result_wait_s(self) -> float:
-        """Seconds a worker's result takes to reach the controller beyond the call's cost on the worker: the
-        round trip less the worker's part of it."""
-        return max(0.0, self.controller_call_us * 1e-6 - self.call_dispatch_s())
+        """Seconds a worker's result takes to reach the controller beyond its transfer: the round trip less its
+        sending side."""
+        return max(0.0, self.controller_call_us * 1e-6 - self.controller_send_s())
+
+    def send_wait_s(self) -> float:
+        """Seconds a call fed by the controller waits for it beyond its own dispatch (charged inside the call,
+        as for a queued one): the sending side less the dispatch."""
+        return max(0.0, self.controller_send_s() - self.call_dispatch_s())
 
     def controller_step_s(self) -> float:
         """Seconds of one step the controller runs itself (advantages, a rule reward)."""

@@ -235,8 +235,13 @@ def _recompute_seconds(sp: StagePass, mode: Recompute) -> float:
     return 0.0
 
 
+def call_dispatch(hw: HardwareProfile) -> float:
+    """Seconds every role call pays on its worker beyond its work (its `controller` part)."""
+    return hw.runtime.call_dispatch_s()
+
+
 def _controller(hw: HardwareProfile) -> Parts:
-    return Parts(controller=hw.runtime.call_dispatch_s())
+    return Parts(controller=call_dispatch(hw))
 
 
 def _pipelined(per_micro: dict[str, float], n_micro: int, bubble_slots: float, **extra: float) -> Parts:
@@ -284,7 +289,7 @@ def update_parts(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: 
                  seq_len: int, head: str, mini_batches: int, epochs: int, *, memo: CostMemo | None = None) -> Parts:
     step = train_step_parts(hw, arch, cfg, where, sequences // mini_batches, seq_len, head, memo=memo)
     out = step.times(epochs * mini_batches)
-    out["controller"] = hw.runtime.call_dispatch_s()
+    out["controller"] = call_dispatch(hw)
     return out
 
 
@@ -311,7 +316,7 @@ def inference_parts(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, wher
         first = sharding.layer_share(arch, cfg.pp, head) * gather  # the first layer's: nothing to run beside
         exposed = n_micro * (first + sharding.exposed_beside(hw, gather - first, sp.forward))
     return _pipelined(per_micro, n_micro, cfg.pp - 1, dp_comm=exposed,
-                      controller=hw.runtime.call_dispatch_s())
+                      controller=call_dispatch(hw))
 
 
 @memoized

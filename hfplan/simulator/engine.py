@@ -15,6 +15,7 @@ from hfplan.dataflow.ops import GENERATION, PHASES
 from hfplan.errors import HfplanError
 from hfplan.layout import ROLLOUT, generating_role, kv_heads_per_rank, model_role
 from hfplan.plan import WEIGHT_SYNC_OP, Estimate, Plan, Span, switch_op
+from hfplan.simulator import costs
 from hfplan.simulator.mapping import PlanCosts
 from hfplan.simulator.memory import gib
 from hfplan.simulator.pipeline import PREVIOUS, window_dag
@@ -69,6 +70,7 @@ class Scheduled:
     seconds: float
     switch: float
     switch_role: str | None
+    dispatch: float = 0.0  # the part of `seconds` that is the call's dispatch on its worker, drawn before it
 
 
 def schedule(dag: Dag, plan_costs: PlanCosts) -> list[Scheduled]:
@@ -78,7 +80,9 @@ def schedule(dag: Dag, plan_costs: PlanCosts) -> list[Scheduled]:
     for node in dag.nodes:
         role = points.get(node.id)
         switch = plan_costs.switch_seconds(role) if role is not None else 0.0
-        out.append(Scheduled(node, plan_costs.set_of(node), plan_costs.node_seconds(node), switch, role))
+        index = plan_costs.set_of(node)
+        dispatch = costs.call_dispatch(plan_costs.hw) if index >= 0 else 0.0
+        out.append(Scheduled(node, index, plan_costs.node_seconds(node), switch, role, dispatch))
     return out
 
 
@@ -102,7 +106,8 @@ def run_window(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: in
     rollout = next(c.set for c in calls if c.node.op == "generate")
     sync = sum(c.switch for c in calls)
     moved = [Scheduled(window.nodes[0], rollout, 0.0, 0.0, None)]
-    moved += [Scheduled(node, c.set, c.seconds, 0.0, None) for node, c in zip(window.nodes[1:], calls, strict=True)]
+    moved += [Scheduled(node, c.set, c.seconds, 0.0, None, c.dispatch)
+              for node, c in zip(window.nodes[1:], calls, strict=True)]
     ran = run_calls(moved, edge_seconds, tokens)
     end = ran.iteration_s
     spans = [s for s in ran.spans if s.role != PREVIOUS]
@@ -133,6 +138,11 @@ def run_calls(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: int
             arrivals.append(previous_on_set)
         if arrivals:
             yield env.all_of(arrivals)
+        if c.dispatch > 0:
+            start = env.now
+            yield env.timeout(c.dispatch)
+            spans.append(Span(role=c.node.role, op=c.node.op, phase=c.node.phase, set=c.set, start=start,
+                              end=env.now, kind="dispatch"))
         if c.switch > 0:
             start = env.now
             yield env.timeout(c.switch)
@@ -140,7 +150,7 @@ def run_calls(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: int
             spans.append(Span(role=role, op=switch_op(role), phase=c.node.phase, set=c.set,
                               start=start, end=env.now, kind="transition"))
         start = env.now
-        yield env.timeout(c.seconds)
+        yield env.timeout(c.seconds - c.dispatch)
         spans.append(Span(role=c.node.role, op=c.node.op + ("(greedy)" if c.node.greedy else ""),
                           phase=c.node.phase, set=c.set, start=start, end=env.now))
         done[c.node.id].succeed()

@@ -16,7 +16,7 @@ from hfplan.files import check_writable
 from hfplan.plan import Span
 
 PHASE_COLOURS = {"generation": "#4e79a7", "preparation": "#f28e2b", "training": "#59a14f"}
-KIND_COLOURS = {"transition": "#e15759", "transfer": "#9c9c9c"}
+KIND_COLOURS = {"transition": "#e15759", "transfer": "#9c9c9c", "dispatch": "#d4d4d4"}
 SUFFIXES = (".png", ".html")
 # Both charts draw the time axis about this many pixels wide; a bar under half a pixel is not drawn.
 CHART_PX = 1000

@@ -139,12 +139,14 @@ class PlanCosts:
 
     def edge_seconds(self, src_set: int, dst_set: int, nbytes: float) -> float:
         """Seconds to move `nbytes` of fields along the path the executor takes (layout.transfer_path); a
-        result for the controller also waits to reach it (Runtime.result_wait_s)."""
+        result for the controller also waits to reach it (Runtime.result_wait_s), and a call fed by the controller
+        waits for it to be sent and started (Runtime.send_wait_s)."""
         path = transfer_path(src_set, dst_set)
         if path == "none" or nbytes <= 0:
             return 0.0
         if path == "host":
-            wait = self.hw.runtime.result_wait_s() if dst_set == ON_CONTROLLER else 0.0
+            wait = (self.hw.runtime.result_wait_s() if dst_set == ON_CONTROLLER
+                    else self.hw.runtime.send_wait_s() if src_set == ON_CONTROLLER else 0.0)
             return coll.host_transfer(self.hw, nbytes) + wait
         return coll.point_to_point(self.hw, nbytes, self.same_node(src_set, dst_set))
 

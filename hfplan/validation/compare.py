@@ -1,7 +1,10 @@
 """Matching simulated and measured spans and the errors between them. Pure: no torch, no ray.
 
 A call is matched by its role, operation, phase, kind and set, and by its place among the calls with those
-(the second `actor.generate` of ReMax is the greedy one in both timelines). Errors are signed fractions of the
+(the second `actor.generate` of ReMax is the greedy one in both timelines; the simulator names it
+`generate(greedy)`, the executor's worker `generate`). The simulator's dispatch spans are not matched: the
+executor records no span for a call's dispatch (it is the gap before the call), so it counts in the stages and
+the iteration only. Errors are signed fractions of the
 measured value: (simulated - measured) / measured, so +0.10 means the simulator predicts 10% too long.
 """
 
@@ -16,6 +19,7 @@ from hfplan.measure import typical
 from hfplan.plan import Span, phase_seconds
 
 Key = tuple[int, str, str, str, str, int]  # set, role, op, phase, kind, occurrence
+GREEDY = "(greedy)"  # the simulator's mark on a greedy generation's op
 
 
 def signed_error(simulated: float, measured: float) -> float | None:
@@ -40,7 +44,9 @@ def call_keys(spans: Sequence[Span]) -> dict[Key, float]:
     seen: dict[tuple, int] = defaultdict(int)
     out: dict[Key, float] = defaultdict(float)
     for span in sorted(spans, key=lambda s: (s.start, s.end)):
-        base = (span.set, span.role, transfer_target(span), span.phase, span.kind)
+        if span.kind == "dispatch":
+            continue
+        base = (span.set, span.role, transfer_target(span).removesuffix(GREEDY), span.phase, span.kind)
         index = 0 if span.kind == "transfer" else seen[base]
         out[(*base, index)] += span.end - span.start
         seen[base] += 1
