@@ -259,6 +259,9 @@ class Span(_Strict):
                                        "beyond its work (Ray's start of it, arguments, outputs), before the call")
 
 
+EDGE = "->"  # a simulated edge's span is named `source call->destination call`
+
+
 def phase_seconds(spans: Sequence[Span]) -> dict[str, float]:
     """Wall seconds from the first start to the last end of each phase: a run's `<phase>_s` metrics, and the
     rule `hfplan validate` applies to both timelines. Dispatch spans do not count (a measured timeline has none:

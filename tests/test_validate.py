@@ -66,10 +66,10 @@ def test_each_measured_figure_is_the_median_of_the_iterations_so_one_slow_iterat
     assert result.iteration.measured == pytest.approx(5.0)  # iterations of 3, 41 and 5 seconds
 
 
-def test_transfers_are_matched_with_the_call_they_feed():
-    simulated = [span("actor", "controller.gae->actor.update", "training", 0.0, 0.25, kind="transfer"),
+def test_transfers_are_matched_with_the_call_they_feed_by_the_one_it_waited_for_last():
+    simulated = [span("actor", "critic.values->actor.update", "training", 0.5, 1.25, kind="transfer"),
                  span("actor", "generate->actor.update", "training", 0.0, 0.5, kind="transfer")]
-    measured = [span("actor", "update", "training", 0.0, 1.0, kind="transfer")]
+    measured = [span("actor", "update", "training", 1.0, 2.0, kind="transfer")]
     (call,) = compare(simulated, [measured], [], [], []).calls
     assert (call.op, call.kind, call.simulated, call.error) == ("update", "transfer", 0.75, -0.25)
 

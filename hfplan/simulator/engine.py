@@ -13,8 +13,8 @@ import simpy
 
 from hfplan.dataflow.ops import GENERATION, PHASES
 from hfplan.errors import HfplanError
-from hfplan.layout import ROLLOUT, generating_role, kv_heads_per_rank, model_role
-from hfplan.plan import WEIGHT_SYNC_OP, Estimate, Plan, Span, switch_op
+from hfplan.layout import ON_CONTROLLER, ROLLOUT, generating_role, kv_heads_per_rank, model_role
+from hfplan.plan import EDGE, WEIGHT_SYNC_OP, Estimate, Plan, Span, switch_op
 from hfplan.simulator import costs
 from hfplan.simulator.mapping import PlanCosts
 from hfplan.simulator.memory import gib
@@ -48,10 +48,11 @@ class Timeline:
         return out
 
     def busy(self, sets: int) -> list[float]:
-        """Seconds each set computes (calls and layout switches; transfers excluded), by set index."""
+        """Seconds each set computes (calls, their dispatch and layout switches; transfers and the controller's
+        sending excluded), by set index."""
         out = [0.0] * sets
         for s in self.spans:
-            if s.set >= 0 and s.kind != "transfer":
+            if s.set >= 0 and s.kind != "transfer" and not (s.kind == "dispatch" and EDGE in s.op):
                 out[s.set] += s.end - s.start
         return out
 
@@ -129,8 +130,10 @@ def run_calls(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: int
         if seconds > 0:
             start = env.now
             yield env.timeout(seconds)
-            spans.append(Span(role=dst.node.role, op=f"{src.node.label}->{dst.node.label}", phase=dst.node.phase,
-                              set=dst.set, start=start, end=env.now, kind="transfer"))
+            # A field the controller sends travels with the call it feeds: the call's way out (sent, started).
+            kind = "dispatch" if src.set == ON_CONTROLLER and dst.set >= 0 else "transfer"
+            spans.append(Span(role=dst.node.role, op=f"{src.node.label}{EDGE}{dst.node.label}", phase=dst.node.phase,
+                              set=dst.set, start=start, end=env.now, kind=kind))
 
     def call(c: Scheduled, previous_on_set: simpy.Event | None):
         arrivals = [env.process(transfer(by_id[e.src], c, e.nbytes)) for e in c.node.deps]

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from hfplan.measure import typical
-from hfplan.plan import Span, phase_seconds
+from hfplan.plan import EDGE, Span, phase_seconds
 
 Key = tuple[int, str, str, str, str, int]  # set, role, op, phase, kind, occurrence
 GREEDY = "(greedy)"  # the simulator's mark on a greedy generation's op
@@ -32,24 +32,31 @@ def signed_error(simulated: float, measured: float) -> float | None:
 def transfer_target(span: Span) -> str:
     """The call a transfer feeds: the simulator names an edge `src.op->role.op`, the executor records the input
     transfer under the receiving call's op."""
-    if span.kind != "transfer" or "->" not in span.op:
+    if span.kind != "transfer" or EDGE not in span.op:
         return span.op
-    target = span.op.rsplit("->", 1)[1]
+    target = span.op.rsplit(EDGE, 1)[1]
     return target.removeprefix(f"{span.role}.")
 
 
 def call_keys(spans: Sequence[Span]) -> dict[Key, float]:
     """Each span's seconds under its key (occurrence counted in start order). The transfers into one call are
-    summed under that call's op, occurrence 0."""
+    one figure under that call's op, occurrence 0: the one that arrived last, which the call waited for (the
+    simulator draws one per edge, in parallel; the executor records one, from the last producer's end)."""
     seen: dict[tuple, int] = defaultdict(int)
     out: dict[Key, float] = defaultdict(float)
+    last_in: dict[Key, Span] = {}
     for span in sorted(spans, key=lambda s: (s.start, s.end)):
         if span.kind == "dispatch":
             continue
         base = (span.set, span.role, transfer_target(span).removesuffix(GREEDY), span.phase, span.kind)
-        index = 0 if span.kind == "transfer" else seen[base]
-        out[(*base, index)] += span.end - span.start
+        if span.kind == "transfer":
+            key = (*base, 0)
+            if key not in last_in or span.end > last_in[key].end:
+                last_in[key] = span
+            continue
+        out[(*base, seen[base])] += span.end - span.start
         seen[base] += 1
+    out.update({key: span.end - span.start for key, span in last_in.items()})
     return dict(out)
 
 
