@@ -129,6 +129,14 @@ def test_remax_one_iteration(tmp_path):
     summary, timeline = run(plan, tmp_path, iterations=1)
     check_metrics(summary, "reward", "kl", "actor/policy_loss")
     assert measured_calls(timeline) == traced_calls(plan)
+    # The sampled and the greedy generation run in one generation layout: one switch in, one back (recorded at
+    # the next call, in generation's phase), as the simulator prices it.
+    spans = sorted(timeline["iterations"][0]["spans"], key=lambda s: s["start"])
+    switches = [(s["op"], s["phase"]) for s in spans if s["kind"] == "transition"]
+    assert switches == [("reshard", "generation"), ("reshard back", "generation")]
+    generates = [s for s in spans if s["op"] == "generate" and s["kind"] == "compute"]
+    back = next(s for s in spans if s["op"] == "reshard back")
+    assert len(generates) == 2 and back["start"] >= generates[1]["end"]
 
 
 def test_safe_rlhf_one_iteration(tmp_path):

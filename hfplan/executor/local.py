@@ -20,8 +20,8 @@ from hfplan.errors import HfplanError
 from hfplan.executor import preflight
 from hfplan.executor.controller import ExecuteOptions, IterationReport, RunSummary, build_roles, run_iterations
 from hfplan.executor.loopback import gloo_on_loopback
-from hfplan.executor.roles import Recorder
-from hfplan.executor.runtime import RoleRuntime, build_runtimes
+from hfplan.executor.roles import Recorder, timed_phase
+from hfplan.executor.runtime import RoleRuntime, build_runtimes, leave_generation_before
 from hfplan.executor.worker import Timed
 from hfplan.plan import Plan
 
@@ -49,14 +49,16 @@ def single_process_world(timeout_s: float = 600.0) -> Iterator[None]:
 class LocalRole(CallingRole):
     """A model role whose calls run in this process, on the arrays of the batch, before returning."""
 
-    def __init__(self, name: str, runtime: RoleRuntime, recorder: Recorder) -> None:
-        self.name, self.runtime, self.recorder = name, runtime, recorder
+    def __init__(self, name: str, runtimes: dict[str, RoleRuntime], recorder: Recorder) -> None:
+        self.name, self.runtimes, self.recorder = name, runtimes, recorder
 
     def call(self, op: str, batch: Batch, greedy: bool = False, n: int = 1) -> Batch:
         spans: list[Timed] = []
-        out = self.runtime.run(op, dict(batch.resolve()), {"greedy": greedy, "n": n}, spans)
+        leave_generation_before(self.runtimes, self.name, op, spans)
+        out = self.runtimes[self.name].run(op, dict(batch.resolve()), {"greedy": greedy, "n": n}, spans)
         for timed in spans:
-            self.recorder.span(self.name, timed.op, LOCAL_SET, timed.start, timed.end, kind=timed.kind)
+            self.recorder.span(self.name, timed.op, LOCAL_SET, timed.start, timed.end, kind=timed.kind,
+                               phase=timed_phase(op, timed.op))
         self.recorder.observed[(self.name, op, greedy)] = out
         return Batch(out)
 
@@ -71,7 +73,7 @@ def run_local(plan: Plan, options: ExecuteOptions,
     checked = preflight.check(plan, options)
     runtimes = build_runtimes(plan, checked.hyper, LOCAL_SET, options.seed, checked.device)
     recorder = Recorder(clock_offsets={})
-    roles = build_roles(plan, checked, recorder, lambda role, facts: LocalRole(role, runtimes[role], recorder))
+    roles = build_roles(plan, checked, recorder, lambda role, facts: LocalRole(role, runtimes, recorder))
     summary = RunSummary(options.out)
     try:
         for report in run_iterations(plan, roles, checked, options, recorder):

@@ -30,7 +30,7 @@ from hfplan.dataflow.roles import CallingRole, RoleFacts, call_writes
 from hfplan.executor.errors import RunFailed
 from hfplan.executor.generation_order import collector_ranks, replica_ranks
 from hfplan.layout import CONTROLLER, ON_CONTROLLER, rank_of, replica_groups
-from hfplan.plan import WEIGHT_SYNC_OP, Layout, Span
+from hfplan.plan import RESHARD_BACK_OP, WEIGHT_SYNC_OP, Layout, Span
 
 
 def collecting_ranks(layout: Layout) -> list[int]:
@@ -103,13 +103,19 @@ class Recorder:
 
     def worker_spans(self, role: str, op: str, set_index: int, results: list[dict]) -> None:
         """One span per stretch of call `op`, from the first rank's start to the last rank's end; every
-        stretch (its input transfer, its layout switches) in the call's phase."""
+        stretch (its input transfer, its layout switches) in the call's phase (timed_phase)."""
         per_rank = [[(t, self.clock_offsets[(set_index, rank)]) for t in result["spans"]]
                     for rank, result in enumerate(results)]
         for i, (first, _) in enumerate(per_rank[0]):
             start = min(timed[i][0].start - timed[i][1] for timed in per_rank)
             end = max(timed[i][0].end - timed[i][1] for timed in per_rank)
-            self.span(role, first.op, set_index, start, end, kind=first.kind, phase=ROLE_OPS[op].phase)
+            self.span(role, first.op, set_index, start, end, kind=first.kind, phase=timed_phase(op, first.op))
+
+
+def timed_phase(call_op: str, timed_op: str) -> str:
+    """The phase of a stretch of work inside a call: the call's, but a hybrid engine's way back from generation
+    is generation's wherever it runs (before the first call after a run of generate calls)."""
+    return ROLE_OPS["generate"].phase if timed_op == RESHARD_BACK_OP else ROLE_OPS[call_op].phase
 
 
 @dataclass(frozen=True)
@@ -335,6 +341,19 @@ class ActorRole(WorkerGroupRole):
             yield
         finally:
             self.rollout_stale = stale
+            if self.rollout is None:
+                self.leave_generation()
+
+    def leave_generation(self) -> None:
+        """The actor's workers go back to their training layout now (runtime.RoleRuntime.leave_generation), so
+        generations in a block apart (an evaluation's) leave the next training iteration its own switch."""
+        import ray
+
+        try:
+            results = ray.get([w.leave_generation.remote() for w in self.workers.workers], timeout=self.timeout_s)
+        except Exception as failure:
+            raise RunFailed(self.workers.describe_failure(self.name, "reshard back", failure)) from failure
+        self.recorder.worker_spans(self.name, "generate", self.workers.index, [{"spans": s} for s in results])
 
     def sync_rollout(self) -> None:
         """Each rank of the actor puts, per rollout rank, the slices of that rank's generation shard it holds

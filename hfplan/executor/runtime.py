@@ -61,6 +61,7 @@ class RoleRuntime:
     sync_plan: reshard.SyncPlan | None = None  # a trained actor's part in a separate rollout set's weight sync
     generator: torch.Generator | None = None
     synced: torch.nn.Module | None = None  # a rollout set's module over the shards its last sync sent
+    generating: bool = False  # in its generation layout since its last generate call (see leave_generation)
 
     @property
     def trained(self) -> RoleModel | None:
@@ -105,25 +106,33 @@ class RoleRuntime:
                                 top_p=1.0 if greedy else self.hyper.top_p, greedy=greedy,
                                 n=int(options.get("n", 1)))
         prompts = torch.from_numpy(np.ascontiguousarray(fields["prompts"])).to(self.device)
-        copies = self.engine.copies_weights  # vLLM: the gathered weights are freed once copied in
-        if self.hybrid is not None:
+        if self.hybrid is not None and not self.generating:
             start = time.time()
             self.engine.load_weights(self.hybrid.enter_generation(), presharded=self.hybrid.presharded)
-            if copies:
+            if self.engine.copies_weights:  # vLLM: the gathered weights are freed once copied in
                 self.hybrid.exit_generation()
+            self.generating = True
             spans.append(Timed(RESHARD_OP, "transition", start, time.time()))
         start = time.time()
         rollout = self.engine.generate(prompts, params, self.generator)
         spans.append(Timed("generate", "compute", start, time.time()))
-        if self.hybrid is not None:
-            start = time.time()
-            self.engine.release_weights()
-            if not copies:
-                self.hybrid.exit_generation()
-            spans.append(Timed(RESHARD_BACK_OP, "transition", start, time.time()))
         return {"prompts": rollout.prompts.cpu().numpy(), "responses": rollout.responses.cpu().numpy(),
                 "response_mask": rollout.response_mask.float().cpu().numpy(),
                 BEHAVIOUR: rollout.log_probs.float().cpu().numpy()}
+
+    def leave_generation(self, spans: list[Timed]) -> None:
+        """Back to the training layout after the generate calls that ran in a row (ReMax's sampled and greedy
+        generations, an evaluation's and the next iteration's) in one switch, as the simulator prices them; a
+        no-op outside generation. Nothing changes the weights in between: an update or a checkpoint load leaves
+        generation first (leave_generation_before)."""
+        if not self.generating:
+            return
+        start = time.time()
+        self.engine.release_weights()
+        if not self.engine.copies_weights:
+            self.hybrid.exit_generation()
+        self.generating = False
+        spans.append(Timed(RESHARD_BACK_OP, "transition", start, time.time()))
 
     def sync_buckets(self, rollout) -> dict[int, list]:
         """What this rank of the trained actor sends each rank of a separate rollout set (layout rollout): only
@@ -257,3 +266,13 @@ def _rollout_engine(runtime: RoleRuntime, model: torch.nn.Module, holds_weights:
     if holds_weights:
         engine.load_weights(model)
     return engine
+
+
+def leave_generation_before(runtimes: dict[str, RoleRuntime], role: str | None, op: str | None,
+                            spans: list[Timed]) -> None:
+    """Before a call of `role` (None: any other work on the worker, e.g. a checkpoint): every role in its
+    generation layout leaves it, except `role` when the call is one more generate, so a role's generation copy
+    never lives beside another call (the memory the simulator counts)."""
+    for name, runtime in runtimes.items():
+        if not (name == role and op == "generate"):
+            runtime.leave_generation(spans)

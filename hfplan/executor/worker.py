@@ -178,19 +178,33 @@ class SetWorker:
         from this worker's kept outputs); the transfer span starts when the last producer has finished. The
         outputs are kept for later calls; those of calls before `keep_from` (an earlier iteration) are dropped."""
         self.kept = {key: value for key, value in self.kept.items() if key >= keep_from}
+        spans: list[Timed] = []
+        self._leave_generation(role, op, spans)
         wait_for_producers(fields)
         start = time.time()
         arrays = fetch_fields(fields, self.kept)
-        spans: list[Timed] = [Timed(op, "transfer", start, time.time())]
+        spans.append(Timed(op, "transfer", start, time.time()))
         outputs = self.runtimes[role].run(op, arrays, options, spans)
         self.kept[call_id] = outputs
         return {"fields": outputs, "spans": spans}
+
+    def _leave_generation(self, role: str | None = None, op: str | None = None, spans: list | None = None) -> None:
+        from hfplan.executor.runtime import leave_generation_before
+
+        leave_generation_before(self.runtimes, role, op, [] if spans is None else spans)
+
+    def leave_generation(self) -> list[Timed]:
+        """Every role back in its training layout now; the way back's spans (none if no role was generating)."""
+        spans: list[Timed] = []
+        self._leave_generation(spans=spans)
+        return spans
 
     def weight_buckets(self, role: str, rollout_role: str) -> dict[int, list]:
         """This rank's buckets of `role`'s weights for each rank of the rollout set, as object refs by rollout
         rank (the buckets stay in this worker's object store until the rollout ranks fetch them)."""
         import ray
 
+        self._leave_generation()
         runtime = self.runtimes[role]
         buckets = runtime.sync_buckets(runtime.plan.parallelism[rollout_role].gen)
         return {dst: [ray.put(bucket) for bucket in parts] for dst, parts in buckets.items()}
@@ -221,6 +235,7 @@ class SetWorker:
         and this worker's random streams. Returns seconds spent."""
         from hfplan.executor import checkpoint
 
+        self._leave_generation()
         start, root = time.time(), Path(folder)
         for role, runtime in self.runtimes.items():
             if runtime.trained is not None:
@@ -234,6 +249,7 @@ class SetWorker:
         fresh ones from `reseed`. Returns seconds spent."""
         from hfplan.executor import checkpoint
 
+        self._leave_generation()
         start, root = time.time(), Path(folder)
         for role, runtime in self.runtimes.items():
             if runtime.trained is not None:
