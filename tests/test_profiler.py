@@ -522,3 +522,41 @@ def test_pace_drift_is_symmetric_and_zero_at_the_same_pace():
 
     assert drift(200e-6, 200e-6) == 0.0
     assert drift(200e-6, 300e-6) == pytest.approx(0.5) == drift(300e-6, 200e-6)
+
+
+class _SlowStretchClock:
+    """Runs each timed call once and reports its modelled seconds, twice as long for the calls numbered in `slow`
+    (a slower stretch of a virtual machine, or a burst of other work)."""
+
+    def __init__(self, slow: range) -> None:
+        self.slow, self.calls = slow, 0
+
+    def per_call(self, fn, min_time: float) -> float:
+        seconds = fn()
+        self.calls += 1
+        return seconds * (2.0 if self.calls - 1 in self.slow else 1.0)
+
+
+class _Engine:
+    """A decode step of `step_s` per step, one step per token, and a 1 ms prefill."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+        self.stats = type("Stats", (), {"decode_steps": 0})()
+
+    def generate(self, prompts, params) -> float:
+        self.stats.decode_steps = params.max_new_tokens
+        return 1e-3 + self.step_s * params.max_new_tokens
+
+
+def test_engine_steps_are_timed_in_interleaved_rounds_so_a_slow_stretch_falls_on_every_case_alike():
+    from hfplan.profiler import runtime
+
+    engines = [_Engine(1e-4), _Engine(2e-4), _Engine(3e-4)]
+    cases = [(engine, None) for engine in engines]
+    # The first six timings slow: case after case, that would be the whole of the first case's; in rounds, it
+    # is the first round of every case, which the medians over the rounds leave out.
+    clock = _SlowStretchClock(range(6))
+    steps = runtime.steps_seconds(clock, cases, min_time=0.0)
+    assert steps == pytest.approx([1e-4, 2e-4, 3e-4])
+    assert clock.calls == 2 * len(cases) * runtime.ROUNDS

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,9 +85,9 @@ def time_engines(torch, device: Device, min_time: float) -> EngineTimes:
     # it refills the slot (a batch of one every step, as the static engine's).
     static = TorchRolloutEngine(model, pad_id=0, eos_id=-1)
     continuous = TorchRolloutEngine(model, pad_id=0, eos_id=-1, batching="continuous", max_batch=1)
-    return EngineTimes(step=step_seconds(clock, static, prompts, min_time),
-                       batch_step=step_seconds(clock, static, prompts.repeat(BATCH, 1), min_time),
-                       continuous_step=step_seconds(clock, continuous, prompts.repeat(2, 1), min_time),
+    step, batch_step, continuous_step = steps_seconds(
+        clock, [(static, prompts), (static, prompts.repeat(BATCH, 1)), (continuous, prompts.repeat(2, 1))], min_time)
+    return EngineTimes(step=step, batch_step=batch_step, continuous_step=continuous_step,
                        plain=_engine_on_one_rank(torch, device, PLAIN))
 
 
@@ -385,22 +385,32 @@ def _world_of_one(torch, device: Device) -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def step_seconds(clock: Clock, engine, prompts, min_time: float) -> float:
-    """Seconds per decode step of `engine` on `prompts`: the time between responses of SHORT and LONG tokens
-    over the decode steps it counted between them (the prefills, the same in both, drop out). Each length is
-    timed in ROUNDS rounds taken in turn, their median kept: a burst of other work on a shared machine seldom
-    spans most of them (one burst over the short runs alone would make the slope negative)."""
+def steps_seconds(clock: Clock, cases: Sequence[tuple[object, object]], min_time: float) -> list[float]:
+    """Seconds per decode step of each (engine, prompts) case: the time between responses of SHORT and LONG
+    tokens over the decode steps it counted between them (the prefills, the same in both, drop out). Each length
+    of each case is timed in ROUNDS rounds, the cases in turn within a round, and the medians kept: a burst of
+    other work on a shared machine, or a slower stretch of a virtual one, seldom spans most rounds of a case, and
+    falls on every case alike when it does. (Timed case after case, one burst over one case's short runs made
+    its slope negative, and a slow stretch over one whole case made it slower than a case of 8 sequences: the
+    fixed costs are fitted from their differences.)"""
     from hfplan.executor.rollout.base import SamplingParams
 
-    timed: dict[int, list[float]] = {SHORT: [], LONG: []}
-    steps = {}
+    timed = [{SHORT: [], LONG: []} for _ in cases]
+    steps: list[dict[int, int]] = [{} for _ in cases]
     for _ in range(ROUNDS):
-        for tokens in (SHORT, LONG):
-            params = SamplingParams(max_new_tokens=tokens)  # sampled, as a run samples
-            timed[tokens].append(clock.per_call(lambda params=params: engine.generate(prompts, params),
-                                                min_time / ROUNDS))
-            steps[tokens] = engine.stats.decode_steps
-    return (typical(timed[LONG]) - typical(timed[SHORT])) / (steps[LONG] - steps[SHORT])
+        for (engine, prompts), times, counted in zip(cases, timed, steps, strict=True):
+            for tokens in (SHORT, LONG):
+                params = SamplingParams(max_new_tokens=tokens)  # sampled, as a run samples
+                times[tokens].append(clock.per_call(lambda engine=engine, prompts=prompts, params=params:
+                                                    engine.generate(prompts, params), min_time / ROUNDS))
+                counted[tokens] = engine.stats.decode_steps
+    return [(typical(times[LONG]) - typical(times[SHORT])) / (counted[LONG] - counted[SHORT])
+            for times, counted in zip(timed, steps, strict=True)]
+
+
+def step_seconds(clock: Clock, engine, prompts, min_time: float) -> float:
+    """steps_seconds of one case."""
+    return steps_seconds(clock, [(engine, prompts)], min_time)[0]
 
 
 @dataclass(frozen=True)
