@@ -132,11 +132,14 @@ class TextCodec:
 
 
 def backend_codec(backend: Tokenizer) -> TextCodec:
+    """Text one row at a time: the library's batch calls hand the rows to a thread pool, which waits for a core
+    where the workers keep them busy (the controller's batches are too small for threads to pay)."""
+
     def encode_batch(texts: list[str]) -> list[list[int]]:
-        return [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=True)]
+        return [backend.encode(text, add_special_tokens=True).ids for text in texts]
 
     def decode_batch(rows: list[list[int]]) -> list[str]:
-        return backend.decode_batch(rows, skip_special_tokens=True)
+        return [backend.decode(row, skip_special_tokens=True) for row in rows]
 
     return TextCodec(encode_batch, decode_batch, backend.token_to_id(PAD))
 
