@@ -7,11 +7,10 @@ on one set, in the layouts tp x pp x dp of bench/execute_layouts.py that fit --m
 separate rollout engine beside the colocated roles on 2 processes (--quick: neither). Each plan is validated
 --repeats times (hfplan.validation.run.validate: executed, the first iteration a warm-up, then simulated with the
 measured mean response length) on one Ray session. Prints each plan's simulated and (median) measured iteration and
-its spread over the repeats ((highest - lowest) / median) and the most CPU other processes used during a run's
-compared iterations (`others`, cores: hfplan.validation.machine) and the machine's pace around its runs (`pace`:
-the probe's time over the profile's, hfplan.profiler.pace; nan where the profile was not measured on CPU), then the
-median and worst absolute per-stage
-error, the iteration and memory errors, the median spread, and Kendall's tau between simulated and measured
+its spread over the repeats ((highest - lowest) / median), the most CPU other processes used during a run's
+compared iterations (`others`, cores: hfplan.validation.machine), the machine's pace around its runs (`pace`: the
+probe's time over the profile's, hfplan.profiler.pace; nan where the profile was not measured on CPU) and each
+stage's error in its first run, then the median and worst absolute per-stage error, the iteration and memory errors, the median spread, and Kendall's tau between simulated and measured
 iteration times, over all plans and over the pairs whose measured ranges do not overlap (the ranking the search
 relies on, where the measurements settle it), the other processes' CPU and the pace over all runs. Asserts nothing
 about time.
@@ -34,6 +33,7 @@ from pathlib import Path
 
 from execute_layouts import LAYOUTS, layout_plan  # bench/ is the script's folder, hence on sys.path
 
+from hfplan.dataflow.ops import PHASES
 from hfplan.executor.controller import ExecuteOptions
 from hfplan.layout import ROLLOUT
 from hfplan.plan import Plan
@@ -103,6 +103,12 @@ class Point:
         return (self.simulated - self.median) / self.median
 
 
+def stage_errors_line(comparison: Comparison) -> str:
+    """Each stage's signed error, in the order of the phases (`-` where nothing was measured)."""
+    return " ".join(f"{phase[:3]} " + ("-" if figure.error is None else f"{figure.error * 100:+.0f}%")
+                    for phase, figure in sorted(comparison.stages.items(), key=lambda item: PHASES.index(item[0])))
+
+
 def median_abs(values) -> float:
     values = [abs(v) for v in values if v is not None]
     return statistics.median(values) * 100 if values else float("nan")
@@ -141,7 +147,8 @@ def main() -> None:
         print(f"hfplan validate over {len(plans)} plans x {repeats} runs, {iterations} iterations each (first a "
               f"warm-up), profile {args.hardware}, models {args.model or 'of each workload'}, {os.cpu_count()} "
               f"cores, load {os.getloadavg()[0]:.1f}")
-        print(f"{'plan':<26}{'simulated s':>12}{'measured s':>12}{'error':>9}{'spread':>8}{'others':>8}{'pace':>7}")
+        print(f"{'plan':<26}{'simulated s':>12}{'measured s':>12}{'error':>9}{'spread':>8}{'others':>8}{'pace':>7}"
+              "  stages (first run: generation, preparation, training)")
         for label, plan in plans:
             runs, others, paces = [], [], []
             for repeat in range(repeats):
@@ -153,7 +160,8 @@ def main() -> None:
                 paces.append(checked.pace.ratio if checked.pace is not None else math.nan)
             point = Point(label, runs, others, paces)
             print(f"{label:<26}{point.simulated:>12.3f}{point.median:>12.3f}{point.error * 100:>+8.1f}%"
-                  f"{point.spread * 100:>7.1f}%{max(others):>8.2f}{statistics.median(paces):>7.2f}", flush=True)
+                  f"{point.spread * 100:>7.1f}%{max(others):>8.2f}{statistics.median(paces):>7.2f}  "
+                  f"{stage_errors_line(runs[0])}", flush=True)
             points.append(point)
     finally:
         ray.shutdown()
