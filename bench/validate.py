@@ -11,9 +11,9 @@ its spread over the repeats ((highest - lowest) / median), the most CPU other pr
 compared iterations (`others`, cores: hfplan.validation.machine), the machine's pace around its runs (`pace`: the
 probe's time over the profile's, hfplan.profiler.pace; nan where the profile was not measured on CPU) and each
 stage's error in its first run, then the median and worst absolute per-stage error, the iteration and memory
-errors, the median spread, and Kendall's tau between simulated and measured iteration times, over all plans and over the pairs whose measured ranges do not overlap (the ranking the search
-relies on, where the measurements settle it), the other processes' CPU and the pace over all runs. Asserts nothing
-about time.
+errors, the median spread, and Kendall's tau between simulated and measured iteration times, over all plans and
+over the pairs whose measured ranges do not overlap (the ranking the search relies on, where the measurements
+settle it), the other processes' CPU and the pace over all runs. Asserts nothing about time.
 
     RAY_AUTH_MODE=disabled python bench/validate.py [--quick] [--iterations N] [--repeats N] [--hardware NAME|PATH]
                                                     [--max-processes N] [--model NAME]
