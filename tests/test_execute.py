@@ -139,6 +139,32 @@ def test_remax_one_iteration(tmp_path):
     assert len(generates) == 2 and back["start"] >= generates[1]["end"]
 
 
+def test_the_next_generation_sent_ahead_changes_nothing_but_the_wait(tmp_path):
+    """Each iteration's first generation is sent while the last iteration's update runs (none before the last
+    iteration's checkpoint): the same run, metric for metric, as the single-process backend's, which sends
+    nothing ahead; each iteration's time starts where the last one's ended."""
+    from hfplan.executor.local import run_local, single_process_world
+
+    models = {"actor": "tiny", "reference": "tiny", "reward": "rule:vowel-fraction"}
+    plan = cpu_plan(tiny_workload("remax", models), [(("actor", "reference"), 1)])
+    summary, timeline = run(plan, tmp_path, iterations=3)  # sent after iterations 0 and 1
+    with single_process_world():
+        alone = run_local(plan, ExecuteOptions(iterations=3)).iterations
+    assert any(it["actor/grad_norm"] > 0 for it in alone)  # the weights move between the generations
+    for got, want in zip(summary.iterations, alone, strict=True):
+        for key in ("reward", "response_len", "actor/policy_loss", "actor/grad_norm", "kl"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+    assert all(s["start"] >= 0 for record in timeline["iterations"] for s in record["spans"])
+
+
+def test_a_generation_is_sent_ahead_only_where_no_checkpoint_or_evaluation_comes_between():
+    from hfplan.executor.controller import sends_ahead_after
+
+    options = ExecuteOptions(iterations=6, checkpoint_every=2, eval_every=3)
+    assert [done for done in range(1, 7) if sends_ahead_after(done, options, evaluates=False)] == [1, 3, 5]
+    assert [done for done in range(1, 7) if sends_ahead_after(done, options, evaluates=True)] == [1, 5]
+
+
 def test_safe_rlhf_one_iteration(tmp_path):
     models = {"actor": "tiny", "critic": "tiny", "reference": "tiny", "reward": "rule:vowel-fraction",
               "cost": "rule:distinct-chars", "cost_critic": "tiny"}

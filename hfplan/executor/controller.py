@@ -280,8 +280,7 @@ def _run_on_sets(plan: Plan, checked: preflight.Checked, options: ExecuteOptions
             if samples is not None:
                 samples.write(report.samples)
             timeline.append(timeline_entry(report))
-            every = options.checkpoint_every
-            if progress.iteration == options.iterations or (every and progress.iteration % every == 0):
+            if checkpoint_due(progress.iteration, options):
                 summary.checkpoint = _write_checkpoint(sets, plan, run, progress, summary.iterations, timeline,
                                                        options)
             if on_iteration is not None:
@@ -397,17 +396,68 @@ def run_iterations(plan: Plan, roles: dict, checked: preflight.Checked, options:
     progress = progress or start_progress(plan, checked, options)
     controller = ExecutionController(progress.state, recorder)
     algorithm = get_algorithm(plan.workload.algorithm)
+    first = first_generation(plan, roles)
+    ahead = None  # (the prompts handed, encoded) of an iteration whose generation was sent, and the last one's end
     while progress.iteration < options.iterations:
         iteration = progress.iteration
-        handed = progress.stream.next_batch()
-        prompts = checked.encode(handed.prompts)
-        recorder.start_iteration(handed.columns)
+        if ahead is None:
+            handed = progress.stream.next_batch()
+            prompts = checked.encode(handed.prompts)
+            recorder.start_iteration(handed.columns)
+        else:  # its generation was sent during the last iteration: its time starts where that one's ended
+            handed, prompts, previous_end = ahead
+            recorder.hold_from = first.actor.ahead.call_id  # its outputs stay on the workers for its calls
+            recorder.start_iteration(handed.columns, origin=previous_end)
+            recorder.hold_from = None
         updates = algorithm.program(roles, Batch(prompts=prompts), controller)
+        sent = None
+        if first is not None and sends_ahead_after(iteration + 1, options, checked.eval_set is not None):
+            next_handed = progress.stream.next_batch()
+            next_prompts = checked.encode(next_handed.prompts)
+            first.actor.send_ahead(next_prompts, first.n, first.greedy)
+            sent = (next_handed, next_prompts)
         update_metrics = {name: resolved(value) for name, value in updates.items()}
-        elapsed = time.time() - recorder.origin
+        ended = time.time()
+        elapsed = ended - recorder.origin
+        ahead = None if sent is None else (*sent, ended)
         recorder.finish_iteration()
         yield finish_iteration_report(plan, options, checked, roles, recorder, progress, iteration, elapsed,
                                       update_metrics)
+
+
+@dataclass(frozen=True)
+class FirstGeneration:
+    """The generation every iteration of the program starts with, where it can be sent ahead (its prompts are
+    the iteration's alone): a hybrid actor's, on the actor's own set."""
+
+    actor: ActorRole
+    n: int
+    greedy: bool
+
+
+def first_generation(plan: Plan, roles: dict) -> FirstGeneration | None:
+    from hfplan.simulator.trace import trace
+
+    node = trace(plan.workload).nodes[0]
+    actor = roles.get(node.role)
+    if node.op != "generate" or not isinstance(actor, ActorRole) or actor.rollout is not None:
+        return None
+    return FirstGeneration(actor, node.sequences // plan.workload.batch_prompts, node.greedy)
+
+
+def checkpoint_due(done: int, options: ExecuteOptions) -> bool:
+    """Whether a checkpoint is written once `done` iterations are done: every --checkpoint-every, and at the end."""
+    every = options.checkpoint_every
+    return done == options.iterations or bool(every and done % every == 0)
+
+
+def sends_ahead_after(done: int, options: ExecuteOptions, evaluates: bool) -> bool:
+    """Whether the next iteration's generation may be sent before `done` iterations are reported: not past the
+    last, and neither a checkpoint (the workers' random streams and the prompt stream it saves would be those
+    after the next generation) nor an evaluation (`evaluates`: the run has held-out prompts; it generates in
+    between) due at that point."""
+    evaluating = evaluates and evaluation.due(done, options.eval_every, options.iterations)
+    return done < options.iterations and not checkpoint_due(done, options) and not evaluating
 
 
 def finish_iteration_report(plan: Plan, options: ExecuteOptions, checked, roles, recorder: Recorder,

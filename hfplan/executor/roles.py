@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hfplan.dataflow.batch import Batch, row_split
+from hfplan.dataflow.batch import Batch, resolved, row_split
 from hfplan.dataflow.controller import STEPS, ControllerState
 from hfplan.dataflow.ops import ROLE_OPS
 from hfplan.dataflow.rewards import Reward, RewardFailed, columns_per_row, score_rows
@@ -55,9 +55,10 @@ class Recorder:
     # (prompts, responses) as a controller reward decoded them, by greedy: what --samples shows without decoding
     texts: dict[bool, tuple[list[str], list[str]]] = field(default_factory=dict)
 
-    def start_iteration(self, prompt_columns: dict[str, list] | None = None) -> None:
-        """A new recording (a training iteration, or an evaluation): spans from now, nothing observed yet."""
-        self.origin = time.time()
+    def start_iteration(self, prompt_columns: dict[str, list] | None = None, origin: float | None = None) -> None:
+        """A new recording (a training iteration, or an evaluation): spans from now (or from `origin`, where its
+        first call was sent before), nothing observed yet."""
+        self.origin = time.time() if origin is None else origin
         self.spans = []
         self.observed = {}
         self.texts = {}
@@ -166,13 +167,15 @@ class PendingCall:
 
     def __init__(self, label: tuple[str, str, bool], set_index: int, refs: list, collect: list[int],
                  rows: list[int], recorder: Recorder, describe_failure: Callable[[Exception], str],
-                 timeout_s: float, call_id: int) -> None:
+                 timeout_s: float, call_id: int, recorded: bool = True) -> None:
+        """`recorded`: part of the current recording (else the caller adds it to a later one)."""
         self.label, self.set_index, self.refs, self.collect, self.rows = label, set_index, refs, collect, rows
         self.recorder, self.describe_failure, self.timeout_s = recorder, describe_failure, timeout_s
         self.call_id = call_id
         self._outputs: dict | None = None
         self.ended = 0.0  # when its last rank finished (the controller's clock), once its outputs are fetched
-        recorder.calls.append(self)
+        if recorded:
+            recorder.calls.append(self)
 
     @property
     def greedy(self) -> bool:
@@ -249,6 +252,20 @@ def from_greedy(batch: Batch) -> bool:
     return isinstance(responses, FieldFuture) and responses.call.greedy
 
 
+@dataclass(frozen=True)
+class SentAhead:
+    """A generation sent before the iteration that reads it (ActorRole.send_ahead)."""
+
+    prompts: np.ndarray
+    n: int
+    greedy: bool
+    outputs: Batch
+
+    @property
+    def call_id(self) -> int:
+        return next(iter(self.outputs.values())).call.call_id
+
+
 @dataclass
 class WorkerSet:
     """The Ray actors of one placement set, rank by rank."""
@@ -268,7 +285,7 @@ class WorkerGroupRole(CallingRole):
         self.name, self.facts, self.workers, self.layouts = name, facts, workers, layouts
         self.recorder, self.timeout_s = recorder, timeout_s
 
-    def call(self, op: str, batch: Batch, greedy: bool = False, n: int = 1) -> Batch:
+    def call(self, op: str, batch: Batch, greedy: bool = False, n: int = 1, recorded: bool = True) -> Batch:
         if op != "generate":
             greedy = from_greedy(batch)  # a forward call on greedy responses is labelled so (ReMax's baseline)
         layout = self.layouts[ROLE_OPS[op].layout]
@@ -292,7 +309,7 @@ class WorkerGroupRole(CallingRole):
 
         out_rows = [(end - start) * (n if op == "generate" else 1) for start, end in bounds]
         call = PendingCall((self.name, op, greedy), self.workers.index, refs, collectors, out_rows,
-                           self.recorder, describe, self.timeout_s, call_id)
+                           self.recorder, describe, self.timeout_s, call_id, recorded)
         return Batch({name: FieldFuture(call, name) for name in call_writes(self.name, self.facts, op)})
 
 
@@ -317,8 +334,22 @@ class ActorRole(WorkerGroupRole):
         super().__init__(*args, **kwargs)
         self.rollout = rollout
         self.rollout_stale = rollout is not None
+        self.ahead: SentAhead | None = None
+
+    def send_ahead(self, prompts: np.ndarray, n: int, greedy: bool) -> None:
+        """Send the next iteration's first generation now, while this iteration's calls still run: its workers run
+        it right after them, with the weights the update leaves, so the controller's work between the iterations
+        (the update's results, the report, the next prompts) no longer holds the set idle. Only for a generation
+        through the hybrid engine (a separate rollout set is synced first); joins the recording that asks for it
+        (generate)."""
+        if self.rollout is not None:
+            raise ValueError("a generation on a separate rollout set waits for its weight sync: it is not sent ahead")
+        self.ahead = SentAhead(prompts, n, greedy,
+                               self.call("generate", Batch(prompts=prompts), greedy=greedy, n=n, recorded=False))
 
     def generate(self, batch: Batch, n: int = 1, greedy: bool = False) -> Batch:
+        if self.ahead is not None:
+            return self._take_ahead(batch, n, greedy)
         if self.rollout is None:
             return super().generate(batch, n, greedy)
         if self.rollout_stale:
@@ -327,6 +358,14 @@ class ActorRole(WorkerGroupRole):
         for value in out.values():
             value.call.label = (self.name, "generate", greedy)
         return out
+
+    def _take_ahead(self, batch: Batch, n: int, greedy: bool) -> Batch:
+        ahead, self.ahead = self.ahead, None
+        if (ahead.n, ahead.greedy) != (n, greedy) or not np.array_equal(ahead.prompts, resolved(batch["prompts"])):
+            raise RuntimeError(f"the generation sent ahead (n={ahead.n}, greedy={ahead.greedy}) is not the one the "
+                               f"iteration asks for first (n={n}, greedy={greedy}, or other prompts)")
+        self.recorder.calls.append(next(iter(ahead.outputs.values())).call)  # every field's call is the one
+        return ahead.outputs
 
     def update(self, batch: Batch) -> Batch:
         self.rollout_stale = self.rollout is not None
