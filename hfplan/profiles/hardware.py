@@ -256,6 +256,11 @@ class Runtime(_Strict):
     tp_optimizer_tensor_us: float = Field(default=0.0, ge=0, description="the same on top of an optimizer step, "
                                           "per parameter tensor")
 
+    vllm_batched_tokens: int = Field(
+        default=8192, ge=1, description="vLLM's max_num_batched_tokens on this device (its default for the offline "
+                                        "LLM class): the tokens of the dummy forward vLLM profiles its activations "
+                                        "with before it sizes its KV cache, so what it sets aside for them")
+
     def forward_pass_s(self, fsdp: bool = False, tp: bool = False) -> float:
         """Seconds of fixed cost per forward micro-batch; `fsdp`: through a trained role's FSDP2-wrapped engine;
         `tp`: the model split by tensor parallelism."""

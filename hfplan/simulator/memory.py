@@ -134,6 +134,16 @@ def generation_working_bytes(arch: ModelArch, gen: GenConfig, prompt_len: int, v
             + score_bytes(arch, gen.tp, 1, prompt_len, attention, value_bytes))
 
 
+def vllm_working_bytes(arch: ModelArch, gen: GenConfig, batched_tokens: int, max_seqs: int,
+                       value_bytes: int = BF16) -> float:
+    """What vLLM sets aside for its activations before it sizes its KV cache: the peak of its profile run (vLLM
+    0.32, gpu_model_runner.profile_run: one forward of max_num_batched_tokens dummy tokens, then the sampler over
+    max_num_seqs rows of fp32 logits), which gpu_worker.determine_available_memory takes from its budget with the
+    weights. Its attention is its own fused kernel: no score matrices, whatever the training stack's."""
+    return (value_bytes * batched_tokens * layer_working_values_per_token(arch, gen.tp)
+            + _logits_bytes(arch, min(max_seqs, batched_tokens), gen.tp, "lm"))
+
+
 def kv_bytes_per_token_per_gpu(arch: ModelArch, cfg: Layout, value_bytes: int = BF16) -> float:
     """KV-cache bytes of one token on one GPU: KV heads split over tp (replicated when fewer than tp),
     layers split over pp."""
