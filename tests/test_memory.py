@@ -303,3 +303,14 @@ def test_each_engine_sets_aside_its_own_working_memory():
     capped = vllm_gen.model_copy(update={"max_batch": 3})
     assert engine_working(w, capped, 2, "flash", 8192) == memory.vllm_working_bytes(arch, capped, 8192, 3)
     assert engine_working(w, vllm_gen, 2, "flash", 16384) > engine_working(w, torch_gen, 2, "flash", 16384)
+
+
+def test_a_gelu_mlp_saves_two_values_of_its_width(small_arch):
+    from dataclasses import replace
+
+    gelu = replace(small_arch, mlp="gelu")
+    # SwiGLU saves gate, up and their product (3 x 128 / 2 at tp 2); GeLU its up projection and activation
+    assert (memory.activation_values_per_token_layer(small_arch, 2)
+            - memory.activation_values_per_token_layer(gelu, 2)) == pytest.approx(128 / 2)
+    assert (memory.layer_working_values_per_token(small_arch, 2)
+            - memory.layer_working_values_per_token(gelu, 2)) == pytest.approx(128 / 2)
