@@ -30,7 +30,8 @@ Assumptions common to the cases:
   layers' collectives have nothing beside them (`sharding.exposed_step_comm`).
 - Collectives in a node run in the fastest of NCCL's ring protocols (LL, LL128, Simple) as NCCL's tuning model prices
   them (the shipped profiles' `links.intra_node.protocols`, from NVIDIA/nccl src/graph/tuning.cc); NVLS pays that
-  model's 25 us latency on H100.
+  model's 25 us latency on H100. Rings spanning nodes run in the same protocols at that model's network latencies
+  (`links.inter_node.protocols`).
 - FP16 inference runs are priced as bf16 (same bytes and tensor-core rate on A100).
 - The shipped profiles' engine step (`runtime.engine_step_us`, 4 ms) is vLLM's Python scheduler's host work per step.
   gpt-fast does not pay it (`_engine_without_host_step`): it replays each decode step as one CUDA graph (generate.py:
