@@ -153,6 +153,19 @@ class Protocol(_Strict):
                                                               "launching each step's network transfers)")
 
 
+class TreeProtocol(_Strict):
+    """One protocol of a collective library's tree all-reduce across nodes (NCCL's tree: each node's ranks chained
+    over NVLink, the nodes in a binary tree over the network; reduced up the tree and broadcast down it)."""
+
+    name: str = Field(min_length=1)
+    base_us: float = Field(ge=0, description="latency of one all-reduce, whatever the tree's size")
+    intra_hop_us: float = Field(ge=0, description="latency of each step along a node's chain")
+    hop_us: float = Field(ge=0, description="latency of each level of the tree across the network")
+    bandwidth_fraction: float = Field(gt=0, le=1, description="share of the ring's bus bandwidth the tree's "
+                                                              "data gets (its protocol's flags, the tree's own "
+                                                              "losses)")
+
+
 class Link(_Strict):
     """Alpha-beta model of one link class: a collective step costs latency + bytes / bandwidth (or, for rings in a
     node over a link that lists `protocols`, the fastest protocol's cost)."""
@@ -174,6 +187,10 @@ class Link(_Strict):
         default=(), description="the collective library's protocols (Protocol) for rings over this link: in a node "
                                 "(intra_node) or spanning nodes (inter_node), the fastest taken for each "
                                 "collective; empty: every step costs latency_us, at the full bus bandwidth")
+    tree: tuple[TreeProtocol, ...] = Field(
+        default=(), description="inter_node only: the collective library's tree all-reduce across nodes, per "
+                                "protocol (TreeProtocol); an all-reduce spanning nodes runs the fastest of these and "
+                                "the ring's; empty: the ring alone")
 
     @property
     def nvls_bytes_per_s(self) -> float:
