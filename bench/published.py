@@ -8,9 +8,12 @@ and worst |error| per category and overall. Asserts nothing: the numbers are for
     python bench/published.py [--csv PATH]
 
 Assumptions common to the cases:
-- GPT-style models (a GeLU MLP of width 4h: MPT, GPT-J) are written as hfplan's Llama-layout ModelArch with a
-  SwiGLU MLP of width round(8h/3): the same weights and FLOPs per token, GEMMs of other shapes; learned or ALiBi
-  position encodings and LayerNorm biases (well under 0.1% of the weights) are left out.
+- GPT-style models are described as they are built (ModelArch.mlp, rotary_dim): a GeLU MLP of width 4h (MPT,
+  GPT-J), no rotary embedding where positions are learned (MPT's default, which its benchmark yamls keep) and
+  GPT-J's rotary on 64 of each head's 256 dimensions (its config.json's rotary_dim). Biases (MPT's and GPT-J's
+  linear layers and LayerNorms: well under 0.1% of the weights) are left out: a fused LayerNorm moves the bytes an
+  RMSNorm does. GPT-J's parallel
+  attention and MLP (one norm per layer, one residual add) is priced as two sequential blocks.
 - Where a published system's network differs from the shipped profile's, the case prices the shipped profile with
   that one link changed (`_with_inter_node`, `_without_nvls`), and says so.
 - Where a published run's attention kernel is not the shipped profiles' (FlashAttention-2), the case prices the
@@ -27,7 +30,8 @@ Assumptions common to the cases:
   layers' collectives have nothing beside them (`sharding.exposed_step_comm`).
 - Collectives in a node run in the fastest of NCCL's ring protocols (LL, LL128, Simple) as NCCL's tuning model prices
   them (the shipped profiles' `links.intra_node.protocols`, from NVIDIA/nccl src/graph/tuning.cc); NVLS pays that
-  model's 25 us latency on H100.
+  model's 25 us latency on H100. Rings spanning nodes run in the same protocols at that model's network latencies
+  (`links.inter_node.protocols`).
 - FP16 inference runs are priced as bf16 (same bytes and tensor-core rate on A100).
 - The shipped profiles' engine step (`runtime.engine_step_us`, 4 ms) is vLLM's Python scheduler's host work per step.
   gpt-fast does not pay it (`_engine_without_host_step`): it replays each decode step as one CUDA graph (generate.py:
@@ -167,25 +171,30 @@ def _with_attention_rate(name: str, points: tuple[tuple[int, float], ...] | None
     return hw.model_copy(update={"compute": hw.compute.model_copy(update={"attention_rate": points})})
 
 
-def gpt_arch(name: str, layers: int, hidden: int, heads: int, vocab: int, tied: bool = True) -> ModelArch:
-    """A GPT-style model (MLP 4h wide, GeLU) as a Llama-layout ModelArch of the same weights (module docstring)."""
-    return ModelArch(name, layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=round(8 * hidden / 3),
-                     vocab=vocab, tied_embeddings=tied)
+def gpt_arch(name: str, layers: int, hidden: int, heads: int, vocab: int, rotary_dim: int, tied: bool = True
+             ) -> ModelArch:
+    """A GPT-style model: a GeLU MLP 4h wide, multi-head attention, `rotary_dim` rotated dimensions per head."""
+    return ModelArch(name, layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=4 * hidden, vocab=vocab,
+                     tied_embeddings=tied, mlp="gelu", rotary_dim=rotary_dim)
 
 
 # MPT sizes: mosaicml/llm-foundry scripts/train/yamls/pretrain/mpt-{1b,3b,7b,13b,30b,70b}.yaml (d_model, n_heads,
 # n_layers; expansion_ratio 4; vocab_size 50368; MPT ties its output head to the embedding). The benchmark
 # table's NumParams column agrees with these within 0.1%.
+# Learned positions (llmfoundry/models/mpt/configuration_mpt.py at the same commit: learned_pos_emb True,
+# attn_config alibi False, which the yamls leave): no rotary embedding; the position table (max_seq_len x d_model,
+# under 0.1% of the weights) is left out.
 MPT = {
-    "1b": gpt_arch("mpt-1b", 24, 2048, 16, 50368),
-    "3b": gpt_arch("mpt-3b", 32, 2560, 20, 50368),
-    "7b": gpt_arch("mpt-7b", 32, 4096, 32, 50368),
-    "13b": gpt_arch("mpt-13b", 40, 5120, 40, 50368),
-    "30b": gpt_arch("mpt-30b", 48, 7168, 56, 50368),
-    "70b": gpt_arch("mpt-70b", 80, 8192, 64, 50368),
+    "1b": gpt_arch("mpt-1b", 24, 2048, 16, 50368, rotary_dim=0),
+    "3b": gpt_arch("mpt-3b", 32, 2560, 20, 50368, rotary_dim=0),
+    "7b": gpt_arch("mpt-7b", 32, 4096, 32, 50368, rotary_dim=0),
+    "13b": gpt_arch("mpt-13b", 40, 5120, 40, 50368, rotary_dim=0),
+    "30b": gpt_arch("mpt-30b", 48, 7168, 56, 50368, rotary_dim=0),
+    "70b": gpt_arch("mpt-70b", 80, 8192, 64, 50368, rotary_dim=0),
 }
-# GPT-J 6B (EleutherAI/gpt-j-6b config.json: n_layer 28, n_embd 4096, n_head 16, vocab 50400, untied head).
-GPTJ = gpt_arch("gpt-j-6b", 28, 4096, 16, 50400, tied=False)
+# GPT-J 6B (EleutherAI/gpt-j-6b config.json: n_layer 28, n_embd 4096, n_head 16, rotary_dim 64, vocab 50400,
+# untied head).
+GPTJ = gpt_arch("gpt-j-6b", 28, 4096, 16, 50400, rotary_dim=64, tied=False)
 
 
 # ---------------------------------------------------------------------------------------------- predictions
@@ -234,7 +243,7 @@ FOUNDRY = ("mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 06
            "row {row}: {gpus} GPUs, FSDP FULL_SHARD, bf16, seq {seq}, micro-batch {micro}, grad-accum {accum}, "
            "activation checkpointing {ckpt}; column Throughput (T/s/GPU)")
 # The runs' attention kernel: submit_benchmarks.py (same commit) sets model.attn_config.attn_impl from --attn_impl,
-# default "triton", which sweep.sh does not change: llm-foundry's Triton FlashAttention (with ALiBi as its bias).
+# default "triton", which sweep.sh does not change: llm-foundry's Triton FlashAttention.
 A100_FOUNDRY_TABLE = "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"
 H100_FOUNDRY_TABLE = "H100 80GB BF16"
 

@@ -663,9 +663,9 @@ def arch_specs(arch: ModelArch) -> list[TensorSpec]:
     replicated), each kind of layer tensor once with count = the layers."""
     h, n = arch.hidden, arch.layers
     layer = [("q_proj", (arch.q_dim, h), 0, 0), ("k_proj", (arch.kv_dim, h), 0, arch.kv_heads),
-             ("v_proj", (arch.kv_dim, h), 0, arch.kv_heads), ("o_proj", (h, arch.q_dim), 1, 0),
-             ("gate_proj", (arch.ffn, h), 0, 0), ("up_proj", (arch.ffn, h), 0, 0),
-             ("down_proj", (h, arch.ffn), 1, 0)]
+             ("v_proj", (arch.kv_dim, h), 0, arch.kv_heads), ("o_proj", (h, arch.q_dim), 1, 0)]
+    layer += [("gate_proj", (arch.ffn, h), 0, 0)] if arch.mlp == "swiglu" else []
+    layer += [("up_proj", (arch.ffn, h), 0, 0), ("down_proj", (h, arch.ffn), 1, 0)]
     if arch.attention_bias:
         layer += [("q_bias", (arch.q_dim,), 0, 0), ("k_bias", (arch.kv_dim,), 0, arch.kv_heads),
                   ("v_bias", (arch.kv_dim,), 0, arch.kv_heads)]

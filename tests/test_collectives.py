@@ -178,8 +178,11 @@ def test_a_small_all_reduce_costs_at_least_its_latency():
     from hfplan.profiles.hardware import load_hardware
 
     hw = load_hardware("a100-80g")
-    intra, inter = hw.links.intra_node.latency_us * 1e-6, hw.links.inter_node.latency_us * 1e-6
-    assert coll.all_reduce(hw, Group(16, 8, 8), 1024) >= 14 * intra + 2 * inter
+    # across nodes, NCCL's LL tree (the inter-node link's tree): 6.8 us, then up and down the node's chain of 7
+    # NVLink steps at 0.6 us and 1 level of the tree at 5 us; its LL ring would take 6.6 + 28 x 1 + 2 x 2.7 us
+    assert coll.all_reduce(hw, Group(16, 8, 8), 1024) >= (6.8 + 2 * (7 * 0.6 + 5.0)) * 1e-6
+    assert coll.how_it_runs(hw, Group(16, 8, 8), 1024, passes=2) == "tree-LL"
+    assert coll.all_gather(hw, Group(16, 8, 8), 1024) >= (6.6 + 14 * 1.0 + 2.7) * 1e-6  # no tree: the LL ring
     assert coll.all_reduce(hw, Group(8, 8, 8), 1024) >= (6.6 + 14 * 0.6) * 1e-6
     assert coll.all_reduce(hw, Group(8, 8, 8), 1024) < 1.01 * (6.6 + 14 * 0.6) * 1e-6  # the bytes are nothing
 
@@ -224,6 +227,82 @@ def test_rings_spanning_nodes_keep_the_latency_per_step(toy_hw):
     hw = protocols(toy_hw, FAST_START, FULL_RATE)
     for group in (Group(16, 8, 8), Group(4, 1, 8), Group(8, 2, 2)):
         assert coll.all_reduce(hw, group, 8192) == coll.all_reduce(toy_hw, group, 8192)
+
+
+def across_nodes(hw, *rows):
+    """hw with its inter-node link listing the protocols (name, base_us, hop_us, alone_hop_us, overhead_us,
+    fraction)."""
+    listed = tuple(Protocol(name=n, base_us=b, hop_us=h, alone_hop_us=a, overhead_us=o, bandwidth_fraction=f)
+                   for n, b, h, a, o, f in rows)
+    return hw.model_copy(update={"links": hw.links.model_copy(update={
+        "inter_node": hw.links.inter_node.model_copy(update={"protocols": listed})})})
+
+
+NET_FAST = ("FAST_START", 5.0, 3.0, 6.0, 1.0, 0.5)  # beside the node's FAST_START (0.5 us a step)
+NET_FULL = ("FULL_RATE", 10.0, 12.0, 12.0, 3.0, 1.0)  # beside the node's FULL_RATE (2 us a step)
+
+
+@pytest.mark.parametrize(("group", "nbytes", "expected", "runs_as"), [
+    # 16 ranks on 2 nodes: 30 steps, 2 across the network. 8 KiB (each rank sends 15360 bytes): FAST_START 5 us +
+    # 28 x max(0.5, 1) + 2 x 3 us = 39 us, the bytes at half of min(8 GPUs x 1e9 B/s of the NICs, NVLink 5e10);
+    # FULL_RATE 10 + 28 x 3 + 2 x 12 = 118 us + 1.9 us.
+    (Group(16, 8, 8), 8192, 39e-6 + 15360 / 4e9, "FAST_START"),
+    # 1e9 bytes: FULL_RATE 118 us + 1.875e9 / 8e9 beats FAST_START's 39 us + 1.875e9 / 4e9.
+    (Group(16, 8, 8), N, 118e-6 + 1.875 * N / 8e9, "FULL_RATE"),
+    # one rank on each of 4 nodes (8 GPUs of each busy): 6 steps, all across the network, at the alone latency:
+    # FAST_START 5 + 6 x 6 = 41 us + 12288 bytes at half of 1e9 B/s; FULL_RATE 82 us + 12.3 us.
+    (Group(4, 1, 8), 8192, 41e-6 + 12288 / 0.5e9, "FAST_START"),
+])
+def test_rings_spanning_nodes_run_the_networks_protocols_by_hand(toy_hw, group, nbytes, expected, runs_as):
+    hw = across_nodes(protocols(toy_hw, FAST_START, FULL_RATE), NET_FAST, NET_FULL)
+    assert coll.all_reduce(hw, group, nbytes) == pytest.approx(expected, rel=1e-12)
+    assert coll.how_it_runs(hw, group, nbytes, passes=2) == runs_as
+    # all-gather: half the steps across (1 of 15), half the bytes
+    if group == Group(16, 8, 8) and nbytes == 8192:
+        assert coll.all_gather(hw, group, nbytes) == pytest.approx((5 + 14 * 1.0 + 3) * 1e-6 + 7680 / 4e9)
+
+
+def test_a_ring_spanning_nodes_is_never_faster_than_its_slower_phase_plus_the_latency(toy_hw):
+    # with the network's protocols and its tree as without: every step's latency (the fill: the least of the
+    # rings' and the tree's) and the slower link's bytes (the tree sends more of them)
+    hw = with_tree(across_nodes(protocols(toy_hw, FAST_START, FULL_RATE), NET_FAST, NET_FULL), TREE_FAST)
+    for nbytes in (1024, 2**20, N):
+        moved = 2 * 15 / 16 * nbytes
+        fill = min(5 + 28 * 1.0 + 2 * 3, 10 + 28 * 3 + 2 * 12, 4 + 2 * (7 * 0.5 + 5)) * 1e-6
+        slower = max(moved / INTRA_BW, moved / INTER_BW)
+        assert coll.all_reduce(hw, Group(16, 8, 8), nbytes) >= fill + slower
+
+
+def with_tree(hw, *rows):
+    """hw with its inter-node link listing tree protocols (name, base_us, intra_hop_us, hop_us, fraction)."""
+    from hfplan.profiles.hardware import TreeProtocol
+
+    listed = tuple(TreeProtocol(name=n, base_us=b, intra_hop_us=i, hop_us=h, bandwidth_fraction=f)
+                   for n, b, i, h, f in rows)
+    return hw.model_copy(update={"links": hw.links.model_copy(update={
+        "inter_node": hw.links.inter_node.model_copy(update={"tree": listed})})})
+
+
+TREE_FAST = ("FAST_START", 4.0, 0.5, 5.0, 0.25)
+
+
+@pytest.mark.parametrize(("group", "nbytes", "expected", "runs_as"), [
+    # 2 nodes of 8: 4 us + 2 x (7 chain steps x 0.5 us + 1 tree level x 5 us) = 21 us, then 2 x 8 KiB at a quarter
+    # of the ring's 8e9 B/s; the FAST_START ring takes 42.8 us (test_rings_spanning_nodes_run_the_networks_...)
+    (Group(16, 8, 8), 8192, 21e-6 + 2 * 8192 / 2e9, "tree-FAST_START"),
+    # 8 nodes of 8: 3 levels, 4 + 2 x (3.5 + 15) = 41 us + 8.2 us; the ring: 5 + 112 x 1 + 14 x 3 us + 4 us
+    (Group(64, 8, 8), 8192, 41e-6 + 2 * 8192 / 2e9, "tree-FAST_START"),
+    # 1e9 bytes: the tree's 1 s against the FULL_RATE ring's 0.23 s
+    (Group(16, 8, 8), N, 118e-6 + 1.875 * N / 8e9, "FULL_RATE"),
+])
+def test_an_all_reduce_across_nodes_may_run_the_tree_by_hand(toy_hw, group, nbytes, expected, runs_as):
+    hw = with_tree(across_nodes(protocols(toy_hw, FAST_START, FULL_RATE), NET_FAST, NET_FULL), TREE_FAST)
+    assert coll.all_reduce(hw, group, nbytes) == pytest.approx(expected, rel=1e-12)
+    assert coll.how_it_runs(hw, group, nbytes, passes=2) == runs_as
+    # the tree is an all-reduce's only: an all-gather keeps the ring; in one node there is no tree
+    ring_only = across_nodes(protocols(toy_hw, FAST_START, FULL_RATE), NET_FAST, NET_FULL)
+    assert coll.all_gather(hw, group, nbytes) == coll.all_gather(ring_only, group, nbytes)
+    assert coll.all_reduce(hw, Group(8, 8, 8), nbytes) == coll.all_reduce(ring_only, Group(8, 8, 8), nbytes)
 
 
 def test_nvls_latency_by_hand(toy_hw):

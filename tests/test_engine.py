@@ -231,17 +231,19 @@ def test_resharding_transition_before_generate_by_hand():
     # Training shard per GPU: 1/(tp 4) of the model, split again over dp 4 by FSDP = 1/16; generation
     # shard = 1/2. Ranks are pp-major, then dp, then tp: the pieces of a GPU's half sit on its tp
     # neighbour (stride 1) and on its 4 FSDP peers (stride 4) = 8 GPUs, 4 on each of the 2 nodes.
-    # A ring all-gather of the half model's bf16 bytes through all 8 (NCCL's ring across nodes), its chunks
-    # through both links at once (every step's latency, the slower bandwidth term): each GPU passes 7/8 of
-    # the bytes, inside the node 3 steps of 2 us at 300 GB/s x 0.77; the node boundary carries the ring's
-    # whole stream, 1 step of 6 us, at the share of the node's 25 GB/s x 0.9 its 4 GPUs have (1/8 each).
+    # A ring all-gather of the half model's bf16 bytes through all 8 (NCCL's ring across nodes, in its Simple
+    # protocol), its chunks through both links at once (every step's latency, the slower bandwidth term): each
+    # GPU passes 7/8 of the bytes at 300 GB/s x 0.77 in the node, and the node boundary carries the ring's whole
+    # stream at the share of the node's 25 GB/s x 0.9 its 4 GPUs have (1/8 each); Simple's 8.4 us, then 6 steps
+    # in a node at NVLink's 3.4 us (more than the 3 us network overhead) and 1 across the network at 14 us.
     # The bytes: a GPU receives 1/2 - 1/16 of every split tensor, and 3/4 of the norms (replicated over tp,
     # so whole in the generation shard; FSDP-sharded over 4); the ring's result is 8/7 of what each GPU
     # receives.
     assert CATALOG["llama2-7b"].params("lm") == LLAMA2_7B_LM_PARAMS
     norms = (2 * CATALOG["llama2-7b"].layers + 1) * CATALOG["llama2-7b"].hidden
     nbytes = 2 * ((LLAMA2_7B_LM_PARAMS - norms) * (1 / 2 - 1 / 16) + norms * 3 / 4) * 8 / 7
-    expected = 3 * 2e-6 + 6e-6 + max(7 / 8 * nbytes / (300e9 * 0.77), 7 / 8 * nbytes / (4 * 25e9 * 0.9 / 8))
+    expected = (8.4 + 6 * 3.4 + 14.0) * 1e-6 + max(7 / 8 * nbytes / (300e9 * 0.77),
+                                                   7 / 8 * nbytes / (4 * 25e9 * 0.9 / 8))
     assert switch.end - switch.start == pytest.approx(expected, rel=1e-9)
     assert len([s for s in tl.spans if s.kind == "transition"]) == 1
 
@@ -258,13 +260,14 @@ def test_fsdp_training_pays_a_gather_even_with_the_same_tp():
     plan = _actor_plan(TrainConfig(tp=4, dp=4, micro_batch=2, shard=True), GenConfig(tp=4, dp=4))
     switch = _span(simulate_plan(plan).timeline, "actor", "reshard", kind="transition")
     # The 1/4 generation shard is gathered from its dp = 4 FSDP peers, tp = 4 ranks apart: ranks 0, 4 on
-    # node 0 and 8, 12 on node 1, one ring through the four: each passes 3/4 of the bytes, inside the node 1
-    # step of 2 us at 300 GB/s x 0.77, across the nodes 1 step of 6 us at the 2 GPUs' share (1/8 each) of
-    # 25 GB/s x 0.9; pipelined. A GPU receives 3/16 of every split tensor and 3/4 of the norms; the ring's
-    # result is 4/3 of that.
+    # node 0 and 8, 12 on node 1, one ring through the four (NCCL's Simple protocol): each passes 3/4 of the
+    # bytes, at 300 GB/s x 0.77 in the node and at the 2 GPUs' share (1/8 each) of 25 GB/s x 0.9 across the
+    # nodes; pipelined, Simple's 8.4 us, 2 steps in a node at 3.4 us, 1 across at 14 us. A GPU receives 3/16 of
+    # every split tensor and 3/4 of the norms; the ring's result is 4/3 of that.
     norms = (2 * CATALOG["llama2-7b"].layers + 1) * CATALOG["llama2-7b"].hidden
     nbytes = 2 * ((LLAMA2_7B_LM_PARAMS - norms) * (1 / 4 - 1 / 16) + norms * 3 / 4) * 4 / 3
-    expected = 2e-6 + 6e-6 + max(3 / 4 * nbytes / (300e9 * 0.77), 3 / 4 * nbytes / (2 * 25e9 * 0.9 / 8))
+    expected = (8.4 + 2 * 3.4 + 14.0) * 1e-6 + max(3 / 4 * nbytes / (300e9 * 0.77),
+                                                   3 / 4 * nbytes / (2 * 25e9 * 0.9 / 8))
     assert switch.end - switch.start == pytest.approx(expected, rel=1e-9)
 
 

@@ -91,3 +91,22 @@ def test_gemv_shaped_decode_gemm_is_weight_read_bound_on_h100():
 
 def test_shipped_gpu_profiles_split_k():
     assert all(load_hardware(n).compute.gemm.split_k for n in ("a100-80g", "h100-80g", "h200-141g"))
+
+
+def test_a_gelu_mlp_without_rotary_by_hand(toy_hw, small_arch):
+    """small_arch (conftest: h 64, q 64, kv 32, ffn 128) on toy_hw (5e11 B/s, 5 us a kernel), 1000 tokens, tp 1:
+    a GeLU MLP has one input GEMM of width ffn (SwiGLU: 2 ffn) and its activation moves 2 ffn values a token (read,
+    write; SwiGLU 3); without rotary (learned positions) q and k are not rotated."""
+    from dataclasses import replace
+
+    from hfplan.simulator.kernels import layer_forward, memory_time
+
+    gelu = replace(small_arch, mlp="gelu", rotary_dim=0)
+    swiglu = layer_forward(toy_hw, small_arch, 1000, 500, 1)
+    plain = layer_forward(toy_hw, gelu, 1000, 500, 1)
+    up = gemm_time(toy_hw, 1000, 64, 256) - gemm_time(toy_hw, 1000, 64, 128)  # gate and up, against up alone
+    assert swiglu.gemm - plain.gemm == pytest.approx(up)
+    rotary = memory_time(toy_hw, 2 * 2 * 1000 * (64 + 32))
+    activation = memory_time(toy_hw, 2 * 3 * 1000 * 128) - memory_time(toy_hw, 2 * 2 * 1000 * 128)
+    assert swiglu.elementwise - plain.elementwise == pytest.approx(rotary + activation)
+    assert plain.attention == swiglu.attention

@@ -158,7 +158,8 @@ def test_kv_projections_copied_past_their_heads():
 
 def test_arch_specs_count_every_parameter():
     for arch in (ODD, ModelArch(name="tied", layers=2, hidden=32, heads=4, kv_heads=4, ffn=64, vocab=100,
-                                tied_embeddings=True, attention_bias=True)):
+                                tied_embeddings=True, attention_bias=True),
+                 ModelArch(name="gelu", layers=2, hidden=32, heads=4, kv_heads=4, ffn=128, vocab=100, mlp="gelu")):
         assert sum(s.numel * s.count for s in arch_specs(arch)) == arch.params("lm")
 
 

@@ -275,3 +275,42 @@ def test_paged_kv_cache_holds_tokens_as_they_come_in_blocks(small_arch):
     fixed = memory.kv_sequence(small_arch, GenConfig(batching="continuous", kv_cache="paged"), 20,
                                ResponseLengths.fixed(300))
     assert fixed.burst == fixed.longest == per_token * 320
+
+
+def test_vllm_sets_aside_its_profile_runs_activations(small_arch):
+    # one forward of 1000 tokens: per token 2h + q/tp + 2 kv heads' values + 3 ffn/tp = 128 + 32 + 32 + 192 = 384
+    # values of 2 bytes; then 8 rows of fp32 logits over half the vocabulary (tp 2)
+    assert memory.vllm_working_bytes(small_arch, GenConfig(tp=2), 1000, 8) == pytest.approx(
+        2 * 1000 * 384 + 4 * 8 * 130)
+    # never more logit rows than tokens in the forward
+    assert memory.vllm_working_bytes(small_arch, GenConfig(tp=2), 4, 8) == pytest.approx(2 * 4 * 384 + 4 * 4 * 130)
+
+
+def test_each_engine_sets_aside_its_own_working_memory():
+    from hfplan.simulator.mapping import engine_working
+    from hfplan.spec import load_workload
+
+    w = load_workload("ppo-llama2-7b")
+    arch = w.arch("actor")
+    torch_gen = GenConfig(tp=2, dp=4)
+    # hfplan's torch engine prefills one prompt at a time
+    assert engine_working(w, torch_gen, 2, "flash", 16384) == memory.generation_working_bytes(arch, torch_gen,
+                                                                                             w.prompt_len)
+    # vLLM: its profile run of the device's batched tokens, logits for the sequences it runs at once
+    share = -(-w.sequences // 4)
+    vllm_gen = GenConfig(tp=2, dp=4, engine="vllm")
+    assert engine_working(w, vllm_gen, 2, "flash", 16384) == memory.vllm_working_bytes(arch, vllm_gen, 16384, share)
+    capped = vllm_gen.model_copy(update={"max_batch": 3})
+    assert engine_working(w, capped, 2, "flash", 8192) == memory.vllm_working_bytes(arch, capped, 8192, 3)
+    assert engine_working(w, vllm_gen, 2, "flash", 16384) > engine_working(w, torch_gen, 2, "flash", 16384)
+
+
+def test_a_gelu_mlp_saves_two_values_of_its_width(small_arch):
+    from dataclasses import replace
+
+    gelu = replace(small_arch, mlp="gelu")
+    # SwiGLU saves gate, up and their product (3 x 128 / 2 at tp 2); GeLU its up projection and activation
+    assert (memory.activation_values_per_token_layer(small_arch, 2)
+            - memory.activation_values_per_token_layer(gelu, 2)) == pytest.approx(128 / 2)
+    assert (memory.layer_working_values_per_token(small_arch, 2)
+            - memory.layer_working_values_per_token(gelu, 2)) == pytest.approx(128 / 2)

@@ -267,3 +267,22 @@ def test_config_json_context_length_is_read():
         arch_from_hf_config(LLAMA2_7B_CONFIG | {"max_position_embeddings": "long"}, "x")
     with pytest.raises(HfplanError, match="context length"):
         arch_from_hf_config(LLAMA2_7B_CONFIG | {"max_position_embeddings": -1}, "x")
+
+
+def test_a_gelu_mlp_and_partial_rotary_by_hand(small_arch):
+    from dataclasses import replace
+
+    gelu = replace(small_arch, mlp="gelu", rotary_dim=4)
+    # attention 12288 + up and down 2 * 64 * 128 + two norms 128 (small_arch's by-hand count, one MLP matrix less)
+    assert gelu.params_per_layer == 12288 + 2 * 64 * 128 + 128
+    assert gelu.mlp_matrices == 2 and small_arch.mlp_matrices == 3
+    assert gelu.rotary_share == 4 / 16 and small_arch.rotary_share == 1.0
+    assert replace(small_arch, rotary_dim=0).rotary_share == 0.0
+
+
+@pytest.mark.parametrize(("field", "value"), [("mlp", "relu2"), ("rotary_dim", 17), ("rotary_dim", -1)])
+def test_unknown_mlp_or_rotary_beyond_the_head_is_refused(small_arch, field, value):
+    from dataclasses import replace
+
+    with pytest.raises(HfplanError):
+        replace(small_arch, **{field: value})

@@ -78,8 +78,10 @@ def test_the_exports_give_vllm_the_kv_cache_room_the_plan_was_costed_with(tmp_pa
     hw, gen = plan.cluster.profile, plan.parallelism[plan.generation_role].gen
     arch = plan.workload.arch("actor")
     weights = hw.compute.value_bytes * arch.params("lm") / gen.tp
-    activations = memory.generation_working_bytes(arch, gen, plan.workload.prompt_len, hw.compute.value_bytes,
-                                                  hw.compute.attention)
+    # vLLM's profile run: a forward of the device's max_num_batched_tokens, the sampler's logits of its sequences
+    activations = memory.vllm_working_bytes(arch, gen, hw.runtime.vllm_batched_tokens,
+                                            gen.max_batch or -(-plan.workload.sequences // gen.dp),
+                                            hw.compute.value_bytes)
     capacity = hw.memory.capacity_gib * GIB
     kv_room = fraction * capacity - weights - activations
     budget = costs.memory[plan.set_of(role)].kv_budget

@@ -129,7 +129,8 @@ class RoleOptions:
             for gen in space.gen_configs(w.arch(model_role(w, role)), gpus, g, prompts=w.batch_prompts,
                                          executable=f.rules.executable):
                 if f.rules.gen_ok(None, gen):
-                    mem = role_memory(w, role, RoleParallelism(gen=gen), f.value_bytes, f.attention)
+                    mem = role_memory(w, role, RoleParallelism(gen=gen), f.value_bytes, f.attention,
+                                      vllm_tokens=f.hw.runtime.vllm_batched_tokens)
                     rooms[gen] = KvRoom(f.usable - mem.resident - mem.gen_extra, mem.kv)
             pars = [RoleParallelism(gen=gen) for gen in self._fastest_batching(role, rooms, gpus)]
         else:
@@ -137,7 +138,7 @@ class RoleOptions:
                     if f.rules.infer_ok(role, infer)]
         out = []
         for par in pars:
-            mem = role_memory(w, role, par, f.value_bytes, f.attention)
+            mem = role_memory(w, role, par, f.value_bytes, f.attention, vllm_tokens=f.hw.runtime.vllm_batched_tokens)
             if not self.fits_alone(mem.resident, mem.transient, mem.gen_extra + mem.kv_per_sequence):
                 continue
             seconds = tuple(f.seconds(n, role, par, gpus) for n in nodes)
@@ -243,7 +244,8 @@ class RoleOptions:
                 for gen in space.gen_configs(arch, gpus, g, layout, prompts=w.batch_prompts,
                                              executable=f.rules.executable):
                     if f.rules.gen_ok(layout, gen):
-                        extra, kv = gen_memory(w, gen, layout, f.value_bytes, f.attention)
+                        extra, kv = gen_memory(w, gen, layout, f.value_bytes, f.attention,
+                                               vllm_tokens=f.hw.runtime.vllm_batched_tokens)
                         if resident + extra + kv.longest <= f.usable:
                             memories[gen] = (extra, kv)
                 rooms = {gen: KvRoom(f.usable - resident - extra, kv) for gen, (extra, kv) in memories.items()}

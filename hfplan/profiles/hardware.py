@@ -133,16 +133,37 @@ class Memory(_Strict):
 
 
 class Protocol(_Strict):
-    """One of the ways a collective library moves a ring's data through a node (NCCL's LL, LL128, Simple): a fixed
-    latency per collective, one per ring step, and a share of the link's bus bandwidth (the rest carries the
-    protocol's flags). The library runs each collective in whichever its own model finds fastest."""
+    """One of the ways a collective library moves a ring's data (NCCL's LL, LL128, Simple): a fixed latency per
+    collective, one per ring step, and a share of the link's bus bandwidth (the rest carries the protocol's flags).
+    The library runs each collective in whichever its own model finds fastest. Listed on the intra-node link: rings
+    in a node; on the inter-node link: rings spanning nodes, whose steps across the network cost `hop_us` and whose
+    steps in a node at least `overhead_us`."""
 
     name: str = Field(min_length=1)
     base_us: float = Field(ge=0, description="latency of one collective, whatever its ring's length")
-    hop_us: float = Field(ge=0, description="latency of each step of the ring")
+    hop_us: float = Field(ge=0, description="latency of each step of the ring (over this link)")
     bandwidth_fraction: float = Field(gt=0, le=1, description="share of the link's bus bandwidth the data gets")
     max_gbytes_per_s: float | None = Field(default=None, gt=0, description="cap on that bandwidth, GB/s; None: "
                                                                           "none")
+    alone_hop_us: float | None = Field(
+        default=None, ge=0, description="inter-node: hop_us where the group has one rank per node (nothing in the "
+                                        "node hides the network's latency); None: hop_us")
+    overhead_us: float = Field(default=0.0, ge=0, description="inter-node: the least latency of a step inside a "
+                                                              "node of a ring spanning nodes (the host's work "
+                                                              "launching each step's network transfers)")
+
+
+class TreeProtocol(_Strict):
+    """One protocol of a collective library's tree all-reduce across nodes (NCCL's tree: each node's ranks chained
+    over NVLink, the nodes in a binary tree over the network; reduced up the tree and broadcast down it)."""
+
+    name: str = Field(min_length=1)
+    base_us: float = Field(ge=0, description="latency of one all-reduce, whatever the tree's size")
+    intra_hop_us: float = Field(ge=0, description="latency of each step along a node's chain")
+    hop_us: float = Field(ge=0, description="latency of each level of the tree across the network")
+    bandwidth_fraction: float = Field(gt=0, le=1, description="share of the ring's bus bandwidth the tree's "
+                                                              "data gets (its protocol's flags, the tree's own "
+                                                              "losses)")
 
 
 class Link(_Strict):
@@ -163,9 +184,13 @@ class Link(_Strict):
     nvls_latency_us: float | None = Field(
         default=None, ge=0, description="latency of one NVLS all-reduce; None: two steps of latency_us")
     protocols: tuple[Protocol, ...] = Field(
-        default=(), description="the collective library's protocols for rings in a node (Protocol), the fastest "
-                                "taken for each collective; empty: every step costs latency_us, at the full "
-                                "bus bandwidth")
+        default=(), description="the collective library's protocols (Protocol) for rings over this link: in a node "
+                                "(intra_node) or spanning nodes (inter_node), the fastest taken for each "
+                                "collective; empty: every step costs latency_us, at the full bus bandwidth")
+    tree: tuple[TreeProtocol, ...] = Field(
+        default=(), description="inter_node only: the collective library's tree all-reduce across nodes, per "
+                                "protocol (TreeProtocol); an all-reduce spanning nodes runs the fastest of these and "
+                                "the ring's; empty: the ring alone")
 
     @property
     def nvls_bytes_per_s(self) -> float:
@@ -261,6 +286,11 @@ class Runtime(_Strict):
     tp_train_pass_us: float = Field(default=0.0, ge=0, description="the same on top of a training micro-batch")
     tp_optimizer_tensor_us: float = Field(default=0.0, ge=0, description="the same on top of an optimizer step, "
                                           "per parameter tensor")
+
+    vllm_batched_tokens: int = Field(
+        default=8192, ge=1, description="vLLM's max_num_batched_tokens on this device (its default for the offline "
+                                        "LLM class): the tokens of the dummy forward vLLM profiles its activations "
+                                        "with before it sizes its KV cache, so what it sets aside for them")
 
     def forward_pass_s(self, fsdp: bool = False, tp: bool = False) -> float:
         """Seconds of fixed cost per forward micro-batch; `fsdp`: through a trained role's FSDP2-wrapped engine;

@@ -20,6 +20,10 @@ from hfplan.files import read_mapping
 SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
+# MLP kinds and their h x ffn weight matrices (ModelArch.mlp).
+MLP_KINDS = {"swiglu": 3, "gelu": 2}
+
+
 @dataclass(frozen=True)
 class ModelArch:
     """One decoder-only transformer architecture (Llama family layout)."""
@@ -37,6 +41,13 @@ class ModelArch:
     # Longest sequence (prompt + response) the model was built for: config.json's max_position_embeddings.
     # None when unknown (a config.json without the field, a synthetic model): not checked.
     context_len: int | None = None
+    # The MLP: "swiglu" (gate, up and down projections, silu(gate) * up: Llama, Qwen2, Mistral) or "gelu" (up and
+    # down, GeLU between: GPT-2/3, MPT, GPT-J). Only what the cost model describes: hfplan's executor builds the
+    # catalog's and the supported HF architectures, all SwiGLU.
+    mlp: str = "swiglu"
+    # Dimensions of each head rotary embeddings rotate: None every one (Llama); 0 none (ALiBi or learned
+    # positions: MPT, GPT-2); GPT-J rotates 64 of its 256.
+    rotary_dim: int | None = None
 
     def __post_init__(self) -> None:
         if min(self.layers, self.hidden, self.heads, self.kv_heads, self.ffn, self.vocab) <= 0:
@@ -47,6 +58,10 @@ class ModelArch:
             raise HfplanError(f"model {self.name}: hidden ({self.hidden}) not divisible by heads")
         if self.context_len is not None and self.context_len <= 0:
             raise HfplanError(f"model {self.name}: context length (max_position_embeddings) must be positive")
+        if self.mlp not in MLP_KINDS:
+            raise HfplanError(f"model {self.name}: unknown MLP {self.mlp!r}; known: {', '.join(MLP_KINDS)}")
+        if self.rotary_dim is not None and not 0 <= self.rotary_dim <= self.dim_per_head:
+            raise HfplanError(f"model {self.name}: rotary_dim must be between 0 and the head dimension")
 
     @functools.cached_property  # the cost model reads these in its inner loops
     def dim_per_head(self) -> int:
@@ -66,9 +81,19 @@ class ModelArch:
         attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
         if self.attention_bias:
             attn += self.q_dim + 2 * self.kv_dim
-        mlp = 3 * h * self.ffn
+        mlp = self.mlp_matrices * h * self.ffn
         norms = 2 * h
         return attn + mlp + norms
+
+    @property
+    def mlp_matrices(self) -> int:
+        """Weight matrices of h x ffn in the MLP: gate, up and down (SwiGLU), up and down (GeLU)."""
+        return MLP_KINDS[self.mlp]
+
+    @property
+    def rotary_share(self) -> float:
+        """Share of q's and k's values the rotary embedding reads and writes."""
+        return 1.0 if self.rotary_dim is None else self.rotary_dim / self.dim_per_head
 
     @functools.cached_property  # the cost model reads these in its inner loops
     def embedding_params(self) -> int:

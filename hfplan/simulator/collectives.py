@@ -21,9 +21,12 @@ A ring in a node over a link that lists protocols (`Link.protocols`: NCCL's LL, 
 is fastest, as NCCL's tuner picks (ncclTopoGetAlgoTime: latency + bytes / bandwidth per algorithm and protocol):
 each costs its fixed latency, its latency per ring step and the data at its share of the bus bandwidth. LL (8-byte
 stores, 4 of data and 4 of flag) costs least per step and so carries small messages (a decode step's tensor-parallel
-all-reduce); Simple carries large ones at the full bandwidth. Rings spanning nodes keep the one latency per step of
-each link (`Link.latency_us`): NCCL's per-step network latency adds its topology graph's own, which the profiles do
-not describe.
+all-reduce); Simple carries large ones at the full bandwidth. A ring spanning nodes over an inter-node link that lists
+protocols runs in whichever of those is fastest, priced as NCCL's tuning model prices a ring across nodes
+(_protocol_ring_across_nodes); without them, every step pays its link's latency_us. An all-reduce spanning nodes
+may also run NCCL's tree where the inter-node link lists its protocols (`Link.tree`, _tree_all_reduce): fewer
+latencies (log2 of the nodes across the network) for a little less bandwidth, so small all-reduces over many nodes
+take it, as NCCL's tuner has them do.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from hfplan.profiles.hardware import HardwareProfile, Link, Protocol
+from hfplan.profiles.hardware import HardwareProfile, Link, Protocol, TreeProtocol
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,40 @@ def _protocol_ring(link: Link, protocol: Protocol, steps: int, moved: float) -> 
     return (protocol.base_us + steps * protocol.hop_us) * 1e-6 + moved / rate
 
 
+def _protocol_ring_across_nodes(hw: HardwareProfile, group: Group, protocol: Protocol, passes: int,
+                                moved: float) -> float:
+    """One protocol's ring through every rank of a group spanning nodes, as NCCL's tuning model prices it
+    (src/graph/tuning.cc, ncclTopoTuneModel, the ring's latency): of its passes (size - 1) steps, passes (nodes - 1)
+    cross the network at the protocol's network latency per step (alone_hop_us with one rank per node), the others
+    stay in a node at the intra-node link's latency for the protocol of that name (latency_us where it lists none),
+    but no less than the protocol's overhead_us; the data at the protocol's share of the slower link's bandwidth."""
+    intra = hw.links.intra_node
+    r, n = group.per_node, group.nodes
+    same = next((p for p in intra.protocols if p.name == protocol.name), None)
+    intra_hop = max(intra.latency_us if same is None else same.hop_us, protocol.overhead_us)
+    inter_hop = protocol.hop_us if r > 1 or protocol.alone_hop_us is None else protocol.alone_hop_us
+    crossing = passes * (n - 1)
+    latency = protocol.base_us + (passes * (group.size - 1) - crossing) * intra_hop + crossing * inter_hop
+    rate = protocol.bandwidth_fraction * min(_inter_bandwidth(hw, group) * r,
+                                             intra.effective_bytes_per_s if r > 1 else math.inf)
+    if protocol.max_gbytes_per_s is not None:
+        rate = min(rate, protocol.max_gbytes_per_s * 1e9)
+    return latency * 1e-6 + moved / rate
+
+
+def _tree_all_reduce(hw: HardwareProfile, group: Group, protocol: TreeProtocol, nbytes: float) -> float:
+    """NCCL's tree all-reduce across nodes in one protocol, as its tuning model prices it (src/graph/tuning.cc): its
+    base latency, then twice (up the tree and down) the node's chain of per_node - 1 NVLink steps and the
+    floor(log2(nodes)) levels of the tree across the network; the data at half the algorithm bandwidth of its bus
+    bandwidth (every byte goes up and comes down), a `bandwidth_fraction` of the ring's."""
+    intra = hw.links.intra_node
+    r, n = group.per_node, group.nodes
+    latency = protocol.base_us + 2 * ((r - 1) * protocol.intra_hop_us + int(math.log2(n)) * protocol.hop_us)
+    rate = protocol.bandwidth_fraction * min(_inter_bandwidth(hw, group) * r,
+                                             intra.effective_bytes_per_s if r > 1 else math.inf)
+    return latency * 1e-6 + 2 * nbytes / rate
+
+
 def _ways(hw: HardwareProfile, group: Group, nbytes: float, passes: int) -> list[tuple[float, str]]:
     """(seconds, how_it_runs) of each way the collective may run: the fastest runs (_ring)."""
     intra = hw.links.intra_node
@@ -125,6 +162,11 @@ def _ways(hw: HardwareProfile, group: Group, nbytes: float, passes: int) -> list
     moved = passes * (group.size - 1) / group.size * nbytes  # what each rank sends around the ring
     if n == 1 and intra.protocols:
         return ways + [(_protocol_ring(intra, p, passes * (r - 1), moved), p.name) for p in intra.protocols]
+    if n > 1 and passes == 2:
+        ways += [(_tree_all_reduce(hw, group, p, nbytes), f"tree-{p.name}") for p in hw.links.inter_node.tree]
+    if n > 1 and hw.links.inter_node.protocols:
+        return ways + [(_protocol_ring_across_nodes(hw, group, p, passes, moved), p.name)
+                       for p in hw.links.inter_node.protocols]
     latency = passes * (r - 1) * intra.latency_us * 1e-6
     intra_time = moved / intra.effective_bytes_per_s if r > 1 else 0.0
     inter_time = 0.0

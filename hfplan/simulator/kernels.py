@@ -208,14 +208,16 @@ def layer_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per_
     v = hw.compute.value_bytes
     kv_local = kv_heads_per_rank(arch.kv_heads, tp) * arch.dim_per_head
     qkv_out = shard(q, tp) + 2 * kv_local
+    up = arch.mlp_matrices - 1  # the MLP's input projections: gate and up (SwiGLU, one GEMM), up (GeLU)
     gemm = (gemm_time(hw, tokens, h, qkv_out) + gemm_time(hw, tokens, shard(q, tp), h)
-            + gemm_time(hw, tokens, h, shard(2 * f, tp)) + gemm_time(hw, tokens, shard(f, tp), h))
+            + gemm_time(hw, tokens, h, shard(up * f, tp)) + gemm_time(hw, tokens, shard(f, tp), h))
     attention = attention_time(hw, arch, tokens, keys_per_token, tp, decode, seq_len)
+    rotated = arch.rotary_share * (shard(q, tp) + kv_local)
     elementwise = (
-        2 * memory_time(hw, v * 2 * tokens * h)  # two RMSNorms: read and write h
-        + memory_time(hw, v * 2 * tokens * (shard(q, tp) + kv_local))  # rotary on q and k
+        2 * memory_time(hw, v * 2 * tokens * h)  # two norms: read and write h
+        + memory_time(hw, v * 2 * tokens * rotated)  # rotary on q and k (its share of them)
         + 2 * memory_time(hw, v * 3 * tokens * h)  # two residual adds
-        + memory_time(hw, v * 3 * tokens * shard(f, tp))  # silu(gate) * up
+        + memory_time(hw, v * (up + 1) * tokens * shard(f, tp))  # silu(gate) * up, or gelu(up)
     )
     return LayerCost(gemm=gemm, attention=attention, elementwise=elementwise,
                      attention_backward=ATTENTION_BACKWARD[hw.compute.attention])

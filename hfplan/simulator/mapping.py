@@ -156,7 +156,7 @@ class PlanCosts:
         return [
             set_memory(self.workload, self.hw, index, roles, gpus,
                        {r: role_memory(self.workload, r, self.parallelism[r], self.hw.compute.value_bytes,
-                                       self.hw.compute.attention)
+                                       self.hw.compute.attention, vllm_tokens=self.hw.runtime.vllm_batched_tokens)
                         for r in roles}, self.generator)
             for index, (roles, gpus) in enumerate(self.placement)
         ]
@@ -173,7 +173,7 @@ class PlanCosts:
         determine_available_memory): so the fraction is those three over the GPU's capacity, rounded down."""
         generator = self.generator
         need = role_memory(self.workload, generator, self.parallelism[generator], self.hw.compute.value_bytes,
-                           self.hw.compute.attention)
+                           self.hw.compute.attention, vllm_tokens=self.hw.runtime.vllm_batched_tokens)
         budget = self.memory[self.set_index[generator]].kv_budget
         return math.floor(1000 * (need.vllm_own + budget) / (self.hw.memory.capacity_gib * GIB)) / 1000
 
@@ -228,19 +228,33 @@ def infer_transient(workload: Workload, role: str, infer: InferConfig, train: Tr
 
 
 def gen_memory(workload: Workload, gen: GenConfig, train: TrainConfig | None, value_bytes: int,
-               attention: str = "flash") -> tuple[float, memory.KvSequence]:
+               attention: str = "flash", *, vllm_tokens: int) -> tuple[float, memory.KvSequence]:
     """(extra bytes while generating, KV-cache bytes of one sequence) per GPU. With a training layout
-    (hybrid engine) only the part of the generation shard not already held is extra."""
+    (hybrid engine) only the part of the generation shard not already held is extra. `vllm_tokens`: the
+    hardware's Runtime.vllm_batched_tokens, what vLLM profiles its activations with (engine_working)."""
     arch = workload.arch(generating_role(workload))
     extra = memory.generation_weights_bytes(arch, gen, train, value_bytes) if train is not None else 0.0
-    extra += memory.generation_working_bytes(arch, gen, workload.prompt_len, value_bytes, attention)
+    extra += engine_working(workload, gen, value_bytes, attention, vllm_tokens)
     return extra, memory.kv_sequence(arch, gen, workload.prompt_len, workload.response_lengths, value_bytes)
 
 
+def engine_working(workload: Workload, gen: GenConfig, value_bytes: int, attention: str, vllm_tokens: int) -> float:
+    """Working memory the generation engine sets aside: hfplan's torch engine prefills one sequence at a time
+    (memory.generation_working_bytes); vLLM what its profile run of `vllm_tokens` tokens peaks at, with the
+    sampler's logits of the sequences it runs at once (the executor's max_num_seqs: gen.max_batch, or the
+    replica's share of an iteration)."""
+    arch = workload.arch(generating_role(workload))
+    if gen.engine != "vllm":
+        return memory.generation_working_bytes(arch, gen, workload.prompt_len, value_bytes, attention)
+    max_seqs = gen.max_batch or -(-workload.sequences // gen.dp)
+    return memory.vllm_working_bytes(arch, gen, vllm_tokens, max_seqs, value_bytes)
+
+
 def role_memory(workload: Workload, role: str, par: RoleParallelism, value_bytes: int,
-                attention: str = "flash") -> RoleMemory:
+                attention: str = "flash", *, vllm_tokens: int) -> RoleMemory:
     """value_bytes: the hardware's compute precision (HardwareProfile.compute.value_bytes); attention: its
-    attention kernel (compute.attention: eager keeps score matrices, flash does not)."""
+    attention kernel (compute.attention: eager keeps score matrices, flash does not); vllm_tokens: its
+    Runtime.vllm_batched_tokens (engine_working)."""
     v = value_bytes
     if role == ROLLOUT:
         resident, transient = memory.infer_resident_bytes(workload.arch(model_role(workload, role)), par.gen, "lm",
@@ -254,12 +268,13 @@ def role_memory(workload: Workload, role: str, par: RoleParallelism, value_bytes
         transient = max(transient, infer_transient(workload, role, par.infer, par.train, v, attention))
     if par.gen is None:
         return RoleMemory(resident, transient)
-    extra, kv = gen_memory(workload, par.gen, par.train if role != ROLLOUT else None, v, attention)
+    extra, kv = gen_memory(workload, par.gen, par.train if role != ROLLOUT else None, v, attention,
+                           vllm_tokens=vllm_tokens)
     if par.gen.engine != "vllm":
         return RoleMemory(resident, transient, extra, kv, par.gen.dp)
     arch = workload.arch(generating_role(workload))
     own = (v * arch.params("lm") / (par.gen.tp * par.gen.pp)
-           + memory.generation_working_bytes(arch, par.gen, workload.prompt_len, v, attention))
+           + engine_working(workload, par.gen, v, attention, vllm_tokens))
     return RoleMemory(resident, transient, extra, kv, par.gen.dp, own, par.gen.gpu_memory_utilization)
 
 

@@ -23,16 +23,16 @@ from hfplan.spec import ResponseLengths
 def activation_values_per_token_layer(arch: ModelArch, tp: int) -> float:
     """Values one layer saves per token for its backward pass (flash attention, no sequence parallel):
     the two norm inputs and outputs (4h), q, k, v and the attention output (sharded by tp), and the
-    MLP's gate, up and gated outputs (sharded by tp)."""
+    MLP's gate, up and gated outputs (SwiGLU) or its up and activated outputs (GeLU), sharded by tp."""
     kv = kv_heads_per_rank(arch.kv_heads, tp) * arch.dim_per_head
-    return 4 * arch.hidden + (2 * arch.q_dim / tp + 2 * kv) + 3 * arch.ffn / tp
+    return 4 * arch.hidden + (2 * arch.q_dim / tp + 2 * kv) + arch.mlp_matrices * arch.ffn / tp
 
 
 def layer_working_values_per_token(arch: ModelArch, tp: int) -> float:
     """Values alive at once inside one layer's forward (inference: nothing is kept for backward); with tp
     above the KV heads each rank computes its copied head (kv_heads_per_rank)."""
     kv = kv_heads_per_rank(arch.kv_heads, tp) * arch.dim_per_head
-    return 2 * arch.hidden + arch.q_dim / tp + 2 * kv + 3 * arch.ffn / tp
+    return 2 * arch.hidden + arch.q_dim / tp + 2 * kv + arch.mlp_matrices * arch.ffn / tp
 
 
 def score_bytes(arch: ModelArch, tp: int, sequences: float, seq_len: float, attention: str,
@@ -132,6 +132,16 @@ def generation_working_bytes(arch: ModelArch, gen: GenConfig, prompt_len: int, v
     matrices too); logits of a decode batch are small next to them."""
     return (value_bytes * prompt_len * layer_working_values_per_token(arch, gen.tp)
             + score_bytes(arch, gen.tp, 1, prompt_len, attention, value_bytes))
+
+
+def vllm_working_bytes(arch: ModelArch, gen: GenConfig, batched_tokens: int, max_seqs: int,
+                       value_bytes: int = BF16) -> float:
+    """What vLLM sets aside for its activations before it sizes its KV cache: the peak of its profile run (vLLM
+    0.32, gpu_model_runner.profile_run: one forward of max_num_batched_tokens dummy tokens, then the sampler over
+    max_num_seqs rows of fp32 logits), which gpu_worker.determine_available_memory takes from its budget with the
+    weights. Its attention is its own fused kernel: no score matrices, whatever the training stack's."""
+    return (value_bytes * batched_tokens * layer_working_values_per_token(arch, gen.tp)
+            + _logits_bytes(arch, min(max_seqs, batched_tokens), gen.tp, "lm"))
 
 
 def kv_bytes_per_token_per_gpu(arch: ModelArch, cfg: Layout, value_bytes: int = BF16) -> float:
