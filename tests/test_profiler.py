@@ -331,6 +331,7 @@ def test_quick_cpu_profile_end_to_end(tmp_path):
     for name in CALL_FIELDS:
         assert getattr(profile.runtime, name) == getattr(base.runtime, name), name
     assert profile.memory.worker_resident_gib == base.memory.worker_resident_gib
+    assert profile.runtime.vllm_batched_tokens == base.runtime.vllm_batched_tokens == 4096  # vLLM's CPU default
     assert "controller_step" not in set(engine.index)
     layers = frame[frame["kind"] == "layer"]
     assert set(layers["op"]) == {"forward", "forward+backward", "decode"}

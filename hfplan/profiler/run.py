@@ -123,6 +123,7 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
     memory = profile.memory.model_copy(update={"worker_resident_gib": resident})
     measured_calls = fixed.ray and fixed.runtime.call_dispatch_us is not None
     calls = {} if measured_calls else {name: getattr(base.runtime, name) for name in CALL_FIELDS}
+    calls["vllm_batched_tokens"] = base.runtime.vllm_batched_tokens  # vLLM's default for the device, not measured
     profile = profile.model_copy(update={
         "runtime": fixed.runtime.model_copy(update=calls), "memory": memory,
         "description": profile.description + " Runtime: a sampled decode step of the executor's torch rollout "
