@@ -463,8 +463,9 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
     heap: list[tuple[float, int, int, tuple[int, ...]]] = []
     bounds = []
     seen_infeasible: set[tuple[int, int, int]] = set()
+    seen_padded: set[tuple[int, int, int]] = set()
     for index, (ctx, placement) in enumerate(entries):
-        pb = PlacementBounds(ctx.bounds, placement, cluster.gpus)
+        pb = PlacementBounds(ctx.bounds, placement, cluster.gpus, top_k)
         bounds.append(pb)
         stats.allocations += pb.completions(())
         heapq.heappush(heap, (pb.bound(()), len(heap), index, ()))
@@ -510,6 +511,14 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
                 candidates.append(Candidate(placement, prefix, "pruned", reason=reason))
                 stats.pruned += pb.completions(prefix)
                 continue
+            for child, cover in pb.padded_children(prefix):
+                stats.pruned += pb.completions(child)
+                key = (index, len(prefix), child[-1])
+                if key not in seen_padded:
+                    seen_padded.add(key)
+                    candidates.append(Candidate(placement, child, "pruned",
+                                                reason=f"padded: {top_k} smaller sizes of this set, the nearest "
+                                                       f"{cover} GPUs, are each no worse (the rest idle)"))
             for child, child_bound, why in pb.children(prefix):
                 if math.isinf(child_bound):
                     stats.infeasible += pb.completions(child)
@@ -613,6 +622,17 @@ def twin_key(workload: Workload, c: Candidate) -> tuple:
 MAX_GPUS = 32_768
 # Up to here a partial last node is searched (its GPUs as sets under a node); past it, whole nodes only.
 PARTIAL_NODE_GPUS = 2_048
+
+
+# Past PARTIAL_NODE_GPUS, the seconds a search walks unless told otherwise (default_time_limit).
+DEFAULT_TIME_LIMIT_S = 60.0
+
+
+def default_time_limit(cluster: Cluster) -> float | None:
+    """The time limit of a search of `cluster` that names none (hfplan search without --time-limit): none up to
+    PARTIAL_NODE_GPUS GPUs, whose walks end (the best optimal); past it DEFAULT_TIME_LIMIT_S, so that a walk that
+    cannot end soon still stops, its best reported with its proven gap to the optimum."""
+    return None if cluster.gpus <= PARTIAL_NODE_GPUS else DEFAULT_TIME_LIMIT_S
 
 
 def check_scale(cluster: Cluster) -> None:
