@@ -24,6 +24,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
+
 from hfplan.dataflow.registry import ROLLOUT, get_algorithm, role_facts
 from hfplan.dataflow.roles import RoleFacts
 
@@ -598,24 +600,46 @@ class _KindCounts:
             key = (TensorSpec("", piece.shape, piece.tp_dim, 0, 1, piece.kv_heads), train_stage, gen_stage)
             self.alike[key] = self.alike.get(key, 0) + piece.count
         self._needed: dict[tuple[int, int], int] = {}  # (generation stage, tp coordinate) -> elements of the shard
-        self._counted: dict[tuple[int, int, int, int, int], int] = {}
+        self._held: dict[tuple[int, int, int, int], np.ndarray] = {}
 
     def count(self, stage: int, tp: int, chunk: int, gen_stage: int, gen_tp: int) -> int:
         """Elements a rank at training (stage, tp, FSDP chunk) and generation (stage, tp) receives."""
-        key = (stage, tp, chunk, gen_stage, gen_tp)
-        if key not in self._counted:
+        shard = (gen_stage, gen_tp)
+        if shard not in self._needed:
             place = GenerationPlace(gen_stage, 0, gen_tp)
-            shard = (gen_stage, gen_tp)
-            if shard not in self._needed:
-                self._needed[shard] = sum(box_numel(generation_box(self.gen, piece, place)) * count
-                                          for (piece, _, g), count in self.alike.items() if g == gen_stage)
-            held = 0
-            for (piece, train_stage, g), count in self.alike.items():
-                if g == gen_stage and train_stage == stage:
-                    held += box_numel(box_meet(generation_box(self.gen, piece, place),
-                                               _shard_box(piece, self.train_tp, tp, self.shards, chunk))) * count
-            self._counted[key] = self._needed[shard] - held
-        return self._counted[key]
+            self._needed[shard] = sum(box_numel(generation_box(self.gen, piece, place)) * count
+                                      for (piece, _, g), count in self.alike.items() if g == gen_stage)
+        key = (stage, tp, gen_stage, gen_tp)
+        if key not in self._held:
+            self._held[key] = self._held_by_chunk(stage, tp, gen_stage, gen_tp)
+        return self._needed[shard] - int(self._held[key][chunk])
+
+    def _held_by_chunk(self, stage: int, tp: int, gen_stage: int, gen_tp: int) -> np.ndarray:
+        """For each FSDP chunk: the elements of its generation shard that a rank at training (stage, tp) and
+        generation (gen_stage, gen_tp) holds already, the sizes of the meets of generation_box and training_box,
+        all chunks at once (only dim 0 of the training box depends on the chunk)."""
+        chunks = np.arange(self.shards, dtype=np.int64)
+        held = np.zeros(self.shards, dtype=np.int64)
+        place = GenerationPlace(gen_stage, 0, gen_tp)
+        for (piece, train_stage, g), count in self.alike.items():
+            if g != gen_stage or train_stage != stage:
+                continue
+            if not piece.shape:
+                held += count
+                continue
+            need = generation_box(self.gen, piece, place)
+            have = _shard_box(piece, self.train_tp, tp, 1, 0)  # before FSDP's chunk of dim 0
+            other = math.prod(max(0, min(e1, e2) - max(s1, s2)) for (s1, e1), (s2, e2) in zip(need[1:], have[1:],
+                                                                                              strict=True))
+            start, end = have[0]
+            if self.shards > 1:  # chunk_range of every chunk
+                step = -(-(end - start) // self.shards)
+                lo = start + np.minimum(chunks * step, end - start)
+                hi = start + np.minimum((chunks + 1) * step, end - start)
+            else:
+                lo, hi = np.array([start]), np.array([end])
+            held += np.maximum(0, np.minimum(hi, need[0][1]) - np.maximum(lo, need[0][0])) * (other * count)
+        return held
 
 
 @functools.lru_cache(maxsize=1024)
