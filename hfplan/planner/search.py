@@ -516,9 +516,10 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
                 key = (index, len(prefix), child[-1])
                 if key not in seen_padded:
                     seen_padded.add(key)
+                    others = f" (nor than on {top_k - 1} other smaller sizes)" if top_k > 1 else ""
                     candidates.append(Candidate(placement, child, "pruned",
-                                                reason=f"padded: {top_k} smaller sizes of this set, the nearest "
-                                                       f"{cover} GPUs, are each no worse (the rest idle)"))
+                                                reason=f"padded: no better than with this set on {cover} GPUs and "
+                                                       f"the rest idle{others}"))
             for child, child_bound, why in pb.children(prefix):
                 if math.isinf(child_bound):
                     stats.infeasible += pb.completions(child)
