@@ -60,6 +60,17 @@ class SetBound(NamedTuple):
     why: str  # why it cannot fit ('' when each role can alone)
 
 
+class _GeneratorTable(NamedTuple):
+    """GeneratorRows at every size of one placement's generating set, stacked: size j's options are rows
+    start[j] to start[j] + count[j]."""
+
+    rows: np.ndarray  # (options, the generating role's own and generate calls: PlacementBounds.gen_cols)
+    switch: np.ndarray
+    apart: np.ndarray
+    start: np.ndarray
+    count: np.ndarray
+
+
 @dataclass
 class BoundCaches:
     """What Floors computed, by key; a search's two contexts (hybrid engine, rollout set) share one."""
@@ -402,29 +413,35 @@ class PlacementBounds:
         child = self.size_array[js]
         gen_js = np.array(js) if g == index else np.full(len(js), self.index_of[prefix[g]])
         apart = self._apart(prefix, self.size_array[gen_js], child)
-        finite = np.isfinite(rows).all(axis=1)
+        table = self._generator_table
+        counts = np.where(np.isfinite(rows).all(axis=1), table.count[gen_js], 0)  # nothing fits: rows infinite already
         out = np.full(len(js), np.inf)
-        grids, switch_parts, blocks = [], [], []  # every (child, option) row, in one schedule below
-        for j in np.unique(gen_js[finite]).tolist():
-            ns = np.flatnonzero(finite & (gen_js == j))
-            options = self.floors.generator_rows(self.placement[g], self.sizes[j])
-            if options is None:
-                continue  # nothing fits: the rows are infinite already
-            m = len(options.switch)
-            grid = np.repeat(rows[ns], m, axis=0)
-            grid[:, self.gen_cols] = np.tile(options.rows[:, self.gen_cols], (len(ns), 1))
-            own = np.where(np.repeat(apart[ns], m), np.tile(options.apart, len(ns)), np.tile(options.switch, len(ns)))
-            grids.append(grid)
-            switch_parts.append(np.repeat(switches[ns] - self.switch[g, j], m) + own)
-            blocks.append((ns, m))
-        if not grids:
+        if not counts.any():
             return out
-        spans = self._makespans(np.concatenate(grids), np.concatenate(switch_parts))
-        start = 0
-        for ns, m in blocks:
-            out[ns] = spans[start:start + len(ns) * m].reshape(len(ns), m).min(axis=1)
-            start += len(ns) * m
+        # every (child, option of the generating set's size) row, in one schedule
+        owner = np.repeat(np.arange(len(js)), counts)
+        option = np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts) + np.repeat(
+            table.start[gen_js], counts)
+        grid = rows[owner]
+        grid[:, self.gen_cols] = table.rows[option]
+        own = np.where(apart[owner], table.apart[option], table.switch[option])
+        spans = self._makespans(grid, switches[owner] - self.switch[g, gen_js[owner]] + own)
+        np.minimum.at(out, owner, spans)
         return out
+
+    @cached_property
+    def _generator_table(self) -> _GeneratorTable:
+        """Floors.generator_rows of the set holding the generating role at every size, stacked."""
+        parts = [self.floors.generator_rows(self.placement[self.gen_set], size) if self.feasible[self.gen_set, j]
+                 else None for j, size in enumerate(self.sizes)]
+        count = np.array([0 if p is None else len(p.switch) for p in parts])
+        kept = [p for p in parts if p is not None]
+        width = len(self.gen_cols)
+        return _GeneratorTable(
+            np.concatenate([p.rows[:, self.gen_cols] for p in kept]) if kept else np.zeros((0, width)),
+            np.concatenate([p.switch for p in kept]) if kept else np.zeros(0),
+            np.concatenate([p.apart for p in kept]) if kept else np.zeros(0),
+            np.cumsum(count) - count, count)
 
     def _apart(self, prefix: tuple[int, ...], gen_sizes: np.ndarray, child: np.ndarray) -> np.ndarray:
         """For each child (the next set at `child` GPUs, the generating set's at `gen_sizes`): whether the set
