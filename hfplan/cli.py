@@ -244,7 +244,7 @@ def search(
 
     from hfplan.files import check_outputs, write_outputs
     from hfplan.planner.report import candidates_frame, status_counts
-    from hfplan.planner.search import default_time_limit
+    from hfplan.planner.search import MAX_OPEN_PREFIXES, default_time_limit
     from hfplan.planner.search import search as run_search
     from hfplan.planner.targets import get_target, search_target
     from hfplan.spec import load_workload, make_cluster
@@ -287,7 +287,10 @@ def search(
                   f"{stats.seconds:.2f} s ({stats.simpy_runs:,} simpy runs): {sum(counts.values()):,} candidates, "
                   f"{counts['evaluated']:,} evaluated, {counts['pruned']:,} pruned by bounds, "
                   f"{counts['infeasible']:,} infeasible"
-                  + (f", {counts['open']:,} left open by --time-limit {time_limit:g}" if counts["open"] else "")
+                  + (f", {counts['open']:,} left open by " + (f"--time-limit {time_limit:g}"
+                                                                   if stats.stopped_by == "time limit" else
+                                                                   f"the walk's cap of {MAX_OPEN_PREFIXES:,} open "
+                                                                   f"prefixes") if counts["open"] else "")
                   + f" (a pruned, infeasible or open candidate may stand for many allocations); {stats.twins:,} twins "
                     f"of a shown plan left out", highlight=False)
     console.print(f"[bold]best ({optimality_text(result.gap)}):[/] {seconds(result.best.estimate.iteration_s)} s "

@@ -67,6 +67,7 @@ class SearchStats:
     pruned: int = 0
     infeasible: int = 0
     open: int = 0  # allocations left unwalked when the time limit came (their least bound is the lower bound)
+    stopped_by: str = ""  # why the walk stopped early: "time limit" or "open prefixes" (MAX_OPEN_PREFIXES)
     twins: int = 0  # evaluated pairs left out of the top as twins of a kept plan
     strategy_choices: int = 0  # complete strategy choices reached by the branch and bound
     simpy_runs: int = 0
@@ -481,11 +482,13 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
             (bound, index, prefix), dive = dive, None
         else:
             bound, _, index, prefix = heapq.heappop(heap)
-        late = time_limit is not None and time.perf_counter() - started > time_limit
+        crowded = len(heap) > MAX_OPEN_PREFIXES
+        late = crowded or (time_limit is not None and time.perf_counter() - started > time_limit)
         if popped and late and kept and bound < threshold:
             lower_bound = bound
+            stats.stopped_by = "open prefixes" if crowded else "time limit"
             for b, _, i, p in [(bound, 0, index, prefix), *heap]:
-                reason = f"not walked (time limit): bound {b:.4g} s"
+                reason = f"not walked ({stats.stopped_by}): bound {b:.4g} s"
                 candidates.append(Candidate(entries[i][1], p, "open", reason=reason))
                 stats.open += bounds[i].completions(p)
             break
@@ -601,6 +604,7 @@ def merge_results(results: Sequence[SearchResult], top_k: int) -> SearchResult:
         for name in ("placements", "allocations", "evaluated", "pruned", "infeasible", "open", "twins",
                      "strategy_choices", "simpy_runs", "seconds"):
             setattr(stats, name, getattr(stats, name) + getattr(r.stats, name))
+        stats.stopped_by = stats.stopped_by or r.stats.stopped_by
     return replace(results[0], top=top, candidates=[c for r in results for c in r.candidates], stats=stats,
                    lower_bound=min(r.lower_bound for r in results))
 
@@ -627,6 +631,9 @@ PARTIAL_NODE_GPUS = 2_048
 
 # Past PARTIAL_NODE_GPUS, the seconds a search walks unless told otherwise (default_time_limit).
 DEFAULT_TIME_LIMIT_S = 60.0
+# The most prefixes the walk holds open: past them it stops as at its time limit, with its proven gap (memory: each
+# open prefix is a heap entry, and a row of the candidates when the walk stops; 5 million take a few GiB).
+MAX_OPEN_PREFIXES = 5_000_000
 
 
 def default_time_limit(cluster: Cluster) -> float | None:
