@@ -119,6 +119,8 @@ def run_scale(jobs: int, time_limit: float | None, only: str | None) -> None:
         wall, cpu = time.perf_counter() - started, cpu_seconds() - cpu
         stats, best = result.stats, result.best
         gap = "optimal" if result.gap == 0 else f"within {result.gap:.2%} of optimal"
+        if result.stats.stopped_by:
+            gap += f" (the walk stopped at its {result.stats.stopped_by})"
         print(f"{name} on {gpus:,} GPUs: {wall:.1f} s wall, {cpu:.1f} s CPU (load average "
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs); {len(result.candidates):,} candidates for "
               f"{stats.allocations:,} allocations, {stats.evaluated:,} evaluated, {stats.simpy_runs:,} simpy runs; "
