@@ -9,8 +9,9 @@ sample of real choices) times the number of choices. Prints both and their ratio
 
 --scale runs the clusters of today's largest RLHF runs instead (issue 28: 4,096 to 32,768 GPUs; PPO on 7B and
 70B models, GRPO on a 72B one), once each, and prints the search's time, its candidates and allocations, and the
-best plan's proven gap to the optimum (0: optimal; --time-limit may cut a walk short). It has no exhaustive
-baseline: counting the unpruned space alone costs every role at every set size.
+best plan's proven gap to the optimum (0: optimal; a walk stops after --time-limit seconds, by default hfplan
+search's default_time_limit). It has no exhaustive baseline: counting the unpruned space alone costs every role at
+every set size.
 
     python bench/search_speed.py            # the three cases with a budget (issue 10)
     python bench/search_speed.py --quick    # the 64-GPU case only
@@ -33,7 +34,7 @@ import numpy as np
 from hfplan.layout import ROLLOUT
 from hfplan.plan import RoleParallelism
 from hfplan.planner import space
-from hfplan.planner.search import search
+from hfplan.planner.search import default_time_limit, search
 from hfplan.simulator import costs, engine
 from hfplan.simulator.mapping import PlanCosts
 from hfplan.simulator.trace import trace
@@ -111,11 +112,15 @@ def run_scale(jobs: int, time_limit: float | None, only: str | None) -> None:
     for name, gpus in SCALE_CASES:
         if only is not None and only not in f"{name}@{gpus}":
             continue
+        cluster = make_cluster(gpus)
+        limit = default_time_limit(cluster) if time_limit is None else time_limit
         started, cpu = time.perf_counter(), cpu_seconds()
-        result = search(load_workload(name), make_cluster(gpus), top_k=5, jobs=jobs, time_limit=time_limit)
+        result = search(load_workload(name), cluster, top_k=5, jobs=jobs, time_limit=limit)
         wall, cpu = time.perf_counter() - started, cpu_seconds() - cpu
         stats, best = result.stats, result.best
         gap = "optimal" if result.gap == 0 else f"within {result.gap:.2%} of optimal"
+        if result.stats.stopped_by:
+            gap += f" (the walk stopped at its {result.stats.stopped_by})"
         print(f"{name} on {gpus:,} GPUs: {wall:.1f} s wall, {cpu:.1f} s CPU (load average "
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs); {len(result.candidates):,} candidates for "
               f"{stats.allocations:,} allocations, {stats.evaluated:,} evaluated, {stats.simpy_runs:,} simpy runs; "
@@ -132,7 +137,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--scale", action="store_true", help="the 4,096 to 32,768-GPU cases instead (issue 28)")
     parser.add_argument("--only", help="--scale: only the cases whose 'workload@gpus' holds this text")
-    parser.add_argument("--time-limit", type=float, help="--scale: seconds after which a walk stops (its gap shown)")
+    parser.add_argument("--time-limit", type=float, help="--scale: seconds after which a walk stops (its gap shown; "
+                                                         "default: hfplan search's, 60 s past 2,048 GPUs; inf: none)")
     args = parser.parse_args()
     if args.scale:
         run_scale(args.jobs, args.time_limit, args.only)

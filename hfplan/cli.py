@@ -230,8 +230,8 @@ def search(
     jobs: Annotated[int | None, typer.Option(min=1, help="processes (default: all cores)")] = None,
     time_limit: Annotated[float | None, typer.Option(
         min=0, help="seconds from the start after which the walk of the allocations stops and the best so far "
-                    "is reported with its proven gap to the optimum (default: walk to the end, the best is "
-                    "optimal)")] = None,
+                    "is reported with its proven gap to the optimum; inf: walk to the end (default: to the end up "
+                    "to 2,048 GPUs, 60 s past that)")] = None,
     compare: Annotated[bool, typer.Option(help="also search other systems' fixed mappings and compare")] = True,
     target: Annotated[str, typer.Option(help="search only what this framework runs: hfplan (all), verl or "
                                              "openrlhf; then `hfplan export` writes its command")] = "hfplan",
@@ -244,6 +244,7 @@ def search(
 
     from hfplan.files import check_outputs, write_outputs
     from hfplan.planner.report import candidates_frame, status_counts
+    from hfplan.planner.search import MAX_OPEN_PREFIXES, default_time_limit
     from hfplan.planner.search import search as run_search
     from hfplan.planner.targets import get_target, search_target
     from hfplan.spec import load_workload, make_cluster
@@ -254,10 +255,13 @@ def search(
     cluster = make_cluster(gpus, hardware, gpus_per_node)
     chosen = get_target(target, spec)
     jobs = jobs or os.cpu_count() or 1
+    if time_limit is None:
+        time_limit = default_time_limit(cluster)
     with _progress() as progress:
         result = search_target(chosen, spec, cluster, top_k=top, progress=progress, jobs=jobs, time_limit=time_limit,
                                engines=engines)
-        own = run_search(spec, cluster, top_k=1, jobs=jobs).best if target != "hfplan" else None
+        own = (run_search(spec, cluster, top_k=1, jobs=jobs, time_limit=time_limit).best if target != "hfplan"
+               else None)
         comparison = []
         if compare:
             from hfplan.planner.baselines import compare as compare_systems
@@ -283,7 +287,10 @@ def search(
                   f"{stats.seconds:.2f} s ({stats.simpy_runs:,} simpy runs): {sum(counts.values()):,} candidates, "
                   f"{counts['evaluated']:,} evaluated, {counts['pruned']:,} pruned by bounds, "
                   f"{counts['infeasible']:,} infeasible"
-                  + (f", {counts['open']:,} left open by --time-limit" if counts["open"] else "")
+                  + (f", {counts['open']:,} left open by " + (f"--time-limit {time_limit:g}"
+                                                                   if stats.stopped_by == "time limit" else
+                                                                   f"the walk's cap of {MAX_OPEN_PREFIXES:,} open "
+                                                                   f"prefixes") if counts["open"] else "")
                   + f" (a pruned, infeasible or open candidate may stand for many allocations); {stats.twins:,} twins "
                     f"of a shown plan left out", highlight=False)
     console.print(f"[bold]best ({optimality_text(result.gap)}):[/] {seconds(result.best.estimate.iteration_s)} s "

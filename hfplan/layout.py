@@ -24,6 +24,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
+
 from hfplan.dataflow.registry import ROLLOUT, get_algorithm, role_facts
 from hfplan.dataflow.roles import RoleFacts
 
@@ -486,13 +488,19 @@ def training_box(train: TrainLayoutLike, spec: TensorSpec, rank: int) -> Box:
     """A training rank's slice of a parameter, its stage aside: the tensor-parallel chunk along tp_dim, then
     (sharded training) FSDP's chunk of dim 0 of that, by the rank's place in its weight-shard group."""
     _, dp, tp = rank_coords(train, rank)
-    box = [(0, n) for n in spec.shape]
-    if spec.tp_dim is not None and train.tp > 1:
-        box[spec.tp_dim] = _tp_range(spec, train.tp, tp)
     shards = train.shards("weights")
+    return _shard_box(spec, train.tp, tp, shards, dp % shards)
+
+
+def _shard_box(spec: TensorSpec, tp_size: int, tp: int, shards: int, chunk: int) -> Box:
+    """training_box of the rank at tensor-parallel coordinate `tp` of `tp_size` holding FSDP chunk `chunk` of
+    `shards`: all a rank's slice depends on."""
+    box = [(0, n) for n in spec.shape]
+    if spec.tp_dim is not None and tp_size > 1:
+        box[spec.tp_dim] = _tp_range(spec, tp_size, tp)
     if shards > 1 and spec.shape:
         start, end = box[0]
-        lo, hi = chunk_range(end - start, shards, dp % shards)
+        lo, hi = chunk_range(end - start, shards, chunk)
         box[0] = (start + lo, start + hi)
     return tuple(box)
 
@@ -564,34 +572,80 @@ def received_numel(train: TrainLayoutLike, gen: LayoutLike, specs: Sequence[Tens
                    places: Sequence[GenerationPlace] | None = None) -> list[int]:
     """Elements each training rank receives at the switch to generation: its generation shard less what its
     training shard already holds of it (reshard_transfers says from whom; the simulator prices these).
-    Counted once per kind of rank: a rank's count depends only on its training stage, tp coordinate and FSDP
-    chunk (training_box) and its generation stage and tp coordinate (generation_box); and pieces alike in shape,
-    split and stages (whatever their name or layer) add up as one, their counts summed."""
+    Counted once per kind of rank (_KindCounts): a rank's count depends only on its training stage, tp coordinate
+    and FSDP chunk (training_box) and its generation stage and tp coordinate (generation_box), given the layouts'
+    tp, stages and weight shards; never on their data-parallel sizes, so layouts alike in those share the counts
+    whatever their set size."""
     places = places if places is not None else generation_places(train, gen)
-    alike: dict[tuple, int] = {}
-    for piece, train_stage, gen_stage in _placed_pieces(train, gen, specs, layers):
-        key = (TensorSpec("", piece.shape, piece.tp_dim, 0, 1, piece.kv_heads), train_stage, gen_stage)
-        alike[key] = alike.get(key, 0) + piece.count
     shards = train.shards("weights")
-    needed: dict[tuple[int, int], int] = {}  # (generation stage, tp coordinate) -> elements of the shard
-    counted: dict[tuple[int, int, int, int, int], int] = {}
+    counts = _kind_counts(tuple(specs), layers, train.tp, train.pp, train.virtual_stages, shards, gen.tp, gen.pp)
     out = []
     for rank, place in enumerate(places):
         stage, dp, tp = rank_coords(train, rank)
-        shard = (place.pp, place.tp)
-        if shard not in needed:
-            needed[shard] = sum(box_numel(generation_box(gen, piece, place)) * count
-                                for (piece, _, gen_stage), count in alike.items() if gen_stage == place.pp)
-        key = (stage, tp, dp % shards, place.pp, place.tp)
-        if key not in counted:
-            held = 0
-            for (piece, train_stage, gen_stage), count in alike.items():
-                if gen_stage == place.pp and train_stage == stage:
-                    held += box_numel(box_meet(generation_box(gen, piece, place),
-                                               training_box(train, piece, rank))) * count
-            counted[key] = needed[shard] - held
-        out.append(counted[key])
+        out.append(counts.count(stage, tp, dp % shards, place.pp, place.tp))
     return out
+
+
+class _KindCounts:
+    """received_numel's count of each kind of rank for one shape of the switch: the layouts' tp, stages and
+    weight shards (the parameters cut at both models' stage starts, and pieces alike in shape, split and stages,
+    whatever their name or layer, added up as one with their counts summed)."""
+
+    def __init__(self, specs: tuple[TensorSpec, ...], layers: int, train_tp: int, train_pp: int, virtual: int,
+                 shards: int, gen_tp: int, gen_pp: int) -> None:
+        self.train_tp, self.shards, self.gen = train_tp, shards, _Sizes(gen_tp, gen_pp, 1)
+        stages = SwitchLayout(train_tp, train_pp, 1, virtual, shards)
+        self.alike: dict[tuple, int] = {}
+        for piece, train_stage, gen_stage in _placed_pieces(stages, self.gen, specs, layers):
+            key = (TensorSpec("", piece.shape, piece.tp_dim, 0, 1, piece.kv_heads), train_stage, gen_stage)
+            self.alike[key] = self.alike.get(key, 0) + piece.count
+        self._needed: dict[tuple[int, int], int] = {}  # (generation stage, tp coordinate) -> elements of the shard
+        self._held: dict[tuple[int, int, int, int], np.ndarray] = {}
+
+    def count(self, stage: int, tp: int, chunk: int, gen_stage: int, gen_tp: int) -> int:
+        """Elements a rank at training (stage, tp, FSDP chunk) and generation (stage, tp) receives."""
+        shard = (gen_stage, gen_tp)
+        if shard not in self._needed:
+            place = GenerationPlace(gen_stage, 0, gen_tp)
+            self._needed[shard] = sum(box_numel(generation_box(self.gen, piece, place)) * count
+                                      for (piece, _, g), count in self.alike.items() if g == gen_stage)
+        key = (stage, tp, gen_stage, gen_tp)
+        if key not in self._held:
+            self._held[key] = self._held_by_chunk(stage, tp, gen_stage, gen_tp)
+        return self._needed[shard] - int(self._held[key][chunk])
+
+    def _held_by_chunk(self, stage: int, tp: int, gen_stage: int, gen_tp: int) -> np.ndarray:
+        """For each FSDP chunk: the elements of its generation shard that a rank at training (stage, tp) and
+        generation (gen_stage, gen_tp) holds already, the sizes of the meets of generation_box and training_box,
+        all chunks at once (only dim 0 of the training box depends on the chunk)."""
+        chunks = np.arange(self.shards, dtype=np.int64)
+        held = np.zeros(self.shards, dtype=np.int64)
+        place = GenerationPlace(gen_stage, 0, gen_tp)
+        for (piece, train_stage, g), count in self.alike.items():
+            if g != gen_stage or train_stage != stage:
+                continue
+            if not piece.shape:
+                held += count
+                continue
+            need = generation_box(self.gen, piece, place)
+            have = _shard_box(piece, self.train_tp, tp, 1, 0)  # before FSDP's chunk of dim 0
+            other = math.prod(max(0, min(e1, e2) - max(s1, s2)) for (s1, e1), (s2, e2) in zip(need[1:], have[1:],
+                                                                                              strict=True))
+            start, end = have[0]
+            if self.shards > 1:  # chunk_range of every chunk
+                step = -(-(end - start) // self.shards)
+                lo = start + np.minimum(chunks * step, end - start)
+                hi = start + np.minimum((chunks + 1) * step, end - start)
+            else:
+                lo, hi = np.array([start]), np.array([end])
+            held += np.maximum(0, np.minimum(hi, need[0][1]) - np.maximum(lo, need[0][0])) * (other * count)
+        return held
+
+
+@functools.lru_cache(maxsize=1024)
+def _kind_counts(specs: tuple[TensorSpec, ...], layers: int, train_tp: int, train_pp: int, virtual: int,
+                 shards: int, gen_tp: int, gen_pp: int) -> _KindCounts:
+    return _KindCounts(specs, layers, train_tp, train_pp, virtual, shards, gen_tp, gen_pp)
 
 
 def reshard_transfers(train: TrainLayoutLike, gen: LayoutLike, specs: Sequence[TensorSpec], layers: int,

@@ -326,3 +326,22 @@ def test_the_best_says_whether_it_is_optimal_or_its_proven_gap(tmp_path, wide_co
     gap = re.search(r"best \(within (\d+\.\d\d)% of optimal\):", cut.stdout)
     assert gap is not None and float(gap.group(1)) > 0, cut.stdout
     assert "left open by --time-limit" in cut.stdout
+
+
+def test_past_2048_gpus_the_walk_stops_by_default(tmp_path, wide_console, monkeypatch):
+    """A search that names no --time-limit walks to the end up to 2,048 GPUs and stops after 60 s past that
+    (default_time_limit); the CLI uses that default (checked on a small cluster given a default of 0 s), and
+    `--time-limit inf` walks to the end."""
+    from hfplan.planner import search as search_module
+
+    assert search_module.default_time_limit(make_cluster(2048)) is None
+    assert search_module.default_time_limit(make_cluster(2056)) == search_module.DEFAULT_TIME_LIMIT_S == 60.0
+    monkeypatch.setattr(search_module, "default_time_limit", lambda cluster: 0.0)
+    args = ("search", "--gpus", 16, "--workload", "grpo-qwen2.5-1.5b", "--out", tmp_path / "best.json",
+            "--no-compare", "--jobs", 1)
+    cut = _invoke(*args)
+    assert cut.exit_code == 0, (cut.output, cut.exception)
+    assert "left open by --time-limit 0" in cut.stdout
+    finished = _invoke(*args, "--time-limit", "inf")
+    assert finished.exit_code == 0, (finished.output, finished.exception)
+    assert "best (optimal):" in finished.stdout and "left open" not in finished.stdout

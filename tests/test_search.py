@@ -35,6 +35,10 @@ CASES = {
                             top_k=5),
     "ppo-12gpu-partial-node": Case("ppo", {"actor": "kv1", "critic": "flat", "reference": "flat", "reward": RULE},
                                    12, 8, batch_prompts=4, mini_batches=1, top_k=4),
+    # one sequence: no data parallelism, so more nodes are no faster for the reference (the walk, keeping the top 1,
+    # leaves such sizes out: padded_sizes)
+    "ppo-8gpu-4nodes-one-prompt": Case("ppo", {"actor": "kv1", "critic": "flat", "reference": "wide", "reward": RULE},
+                                       8, 2, batch_prompts=1, top_k=1),
     "grpo-4gpu": Case("grpo", {"actor": "wide", "reference": "flat", "reward": "flat"}, 4, 4, samples_per_prompt=2),
     "grpo-4gpu-2nodes": Case("grpo", {"actor": "wide", "reference": "flat", "reward": "flat"}, 4, 2,
                              samples_per_prompt=2, prompt_len=1024, response_len=512, top_k=2),
@@ -454,3 +458,30 @@ def test_unsized_sets_rule_never_prunes_an_allocation_that_beats_the_threshold(l
     assert checked and tighter, (checked, tighter)
     if name == "ppo-4gpu-2nodes":
         assert tighter == {1, 2}, tighter
+
+
+
+@pytest.mark.parametrize("name", ["ppo-8gpu-4nodes-one-prompt", "ppo-4gpu-2nodes", "grpo-4gpu-2nodes",
+                                  "ppo-tight-4gpu-2nodes"])
+def test_padded_sizes_are_never_better_than_the_size_covering_them(lab, name):
+    """A set size the walk leaves out as padded (Floors.padded_sizes: every option of each role has one on a smaller
+    whole-node size no slower, and no larger where the set holds several roles) never holds a better plan: with
+    every other set's size kept, the exhaustive best with the set on the covering size is at most the best with it
+    on the padded one. The one-prompt case leaves some size out."""
+    from hfplan.planner.bounds import PlacementBounds
+
+    cluster, reference, contexts = _own_contexts(lab, name)
+    checked = 0
+    for ctx in contexts:
+        for placement in ctx.placements:
+            pb = PlacementBounds(ctx.bounds, placement, cluster.gpus)
+            for i, padded in enumerate(pb.padded):
+                for size, cover in padded.items():
+                    assert cover < size and not cover % cluster.gpus_per_node
+                    for (p, a), r in reference.items():
+                        if p == placement and a[i] == size:
+                            covered = reference[(p, (*a[:i], cover, *a[i + 1:]))]
+                            assert covered.best_s <= r.best_s * (1 + 1e-12), (placement, a, cover)
+                            checked += 1
+    if name == "ppo-8gpu-4nodes-one-prompt":
+        assert checked  # not vacuous

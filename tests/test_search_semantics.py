@@ -213,3 +213,19 @@ def test_allocation_counts_equal_the_allocations_listed(gpus, per_node, powers):
         for sets in range(1, 5):
             listed = sum(1 for _ in space.allocations(sets, gpus, per_node, powers, idle))
             assert table[sets][gpus] == listed, (sets, idle)
+
+
+def test_a_walk_past_its_cap_of_open_prefixes_stops_with_its_proven_gap(monkeypatch):
+    """Past MAX_OPEN_PREFIXES open prefixes the walk stops as at its time limit (memory): its best is no better than
+    the exhaustive walk's, its lower bound no higher, and the result says why it stopped."""
+    from hfplan.planner import search as search_module
+
+    workload, cluster = load_workload("grpo-qwen2.5-1.5b"), make_cluster(16)
+    exact = search(workload, cluster, top_k=1)
+    monkeypatch.setattr(search_module, "MAX_OPEN_PREFIXES", 0)
+    capped = search(workload, cluster, top_k=1)
+    assert exact.stats.stopped_by == "" and exact.gap == 0
+    assert capped.stats.stopped_by == "open prefixes" and capped.stats.open > 0
+    best = exact.best.estimate.iteration_s
+    assert capped.lower_bound <= best * (1 + 1e-9) <= capped.best.estimate.iteration_s * (1 + 1e-9)
+    assert all(c.reason.startswith("not walked (open prefixes)") for c in capped.candidates if c.status == "open")

@@ -16,8 +16,9 @@ K-th best plan found so far can be dropped with everything below it.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, cached_property
 from typing import NamedTuple
 
 import numpy as np
@@ -59,6 +60,17 @@ class SetBound(NamedTuple):
     why: str  # why it cannot fit ('' when each role can alone)
 
 
+class _GeneratorTable(NamedTuple):
+    """GeneratorRows at every size of one placement's generating set, stacked: size j's options are rows
+    start[j] to start[j] + count[j]."""
+
+    rows: np.ndarray  # (options, the generating role's own and generate calls: PlacementBounds.gen_cols)
+    switch: np.ndarray
+    apart: np.ndarray
+    start: np.ndarray
+    count: np.ndarray
+
+
 @dataclass
 class BoundCaches:
     """What Floors computed, by key; a search's two contexts (hybrid engine, rollout set) share one."""
@@ -67,6 +79,7 @@ class BoundCaches:
     set_floors: dict[SetKey, dict[int, float] | None] = field(default_factory=dict)
     set_bounds: dict[SetKey, SetBound] = field(default_factory=dict)
     generator_rows: dict[SetKey, GeneratorRows | None] = field(default_factory=dict)
+    covers: dict[tuple[RoleKey, int, bool], bool] = field(default_factory=dict)  # (larger, smaller, alone)
 
 
 class Floors:
@@ -187,10 +200,71 @@ class Floors:
         return self.caches.generator_rows[key]
 
 
+    def padded_sizes(self, roles: tuple[str, ...], sizes: Sequence[int], plans: int = 1) -> dict[int, int]:
+        """The sizes (of `sizes`, ascending) at which a set of `roles` is no better than at `plans` smaller ones with
+        the difference idle (covers), each mapped to the nearest of those; the walk leaves them out and still finds
+        the `plans` best times. Empty where the rule does not hold (Rules.idle_gpus off, roles that must agree on
+        facets, a set holding the generating role).
+
+        Proof. (a) One cover. Let the set take s GPUs, s' < s, both whole nodes, and let every option of each role
+        on s have one on s' no slower on any of its calls and, where the set holds several roles, needing no more
+        resident or transient memory (_covers). Take any allocation with the set on s and any strategy choice of
+        it; give the set s' instead, the other sets their sizes (the s - s' GPUs idle: Rules.idle_gpus), each role
+        of the set its covering option. (1) It fits: a role alone fits with any of its options (RoleOptions keeps
+        only those), and a colocated set's memory per GPU only fell; the other sets are unchanged. (2) No transfer
+        is slower: a set of whole nodes shares a node with no other set at either size, and the sets smaller than a
+        node lie after every set of whole nodes (mapping.set_offsets: largest first), whose GPUs stay a multiple of
+        a node, so which sets share a node is unchanged; the bytes moved do not depend on sizes. (3) No call is
+        slower: the set's own calls by covering, every other call unchanged (the set holds no generating role, so
+        no KV-cache room or switch changes; a rollout set's weight sync depends on its own size and on sharing a
+        node, unchanged). The iteration time is a longest path that never shortens when a call lengthens, so the
+        new plan is no slower. Covering is transitive.
+        (b) `plans` covers. Leave s out when at least `plans` smaller sizes cover it. Its `plans` smallest covers are
+        then never left out: were the j-th smallest left out, its own `plans` covers, all smaller, would cover s
+        too, though only j - 1 < `plans` covers of s are smaller. So every plan left out has `plans` distinct plans
+        in the walk no slower (one per cover, by (a)): the `plans` best times are unchanged, and every plan left
+        out is no better than the `plans`-th best, as a pruned one is.
+        Each size is compared with the nearest smaller sizes not left out, at most `plans` + 3 of them (any covers
+        found suffice for (b); more comparisons would only find more)."""
+        f = self.facts
+        if not f.rules.idle_gpus or f.rules.agree is not None or f.generator in roles:
+            return {}
+        alone = len(roles) == 1
+        kept: list[int] = []
+        out: dict[int, int] = {}
+        for size in sizes:
+            if size % f.gpus_per_node:
+                continue
+            if all(self.options.choices(r, size).options for r in roles):
+                nearest = reversed(kept[-(plans + 3):])
+                covers = [u for u in nearest if all(self._covers(r, u, size, alone) for r in roles)]
+                if len(covers) >= plans:
+                    out[size] = covers[0]
+                    continue
+            kept.append(size)
+        return out
+
+    def _covers(self, role: str, smaller: int, larger: int, alone: bool) -> bool:
+        """Whether every option of `role` on `larger` GPUs has one on `smaller` no slower on any of its calls (the
+        switch too, though only the generating role's counts) and, unless the role is `alone` on its GPUs, needing
+        no more resident or transient memory (padded_sizes)."""
+        key = (self.facts.role_key(role, larger), smaller, alone)
+        if key not in self.caches.covers:
+            a, b = self.options.choices(role, larger), self.options.choices(role, smaller)
+            result = bool(b.options)
+            if result and a.options:
+                big, small = (np.column_stack([c.seconds, c.switch, *(() if alone else (c.resident, c.transient))])
+                              for c in (a, b))
+                result = bool((small[None, :, :] <= big[:, None, :]).all(axis=2).any(axis=1).all())
+            self.caches.covers[key] = result
+        return self.caches.covers[key]
+
+
 class PlacementBounds:
     """Bounds of the allocations of one placement on at most `gpus` GPUs, by prefix."""
 
-    def __init__(self, floors: Floors, placement: tuple[tuple[str, ...], ...], gpus: int) -> None:
+    def __init__(self, floors: Floors, placement: tuple[tuple[str, ...], ...], gpus: int, plans: int = 1) -> None:
+        """plans: how many best plans the walk keeps (padded sizes leave none of their times out)."""
         self.floors, self.placement, self.gpus = floors, placement, gpus
         facts = self.facts = floors.facts
         sizes = space.set_sizes(gpus, facts.gpus_per_node)
@@ -223,6 +297,8 @@ class PlacementBounds:
         self.gen_set = held[0] if held else None  # the set holding the generating role
         self.actor_set = where.get(facts.trained_generator)  # the set whose weights a rollout set receives
         self.gen_cols = [n.id for n in facts.own_nodes(facts.generator)] + [n.id for n in facts.generate_nodes]
+        # padded[i]: the sizes at which set i is no better than at a smaller one (Floors.padded_sizes), left out
+        self.padded = [floors.padded_sizes(roles, sizes, plans) for roles in placement]
 
     def _fill(self, i: int, j: int, roles: tuple[str, ...], size: int) -> None:
         bound = self.floors.set_bound(roles, size)
@@ -286,7 +362,8 @@ class PlacementBounds:
         index = len(prefix)
         left = self.gpus - sum(prefix)
         unsized_after = self.k - index - 1
-        js = [j for j, size in enumerate(self.sizes) if size <= left - unsized_after]
+        padded = self.padded[index]
+        js = [j for j, size in enumerate(self.sizes) if size <= left - unsized_after and size not in padded]
         if not unsized_after and not self.facts.rules.idle_gpus:
             js = [j for j in js if self.sizes[j] == left]  # the last set takes every GPU left
         if not js:
@@ -313,6 +390,13 @@ class PlacementBounds:
         return [(prefix + (self.sizes[j],), float(b), "" if self.feasible[index, j] else self.why[(index, j)])
                 for j, b in zip(js, bounds, strict=True)]
 
+    def padded_children(self, prefix: tuple[int, ...]) -> list[tuple[tuple[int, ...], int]]:
+        """The children that children() leaves out as padded (Floors.padded_sizes), each with the smaller size
+        whose child is no worse."""
+        index = len(prefix)
+        room = self.gpus - sum(prefix) - (self.k - index - 1)
+        return [(prefix + (size,), cover) for size, cover in self.padded[index].items() if size <= room]
+
     def _makespans(self, rows: np.ndarray, switches: np.ndarray) -> np.ndarray:
         if self.pipelined is not None:
             return self.pipelined.window_many(rows, switches)
@@ -329,20 +413,35 @@ class PlacementBounds:
         child = self.size_array[js]
         gen_js = np.array(js) if g == index else np.full(len(js), self.index_of[prefix[g]])
         apart = self._apart(prefix, self.size_array[gen_js], child)
-        finite = np.isfinite(rows).all(axis=1)
+        table = self._generator_table
+        counts = np.where(np.isfinite(rows).all(axis=1), table.count[gen_js], 0)  # nothing fits: rows infinite already
         out = np.full(len(js), np.inf)
-        for j in np.unique(gen_js[finite]).tolist():
-            ns = np.flatnonzero(finite & (gen_js == j))
-            options = self.floors.generator_rows(self.placement[g], self.sizes[j])
-            if options is None:
-                continue  # nothing fits: the rows are infinite already
-            m = len(options.switch)
-            grid = np.repeat(rows[ns], m, axis=0)
-            grid[:, self.gen_cols] = np.tile(options.rows[:, self.gen_cols], (len(ns), 1))
-            own = np.where(np.repeat(apart[ns], m), np.tile(options.apart, len(ns)), np.tile(options.switch, len(ns)))
-            switch = np.repeat(switches[ns] - self.switch[g, j], m) + own
-            out[ns] = self._makespans(grid, switch).reshape(len(ns), m).min(axis=1)
+        if not counts.any():
+            return out
+        # every (child, option of the generating set's size) row, in one schedule
+        owner = np.repeat(np.arange(len(js)), counts)
+        option = np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts) + np.repeat(
+            table.start[gen_js], counts)
+        grid = rows[owner]
+        grid[:, self.gen_cols] = table.rows[option]
+        own = np.where(apart[owner], table.apart[option], table.switch[option])
+        spans = self._makespans(grid, switches[owner] - self.switch[g, gen_js[owner]] + own)
+        np.minimum.at(out, owner, spans)
         return out
+
+    @cached_property
+    def _generator_table(self) -> _GeneratorTable:
+        """Floors.generator_rows of the set holding the generating role at every size, stacked."""
+        parts = [self.floors.generator_rows(self.placement[self.gen_set], size) if self.feasible[self.gen_set, j]
+                 else None for j, size in enumerate(self.sizes)]
+        count = np.array([0 if p is None else len(p.switch) for p in parts])
+        kept = [p for p in parts if p is not None]
+        width = len(self.gen_cols)
+        return _GeneratorTable(
+            np.concatenate([p.rows[:, self.gen_cols] for p in kept]) if kept else np.zeros((0, width)),
+            np.concatenate([p.switch for p in kept]) if kept else np.zeros(0),
+            np.concatenate([p.apart for p in kept]) if kept else np.zeros(0),
+            np.cumsum(count) - count, count)
 
     def _apart(self, prefix: tuple[int, ...], gen_sizes: np.ndarray, child: np.ndarray) -> np.ndarray:
         """For each child (the next set at `child` GPUs, the generating set's at `gen_sizes`): whether the set
@@ -357,8 +456,11 @@ class PlacementBounds:
 
     def completions(self, prefix: tuple[int, ...]) -> int:
         """How many complete allocations start with `prefix`."""
-        return _counts(tuple(self.sizes), self.gpus, self.facts.rules.idle_gpus, self.k)[self.k - len(prefix)][
-            self.gpus - sum(prefix)]
+        return self._counts[self.k - len(prefix)][self.gpus - sum(prefix)]
+
+    @cached_property
+    def _counts(self) -> list[list[int]]:
+        return _counts(tuple(self.sizes), self.gpus, self.facts.rules.idle_gpus, self.k)
 
 
 @cache

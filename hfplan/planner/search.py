@@ -67,6 +67,7 @@ class SearchStats:
     pruned: int = 0
     infeasible: int = 0
     open: int = 0  # allocations left unwalked when the time limit came (their least bound is the lower bound)
+    stopped_by: str = ""  # why the walk stopped early: "time limit" or "open prefixes" (MAX_OPEN_PREFIXES)
     twins: int = 0  # evaluated pairs left out of the top as twins of a kept plan
     strategy_choices: int = 0  # complete strategy choices reached by the branch and bound
     simpy_runs: int = 0
@@ -463,8 +464,9 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
     heap: list[tuple[float, int, int, tuple[int, ...]]] = []
     bounds = []
     seen_infeasible: set[tuple[int, int, int]] = set()
+    seen_padded: set[tuple[int, int, int]] = set()
     for index, (ctx, placement) in enumerate(entries):
-        pb = PlacementBounds(ctx.bounds, placement, cluster.gpus)
+        pb = PlacementBounds(ctx.bounds, placement, cluster.gpus, top_k)
         bounds.append(pb)
         stats.allocations += pb.completions(())
         heapq.heappush(heap, (pb.bound(()), len(heap), index, ()))
@@ -480,11 +482,13 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
             (bound, index, prefix), dive = dive, None
         else:
             bound, _, index, prefix = heapq.heappop(heap)
-        late = time_limit is not None and time.perf_counter() - started > time_limit
+        crowded = len(heap) > MAX_OPEN_PREFIXES
+        late = crowded or (time_limit is not None and time.perf_counter() - started > time_limit)
         if popped and late and kept and bound < threshold:
             lower_bound = bound
+            stats.stopped_by = "open prefixes" if crowded else "time limit"
             for b, _, i, p in [(bound, 0, index, prefix), *heap]:
-                reason = f"not walked (time limit): bound {b:.4g} s"
+                reason = f"not walked ({stats.stopped_by}): bound {b:.4g} s"
                 candidates.append(Candidate(entries[i][1], p, "open", reason=reason))
                 stats.open += bounds[i].completions(p)
             break
@@ -510,6 +514,15 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
                 candidates.append(Candidate(placement, prefix, "pruned", reason=reason))
                 stats.pruned += pb.completions(prefix)
                 continue
+            for child, cover in pb.padded_children(prefix):
+                stats.pruned += pb.completions(child)
+                key = (index, len(prefix), child[-1])
+                if key not in seen_padded:
+                    seen_padded.add(key)
+                    others = f" (nor than on {top_k - 1} other smaller sizes)" if top_k > 1 else ""
+                    candidates.append(Candidate(placement, child, "pruned",
+                                                reason=f"padded: no better than with this set on {cover} GPUs and "
+                                                       f"the rest idle{others}"))
             for child, child_bound, why in pb.children(prefix):
                 if math.isinf(child_bound):
                     stats.infeasible += pb.completions(child)
@@ -591,6 +604,7 @@ def merge_results(results: Sequence[SearchResult], top_k: int) -> SearchResult:
         for name in ("placements", "allocations", "evaluated", "pruned", "infeasible", "open", "twins",
                      "strategy_choices", "simpy_runs", "seconds"):
             setattr(stats, name, getattr(stats, name) + getattr(r.stats, name))
+        stats.stopped_by = stats.stopped_by or r.stats.stopped_by
     return replace(results[0], top=top, candidates=[c for r in results for c in r.candidates], stats=stats,
                    lower_bound=min(r.lower_bound for r in results))
 
@@ -613,6 +627,20 @@ def twin_key(workload: Workload, c: Candidate) -> tuple:
 MAX_GPUS = 32_768
 # Up to here a partial last node is searched (its GPUs as sets under a node); past it, whole nodes only.
 PARTIAL_NODE_GPUS = 2_048
+
+
+# Past PARTIAL_NODE_GPUS, the seconds a search walks unless told otherwise (default_time_limit).
+DEFAULT_TIME_LIMIT_S = 60.0
+# The most prefixes the walk holds open: past them it stops as at its time limit, with its proven gap (memory: each
+# open prefix is a heap entry, and a row of the candidates when the walk stops; 5 million take a few GiB).
+MAX_OPEN_PREFIXES = 5_000_000
+
+
+def default_time_limit(cluster: Cluster) -> float | None:
+    """The time limit of a search of `cluster` that names none (hfplan search without --time-limit): none up to
+    PARTIAL_NODE_GPUS GPUs, whose walks end (the best optimal); past it DEFAULT_TIME_LIMIT_S, so that a walk that
+    cannot end soon still stops, its best reported with its proven gap to the optimum."""
+    return None if cluster.gpus <= PARTIAL_NODE_GPUS else DEFAULT_TIME_LIMIT_S
 
 
 def check_scale(cluster: Cluster) -> None:
