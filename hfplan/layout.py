@@ -272,6 +272,12 @@ def split_rows(workload: Workload, kind: str) -> int:
             "train": workload.sequences // workload.mini_batches}[kind]
 
 
+def engine_max_seqs(workload: Workload, gen) -> int:
+    """Sequences a generation replica runs at once (vLLM's max_num_seqs): the plan's max_batch, or the replica's
+    share of an iteration's sequences."""
+    return gen.max_batch or -(-workload.sequences // gen.dp)
+
+
 def unsupported_split(kind: str, dp: int, rows: int) -> str | None:
     """Why `rows` (split_rows) cannot be split over dp data-parallel ranks (None when they can).
     Training needs equal shares: every rank runs the same micro-batches, or the collectives of FSDP

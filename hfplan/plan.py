@@ -260,6 +260,7 @@ class Span(_Strict):
 
 
 EDGE = "->"  # a simulated edge's span is named `source call->destination call`
+GREEDY_MARK = "(greedy)"  # ends a greedy generation's op in the simulator's names (the executor's are plain)
 
 
 def phase_seconds(spans: Sequence[Span]) -> dict[str, float]:

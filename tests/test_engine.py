@@ -8,7 +8,7 @@ import math
 import pytest
 
 from hfplan.errors import HfplanError
-from hfplan.plan import GenConfig, InferConfig, RoleParallelism, TrainConfig
+from hfplan.plan import EDGE, GenConfig, InferConfig, RoleParallelism, TrainConfig
 from hfplan.profiles.models import CATALOG
 from hfplan.simulator import costs, mapping
 from hfplan.simulator.engine import critical_path, run, simulate_plan
@@ -87,7 +87,7 @@ def test_calls_on_one_set_serialise_in_program_order(name):
             assert after.start >= before.end - 1e-9, f"set {index}: {before} overlaps {after}"
         # Each call lasts what the cost model says for it: its dispatch on the worker, drawn before it, and its work.
         dispatches = sorted((s for s in sim.timeline.spans if s.kind == "dispatch" and s.set == index
-                             and "->" not in s.op), key=lambda s: s.start)
+                             and EDGE not in s.op), key=lambda s: s.start)
         assert len(dispatches) == len(spans)
         for span, dispatch, node in zip(spans, dispatches, nodes, strict=True):
             assert dispatch.end <= span.start + 1e-12 and (dispatch.role, dispatch.op) == (node.role, node.op)

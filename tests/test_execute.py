@@ -147,14 +147,13 @@ def test_the_next_generation_sent_ahead_changes_nothing_but_the_wait(tmp_path):
 
     models = {"actor": "tiny", "reference": "tiny", "reward": "rule:vowel-fraction"}
     plan = cpu_plan(tiny_workload("remax", models), [(("actor", "reference"), 1)])
-    summary, timeline = run(plan, tmp_path, iterations=3)  # sent after iterations 0 and 1
+    summary, _ = run(plan, tmp_path, iterations=3)  # sent after iterations 0 and 1
     with single_process_world():
         alone = run_local(plan, ExecuteOptions(iterations=3)).iterations
     assert any(it["actor/grad_norm"] > 0 for it in alone)  # the weights move between the generations
     for got, want in zip(summary.iterations, alone, strict=True):
         for key in ("reward", "response_len", "actor/policy_loss", "actor/grad_norm", "kl"):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
-    assert all(s["start"] >= 0 for record in timeline["iterations"] for s in record["spans"])
 
 
 def test_a_generation_is_sent_ahead_only_where_no_checkpoint_or_evaluation_comes_between():

@@ -12,6 +12,7 @@ import pytest
 
 from hfplan.errors import HfplanError
 from hfplan.layout import ROLLOUT
+from hfplan.plan import EDGE
 from hfplan.planner import space
 from hfplan.planner.baselines import baselines
 from hfplan.planner.search import MAX_GPUS, PARTIAL_NODE_GPUS, search, twin_key
@@ -157,7 +158,7 @@ def test_stages_add_up_to_the_iteration_and_sets_keep_their_busy_time(name, gpus
         for index, busy in enumerate(est.busy_s):
             # Calls, their dispatch and switches; not transfers, nor the controller's sending (a dispatch edge).
             spans = [s for s in est.timeline if s.set == index and s.kind != "transfer"
-                     and not (s.kind == "dispatch" and "->" in s.op)]
+                     and not (s.kind == "dispatch" and EDGE in s.op)]
             assert busy == pytest.approx(sum(s.end - s.start for s in spans), rel=1e-12)
             assert 0 < busy <= est.iteration_s * (1 + 1e-12)
 

@@ -6,6 +6,7 @@ timeline in the simulator's format).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -27,7 +28,7 @@ from hfplan.dataflow.registry import get_algorithm
 from hfplan.dataflow.roles import RoleFacts, update_field
 from hfplan.errors import HfplanError
 from hfplan.executor import compat, evaluation, preflight, resume, run_config
-from hfplan.executor.data import PromptStream
+from hfplan.executor.data import PromptBatch, PromptStream
 from hfplan.executor.errors import RunFailed
 from hfplan.executor.generation_order import generation_rank
 from hfplan.executor.interrupts import InterruptLatch
@@ -396,8 +397,7 @@ def run_iterations(plan: Plan, roles: dict, checked: preflight.Checked, options:
     progress = progress or start_progress(plan, checked, options)
     controller = ExecutionController(progress.state, recorder)
     algorithm = get_algorithm(plan.workload.algorithm)
-    first = first_generation(plan, roles)
-    ahead = None  # (the prompts handed, encoded) of an iteration whose generation was sent, and the last one's end
+    ahead: SentIteration | None = None
     while progress.iteration < options.iterations:
         iteration = progress.iteration
         if ahead is None:
@@ -405,44 +405,50 @@ def run_iterations(plan: Plan, roles: dict, checked: preflight.Checked, options:
             prompts = checked.encode(handed.prompts)
             recorder.start_iteration(handed.columns)
         else:  # its generation was sent during the last iteration: its time starts where that one's ended
-            handed, prompts, previous_end = ahead
-            recorder.hold_from = first.actor.ahead.call_id  # its outputs stay on the workers for its calls
-            recorder.start_iteration(handed.columns, origin=previous_end)
+            handed, prompts = ahead.handed, ahead.prompts
+            recorder.hold_from = ahead.actor.ahead.call_id  # its outputs stay on the workers for its calls
+            recorder.start_iteration(handed.columns, origin=ahead.after)
             recorder.hold_from = None
         updates = algorithm.program(roles, Batch(prompts=prompts), controller)
+        opening = generation_to_send(roles, recorder, len(prompts))
         sent = None
-        if first is not None and sends_ahead_after(iteration + 1, options, checked.eval_set is not None):
+        if opening is not None and sends_ahead_after(iteration + 1, options, checked.eval_set is not None):
+            actor, n, greedy = opening
             next_handed = progress.stream.next_batch()
             next_prompts = checked.encode(next_handed.prompts)
-            first.actor.send_ahead(next_prompts, first.n, first.greedy)
-            sent = (next_handed, next_prompts)
+            actor.send_ahead(next_prompts, n, greedy)
+            sent = SentIteration(next_handed, next_prompts, actor)
         update_metrics = {name: resolved(value) for name, value in updates.items()}
         ended = time.time()
         elapsed = ended - recorder.origin
-        ahead = None if sent is None else (*sent, ended)
+        ahead = None if sent is None else dataclasses.replace(sent, after=ended)
         recorder.finish_iteration()
         yield finish_iteration_report(plan, options, checked, roles, recorder, progress, iteration, elapsed,
                                       update_metrics)
 
 
 @dataclass(frozen=True)
-class FirstGeneration:
-    """The generation every iteration of the program starts with, where it can be sent ahead (its prompts are
-    the iteration's alone): a hybrid actor's, on the actor's own set."""
+class SentIteration:
+    """An iteration whose first generation was sent during the last one (ActorRole.send_ahead)."""
 
+    handed: PromptBatch  # its prompts as the stream handed them
+    prompts: np.ndarray  # encoded
     actor: ActorRole
-    n: int
-    greedy: bool
+    after: float = 0.0  # when the last iteration ended: this one's time starts there
 
 
-def first_generation(plan: Plan, roles: dict) -> FirstGeneration | None:
-    from hfplan.simulator.trace import trace
-
-    node = trace(plan.workload).nodes[0]
-    actor = roles.get(node.role)
-    if node.op != "generate" or not isinstance(actor, ActorRole) or actor.rollout is not None:
+def generation_to_send(roles: dict, recorder: Recorder, prompts: int) -> tuple[ActorRole, int, bool] | None:
+    """The generation to send ahead for the next iteration: (actor, n, greedy) of the call this iteration opened
+    with (read off its recording, its only input the prompts), when that is a hybrid actor's generation on its own
+    set; None otherwise. The actor checks that the next iteration asks for the same (ActorRole.generate)."""
+    if not recorder.calls:  # nothing dispatched to workers (the single-process backend)
         return None
-    return FirstGeneration(actor, node.sequences // plan.workload.batch_prompts, node.greedy)
+    opening = recorder.calls[0]
+    role, op, greedy = opening.label
+    actor = roles.get(role)
+    if op != "generate" or not isinstance(actor, ActorRole) or actor.rollout is not None:
+        return None
+    return actor, sum(opening.rows) // prompts, greedy
 
 
 def checkpoint_due(done: int, options: ExecuteOptions) -> bool:

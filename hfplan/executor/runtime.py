@@ -33,7 +33,7 @@ from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
 from hfplan.executor.tokenizers import build_tokenizer
 from hfplan.executor.worker import Timed
 from hfplan.hyperparams import Hyperparameters
-from hfplan.layout import facts_of, model_role, rank_coords, rank_of, reshards_by_plan
+from hfplan.layout import engine_max_seqs, facts_of, model_role, rank_coords, rank_of, reshards_by_plan
 from hfplan.plan import RESHARD_BACK_OP, RESHARD_OP, Plan, Recompute
 
 
@@ -259,7 +259,7 @@ def _rollout_engine(runtime: RoleRuntime, model: torch.nn.Module, holds_weights:
 
     workload = plan.workload
     engine = VllmRolloutEngine(model.config, runtime.pad_id, runtime.eos_id, tp=gen.tp,
-                               max_num_seqs=gen.max_batch or -(-workload.sequences // gen.dp),
+                               max_num_seqs=engine_max_seqs(workload, gen),
                                max_model_len=workload.prompt_len + workload.response_len,
                                dtype=compute_dtype(runtime.device), device=runtime.device,
                                gpu_memory_utilization=gen.gpu_memory_utilization)

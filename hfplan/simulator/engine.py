@@ -14,7 +14,7 @@ import simpy
 from hfplan.dataflow.ops import GENERATION, PHASES
 from hfplan.errors import HfplanError
 from hfplan.layout import ON_CONTROLLER, ROLLOUT, generating_role, kv_heads_per_rank, model_role
-from hfplan.plan import EDGE, WEIGHT_SYNC_OP, Estimate, Plan, Span, switch_op
+from hfplan.plan import EDGE, GREEDY_MARK, WEIGHT_SYNC_OP, Estimate, Plan, Span, switch_op
 from hfplan.simulator import costs
 from hfplan.simulator.mapping import PlanCosts
 from hfplan.simulator.memory import gib
@@ -154,7 +154,7 @@ def run_calls(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: int
                               start=start, end=env.now, kind="transition"))
         start = env.now
         yield env.timeout(c.seconds - c.dispatch)
-        spans.append(Span(role=c.node.role, op=c.node.op + ("(greedy)" if c.node.greedy else ""),
+        spans.append(Span(role=c.node.role, op=c.node.op + (GREEDY_MARK if c.node.greedy else ""),
                           phase=c.node.phase, set=c.set, start=start, end=env.now))
         done[c.node.id].succeed()
 

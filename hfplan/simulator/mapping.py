@@ -16,6 +16,7 @@ from hfplan.layout import (
     ON_CONTROLLER,
     ROLLOUT,
     call_role,
+    engine_max_seqs,
     facts_of,
     generating_role,
     generation_role,
@@ -246,8 +247,7 @@ def engine_working(workload: Workload, gen: GenConfig, value_bytes: int, attenti
     arch = workload.arch(generating_role(workload))
     if gen.engine != "vllm":
         return memory.generation_working_bytes(arch, gen, workload.prompt_len, value_bytes, attention)
-    max_seqs = gen.max_batch or -(-workload.sequences // gen.dp)
-    return memory.vllm_working_bytes(arch, gen, vllm_tokens, max_seqs, value_bytes)
+    return memory.vllm_working_bytes(arch, gen, vllm_tokens, engine_max_seqs(workload, gen), value_bytes)
 
 
 def role_memory(workload: Workload, role: str, par: RoleParallelism, value_bytes: int,

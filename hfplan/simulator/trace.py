@@ -13,6 +13,7 @@ from hfplan.dataflow.ops import PREPARATION, ROLE_OPS
 from hfplan.dataflow.registry import get_algorithm
 from hfplan.dataflow.roles import RoleFacts, call_writes
 from hfplan.layout import CONTROLLER
+from hfplan.plan import GREEDY_MARK
 from hfplan.spec import Workload
 
 TOKEN_ID_BYTES = 8  # int64 token ids
@@ -69,7 +70,7 @@ class Node:
 
     @property
     def label(self) -> str:
-        return f"{self.role}.{self.op}" + ("(greedy)" if self.greedy else "")
+        return f"{self.role}.{self.op}" + (GREEDY_MARK if self.greedy else "")
 
 
 @dataclass(frozen=True)

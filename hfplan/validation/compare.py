@@ -16,10 +16,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from hfplan.measure import typical
-from hfplan.plan import EDGE, Span, phase_seconds
+from hfplan.plan import EDGE, GREEDY_MARK, Span, phase_seconds
 
 Key = tuple[int, str, str, str, str, int]  # set, role, op, phase, kind, occurrence
-GREEDY = "(greedy)"  # the simulator's mark on a greedy generation's op
 
 
 def signed_error(simulated: float, measured: float) -> float | None:
@@ -48,7 +47,7 @@ def call_keys(spans: Sequence[Span]) -> dict[Key, float]:
     for span in sorted(spans, key=lambda s: (s.start, s.end)):
         if span.kind == "dispatch":
             continue
-        base = (span.set, span.role, transfer_target(span).removesuffix(GREEDY), span.phase, span.kind)
+        base = (span.set, span.role, transfer_target(span).removesuffix(GREEDY_MARK), span.phase, span.kind)
         if span.kind == "transfer":
             key = (*base, 0)
             if key not in last_in or span.end > last_in[key].end:
