@@ -605,8 +605,12 @@ class _KindCounts:
         for piece, train_stage, gen_stage in _placed_pieces(stages, self.gen, specs, layers):
             key = (TensorSpec("", piece.shape, piece.tp_dim, 0, 1, piece.kv_heads), train_stage, gen_stage)
             self.alike[key] = self.alike.get(key, 0) + piece.count
+        self._by_stages: dict[tuple[int, int], list[tuple[TensorSpec, int]]] = {}  # (training, generation stage)
+        for (piece, train_stage, gen_stage), count in self.alike.items():
+            self._by_stages.setdefault((train_stage, gen_stage), []).append((piece, count))
         self._needed: dict[tuple[int, int], int] = {}  # (generation stage, tp coordinate) -> elements of the shard
         self._held: dict[tuple[int, int, int, int], np.ndarray] = {}
+        self._piece_held: dict[tuple[TensorSpec, int, int], np.ndarray] = {}  # (piece, tp, generation tp)
 
     def count(self, stage: int, tp: int, chunk: int, gen_stage: int, gen_tp: int) -> int:
         """Elements a rank at training (stage, tp, FSDP chunk) and generation (stage, tp) receives."""
@@ -622,30 +626,34 @@ class _KindCounts:
 
     def _held_by_chunk(self, stage: int, tp: int, gen_stage: int, gen_tp: int) -> np.ndarray:
         """For each FSDP chunk: the elements of its generation shard that a rank at training (stage, tp) and
-        generation (gen_stage, gen_tp) holds already, the sizes of the meets of generation_box and training_box,
-        all chunks at once (only dim 0 of the training box depends on the chunk)."""
-        chunks = np.arange(self.shards, dtype=np.int64)
+        generation (gen_stage, gen_tp) holds already, summed over the pieces of those stages (_piece_held: the same
+        at every stage, so pieces alike in shape across stages are met once)."""
         held = np.zeros(self.shards, dtype=np.int64)
-        place = GenerationPlace(gen_stage, 0, gen_tp)
-        for (piece, train_stage, g), count in self.alike.items():
-            if g != gen_stage or train_stage != stage:
-                continue
-            if not piece.shape:
-                held += count
-                continue
-            need = generation_box(self.gen, piece, place)
-            have = _shard_box(piece, self.train_tp, tp, 1, 0)  # before FSDP's chunk of dim 0
-            other = math.prod(max(0, min(e1, e2) - max(s1, s2)) for (s1, e1), (s2, e2) in zip(need[1:], have[1:],
-                                                                                              strict=True))
-            start, end = have[0]
-            if self.shards > 1:  # chunk_range of every chunk
-                step = -(-(end - start) // self.shards)
-                lo = start + np.minimum(chunks * step, end - start)
-                hi = start + np.minimum((chunks + 1) * step, end - start)
-            else:
-                lo, hi = np.array([start]), np.array([end])
-            held += np.maximum(0, np.minimum(hi, need[0][1]) - np.maximum(lo, need[0][0])) * (other * count)
+        for piece, count in self._by_stages.get((stage, gen_stage), ()):
+            key = (piece, tp, gen_tp)
+            if key not in self._piece_held:
+                self._piece_held[key] = self._meet_by_chunk(piece, tp, gen_tp)
+            held += self._piece_held[key] * count
         return held
+
+    def _meet_by_chunk(self, piece: TensorSpec, tp: int, gen_tp: int) -> np.ndarray:
+        """For each FSDP chunk: the size of the meet of one piece's generation_box at generation tp coordinate
+        `gen_tp` and its training_box at tp coordinate `tp` (only dim 0 of the training box depends on the chunk)."""
+        if not piece.shape:
+            return np.ones(self.shards, dtype=np.int64)
+        need = generation_box(self.gen, piece, GenerationPlace(0, 0, gen_tp))
+        have = _shard_box(piece, self.train_tp, tp, 1, 0)  # before FSDP's chunk of dim 0
+        other = math.prod(max(0, min(e1, e2) - max(s1, s2)) for (s1, e1), (s2, e2) in zip(need[1:], have[1:],
+                                                                                          strict=True))
+        start, end = have[0]
+        if self.shards > 1:  # chunk_range of every chunk
+            chunks = np.arange(self.shards, dtype=np.int64)
+            step = -(-(end - start) // self.shards)
+            lo = start + np.minimum(chunks * step, end - start)
+            hi = start + np.minimum((chunks + 1) * step, end - start)
+        else:
+            lo, hi = np.array([start]), np.array([end])
+        return np.maximum(0, np.minimum(hi, need[0][1]) - np.maximum(lo, need[0][0])) * other
 
 
 @functools.lru_cache(maxsize=1024)
@@ -796,7 +804,38 @@ class _Sizes:
 
 @functools.lru_cache(maxsize=4096)
 def _most_received_numel(arch: ModelArch, train: SwitchLayout, gen: tuple[int, int, int]) -> int:
-    return max(received_numel(train, _Sizes(*gen), arch_specs(arch), arch.layers))
+    """max(received_numel(...)), counted once per kind of rank that occurs (_rank_kinds)."""
+    sizes = _Sizes(*gen)
+    counts = _kind_counts(tuple(arch_specs(arch)), arch.layers, train.tp, train.pp, train.virtual_stages,
+                          train.weight_shards, sizes.tp, sizes.pp)
+    return max(counts.count(*(int(x) for x in kind)) for kind in _rank_kinds(train, sizes))
+
+
+def _rank_kinds(train: TrainLayoutLike, gen: LayoutLike) -> np.ndarray:
+    """The kinds of rank received_numel counts, each once: rows (training stage, tp coordinate, FSDP chunk,
+    generation stage, generation tp coordinate) over every training rank, its place as generation_places gives it
+    (the same rule, on arrays: within each class of ranks gathering one coarse shard, the members in order of
+    (chunk, dp, pp, rank), the j-th taking sub-shard j // (members / sub-shards))."""
+    k_tp, k_pp = max(1, gen.tp // train.tp), max(1, gen.pp // train.pp)
+    f_tp, f_pp = max(1, train.tp // gen.tp), max(1, train.pp // gen.pp)
+    shards = train.shards("weights")
+    rank = np.arange(train.pp * train.dp * train.tp, dtype=np.int64)
+    rest, tp = np.divmod(rank, train.tp)
+    pp, dp = np.divmod(rest, train.dp)
+    chunk = dp % shards
+    pp_c, tp_c = pp // f_pp, tp // f_tp
+    if k_tp * k_pp > 1:
+        klass = pp_c * (train.tp // f_tp + 1) + tp_c
+        order = np.lexsort((rank, pp, dp, chunk, klass))  # the last key sorts first
+        members = np.bincount(klass)
+        start = np.cumsum(members) - members
+        j = np.empty_like(rank)
+        j[order] = np.arange(len(rank)) - start[klass[order]]
+        sub = j // (members[klass] // (k_tp * k_pp))
+    else:
+        sub = np.zeros_like(rank)
+    kinds = np.stack([pp, tp, chunk, pp_c * k_pp + sub // k_tp, tp_c * k_tp + sub % k_tp], axis=1)
+    return np.unique(kinds, axis=0)
 
 
 def most_generation_numel(arch: ModelArch, gen: LayoutLike) -> int:

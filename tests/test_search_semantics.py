@@ -11,11 +11,22 @@ from dataclasses import replace
 import pytest
 
 from hfplan.errors import HfplanError
-from hfplan.layout import ROLLOUT
+from hfplan.layout import (
+    ROLLOUT,
+    SwitchLayout,
+    _most_received_numel,
+    _rank_kinds,
+    _Sizes,
+    arch_specs,
+    generation_places,
+    rank_coords,
+    received_numel,
+)
 from hfplan.plan import EDGE
 from hfplan.planner import space
 from hfplan.planner.baselines import baselines
 from hfplan.planner.search import MAX_GPUS, PARTIAL_NODE_GPUS, search, twin_key
+from hfplan.profiles.models import ModelArch
 from hfplan.simulator import engine
 from hfplan.simulator.schedule import Precedence
 from hfplan.spec import load_workload, make_cluster
@@ -230,3 +241,20 @@ def test_a_walk_past_its_cap_of_open_prefixes_stops_with_its_proven_gap(monkeypa
     best = exact.best.estimate.iteration_s
     assert capped.lower_bound <= best * (1 + 1e-9) <= capped.best.estimate.iteration_s * (1 + 1e-9)
     assert all(c.reason.startswith("not walked (open prefixes)") for c in capped.candidates if c.status == "open")
+
+
+# -- the switch's count, as the search costs it ----------------------------------------------------------------------
+@pytest.mark.parametrize(("tp", "pp", "dp", "shards", "gen_tp", "gen_pp"),
+                         [(2, 2, 4, 4, 4, 1), (1, 4, 6, 3, 2, 2), (4, 1, 4, 2, 2, 1), (2, 2, 2, 1, 8, 1),
+                          (1, 2, 8, 8, 4, 1)])
+def test_most_received_counts_each_kind_of_rank_once(tp, pp, dp, shards, gen_tp, gen_pp):
+    """The search prices a switch by the most any rank receives, counted once per kind of rank (_rank_kinds, on
+    arrays): the kinds are exactly those generation_places gives rank by rank, and the most the same."""
+    arch = ModelArch(name="t", layers=6, hidden=64, heads=8, kv_heads=2, ffn=96, vocab=100)
+    train = SwitchLayout(tp, pp, dp, 1, shards)
+    gen = _Sizes(gen_tp, gen_pp, tp * pp * dp // (gen_tp * gen_pp))
+    per_rank = {(*rank_coords(train, r)[::2], rank_coords(train, r)[1] % shards, place.pp, place.tp)
+                for r, place in enumerate(generation_places(train, gen))}
+    assert {tuple(int(x) for x in kind) for kind in _rank_kinds(train, gen)} == per_rank
+    assert _most_received_numel(arch, train, (gen.tp, gen.pp, gen.dp)) == max(
+        received_numel(train, gen, arch_specs(arch), arch.layers))
