@@ -356,9 +356,13 @@ class PlacementBounds:
             durations[i] += switch
         return self.precedence.makespan(durations)
 
-    def children(self, prefix: tuple[int, ...]) -> list[tuple[tuple[int, ...], float, str]]:
+    def children(self, prefix: tuple[int, ...], threshold: float = math.inf
+                 ) -> list[tuple[tuple[int, ...], float, str]]:
         """Sizes the next set can take: (child prefix, its bound, '' or why that size is infeasible), the
-        bounds of all children in one schedule (bound() of each, at once)."""
+        bounds of all children in one schedule (bound() of each, at once). Once the set holding the generating role
+        is sized, a child's bound is by that role's options (_by_generator_option), at least its bound by the floors
+        alone; a child whose floors' bound is at least `threshold` keeps that one (it is at least `threshold`
+        either way, so the walk prunes it the same), and only the others are scheduled option by option."""
         index = len(prefix)
         left = self.gpus - sum(prefix)
         unsized_after = self.k - index - 1
@@ -384,7 +388,10 @@ class PlacementBounds:
                 switches += self.best_switch[i, limits]
         rows[~self.feasible[index, js]] = np.inf
         if self.gen_set is not None and self.gen_set <= index:
-            bounds = self._by_generator_option(prefix, js, rows, switches)
+            bounds = self._makespans(rows.copy(), switches)
+            low = np.flatnonzero(bounds < threshold)
+            if len(low):
+                bounds[low] = self._by_generator_option(prefix, [js[i] for i in low], rows[low], switches[low])
         else:
             bounds = self._makespans(rows, switches)
         return [(prefix + (self.sizes[j],), float(b), "" if self.feasible[index, j] else self.why[(index, j)])

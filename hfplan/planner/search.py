@@ -7,7 +7,9 @@ program-order chain, so it never shortens when a call lengthens. That gives exac
 - an allocation whose sets, each role alone at its fastest, cannot beat the K-th best plan found so
   far is skipped (colocation only takes memory away);
 - within an allocation, a partial choice of strategies whose schedule, with every unchosen call at its
-  fastest, is no better than the best known is abandoned.
+  fastest, is no better than the best known is abandoned;
+- a prefix's child (the next set sized) whose bound is at least the K-th best time so far is pruned when it is
+  made, never held open: that time only falls, so a best-first walk would never pop it.
 Complete choices that beat the best known are run on the simpy engine, which gives their time.
 A walk cut short by a time limit keeps that proof's other half: every allocation left open has a bound at least
 the least one popped, so the best found is within best / that bound - 1 of the optimum (SearchResult.gap).
@@ -508,7 +510,11 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
                 stats.pruned += bounds[i].completions(p)
             break
         if len(prefix) < pb.k:
-            if _unsized_prunes(ctx, pb, prefix, threshold, stats):
+            children = pb.children(prefix, threshold)
+            # A child whose bound is at least the K-th best time so far is never walked (that time only falls): it
+            # is pruned now rather than held open, one row for the prefix where no child is under it.
+            under = any(child_bound < threshold for _, child_bound, _ in children)
+            if under and _unsized_prunes(ctx, pb, prefix, threshold, stats):
                 reason = (f"no strategy choice of the sized sets beats {threshold:.4g} s with the others at their "
                           f"fastest on any size left")
                 candidates.append(Candidate(placement, prefix, "pruned", reason=reason))
@@ -523,7 +529,8 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
                     candidates.append(Candidate(placement, child, "pruned",
                                                 reason=f"padded: no better than with this set on {cover} GPUs and "
                                                        f"the rest idle{others}"))
-            for child, child_bound, why in pb.children(prefix):
+            beaten = False
+            for child, child_bound, why in children:
                 if math.isinf(child_bound):
                     stats.infeasible += pb.completions(child)
                     key = (index, len(prefix), child[-1])
@@ -531,6 +538,13 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
                         seen_infeasible.add(key)
                         candidates.append(Candidate(placement, child, "infeasible",
                                                     reason=why or "some set fits with no GPU count left"))
+                    continue
+                if child_bound >= threshold:
+                    beaten = True
+                    stats.pruned += pb.completions(child)
+                    if under:
+                        reason = f"bound {child_bound:.4g} s >= {threshold:.4g} s, the slowest of the top {top_k}"
+                        candidates.append(Candidate(placement, child, "pruned", reason=reason))
                     continue
                 if late and not kept and (dive is None or child_bound < dive[0]):
                     # Past the time limit with no plan yet: dive to a complete allocation (the most promising
@@ -542,6 +556,10 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
                     continue
                 order += 1
                 heapq.heappush(heap, (child_bound, order, index, child))
+            if beaten and not under:
+                reason = (f"no size of set {len(prefix) + 1} gives a bound under {threshold:.4g} s, the slowest of the "
+                          f"top {top_k}")
+                candidates.append(Candidate(placement, prefix, "pruned", reason=reason))
             continue
         candidate = _evaluate_pair(ctx, placement, prefix, threshold, stats)
         if candidate.status == "evaluated":
