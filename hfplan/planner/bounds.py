@@ -299,6 +299,7 @@ class PlacementBounds:
         self.gen_cols = [n.id for n in facts.own_nodes(facts.generator)] + [n.id for n in facts.generate_nodes]
         # padded[i]: the sizes at which set i is no better than at a smaller one (Floors.padded_sizes), left out
         self.padded = [floors.padded_sizes(roles, sizes, plans) for roles in placement]
+        self._kept = [~np.isin(self.size_array, list(padded)) for padded in self.padded]  # the sizes not padded
 
     def _fill(self, i: int, j: int, roles: tuple[str, ...], size: int) -> None:
         bound = self.floors.set_bound(roles, size)
@@ -366,8 +367,7 @@ class PlacementBounds:
         index = len(prefix)
         left = self.gpus - sum(prefix)
         unsized_after = self.k - index - 1
-        padded = self.padded[index]
-        js = [j for j, size in enumerate(self.sizes) if size <= left - unsized_after and size not in padded]
+        js = np.flatnonzero((self.size_array <= left - unsized_after) & self._kept[index]).tolist()
         if not unsized_after and not self.facts.rules.idle_gpus:
             js = [j for j in js if self.sizes[j] == left]  # the last set takes every GPU left
         if not js:

@@ -47,7 +47,7 @@ from hfplan.spec import Cluster, Workload
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Candidate:
     """One (placement, allocation) pair and what the search concluded about it. Pruned and infeasible
     rows may stand for every allocation that starts with `allocation` (shorter than the placement)."""
@@ -484,7 +484,7 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
             (bound, index, prefix), dive = dive, None
         else:
             bound, _, index, prefix = heapq.heappop(heap)
-        crowded = len(heap) > MAX_OPEN_PREFIXES
+        crowded = len(heap) + len(candidates) > MAX_OPEN_PREFIXES
         late = crowded or (time_limit is not None and time.perf_counter() - started > time_limit)
         if popped and late and kept and bound < threshold:
             lower_bound = bound
@@ -530,6 +530,8 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
                                                 reason=f"padded: no better than with this set on {cover} GPUs and "
                                                        f"the rest idle{others}"))
             beaten = False
+            complete = len(prefix) + 1 == pb.k  # each child one allocation
+            above = f"bound at least {threshold:.4g} s, the slowest of the top {top_k}"
             for child, child_bound, why in children:
                 if math.isinf(child_bound):
                     stats.infeasible += pb.completions(child)
@@ -541,10 +543,9 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
                     continue
                 if child_bound >= threshold:
                     beaten = True
-                    stats.pruned += pb.completions(child)
+                    stats.pruned += 1 if complete else pb.completions(child)
                     if under:
-                        reason = f"bound {child_bound:.4g} s >= {threshold:.4g} s, the slowest of the top {top_k}"
-                        candidates.append(Candidate(placement, child, "pruned", reason=reason))
+                        candidates.append(Candidate(placement, child, "pruned", reason=above))
                     continue
                 if late and not kept and (dive is None or child_bound < dive[0]):
                     # Past the time limit with no plan yet: dive to a complete allocation (the most promising
@@ -649,9 +650,10 @@ PARTIAL_NODE_GPUS = 2_048
 
 # Past PARTIAL_NODE_GPUS, the seconds a search walks unless told otherwise (default_time_limit).
 DEFAULT_TIME_LIMIT_S = 60.0
-# The most prefixes the walk holds open: past them it stops as at its time limit, with its proven gap (memory: each
-# open prefix is a heap entry, and a row of the candidates when the walk stops; 5 million take a few GiB).
-MAX_OPEN_PREFIXES = 5_000_000
+# The most prefixes the walk holds open, with the rows of candidates it has written: past them it stops as at its time
+# limit, with its proven gap (memory: an open prefix is a heap entry and a row when the walk stops, a pruned child a
+# row at once: 7 million rows with the rest of a 32,768-GPU search took 2.2 GB, so the cap is a few GiB).
+MAX_OPEN_PREFIXES = 20_000_000
 
 
 def default_time_limit(cluster: Cluster) -> float | None:

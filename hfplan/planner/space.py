@@ -3,6 +3,8 @@ and the parallel layouts of one role on A GPUs."""
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Iterator, Sequence
 from typing import get_args
 
@@ -80,8 +82,11 @@ def allocations(sets: int, gpus: int, gpus_per_node: int, powers_only: bool = Fa
     yield from rec(sets, gpus)
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+@functools.lru_cache(maxsize=65536)
+def divisors(n: int) -> tuple[int, ...]:
+    """The divisors of n, ascending (pairs d, n // d up to the square root: a set of 32,768 GPUs asks often)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return (*small, *(n // d for d in reversed(small) if d * d != n))
 
 
 def model_layouts(arch: ModelArch, gpus: int, gpus_per_node: int, kind: str) -> list[tuple[int, int, int]]:
@@ -120,7 +125,7 @@ def virtual_stage_counts(arch: ModelArch, pp: int, n_micro: int | None = None) -
     a multiple of pp, as that schedule requires (section 2.2.2)."""
     if pp == 1 or arch.layers % pp or (n_micro is not None and n_micro % pp):
         return [1]
-    return divisors(arch.layers // pp)
+    return list(divisors(arch.layers // pp))
 
 
 def train_configs(arch: ModelArch, gpus: int, gpus_per_node: int, sequences_per_step: int,
