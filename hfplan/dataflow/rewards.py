@@ -16,6 +16,7 @@ the role runs on the controller; `load_reward` imports it when a run starts.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import numbers
@@ -64,8 +65,10 @@ def get_rule(name: str) -> RuleFn:
     return _RULES[name]
 
 
+@functools.lru_cache(maxsize=1024)
 def is_rule(ref: str) -> bool:
-    """Whether a role's reference is a reward computed on the controller (not a model)."""
+    """Whether a role's reference is a reward computed on the controller (not a model). Cached: the search and
+    the simulator ask it of the same few references millions of times."""
     return ref.startswith(RULE_PREFIX) or OBJECT_REF.fullmatch(ref) is not None
 
 
