@@ -81,6 +81,7 @@ class PlanCosts:
         self.set_index = {role: i for i, (roles, _) in enumerate(self.placement) for role in roles}
         self.generator = generation_role(workload, self.set_index)
         self.offsets = set_offsets([g for _, g in self.placement], gpus_per_node)
+        self._layout_roles: dict[tuple[str, str], str | None] = {}
 
     @classmethod
     def of_plan(cls, plan: Plan) -> PlanCosts:
@@ -125,8 +126,12 @@ class PlanCosts:
         return max(batches, default=None)
 
     def layout_role(self, node: Node) -> str | None:
-        """The placed role whose GPUs and layout run a call (None: the controller runs it)."""
-        return call_role(self.workload, self.generator, node.role, node.op)
+        """The placed role whose GPUs and layout run a call (None: the controller runs it); kept by (role, op), as a
+        schedule asks it of each call several times."""
+        key = (node.role, node.op)
+        if key not in self._layout_roles:
+            self._layout_roles[key] = call_role(self.workload, self.generator, node.role, node.op)
+        return self._layout_roles[key]
 
     def switch_seconds(self, role: str) -> float:
         """Cost of one switch of `role` into its generation layout (schedule.switch_points says when):
