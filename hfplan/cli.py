@@ -290,7 +290,7 @@ def search(
                   + (f", {counts['open']:,} left open by " + (f"--time-limit {time_limit:g}"
                                                                    if stats.stopped_by == "time limit" else
                                                                    f"the walk's cap of {MAX_OPEN_PREFIXES:,} open "
-                                                                   f"prefixes") if counts["open"] else "")
+                                                                   f"prefixes and rows") if counts["open"] else "")
                   + f" (a pruned, infeasible or open candidate may stand for many allocations); {stats.twins:,} twins "
                     f"of a shown plan left out", highlight=False)
     console.print(f"[bold]best ({optimality_text(result.gap)}):[/] {seconds(result.best.estimate.iteration_s)} s "

@@ -430,6 +430,53 @@ def test_prefix_bounds_are_below_every_allocation_under_them(lab, name):
     assert tighter
 
 
+@pytest.mark.parametrize("name", ["ppo-4gpu-2nodes", "grpo-4gpu-2nodes"])
+def test_children_past_a_threshold_are_bounded_by_their_floors_alone(lab, name):
+    """children(prefix, threshold) schedules option by option only the children whose floors' bound is under the
+    threshold: those keep the bound children(prefix) gives, the others get one still at least the threshold, so the
+    walk, which prunes every child at or above it when made, prunes the same ones. Some child gets its floors' bound
+    below its options' one (the schedule it skips)."""
+    from hfplan.planner.bounds import PlacementBounds
+
+    cluster, _, contexts = _own_contexts(lab, name)
+    skipped = 0
+    for ctx in contexts:
+        for placement in ctx.placements:
+            pb = PlacementBounds(ctx.bounds, placement, cluster.gpus)
+            todo = [()]
+            while todo:
+                prefix = todo.pop()
+                if len(prefix) == pb.k:
+                    continue
+                full = pb.children(prefix)
+                for threshold in sorted({b for _, b, _ in full if b < math.inf}):
+                    for (child, bound, why), (same, cut, why_cut) in zip(full, pb.children(prefix, threshold),
+                                                                         strict=True):
+                        assert (child, why) == (same, why_cut)
+                        assert cut == bound if bound < threshold else threshold <= cut <= bound, (child, threshold)
+                        skipped += cut < bound
+                todo.extend(child for child, _, _ in full)
+    assert skipped
+
+
+def test_children_pruned_when_made_agree_with_exhaustive(lab):
+    """The walk prunes a child whose bound is at least the K-th best time so far when it makes it. Keeping the top 1
+    on the 12-GPU case it does (the cases' own top-K walks hold no K-th best while prefixes are left to expand):
+    the best is still the exhaustive best, every allocation is covered by a row, and every allocation those rows
+    stand for is no better than that best."""
+    name = "ppo-12gpu-partial-node"
+    case, reference = ALL_CASES[name], lab.reference(name)
+    result = search(lab.workload(case), lab.cluster(case), top_k=1)
+    made = [c for c in result.candidates if c.reason.startswith(("bound at least", "no size of set"))]
+    assert made
+    best = _reference_best(reference)
+    assert result.best.estimate.iteration_s == pytest.approx(best, rel=1e-9)
+    assert {key for c in result.candidates for key in _covered(c, reference)} == set(reference)
+    for c in made:
+        for key in _covered(c, reference):
+            assert reference[key].best_s >= best * (1 - 1e-9), (c.placement, c.allocation, key)
+
+
 @pytest.mark.parametrize("name", ["ppo-4gpu-2nodes", "grpo-4gpu-2nodes", "ppo-tight-4gpu-2nodes"])
 def test_unsized_sets_rule_never_prunes_an_allocation_that_beats_the_threshold(lab, name):
     """The walk's rule for a prefix of whole-node sets with the others unsized (search._unsized_prunes: one branch
