@@ -10,7 +10,8 @@ program-order chain, so it never shortens when a call lengthens. That gives exac
   fastest, is no better than the best known is abandoned;
 - a prefix's child (the next set sized) whose bound is at least the K-th best time so far is pruned when it is
   made, never held open: that time only falls, so a best-first walk would never pop it.
-Complete choices that beat the best known are run on the simpy engine, which gives their time.
+An allocation's best complete choice is run on the simpy engine, which gives its time (the fast schedule equals
+it: checked there).
 A walk cut short by a time limit keeps that proof's other half: every allocation left open has a bound at least
 the least one popped, so the best found is within best / that bound - 1 of the optimum (SearchResult.gap).
 """
