@@ -325,6 +325,11 @@ def test_quick_cpu_profile_end_to_end(tmp_path):
     assert engine["train_step_3_micro_batches"] == engine["engine_step"] == engine["hybrid_switch"] == 1
     assert "engine" not in set(frame["kind"])
     assert profile.runtime.fsdp_train_pass_us is not None
+    # How the two processes share the host's cores: the probe alone and together, and the profile's figure from them.
+    host = frame[frame["kind"] == "sharing"].set_index("op")
+    assert set(host.index) == {"probe_alone", "probe_together"} and (host["world"] == 2).all()
+    assert profile.compute.host_parallelism == pytest.approx(
+        2 * host.loc["probe_alone", "seconds"] / host.loc["probe_together", "seconds"], abs=1e-3)
     # --quick starts no Ray: the executor's call gaps, its controller step and the worker's memory are the
     # base profile's.
     base = load_hardware("cpu")

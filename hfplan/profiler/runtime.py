@@ -282,8 +282,8 @@ def _switch_fixed(bare: HardwareProfile, measured: EngineSeconds, mode: str) -> 
     gen = GenConfig(tp=world) if mode == TP else GenConfig(dp=world)
     model = costs.transition_time(bare, arch, train, gen, costs.SetShape(world, world))
     op = "hybrid_switch" if mode == PLAIN else f"{mode}_hybrid_switch"
-    return (fixed_us(measured.switch, model) / stage_parameter_tensors(arch, 1, "lm"),
-            _row(op, measured.switch, model, world))
+    per_tensor_us = fixed_us(measured.switch, model) / stage_parameter_tensors(arch, 1, "lm")
+    return per_tensor_us / bare.compute.host_slowdown(world), _row(op, measured.switch, model, world)
 
 
 def _switch(role):
@@ -358,9 +358,13 @@ def _train_fixed(bare: HardwareProfile, measured: EngineSeconds, per_token: _Tok
     rows = [_row(f"{measured.prefix}train_step_{n}_micro_batches", measured.steps[n], modelled[n], world)
             for n in (FEW, MANY)]
     rows.append(_row(f"{measured.prefix}engine_log_prob", measured.log_prob, forward_model, world))
-    return _TrainFixed(max(0.0, pass_s * 1e6 - tokens * per_token.train_us),
-                       step_s * 1e6 / stage_parameter_tensors(arch, 1, "lm"),
-                       max(0.0, fixed_us(measured.log_prob, forward_model) - tokens * per_token.forward_us), rows)
+    # Measured with the world's ranks computing at once: a shared host's slowdown (the cost model's, for a set of
+    # `world` ranks on a node) is taken off, as the model puts it back on a set's fixed costs.
+    shared = bare.compute.host_slowdown(world)
+    return _TrainFixed(max(0.0, pass_s * 1e6 / shared - tokens * per_token.train_us),
+                       step_s * 1e6 / stage_parameter_tensors(arch, 1, "lm") / shared,
+                       max(0.0, fixed_us(measured.log_prob, forward_model) / shared - tokens * per_token.forward_us),
+                       rows)
 
 
 def _engine_on_one_rank(torch, device: Device, mode: str) -> EngineSeconds:

@@ -89,6 +89,19 @@ class Compute(_Strict):
                                        "slower. What overlapping a collective with compute leaves exposed "
                                        "(sharding.exposed_beside); 0: a collective shorter than the compute beside "
                                        "it is free")
+    host_parallelism: float | None = Field(
+        default=None, gt=0, description="CPU processes: how many ranks of one host compute at full speed at once, "
+                                        "measured by `hfplan profile` (a decode step timed on one process while the "
+                                        "others wait, and on every process of the world at once: world x alone / "
+                                        "together). A call whose set has k ranks on a node computes "
+                                        "max(1, k / host_parallelism) times slower (host_slowdown). None: every "
+                                        "device computes on its own (GPUs)")
+
+    def host_slowdown(self, ranks: int) -> float:
+        """How much slower each of `ranks` ranks of one host computes while all of them do (1: not shared)."""
+        if self.host_parallelism is None:
+            return 1.0
+        return max(1.0, ranks / self.host_parallelism)
 
     @field_validator("attention_rate")
     @classmethod
