@@ -91,3 +91,85 @@ def test_fixed_costs_timed_across_the_world_are_fitted_as_one_rank_alone_would_p
     assert fitted.forward_us == pytest.approx(FIXED.fsdp_forward_pass_us, rel=1e-6)
     switch_us, _ = runtime._switch_fixed(bare, measured, mode)
     assert switch_us == pytest.approx(FIXED.fsdp_switch_tensor_us, rel=1e-6)
+
+
+# -- sets of one plan computing at once on a shared host (simulator/sharing.py) -----------------------------------
+
+def _stretches(ranks, slowdown, work):
+    """Run `work` [(set, start, seconds)] on SharedHosts; each stretch's end."""
+    import simpy
+
+    from hfplan.simulator.sharing import SharedHosts
+
+    env = simpy.Environment()
+    hosts = SharedHosts(env, ranks, slowdown)
+    ends = {}
+
+    def stretch(key, index, start, seconds):
+        yield env.timeout(start)
+        yield from hosts.compute(index, seconds)
+        ends[key] = env.now
+
+    for key, (index, start, seconds) in enumerate(work):
+        env.process(stretch(key, index, start, seconds))
+    env.run()
+    return [ends[key] for key in range(len(work))]
+
+
+def test_two_sets_on_one_core_share_it_while_both_compute():
+    """One rank each on a host that computes one rank's worth at a time: A (2 s of work) alone until B (1 s)
+    starts at 0.5 s, then both at half speed until B ends at 0.5 + 2 x 1 = 2.5 s; A has 2 - 0.5 - 1 = 0.5 s of
+    work left, alone again: it ends at 3.0 s."""
+    ranks = {0: {0: 1}, 1: {0: 1}}
+    assert _stretches(ranks, lambda k: float(k), [(0, 0.0, 2.0), (1, 0.5, 1.0)]) == pytest.approx([3.0, 2.5])
+    # On hosts of their own, or on a host that computes both at full speed, each takes its own seconds.
+    apart = {0: {0: 1}, 1: {1: 1}}
+    assert _stretches(apart, lambda k: float(k), [(0, 0.0, 2.0), (1, 0.5, 1.0)]) == pytest.approx([2.0, 1.5])
+    assert _stretches(ranks, lambda k: 1.0, [(0, 0.0, 2.0), (1, 0.5, 1.0)]) == pytest.approx([2.0, 1.5])
+
+
+def test_a_set_already_priced_for_its_own_ranks_slows_only_by_the_others():
+    """Set 0 has 2 ranks on the host (its seconds already priced at slowdown(2) = 2 on a 1-core host), set 1 one
+    rank: together 3 ranks, so set 0 runs at 2/3 of its pace and set 1 at 1/3 while both compute."""
+    ranks = {0: {0: 2}, 1: {0: 1}}
+    # Both start at 0: set 1's 1 s takes 3 s (set 0 has done 2 of its 4 s); set 0's last 2 s alone: ends at 5.
+    assert _stretches(ranks, lambda k: float(k), [(0, 0.0, 4.0), (1, 0.0, 1.0)]) == pytest.approx([5.0, 3.0])
+
+
+def _split_plan(hardware):
+    from hfplan.planner.search import search
+    from hfplan.planner.strategies import Rules
+    from hfplan.spec import load_workload, make_cluster
+
+    workload = load_workload("demo")
+    rest = tuple(role for role in workload.model_roles if role != "actor")
+    rules = Rules(name="split", placements=((("actor",), rest),))
+    return search(workload, make_cluster(2, hardware), rules=rules).best
+
+
+def test_sets_of_a_split_plan_on_one_shared_host_are_simulated_slower_than_alone(tmp_path):
+    """The demo's actor on one process and the other roles on another, on a 2-process CPU host: with
+    host_parallelism 1 their overlapping calls share the core, so the iteration is longer than the schedule with
+    each set alone (engine.critical_path, the search's bound), and the critical path still adds up to it. The
+    search evaluates its leaves on that engine, so its estimate is the simulation's."""
+    from hfplan.simulator.engine import critical_path, simulate_plan
+    from hfplan.simulator.trace import trace
+    from hfplan.spec import Cluster
+
+    cpu = load_hardware("cpu")
+    paths = {}
+    for name, parallelism in (("one-core", 1.0), ("own-cores", None)):
+        paths[name] = tmp_path / f"{name}.yaml"
+        paths[name].write_text(cpu.model_copy(update={"name": name, "compute": cpu.compute.model_copy(
+            update={"host_parallelism": parallelism})}).to_yaml())
+    plan = _split_plan(str(paths["one-core"]))
+    assert [group.models for group in plan.placement][0] == ["actor"] and len(plan.placement) == 2
+    sim = simulate_plan(plan)
+    bound = critical_path(trace(plan.workload), sim.costs)
+    assert sim.timeline.iteration_s > bound * 1.01
+    assert sum(sim.timeline.stages().values()) == pytest.approx(sim.timeline.iteration_s)
+    assert plan.estimate.iteration_s == pytest.approx(sim.timeline.iteration_s)
+    # The same plan on the profile without sharing: the engine is the bound.
+    alone = plan.model_copy(update={"cluster": Cluster(gpus=2, gpus_per_node=2, hardware=str(paths["own-cores"]))})
+    alone_sim = simulate_plan(alone)
+    assert alone_sim.timeline.iteration_s == pytest.approx(critical_path(trace(plan.workload), alone_sim.costs))
