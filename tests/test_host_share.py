@@ -173,3 +173,24 @@ def test_sets_of_a_split_plan_on_one_shared_host_are_simulated_slower_than_alone
     alone = plan.model_copy(update={"cluster": Cluster(gpus=2, gpus_per_node=2, hardware=str(paths["own-cores"]))})
     alone_sim = simulate_plan(alone)
     assert alone_sim.timeline.iteration_s == pytest.approx(critical_path(trace(plan.workload), alone_sim.costs))
+
+
+def test_the_search_finds_the_brute_force_best_when_sets_share_a_host(tmp_path):
+    """arith-grpo's actor and reference on a process each of a one-core host: every strategy choice run on the
+    engine (with the sets sharing the core) against the search, which prunes with each set alone."""
+    from hfplan.planner.search import search
+    from hfplan.planner.strategies import Rules
+    from hfplan.simulator.costs import CostMemo
+    from hfplan.spec import load_workload, make_cluster
+    from tests.support.search_references import brute_force
+
+    cpu = load_hardware("cpu")
+    path = tmp_path / "one-core.yaml"
+    path.write_text(cpu.model_copy(update={"name": "one-core", "compute": cpu.compute.model_copy(
+        update={"host_parallelism": 1.0})}).to_yaml())
+    workload, cluster = load_workload("arith-grpo"), make_cluster(2, str(path))
+    placement = (("actor",), ("reference",))
+    reference = brute_force(workload, cluster, placement, (1, 1), CostMemo())
+    best = search(workload, cluster, rules=Rules(name="split", placements=(placement,))).best
+    assert reference.feasible > 100
+    assert best.estimate.iteration_s == pytest.approx(reference.best_s, rel=1e-12)
