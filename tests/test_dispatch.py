@@ -16,7 +16,8 @@ from hfplan.dataflow.roles import RoleFacts  # noqa: E402
 from hfplan.executor import wire  # noqa: E402
 from hfplan.executor.errors import RunFailed  # noqa: E402
 from hfplan.executor.roles import ActorRole, Dispatch, Recorder, WorkerGroupRole, WorkerSet  # noqa: E402
-from hfplan.executor.worker import CallFailed, Timed  # noqa: E402
+from hfplan.executor.wire import CallFailed  # noqa: E402
+from hfplan.executor.worker import Timed  # noqa: E402
 from hfplan.plan import Layout  # noqa: E402
 
 

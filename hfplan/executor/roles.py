@@ -168,7 +168,8 @@ class Dispatch:
     """Role calls made and not yet sent to their workers. A call is held until something needs it sent: a wait on
     any call's results, a call that reads its rows through a Ray reference, or other work on the workers (`send`).
     Then each worker gets the calls held for it as one Ray task (SetWorker.calls), run back to back: each call past
-    the first saves a Ray task's overhead on both sides (about 1 ms on the CPU demo, bench/execute_speed.py)."""
+    the first saves a Ray task's overhead on both sides (on the worker alone about 1 ms on the CPU demo: Ray's
+    argument deserialisation, result store and switch between tasks, as ray.timeline() shows them)."""
 
     def __init__(self) -> None:
         self.held: list[PendingCall] = []
@@ -237,11 +238,9 @@ class PendingCall:
                 packed = ray.get(self.sent_refs(), timeout=self.timeout_s if timeout is None else timeout)
             except Exception as failure:  # a dead worker, a failed call, or a timeout: name who
                 raise RunFailed(self.describe_failure(failure)) from failure
-            from hfplan.executor.worker import CallFailed
-
             results = [wire.unpack(*result) for result in packed]
             for result in results:
-                if isinstance(result, CallFailed):  # the worker's own error, as Ray's would read
+                if isinstance(result, wire.CallFailed):  # the worker's own error, as Ray's would read
                     raise RunFailed(self.describe_failure(RuntimeError(result.error)))
             self.recorder.worker_spans(self.label[0], self.label[1], self.set_index, results)
             offsets = self.recorder.clock_offsets

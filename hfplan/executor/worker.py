@@ -51,13 +51,6 @@ class Timed:
     end: float
 
 
-@dataclass(frozen=True)
-class CallFailed:
-    """What a role call that raised returns in place of its outputs: the error's last line."""
-
-    error: str
-
-
 def listening_socket(host: str) -> socket.socket:
     """A socket bound to a port the system chose on `host`, listening. Rank 0 hands it to its TCPStore, so
     the port stays taken from the moment its number is given out (a port found free and closed again can be
@@ -193,9 +186,9 @@ class SetWorker:
                     result = self.run_call(*args)
                 except Exception as error:  # the controller names the call (roles.PendingCall.outputs)
                     failed = f"{args[0]}.{args[1]}"
-                    result = CallFailed(traceback.format_exception_only(error)[-1].strip())
+                    result = wire.CallFailed(traceback.format_exception_only(error)[-1].strip())
             else:
-                result = CallFailed(f"not run: {failed}, sent with it, failed first")
+                result = wire.CallFailed(f"not run: {failed}, sent with it, failed first")
             results.append(wire.pack(result))
         return results if len(results) > 1 else results[0]
 
