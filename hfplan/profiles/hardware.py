@@ -272,6 +272,11 @@ class Runtime(_Strict):
                                         "resharded after), beyond the modelled all-gather; None: switch_tensor_us")
     tp_switch_tensor_us: float = Field(default=0.0, ge=0, description="the same on top, of a role split by tensor "
                                        "parallelism that generates in its training layout")
+    kept_switch_us: float | None = Field(
+        default=None, ge=0, description="one whole switch into generation and back of a hybrid actor that generates "
+                                        "with the very tensors it trains (layout.keeps_trained_tensors: its training "
+                                        "layout, one data-parallel rank, no FSDP2, tp 1: nothing is gathered or "
+                                        "handed over); None: switch_tensor_us per tensor, as any other switch")
 
     train_pass_us: float | None = Field(
         default=None, ge=0, description="fixed cost of one micro-batch through a training engine (forward and "

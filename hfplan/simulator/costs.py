@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
 from hfplan.layout import (
+    keeps_trained_tensors,
     micro_batch_sizes,
     most_generation_numel,
     most_received_numel,
@@ -585,7 +586,11 @@ def _engine_weights_fixed(hw: HardwareProfile, arch: ModelArch, gen: GenConfig, 
                           ) -> float:
     """The engines' fixed cost of a switch, per parameter tensor a GPU generates with: the rollout engine's, or
     for a hybrid actor generating in its training layout (`train`, not resharded by plan) its training engine's
-    unshard and reshard through FSDP2 and tensor parallelism as well."""
+    unshard and reshard through FSDP2 and tensor parallelism as well; for one that generates with the very
+    tensors it trains, nothing is handed over: the profile's cost of that whole switch (Runtime.kept_switch_us)."""
+    if (train is not None and hw.runtime.kept_switch_us is not None
+            and keeps_trained_tensors(train, gen, hw.compute.value_bytes)):
+        return hw.runtime.kept_switch_us * 1e-6
     in_place = train is not None and not reshards_by_plan(train, gen)
     fsdp = in_place and trains_through_fsdp(train.dp, hw.compute.value_bytes)
     split = in_place and train.tp > 1

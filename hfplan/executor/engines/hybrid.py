@@ -43,7 +43,9 @@ class HybridEngine:
     whole); the module then holds plain tensors that are already this rank's pieces (`presharded`)."""
 
     def __init__(self, trained: RoleModel, layouts: tuple[TrainConfig, GenConfig] | None = None,
-                 bucket_bytes: int = 256 << 20) -> None:
+                 bucket_bytes: int = 256 << 20, keep_trained: bool = True) -> None:
+        """keep_trained: an actor trained as it is keeps its generation module on the trained tensors (False: it
+        is pointed at them at every switch, as `hfplan profile` times a switch that hands over weights)."""
         self.trained, self.layouts, self.bucket_bytes = trained, layouts, bucket_bytes
         if layouts is not None:
             stages = len(trained.module.stages) if trained.dims.pp > 1 else 1
@@ -65,8 +67,10 @@ class HybridEngine:
         self._spec_of = {name: first.setdefault(id(p), name)
                          for name, p in self._generation.named_parameters(remove_duplicate=False)}
         self._active = False
-        # Trained as it is: the generation module may keep the trained tensors (see the module's docstring).
-        self._keeps = layouts is None and trained.dims.tp == 1 and not fsdp_modules(trained.module)
+        # Trained as it is: the generation module may keep the trained tensors (see the module's docstring; the
+        # simulator's rule for the same case is hfplan.layout.keeps_trained_tensors).
+        self._keeps = (keep_trained and layouts is None and trained.dims.tp == 1
+                       and not fsdp_modules(trained.module))
         self._pointed_at: list[tuple[int, int]] | None = None  # the trained tensors it points at (_keeps only)
 
     def _trained_tensors(self) -> list[tuple[int, int]]:
