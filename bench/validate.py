@@ -102,6 +102,20 @@ class Point:
     def error(self) -> float:
         return (self.simulated - self.median) / self.median
 
+    @property
+    def pace(self) -> float:
+        return statistics.median(self.paces)
+
+    @property
+    def paced_error(self) -> float:
+        """The error with the simulated time stretched by the machine's measured pace (nan: not measured)."""
+        return (self.simulated * self.pace - self.median) / self.median
+
+    def paced_stage_errors(self) -> list[float]:
+        """Each run's stage errors with the simulated seconds stretched by that run's pace."""
+        return [(f.simulated * pace - f.measured) / f.measured for r, pace in zip(self.runs, self.paces, strict=True)
+                for f in r.stages.values() if f.measured > 0 and not math.isnan(pace)]
+
 
 def stage_errors_line(comparison: Comparison) -> str:
     """Each stage's signed error, in the order of the phases (`-` where nothing was measured)."""
@@ -189,6 +203,12 @@ def main() -> None:
     if paces:
         print(f"machine pace against the profile's (the probe's time around each run over the profile's; above 1: "
               f"slower): median {statistics.median(paces):.2f}, range {min(paces):.2f}-{max(paces):.2f}")
+        paced = [p for p in points if not math.isnan(p.pace)]
+        print(f"at the machine's pace (each simulated time x its runs' pace, a reading, not the model): median "
+              f"|error| per stage {median_abs([e for p in paced for e in p.paced_stage_errors()]):.1f}%, iteration "
+              f"{median_abs([p.paced_error for p in paced]):.1f}% (worst "
+              f"{max(abs(p.paced_error) for p in paced) * 100:.1f}%), Kendall tau "
+              f"{kendall_tau([p.simulated * p.pace for p in paced], [p.median for p in paced]):.2f}")
     print(f"whole benchmark: {time.perf_counter() - started:.0f} s")
 
 

@@ -755,6 +755,13 @@ def trains_through_fsdp(data_parallel: int, compute_bytes: int) -> bool:
     return data_parallel > 1 or compute_bytes != FP32_BYTES
 
 
+def keeps_trained_tensors(train: TrainLayoutLike, gen: LayoutLike, compute_bytes: int) -> bool:
+    """Whether a hybrid actor generates with the very tensors it trains (executor.engines.hybrid keeps its
+    generation module on them): in its training layout, not split by tp, trained as it is (no FSDP2)."""
+    return (not reshards_by_plan(train, gen) and train.tp == 1
+            and not trains_through_fsdp(train.dp, compute_bytes))
+
+
 @functools.lru_cache(maxsize=4096)
 def stage_parameter_tensors(arch: ModelArch, pp: int, head: str) -> int:
     """Parameter tensors of the busiest of pp pipeline stages (each GPU of a stage holds a piece of every one):

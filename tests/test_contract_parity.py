@@ -23,7 +23,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from hfplan.dataflow.batch import Batch  # noqa: E402
 from hfplan.dataflow.ops import ROLE_OPS  # noqa: E402
 from hfplan.dataflow.roles import RoleFacts  # noqa: E402
-from hfplan.executor.roles import Recorder, WorkerGroupRole, WorkerSet  # noqa: E402
+from hfplan.executor import wire  # noqa: E402
+from hfplan.executor.roles import Dispatch, Recorder, WorkerGroupRole, WorkerSet  # noqa: E402
 from hfplan.executor.rollout.torch_engine import _TensorParallel, _Weights  # noqa: E402
 from hfplan.layout import replica_groups, unsupported_layout  # noqa: E402
 from hfplan.plan import Layout, TrainConfig  # noqa: E402
@@ -148,11 +149,16 @@ class _Worker:
     def __init__(self, name: str = "") -> None:
         self.name = name
         self.shares: list[dict] = []
-        self.call = self
+        self.calls = self
 
-    def remote(self, role: str, op: str, share: dict, options: dict, call_id: int, keep_from: int) -> str:
-        self.shares.append(share)
-        return f"{self.name} call {call_id}"  # stands in for the reference to this rank's outputs
+    def options(self, num_returns: int) -> _Worker:
+        return self
+
+    def remote(self, *packed) -> str | list[str]:
+        calls = wire.unpack(*packed)  # (role, op, share, options, call_id, keep_from) per call
+        self.shares += [share for _, _, share, _, _, _ in calls]
+        refs = [f"{self.name} call {call_id}" for _, _, _, _, call_id, _ in calls]  # stand in for the references
+        return refs if len(refs) > 1 else refs[0]
 
 
 LAYOUTS = [Layout(tp=t, pp=p, dp=d) for t, p, d in itertools.product((1, 2), (1, 2), (1, 2, 3, 4))]
@@ -166,9 +172,11 @@ def test_each_replica_receives_the_rows_of_its_batch_chunk(layout, rows):
     workers = [_Worker() for _ in range(layout.tp * layout.pp * layout.dp)]
     role = WorkerGroupRole("reference", RoleFacts(output="ref_log_probs"), WorkerSet(0, ("reference",), workers,
                                                                                    lambda *a: ""),
-                           {ROLE_OPS["log_prob"].layout: layout}, Recorder(clock_offsets={}), timeout_s=1.0)
+                           {ROLE_OPS["log_prob"].layout: layout}, Recorder(clock_offsets={}), timeout_s=1.0,
+                           dispatch=Dispatch())
     batch = Batch(prompts=np.arange(rows * 3).reshape(rows, 3), responses=np.arange(rows * 2).reshape(rows, 2))
     role.log_prob(batch)
+    role.dispatch.send()
     for piece, ranks in zip(batch.chunk(layout.dp), replica_groups(layout), strict=True):
         for rank in ranks:
             (share,) = workers[rank].shares
@@ -184,15 +192,17 @@ def test_a_rank_reads_rows_it_made_itself_where_they_are_and_fetches_the_others(
     def role_on(set_index: int, name: str, workers: list[_Worker], recorder: Recorder) -> WorkerGroupRole:
         return WorkerGroupRole(name, RoleFacts(output=f"{name}_log_probs"), WorkerSet(set_index, (name,), workers,
                                                                                     lambda *a: ""),
-                               {ROLE_OPS["log_prob"].layout: Layout(dp=2)}, recorder, timeout_s=1.0)
+                               {ROLE_OPS["log_prob"].layout: Layout(dp=2)}, recorder, timeout_s=1.0,
+                               dispatch=dispatch)
 
-    recorder = Recorder(clock_offsets={})
+    recorder, dispatch = Recorder(clock_offsets={}), Dispatch()
     recorder.start_iteration()
     here, there = [_Worker("set 0 rank 0"), _Worker("set 0 rank 1")], [_Worker("set 1 rank 0"), _Worker("set 1 rank 1")]
     first = role_on(0, "a", here, recorder).log_prob(Batch(prompts=np.zeros((4, 3)), responses=np.zeros((4, 2))))
     made = first["a_log_probs"]
     role_on(0, "b", here, recorder).log_prob(Batch(prompts=np.zeros((4, 3)), responses=made))
     role_on(1, "c", there, recorder).log_prob(Batch(prompts=np.zeros((4, 3)), responses=made))
+    dispatch.send()
     for rank in (0, 1):
         kept = here[rank].shares[1]["responses"]
         assert kept == RowsFrom("a_log_probs", ((KeptOutputs(made.call.call_id), 0, 2),))

@@ -108,6 +108,30 @@ def test_a_switch_in_the_training_layout_pays_its_training_engines_cost_per_tens
             ) == pytest.approx(tensors * 20e-6)
 
 
+def test_an_actor_generating_with_the_tensors_it_trains_pays_its_measured_switch_once(toy_hw):
+    """One fp32 data-parallel rank trained as it is, generating in its training layout, keeps its tensors
+    (layout.keeps_trained_tensors): its switch is the profile's kept_switch_us, whole; a rollout set's weight sync,
+    a resharded switch and an FSDP2 rank still pay per tensor. Without the figure, per tensor as before."""
+    from hfplan.layout import keeps_trained_tensors, stage_parameter_tensors
+
+    tensors = stage_parameter_tensors(LLAMA7, 1, "lm")
+    fp32 = toy_hw.compute.model_copy(update={"value_bytes": 4})
+    bare = toy_hw.model_copy(update={"compute": fp32})
+    kept = bare.model_copy(update={"runtime": Runtime(switch_tensor_us=20, kept_switch_us=150)})
+    one = (TrainConfig(), GenConfig())
+    assert keeps_trained_tensors(*one, 4) and not keeps_trained_tensors(*one, 2)
+    assert costs.transition_time(kept, LLAMA7, *one, SetShape(1, 8)) == pytest.approx(150e-6)
+    unset = bare.model_copy(update={"runtime": Runtime(switch_tensor_us=20)})
+    assert costs.transition_time(unset, LLAMA7, *one, SetShape(1, 8)) == pytest.approx(tensors * 20e-6)
+    for train, gen, gpus in ((TrainConfig(dp=2), GenConfig(dp=2), 2), (TrainConfig(pp=2), GenConfig(), 2)):
+        assert not keeps_trained_tensors(train, gen, 4)
+        assert (costs.transition_time(kept, LLAMA7, train, gen, SetShape(gpus, 8))
+                - costs.transition_time(bare, LLAMA7, train, gen, SetShape(gpus, 8))) == pytest.approx(
+                    tensors * 20e-6)
+    assert costs.weight_sync_time(kept, LLAMA7, GenConfig(), SetShape(1, 8), True) == pytest.approx(
+        costs.weight_sync_time(bare, LLAMA7, GenConfig(), SetShape(1, 8), True) + tensors * 20e-6)
+
+
 def test_a_continuous_engine_pays_its_own_step_cost(toy_hw):
     lengths = ResponseLengths(max_len=30, mean=20.0, points=((10, 0.5), (30, 0.5)))
     both = toy_hw.model_copy(update={"runtime": Runtime(engine_step_us=50, engine_step_continuous_us=80)})

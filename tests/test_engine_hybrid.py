@@ -118,3 +118,28 @@ def test_bf16_compute_keeps_fp32_master_weights():
         assert out["log_probs_dtype"] == "torch.float32"
         assert all(torch.isfinite(torch.tensor(v)) for v in out["metrics"].values())
         assert out["moved"] > 1e-4
+
+
+def test_an_actor_trained_as_it_is_generates_from_its_own_tensors_and_follows_swapped_ones():
+    """One rank, no FSDP: the generation module keeps pointing at the trained tensors across switches (the
+    optimizer steps them in place), and is pointed again when the trained module holds other tensors."""
+    from hfplan.executor.local import single_process_world
+    from hfplan.executor.mesh import ParallelDims
+
+    with single_process_world():
+        trained = RoleModel(qwen2_actor(), ParallelDims(1, 1, 1, 1).build("cpu"), HP, "cpu", torch.float32,
+                            pad_id=PAD, lr=1e-3)
+        engine = HybridEngine(trained)
+        gen = engine.enter_generation()
+        engine.exit_generation()
+        trained.update_actor(_batch(0), mini_batches=1, epochs=1, micro_batch=2, use_kl_loss=False)
+        assert engine.enter_generation() is gen and not gen.training
+        for name, param in trained.module.named_parameters():
+            assert gen.get_parameter(name).data_ptr() == param.data_ptr()  # the updated tensors themselves
+        engine.exit_generation()
+        weight = trained.module.lm_head.weight
+        weight.data = weight.data * 2  # another tensor, as a load may leave
+        gen = engine.enter_generation()
+        assert gen.lm_head.weight.data_ptr() == weight.data_ptr()
+        assert torch.equal(gen.lm_head.weight, weight.detach())
+        engine.exit_generation()

@@ -325,6 +325,11 @@ def test_quick_cpu_profile_end_to_end(tmp_path):
     assert engine["train_step_3_micro_batches"] == engine["engine_step"] == engine["hybrid_switch"] == 1
     assert "engine" not in set(frame["kind"])
     assert profile.runtime.fsdp_train_pass_us is not None
+    # How the two processes share the host's cores: the probe alone and together, and the profile's figure from them.
+    host = frame[frame["kind"] == "sharing"].set_index("op")
+    assert set(host.index) == {"probe_alone", "probe_together"} and (host["world"] == 2).all()
+    assert profile.compute.host_parallelism == pytest.approx(
+        2 * host.loc["probe_alone", "seconds"] / host.loc["probe_together", "seconds"], abs=1e-3)
     # --quick starts no Ray: the executor's call gaps, its controller step and the worker's memory are the
     # base profile's.
     base = load_hardware("cpu")
@@ -442,12 +447,15 @@ def test_runtime_costs_measured_on_the_executor_engine():
     engines = {engine: {n: f"{engine}train_step_{n}_micro_batches" for n in (FEW, MANY)} for engine in ("", "fsdp_")}
     assert set(rows) == {"engine_step", f"engine_step_{BATCH}_sequences", "engine_step_continuous",
                          "engine_log_prob", "fsdp_engine_log_prob", "hybrid_switch", "fsdp_hybrid_switch",
+                         "kept_hybrid_switch",
                          f"train_step_1_micro_batch_of_{BATCH}", f"engine_log_prob_{BATCH}_sequences",
                          *(op for steps in engines.values() for op in steps.values())}
     # A switch in the training layout on one rank moves nothing: all of it is the engines' cost per tensor.
     assert rows["hybrid_switch"]["predicted_s"] == 0.0
     assert fit.runtime.switch_tensor_us == pytest.approx(
         rows["hybrid_switch"]["seconds"] * 1e6 / stage_parameter_tensors(CATALOG["tiny"], 1, "lm"), abs=1e-3)
+    # The executor's own switch there keeps the trained tensors: timed whole, with weights handed over apart.
+    assert fit.runtime.kept_switch_us == pytest.approx(rows["kept_hybrid_switch"]["seconds"] * 1e6, abs=0.01)
     assert all(r["seconds"] > 0 for r in fit.rows)
     # The modelled kernels alone: the profile's own fixed costs are what the measurement replaces.
     kernels_only = hw.model_copy(update={"runtime": Runtime()})

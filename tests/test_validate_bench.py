@@ -7,6 +7,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = ROOT / "bench"
 
@@ -55,3 +57,17 @@ def test_a_point_s_spread_and_error_are_over_its_repeats():
     point = BENCH.Point("p", [run(0.8), run(1.0), run(1.25)], [0.1, 0.0, 0.3], [1.1, 0.9, 1.0])
     assert point.median == 1.0 and point.error == 0.0
     assert point.spread == (1.25 - 0.8) / 1.0
+
+
+def test_the_paced_error_stretches_the_simulated_time_by_the_runs_pace():
+    from hfplan.validation.compare import Comparison, Figure
+
+    def run(measured: float, stage_measured: float) -> Comparison:
+        return Comparison(calls=[], stages={"generation": Figure.of(0.5, stage_measured),
+                                            "training": Figure.of(0.2, 0.0)},  # nothing measured: left out
+                          iteration=Figure.of(1.0, measured), memory_gib={})
+
+    point = BENCH.Point("p", [run(1.2, 0.6), run(1.5, 0.75)], [0.0, 0.0], [1.2, 1.5])
+    assert point.pace == pytest.approx(1.35)
+    assert point.paced_error == pytest.approx((1.0 * 1.35 - 1.35) / 1.35)
+    assert point.paced_stage_errors() == pytest.approx([(0.5 * 1.2 - 0.6) / 0.6, (0.5 * 1.5 - 0.75) / 0.75])

@@ -42,7 +42,7 @@ from hfplan.executor.placement import (
     start_sets,
     stop_sets,
 )
-from hfplan.executor.roles import ActorRole, ExecutionController, Recorder, RuleRole, WorkerGroupRole
+from hfplan.executor.roles import ActorRole, Dispatch, ExecutionController, Recorder, RuleRole, WorkerGroupRole
 from hfplan.executor.samples import Sample, SamplesFile, take_samples
 from hfplan.executor.startup import StartupLog
 from hfplan.files import write_atomically
@@ -488,15 +488,17 @@ def _worker_group_roles(plan: Plan, sets, recorder: Recorder, timeout_s: float
                         ) -> Callable[[str, RoleFacts], WorkerGroupRole]:
     """Model roles over the sets' workers; the generating role also drives a separate rollout set."""
     by_role = {role: sets[plan.set_of(role)] for role in plan.placed_roles}
+    dispatch = Dispatch()  # one for every role: a wait on any call sends all the calls held
     rollout = None
     if ROLLOUT in by_role:
         rollout = WorkerGroupRole(ROLLOUT, facts_of(plan.workload, ROLLOUT), by_role[ROLLOUT],
-                                  _layouts(plan, ROLLOUT), recorder, timeout_s)
+                                  _layouts(plan, ROLLOUT), recorder, timeout_s, dispatch)
 
     def model_role(role: str, facts: RoleFacts) -> WorkerGroupRole:
         if facts.generates:
-            return ActorRole(role, facts, by_role[role], _layouts(plan, role), recorder, timeout_s, rollout=rollout)
-        return WorkerGroupRole(role, facts, by_role[role], _layouts(plan, role), recorder, timeout_s)
+            return ActorRole(role, facts, by_role[role], _layouts(plan, role), recorder, timeout_s, dispatch,
+                             rollout=rollout)
+        return WorkerGroupRole(role, facts, by_role[role], _layouts(plan, role), recorder, timeout_s, dispatch)
 
     return model_role
 

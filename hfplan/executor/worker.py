@@ -1,8 +1,8 @@
 """The per-device process: one Ray actor per GPU (or per CPU "GPU"), holding every role of its set.
 
 The worker joins its set's torch.distributed world, builds the roles placed on the set and runs the
-calls the controller dispatches to it. Each call returns its outputs (numpy, through Ray's object
-store) and the spans it spent, timed on this process's clock.
+calls the controller dispatches to it. Each call returns its outputs (numpy) and the spans it spent, timed on
+this process's clock, packed as executor.wire packs the call's arguments.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import importlib
 import os
 import socket
 import time
+import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hfplan.executor import wire
 from hfplan.executor.loopback import loopback_interface
 from hfplan.executor.startup import WORKER_STAGES
 from hfplan.hyperparams import Hyperparameters
@@ -92,7 +94,8 @@ def fetch_fields(fields: dict, kept: dict[int, dict]) -> dict[str, np.ndarray]:
     from hfplan.executor.roles import KeptOutputs
 
     remote, refs = _remote_fields(fields)
-    fetched = dict(zip((id(ref) for ref in refs), ray.get(refs), strict=True)) if refs else {}
+    results = [wire.unpack(*packed) for packed in ray.get(refs)] if refs else []
+    fetched = dict(zip((id(ref) for ref in refs), results, strict=True))
 
     def outputs_of(source) -> dict:
         if not isinstance(source, KeptOutputs):
@@ -172,7 +175,24 @@ class SetWorker:
         self.marks[WORKER_STAGES[2]] = time.time()
         return self.marks
 
-    def call(self, role: str, op: str, fields: dict, options: dict, call_id: int, keep_from: int) -> dict:
+    def calls(self, blob: bytes, buffers: list, refs: list) -> tuple | list:
+        """Role calls run back to back (roles.Dispatch): a list of `run_call`'s arguments, as wire.pack sends it;
+        returns each call's result packed the same way (one value per call: Ray's num_returns). A call that fails
+        returns CallFailed, and so do the calls after it, which do not run."""
+        results, failed = [], None
+        for args in wire.unpack(blob, buffers, refs):
+            if failed is None:
+                try:
+                    result = self.run_call(*args)
+                except Exception as error:  # the controller names the call (roles.PendingCall.outputs)
+                    failed = f"{args[0]}.{args[1]}"
+                    result = wire.CallFailed(traceback.format_exception_only(error)[-1].strip())
+            else:
+                result = wire.CallFailed(f"not run: {failed}, sent with it, failed first")
+            results.append(wire.pack(result))
+        return results if len(results) > 1 else results[0]
+
+    def run_call(self, role: str, op: str, fields: dict, options: dict, call_id: int, keep_from: int) -> dict:
         """Run role call `call_id` on this rank's share of the batch; returns {"fields", "spans"}. Fields made by
         other calls arrive as RowsFrom references and are fetched here, straight from their producers (or read
         from this worker's kept outputs); the transfer span starts when the last producer has finished. The

@@ -11,7 +11,8 @@ program-order chain, so it never shortens when a call lengthens. That gives exac
 - a prefix's child (the next set sized) whose bound is at least the K-th best time so far is pruned when it is
   made, never held open: that time only falls, so a best-first walk would never pop it.
 An allocation's best complete choice is run on the simpy engine, which gives its time (the fast schedule equals
-it: checked there).
+it: checked there); where sets share a host's cores the engine may be slower than that schedule, a lower bound
+then, so every choice that beats the best known is run.
 A walk cut short by a time limit keeps that proof's other half: every allocation left open has a bound at least
 the least one popped, so the best found is within best / that bound - 1 of the optimum (SearchResult.gap).
 """
@@ -185,12 +186,14 @@ class _PairSearch:
     one by one when those are too many)."""
 
     def __init__(self, pair: _Pair, threshold: float, stats: SearchStats, exact: Callable[[dict], float] | None,
-                 free: _Free | None = None):
-        """exact: the simpy iteration time of a complete choice. free: bound mode (_unsized_prunes): the
-        placement's sets after its first free.sized are not sized, their calls stay at `free`'s floors, and the
-        search only asks whether some choice of the sized sets' strategies has a schedule under `threshold`
-        (best_time: the first such, no simpy run)."""
+                 free: _Free | None = None, shared_hosts: bool = False):
+        """exact: the simpy iteration time of a complete choice; with `shared_hosts` (sets sharing a host's
+        cores, engine.Hosts) it may exceed the schedule's makespan, a lower bound of it. free: bound mode
+        (_unsized_prunes): the placement's sets after its first free.sized are not sized, their calls stay at
+        `free`'s floors, and the search only asks whether some choice of the sized sets' strategies has a schedule
+        under `threshold` (best_time: the first such, no simpy run)."""
         self.pair, self.threshold, self.stats, self.exact, self.free = pair, threshold, stats, exact, free
+        self.shared_hosts = shared_hosts
         ctx = pair.ctx
         self.ctx = ctx
         self.usable = ctx.hw.memory.usable_bytes
@@ -403,13 +406,24 @@ class _PairSearch:
             # descent: every comparison against min(best_time, threshold) now fails.
             self.best_time, self.threshold = fast, -math.inf
             return
-        self.best_time = fast
-        self.best_choice = {r: o for unit in chosen.values() for r, o in unit.parts.items()}
+        picked = {r: o for unit in chosen.values() for r, o in unit.parts.items()}
+        if not self.shared_hosts:
+            # The fast schedule is the engine's time here: one run checks the pair's best choice (finish).
+            self.best_time, self.best_choice = fast, picked
+            return
+        measured = self.exact({r: o.par for r, o in picked.items()})
+        self.stats.simpy_runs += 1
+        slower = measured > fast  # sets computing at once on a shared host
+        if not (slower or math.isclose(measured, fast, rel_tol=1e-9, abs_tol=1e-12)):
+            raise AssertionError(f"search bound {fast} disagrees with the simpy engine {measured}")
+        if measured >= min(self.best_time, self.threshold):
+            return
+        self.best_time, self.best_choice = measured, picked
 
     def finish(self) -> None:
-        """The best choice's time by the simpy engine, which the fast schedule equals (checked here, once per pair:
-        a choice beaten later within the pair needs no run)."""
-        if self.best_choice is None or self.exact is None:
+        """Without shared hosts, the best choice's time by the simpy engine, which the fast schedule equals (checked
+        here, once per pair: a choice beaten later within the pair needs no run); with them each leaf ran it."""
+        if self.best_choice is None or self.exact is None or self.shared_hosts:
             return
         measured = self.exact({r: o.par for r, o in self.best_choice.items()})
         self.stats.simpy_runs += 1
@@ -748,7 +762,8 @@ def _evaluate_pair(ctx: SearchContext, placement, allocation, threshold: float, 
         plan_costs = PlanCosts(ctx.workload, sets, pars, ctx.hw, ctx.gpus_per_node, ctx.memo)
         return run(ctx.dag, plan_costs).iteration_s
 
-    bb = _PairSearch(pair, threshold, stats, exact)
+    shared_hosts = engine.Hosts.of(PlanCosts(ctx.workload, sets, {}, ctx.hw, ctx.gpus_per_node)) is not None
+    bb = _PairSearch(pair, threshold, stats, exact, shared_hosts=shared_hosts)
     bb.run()
     bb.finish()
     if bb.best_choice is None:

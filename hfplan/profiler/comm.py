@@ -21,9 +21,11 @@ from hfplan.executor.loopback import loopback_interface
 from hfplan.measure import typical
 from hfplan.profiler.device import Device
 from hfplan.profiler.fit import COLLECTIVES, collective_terms
+from hfplan.profiler.host_share import measure_sharing
 from hfplan.profiler.runtime import FSDP, TP, engine_seconds, splits_by_tp
 
 Step = Callable[[], None]
+SHARING_TIMES = 40  # the host-sharing probe's budget in collective points' min_time (6 s in a full CPU profile)
 
 
 def points(sizes: Sequence[int]) -> int:
@@ -34,7 +36,8 @@ def points(sizes: Sequence[int]) -> int:
 def measure_collectives(torch, device: Device, sizes: Sequence[int], min_time: float, step: Step) -> list[dict]:
     """All-reduce, all-gather, reduce-scatter and point-to-point over `device.world_size` processes, then the
     training engine wrapped in FSDP2 and (where the demo model splits over them) split by tensor parallelism
-    across them (rows of kind `engine`, for runtime.measure_runtime)."""
+    across them (rows of kind `engine`, for runtime.measure_runtime), and on CPU how the processes share the host's
+    cores (rows of kind `sharing`, host_share)."""
     import torch.multiprocessing as mp
 
     if device.world_size < 2:
@@ -94,6 +97,8 @@ def _worker(rank: int, world: int, kind: str, init: str, sizes: tuple[int, ...],
         torch.set_num_threads(threads)  # the engines as a run's workers compute (the collectives took one)
         for mode in (FSDP, TP) if splits_by_tp(world) else (FSDP,):  # every rank computing at once, as in a run
             rows += engine_seconds(torch, kind, mode).rows()
+        if kind == "cpu":  # processes share the host's cores; GPUs compute on their own
+            rows += measure_sharing(torch, dist, kind, SHARING_TIMES * min_time)
         if rank == 0:
             messages.put(("rows", rows))
     finally:

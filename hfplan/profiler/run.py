@@ -9,7 +9,7 @@ from typing import Protocol
 
 import pandas as pd
 
-from hfplan.profiler import comm, compute, layers, pace, runtime
+from hfplan.profiler import comm, compute, host_share, layers, pace, runtime
 from hfplan.profiler.build import Fits, build_profile, device_tiling
 from hfplan.profiler.call_gaps import CALL_FIELDS
 from hfplan.profiler.device import Device
@@ -114,6 +114,14 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
 
     versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
     profile = build_profile(device, fits, request.base, request.name, versions, note)
+    # How the world's processes share the host's cores (CPU); the runtime's fixed costs are fitted against it.
+    parallelism = host_share.fit_parallelism(rows)
+    if parallelism is not None:
+        profile = profile.model_copy(update={
+            "compute": profile.compute.model_copy(update={"host_parallelism": parallelism}),
+            "description": profile.description + f" Host sharing: {device.world_size} processes computing at once "
+                                                 f"each ran as fast as {parallelism:g} of them would on cores of "
+                                                 "their own (the rollout engine's decode, alone and together)."})
     with _cpu_threads(torch, device):
         across = runtime.EngineSeconds.from_rows(rows)
         rows = [r for r in rows if r["kind"] != "engine"]  # become runtime rows, with their predictions

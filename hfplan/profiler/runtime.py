@@ -120,6 +120,9 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
     # A switch in the training layout on one rank moves no weights: its time is the engines' fixed cost, per tensor.
     switch_us, switch_row = _switch_fixed(bare, plain, PLAIN)
     rows.append(switch_row)
+    # The executor's own switch on one rank trained as it is: the rollout engine keeps the trained tensors.
+    kept_us = None if plain.kept_switch is None else round(fixed_us(plain.kept_switch, 0.0), 2)
+    rows += [] if plain.kept_switch is None else [_row("kept_hybrid_switch", plain.kept_switch, 0.0)]
     fsdp = across.get(FSDP) or _engine_on_one_rank(torch, device, FSDP)
     wrapped = _train_fixed(bare, fsdp, per_token)
     fsdp_switch_us, fsdp_switch_row = _switch_fixed(bare, fsdp, FSDP)
@@ -145,6 +148,7 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
                       train_token_us=round(per_token.train_us, 3),
                       engine_step_us=round(max(0.0, fixed_us(step_s, step_model) - sequence_us), 2),
                       engine_sequence_step_us=round(sequence_us, 2), switch_tensor_us=round(switch_us, 3),
+                      kept_switch_us=kept_us,
                       fsdp_switch_tensor_us=round(fsdp_switch_us, 3), tp_switch_tensor_us=round(tp_switch_us, 3),
                       controller_call_us=round(gaps.controller_call_s * 1e6, 2) if gaps else 0.0,
                       call_dispatch_us=round(gaps.call_dispatch_s * 1e6, 2) if gaps else None,
@@ -182,8 +186,9 @@ class EngineSeconds:
     mode: str  # PLAIN, FSDP or TP
     steps: dict[int, float]
     log_prob: float
-    switch: float  # the hybrid engine's switch into generation and back, in the training layout
+    switch: float  # the hybrid engine's switch into generation and back, in the training layout, weights handed over
     wide: tuple[float, float] | None = None  # PLAIN only: (actor update, log-prob call) of one micro-batch of BATCH
+    kept_switch: float | None = None  # PLAIN only: the same switch generating with the trained tensors themselves
 
     @property
     def prefix(self) -> str:
@@ -261,7 +266,7 @@ def engine_seconds(torch, kind: str, mode: str) -> EngineSeconds:
     one = {"prompts": torch.randint(1, arch.vocab, (1, PROMPT)), "responses": torch.randint(1, arch.vocab, (1, LONG)),
            "response_mask": torch.ones(1, LONG, dtype=torch.long)}
     log_prob = timed(lambda: role.log_probs(**one, micro_batch=1))
-    switch = timed(_switch(role))
+    switch = timed(_switch(role, keep_trained=False))
     if mode != PLAIN:
         return EngineSeconds(world, mode, steps, log_prob, switch)
     wide = {"prompts": torch.randint(1, arch.vocab, (BATCH, PROMPT)),
@@ -271,7 +276,7 @@ def engine_seconds(torch, kind: str, mode: str) -> EngineSeconds:
     wide_update = timed(lambda: role.update_actor(update, mini_batches=1, epochs=1, micro_batch=BATCH,
                                                   use_kl_loss=False))
     wide_log_prob = timed(lambda: role.log_probs(**wide, micro_batch=BATCH))
-    return EngineSeconds(world, mode, steps, log_prob, switch, (wide_update, wide_log_prob))
+    return EngineSeconds(world, mode, steps, log_prob, switch, (wide_update, wide_log_prob), timed(_switch(role)))
 
 
 def _switch_fixed(bare: HardwareProfile, measured: EngineSeconds, mode: str) -> tuple[float, dict]:
@@ -282,17 +287,19 @@ def _switch_fixed(bare: HardwareProfile, measured: EngineSeconds, mode: str) -> 
     gen = GenConfig(tp=world) if mode == TP else GenConfig(dp=world)
     model = costs.transition_time(bare, arch, train, gen, costs.SetShape(world, world))
     op = "hybrid_switch" if mode == PLAIN else f"{mode}_hybrid_switch"
-    return (fixed_us(measured.switch, model) / stage_parameter_tensors(arch, 1, "lm"),
-            _row(op, measured.switch, model, world))
+    per_tensor_us = fixed_us(measured.switch, model) / stage_parameter_tensors(arch, 1, "lm")
+    return per_tensor_us / bare.compute.host_slowdown(world), _row(op, measured.switch, model, world)
 
 
-def _switch(role):
+def _switch(role, keep_trained: bool = True):
     """One switch of the hybrid engine over `role` in its training layout, as a call: the rollout engine given
-    the generation weights, then released, and the engine back in training (executor.runtime's generate)."""
+    the generation weights, then released, and the engine back in training (executor.runtime's generate).
+    keep_trained=False: the weights are handed over at every switch even where the executor keeps them (the
+    rollout engine's cost per tensor, which a weight sync and every other switch pay)."""
     from hfplan.executor.engines.hybrid import HybridEngine
     from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
 
-    hybrid, engine = HybridEngine(role), TorchRolloutEngine(None, pad_id=0, eos_id=-1)
+    hybrid, engine = HybridEngine(role, keep_trained=keep_trained), TorchRolloutEngine(None, pad_id=0, eos_id=-1)
 
     def switch() -> None:
         engine.load_weights(hybrid.enter_generation(), presharded=hybrid.presharded)
@@ -358,9 +365,13 @@ def _train_fixed(bare: HardwareProfile, measured: EngineSeconds, per_token: _Tok
     rows = [_row(f"{measured.prefix}train_step_{n}_micro_batches", measured.steps[n], modelled[n], world)
             for n in (FEW, MANY)]
     rows.append(_row(f"{measured.prefix}engine_log_prob", measured.log_prob, forward_model, world))
-    return _TrainFixed(max(0.0, pass_s * 1e6 - tokens * per_token.train_us),
-                       step_s * 1e6 / stage_parameter_tensors(arch, 1, "lm"),
-                       max(0.0, fixed_us(measured.log_prob, forward_model) - tokens * per_token.forward_us), rows)
+    # Measured with the world's ranks computing at once: a shared host's slowdown (the cost model's, for a set of
+    # `world` ranks on a node) is taken off, as the model puts it back on a set's fixed costs.
+    shared = bare.compute.host_slowdown(world)
+    return _TrainFixed(max(0.0, pass_s * 1e6 / shared - tokens * per_token.train_us),
+                       step_s * 1e6 / stage_parameter_tensors(arch, 1, "lm") / shared,
+                       max(0.0, fixed_us(measured.log_prob, forward_model) / shared - tokens * per_token.forward_us),
+                       rows)
 
 
 def _engine_on_one_rank(torch, device: Device, mode: str) -> EngineSeconds:

@@ -89,6 +89,19 @@ class Compute(_Strict):
                                        "slower. What overlapping a collective with compute leaves exposed "
                                        "(sharding.exposed_beside); 0: a collective shorter than the compute beside "
                                        "it is free")
+    host_parallelism: float | None = Field(
+        default=None, gt=0, description="CPU processes: how many ranks of one host compute at full speed at once, "
+                                        "measured by `hfplan profile` (a decode step timed on one process while the "
+                                        "others wait, and on every process of the world at once: world x alone / "
+                                        "together). A call whose set has k ranks on a node computes "
+                                        "max(1, k / host_parallelism) times slower (host_slowdown). None: every "
+                                        "device computes on its own (GPUs)")
+
+    def host_slowdown(self, ranks: int) -> float:
+        """How much slower each of `ranks` ranks of one host computes while all of them do (1: not shared)."""
+        if self.host_parallelism is None:
+            return 1.0
+        return max(1.0, ranks / self.host_parallelism)
 
     @field_validator("attention_rate")
     @classmethod
@@ -259,6 +272,11 @@ class Runtime(_Strict):
                                         "resharded after), beyond the modelled all-gather; None: switch_tensor_us")
     tp_switch_tensor_us: float = Field(default=0.0, ge=0, description="the same on top, of a role split by tensor "
                                        "parallelism that generates in its training layout")
+    kept_switch_us: float | None = Field(
+        default=None, ge=0, description="one whole switch into generation and back of a hybrid actor that generates "
+                                        "with the very tensors it trains (layout.keeps_trained_tensors: its training "
+                                        "layout, one data-parallel rank, no FSDP2, tp 1: nothing is gathered or "
+                                        "handed over); None: switch_tensor_us per tensor, as any other switch")
 
     train_pass_us: float | None = Field(
         default=None, ge=0, description="fixed cost of one micro-batch through a training engine (forward and "

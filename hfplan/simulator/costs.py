@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
 from hfplan.layout import (
+    keeps_trained_tensors,
     micro_batch_sizes,
     most_generation_numel,
     most_received_numel,
@@ -144,6 +145,20 @@ class Parts(dict):
 
     def times(self, factor: float) -> Parts:
         return Parts({name: factor * seconds for name, seconds in self.items()})
+
+
+# Parts that are not the rank's own computing: collectives and the controller's dispatch. On a shared host they
+# were measured with the world's processes all running (hfplan.profiler.comm), so host_slowdown leaves them.
+NOT_COMPUTED = frozenset({"tp_comm", "pp_comm", "dp_comm", "controller"})
+
+
+def on_shared_host(hw: HardwareProfile, where: SetShape, parts: Parts) -> Parts:
+    """`parts` of a call whose set's ranks on a node all compute at once: its kernels and fixed costs slowed by
+    the host's sharing (Compute.host_slowdown: CPU processes share the host's cores; GPUs compute alone)."""
+    slowdown = hw.compute.host_slowdown(where.per_node)
+    if slowdown == 1.0:
+        return parts
+    return Parts({name: seconds if name in NOT_COMPUTED else slowdown * seconds for name, seconds in parts.items()})
 
 
 def _layer_tp_comm(hw: HardwareProfile, arch: ModelArch, tokens: float, tp: int, where: SetShape) -> float:
@@ -277,7 +292,8 @@ def train_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, whe
     optimizer_params = local_params * sharding.optimizer_fraction(cfg)
     optimizer = memory_time(hw, ADAM_BYTES_PER_PARAM * optimizer_params)
     per_tensor = stage_parameter_tensors(arch, cfg.pp, head) * hw.runtime.optimizer_tensor_s(fsdp, split)
-    return _pipelined(per_micro, n_micro, (cfg.pp - 1) / v, dp_comm=exposed, optimizer=optimizer, runtime=per_tensor)
+    return on_shared_host(hw, where, _pipelined(per_micro, n_micro, (cfg.pp - 1) / v, dp_comm=exposed,
+                                                optimizer=optimizer, runtime=per_tensor))
 
 
 def train_step_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: SetShape, sequences: int,
@@ -315,8 +331,8 @@ def inference_parts(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, wher
         gather = sharding.weight_gather_seconds(hw, arch, cfg, where, head, weight_shards)
         first = sharding.layer_share(arch, cfg.pp, head) * gather  # the first layer's: nothing to run beside
         exposed = n_micro * (first + sharding.exposed_beside(hw, gather - first, sp.forward))
-    return _pipelined(per_micro, n_micro, cfg.pp - 1, dp_comm=exposed,
-                      controller=call_dispatch(hw))
+    return on_shared_host(hw, where, _pipelined(per_micro, n_micro, cfg.pp - 1, dp_comm=exposed,
+                                                controller=call_dispatch(hw)))
 
 
 @memoized
@@ -334,12 +350,11 @@ def decode_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: 
     head = _head_forward(hw, arch, batch, cfg.tp, "lm", memo=memo)
     sample = memory_time(hw, FP32 * batch * arch.vocab / cfg.tp)
     n = arch.layers
-    return Parts(gemm=n * layer.gemm + head.gemm, attention=n * layer.attention,
-                 elementwise=n * layer.elementwise + head.elementwise + sample,
-                 tp_comm=n * _layer_tp_comm(hw, arch, batch, cfg.tp, where) + _head_tp_comm(hw, batch, cfg.tp, where,
-                                                                                            "lm"),
-                 pp_comm=(cfg.pp - 1) * _p2p(hw, arch, cfg, where, batch),
-                 runtime=hw.runtime.engine_step_s(batching, batch))
+    return on_shared_host(hw, where, Parts(
+        gemm=n * layer.gemm + head.gemm, attention=n * layer.attention,
+        elementwise=n * layer.elementwise + head.elementwise + sample,
+        tp_comm=n * _layer_tp_comm(hw, arch, batch, cfg.tp, where) + _head_tp_comm(hw, batch, cfg.tp, where, "lm"),
+        pp_comm=(cfg.pp - 1) * _p2p(hw, arch, cfg, where, batch), runtime=hw.runtime.engine_step_s(batching, batch)))
 
 
 def decode_step_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetShape, batch: float,
@@ -355,11 +370,12 @@ def prefill_parts(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetS
     head = _head_forward(hw, arch, batch, cfg.tp, "lm", memo=memo)  # logits of the last prompt token only
     embed = embedding_forward(hw, arch, tokens)
     n = arch.layers
-    return Parts(gemm=n * layer.gemm + head.gemm, attention=n * layer.attention,
-                 elementwise=n * layer.elementwise + head.elementwise + embed.elementwise,
-                 tp_comm=n * _layer_tp_comm(hw, arch, tokens, cfg.tp, where),
-                 pp_comm=(cfg.pp - 1) * _p2p(hw, arch, cfg, where, tokens),
-                 runtime=hw.runtime.engine_step_s(batching, batch))
+    return on_shared_host(hw, where, Parts(
+        gemm=n * layer.gemm + head.gemm, attention=n * layer.attention,
+        elementwise=n * layer.elementwise + head.elementwise + embed.elementwise,
+        tp_comm=n * _layer_tp_comm(hw, arch, tokens, cfg.tp, where), pp_comm=(cfg.pp - 1) * _p2p(hw, arch, cfg, where,
+                                                                                                 tokens),
+        runtime=hw.runtime.engine_step_s(batching, batch)))
 
 
 def _lengths(response_len: int, lengths: ResponseLengths | None) -> ResponseLengths:
@@ -570,7 +586,11 @@ def _engine_weights_fixed(hw: HardwareProfile, arch: ModelArch, gen: GenConfig, 
                           ) -> float:
     """The engines' fixed cost of a switch, per parameter tensor a GPU generates with: the rollout engine's, or
     for a hybrid actor generating in its training layout (`train`, not resharded by plan) its training engine's
-    unshard and reshard through FSDP2 and tensor parallelism as well."""
+    unshard and reshard through FSDP2 and tensor parallelism as well; for one that generates with the very
+    tensors it trains, nothing is handed over: the profile's cost of that whole switch (Runtime.kept_switch_us)."""
+    if (train is not None and hw.runtime.kept_switch_us is not None
+            and keeps_trained_tensors(train, gen, hw.compute.value_bytes)):
+        return hw.runtime.kept_switch_us * 1e-6
     in_place = train is not None and not reshards_by_plan(train, gen)
     fsdp = in_place and trains_through_fsdp(train.dp, hw.compute.value_bytes)
     split = in_place and train.tp > 1
@@ -585,7 +605,7 @@ def transition_time(hw: HardwareProfile, arch: ModelArch, train: TrainConfig, ge
     (hfplan.layout's per-tensor plan, as the executor moves them). Going back moves nothing: the generation
     copy is dropped. Both ways, the engines pay a fixed cost per parameter tensor of the generation model
     (Runtime.switch_tensor_s)."""
-    fixed = _engine_weights_fixed(hw, arch, gen, train)
+    fixed = hw.compute.host_slowdown(where.per_node) * _engine_weights_fixed(hw, arch, gen, train)
     plan = resharding(train, gen)
     received = most_received_numel(arch, train, gen)
     if plan.group <= 1 or received == 0:
@@ -601,7 +621,7 @@ def weight_sync_time(hw: HardwareProfile, arch: ModelArch, gen: GenConfig, rollo
     trained weights (hfplan.layout's sync plan: the norms whole, the rest split); the receiving node's
     links carry the shards of all its GPUs. The receiving engine takes them tensor by tensor, as the hybrid
     engine's rollout engine does (Runtime.switch_tensor_us)."""
-    fixed = _engine_weights_fixed(hw, arch, gen)
+    fixed = hw.compute.host_slowdown(rollout.per_node) * _engine_weights_fixed(hw, arch, gen)
     shard_bytes = hw.compute.value_bytes * most_generation_numel(arch, gen)
     node_bytes = shard_bytes * rollout.per_node
     if same_node:

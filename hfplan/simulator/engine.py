@@ -20,6 +20,7 @@ from hfplan.simulator.mapping import PlanCosts
 from hfplan.simulator.memory import gib
 from hfplan.simulator.pipeline import PREVIOUS, window_dag
 from hfplan.simulator.schedule import Precedence, switch_points
+from hfplan.simulator.sharing import Ranks, SharedHosts
 from hfplan.simulator.trace import Dag, Node, trace
 
 
@@ -90,17 +91,33 @@ def schedule(dag: Dag, plan_costs: PlanCosts) -> list[Scheduled]:
 EdgeSeconds = Callable[[int, int, float], float]
 
 
+@dataclass(frozen=True)
+class Hosts:
+    """Sets that share a host's cores (PlanCosts.host_ranks) and how much its ranks slow when all compute."""
+
+    ranks: Ranks
+    slowdown: Callable[[int], float]
+
+    @classmethod
+    def of(cls, plan_costs: PlanCosts) -> Hosts | None:
+        ranks = plan_costs.host_ranks()
+        return None if ranks is None else cls(ranks, plan_costs.hw.compute.host_slowdown)
+
+
 def run(dag: Dag, plan_costs: PlanCosts) -> Timeline:
-    return run_calls(schedule(dag, plan_costs), plan_costs.edge_seconds, plan_costs.workload.tokens_per_iteration)
+    return run_calls(schedule(dag, plan_costs), plan_costs.edge_seconds, plan_costs.workload.tokens_per_iteration,
+                     Hosts.of(plan_costs))
 
 
 def run_pipelined(dag: Dag, plan_costs: PlanCosts) -> Timeline:
     """One steady-state iteration of an asynchronous plan (hfplan.simulator.pipeline): the window's calls on the
     simpy engine, their generate calls without the weight sync, which follows the window on the rollout set."""
-    return run_window(schedule(dag, plan_costs), plan_costs.edge_seconds, plan_costs.workload.tokens_per_iteration)
+    return run_window(schedule(dag, plan_costs), plan_costs.edge_seconds, plan_costs.workload.tokens_per_iteration,
+                      Hosts.of(plan_costs))
 
 
-def run_window(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: int) -> Timeline:
+def run_window(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: int, hosts: Hosts | None = None
+               ) -> Timeline:
     """The pipelined window of calls costed for the synchronous schedule (their one layout switch, the weight
     sync before the first generation, moves to the window's end)."""
     window = window_dag(Dag("", tuple(c.node for c in calls)))
@@ -109,7 +126,7 @@ def run_window(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: in
     moved = [Scheduled(window.nodes[0], rollout, 0.0, 0.0, None)]
     moved += [Scheduled(node, c.set, c.seconds, 0.0, None, c.dispatch)
               for node, c in zip(window.nodes[1:], calls, strict=True)]
-    ran = run_calls(moved, edge_seconds, tokens)
+    ran = run_calls(moved, edge_seconds, tokens, hosts)
     end = ran.iteration_s
     spans = [s for s in ran.spans if s.role != PREVIOUS]
     spans.append(Span(role=ROLLOUT, op=WEIGHT_SYNC_OP, phase=GENERATION, set=rollout, start=end, end=end + sync,
@@ -117,12 +134,22 @@ def run_window(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: in
     return Timeline(tuple(spans), tokens, (*ran.critical, (GENERATION, sync)))
 
 
-def run_calls(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: int) -> Timeline:
-    """The simpy run of calls already costed: (source set, destination set, bytes) -> transfer seconds."""
+def run_calls(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: int, hosts: Hosts | None = None
+              ) -> Timeline:
+    """The simpy run of calls already costed: (source set, destination set, bytes) -> transfer seconds. `hosts`:
+    sets that share a host's cores compute slower while they compute at once (sharing.py); None: each alone."""
     by_id = {c.node.id: c for c in calls}
     env = simpy.Environment()
     done = {c.node.id: env.event() for c in calls}
     spans: list[Span] = []
+    elapsed = {}  # each call's seconds from its dispatch to its end (its switch included)
+    shared = SharedHosts(env, hosts.ranks, hosts.slowdown) if hosts is not None else None
+
+    def work(index: int, seconds: float):
+        if shared is not None and index >= 0:
+            yield from shared.compute(index, seconds)
+        else:
+            yield env.timeout(seconds)
 
     def transfer(src: Scheduled, dst: Scheduled, nbytes: float):
         yield done[src.node.id]
@@ -141,21 +168,23 @@ def run_calls(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: int
             arrivals.append(previous_on_set)
         if arrivals:
             yield env.all_of(arrivals)
+        begin = env.now
         if c.dispatch > 0:
             start = env.now
-            yield env.timeout(c.dispatch)
+            yield from work(c.set, c.dispatch)
             spans.append(Span(role=c.node.role, op=c.node.op, phase=c.node.phase, set=c.set, start=start,
                               end=env.now, kind="dispatch"))
         if c.switch > 0:
             start = env.now
-            yield env.timeout(c.switch)
+            yield from work(c.set, c.switch)
             role = c.switch_role or c.node.role
             spans.append(Span(role=role, op=switch_op(role), phase=c.node.phase, set=c.set,
                               start=start, end=env.now, kind="transition"))
         start = env.now
-        yield env.timeout(c.seconds - c.dispatch)
+        yield from work(c.set, c.seconds - c.dispatch)
         spans.append(Span(role=c.node.role, op=c.node.op + (GREEDY_MARK if c.node.greedy else ""),
                           phase=c.node.phase, set=c.set, start=start, end=env.now))
+        elapsed[c.node.id] = env.now - begin
         done[c.node.id].succeed()
 
     last_on_set: dict[int, simpy.Event] = {}
@@ -167,7 +196,7 @@ def run_calls(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: int
     index = {c.node.id: i for i, c in enumerate(calls)}
     precedence = Precedence(tuple(c.set for c in calls), tuple(
         tuple((index[e.src], edge_seconds(by_id[e.src].set, c.set, e.nbytes)) for e in c.node.deps) for c in calls))
-    path = precedence.critical_path([c.switch + c.seconds for c in calls])
+    path = precedence.critical_path([elapsed[c.node.id] for c in calls])
     return Timeline(tuple(spans), tokens, tuple((calls[i].node.phase, secs) for i, secs in path))
 
 

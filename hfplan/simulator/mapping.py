@@ -8,6 +8,7 @@ many of them quickly.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -97,6 +98,20 @@ class PlanCosts:
     def nodes_of(self, index: int) -> tuple[int, int]:
         start = self.offsets[index]
         return start // self.gpus_per_node, (start + self.placement[index][1] - 1) // self.gpus_per_node
+
+    def host_ranks(self) -> dict[int, dict[int, int]] | None:
+        """Each set's ranks on each node it spans, where the profile's processes share a host's cores
+        (Compute.host_parallelism) and two or more sets share a node; None where no set can slow another."""
+        if self.hw.compute.host_parallelism is None:
+            return None
+        ranks: dict[int, dict[int, int]] = {}
+        for index, (_, gpus) in enumerate(self.placement):
+            start, end = self.offsets[index], self.offsets[index] + gpus
+            first, last = self.nodes_of(index)
+            ranks[index] = {node: min(end, (node + 1) * self.gpus_per_node) - max(start, node * self.gpus_per_node)
+                            for node in range(first, last + 1)}
+        sets_on = Counter(node for per_node in ranks.values() for node in per_node)
+        return ranks if any(count > 1 for count in sets_on.values()) else None
 
     def same_node(self, a: int, b: int) -> bool:
         first_a, last_a = self.nodes_of(a)

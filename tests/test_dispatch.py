@@ -1,0 +1,108 @@
+"""How role calls reach the workers, without Ray: the wire format (executor.wire), the Dispatch that sends the calls
+held for a set as one task per worker, and a failed call named as itself (tests/test_execute.py runs the whole
+path)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("ray")
+
+from hfplan.dataflow.batch import Batch  # noqa: E402
+from hfplan.dataflow.ops import ROLE_OPS  # noqa: E402
+from hfplan.dataflow.roles import RoleFacts  # noqa: E402
+from hfplan.executor import wire  # noqa: E402
+from hfplan.executor.errors import RunFailed  # noqa: E402
+from hfplan.executor.roles import ActorRole, Dispatch, Recorder, WorkerGroupRole, WorkerSet  # noqa: E402
+from hfplan.executor.wire import CallFailed  # noqa: E402
+from hfplan.executor.worker import Timed  # noqa: E402
+from hfplan.plan import Layout  # noqa: E402
+
+
+class _Ref:
+    """Stands in for a Ray reference: wire.pack keeps objects of the reference type out of the pickle."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def test_wire_keeps_references_beside_the_pickle_and_large_arrays_out_of_band(monkeypatch):
+    monkeypatch.setattr(wire, "_ref_type", lambda: _Ref)
+    ref = _Ref("other worker's outputs")
+    small = np.arange(6, dtype=np.float32).reshape(2, 3)
+    large = np.arange(wire.OUT_OF_BAND_BYTES // 4, dtype=np.float32)
+    blob, buffers, refs = wire.pack({"pieces": (ref, ref), "small": small, "large": large})
+    assert refs == [ref]  # once, however often it occurs
+    assert len(buffers) == 1 and buffers[0].nbytes == large.nbytes  # only the large array left the pickle
+    back = wire.unpack(blob, buffers, refs)
+    assert back["pieces"][0] is ref and back["pieces"][1] is ref
+    assert np.array_equal(back["small"], small) and np.array_equal(back["large"], large)
+
+
+class _Worker:
+    """Records each Ray task sent to it: the list of calls (run_call's arguments) it carries."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.tasks = name, []
+        self.calls = self
+        self.results: dict[int, object] = {}  # call id -> what the call returns (default: no fields)
+
+    def options(self, num_returns: int):
+        self.num_returns = num_returns
+        return self
+
+    def remote(self, *packed):
+        calls = wire.unpack(*packed)
+        assert len(calls) == self.num_returns
+        self.tasks.append([(role, op, call_id) for role, op, _, _, call_id, _ in calls])
+        refs = [wire.pack(self.results.get(call_id, {"fields": {}, "spans": [Timed(op, "compute", 1.0, 2.0)]}))
+                for _, op, _, _, call_id, _ in calls]
+        return refs if len(refs) > 1 else refs[0]
+
+
+def _roles(monkeypatch, workers, dispatch):
+    import ray
+
+    monkeypatch.setattr(ray, "get", lambda refs, timeout=None: refs)  # the "references" are the packed results
+    recorder = Recorder(clock_offsets={(0, 0): 0.0})
+    recorder.start_iteration()
+    worker_set = WorkerSet(0, ("actor", "reference"), workers, lambda role, op, failure: f"{role}.{op}: {failure}")
+    layouts = {kind: Layout() for kind in ("train", "infer", "gen")}
+    actor = ActorRole("actor", RoleFacts(output="old_log_probs", trains=True, generates=True), worker_set,
+                      layouts, recorder, 1.0, dispatch, rollout=None)
+    reference = WorkerGroupRole("reference", RoleFacts(output="ref_log_probs"), worker_set,
+                                {ROLE_OPS["log_prob"].layout: Layout()}, recorder, 1.0, dispatch)
+    return actor, reference
+
+
+def test_calls_held_for_a_set_go_as_one_task_when_something_waits_and_a_generation_goes_alone(monkeypatch):
+    worker, dispatch = _Worker("rank 0"), Dispatch()
+    actor, reference = _roles(monkeypatch, [worker], dispatch)
+    generated = actor.generate(Batch(prompts=np.zeros((2, 3), dtype=np.int64)))
+    assert worker.tasks == [[("actor", "generate", 0)]]  # sent at once
+    seqs = generated.select("prompts", "responses", "response_mask")
+    actor.log_prob(seqs)
+    ref = reference.log_prob(seqs)
+    assert len(worker.tasks) == 1 and len(dispatch.held) == 2  # held: nothing waits on them yet
+    worker.results[2] = {"fields": {"ref_log_probs": np.ones((2, 2))}, "spans": [Timed("log_prob", "compute", 1, 2)]}
+    assert np.array_equal(ref["ref_log_probs"].result(), np.ones((2, 2)))  # a wait sends every held call, as one
+    # task per worker
+    assert worker.tasks[1] == [("actor", "log_prob", 1), ("reference", "log_prob", 2)] and not dispatch.held
+    actor.update(seqs)
+    actor.generate(Batch(prompts=np.zeros((2, 3), dtype=np.int64)))  # the update before it, alone
+    assert worker.tasks[2:] == [[("actor", "update", 3)], [("actor", "generate", 4)]]
+
+
+def test_a_call_that_failed_in_a_task_is_named_and_those_after_it_did_not_run(monkeypatch):
+    worker, dispatch = _Worker("rank 0"), Dispatch()
+    actor, reference = _roles(monkeypatch, [worker], dispatch)
+    seqs = Batch(prompts=np.zeros((2, 3)), responses=np.zeros((2, 2)), response_mask=np.ones((2, 2)))
+    first, second = actor.log_prob(seqs), reference.log_prob(seqs)
+    worker.results[0] = CallFailed("ValueError: bad shapes")
+    worker.results[1] = CallFailed("not run: actor.log_prob, sent with it, failed first")
+    with pytest.raises(RunFailed, match=r"actor\.log_prob: ValueError: bad shapes"):
+        first["old_log_probs"].result()
+    with pytest.raises(RunFailed, match=r"reference\.log_prob: not run: actor\.log_prob"):
+        second["ref_log_probs"].result()
