@@ -13,8 +13,10 @@ from hfplan.simulator.trace import trace
 from tests.support.executor_runs import (
     ARITH_GRPO,
     PPO_TWO_RANKS_RUN,
+    REWARD_MODEL_RUN,
     SAFE_RLHF_RUN,
     cpu_plan,
+    reward_model_plan,
     safe_rlhf_plan,
     tiny_workload,
 )
@@ -194,9 +196,9 @@ def test_safe_rlhf_runs(shared_runs):
     assert measured_calls(timeline) == traced_calls(plan)
 
 
-def test_model_reward_scores_on_its_own_set(tmp_path):
-    models = {"actor": "tiny", "reference": "tiny", "reward": "tiny"}
-    plan = cpu_plan(tiny_workload("grpo", models), [(("actor", "reference"), 1), (("reward",), 1)])
-    summary, timeline = run(plan, tmp_path, iterations=1)
+def test_model_reward_scores_on_its_own_set(shared_runs):
+    """The run whose samples test_cli_execute_loggers reads (csv its only logger: no metrics.jsonl here)."""
+    summary = shared_runs.get(reward_model_plan(), **REWARD_MODEL_RUN)
+    timeline = json.loads((summary.out / TIMELINE_FILE).read_text())
     check_metrics(summary, "reward")
     assert any(s["role"] == "reward" and s["set"] == 1 for s in timeline["iterations"][0]["spans"])

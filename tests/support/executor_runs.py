@@ -29,6 +29,8 @@ ARITH_GRPO = {"actor": "tiny-arith", "reference": "tiny-arith", "reward": "rule:
 # resumes from; Safe-RLHF with a checkpoint after each iteration, the one its resume starts from.
 PPO_TWO_RANKS_RUN = {"iterations": 4, "checkpoint_every": 2}
 SAFE_RLHF_RUN = {"iterations": 3, "checkpoint_every": 1, "keep": 3}
+# GRPO scored by a reward model: every sampled sequence in samples.jsonl, and no other logger.
+REWARD_MODEL_RUN = {"iterations": 1, "samples": 100, "loggers": ("csv",)}
 
 
 def tiny_workload(algorithm: str = "ppo", models: dict | None = None, **shape):
@@ -51,6 +53,12 @@ def safe_rlhf_plan():
     models = {"actor": "tiny", "critic": "tiny", "reference": "tiny", "reward": "rule:vowel-fraction",
               "cost": "rule:distinct-chars", "cost_critic": "tiny"}
     return cpu_plan(tiny_workload("safe-rlhf", models), [(("actor", "reference"), 1), (("critic", "cost_critic"), 1)])
+
+
+def reward_model_plan():
+    """GRPO whose reward is a model, on a set of its own."""
+    models = {"actor": "tiny", "reference": "tiny", "reward": "tiny"}
+    return cpu_plan(tiny_workload("grpo", models), [(("actor", "reference"), 1), (("reward",), 1)])
 
 
 @contextlib.contextmanager
