@@ -89,6 +89,15 @@ def ray_driver(ray_cluster) -> str:
     return ray_cluster
 
 
+@pytest.fixture(scope="session")
+def shared_runs(ray_cluster, tmp_path_factory):
+    """The executor runs that tests of several modules read, each run once on the session's cluster
+    (tests/support/executor_runs.SharedRuns)."""
+    from tests.support.executor_runs import SharedRuns
+
+    return SharedRuns(ray_cluster, tmp_path_factory.mktemp("shared-runs"))
+
+
 @pytest.fixture
 def no_ray_driver() -> None:
     """This process connected to no cluster: for a run that starts Ray itself or joins a cluster of its own."""

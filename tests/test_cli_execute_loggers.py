@@ -100,19 +100,15 @@ def test_loggers_samples_and_config_in_one_run(demo_plan_file, tmp_path, ray_dri
 
 
 @pytest.mark.slow
-def test_a_reward_models_samples_are_decoded_with_the_runs_tokenizer(tmp_path, ray_driver):
-    """GRPO with a reward *model*: the controller has only token ids, and decodes the samples' rows itself. K above
-    the iteration's 8 sequences gives all of them: their rewards average to the metrics' reward, and each prompt's
-    4 samples come together."""
-    from hfplan.executor.controller import ExecuteOptions, execute
+def test_a_reward_models_samples_are_decoded_with_the_runs_tokenizer(shared_runs):
+    """GRPO with a reward *model* (test_execute's, on a set of its own): the controller has only token ids, and
+    decodes the samples' rows itself. K above the iteration's 8 sequences gives all of them: their rewards average
+    to the metrics' reward, and each prompt's 4 samples come together."""
     from hfplan.executor.prompts import builtin_prompts
-    from tests.support.executor_runs import cpu_plan, tiny_workload
+    from tests.support.executor_runs import REWARD_MODEL_RUN, reward_model_plan
 
-    models = {"actor": "tiny", "reference": "tiny", "reward": "tiny"}
-    plan = cpu_plan(tiny_workload("grpo", models), [(("actor", "reference", "reward"), 1)])
-    run = tmp_path / "run"
-    summary = execute(plan, ExecuteOptions(iterations=1, out=run, samples=100, loggers=("csv",), call_timeout_s=120,
-                                           start_timeout_s=120))
+    summary = shared_runs.get(reward_model_plan(), **REWARD_MODEL_RUN)
+    run = summary.out
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert [s["row"] for s in samples] == list(range(8))
     assert len({s["prompt"] for s in samples[:4]}) == len({s["prompt"] for s in samples[4:]}) == 1

@@ -8,7 +8,7 @@ from hfplan.plan import ROLLOUT
 from hfplan.spec import make_cluster
 from tests.support.executor_runs import ARITH_GRPO, tiny_workload
 from tests.support.plans import build_plan
-from tests.test_execute import check_metrics, measured_calls, run, traced_calls
+from tests.test_execute import check_metrics, measured_calls, run, shared, traced_calls
 
 pytestmark = pytest.mark.slow
 
@@ -26,15 +26,16 @@ def tp_plan(gpus: int, tp: int, recompute: str = "none"):
                       gen_tp=tp, micro_batch=1, infer_micro_batch=4, recompute=recompute)
 
 
-def test_ppo_with_tensor_parallel_2_runs_as_one_process(tmp_path):
+def test_ppo_with_tensor_parallel_2_runs_as_one_process(tmp_path, shared_runs):
     """tp 2 splits every model over two processes; the run equals the same plan on one process: the same
     responses (both ranks of the group sample from one generator state), rewards, losses. The split plan
-    trains with selective recomputation, which changes no number."""
+    trains with selective recomputation, which changes no number. Five iterations: the one-process run is
+    test_execute's hybrid reference."""
     split = tp_plan(2, 2, recompute="selective")
     assert all(par.infer.tp == 2 for par in split.parallelism.values())
     assert split.parallelism["actor"].train.recompute == "selective"
-    summary, timeline = run(split, tmp_path / "tp2")
-    single, _ = run(tp_plan(1, 1), tmp_path / "tp1")
+    summary, timeline = run(split, tmp_path / "tp2", iterations=5)
+    single, _ = shared(shared_runs, tp_plan(1, 1), iterations=5)
     check_metrics(summary, "reward", "kl", "actor/policy_loss", "critic/value_loss", "response_len")
     assert measured_calls(timeline) == traced_calls(split)
     for got, want in zip(summary.iterations, single.iterations, strict=True):
@@ -43,7 +44,7 @@ def test_ppo_with_tensor_parallel_2_runs_as_one_process(tmp_path):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
 
 
-def test_rollout_set_at_tensor_parallel_2_generates_what_one_process_generates(tmp_path):
+def test_rollout_set_at_tensor_parallel_2_generates_what_one_process_generates(tmp_path, shared_runs):
     """The actor trains at tp 2; a separate rollout set generates at tp 2 from the slices of its shards the
     actor's ranks send it. Same run as one process."""
     workload = tiny_workload("grpo", ARITH_GRPO)
@@ -52,7 +53,7 @@ def test_rollout_set_at_tensor_parallel_2_generates_what_one_process_generates(t
     split = build_plan(workload, [(("actor", "reference"), 2), ((ROLLOUT,), 2)], cluster=make_cluster(4, "cpu"),
                        tp=2, gen_tp=2, micro_batch=1, infer_micro_batch=4)
     assert split.parallelism[ROLLOUT].gen.tp == 2 and split.parallelism["actor"].train.tp == 2
-    first, _ = run(single, tmp_path / "single", iterations=2)
+    first, _ = shared(shared_runs, single, iterations=2)
     second, _ = run(split, tmp_path / "split", iterations=2)
     for got, want in zip(second.iterations, first.iterations, strict=True):
         assert got["response_len"] == want["response_len"]

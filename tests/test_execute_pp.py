@@ -10,7 +10,7 @@ from hfplan.plan import ROLLOUT, WEIGHT_SYNC_OP, GenConfig, InferConfig, RolePar
 from hfplan.spec import make_cluster
 from tests.support.executor_runs import ARITH_GRPO, cpu_plan, tiny_workload
 from tests.support.plans import build_plan
-from tests.test_execute import check_metrics, measured_calls, run, traced_calls
+from tests.test_execute import check_metrics, measured_calls, run, shared, traced_calls
 
 pytestmark = pytest.mark.slow
 SETS = [(("actor", "critic", "reference"), 2)]
@@ -54,16 +54,17 @@ def test_ppo_with_two_pipeline_stages_matches_the_data_parallel_run(tmp_path):
         assert first[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
 
 
-def test_rollout_set_receives_the_weights_of_every_stage(tmp_path):
+def test_rollout_set_receives_the_weights_of_every_stage(tmp_path, shared_runs):
     """GRPO with a separate rollout set: after the pipelined actor's update the rollout set generates with the
-    weights gathered from both stages, so the second iteration matches the one of a dp 2 actor."""
+    weights gathered from both stages, so the second iteration matches the one of the whole actor on one
+    process, which generates in the one replica the rollout set is (test_execute's GRPO reference)."""
     workload = tiny_workload("grpo", ARITH_GRPO)
     sets = [(("actor", "reference"), 2), ((ROLLOUT,), 1)]
     piped = {role: RoleParallelism(train=TrainConfig(pp=2, micro_batch=1) if role == "actor" else None,
                                    infer=InferConfig(pp=2, micro_batch=4)) for role in ("actor", "reference")}
     plan = build_plan(workload, sets, cluster=make_cluster(3, "cpu"), overrides=piped, tp=1, gen_tp=1)
     first, timeline = run(plan, tmp_path / "pp")
-    second, _ = run(cpu_plan(workload, sets), tmp_path / "dp")
+    second, _ = shared(shared_runs, cpu_plan(workload, [(("actor", "reference"), 1)]))
     assert any(s["role"] == ROLLOUT and s["op"] == WEIGHT_SYNC_OP for s in timeline["iterations"][1]["spans"])
     for a, b in zip(first.iterations, second.iterations, strict=True):
         for key in ("response_len", "reward", "kl", "actor/policy_loss"):

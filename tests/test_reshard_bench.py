@@ -60,8 +60,9 @@ def test_simulator_prices_the_bytes_the_executor_moves(sizes, world, train, gen,
 @pytest.mark.slow
 def test_the_quick_benchmark_runs_without_mismatch():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, str(SCRIPT), "--quick"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    # one timed switch per method: the mismatches come from the counted switch before it, the times are not checked
+    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--reps", "1"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "mismatch" not in done.stdout
     assert sum(line.startswith(("p1t2d2", "p1t1d4", "p2t2d1")) for line in done.stdout.splitlines()) == 3

@@ -11,7 +11,7 @@ import signal
 import pytest
 
 from hfplan.executor.resume import latest
-from tests.support.executor_runs import cpu_plan, tiny_workload
+from tests.support.executor_runs import PPO_TWO_RANKS_RUN, SAFE_RLHF_RUN, cpu_plan, safe_rlhf_plan, tiny_workload
 from tests.support.processes import run_cli, start_cli, stop_all, wait_for
 
 pytestmark = pytest.mark.slow
@@ -43,13 +43,10 @@ def plan_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def whole_run(tmp_path_factory, plan_file, ray_cluster):
-    """4 iterations without interruption, a checkpoint every 2."""
-    out = tmp_path_factory.mktemp("whole") / "run"
-    cli = run_cli(out.parent / "log", "execute", plan_file, "--out", out, "--iterations", 4, "--checkpoint-every", 2,
-                  "--address", ray_cluster)
-    assert cli.proc.returncode == 0, cli.output()
-    return out
+def whole_run(shared_runs):
+    """PPO_TWO_RANKS_RUN: 4 iterations without interruption, a checkpoint every 2. test_execute reads the run
+    too: a test that changes its folder works on a copy."""
+    return shared_runs.get(cpu_plan(tiny_workload("ppo"), SETS), **PPO_TWO_RANKS_RUN).out
 
 
 def test_a_killed_run_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path, plan_file, whole_run, ray_cluster):
@@ -82,26 +79,23 @@ def test_the_run_exports_its_actor_and_critic(whole_run):
 def test_a_two_rank_checkpoint_continues_on_one_rank(tmp_path, whole_run, ray_cluster):
     plan = tmp_path / "one.json"
     plan.write_text(cpu_plan(tiny_workload("ppo"), [(("actor", "critic", "reference"), 1)]).to_json())
-    before = metrics(whole_run)
-    cli = run_cli(tmp_path / "log", "execute", plan, "--out", whole_run, "--iterations", 5, "--resume", "--keep", 1,
+    out = tmp_path / "run"
+    shutil.copytree(whole_run, out)
+    before = metrics(out)
+    cli = run_cli(tmp_path / "log", "execute", plan, "--out", out, "--iterations", 5, "--resume", "--keep", 1,
                   "--address", ray_cluster)
     assert cli.proc.returncode == 0, cli.output()
-    after = metrics(whole_run)
+    after = metrics(out)
     assert len(after) == 5 and after[:4] == before
-    assert [p.name for p in (whole_run / "checkpoints").iterdir()] == ["iteration-000005"]
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["iteration-000005"]
 
 
-def test_safe_rlhf_resumes_with_its_multiplier(tmp_path, ray_cluster):
-    """A copy of a Safe-RLHF run's first checkpoint, resumed, ends with the run's own metrics (the multiplier too)."""
-    models = {"actor": "tiny", "critic": "tiny", "reference": "tiny", "reward": "rule:vowel-fraction",
-              "cost": "rule:distinct-chars", "cost_critic": "tiny"}
+def test_safe_rlhf_resumes_with_its_multiplier(tmp_path, ray_cluster, shared_runs):
+    """A copy of a Safe-RLHF run's first checkpoint, resumed, ends with the run's own metrics (the multiplier too).
+    The run (SAFE_RLHF_RUN: 3 iterations, a checkpoint after each, all kept) is one test_execute reads too."""
     plan = tmp_path / "plan.json"
-    plan.write_text(cpu_plan(tiny_workload("safe-rlhf", models),
-                             [(("actor", "reference"), 1), (("critic", "cost_critic"), 1)]).to_json())
-    whole = tmp_path / "whole"
-    cli = run_cli(tmp_path / "log", "execute", plan, "--out", whole, "--iterations", 3, "--checkpoint-every", 1,
-                  "--keep", 3, "--address", ray_cluster)
-    assert cli.proc.returncode == 0, cli.output()
+    plan.write_text(safe_rlhf_plan().to_json())
+    whole = shared_runs.get(safe_rlhf_plan(), **SAFE_RLHF_RUN).out
     copy = tmp_path / "copy"
     shutil.copytree(whole / "checkpoints" / "iteration-000001", copy / "checkpoints" / "iteration-000001")
     cli = run_cli(tmp_path / "log2", "execute", plan, "--out", copy, "--iterations", 3, "--resume",

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from hfplan.executor.controller import ExecuteOptions, execute
 from hfplan.executor.startup import STARTUP_FILE, WORKER_STAGES, StartupLog, process_start_time
 from tests.support.executor_runs import ARITH_GRPO, cpu_plan, tiny_workload
 
@@ -62,10 +61,10 @@ def test_the_controller_checks_and_encodes_before_the_workers_start_without_torc
 
 
 @pytest.mark.slow
-def test_a_run_itemises_its_start_up_in_the_run_folder(tmp_path, ray_driver):
+def test_a_run_itemises_its_start_up_in_the_run_folder(shared_runs):
+    """test_execute's GRPO run on two sets."""
     plan = cpu_plan(tiny_workload("grpo", ARITH_GRPO), [(("actor",), 1), (("reference",), 1)])
-    out = tmp_path / "run"
-    execute(plan, ExecuteOptions(iterations=1, out=out, call_timeout_s=120, start_timeout_s=120))
+    out = shared_runs.get(plan, iterations=2).out
     startup = json.loads((out / STARTUP_FILE).read_text())
     stages = [row["stage"] for row in startup["stages"]]
     workers = [f"set {index} rank 0 {stage}" for index in (0, 1) for stage in WORKER_STAGES]

@@ -6,6 +6,7 @@ never ran, progress and summaries that say what they show, and `hfplan cost`'s c
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -114,23 +115,25 @@ def test_a_non_finite_metric_stops_the_run_naming_role_and_metric():
         check_finite(_report(reward=float("inf")))
 
 
-def test_a_run_that_diverges_stops_there_with_strict_json_and_its_last_good_checkpoint(tmp_path, ray_cluster):
-    """One good iteration and its checkpoint; resumed at a learning rate that blows the weights up in the first
-    mini-batch's step, the second mini-batch's loss is not finite: the run stops at that iteration."""
-    plan_file = _plan_file(tmp_path, cpu_plan(tiny_workload(), [(("actor", "critic", "reference"), 1)]))
+def test_a_run_that_diverges_stops_there_with_strict_json_and_its_last_good_checkpoint(tmp_path, ray_cluster,
+                                                                                         shared_runs):
+    """Five good iterations and their checkpoint (a copy of test_execute's one-process PPO run); resumed at a
+    learning rate that blows the weights up in the first mini-batch's step, the second mini-batch's loss is not
+    finite: the run stops at that iteration."""
+    plan = cpu_plan(tiny_workload(), [(("actor", "critic", "reference"), 1)])
+    plan_file = _plan_file(tmp_path, plan)
     out = tmp_path / "run"
-    first = invoke("execute", plan_file, "--out", out, "--iterations", 1, "--address", ray_cluster)
-    assert first.exit_code == 0, first.output
-    result = invoke("execute", plan_file, "--out", out, "--iterations", 3, "--resume", "--address", ray_cluster,
+    shutil.copytree(shared_runs.get(plan, iterations=5).out, out)
+    result = invoke("execute", plan_file, "--out", out, "--iterations", 7, "--resume", "--address", ray_cluster,
                     "--set", "actor_lr=1e30", "--log-every", 1)
     assert result.exit_code == 1, result.output
-    assert "resumed from" in result.stderr and "(1 iterations done)" in result.stderr, result.stderr
-    assert "run failed: iteration 1: role actor's" in result.stderr, result.stderr
+    assert "resumed from" in result.stderr and "(5 iterations done)" in result.stderr, result.stderr
+    assert "run failed: iteration 5: role actor's" in result.stderr, result.stderr
     lines = (out / "metrics.jsonl").read_text().splitlines()
     rows = [json.loads(line, parse_constant=lambda name: pytest.fail(f"non-standard JSON {name}")) for line in lines]
-    assert [row["iteration"] for row in rows] == [0]
-    assert [p.name for p in resume.complete_checkpoints(out)] == ["iteration-000001"]
-    assert "iteration-000001" in result.stderr  # the hint names the last good checkpoint
+    assert [row["iteration"] for row in rows] == [0, 1, 2, 3, 4]
+    assert [p.name for p in resume.complete_checkpoints(out)] == ["iteration-000005"]
+    assert "iteration-000005" in result.stderr  # the hint names the last good checkpoint
 
 
 def test_an_address_nobody_answers_is_refused_at_once(tmp_path):
