@@ -16,8 +16,7 @@ from hfplan.dataflow.roles import RoleFacts  # noqa: E402
 from hfplan.executor import wire  # noqa: E402
 from hfplan.executor.errors import RunFailed  # noqa: E402
 from hfplan.executor.roles import ActorRole, Dispatch, Recorder, WorkerGroupRole, WorkerSet  # noqa: E402
-from hfplan.executor.wire import CallFailed  # noqa: E402
-from hfplan.executor.worker import Timed  # noqa: E402
+from hfplan.executor.worker import SetWorker, Timed  # noqa: E402
 from hfplan.plan import Layout  # noqa: E402
 
 
@@ -42,12 +41,14 @@ def test_wire_keeps_references_beside_the_pickle_and_large_arrays_out_of_band(mo
 
 
 class _Worker:
-    """Records each Ray task sent to it: the list of calls (run_call's arguments) it carries."""
+    """A worker's task handling as SetWorker.calls runs it (the real method), with run_call recording each call
+    it runs and returning what the test set (default: no fields), or raising for the call ids in `failing`."""
 
     def __init__(self, name: str) -> None:
-        self.name, self.tasks = name, []
+        self.name, self.tasks, self.ran = name, [], []
         self.calls = self
-        self.results: dict[int, object] = {}  # call id -> what the call returns (default: no fields)
+        self.results: dict[int, object] = {}  # call id -> what the call returns
+        self.failing: dict[int, Exception] = {}
 
     def options(self, num_returns: int):
         self.num_returns = num_returns
@@ -57,9 +58,13 @@ class _Worker:
         calls = wire.unpack(*packed)
         assert len(calls) == self.num_returns
         self.tasks.append([(role, op, call_id) for role, op, _, _, call_id, _ in calls])
-        refs = [wire.pack(self.results.get(call_id, {"fields": {}, "spans": [Timed(op, "compute", 1.0, 2.0)]}))
-                for _, op, _, _, call_id, _ in calls]
-        return refs if len(refs) > 1 else refs[0]
+        return SetWorker.calls(self, *packed)
+
+    def run_call(self, role, op, fields, options, call_id, keep_from):
+        self.ran.append(call_id)
+        if call_id in self.failing:
+            raise self.failing[call_id]
+        return self.results.get(call_id, {"fields": {}, "spans": [Timed(op, "compute", 1.0, 2.0)]})
 
 
 def _roles(monkeypatch, workers, dispatch):
@@ -100,9 +105,9 @@ def test_a_call_that_failed_in_a_task_is_named_and_those_after_it_did_not_run(mo
     actor, reference = _roles(monkeypatch, [worker], dispatch)
     seqs = Batch(prompts=np.zeros((2, 3)), responses=np.zeros((2, 2)), response_mask=np.ones((2, 2)))
     first, second = actor.log_prob(seqs), reference.log_prob(seqs)
-    worker.results[0] = CallFailed("ValueError: bad shapes")
-    worker.results[1] = CallFailed("not run: actor.log_prob, sent with it, failed first")
+    worker.failing[0] = ValueError("bad shapes")
     with pytest.raises(RunFailed, match=r"actor\.log_prob: ValueError: bad shapes"):
         first["old_log_probs"].result()
-    with pytest.raises(RunFailed, match=r"reference\.log_prob: not run: actor\.log_prob"):
+    assert worker.tasks == [[("actor", "log_prob", 0), ("reference", "log_prob", 1)]] and worker.ran == [0]
+    with pytest.raises(RunFailed, match=r"reference\.log_prob: not run: actor\.log_prob, sent with it, failed first"):
         second["ref_log_probs"].result()
