@@ -762,7 +762,8 @@ def _evaluate_pair(ctx: SearchContext, placement, allocation, threshold: float, 
         plan_costs = PlanCosts(ctx.workload, sets, pars, ctx.hw, ctx.gpus_per_node, ctx.memo)
         return run(ctx.dag, plan_costs).iteration_s
 
-    shared_hosts = engine.Hosts.of(PlanCosts(ctx.workload, sets, {}, ctx.hw, ctx.gpus_per_node)) is not None
+    shared_hosts = (ctx.hw.compute.host_parallelism is not None  # GPUs: no PlanCosts to build per pair
+                    and engine.Hosts.of(PlanCosts(ctx.workload, sets, {}, ctx.hw, ctx.gpus_per_node)) is not None)
     bb = _PairSearch(pair, threshold, stats, exact, shared_hosts=shared_hosts)
     bb.run()
     bb.finish()

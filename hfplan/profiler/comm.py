@@ -98,7 +98,7 @@ def _worker(rank: int, world: int, kind: str, init: str, sizes: tuple[int, ...],
         for mode in (FSDP, TP) if splits_by_tp(world) else (FSDP,):  # every rank computing at once, as in a run
             rows += engine_seconds(torch, kind, mode).rows()
         if kind == "cpu":  # processes share the host's cores; GPUs compute on their own
-            rows += measure_sharing(torch, dist, kind, SHARING_TIMES * min_time)
+            rows += measure_sharing(torch, dist, SHARING_TIMES * min_time)
         if rank == 0:
             messages.put(("rows", rows))
     finally:

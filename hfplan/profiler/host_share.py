@@ -2,8 +2,8 @@
 
 A CPU "device" is a process with its share of the host's threads, and a plan's set of k processes on one host
 computes on all of them at once. Whether k processes then each run at their own speed depends on the host: on the
-project's 2-core VM the same decode loop ran about twice as slow in each of two processes at once as in one alone
-(the VM's two vCPUs deliver about one core of work), which a profile timed on one process cannot show. So the
+project's 2-core VM, with nothing else running, the same decode loop took 1.17x as long in each of two processes at
+once as in one alone (2-3x while other jobs ran), which a profile timed on one process cannot show. So the
 world's processes time the same work, the executor's rollout engine generating for one prompt, first on rank 0
 while the others wait, then on every rank at once, in alternating rounds (a slower stretch of a shared machine
 falls on both alike): the host computes world x alone / together ranks' worth of work at full speed.
@@ -21,7 +21,7 @@ ROUNDS = 3
 OPS = ("probe_alone", "probe_together")
 
 
-def measure_sharing(torch, dist, kind: str, budget_s: float) -> list[dict]:
+def measure_sharing(torch, dist, budget_s: float) -> list[dict]:
     """Rows (kind `sharing`, on rank 0) of the probe's seconds per call alone and together; every rank of the
     process group calls this. `budget_s`: about how long the whole measurement takes."""
     from hfplan.executor.models import build_model

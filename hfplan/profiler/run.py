@@ -120,8 +120,8 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
         profile = profile.model_copy(update={
             "compute": profile.compute.model_copy(update={"host_parallelism": parallelism}),
             "description": profile.description + f" Host sharing: {device.world_size} processes computing at once "
-                                                 f"each ran as fast as {parallelism:g} of them would on cores of "
-                                                 "their own (the rollout engine's decode, alone and together)."})
+                                                 f"did the work of {parallelism:g} processes each on cores of its "
+                                                 "own (the rollout engine's decode, alone and together)."})
     with _cpu_threads(torch, device):
         across = runtime.EngineSeconds.from_rows(rows)
         rows = [r for r in rows if r["kind"] != "engine"]  # become runtime rows, with their predictions

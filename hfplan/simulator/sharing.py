@@ -21,7 +21,6 @@ Ranks = Mapping[int, Mapping[int, int]]  # set index -> {node: ranks of the set 
 
 @dataclass(eq=False)
 class _Stretch:
-    set: int
     remaining: float  # seconds of work left at `rate` 1
     done: simpy.Event
     since: float = 0.0
@@ -45,7 +44,7 @@ class SharedHosts:
         """Run `seconds` of the set's work (priced with the set alone on its hosts) as the hosts allow."""
         if seconds <= 0:
             return
-        stretch = _Stretch(set_index, seconds, self.env.event(), self.env.now, nodes=self.ranks[set_index])
+        stretch = _Stretch(seconds, self.env.event(), self.env.now, nodes=self.ranks[set_index])
         self._advance()
         self.active[next(self._ids)] = stretch
         for node, ranks in stretch.nodes:
