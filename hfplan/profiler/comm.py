@@ -101,6 +101,9 @@ def _worker(rank: int, world: int, kind: str, init: str, sizes: tuple[int, ...],
             rows += measure_sharing(torch, dist, SHARING_TIMES * min_time)
         if rank == 0:
             messages.put(("rows", rows))
+        # Every rank done before any tears its connections down: the ranks that finish first (all but rank 0, which
+        # reports) no longer close theirs while rank 0 is still at work (one CI run's rank 1 aborted at exit).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
