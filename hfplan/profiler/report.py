@@ -51,6 +51,9 @@ def fits_table(result: Result) -> Table:
     table.add_row("split by tensor parallelism, on top: forward / training micro-batch / optimizer step per tensor us",
                   f"{rt.tp_forward_pass_us:.1f} / {rt.tp_train_pass_us:.1f} / {rt.tp_optimizer_tensor_us:.2f}",
                   "measured across the profiled world (0: not measured)")
+    table.add_row("split by tensor parallelism: switch per tensor / each collective of a generation step us",
+                  f"{rt.tp_switch_tensor_us:.1f} / {rt.tp_step_collective_us:.1f}",
+                  "measured across the profiled world, beyond the modelled collectives (0: not measured)")
     table.add_row("memory capacity / reserved GiB", f"{hw.memory.capacity_gib:g} / {hw.memory.reserved_gib:g}",
                   "per device")
     for label, link, fit in (("intra-node", hw.links.intra_node, fits.intra), ("host", hw.links.host, fits.host)):

@@ -6,9 +6,11 @@ BATCH: the fixed cost per step and per sequence in it) and with continuous batch
 over decode steps, so the prefills drop out), a training micro-batch and an optimizer step of the executor's
 training engine (the slope of a step's time over its micro-batches, and what is left at none) and a log-prob call
 through it, as it trains on one rank and, across the profiled world (every rank computing at once), wrapped in
-FSDP2 and split by tensor parallelism; per token of a micro-batch (one sequence against BATCH, on one rank); the
-hybrid engine's switch on one rank, a Ray worker's own resident memory, and what the executor's calls cost
-between their spans and its controller's advantage step (call_gaps: read off a short run of the executor).
+FSDP2 and split by tensor parallelism (there, also the rollout engine's decode step over the tensor-parallel
+group, as the executor generates in that layout: the fixed cost of each of its collectives); per token of a
+micro-batch (one sequence against BATCH, on one rank); the hybrid engine's switch on one rank, a Ray worker's own
+resident memory, and what the executor's calls cost between their spans and its controller's advantage step
+(call_gaps: read off a short run of the executor).
 torch and ray are passed in or imported here, only when `hfplan profile` runs.
 """
 
@@ -162,6 +164,11 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
                       tp_forward_pass_us=round(max(0.0, split.forward_us - unsplit.forward_us), 2),
                       tp_train_pass_us=round(max(0.0, split.pass_us - unsplit.pass_us), 2),
                       tp_optimizer_tensor_us=round(max(0.0, split.tensor_us - unsplit.tensor_us), 3))
+    if TP in across and across[TP].split_steps is not None:
+        fitted = bare.model_copy(update={"runtime": runtime})
+        collective_us, split_rows = _step_collective_fixed(fitted, across[TP])
+        rows += split_rows
+        runtime = runtime.model_copy(update={"tp_step_collective_us": round(collective_us, 2)})
     resident_gib = 0.0
     if ray_costs is not None:  # a worker as it runs calls, where the probe ran; else one that only imported
         probed = gaps.worker_resident_gib if gaps is not None else None
@@ -174,6 +181,7 @@ PLAIN, FSDP, TP = "plain", "fsdp", "tp"  # the training engine as one rank train
 WRAPS_IN_FSDP = {PLAIN: False, FSDP: True, TP: None}
 ENGINE_REPS = 7  # timed calls per measurement of the training engine (the median kept); fixed, so every rank
 # of a world makes the same collectives
+SPLIT_STEP_OPS = ("tp_engine_step", f"tp_engine_step_{BATCH}_sequences")  # EngineSeconds.split_steps' rows
 
 
 @dataclass(frozen=True)
@@ -189,6 +197,8 @@ class EngineSeconds:
     switch: float  # the hybrid engine's switch into generation and back, in the training layout, weights handed over
     wide: tuple[float, float] | None = None  # PLAIN only: (actor update, log-prob call) of one micro-batch of BATCH
     kept_switch: float | None = None  # PLAIN only: the same switch generating with the trained tensors themselves
+    split_steps: tuple[float, float] | None = None  # TP only: a decode step of one and of BATCH sequences, the
+    # rollout engine generating over the tensor-parallel group in the training layout (as the executor does)
 
     @property
     def prefix(self) -> str:
@@ -201,7 +211,9 @@ class EngineSeconds:
                 + [dict(kind="engine", op=f"{self.prefix}engine_log_prob", world=self.world, mode=self.mode,
                         seconds=self.log_prob),
                    dict(kind="engine", op=f"{self.prefix}hybrid_switch", world=self.world, mode=self.mode,
-                        seconds=self.switch)])
+                        seconds=self.switch)]
+                + [dict(kind="engine", op=op, world=self.world, mode=self.mode, seconds=s)
+                   for op, s in zip(SPLIT_STEP_OPS, self.split_steps or (), strict=False)])
 
     @classmethod
     def from_rows(cls, rows: list[dict]) -> dict[str, EngineSeconds]:
@@ -212,8 +224,10 @@ class EngineSeconds:
             if by_op:
                 steps = {n: by_op[f"{mode}_train_step_{n}_micro_batches"]["seconds"] for n in (FEW, MANY)}
                 log_prob = by_op[f"{mode}_engine_log_prob"]
+                split = tuple(by_op[op]["seconds"] for op in SPLIT_STEP_OPS if op in by_op)
                 out[mode] = cls(int(log_prob["world"]), mode, steps, log_prob["seconds"],
-                                by_op[f"{mode}_hybrid_switch"]["seconds"])
+                                by_op[f"{mode}_hybrid_switch"]["seconds"],
+                                split_steps=split if len(split) == len(SPLIT_STEP_OPS) else None)
         return out
 
 
@@ -223,10 +237,8 @@ def splits_by_tp(world: int) -> bool:
     return world > 1 and shape_problem(CATALOG[MODEL], "train", world, 1) is None
 
 
-def engine_seconds(torch, kind: str, mode: str) -> EngineSeconds:
-    """Time the executor's training engine on the process group this process is in (every rank calls this):
-    each measurement the median of ENGINE_REPS calls, each call the slowest rank's (a collective ends with its
-    slowest rank)."""
+def profiled_role(torch, kind: str, mode: str):
+    """The training engine (RoleModel) of the demo model in `mode` over the process group this process is in."""
     import torch.distributed as dist
 
     from hfplan.executor.engines.training import RoleModel
@@ -234,12 +246,22 @@ def engine_seconds(torch, kind: str, mode: str) -> EngineSeconds:
     from hfplan.executor.models import build_model
     from hfplan.hyperparams import Hyperparameters
 
-    arch, world = CATALOG[MODEL], dist.get_world_size()
-    clock = Clock(torch, kind)
+    world = dist.get_world_size()
     mesh = (ParallelDims(1, 1, 1, world) if mode == TP else ParallelDims(1, 1, world, 1)).build(kind)
     model = build_model(MODEL, "lm", seed=0, dtype=torch.float32)
-    role = RoleModel(model, mesh, Hyperparameters(), kind, compute_dtype(kind), pad_id=0, lr=1e-6,
+    return RoleModel(model, mesh, Hyperparameters(), kind, compute_dtype(kind), pad_id=0, lr=1e-6,
                      fsdp=WRAPS_IN_FSDP[mode])
+
+
+def engine_seconds(torch, kind: str, mode: str) -> EngineSeconds:
+    """Time the executor's training engine on the process group this process is in (every rank calls this):
+    each measurement the median of ENGINE_REPS calls, each call the slowest rank's (a collective ends with its
+    slowest rank)."""
+    import torch.distributed as dist
+
+    arch, world = CATALOG[MODEL], dist.get_world_size()
+    clock = Clock(torch, kind)
+    role = profiled_role(torch, kind, mode)
 
     def timed(fn) -> float:
         fn()  # warm-up
@@ -267,6 +289,8 @@ def engine_seconds(torch, kind: str, mode: str) -> EngineSeconds:
            "response_mask": torch.ones(1, LONG, dtype=torch.long)}
     log_prob = timed(lambda: role.log_probs(**one, micro_batch=1))
     switch = timed(_switch(role, keep_trained=False))
+    if mode == TP:
+        return EngineSeconds(world, mode, steps, log_prob, switch, split_steps=_split_steps(torch, kind, role, timed))
     if mode != PLAIN:
         return EngineSeconds(world, mode, steps, log_prob, switch)
     wide = {"prompts": torch.randint(1, arch.vocab, (BATCH, PROMPT)),
@@ -297,9 +321,8 @@ def _switch(role, keep_trained: bool = True):
     keep_trained=False: the weights are handed over at every switch even where the executor keeps them (the
     rollout engine's cost per tensor, which a weight sync and every other switch pay)."""
     from hfplan.executor.engines.hybrid import HybridEngine
-    from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
 
-    hybrid, engine = HybridEngine(role, keep_trained=keep_trained), TorchRolloutEngine(None, pad_id=0, eos_id=-1)
+    hybrid, engine = HybridEngine(role, keep_trained=keep_trained), _rollout_engine(role)
 
     def switch() -> None:
         engine.load_weights(hybrid.enter_generation(), presharded=hybrid.presharded)
@@ -307,6 +330,60 @@ def _switch(role, keep_trained: bool = True):
         hybrid.exit_generation()
 
     return switch
+
+
+def _rollout_engine(role):
+    """A rollout engine for the hybrid engine over `role`, as the executor builds it in the training layout: split by
+    tensor parallelism, it generates over the role's tensor-parallel group and takes its weight shards as they are
+    (one without the group would gather every tensor whole)."""
+    from hfplan.executor.mesh import TP as TP_DIM
+    from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
+
+    group = role.mesh[TP_DIM].get_group() if role.dims.tp > 1 else None
+    return TorchRolloutEngine(None, pad_id=0, eos_id=-1, tp_group=group)
+
+
+def _split_steps(torch, kind: str, role, timed) -> tuple[float, float]:
+    """Seconds per decode step of the rollout engine split by tensor parallelism over `role`'s group, for one and
+    for BATCH sequences: the time between responses of SHORT and LONG tokens over the decode steps between them,
+    each timed by `timed` (every rank the same calls, the slowest rank's time). Every rank samples with the same
+    seed, so the ranks feed the same tokens, as a run's ranks do."""
+    from hfplan.executor.engines.hybrid import HybridEngine
+    from hfplan.executor.rollout.base import SamplingParams
+
+    hybrid, engine = HybridEngine(role, keep_trained=False), _rollout_engine(role)
+    prompts = torch.randint(1, CATALOG[MODEL].vocab, (1, PROMPT), generator=torch.Generator().manual_seed(0)).to(kind)
+    engine.load_weights(hybrid.enter_generation(), presharded=hybrid.presharded)
+    try:
+        out = []
+        for batch in (prompts, prompts.repeat(BATCH, 1)):
+            seconds, steps = {}, {}
+            for tokens in (SHORT, LONG):
+                params = SamplingParams(max_new_tokens=tokens)
+                seconds[tokens] = timed(lambda batch=batch, params=params: engine.generate(
+                    batch, params, torch.Generator(kind).manual_seed(0)))
+                steps[tokens] = engine.stats.decode_steps
+            out.append((seconds[LONG] - seconds[SHORT]) / (steps[LONG] - steps[SHORT]))
+        return out[0], out[1]
+    finally:
+        engine.release_weights()
+        hybrid.exit_generation()
+
+
+def _step_collective_fixed(fitted: HardwareProfile, measured: EngineSeconds) -> tuple[float, list[dict]]:
+    """Microseconds per tensor-parallel collective of a generation step beyond the model (tp_step_collective_us),
+    and its rows: the rollout engine's decode steps split over `measured.world` ranks (of one and of BATCH
+    sequences), each beyond its modelled step on `fitted` (the unsplit engine's fixed costs fitted, the host's
+    sharing and the link's collectives in it), over the step's collectives; the mean of the two."""
+    arch, world = CATALOG[MODEL], measured.world
+    where, context = costs.SetShape(world, world), PROMPT + (SHORT + LONG) / 2
+    cases = list(zip((1, BATCH), measured.split_steps, SPLIT_STEP_OPS, strict=True))
+    modelled = {batch: costs.decode_step_time(fitted, arch, Layout(tp=world), where, batch, context)
+                for batch, _, _ in cases}
+    per_collective = [fixed_us(seconds, modelled[batch]) / costs.step_tp_collectives(arch)
+                      for batch, seconds, _ in cases]
+    rows = [_row(op, seconds, modelled[batch], world) for batch, seconds, op in cases]
+    return sum(per_collective) / len(per_collective), rows
 
 
 @dataclass(frozen=True)

@@ -304,6 +304,12 @@ class Runtime(_Strict):
     tp_train_pass_us: float = Field(default=0.0, ge=0, description="the same on top of a training micro-batch")
     tp_optimizer_tensor_us: float = Field(default=0.0, ge=0, description="the same on top of an optimizer step, "
                                           "per parameter tensor")
+    tp_step_collective_us: float = Field(
+        default=0.0, ge=0, description="fixed cost of each tensor-parallel collective of a step of the generation "
+                                       "engine (prefill or decode) beyond the link's modelled latency and "
+                                       "bandwidth: the ranks meeting between the step's kernels, each waiting for "
+                                       "the slowest one's compute and for the host to run it; measured with every "
+                                       "rank generating at once")
 
     vllm_batched_tokens: int = Field(
         default=8192, ge=1, description="vLLM's max_num_batched_tokens on this device (its default for the offline "
@@ -337,6 +343,10 @@ class Runtime(_Strict):
         training layout, trained through FSDP2, split by tensor parallelism (else the rollout engine's alone)."""
         base = self.fsdp_switch_tensor_us if fsdp and self.fsdp_switch_tensor_us is not None else self.switch_tensor_us
         return (base + (self.tp_switch_tensor_us if tp else 0.0)) * 1e-6
+
+    def tp_step_collective_s(self) -> float:
+        """Seconds of fixed cost per tensor-parallel collective of a generation step (tp_step_collective_us)."""
+        return self.tp_step_collective_us * 1e-6
 
     def call_dispatch_s(self) -> float:
         """Seconds a role call costs its worker beyond its work (Ray's start of it, arguments, outputs)."""

@@ -60,6 +60,7 @@ CLIP_PASS_BYTES = (4, 4 + 4)
 ADAM_BYTES_PER_PARAM = sum(ADAM_PASS_BYTES) + sum(CLIP_PASS_BYTES)
 # Vocabulary-parallel log-softmax reduces a max and a sum per token across tensor-parallel ranks.
 LOGSOFTMAX_REDUCTIONS = 2
+LAYER_ALL_REDUCES = 2  # a tensor-parallel layer pass sums its hidden state after attention and after the MLP
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -162,10 +163,23 @@ def on_shared_host(hw: HardwareProfile, where: SetShape, parts: Parts) -> Parts:
 
 
 def _layer_tp_comm(hw: HardwareProfile, arch: ModelArch, tokens: float, tp: int, where: SetShape) -> float:
-    """Two all-reduces of the hidden state per layer pass (after attention and after the MLP)."""
+    """LAYER_ALL_REDUCES all-reduces of the hidden state per layer pass."""
     if tp == 1:
         return 0.0
-    return 2 * coll.all_reduce(hw, tp_group(tp, where), hw.compute.value_bytes * tokens * arch.hidden)
+    return LAYER_ALL_REDUCES * coll.all_reduce(hw, tp_group(tp, where), hw.compute.value_bytes * tokens * arch.hidden)
+
+
+def step_tp_collectives(arch: ModelArch) -> int:
+    """Tensor-parallel collectives of one generation step through every layer: LAYER_ALL_REDUCES a layer and the
+    vocabulary's LOGSOFTMAX_REDUCTIONS (the torch rollout engine makes as many: two a layer, its embedding's
+    lookups summed and its logits gathered)."""
+    return LAYER_ALL_REDUCES * arch.layers + LOGSOFTMAX_REDUCTIONS
+
+
+def _step_collectives_fixed(hw: HardwareProfile, arch: ModelArch, tp: int) -> float:
+    """The fixed cost of a generation step's tensor-parallel collectives beyond their modelled transfers
+    (Runtime.tp_step_collective_us)."""
+    return 0.0 if tp == 1 else step_tp_collectives(arch) * hw.runtime.tp_step_collective_s()
 
 
 def _head_tp_comm(hw: HardwareProfile, tokens: float, tp: int, where: SetShape, head: str) -> float:
@@ -353,7 +367,8 @@ def decode_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: 
     return on_shared_host(hw, where, Parts(
         gemm=n * layer.gemm + head.gemm, attention=n * layer.attention,
         elementwise=n * layer.elementwise + head.elementwise + sample,
-        tp_comm=n * _layer_tp_comm(hw, arch, batch, cfg.tp, where) + _head_tp_comm(hw, batch, cfg.tp, where, "lm"),
+        tp_comm=(n * _layer_tp_comm(hw, arch, batch, cfg.tp, where) + _head_tp_comm(hw, batch, cfg.tp, where, "lm")
+                 + _step_collectives_fixed(hw, arch, cfg.tp)),
         pp_comm=(cfg.pp - 1) * _p2p(hw, arch, cfg, where, batch), runtime=hw.runtime.engine_step_s(batching, batch)))
 
 
@@ -373,8 +388,8 @@ def prefill_parts(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetS
     return on_shared_host(hw, where, Parts(
         gemm=n * layer.gemm + head.gemm, attention=n * layer.attention,
         elementwise=n * layer.elementwise + head.elementwise + embed.elementwise,
-        tp_comm=n * _layer_tp_comm(hw, arch, tokens, cfg.tp, where), pp_comm=(cfg.pp - 1) * _p2p(hw, arch, cfg, where,
-                                                                                                 tokens),
+        tp_comm=n * _layer_tp_comm(hw, arch, tokens, cfg.tp, where) + _step_collectives_fixed(hw, arch, cfg.tp),
+        pp_comm=(cfg.pp - 1) * _p2p(hw, arch, cfg, where, tokens),
         runtime=hw.runtime.engine_step_s(batching, batch)))
 
 
