@@ -144,6 +144,10 @@ def test_rollout_set_generates_with_the_synced_weights(tmp_path, shared_runs):
     for record in timeline["iterations"]:
         syncs = [s for s in record["spans"] if s["role"] == ROLLOUT and s["op"] == WEIGHT_SYNC_OP]
         assert [(s["kind"], s["phase"]) for s in syncs] == [("transition", "generation")], record["iteration"]
+        # The rollout set's generation, sent while the sync still ran, runs after the weights are loaded (the
+        # workers' clocks agree with the controller's to about a millisecond).
+        generate = next(s for s in record["spans"] if (s["op"], s["kind"]) == ("generate", "compute"))
+        assert syncs[0]["end"] <= generate["start"] + 0.002, record["iteration"]
 
 
 def test_remax_one_iteration(tmp_path):

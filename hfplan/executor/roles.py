@@ -55,6 +55,7 @@ class Recorder:
     prompt_columns: dict[str, list] = field(default_factory=dict)  # one value per prompt of the iteration
     # (prompts, responses) as a controller reward decoded them, by greedy: what --samples shows without decoding
     texts: dict[bool, tuple[list[str], list[str]]] = field(default_factory=dict)
+    deferred: list[Callable[[], None]] = field(default_factory=list)  # spans taken when the iteration finishes
 
     def start_iteration(self, prompt_columns: dict[str, list] | None = None, origin: float | None = None) -> None:
         """A new recording (a training iteration, or an evaluation): spans from now (or from `origin`, where its
@@ -79,9 +80,13 @@ class Recorder:
 
     def finish_iteration(self) -> None:
         """Fetch what no later call or step fetched (fields only workers read): their spans and the
-        fields the metrics read. Every call has finished by then: the updates waited for them."""
+        fields the metrics read, and record what waited for the end (a weight sync). Every call has finished by
+        then: the updates waited for them."""
         for call in self.calls:
             call.outputs()
+        deferred, self.deferred = self.deferred, []
+        for record in deferred:
+            record()
 
     def span(self, role: str, op: str, set_index: int, start: float, end: float, kind: str = "compute",
              phase: str | None = None) -> None:
@@ -445,24 +450,34 @@ class ActorRole(WorkerGroupRole):
     def sync_rollout(self) -> None:
         """Each rank of the actor puts, per rollout rank, the slices of that rank's generation shard it holds
         into the object store in buckets (a pipelined actor's ranks their stages' slices), and each rollout worker
-        fetches only its own; the rollout workers run their generation after the load, in submission order."""
+        takes only its own, straight from the actor's ranks: the controller sends both calls at once and waits for
+        neither (no round trip through it between them), and the rollout workers run their generation after the
+        load, in submission order. The sync's span (and a failure of it) is taken when the iteration finishes."""
+        self.dispatch.send()  # the update before the weights leave
+        rollout_workers = self.rollout.workers.workers
+        ranks = len(rollout_workers)
+        sent = [w.weight_buckets.options(num_returns=ranks + 1).remote(self.name, self.rollout.name, ranks)
+                for w in self.workers.workers]
+        loads = [w.load_shards.remote(self.rollout.name, *(refs[1 + i] for refs in sent))
+                 for i, w in enumerate(rollout_workers)]
+        self.recorder.deferred.append(lambda: self._record_sync([refs[0] for refs in sent], loads))
+        self.rollout_stale = False
+
+    def _record_sync(self, started, loads) -> None:
+        """The sync's span: from the first actor rank's start on the buckets to the last rollout rank's load, on
+        the controller's clock."""
         import ray
 
-        self.dispatch.send()  # the update before the weights leave
-        start = time.time()
-        rollout_workers = self.rollout.workers.workers
         try:
-            sent = ray.get([w.weight_buckets.remote(self.name, self.rollout.name) for w in self.workers.workers],
-                           timeout=self.timeout_s)
-            loads = [w.load_shards.remote(self.rollout.name, [ref for by_dst in sent for ref in by_dst.get(i, [])])
-                     for i, w in enumerate(rollout_workers)]
-            ray.get(loads, timeout=self.timeout_s)
+            starts, ends = ray.get(started, timeout=self.timeout_s), ray.get(loads, timeout=self.timeout_s)
         except Exception as failure:
             raise RunFailed(self.rollout.workers.describe_failure(self.rollout.name, "weight sync", failure)) \
                 from failure
-        self.recorder.span(self.rollout.name, WEIGHT_SYNC_OP, self.rollout.workers.index, start, time.time(),
-                           kind="transition", phase=ROLE_OPS["generate"].phase)
-        self.rollout_stale = False
+        offsets, actor, rollout = self.recorder.clock_offsets, self.workers.index, self.rollout.workers.index
+        start = min(t - offsets[(actor, rank)] for rank, t in enumerate(starts))
+        end = max(t - offsets[(rollout, rank)] for rank, t in enumerate(ends))
+        self.recorder.span(self.rollout.name, WEIGHT_SYNC_OP, rollout, start, max(start, end), kind="transition",
+                           phase=ROLE_OPS["generate"].phase)
 
 
 class RuleRole:

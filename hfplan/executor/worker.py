@@ -219,23 +219,22 @@ class SetWorker:
         self._leave_generation(spans=spans)
         return spans
 
-    def weight_buckets(self, role: str, rollout_role: str) -> dict[int, list]:
-        """This rank's buckets of `role`'s weights for each rank of the rollout set, as object refs by rollout
-        rank (the buckets stay in this worker's object store until the rollout ranks fetch them)."""
-        import ray
-
+    def weight_buckets(self, role: str, rollout_role: str, ranks: int) -> tuple:
+        """When this rank started on its part of a weight sync (this worker's clock: the call queues behind the
+        update, which the sync does not include), then its buckets of `role`'s weights for each of the rollout
+        set's `ranks` ranks in turn (empty where it holds none of that rank's shard): called with num_returns =
+        ranks + 1, so each rollout rank takes its own straight from this worker's object store."""
         self._leave_generation()
+        started = time.time()
         runtime = self.runtimes[role]
         buckets = runtime.sync_buckets(runtime.plan.parallelism[rollout_role].gen)
-        return {dst: [ray.put(bucket) for bucket in parts] for dst, parts in buckets.items()}
+        return (started, *(buckets.get(dst, []) for dst in range(ranks)))
 
-    def load_shards(self, role: str, refs: list) -> float:
-        """Take the buckets of a rollout set's weight sync (object refs); returns seconds spent."""
-        import ray
-
-        start = time.time()
-        self.runtimes[role].load_shards(ray.get(refs))
-        return time.time() - start
+    def load_shards(self, role: str, *parts: list) -> float:
+        """Take a weight sync's buckets, one list from each rank of the actor (Ray resolves them before the call
+        runs); returns when it was done (this worker's clock)."""
+        self.runtimes[role].load_shards([bucket for part in parts for bucket in part])
+        return time.time()
 
     def pid(self) -> int:
         return os.getpid()
