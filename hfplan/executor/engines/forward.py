@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from hfplan.executor import sequences
+from hfplan.executor.engines import lean
 from hfplan.executor.engines.losses import entropy_from_logits
 from hfplan.layout import micro_batch_sizes
 
@@ -33,9 +34,12 @@ class Readout:
     entropy_grad: bool = True
 
 
-def _forward(model: nn.Module, joined: sequences.Joined, **kwargs) -> torch.Tensor:
+def _forward(model: nn.Module, joined: sequences.Joined, keep: int = 0) -> torch.Tensor:
+    """The head's output at the last `keep` positions (0: all): hfplan's lean forward where it runs, else HF's."""
+    if lean.runs(model, joined):
+        return lean.head_output(model, joined, keep)
     out = model(input_ids=joined.input_ids, attention_mask=joined.attention_mask,
-                position_ids=joined.position_ids, use_cache=False, **kwargs)
+                position_ids=joined.position_ids, use_cache=False, **({"logits_to_keep": keep} if keep else {}))
     return out.logits
 
 
@@ -46,7 +50,7 @@ def response_log_probs(model: nn.Module, joined: sequences.Joined, responses: to
     per-token entropy of that distribution when asked. Keeps the graph when grad is enabled (for the
     entropy only with `entropy_grad`: a metric-only entropy need not hold a [B, R, V] graph)."""
     # Only the logits of the last R + 1 positions are computed (see window_log_probs).
-    logits = _forward(model, joined, logits_to_keep=responses.shape[1] + 1)
+    logits = _forward(model, joined, responses.shape[1] + 1)
     return window_log_probs(logits, responses, temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
 
 
