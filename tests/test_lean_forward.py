@@ -41,12 +41,17 @@ def _qwen2_scorer():
 
 
 @pytest.mark.parametrize("padded", [True, False])
-@pytest.mark.parametrize("kind", ["llama lm", "qwen2 scalar"])
+@pytest.mark.parametrize("kind", ["llama lm", "llama lm, layers checkpointed", "qwen2 scalar"])
 def test_lean_forward_equals_hf_outputs_and_gradients(kind, padded):
-    model = build_model("tiny", "lm", seed=0) if kind == "llama lm" else _qwen2_scorer()
+    model = _qwen2_scorer() if kind == "qwen2 scalar" else build_model("tiny", "lm", seed=0)
+    if kind.endswith("checkpointed"):  # its layers are called as modules, HF's checkpointing around them
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        assert not any(lean._computed_here(layer) for layer in model.model.layers)
+    else:
+        assert all(lean._computed_here(layer) for layer in model.model.layers)
     joined = _joined(model.config.vocab_size, padded)
     assert lean.runs(model, joined)
-    keep = 5 if kind == "llama lm" else 0
+    keep = 0 if kind == "qwen2 scalar" else 5
     real = joined.attention_mask[:, -keep:].bool() if keep else joined.attention_mask.bool()
 
     def outputs_and_grads(fn):
