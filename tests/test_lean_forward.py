@@ -7,7 +7,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForTokenClassification
 
 from hfplan.executor import sequences
-from hfplan.executor.engines import lean
+from hfplan.executor.engines import forward, lean
 from hfplan.executor.models import ATTENTION, build_model
 
 TOL = 1e-6
@@ -85,3 +85,19 @@ def test_lean_forward_leaves_other_attention_to_hf():
     model.config._attn_implementation = ATTENTION
     model.config.sliding_window = joined.input_ids.shape[1] - 1  # a window narrower than the sequence
     assert not lean.runs(model, joined)
+
+
+def test_scores_from_the_response_window_reach_an_empty_response_prompt_end():
+    """sequence_scores reads only the last R + 1 positions: a sequence with no response token is scored at its
+    prompt's last column, the window's first."""
+    model = _qwen2_scorer().eval()
+    joined = _joined(model.config.vocab_size, padded=True)
+    prompts, responses = joined.input_ids[:, :5], joined.input_ids[:, 5:]
+    mask = joined.attention_mask[:, 5:].clone()
+    mask[4] = 0  # row 4 has no response token
+    scores = forward.sequence_scores(model, prompts, responses * mask, mask, 0, micro_batch=6)
+    with torch.no_grad():
+        full = _hf(model, sequences.join(prompts, responses * mask, mask, 0), 0)[..., 0]
+    last = sequences.last_token_index(sequences.join(prompts, responses * mask, mask, 0))
+    assert last[4] == 4
+    torch.testing.assert_close(scores, full.gather(1, last[:, None])[:, 0], rtol=TOL, atol=TOL)
