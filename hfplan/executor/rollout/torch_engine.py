@@ -474,18 +474,22 @@ class TorchRolloutEngine:
         # Per-row columns: one scatter index [B, KV, 1, D] for every layer's keys and values.
         column = None if isinstance(start, int) else start.view(rows, 1, 1, 1).expand(rows, w.kv_heads, 1, w.head_dim)
         h = w.embed_tokens(tokens.reshape(-1))  # [B*T, hidden]: 2-D matmuls are the cheapest on CPU
-        for layer, (keys, values) in zip(w.layers, cache, strict=True):
+        for index, (layer, (keys, values)) in enumerate(zip(w.layers, cache, strict=True)):
             x = layer.attn_norm(h)
-            q = layer.q(x).view(rows, length, w.heads, w.head_dim).transpose(1, 2)
-            k = layer.k(x).view(rows, length, w.kv_heads, w.head_dim).transpose(1, 2)
+            k = rotate(layer.k(x).view(rows, length, w.kv_heads, w.head_dim).transpose(1, 2), cos, sin)
             v = layer.v(x).view(rows, length, w.kv_heads, w.head_dim).transpose(1, 2)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             if column is None:
                 keys.narrow(2, start, length).copy_(k)
                 values.narrow(2, start, length).copy_(v)
             else:
                 keys.scatter_(2, column, k)
                 values.scatter_(2, column, v)
+            if index == len(w.layers) - 1 and length > 1:
+                # Only the last token's logits are read: the last layer's queries, attention output and MLP are
+                # computed for it alone (every token's keys and values are in the cache already).
+                h, x = h.view(rows, length, -1)[:, -1], x.view(rows, length, -1)[:, -1]
+                cos, sin, mask, length = cos[:, :, -1:], sin[:, :, -1:], mask[:, :, -1:], 1
+            q = rotate(layer.q(x).view(rows, length, w.heads, w.head_dim).transpose(1, 2), cos, sin)
             attn = F.scaled_dot_product_attention(
                 q, keys.narrow(2, 0, width), values.narrow(2, 0, width), attn_mask=mask, scale=w.scaling,
                 enable_gqa=w.heads != w.kv_heads,
