@@ -11,14 +11,12 @@ one (decoder_math.causal_mask), built once per forward; with no padding at all i
 A decoder layer whose parameters are plain tensors, with no hooks, and that does not recompute (no FSDP2, tensor
 parallelism or HF gradient checkpointing on it) is computed here from its submodules, with decoder_math's RMSNorm
 and rotation; any other layer is called as a module with that mask and the rotary tables, so those wrappers' hooks
-run as before. A last layer computed here computes the queries, attention output and MLP of only the positions
-the caller reads (each position's are its own; the keys and values of all are computed). At real positions the
-results are HF's own (tests/test_lean_forward.py).
+run as before. At real positions the results are HF's own, to the bit (tests/test_lean_forward.py).
 
 The forward runs where that mask is what the layers expect (`runs`): an SDPA attention (or its
-selective-recompute wrapper), no sliding window narrower than the sequence, and a root that is not an FSDP2
-module (FSDP2 gathers and reduces the root's own parameters in hooks on the root's call, which only HF's forward
-makes). Elsewhere HF's forward runs.
+selective-recompute wrapper), no sliding window narrower than the sequence, and a root without hooks and not an
+FSDP2 module (FSDP2 gathers and reduces the root's own parameters in hooks on the root's call, which only HF's
+forward makes). Elsewhere HF's forward runs.
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ _LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer")  # t
 
 def runs(model: nn.Module, joined: sequences.Joined) -> bool:
     """Whether this forward runs `model` over `joined` (else HF's forward does)."""
-    if isinstance(model, FSDPModule):
+    if isinstance(model, FSDPModule) or model._forward_hooks or model._forward_pre_hooks:
         return False
     config = getattr(model, "config", None)
     backbone = getattr(model, "model", None)
@@ -75,25 +73,19 @@ def _computed_here(layer: nn.Module) -> bool:
 
 
 def _layer(layer: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None, cos: torch.Tensor,
-           sin: torch.Tensor, keep: int = 0) -> torch.Tensor:
-    """HF's Llama-family decoder layer (pre-norm attention and SwiGLU MLP, each with its residual). `cos`, `sin`:
-    [B, 1, T, D], the sin signed (decoder_math.signed_sin). With `keep`, the output of the last `keep` positions
-    only: every position's keys and values, but queries, the attention output and the MLP of those alone."""
+           sin: torch.Tensor) -> torch.Tensor:
+    """HF's Llama-family decoder layer (pre-norm attention and SwiGLU MLP, each with its residual), op for op as
+    HF computes it, so to the bit. `cos`, `sin`: [B, 1, T, D], the sin signed (decoder_math.signed_sin)."""
     attn, mlp = layer.self_attn, layer.mlp
     norm = layer.input_layernorm
     x = rms_norm(hidden, norm.weight, norm.variance_epsilon)
-    rows, length = hidden.shape[:2]
-    k = rotate(attn.k_proj(x).view(rows, length, -1, attn.head_dim).transpose(1, 2), cos, sin)
-    v = attn.v_proj(x).view(rows, length, -1, attn.head_dim).transpose(1, 2)
-    if keep:
-        if mask is None:  # SDPA's is_causal aligns a shorter query block to the first keys: spell the mask out
-            mask = decoder_math.causal_mask(hidden.new_ones((1, length), dtype=torch.bool))
-        hidden, x, mask = hidden[:, -keep:], x[:, -keep:], mask[:, :, -keep:]
-        cos, sin = cos[:, :, -keep:], sin[:, :, -keep:]
-    q = rotate(attn.q_proj(x).view(rows, x.shape[1], -1, attn.head_dim).transpose(1, 2), cos, sin)
+    shape = (*hidden.shape[:-1], -1, attn.head_dim)
+    q = rotate(attn.q_proj(x).view(shape).transpose(1, 2), cos, sin)
+    k = rotate(attn.k_proj(x).view(shape).transpose(1, 2), cos, sin)
+    v = attn.v_proj(x).view(shape).transpose(1, 2)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=attn.scaling,
                                          enable_gqa=q.shape[1] != k.shape[1])
-    hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(rows, x.shape[1], -1))
+    hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(*hidden.shape[:-1], -1))
     norm = layer.post_attention_layernorm
     x = rms_norm(hidden, norm.weight, norm.variance_epsilon)
     return hidden + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
@@ -101,24 +93,23 @@ def _layer(layer: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None, co
 
 def head_output(model: nn.Module, joined: sequences.Joined, keep: int = 0) -> torch.Tensor:
     """The head's output ([B, T, V] logits, or a token classifier's [B, T, labels]) at the last `keep`
-    positions (0: every position), as `model(...).logits` with logits_to_keep=keep gives it. A last layer
-    computed here computes only those positions."""
+    positions (0: every position), as `model(...).logits` with logits_to_keep=keep gives it: every layer over
+    every position, as HF's forward computes them (a matrix product over fewer rows may round otherwise, and an
+    actor trained through HF's forward must match a reference run through this one to the bit)."""
     backbone, config = model.model, model.config
     position_ids = joined.position_ids
     hidden = backbone.embed_tokens(joined.input_ids)
     cos, sin = backbone.rotary_emb(hidden, position_ids=position_ids)
     mask = attention_mask(joined)
     tables = None  # the [B, 1, T, D] tables of the layers computed here, made on first use
-    layers = backbone.layers[: config.num_hidden_layers]
-    for index, layer in enumerate(layers):
+    for layer in backbone.layers[: config.num_hidden_layers]:
         if _computed_here(layer):
             tables = tables or (cos[:, None], signed_sin(sin)[:, None])
-            hidden = _layer(layer, hidden, mask, *tables, keep=keep if index == len(layers) - 1 else 0)
+            hidden = _layer(layer, hidden, mask, *tables)
         else:
             hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=(cos, sin))
-    if keep:
-        hidden = hidden[:, -keep:]
     hidden = backbone.norm(hidden)
     if hasattr(model, "lm_head"):
-        return model.lm_head(hidden)
-    return model.score(model.dropout(hidden))
+        return model.lm_head(hidden[:, -keep:] if keep else hidden)
+    scores = model.score(model.dropout(hidden))
+    return scores[:, -keep:] if keep else scores
