@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from hfplan.executor import sequences
+from hfplan.executor.engines import lean
 from hfplan.executor.engines.losses import entropy_from_logits
 from hfplan.layout import micro_batch_sizes
 
@@ -33,10 +34,14 @@ class Readout:
     entropy_grad: bool = True
 
 
-def _forward(model: nn.Module, joined: sequences.Joined, **kwargs) -> torch.Tensor:
+def _forward(model: nn.Module, joined: sequences.Joined, keep: int) -> torch.Tensor:
+    """The head's output at the last `keep` positions: hfplan's lean forward where it runs, else HF's."""
+    if lean.runs(model, joined):
+        return lean.head_output(model, joined, keep)
+    causal_lm = hasattr(model, "lm_head")  # a token classifier's forward takes no logits_to_keep
     out = model(input_ids=joined.input_ids, attention_mask=joined.attention_mask,
-                position_ids=joined.position_ids, use_cache=False, **kwargs)
-    return out.logits
+                position_ids=joined.position_ids, use_cache=False, **({"logits_to_keep": keep} if causal_lm else {}))
+    return out.logits if causal_lm else out.logits[:, -keep:]
 
 
 def response_log_probs(model: nn.Module, joined: sequences.Joined, responses: torch.Tensor, temperature: float,
@@ -46,7 +51,7 @@ def response_log_probs(model: nn.Module, joined: sequences.Joined, responses: to
     per-token entropy of that distribution when asked. Keeps the graph when grad is enabled (for the
     entropy only with `entropy_grad`: a metric-only entropy need not hold a [B, R, V] graph)."""
     # Only the logits of the last R + 1 positions are computed (see window_log_probs).
-    logits = _forward(model, joined, logits_to_keep=responses.shape[1] + 1)
+    logits = _forward(model, joined, responses.shape[1] + 1)
     return window_log_probs(logits, responses, temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
 
 
@@ -64,9 +69,10 @@ def window_log_probs(logits: torch.Tensor, responses: torch.Tensor, temperature:
 
 
 def response_values(model: nn.Module, joined: sequences.Joined, response_len: int) -> torch.Tensor:
-    """Scalar-head output at the position predicting each response token, [B, R] float32 (not masked)."""
-    per_position = _forward(model, joined).squeeze(-1)
-    return sequences.response_predictions(per_position, joined.prompt_len, response_len).float()
+    """Scalar-head output at the position predicting each response token, [B, R] float32 (not masked). Only the
+    last R + 1 positions are computed, as in response_log_probs."""
+    window = _forward(model, joined, response_len + 1).squeeze(-1)
+    return sequences.response_predictions(window, 1, response_len).float()
 
 
 def read(model: nn.Module, readout: Readout, joined: sequences.Joined, responses: torch.Tensor):
@@ -132,7 +138,10 @@ def sequence_scores(model: nn.Module, prompts: torch.Tensor, responses: torch.Te
                     pad_id: int, *, micro_batch: int) -> torch.Tensor:
     """A reward or cost model's score of each sequence: scalar-head output at its last real token, [B]."""
     def output(joined, resp, mask):
-        per_position = _forward(model, joined).squeeze(-1).float()
-        return per_position.gather(1, sequences.last_token_index(joined).unsqueeze(1)).squeeze(1)
+        # Only the last R + 1 positions: a prompt's last column is real, so every last real token is among them.
+        keep = resp.shape[1] + 1
+        window = _forward(model, joined, keep).squeeze(-1).float()
+        where = sequences.last_token_index(joined) - (joined.input_ids.shape[1] - keep)
+        return window.gather(1, where.unsqueeze(1)).squeeze(1)
 
     return _per_micro_batch(model, prompts, responses, response_mask, pad_id, micro_batch, output)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+HEADS = ("lm_head", "score")  # the attribute of an HF causal LM's head, and of a token classifier's
+
 
 def plain_class(module: nn.Module) -> type[nn.Module]:
     """A module's own class, under the FSDP subclass that `fully_shard` swaps in."""

@@ -26,9 +26,9 @@ from torch import nn
 from hfplan.executor import sequences
 from hfplan.executor.engines import forward
 from hfplan.executor.engines.forward import Readout
+from hfplan.executor.engines.modules import HEADS
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-HEADS = ("lm_head", "score")  # the attribute of an HF causal LM's head, and of a token classifier's
 
 
 def rank_stages(rank: int, pp: int, virtual_stages: int) -> list[int]:

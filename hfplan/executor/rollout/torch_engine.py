@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from hfplan.errors import HfplanError
+from hfplan.executor.engines.decoder_math import causal_mask, rms_norm, rotate
 from hfplan.executor.rollout.base import Rollout, SamplingParams
 from hfplan.executor.sequences import positions
 from hfplan.layout import chunk_range, kv_head_copies, kv_heads_per_rank
@@ -141,10 +142,7 @@ class _Norm:
         return _Norm(_full(module.weight), float(module.variance_epsilon))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # As HF does: normalise in fp32, round to the model's dtype, then scale.
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 @dataclass(frozen=True)
@@ -448,17 +446,13 @@ class TorchRolloutEngine:
                  ) -> torch.Tensor:
         """Logits [B, V] after the left-padded `prompts` [B, P], their keys and values in cache columns 0..P-1.
         Causal over real prompt tokens; a padded query also sees itself, so no row is empty."""
-        prompt_len = prompts.shape[1]
-        columns = torch.arange(prompt_len, device=prompts.device)
-        allowed = (columns[None, :] <= columns[:, None])[None] & prompt_mask[:, None, :]
-        allowed |= torch.eye(prompt_len, dtype=torch.bool, device=prompts.device)
         where = positions(prompt_mask.long())
         self.stats.prefills += 1
-        return self._forward(prompts, tables[0][where], tables[1][where], cache, 0, allowed[:, None])
+        return self._forward(prompts, tables[0][where], tables[1][where], cache, 0, causal_mask(prompt_mask))
 
     def _rope_tables(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [length, D] of positions 0..length-1, computed as HF's rotary module does. The sin
-        table carries the sign of HF's rotate_half, so that rotate_half(x) * sin == x.roll(D/2) * signed_sin."""
+        table carries the sign of HF's rotate_half (decoder_math.rotate)."""
         w = self._w
         angles = torch.arange(length, device=device, dtype=torch.float32)[:, None] * w.inv_freq.float()[None, :]
         cos = torch.cat([angles, angles], dim=-1).cos() * w.rope_scale
@@ -476,24 +470,26 @@ class TorchRolloutEngine:
         w = self._w
         rows, length = tokens.shape
         width = mask.shape[-1]
-        half = w.head_dim // 2
         cos, sin = cos[:, None], sin[:, None]
         # Per-row columns: one scatter index [B, KV, 1, D] for every layer's keys and values.
         column = None if isinstance(start, int) else start.view(rows, 1, 1, 1).expand(rows, w.kv_heads, 1, w.head_dim)
         h = w.embed_tokens(tokens.reshape(-1))  # [B*T, hidden]: 2-D matmuls are the cheapest on CPU
-        for layer, (keys, values) in zip(w.layers, cache, strict=True):
+        for index, (layer, (keys, values)) in enumerate(zip(w.layers, cache, strict=True)):
             x = layer.attn_norm(h)
-            q = layer.q(x).view(rows, length, w.heads, w.head_dim).transpose(1, 2)
-            k = layer.k(x).view(rows, length, w.kv_heads, w.head_dim).transpose(1, 2)
+            k = rotate(layer.k(x).view(rows, length, w.kv_heads, w.head_dim).transpose(1, 2), cos, sin)
             v = layer.v(x).view(rows, length, w.kv_heads, w.head_dim).transpose(1, 2)
-            q = q * cos + q.roll(half, dims=-1) * sin
-            k = k * cos + k.roll(half, dims=-1) * sin
             if column is None:
                 keys.narrow(2, start, length).copy_(k)
                 values.narrow(2, start, length).copy_(v)
             else:
                 keys.scatter_(2, column, k)
                 values.scatter_(2, column, v)
+            if index == len(w.layers) - 1 and length > 1:
+                # Only the last token's logits are read: the last layer's queries, attention output and MLP are
+                # computed for it alone (every token's keys and values are in the cache already).
+                h, x = h.view(rows, length, -1)[:, -1], x.view(rows, length, -1)[:, -1]
+                cos, sin, mask, length = cos[:, :, -1:], sin[:, :, -1:], mask[:, :, -1:], 1
+            q = rotate(layer.q(x).view(rows, length, w.heads, w.head_dim).transpose(1, 2), cos, sin)
             attn = F.scaled_dot_product_attention(
                 q, keys.narrow(2, 0, width), values.narrow(2, 0, width), attn_mask=mask, scale=w.scaling,
                 enable_gqa=w.heads != w.kv_heads,
