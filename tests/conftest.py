@@ -1,5 +1,5 @@
-"""Shared fixtures: a hardware profile with round numbers, so hand computations stay readable; the
-session's one Ray cluster."""
+"""Shared fixtures: a hardware profile with round numbers, so hand computations stay readable; the plans the
+export targets' searches write; the session's one Ray cluster."""
 
 import importlib.util
 import os
@@ -64,6 +64,24 @@ def demo_plan_file(tmp_path):
                     "--no-compare")
     assert result.exit_code == 0, result.output
     return tmp_path / "demo.json"
+
+
+@pytest.fixture(scope="session")
+def target_plans(tmp_path_factory) -> dict[str, Path]:
+    """`hfplan search --gpus 16 --target X --out X.json` for both export targets and hfplan's own plan, searched
+    once a session (the export tests of several modules read them): each plan file by target."""
+    from tests.support.cli import invoke
+
+    folder = tmp_path_factory.mktemp("target-plans")
+    plans = {}
+    for target in ("verl", "openrlhf", "hfplan"):
+        path = folder / f"{target}.json"
+        result = invoke("search", "--gpus", 16, "--target", target, "--out", path, "--no-compare", "--jobs", 1)
+        assert result.exit_code == 0, result.output
+        if target != "hfplan":
+            assert f"hfplan export {path} --to {target}" in " ".join(result.stdout.split())
+        plans[target] = path
+    return plans
 
 
 @pytest.fixture(scope="session")

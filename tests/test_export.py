@@ -192,29 +192,14 @@ def test_hybrid_and_zero2_fsdp_plans_write_fsdp_size_and_reshard(tmp_path):
 
 
 # -- the CLI ---------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def searched(tmp_path_factory):
-    """`hfplan search --target X --out X.json` for both targets, and hfplan's own plan."""
-    folder = tmp_path_factory.mktemp("export")
-    plans = {}
-    for target in ("verl", "openrlhf", "hfplan"):
-        path = folder / f"{target}.json"
-        result = invoke("search", "--gpus", 16, "--target", target, "--out", path, "--no-compare", "--jobs", 1)
-        assert result.exit_code == 0, result.output
-        if target != "hfplan":
-            assert f"hfplan export {path} --to {target}" in " ".join(result.stdout.split())
-        plans[target] = path
-    return plans
-
-
 @pytest.mark.parametrize("target", ["verl", "openrlhf"])
-def test_export_prints_the_command_and_writes_the_file(searched, tmp_path, target):
+def test_export_prints_the_command_and_writes_the_file(target_plans, tmp_path, target):
     out = tmp_path / ("run.yaml" if target == "verl" else "run.sh")
-    result = invoke("export", searched[target], "--to", target, "--out", out)
+    result = invoke("export", target_plans[target], "--to", target, "--out", out)
     assert result.exit_code == 0, result.output
     from hfplan.plan import load_plan
 
-    plan = load_plan(searched[target])
+    plan = load_plan(target_plans[target])
     CHECKS[target](plan, result.stdout)
     release = "verl 0.9.1 (pip install verl==0.9.1)" if target == "verl" else \
         "OpenRLHF 0.11.2 (pip install openrlhf==0.11.2)"
@@ -245,8 +230,8 @@ def _flatten(tree: dict, prefix: str = ""):
             yield f"{prefix}{key}", value
 
 
-def test_a_plan_outside_the_target_is_refused_with_the_hint(searched):
-    result = invoke("export", searched["hfplan"], "--to", "openrlhf")
+def test_a_plan_outside_the_target_is_refused_with_the_hint(target_plans):
+    result = invoke("export", target_plans["hfplan"], "--to", "openrlhf")
     assert_user_error(result, "OpenRLHF cannot run this plan:", "hfplan search --target openrlhf")
 
 
@@ -265,8 +250,8 @@ def test_critic_on_its_own_gpus_is_refused_for_verl(tmp_path):
     (["export", "PLAN"], ["Missing option", "--to"]),
     (["export", "PLAN", "--to", "verl", "--out", "FOLDER"], ["--out", "it is a folder"]),
 ])
-def test_bad_input_is_one_line(searched, tmp_path, args, needles):
-    args = [str(searched["verl"]) if a == "PLAN" else str(tmp_path) if a == "FOLDER" else a for a in args]
+def test_bad_input_is_one_line(target_plans, tmp_path, args, needles):
+    args = [str(target_plans["verl"]) if a == "PLAN" else str(tmp_path) if a == "FOLDER" else a for a in args]
     assert_user_error(invoke(*args), *needles)
 
 

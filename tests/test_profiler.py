@@ -6,10 +6,13 @@ from __future__ import annotations
 import builtins
 import datetime
 import math
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+from click.testing import Result
 from typer.testing import CliRunner
 
 from hfplan import cli
@@ -293,17 +296,43 @@ def test_cuda_requested_without_a_gpu():
     assert_user_error(invoke("profile", "--device", "cuda"), "no CUDA GPU")
 
 
-@pytest.mark.slow
-def test_quick_cpu_profile_end_to_end(tmp_path):
-    """`hfplan profile --device cpu --world-size 2 --quick`: a profile the simulator reads, raw
-    measurements beside it, and the layer table against predictions from that very profile."""
+@dataclass(frozen=True)
+class QuickProfile:
+    result: Result  # the CLI's
+    out: Path  # the profile; its raw measurements beside it (.csv)
+    engine_times: list  # what each call of runtime.time_engines returned in the run
+
+
+@pytest.fixture(scope="module")
+def quick_profile(tmp_path_factory) -> QuickProfile:
+    """The module's one real `hfplan profile --device cpu --world-size 2 --quick` (measuring takes a minute or
+    more on 2 cores). Its runtime measurement times the executor's engines on one rank (runtime.time_engines,
+    watched here, not replaced: it runs as it would and its result is kept), which the runtime test fits again."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
+    from hfplan.profiler import runtime
+
+    out = tmp_path_factory.mktemp("quick-profile") / "measured.yaml"
+    measure, engine_times = runtime.time_engines, []
+
+    def watched(*args, **kwargs):
+        engine_times.append(measure(*args, **kwargs))
+        return engine_times[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runtime, "time_engines", watched)
+        result = CliRunner().invoke(cli.app, ["profile", "--device", "cpu", "--world-size", "2", "--quick", "--out",
+                                              str(out)], terminal_width=160)
+    return QuickProfile(result, out, engine_times)
+
+
+@pytest.mark.slow
+def test_quick_cpu_profile_end_to_end(quick_profile):
+    """`hfplan profile --device cpu --world-size 2 --quick`: a profile the simulator reads, raw
+    measurements beside it, and the layer table against predictions from that very profile."""
     from hfplan.profiler.layers import Case, predict
 
-    out = tmp_path / "measured.yaml"
-    result = CliRunner().invoke(cli.app, ["profile", "--device", "cpu", "--world-size", "2", "--quick", "--out",
-                                          str(out)], terminal_width=160)
+    result, out = quick_profile.result, quick_profile.out
     assert result.exit_code == 0, result.output
     assert "measured vs cost model" in result.output and "error %" in result.output
     profile = load_hardware(str(out))
@@ -311,7 +340,7 @@ def test_quick_cpu_profile_end_to_end(tmp_path):
     assert profile.date == datetime.date.today().isoformat()
     assert profile.gpus_per_node == 2
 
-    frame = pd.read_csv(tmp_path / "measured.csv")
+    frame = pd.read_csv(out.with_suffix(".csv"))
     counts = frame["kind"].value_counts()
     for kind in ("matmul", "memory", "collective", "layer"):
         assert counts.get(kind, 0) > 0, kind
@@ -426,19 +455,24 @@ def test_fixed_cost_is_what_the_kernels_leave_over():
 
 
 @pytest.mark.slow
-def test_runtime_costs_measured_on_the_executor_engine():
+def test_runtime_costs_measured_on_the_executor_engine(quick_profile, monkeypatch):
     """The torch rollout engine's decode step, static and continuous, the training engine's micro-batch,
     optimizer step, log-prob call and costs per token, and the hybrid engine's switch on CPU, less their modelled
-    kernels; no Ray and no probe run here (through_ray=False)."""
+    kernels; no Ray and no probe run here (through_ray=False), no world profiled (the FSDP2 engine timed here
+    on one rank). The engines on one rank are as the module's quick profile timed them (the same
+    runtime.time_engines, run once a module: timing them takes most of a minute on 2 cores)."""
     torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
     from hfplan.layout import stage_parameter_tensors
     from hfplan.plan import Layout, TrainConfig
     from hfplan.profiler import device as devices
+    from hfplan.profiler import runtime
     from hfplan.profiler.runtime import BATCH, FEW, LONG, MANY, PROMPT, SHORT, measure_runtime
     from hfplan.profiles.hardware import Runtime
     from hfplan.simulator import costs
 
+    assert len(quick_profile.engine_times) == 1, quick_profile.result.output
+    [timed] = quick_profile.engine_times
+    monkeypatch.setattr(runtime, "time_engines", lambda *args, **kwargs: timed)
     hw = load_hardware("cpu")
     fit = measure_runtime(torch, devices.probe(torch, "cpu", 1), hw, 0.02, through_ray=False)
     assert not fit.ray and fit.runtime.controller_call_us == fit.runtime.controller_step_us == 0.0

@@ -54,17 +54,16 @@ def test_a_plan_generating_with_vllm_where_it_is_missing_gets_one_line_naming_th
 
 
 @pytest.mark.parametrize("target", ["verl", "openrlhf"])
-def test_the_exports_give_vllm_the_kv_cache_room_the_plan_was_costed_with(tmp_path, monkeypatch, target):
+def test_the_exports_give_vllm_the_kv_cache_room_the_plan_was_costed_with(target_plans, target):
     """vLLM's KV cache is capacity x gpu_memory_utilization less its own weights and activations (vLLM 0.32's
-    worker): with the exported fraction that is the generating set's KV budget, to within the rounding."""
+    worker): with the exported fraction that is the generating set's KV budget, to within the rounding. The plan is
+    `hfplan search --gpus 16 --target X`'s (conftest's target_plans)."""
     from hfplan.plan import load_plan
     from hfplan.profiles.hardware import GIB
     from hfplan.simulator import memory
     from hfplan.simulator.mapping import PlanCosts
 
-    monkeypatch.chdir(tmp_path)
-    assert invoke("search", "--gpus", 16, "--target", target, "--out", "p.json", "--no-compare").exit_code == 0
-    plan = load_plan("p.json")
+    plan = load_plan(target_plans[target])
     role = plan.generation_role
     par = plan.parallelism[role]
     # the room as costed: the set's free memory, before the fraction written into the plan caps it
@@ -74,7 +73,7 @@ def test_the_exports_give_vllm_the_kv_cache_room_the_plan_was_costed_with(tmp_pa
     fraction = costs.vllm_memory_utilization()
     assert par.gen.gpu_memory_utilization == fraction  # the search wrote it
     key = "actor_rollout_ref.rollout.gpu_memory_utilization=" if target == "verl" else "--vllm.gpu_memory_utilization "
-    assert f"{key}{fraction}" in invoke("export", "p.json", "--to", target).stdout
+    assert f"{key}{fraction}" in invoke("export", target_plans[target], "--to", target).stdout
     hw, gen = plan.cluster.profile, plan.parallelism[plan.generation_role].gen
     arch = plan.workload.arch("actor")
     weights = hw.compute.value_bytes * arch.params("lm") / gen.tp
