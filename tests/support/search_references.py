@@ -153,11 +153,13 @@ def _undominated(vectors: list[tuple[float, ...]]) -> list[int]:
     """Indices of vectors no other is <= on every entry (of equal ones, the first). Taken in order of their
     sums, a vector's dominators come before it (summing is monotone), and a dropped one's dominator is kept."""
     array = np.array(vectors, dtype=float).reshape(len(vectors), -1)
-    kept: list[int] = []
+    kept = np.empty_like(array)  # the kept vectors, in the order kept
+    kept_at: list[int] = []
     for i in sorted(range(len(array)), key=lambda i: (float(array[i].sum()), i)):
-        if not kept or not np.any(np.all(array[kept] <= array[i], axis=1)):
-            kept.append(i)
-    return sorted(kept)
+        if not kept_at or not (kept[:len(kept_at)] <= array[i]).all(axis=1).any():
+            kept[len(kept_at)] = array[i]
+            kept_at.append(i)
+    return sorted(kept_at)
 
 
 def set_choices(workload: Workload, cluster: Cluster, sets: list, index: int, options: dict, memo: CostMemo
@@ -174,8 +176,10 @@ def set_choices(workload: Workload, cluster: Cluster, sets: list, index: int, op
     filler = {role: options[role][0] for group, _ in sets for role in group}
     where = PlanCosts(workload, sets, filler, hw, per_node, memo)  # where calls run: no strategy needed
     dag = trace(workload)
-    nodes = [node for node in dag.nodes if where.set_of(node) == index]
     points = switch_points(dag, where.layout_role, generating_role(workload))
+    # each call of this set: the role whose layout runs it, and the role switching layout before it (or None)
+    calls_of_set = [(node, where.layout_role(node), points.get(node.id)) for node in dag.nodes
+                    if where.set_of(node) == index]
     needs = {role: [role_memory(workload, role, par, hw.compute.value_bytes, hw.compute.attention,
                                 vllm_tokens=hw.runtime.vllm_batched_tokens) for par in options[role]]
              for role in roles}
@@ -189,18 +193,16 @@ def set_choices(workload: Workload, cluster: Cluster, sets: list, index: int, op
         if mem.reason:
             continue
         fitting += 1
-        pars = {**filler, **{r: options[r][k] for r, k in pick.items()}}
         calls = []
-        for node in nodes:
-            role = where.layout_role(node)
+        for node, role, switch_role in calls_of_set:
             key = (node.id, pick[role], mem.kv_budget if node.kind == "generate" else None)
             if key not in seconds_of:
-                seconds_of[key] = call_seconds(workload, hw, per_node, node, role, pars[role], gpus, mem.kv_budget,
-                                               memo)
-            switch_role = points.get(node.id)
+                seconds_of[key] = call_seconds(workload, hw, per_node, node, role, options[role][pick[role]], gpus,
+                                               mem.kv_budget, memo)
             switch = 0.0
             if switch_role is not None:
                 if (switch_role, pick[switch_role]) not in switch_of:
+                    pars = {**filler, switch_role: options[switch_role][pick[switch_role]]}
                     switch_of[(switch_role, pick[switch_role])] = PlanCosts(workload, sets, pars, hw, per_node,
                                                                             memo).switch_seconds(switch_role)
                 switch = switch_of[(switch_role, pick[switch_role])]
