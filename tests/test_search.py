@@ -58,7 +58,8 @@ CASES = {
                                                 "reward": "flatbig"}, 3, 2, hardware=TIGHT, prompt_len=2048,
                                         response_len=2048, batch_prompts=2, mini_batches=1, top_k=3),
 }
-# One colocated set of these holds thousands of strategy combinations: their references take 30-60 s each.
+# One colocated set of these holds thousands of strategy combinations: their references took 4 and 8 s each (2026-12-06,
+# under load; 41 and 73 s before set_choices costed each strategy once).
 SLOW_CASES = {
     "ppo-all-kv1-2gpu": Case("ppo", {"actor": "kv1", "critic": "kv1", "reference": "kv1", "reward": "kv1"}, 2, 2),
     "safe-rlhf-cost-model-2gpu": Case("safe-rlhf", {"actor": "kv1", "critic": "flat", "reference": "flat",

@@ -74,6 +74,14 @@ class SetTable(NamedTuple):
     padded: dict[int, int]  # Floors.padded_sizes
 
 
+class ChildBounds(NamedTuple):
+    """The children of a prefix (PlacementBounds.child_bounds): the next set's sizes, as indices into
+    PlacementBounds.sizes (ascending), and each child's bound (infinite: nothing under it fits)."""
+
+    js: np.ndarray
+    bounds: np.ndarray
+
+
 class _GeneratorTable(NamedTuple):
     """GeneratorRows at every size of one placement's generating set, stacked: size j's options are rows
     start[j] to start[j] + count[j]."""
@@ -381,11 +389,18 @@ class PlacementBounds:
 
     def children(self, prefix: tuple[int, ...], threshold: float = math.inf
                  ) -> list[tuple[tuple[int, ...], float, str]]:
-        """Sizes the next set can take: (child prefix, its bound, '' or why that size is infeasible), the
-        bounds of all children in one schedule (bound() of each, at once). Once the set holding the generating role
-        is sized, a child's bound is by that role's options (_by_generator_option), at least its bound by the floors
-        alone; a child whose floors' bound is at least `threshold` keeps that one (it is at least `threshold`
-        either way, so the walk prunes it the same), and only the others are scheduled option by option."""
+        """child_bounds as (child prefix, its bound, '' or why that size is infeasible), one per child."""
+        kids = self.child_bounds(prefix, threshold)
+        index = len(prefix)
+        return [(prefix + (self.sizes[j],), float(b), "" if self.feasible[index, j] else self.why[(index, j)])
+                for j, b in zip(kids.js.tolist(), kids.bounds.tolist(), strict=True)]
+
+    def child_bounds(self, prefix: tuple[int, ...], threshold: float = math.inf) -> ChildBounds:
+        """Sizes the next set can take and their bounds, all in one schedule (bound() of each, at once). Once the set
+        holding the generating role is sized, a child's bound is by that role's options (_by_generator_option), at
+        least its bound by the floors alone; a child whose floors' bound is at least `threshold` keeps that one (it
+        is at least `threshold` either way, so the walk prunes it the same), and only the others are scheduled
+        option by option."""
         index = len(prefix)
         left = self.gpus - sum(prefix)
         unsized_after = self.k - index - 1
@@ -393,7 +408,7 @@ class PlacementBounds:
         if not unsized_after and not self.facts.rules.idle_gpus:
             js = [j for j in js if self.sizes[j] == left]  # the last set takes every GPU left
         if not js:
-            return []
+            return ChildBounds(np.zeros(0, dtype=int), np.zeros(0))
         base = np.array(self.facts.controller_seconds)
         switch = 0.0
         for i, size in enumerate(prefix):
@@ -416,8 +431,7 @@ class PlacementBounds:
                 bounds[low] = self._by_generator_option(prefix, [js[i] for i in low], rows[low], switches[low])
         else:
             bounds = self._makespans(rows, switches)
-        return [(prefix + (self.sizes[j],), float(b), "" if self.feasible[index, j] else self.why[(index, j)])
-                for j, b in zip(js, bounds, strict=True)]
+        return ChildBounds(np.array(js), bounds)
 
     def padded_children(self, prefix: tuple[int, ...]) -> list[tuple[tuple[int, ...], int]]:
         """The children that children() leaves out as padded (Floors.padded_sizes), each with the smaller size
@@ -486,6 +500,11 @@ class PlacementBounds:
     def completions(self, prefix: tuple[int, ...]) -> int:
         """How many complete allocations start with `prefix`."""
         return self._counts[self.k - len(prefix)][self.gpus - sum(prefix)]
+
+    def child_completions(self, prefix: tuple[int, ...], js: np.ndarray) -> int:
+        """completions() of the children of `prefix` at size indices `js`, added up."""
+        table, left = self._counts[self.k - len(prefix) - 1], self.gpus - sum(prefix)
+        return sum(table[left - size] for size in self.size_array[js].tolist())
 
     @cached_property
     def _counts(self) -> list[list[int]]:

@@ -4,13 +4,15 @@ written without the planner's strategies or search modules, and the small models
 For every placement (set partition of the model roles, with the hybrid engine or a rollout set), every allocation
 of at most the cluster's GPUs to its sets, and every role's raw strategies (space.train_configs / infer_configs /
 gen_configs, less what the executor's pre-flight refuses), exhaustive() costs each colocated set's every
-combination with PlanCosts (its memory, its calls' seconds) and runs the simpy engine on the cartesian product of
-the sets' combinations, leaving out only combinations no faster on any call than another of the same set.
-brute_force() multiplies everything out, to check that on pairs small enough.
+combination by the simulator's own rules (mapping.set_memory of its roles' memory, mapping.call_seconds of its
+calls, PlanCosts.switch_seconds) and runs the simpy engine on the cartesian product of the sets' combinations,
+leaving out only combinations no faster on any call than another of the same set; each pair's best is then costed
+as one PlanCosts mapping and must take the time found. brute_force() multiplies everything out with PlanCosts, to
+check that on pairs small enough.
 
-A case's reference takes up to a minute: Lab.reference builds each once per test session (a cache in this
-module, keyed by the case, which with MODEL_CONFIGS and PROFILES decides the workload and cluster), whichever
-module and Lab asks first.
+A case's reference takes up to about 4 s (8 s for the slow cases, 2026-12-06): Lab.reference builds each once per
+test session (a cache in this module, keyed by the case, which with MODEL_CONFIGS and PROFILES decides the workload
+and cluster), whichever module and Lab asks first.
 """
 
 from __future__ import annotations
