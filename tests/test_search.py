@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
 from hfplan.errors import HfplanError
@@ -58,7 +59,8 @@ CASES = {
                                                 "reward": "flatbig"}, 3, 2, hardware=TIGHT, prompt_len=2048,
                                         response_len=2048, batch_prompts=2, mini_batches=1, top_k=3),
 }
-# One colocated set of these holds thousands of strategy combinations: their references take 30-60 s each.
+# One colocated set of these holds thousands of strategy combinations: their references took 4 and 8 s each (2026-12-06,
+# under load; 41 and 73 s before set_choices costed each strategy once).
 SLOW_CASES = {
     "ppo-all-kv1-2gpu": Case("ppo", {"actor": "kv1", "critic": "kv1", "reference": "kv1", "reward": "kv1"}, 2, 2),
     "safe-rlhf-cost-model-2gpu": Case("safe-rlhf", {"actor": "kv1", "critic": "flat", "reference": "flat",
@@ -532,3 +534,31 @@ def test_padded_sizes_are_never_better_than_the_size_covering_them(lab, name):
                             checked += 1
     if name == "ppo-8gpu-4nodes-one-prompt":
         assert checked  # not vacuous
+
+
+def test_set_tables_are_shared_and_hold_each_sizes_bound(lab):
+    """PlacementBounds takes each set's bounds at every size from one SetTable per set (Floors.set_table), shared by
+    the placements holding it: its rows are set_bound's at each size, its running minima the least over the feasible
+    sizes up to each; and child_completions adds up the children's completions."""
+    from hfplan.planner.bounds import PlacementBounds
+
+    cluster, _, contexts = _own_contexts(lab, "ppo-12gpu-partial-node")
+    shared = 0
+    for ctx in contexts:
+        tables = {}
+        for placement in ctx.placements:
+            pb = PlacementBounds(ctx.bounds, placement, cluster.gpus)
+            for i, roles in enumerate(placement):
+                table = ctx.bounds.set_table(roles, tuple(pb.sizes), 1)
+                shared += tables.setdefault(roles, table) is table and len(tables) > 1
+                least = np.full(len(ctx.dag.nodes), np.inf)
+                for j, size in enumerate(pb.sizes):
+                    bound = ctx.bounds.set_bound(roles, size)
+                    assert pb.feasible[i, j] == (not bound.why)
+                    if not bound.why:
+                        assert np.array_equal(pb.rows[i, j], bound.row) and pb.switch[i, j] == bound.switch
+                        least = np.minimum(least, bound.row)
+                    assert np.array_equal(pb.best_rows[i, j], least)
+            js = np.arange(len(pb.sizes))[np.array(pb.sizes) <= cluster.gpus - (pb.k - 1)]
+            assert pb.child_completions((), js) == sum(pb.completions((pb.sizes[j],)) for j in js.tolist())
+    assert shared  # some set's table served several placements

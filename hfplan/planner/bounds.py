@@ -60,6 +60,28 @@ class SetBound(NamedTuple):
     why: str  # why it cannot fit ('' when each role can alone)
 
 
+class SetTable(NamedTuple):
+    """A colocated set's part of the bounds at every size of a walk (Floors.set_table): its SetBounds stacked by size,
+    their running minima over the sizes up to each, and the sizes left out as padded. It depends on the set's roles and
+    the sizes alone, so the placements holding one set share it."""
+
+    rows: np.ndarray  # (sizes, nodes): SetBound.row at each size, 0 where it cannot fit
+    switch: np.ndarray  # (sizes,)
+    feasible: np.ndarray  # (sizes,) bool
+    why: dict[int, str]  # size index -> why the set cannot fit on that size
+    best_rows: np.ndarray  # (sizes, nodes): the elementwise least row over every feasible size up to each
+    best_switch: np.ndarray
+    padded: dict[int, int]  # Floors.padded_sizes
+
+
+class ChildBounds(NamedTuple):
+    """The children of a prefix (PlacementBounds.child_bounds): the next set's sizes, as indices into
+    PlacementBounds.sizes (ascending), and each child's bound (infinite: nothing under it fits)."""
+
+    js: np.ndarray
+    bounds: np.ndarray
+
+
 class _GeneratorTable(NamedTuple):
     """GeneratorRows at every size of one placement's generating set, stacked: size j's options are rows
     start[j] to start[j] + count[j]."""
@@ -80,6 +102,7 @@ class BoundCaches:
     set_bounds: dict[SetKey, SetBound] = field(default_factory=dict)
     generator_rows: dict[SetKey, GeneratorRows | None] = field(default_factory=dict)
     covers: dict[tuple[RoleKey, int, bool], bool] = field(default_factory=dict)  # (larger, smaller, alone)
+    set_tables: dict[tuple[SetKey, tuple[int, ...], int], SetTable] = field(default_factory=dict)  # (set, sizes, plans)
 
 
 class Floors:
@@ -172,6 +195,26 @@ class Floors:
                     switch = floor.switch
             self.caches.set_bounds[key] = SetBound(row, switch, why)
         return self.caches.set_bounds[key]
+
+    def set_table(self, roles: tuple[str, ...], sizes: tuple[int, ...], plans: int) -> SetTable:
+        """SetTable of colocated `roles` on each of `sizes` (ascending), the walk keeping `plans` best plans."""
+        key = (self.facts.set_key(roles, 0), sizes, plans)
+        if key not in self.caches.set_tables:
+            rows = np.zeros((len(sizes), len(self.facts.dag.nodes)))
+            switch = np.zeros(len(sizes))
+            feasible = np.ones(len(sizes), dtype=bool)
+            why: dict[int, str] = {}
+            for j, size in enumerate(sizes):
+                bound = self.set_bound(roles, size)
+                if bound.why:
+                    feasible[j], why[j] = False, bound.why
+                else:
+                    rows[j], switch[j] = bound.row, bound.switch
+            best_rows = np.minimum.accumulate(np.where(feasible[:, None], rows, np.inf), axis=0)
+            best_switch = np.minimum.accumulate(np.where(feasible, switch, np.inf))
+            self.caches.set_tables[key] = SetTable(rows, switch, feasible, why, best_rows, best_switch,
+                                                   self.padded_sizes(roles, sizes, plans))
+        return self.caches.set_tables[key]
 
     def generator_rows(self, roles: tuple[str, ...], gpus: int) -> GeneratorRows | None:
         """For a set holding the generating role, a bound per option of that role: its own calls as the option makes
@@ -274,41 +317,28 @@ class PlacementBounds:
         self.size_array = np.array(sizes)
         self.index_of = {size: j for j, size in enumerate(sizes)}
         self.k = len(placement)
-        n_nodes = len(facts.dag.nodes)
         where = set_index(placement)
         sets = [ON_CONTROLLER if r is None else where[r] for r in facts.runners]
         self.precedence = Precedence.of(facts.dag, sets)
         self.switch_ids = facts.switch_ids
         # An asynchronous workload's bound is its pipelined window's (free transfers), the weight sync after it
         self.pipelined = Pipelined.of(facts.dag, sets) if facts.workload.staleness else None
-        # rows[i, j]: floor seconds of set i's calls on sizes[j]; feasible[i, j]; switch[i, j]
-        self.rows = np.zeros((self.k, len(sizes), n_nodes))
-        self.switch = np.zeros((self.k, len(sizes)))
-        self.feasible = np.ones((self.k, len(sizes)), dtype=bool)
-        self.why: dict[tuple[int, int], str] = {}
-        for i, roles in enumerate(placement):
-            for j, size in enumerate(sizes):
-                self._fill(i, j, roles, size)
-        # best[i, j]: the set's floors over every feasible size up to sizes[j] (elementwise minimum)
-        masked = np.where(self.feasible[..., None], self.rows, np.inf)
-        self.best_rows = np.minimum.accumulate(masked, axis=1)
-        self.best_switch = np.minimum.accumulate(np.where(self.feasible, self.switch, np.inf), axis=1)
+        # rows[i, j]: floor seconds of set i's calls on sizes[j]; feasible[i, j]; switch[i, j]; best_rows[i, j]: the
+        # set's floors over every feasible size up to sizes[j] (elementwise minimum); each set's from its SetTable
+        tables = [floors.set_table(roles, tuple(sizes), plans) for roles in placement]
+        self.rows = np.stack([t.rows for t in tables])
+        self.switch = np.stack([t.switch for t in tables])
+        self.feasible = np.stack([t.feasible for t in tables])
+        self.why = {(i, j): why for i, t in enumerate(tables) for j, why in t.why.items()}
+        self.best_rows = np.stack([t.best_rows for t in tables])
+        self.best_switch = np.stack([t.best_switch for t in tables])
         held = [i for i, roles in enumerate(placement) if facts.generator in roles]
         self.gen_set = held[0] if held else None  # the set holding the generating role
         self.actor_set = where.get(facts.trained_generator)  # the set whose weights a rollout set receives
         self.gen_cols = [n.id for n in facts.own_nodes(facts.generator)] + [n.id for n in facts.generate_nodes]
         # padded[i]: the sizes at which set i is no better than at a smaller one (Floors.padded_sizes), left out
-        self.padded = [floors.padded_sizes(roles, sizes, plans) for roles in placement]
+        self.padded = [t.padded for t in tables]
         self._kept = [~np.isin(self.size_array, list(padded)) for padded in self.padded]  # the sizes not padded
-
-    def _fill(self, i: int, j: int, roles: tuple[str, ...], size: int) -> None:
-        bound = self.floors.set_bound(roles, size)
-        if bound.why:
-            self.feasible[i, j] = False
-            self.why[(i, j)] = bound.why
-            return
-        self.rows[i, j] = bound.row
-        self.switch[i, j] = bound.switch
 
     def _largest_index(self, limit: int) -> int:
         """Index of the largest allowed size <= limit (-1 if none)."""
@@ -359,11 +389,18 @@ class PlacementBounds:
 
     def children(self, prefix: tuple[int, ...], threshold: float = math.inf
                  ) -> list[tuple[tuple[int, ...], float, str]]:
-        """Sizes the next set can take: (child prefix, its bound, '' or why that size is infeasible), the
-        bounds of all children in one schedule (bound() of each, at once). Once the set holding the generating role
-        is sized, a child's bound is by that role's options (_by_generator_option), at least its bound by the floors
-        alone; a child whose floors' bound is at least `threshold` keeps that one (it is at least `threshold`
-        either way, so the walk prunes it the same), and only the others are scheduled option by option."""
+        """child_bounds as (child prefix, its bound, '' or why that size is infeasible), one per child."""
+        kids = self.child_bounds(prefix, threshold)
+        index = len(prefix)
+        return [(prefix + (self.sizes[j],), float(b), "" if self.feasible[index, j] else self.why[(index, j)])
+                for j, b in zip(kids.js.tolist(), kids.bounds.tolist(), strict=True)]
+
+    def child_bounds(self, prefix: tuple[int, ...], threshold: float = math.inf) -> ChildBounds:
+        """Sizes the next set can take and their bounds, all in one schedule (bound() of each, at once). Once the set
+        holding the generating role is sized, a child's bound is by that role's options (_by_generator_option), at
+        least its bound by the floors alone; a child whose floors' bound is at least `threshold` keeps that one (it
+        is at least `threshold` either way, so the walk prunes it the same), and only the others are scheduled
+        option by option."""
         index = len(prefix)
         left = self.gpus - sum(prefix)
         unsized_after = self.k - index - 1
@@ -371,7 +408,7 @@ class PlacementBounds:
         if not unsized_after and not self.facts.rules.idle_gpus:
             js = [j for j in js if self.sizes[j] == left]  # the last set takes every GPU left
         if not js:
-            return []
+            return ChildBounds(np.zeros(0, dtype=int), np.zeros(0))
         base = np.array(self.facts.controller_seconds)
         switch = 0.0
         for i, size in enumerate(prefix):
@@ -394,8 +431,7 @@ class PlacementBounds:
                 bounds[low] = self._by_generator_option(prefix, [js[i] for i in low], rows[low], switches[low])
         else:
             bounds = self._makespans(rows, switches)
-        return [(prefix + (self.sizes[j],), float(b), "" if self.feasible[index, j] else self.why[(index, j)])
-                for j, b in zip(js, bounds, strict=True)]
+        return ChildBounds(np.array(js), bounds)
 
     def padded_children(self, prefix: tuple[int, ...]) -> list[tuple[tuple[int, ...], int]]:
         """The children that children() leaves out as padded (Floors.padded_sizes), each with the smaller size
@@ -464,6 +500,11 @@ class PlacementBounds:
     def completions(self, prefix: tuple[int, ...]) -> int:
         """How many complete allocations start with `prefix`."""
         return self._counts[self.k - len(prefix)][self.gpus - sum(prefix)]
+
+    def child_completions(self, prefix: tuple[int, ...], js: np.ndarray) -> int:
+        """completions() of the children of `prefix` at size indices `js`, added up."""
+        table, left = self._counts[self.k - len(prefix) - 1], self.gpus - sum(prefix)
+        return sum(table[left - size] for size in self.size_array[js].tolist())
 
     @cached_property
     def _counts(self) -> list[list[int]]:

@@ -487,7 +487,7 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
     kept_twins: dict[tuple, list[float]] = {}  # twin key -> times of the kept plans with it
     heap: list[tuple[float, int, int, tuple[int, ...]]] = []
     bounds = []
-    seen_infeasible: set[tuple[int, int, int]] = set()
+    seen_infeasible: dict[tuple[int, int], np.ndarray] = {}  # (placement, depth) -> sizes given a row
     seen_padded: set[tuple[int, int, int]] = set()
     for index, (ctx, placement) in enumerate(entries):
         pb = PlacementBounds(ctx.bounds, placement, cluster.gpus, top_k)
@@ -532,10 +532,12 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
                 stats.pruned += bounds[i].completions(p)
             break
         if len(prefix) < pb.k:
-            children = pb.children(prefix, threshold)
+            kids = pb.child_bounds(prefix, threshold)
+            finite = np.isfinite(kids.bounds)
+            below = finite & (kids.bounds < threshold)
             # A child whose bound is at least the K-th best time so far is never walked (that time only falls): it
             # is pruned now rather than held open, one row for the prefix where no child is under it.
-            under = any(child_bound < threshold for _, child_bound, _ in children)
+            under = bool(below.any())
             if under and _unsized_prunes(ctx, pb, prefix, threshold, stats):
                 reason = (f"no strategy choice of the sized sets beats {threshold:.4g} s with the others at their "
                           f"fastest on any size left")
@@ -551,24 +553,25 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
                     candidates.append(Candidate(placement, child, "pruned",
                                                 reason=f"padded: no better than with this set on {cover} GPUs and "
                                                        f"the rest idle{others}"))
-            beaten = False
-            complete = len(prefix) + 1 == pb.k  # each child one allocation
-            above = f"bound at least {threshold:.4g} s, the slowest of the top {top_k}"
-            for child, child_bound, why in children:
-                if math.isinf(child_bound):
-                    stats.infeasible += pb.completions(child)
-                    key = (index, len(prefix), child[-1])
-                    if key not in seen_infeasible:
-                        seen_infeasible.add(key)
-                        candidates.append(Candidate(placement, child, "infeasible",
-                                                    reason=why or "some set fits with no GPU count left"))
-                    continue
-                if child_bound >= threshold:
-                    beaten = True
-                    stats.pruned += 1 if complete else pb.completions(child)
-                    if under:
-                        candidates.append(Candidate(placement, child, "pruned", reason=above))
-                    continue
+            depth = len(prefix)
+            nowhere = kids.js[~finite]  # nothing under these children fits: one row per (placement, depth, size)
+            if len(nowhere):
+                stats.infeasible += pb.child_completions(prefix, nowhere)
+                seen = seen_infeasible.setdefault((index, depth), np.zeros(len(pb.sizes), dtype=bool))
+                for j in nowhere[~seen[nowhere]].tolist():
+                    why = "" if pb.feasible[depth, j] else pb.why[(depth, j)]
+                    candidates.append(Candidate(placement, (*prefix, pb.sizes[j]), "infeasible",
+                                                reason=why or "some set fits with no GPU count left"))
+                seen[nowhere] = True
+            beaten = kids.js[finite & ~below]
+            if len(beaten):
+                stats.pruned += len(beaten) if depth + 1 == pb.k else pb.child_completions(prefix, beaten)
+                if under:
+                    above = f"bound at least {threshold:.4g} s, the slowest of the top {top_k}"
+                    candidates.extend(Candidate(placement, (*prefix, pb.sizes[j]), "pruned", reason=above)
+                                      for j in beaten.tolist())
+            for j, child_bound in zip(kids.js[below].tolist(), kids.bounds[below].tolist(), strict=True):
+                child = (*prefix, pb.sizes[j])
                 if late and not kept and (dive is None or child_bound < dive[0]):
                     # Past the time limit with no plan yet: dive to a complete allocation (the most promising
                     # child next) so that a plan, and with it a gap, comes soon; the other children wait in the heap.
@@ -579,7 +582,7 @@ def search(workload: Workload, cluster: Cluster, top_k: int = 5, progress: Progr
                     continue
                 order += 1
                 heapq.heappush(heap, (child_bound, order, index, child))
-            if beaten and not under:
+            if len(beaten) and not under:
                 reason = (f"no size of set {len(prefix) + 1} gives a bound under {threshold:.4g} s, the slowest of the "
                           f"top {top_k}")
                 candidates.append(Candidate(placement, prefix, "pruned", reason=reason))

@@ -4,13 +4,15 @@ written without the planner's strategies or search modules, and the small models
 For every placement (set partition of the model roles, with the hybrid engine or a rollout set), every allocation
 of at most the cluster's GPUs to its sets, and every role's raw strategies (space.train_configs / infer_configs /
 gen_configs, less what the executor's pre-flight refuses), exhaustive() costs each colocated set's every
-combination with PlanCosts (its memory, its calls' seconds) and runs the simpy engine on the cartesian product of
-the sets' combinations, leaving out only combinations no faster on any call than another of the same set.
-brute_force() multiplies everything out, to check that on pairs small enough.
+combination by the simulator's own rules (mapping.set_memory of its roles' memory, mapping.call_seconds of its
+calls, PlanCosts.switch_seconds) and runs the simpy engine on the cartesian product of the sets' combinations,
+leaving out only combinations no faster on any call than another of the same set; each pair's best is then costed
+as one PlanCosts mapping and must take the time found. brute_force() multiplies everything out with PlanCosts, to
+check that on pairs small enough.
 
-A case's reference takes up to a minute: Lab.reference builds each once per test session (a cache in this
-module, keyed by the case, which with MODEL_CONFIGS and PROFILES decides the workload and cluster), whichever
-module and Lab asks first.
+A case's reference takes up to about 4 s (8 s for the slow cases, 2026-12-06): Lab.reference builds each once per
+test session (a cache in this module, keyed by the case, which with MODEL_CONFIGS and PROFILES decides the workload
+and cluster), whichever module and Lab asks first.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ import pytest
 import yaml
 
 from hfplan.dataflow.registry import get_algorithm
-from hfplan.layout import ON_CONTROLLER
+from hfplan.layout import ON_CONTROLLER, generating_role
 from hfplan.plan import ROLLOUT, RoleParallelism
 from hfplan.planner import space
 from hfplan.planner.search import search
 from hfplan.simulator import engine
 from hfplan.simulator.costs import CostMemo
-from hfplan.simulator.mapping import PlanCosts
+from hfplan.simulator.mapping import PlanCosts, call_seconds, role_memory, set_memory
+from hfplan.simulator.schedule import switch_points
 from hfplan.simulator.trace import Node, trace
 from hfplan.spec import Cluster, Workload, make_cluster, workload_from_dict
 
@@ -152,32 +155,61 @@ def _undominated(vectors: list[tuple[float, ...]]) -> list[int]:
     """Indices of vectors no other is <= on every entry (of equal ones, the first). Taken in order of their
     sums, a vector's dominators come before it (summing is monotone), and a dropped one's dominator is kept."""
     array = np.array(vectors, dtype=float).reshape(len(vectors), -1)
-    kept: list[int] = []
+    kept = np.empty_like(array)  # the kept vectors, in the order kept
+    kept_at: list[int] = []
     for i in sorted(range(len(array)), key=lambda i: (float(array[i].sum()), i)):
-        if not kept or not np.any(np.all(array[kept] <= array[i], axis=1)):
-            kept.append(i)
-    return sorted(kept)
+        if not kept_at or not (kept[:len(kept_at)] <= array[i]).all(axis=1).any():
+            kept[len(kept_at)] = array[i]
+            kept_at.append(i)
+    return sorted(kept_at)
 
 
 def set_choices(workload: Workload, cluster: Cluster, sets: list, index: int, options: dict, memo: CostMemo
                 ) -> SetChoices:
-    """Cost every combination of set `index`'s strategies in the mapping `sets` (the other sets at their first
-    strategy: a set's memory and its calls' seconds depend on its own roles alone, and the test checks it
-    for each pair's best), keeping the undominated ones among those that fit."""
+    """Cost every combination of set `index`'s strategies in the mapping `sets`, keeping the undominated ones among
+    those that fit. A set's memory and its calls' seconds depend on its own roles alone (the test checks it for each
+    pair's best, costed as one mapping), so each combination costs only this set, as PlanCosts would: its memory
+    by mapping.set_memory of its roles' role_memory, each call by mapping.call_seconds at that memory's KV-cache
+    room, and each switch by PlanCosts.switch_seconds; each of those pure functions is asked once per distinct
+    argument (a role's memory per strategy, a call per strategy and room) rather than once per combination."""
     roles = sets[index][0]
-    filler = {role: options[role][0] for group, _ in sets for role in group if role not in roles}
+    gpus = sets[index][1]
+    hw, per_node = cluster.profile, cluster.gpus_per_node
+    filler = {role: options[role][0] for group, _ in sets for role in group}
+    where = PlanCosts(workload, sets, filler, hw, per_node, memo)  # where calls run: no strategy needed
     dag = trace(workload)
+    points = switch_points(dag, where.layout_role, generating_role(workload))
+    # each call of this set: the role whose layout runs it, and the role switching layout before it (or None)
+    calls_of_set = [(node, where.layout_role(node), points.get(node.id)) for node in dag.nodes
+                    if where.set_of(node) == index]
+    needs = {role: [role_memory(workload, role, par, hw.compute.value_bytes, hw.compute.attention,
+                                vllm_tokens=hw.runtime.vllm_batched_tokens) for par in options[role]]
+             for role in roles}
+    seconds_of: dict[tuple, float] = {}
+    switch_of: dict[tuple, float] = {}
     total, fitting, costed = 0, 0, []
-    for combo in itertools.product(*(options[role] for role in roles)):
+    for combo in itertools.product(*(range(len(options[role])) for role in roles)):
         total += 1
-        pars = {**filler, **dict(zip(roles, combo, strict=True))}
-        plan_costs = PlanCosts(workload, sets, pars, cluster.profile, cluster.gpus_per_node, memo)
-        if plan_costs.memory[index].reason:
+        pick = dict(zip(roles, combo, strict=True))
+        mem = set_memory(workload, hw, index, roles, gpus, {r: needs[r][k] for r, k in pick.items()}, where.generator)
+        if mem.reason:
             continue
         fitting += 1
-        calls = tuple((c.node, c.seconds, c.switch, c.switch_role) for c in engine.schedule(dag, plan_costs)
-                      if c.set == index)
-        costed.append((calls, dict(zip(roles, combo, strict=True))))
+        calls = []
+        for node, role, switch_role in calls_of_set:
+            key = (node.id, pick[role], mem.kv_budget if node.kind == "generate" else None)
+            if key not in seconds_of:
+                seconds_of[key] = call_seconds(workload, hw, per_node, node, role, options[role][pick[role]], gpus,
+                                               mem.kv_budget, memo)
+            switch = 0.0
+            if switch_role is not None:
+                if (switch_role, pick[switch_role]) not in switch_of:
+                    pars = {**filler, switch_role: options[switch_role][pick[switch_role]]}
+                    switch_of[(switch_role, pick[switch_role])] = PlanCosts(workload, sets, pars, hw, per_node,
+                                                                            memo).switch_seconds(switch_role)
+                switch = switch_of[(switch_role, pick[switch_role])]
+            calls.append((node, seconds_of[key], switch, switch_role))
+        costed.append((tuple(calls), {r: options[r][k] for r, k in pick.items()}))
     vectors = [tuple(x for _, seconds, switch, _ in calls for x in (seconds, switch)) for calls, _ in costed]
     return SetChoices(total, fitting, [costed[i] for i in _undominated(vectors)] if costed else [])
 
