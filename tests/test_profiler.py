@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from hfplan import cli
 from hfplan.errors import HfplanError
-from hfplan.profiler import command
+from hfplan.profiler import command, runtime
 from hfplan.profiler.build import Fits, build_profile
 from hfplan.profiler.call_gaps import CALL_FIELDS
 from hfplan.profiler.device import KNOWN_GPUS, Device, Nominal, nominal_rates
@@ -33,6 +33,7 @@ from hfplan.profiler.report import FLAG_PCT, PACE_DRIFT, PASS_LABEL
 from hfplan.profiles.hardware import HardwareProfile, Link, load_hardware
 from hfplan.profiles.models import CATALOG, ModelArch
 from hfplan.simulator import collectives as coll
+from hfplan.simulator.costs import step_tp_collectives
 from tests.support.cli import assert_user_error, invoke
 
 SIZES = [2.0**k for k in range(3, 29)]  # 8 B .. 256 MiB
@@ -353,6 +354,12 @@ def test_quick_cpu_profile_end_to_end(quick_profile):
     assert engine["tp_train_step_3_micro_batches"] == engine["tp_engine_log_prob"] == 2
     assert engine["train_step_3_micro_batches"] == engine["engine_step"] == engine["hybrid_switch"] == 1
     assert "engine" not in set(frame["kind"])
+    # The rollout engine split by tensor parallelism generates across the world, as the executor does in that
+    # layout; the fixed cost of each collective of its step is what the two cases leave beyond their modelled steps.
+    split = frame[frame["op"].isin(runtime.SPLIT_STEP_OPS)].set_index("op")
+    assert set(split.index) == set(runtime.SPLIT_STEP_OPS) and (split["world"] == 2).all()
+    beyond = (split["seconds"] - split["predicted_s"]).clip(lower=0) * 1e6 / step_tp_collectives(CATALOG["tiny"])
+    assert profile.runtime.tp_step_collective_us == pytest.approx(beyond.mean(), abs=0.01)
     assert profile.runtime.fsdp_train_pass_us is not None
     # How the two processes share the host's cores: the probe alone and together, and the profile's figure from them.
     host = frame[frame["kind"] == "sharing"].set_index("op")

@@ -101,11 +101,15 @@ def _worker(rank: int, world: int, kind: str, init: str, sizes: tuple[int, ...],
             rows += measure_sharing(torch, dist, SHARING_TIMES * min_time)
         if rank == 0:
             messages.put(("rows", rows))
-        # Every rank done before any tears its connections down: the ranks that finish first (all but rank 0, which
-        # reports) no longer close theirs while rank 0 is still at work (one CI run's rank 1 aborted at exit).
-        dist.barrier()
+        dist.barrier()  # every rank done before any tears its connections down
     finally:
         dist.destroy_process_group()
+    # Done and reported: leave without the interpreter's exit, whose teardown of torch's C++ state aborted a rank now
+    # and then after its work ("terminate called without an active exception", SIGABRT, seen on CI and under load,
+    # a barrier before the teardown notwithstanding); what this rank put on the queue is flushed first.
+    messages.close()
+    messages.join_thread()
+    os._exit(0)
 
 
 def _sweep(torch, dist, rank, world, kind, dtype, sizes, min_time, messages) -> list[dict]:
