@@ -264,16 +264,22 @@ GREEDY_MARK = "(greedy)"  # ends a greedy generation's op in the simulator's nam
 
 
 def phase_seconds(spans: Sequence[Span]) -> dict[str, float]:
-    """Wall seconds from the first start to the last end of each phase: a run's `<phase>_s` metrics, and the
-    rule `hfplan validate` applies to both timelines. Dispatch spans do not count (a measured timeline has none:
-    there the dispatch is the gap before a call)."""
+    """Wall seconds of each phase, from the start of its first call or switch to the last end of its spans: a
+    run's `<phase>_s` metrics, and the rule `hfplan validate` applies to both timelines. Dispatch spans do not
+    count (a measured timeline has none: there the dispatch is the gap before a call), and a transfer opens no
+    window (the simulator moves a field as soon as it is made, the executor when the call it feeds starts: the
+    transfer into a later phase's first call would open that phase early in one timeline only); a phase of
+    transfers alone spans them."""
     windows: dict[str, tuple[float, float]] = {}
+    opened: dict[str, float] = {}
     for span in spans:
         if span.kind == "dispatch":
             continue
         first, last = windows.get(span.phase, (span.start, span.end))
         windows[span.phase] = (min(first, span.start), max(last, span.end))
-    return {phase: last - first for phase, (first, last) in windows.items()}
+        if span.kind != "transfer":
+            opened[span.phase] = min(opened.get(span.phase, span.start), span.start)
+    return {phase: last - opened.get(phase, first) for phase, (first, last) in windows.items()}
 
 
 class Estimate(_Strict):

@@ -79,6 +79,12 @@ def test_phase_seconds_is_first_start_to_last_end():
     assert phase_seconds(spans) == {"p": 3.0, "q": 0.25}
     # A simulated dispatch is the gap before a measured call: it opens no phase window.
     assert phase_seconds([span("a", "x", "p", 0.5, 1.0, kind="dispatch"), *spans]) == {"p": 3.0, "q": 0.25}
+    # Nor does a transfer into the phase's first call, made as soon as its data was (the simulator's rule); it
+    # still ends a phase, and a phase of transfers alone spans them.
+    early = span("b", "gen->y", "p", 0.25, 0.5, kind="transfer")
+    late = span("b", "y->z", "p", 4.0, 4.5, kind="transfer")
+    only = span("c", "z->w", "r", 5.0, 5.5, kind="transfer")
+    assert phase_seconds([early, *spans, late, only]) == {"p": 3.5, "q": 0.25, "r": 0.5}
 
 
 def test_dispatches_are_not_matched_and_the_greedy_generation_is_the_second_generate():

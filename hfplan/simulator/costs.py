@@ -635,8 +635,11 @@ def weight_sync_time(hw: HardwareProfile, arch: ModelArch, gen: GenConfig, rollo
     """Separate generation engine: every rollout GPU receives its generation shard of the freshly
     trained weights (hfplan.layout's sync plan: the norms whole, the rest split); the receiving node's
     links carry the shards of all its GPUs. The receiving engine takes them tensor by tensor, as the hybrid
-    engine's rollout engine does (Runtime.switch_tensor_us)."""
-    fixed = hw.compute.host_slowdown(rollout.per_node) * _engine_weights_fixed(hw, arch, gen)
+    engine's rollout engine does (Runtime.switch_tensor_us). The rollout ranks' loads take the actor ranks'
+    buckets as arguments, which Ray resolves where the references live, in the controller's process: the buckets'
+    readiness reaches the controller and the loads go out from it, one round trip (Runtime.controller_call_us)."""
+    fixed = (hw.compute.host_slowdown(rollout.per_node) * _engine_weights_fixed(hw, arch, gen)
+             + hw.runtime.controller_call_us * 1e-6)
     shard_bytes = hw.compute.value_bytes * most_generation_numel(arch, gen)
     node_bytes = shard_bytes * rollout.per_node
     if same_node:
