@@ -311,7 +311,6 @@ def quick_profile(tmp_path_factory) -> QuickProfile:
     watched here, not replaced: it runs as it would and its result is kept), which the runtime test fits again."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from hfplan.profiler import runtime
 
     out = tmp_path_factory.mktemp("quick-profile") / "measured.yaml"
     measure, engine_times = runtime.time_engines, []
@@ -472,7 +471,6 @@ def test_runtime_costs_measured_on_the_executor_engine(quick_profile, monkeypatc
     from hfplan.layout import stage_parameter_tensors
     from hfplan.plan import Layout, TrainConfig
     from hfplan.profiler import device as devices
-    from hfplan.profiler import runtime
     from hfplan.profiler.runtime import BATCH, FEW, LONG, MANY, PROMPT, SHORT, measure_runtime
     from hfplan.profiles.hardware import Runtime
     from hfplan.simulator import costs
@@ -600,8 +598,6 @@ class _Engine:
 
 
 def test_engine_steps_are_timed_in_interleaved_rounds_so_a_slow_stretch_falls_on_every_case_alike():
-    from hfplan.profiler import runtime
-
     engines = [_Engine(1e-4), _Engine(2e-4), _Engine(3e-4)]
     cases = [(engine, None) for engine in engines]
     # The first six timings slow: case after case, that would be the whole of the first case's; in rounds, it

@@ -4,6 +4,7 @@ timing the split engine as the executor runs it (over the role's tensor-parallel
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from hfplan.plan import Layout
 from hfplan.profiler import runtime
@@ -19,11 +20,6 @@ FIXED = Runtime(engine_step_us=200, engine_sequence_step_us=10, switch_tensor_us
 
 def _with(hw, **fields):
     return hw.model_copy(update={"runtime": FIXED.model_copy(update=fields)})
-
-
-def test_the_step_makes_two_collectives_a_layer_and_the_vocabularys():
-    # The torch rollout engine: two all-reduces a layer, its embedding's lookups summed, its logits gathered.
-    assert costs.step_tp_collectives(TINY) == 2 * TINY.layers + 2
 
 
 @pytest.mark.parametrize("step", ["decode", "prefill"])
@@ -75,13 +71,28 @@ def _split_engine(rank: int, world: int) -> dict:
     engine.load_weights(hybrid.enter_generation(), presharded=hybrid.presharded)
     prompts = torch.randint(1, TINY.vocab, (2, runtime.PROMPT), generator=torch.Generator().manual_seed(1))
     rollout = engine.generate(prompts, SamplingParams(max_new_tokens=4), torch.Generator().manual_seed(0))
-    return {"embedding_rows": engine._w.embed.shape[0], "responses": rollout.responses}
+    # The collectives of a step, as the engine makes them: a prefill alone (one token), then one decode step more.
+    collectives = []
+    for name in ("all_reduce", "all_gather"):
+        made = getattr(dist, name)
+        setattr(dist, name, lambda *args, made=made, **kwargs: (collectives.append(1), made(*args, **kwargs))[1])
+    counted = []
+    for tokens in (1, 2):
+        collectives.clear()
+        engine.generate(prompts, SamplingParams(max_new_tokens=tokens), torch.Generator().manual_seed(0))
+        counted.append(len(collectives))
+    return {"embedding_rows": engine._w.embed.shape[0], "responses": rollout.responses,
+            "prefill_collectives": counted[0], "decode_collectives": counted[1] - counted[0]}
 
 
 def test_the_profiled_switch_hands_the_split_engine_its_shards_as_the_executor_does():
     """Split by tp, the profiler's rollout engine generates over the role's tensor-parallel group from the shards as
     they are (each rank holds half the vocabulary's embedding rows; before, an engine without the group gathered
-    every tensor whole at each switch), and the ranks sample the same tokens."""
+    every tensor whole at each switch), and the ranks sample the same tokens. Its steps make the collectives the
+    cost model counts (costs.step_tp_collectives)."""
     ranks = run_world(_split_engine, 2, timeout=180)
     assert [r["embedding_rows"] for r in ranks] == [TINY.vocab // 2] * 2
     assert torch.equal(ranks[0]["responses"], ranks[1]["responses"])
+    # A prefill and a decode step each make as many collectives as the cost model charges a step.
+    for rank in ranks:
+        assert rank["prefill_collectives"] == rank["decode_collectives"] == costs.step_tp_collectives(TINY)

@@ -92,25 +92,22 @@ def divisors(n: int) -> tuple[int, ...]:
 def model_layouts(arch: ModelArch, gpus: int, gpus_per_node: int, kind: str) -> list[tuple[int, int, int]]:
     """(tp, pp, dp) of a "train", "infer" or "gen" layout, tp*pp*dp = gpus: tp a power of two within a
     node, and nothing the executor cannot run (hfplan.layout.unsupported_layout)."""
-    runs = _runs(arch, kind)
     out = []
     for tp in powers_of_two(min(gpus, gpus_per_node)):
         if gpus % tp:
             continue
         for pp in divisors(gpus // tp):
-            if (tp, pp) not in runs:
-                runs[(tp, pp)] = unsupported_layout(arch, kind, Layout(tp=tp, pp=pp, dp=1)) is None
-            if runs[(tp, pp)]:
+            if _runs(arch, kind, tp, pp):
                 out.append((tp, pp, gpus // (tp * pp)))
     return out
 
 
-@functools.lru_cache(maxsize=256)
-def _runs(arch: ModelArch, kind: str) -> dict[tuple[int, int], bool]:
-    """Whether the executor runs a plain (tp, pp, dp) layout of `kind`, by (tp, pp), filled as model_layouts asks:
-    unsupported_layout asks a plain Layout (no shard, engine or virtual stages) nothing of dp, so one answer per
-    (tp, pp) serves every set size (a search of 32,768 GPUs asks of millions of layouts)."""
-    return {}
+@functools.lru_cache(maxsize=65536)
+def _runs(arch: ModelArch, kind: str, tp: int, pp: int) -> bool:
+    """Whether the executor runs a plain layout of `kind` at (tp, pp): unsupported_layout asks a plain Layout (no
+    shard, engine or virtual stages) nothing of dp, so one answer per (tp, pp) serves every set size (a search of
+    32,768 GPUs asks of millions of layouts)."""
+    return unsupported_layout(arch, kind, Layout(tp=tp, pp=pp, dp=1)) is None
 
 
 def micro_batches(sequences_per_rank: int) -> list[int]:

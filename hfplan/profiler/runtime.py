@@ -182,6 +182,7 @@ WRAPS_IN_FSDP = {PLAIN: False, FSDP: True, TP: None}
 ENGINE_REPS = 7  # timed calls per measurement of the training engine (the median kept); fixed, so every rank
 # of a world makes the same collectives
 SPLIT_STEP_OPS = ("tp_engine_step", f"tp_engine_step_{BATCH}_sequences")  # EngineSeconds.split_steps' rows
+SPLIT_STEP_REPS = 3  # timed calls per round of steps_seconds for the split decode steps (ROUNDS rounds)
 
 
 @dataclass(frozen=True)
@@ -260,22 +261,8 @@ def engine_seconds(torch, kind: str, mode: str) -> EngineSeconds:
     import torch.distributed as dist
 
     arch, world = CATALOG[MODEL], dist.get_world_size()
-    clock = Clock(torch, kind)
     role = profiled_role(torch, kind, mode)
-
-    def timed(fn) -> float:
-        fn()  # warm-up
-        seconds = []
-        for _ in range(ENGINE_REPS):
-            dist.barrier()
-            clock.sync()
-            start = time.perf_counter()
-            fn()
-            clock.sync()
-            took = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=kind)
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)
-            seconds.append(float(took.item()))
-        return typical(seconds)
+    timed = WorldClock(torch, kind, ENGINE_REPS).per_call
 
     steps = {}
     for n in (FEW, MANY):
@@ -290,7 +277,7 @@ def engine_seconds(torch, kind: str, mode: str) -> EngineSeconds:
     log_prob = timed(lambda: role.log_probs(**one, micro_batch=1))
     switch = timed(_switch(role, keep_trained=False))
     if mode == TP:
-        return EngineSeconds(world, mode, steps, log_prob, switch, split_steps=_split_steps(torch, kind, role, timed))
+        return EngineSeconds(world, mode, steps, log_prob, switch, split_steps=_split_steps(torch, kind, role))
     if mode != PLAIN:
         return EngineSeconds(world, mode, steps, log_prob, switch)
     wide = {"prompts": torch.randint(1, arch.vocab, (BATCH, PROMPT)),
@@ -343,31 +330,49 @@ def _rollout_engine(role):
     return TorchRolloutEngine(None, pad_id=0, eos_id=-1, tp_group=group)
 
 
-def _split_steps(torch, kind: str, role, timed) -> tuple[float, float]:
+def _split_steps(torch, kind: str, role) -> tuple[float, float]:
     """Seconds per decode step of the rollout engine split by tensor parallelism over `role`'s group, for one and
-    for BATCH sequences: the time between responses of SHORT and LONG tokens over the decode steps between them,
-    each timed by `timed` (every rank the same calls, the slowest rank's time). Every rank samples with the same
-    seed, so the ranks feed the same tokens, as a run's ranks do."""
+    for BATCH sequences (steps_seconds, each timing every rank's same calls, the slowest rank's)."""
     from hfplan.executor.engines.hybrid import HybridEngine
-    from hfplan.executor.rollout.base import SamplingParams
 
     hybrid, engine = HybridEngine(role, keep_trained=False), _rollout_engine(role)
     prompts = torch.randint(1, CATALOG[MODEL].vocab, (1, PROMPT), generator=torch.Generator().manual_seed(0)).to(kind)
     engine.load_weights(hybrid.enter_generation(), presharded=hybrid.presharded)
     try:
-        out = []
-        for batch in (prompts, prompts.repeat(BATCH, 1)):
-            seconds, steps = {}, {}
-            for tokens in (SHORT, LONG):
-                params = SamplingParams(max_new_tokens=tokens)
-                seconds[tokens] = timed(lambda batch=batch, params=params: engine.generate(
-                    batch, params, torch.Generator(kind).manual_seed(0)))
-                steps[tokens] = engine.stats.decode_steps
-            out.append((seconds[LONG] - seconds[SHORT]) / (steps[LONG] - steps[SHORT]))
-        return out[0], out[1]
+        one, batch = steps_seconds(WorldClock(torch, kind, SPLIT_STEP_REPS),
+                                   [(engine, prompts), (engine, prompts.repeat(BATCH, 1))], 0.0)
     finally:
         engine.release_weights()
         hybrid.exit_generation()
+    return one, batch
+
+
+class WorldClock:
+    """Timing of a call that every rank of this process group makes at once: `reps` calls after a warm-up, the
+    ranks meeting before each, each call the slowest rank's time (a collective ends with its slowest rank), the
+    median kept. Its count is fixed, so every rank makes the same collectives (an adaptive count, as
+    Clock.per_call sizes its loop on one rank's time, would differ between ranks and leave a collective unmatched)."""
+
+    def __init__(self, torch, kind: str, reps: int) -> None:
+        self.torch, self.kind, self.reps = torch, kind, reps
+        self.clock = Clock(torch, kind)
+
+    def per_call(self, fn, min_time: float = 0.0) -> float:
+        """Seconds per call of fn (`min_time` is not used: the count is fixed)."""
+        import torch.distributed as dist
+
+        fn()  # warm-up
+        seconds = []
+        for _ in range(self.reps):
+            dist.barrier()
+            self.clock.sync()
+            start = time.perf_counter()
+            fn()
+            self.clock.sync()
+            took = self.torch.tensor([time.perf_counter() - start], dtype=self.torch.float64, device=self.kind)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            seconds.append(float(took.item()))
+        return typical(seconds)
 
 
 def _step_collective_fixed(fitted: HardwareProfile, measured: EngineSeconds) -> tuple[float, list[dict]]:
@@ -473,7 +478,7 @@ def _world_of_one(torch, device: Device) -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def steps_seconds(clock: Clock, cases: Sequence[tuple[object, object]], min_time: float) -> list[float]:
+def steps_seconds(clock: Clock | WorldClock, cases: Sequence[tuple[object, object]], min_time: float) -> list[float]:
     """Seconds per decode step of each (engine, prompts) case: the time between responses of SHORT and LONG
     tokens over the decode steps it counted between them (the prefills, the same in both, drop out). Each length
     of each case is timed in ROUNDS rounds, the cases in turn within a round, and the medians kept: a burst of
