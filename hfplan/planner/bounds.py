@@ -28,7 +28,7 @@ from hfplan.planner import space
 from hfplan.planner.facts import RoleKey, SearchFacts, SetKey
 from hfplan.planner.options import RoleOptions
 from hfplan.planner.pareto import pareto
-from hfplan.simulator.mapping import switch_seconds
+from hfplan.simulator.mapping import least_transfer_seconds, switch_seconds
 from hfplan.simulator.pipeline import Pipelined
 from hfplan.simulator.schedule import Precedence
 
@@ -103,6 +103,7 @@ class BoundCaches:
     generator_rows: dict[SetKey, GeneratorRows | None] = field(default_factory=dict)
     covers: dict[tuple[RoleKey, int, bool], bool] = field(default_factory=dict)  # (larger, smaller, alone)
     set_tables: dict[tuple[SetKey, tuple[int, ...], int], SetTable] = field(default_factory=dict)  # (set, sizes, plans)
+    option_seconds: dict[RoleKey, np.ndarray | None] = field(default_factory=dict)
 
 
 class Floors:
@@ -243,6 +244,16 @@ class Floors:
         return self.caches.generator_rows[key]
 
 
+    def option_seconds(self, role: str, gpus: int) -> np.ndarray | None:
+        """The own calls' seconds (columns as in own_nodes) of each of the role's options on `gpus` GPUs, only the rows
+        no other is at least as fast as on every call; None when no option fits. Every option's row is at or above
+        one of them: what a bound by option needs (PlacementBounds._by_role_option)."""
+        key = self.facts.role_key(role, gpus)
+        if key not in self.caches.option_seconds:
+            seconds = self.options.choices(role, gpus).seconds
+            self.caches.option_seconds[key] = seconds[pareto(seconds)] if len(seconds) else None
+        return self.caches.option_seconds[key]
+
     def padded_sizes(self, roles: tuple[str, ...], sizes: Sequence[int], plans: int = 1) -> dict[int, int]:
         """The sizes (of `sizes`, ascending) at which a set of `roles` is no better than at `plans` smaller ones with
         the difference idle (covers), each mapped to the nearest of those; the walk leaves them out and still finds
@@ -319,10 +330,15 @@ class PlacementBounds:
         self.k = len(placement)
         where = set_index(placement)
         sets = [ON_CONTROLLER if r is None else where[r] for r in facts.runners]
-        self.precedence = Precedence.of(facts.dag, sets)
+        # Every transfer at the cheaper of its two costs (sharing a node or not): what it takes at least whatever
+        # the sizes, and the schedule never ends earlier when a transfer takes longer
+        def edges(src: int, dst: int, nbytes: float) -> float:
+            return least_transfer_seconds(facts.hw, src, dst, nbytes)
+
+        self.precedence = Precedence.of(facts.dag, sets, edges)
         self.switch_ids = facts.switch_ids
-        # An asynchronous workload's bound is its pipelined window's (free transfers), the weight sync after it
-        self.pipelined = Pipelined.of(facts.dag, sets) if facts.workload.staleness else None
+        # An asynchronous workload's bound is its pipelined window's, the weight sync after it
+        self.pipelined = Pipelined.of(facts.dag, sets, edges) if facts.workload.staleness else None
         # rows[i, j]: floor seconds of set i's calls on sizes[j]; feasible[i, j]; switch[i, j]; best_rows[i, j]: the
         # set's floors over every feasible size up to sizes[j] (elementwise minimum); each set's from its SetTable
         tables = [floors.set_table(roles, tuple(sizes), plans) for roles in placement]
@@ -424,13 +440,15 @@ class PlacementBounds:
                 rows += self.best_rows[i, limits]
                 switches += self.best_switch[i, limits]
         rows[~self.feasible[index, js]] = np.inf
+        bounds = self._makespans(rows.copy(), switches)
         if self.gen_set is not None and self.gen_set <= index:
-            bounds = self._makespans(rows.copy(), switches)
             low = np.flatnonzero(bounds < threshold)
             if len(low):
                 bounds[low] = self._by_generator_option(prefix, [js[i] for i in low], rows[low], switches[low])
-        else:
-            bounds = self._makespans(rows, switches)
+        low = np.flatnonzero(bounds < threshold)
+        if len(low):
+            bounds[low] = np.maximum(bounds[low], self._by_role_option(prefix, [js[i] for i in low], rows[low],
+                                                                          switches[low]))
         return ChildBounds(np.array(js), bounds)
 
     def padded_children(self, prefix: tuple[int, ...]) -> list[tuple[tuple[int, ...], int]]:
@@ -472,6 +490,43 @@ class PlacementBounds:
         np.minimum.at(out, owner, spans)
         return out
 
+    def _by_role_option(self, prefix: tuple[int, ...], js: list[int], rows: np.ndarray, switches: np.ndarray
+                        ) -> np.ndarray:
+        """children's bounds by the options of each role of a sized set but the generating one: for each such role,
+        the least over its options (Floors.option_seconds) of the schedule with its own calls as the option makes
+        them and every other call at its floor; the largest of these over the roles (-inf where none applies).
+
+        Proof. Take any allocation under a child and any strategy choice of it. The role's option is one of its
+        choices on its set's size (_PairSearch chooses among them, or among joint options made of them), and its own
+        calls take that option's seconds whatever shares its GPUs (only generate calls depend on the room left),
+        which are at or above one of the rows kept. Every other call takes at least its floor (the row given: a
+        sized set's on its size, an unsized one's over every size it can still get), every transfer at least its
+        least cost and each switch at least the least switch. The longest path never shortens when a duration
+        lengthens, so the plan's time is at least that row's schedule, so at least the least over the rows. This
+        holds for each role, so for the largest over them. It never takes a call at its fastest over options
+        of which no single one is that fast on every call of the role (a trained role's update and its
+        inference calls come from one layout), which the floors alone do."""
+        index, f = len(prefix), self.facts
+        out = np.full(len(js), -np.inf)
+        for i in range(index + 1):
+            set_js = js if i == index else [self.index_of[prefix[i]]] * len(js)
+            for role in self.placement[i]:
+                cols = [n.id for n in f.own_nodes(role)]
+                if role == f.generator or not cols:
+                    continue
+                tables = [self.floors.option_seconds(role, self.sizes[j]) for j in set_js]
+                counts = np.array([0 if t is None else len(t) for t in tables])
+                if not counts.any():
+                    continue
+                owner = np.repeat(np.arange(len(js)), counts)
+                grid = rows[owner]
+                grid[:, cols] = np.concatenate([t for t in tables if t is not None])
+                best = np.full(len(js), np.inf)
+                np.minimum.at(best, owner, self._makespans(grid, switches[owner]))
+                best[counts == 0] = -np.inf  # no option to bound by (the set cannot fit: its rows are infinite)
+                out = np.maximum(out, best)
+        return out
+
     @cached_property
     def _generator_table(self) -> _GeneratorTable:
         """Floors.generator_rows of the set holding the generating role at every size, stacked."""
@@ -489,10 +544,13 @@ class PlacementBounds:
     def _apart(self, prefix: tuple[int, ...], gen_sizes: np.ndarray, child: np.ndarray) -> np.ndarray:
         """For each child (the next set at `child` GPUs, the generating set's at `gen_sizes`): whether the set
         holding the generating role shares no node with the actor's, whatever the rest. Sets lie on consecutive
-        GPUs, so two share one node only if their GPUs together fit on it (PlanCosts.same_node). False while the
-        actor's set is not sized."""
+        GPUs, so two share one node only if their GPUs together fit on it, and a set holding both (a rollout engine
+        beside the actor) is on one node only if its GPUs fit on one (PlanCosts.same_node: its first and last GPU on
+        one node). False while the actor's set is not sized."""
         a, index = self.actor_set, len(prefix)
-        if a is None or a > index or a == self.gen_set:
+        if a is not None and a == self.gen_set:
+            return gen_sizes > self.facts.gpus_per_node
+        if a is None or a > index:
             return np.zeros(len(child), dtype=bool)
         actor = child if a == index else np.full(len(child), prefix[a])
         return gen_sizes + actor > self.facts.gpus_per_node

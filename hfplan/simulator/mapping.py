@@ -68,6 +68,26 @@ def set_offsets(sizes: Sequence[int], gpus_per_node: int) -> list[int]:
     return offsets
 
 
+def transfer_seconds(hw: HardwareProfile, src_set: int, dst_set: int, nbytes: float, same_node: bool) -> float:
+    """Seconds to move `nbytes` of fields from one set to another (ON_CONTROLLER: the controller) along the path
+    the executor takes (layout.transfer_path), `same_node`: whether the two sets share one node (PlanCosts.same_node;
+    it matters only between two sets). A result for the controller also waits to reach it (Runtime.result_wait_s),
+    and a call fed by the controller waits for it to be sent and started (Runtime.send_wait_s)."""
+    path = transfer_path(src_set, dst_set)
+    if path == "none" or nbytes <= 0:
+        return 0.0
+    if path == "host":
+        wait = (hw.runtime.result_wait_s() if dst_set == ON_CONTROLLER
+                else hw.runtime.send_wait_s() if src_set == ON_CONTROLLER else 0.0)
+        return coll.host_transfer(hw, nbytes) + wait
+    return coll.point_to_point(hw, nbytes, same_node)
+
+
+def least_transfer_seconds(hw: HardwareProfile, src_set: int, dst_set: int, nbytes: float) -> float:
+    """transfer_seconds at the cheaper of sharing a node or not: a lower bound whatever the sets' sizes."""
+    return min(transfer_seconds(hw, src_set, dst_set, nbytes, same) for same in (False, True))
+
+
 class PlanCosts:
     def __init__(self, workload: Workload, placement: Sequence[tuple[Sequence[str], int]],
                  parallelism: Mapping[str, RoleParallelism], hw: HardwareProfile, gpus_per_node: int,
@@ -162,14 +182,8 @@ class PlanCosts:
         """Seconds to move `nbytes` of fields along the path the executor takes (layout.transfer_path); a
         result for the controller also waits to reach it (Runtime.result_wait_s), and a call fed by the controller
         waits for it to be sent and started (Runtime.send_wait_s)."""
-        path = transfer_path(src_set, dst_set)
-        if path == "none" or nbytes <= 0:
-            return 0.0
-        if path == "host":
-            wait = (self.hw.runtime.result_wait_s() if dst_set == ON_CONTROLLER
-                    else self.hw.runtime.send_wait_s() if src_set == ON_CONTROLLER else 0.0)
-            return coll.host_transfer(self.hw, nbytes) + wait
-        return coll.point_to_point(self.hw, nbytes, self.same_node(src_set, dst_set))
+        same = transfer_path(src_set, dst_set) == "direct" and self.same_node(src_set, dst_set)
+        return transfer_seconds(self.hw, src_set, dst_set, nbytes, same)
 
     # -- memory -----------------------------------------------------------------------------------
     @cached_property
