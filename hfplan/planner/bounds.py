@@ -5,8 +5,9 @@ set's weight sync at its cheaper case), whatever it is colocated with. A colocat
 has a tighter one, over the choices that fit together.
 
 An allocation is built set by set (a prefix of sizes), using at most the cluster's GPUs. Its bound is
-the schedule rule's longest path (hfplan.simulator.schedule) with every call at its floor and free
-transfers. Idle GPUs (Rules.idle_gpus) change nothing here: the floor of a set not yet sized is over
+the schedule rule's longest path (hfplan.simulator.schedule) with every call at its floor and every
+transfer at the cheaper of its costs on and off one node (mapping.least_transfer_seconds). Idle GPUs
+(Rules.idle_gpus) change nothing here: the floor of a set not yet sized is over
 every size it can still get, at most what is left.
 For a set not yet sized, the floor is taken over every size it could still get, so the bound of a
 prefix is below the bound of every allocation that extends it: a prefix whose bound cannot beat the
@@ -71,6 +72,8 @@ class SetTable(NamedTuple):
     why: dict[int, str]  # size index -> why the set cannot fit on that size
     best_rows: np.ndarray  # (sizes, nodes): the elementwise least row over every feasible size up to each
     best_switch: np.ndarray
+    apart: np.ndarray  # (sizes,): switch where the set shares no node with the actor's (GeneratorRows.apart)
+    best_apart: np.ndarray  # (sizes,): best_switch where the set shares no node with the actor's (GeneratorRows.apart)
     padded: dict[int, int]  # Floors.padded_sizes
 
 
@@ -213,8 +216,16 @@ class Floors:
                     rows[j], switch[j] = bound.row, bound.switch
             best_rows = np.minimum.accumulate(np.where(feasible[:, None], rows, np.inf), axis=0)
             best_switch = np.minimum.accumulate(np.where(feasible, switch, np.inf))
-            self.caches.set_tables[key] = SetTable(rows, switch, feasible, why, best_rows, best_switch,
-                                                   self.padded_sizes(roles, sizes, plans))
+            apart = switch.copy()
+            if self.facts.generator == ROLLOUT and ROLLOUT in roles:
+                for j, size in enumerate(sizes):
+                    gen = self.generator_rows(roles, size) if feasible[j] else None
+                    if gen is not None:
+                        apart[j] = gen.apart.min()
+            best_apart = np.minimum.accumulate(np.where(feasible, apart, np.inf))
+            padded = self.padded_sizes(roles, sizes, plans)
+            self.caches.set_tables[key] = SetTable(rows, switch, feasible, why, best_rows, best_switch, apart,
+                                                   best_apart, padded)
         return self.caches.set_tables[key]
 
     def generator_rows(self, roles: tuple[str, ...], gpus: int) -> GeneratorRows | None:
@@ -348,6 +359,8 @@ class PlacementBounds:
         self.why = {(i, j): why for i, t in enumerate(tables) for j, why in t.why.items()}
         self.best_rows = np.stack([t.best_rows for t in tables])
         self.best_switch = np.stack([t.best_switch for t in tables])
+        self.apart_switch = np.stack([t.apart for t in tables])
+        self.best_apart = np.stack([t.best_apart for t in tables])
         held = [i for i, roles in enumerate(placement) if facts.generator in roles]
         self.gen_set = held[0] if held else None  # the set holding the generating role
         self.actor_set = where.get(facts.trained_generator)  # the set whose weights a rollout set receives
@@ -389,6 +402,9 @@ class PlacementBounds:
             return None
         row = self.best_rows[len(prefix):, j].sum(axis=0)
         switch = float(self.best_switch[len(prefix):, j].sum())
+        if prefix and self._apart_unsized(prefix[:-1], np.array(prefix[-1:]))[0]:
+            g = self.gen_set
+            switch += float(self.best_apart[g, j] - self.best_switch[g, j])
         if not np.all(np.isfinite(row)) or not np.isfinite(switch):
             return None
         return row, switch
@@ -436,10 +452,16 @@ class PlacementBounds:
         if unsized_after:
             # the largest size each later set could get (>= 0: size 1 exists)
             limits = np.searchsorted(self.sizes, left - self.size_array[js] - (unsized_after - 1), side="right") - 1
+            apart = self._apart_unsized(prefix, self.size_array[js])
             for i in range(index + 1, self.k):
                 rows += self.best_rows[i, limits]
-                switches += self.best_switch[i, limits]
+                switches += np.where(apart, self.best_apart[i, limits], self.best_switch[i, limits]) \
+                    if i == self.gen_set else self.best_switch[i, limits]
         rows[~self.feasible[index, js]] = np.inf
+        if self.gen_set is not None and self.gen_set <= index:
+            g = self.gen_set  # sized: its switch across nodes where it cannot share one with the actor's set
+            switches += self._gen_switch(prefix, js) - (self.switch[g, js] if g == index
+                                                        else self.switch[g, self.index_of[prefix[g]]])
         bounds = self._makespans(rows.copy(), switches)
         if self.gen_set is not None and self.gen_set <= index:
             low = np.flatnonzero(bounds < threshold)
@@ -486,7 +508,7 @@ class PlacementBounds:
         grid = rows[owner]
         grid[:, self.gen_cols] = table.rows[option]
         own = np.where(apart[owner], table.apart[option], table.switch[option])
-        spans = self._makespans(grid, switches[owner] - self.switch[g, gen_js[owner]] + own)
+        spans = self._makespans(grid, switches[owner] - self._gen_switch(prefix, js)[owner] + own)
         np.minimum.at(out, owner, spans)
         return out
 
@@ -527,6 +549,14 @@ class PlacementBounds:
                 out = np.maximum(out, best)
         return out
 
+    def _gen_switch(self, prefix: tuple[int, ...], js: list[int]) -> np.ndarray:
+        """For each child (the next set at size index in `js`), once the set holding the generating role is sized:
+        its least switch, across nodes where it cannot share a node with the actor's set (_apart)."""
+        g, index = self.gen_set, len(prefix)
+        gen_js = np.array(js) if g == index else np.full(len(js), self.index_of[prefix[g]])
+        apart = self._apart(prefix, self.size_array[gen_js], self.size_array[js])
+        return np.where(apart, self.apart_switch[g, gen_js], self.switch[g, gen_js])
+
     @cached_property
     def _generator_table(self) -> _GeneratorTable:
         """Floors.generator_rows of the set holding the generating role at every size, stacked."""
@@ -554,6 +584,17 @@ class PlacementBounds:
             return np.zeros(len(child), dtype=bool)
         actor = child if a == index else np.full(len(child), prefix[a])
         return gen_sizes + actor > self.facts.gpus_per_node
+
+    def _apart_unsized(self, prefix: tuple[int, ...], child: np.ndarray) -> np.ndarray:
+        """For each child (the next set at `child` GPUs) of `prefix`: whether the set holding the generating role, not
+        sized yet, shares no node with the actor's whatever size it gets. The actor's set sized at a node or more
+        does: two sets share a node only if their GPUs together fit on it (_apart), and the other takes one GPU
+        at least. False where the actor's set is not sized, or holds the generating role."""
+        a, index = self.actor_set, len(prefix)
+        if a is None or a > index or a == self.gen_set or self.gen_set is None or self.gen_set <= index:
+            return np.zeros(len(child), dtype=bool)
+        actor = child if a == index else np.full(len(child), prefix[a])
+        return actor >= self.facts.gpus_per_node
 
     def completions(self, prefix: tuple[int, ...]) -> int:
         """How many complete allocations start with `prefix`."""
