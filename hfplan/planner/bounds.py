@@ -72,8 +72,8 @@ class SetTable(NamedTuple):
     why: dict[int, str]  # size index -> why the set cannot fit on that size
     best_rows: np.ndarray  # (sizes, nodes): the elementwise least row over every feasible size up to each
     best_switch: np.ndarray
-    apart: np.ndarray  # (sizes,): switch where the set shares no node with the actor's (GeneratorRows.apart)
-    best_apart: np.ndarray  # (sizes,): best_switch where the set shares no node with the actor's (GeneratorRows.apart)
+    apart: np.ndarray  # (sizes,): switch where the set shares no node with the actor's (least GeneratorRows.apart)
+    best_apart: np.ndarray  # (sizes,): the least of apart over every feasible size up to each
     padded: dict[int, int]  # Floors.padded_sizes
 
 
@@ -253,7 +253,6 @@ class Floors:
                 result = GeneratorRows(rows[kept], choices.switch[kept], apart[kept])
             self.caches.generator_rows[key] = result
         return self.caches.generator_rows[key]
-
 
     def option_seconds(self, role: str, gpus: int) -> np.ndarray | None:
         """The own calls' seconds (columns as in own_nodes) of each of the role's options on `gpus` GPUs, only the rows
