@@ -432,31 +432,43 @@ def test_prefix_bounds_are_below_every_allocation_under_them(lab, name):
     assert tighter
 
 
-@pytest.mark.parametrize("name", ["ppo-4gpu-2nodes", "grpo-4gpu-2nodes", "ppo-tight-4gpu-2nodes"])
-def test_role_option_bounds_are_below_every_allocation_under_them(lab, name):
-    """A child's bound by each role's options (PlacementBounds._by_role_option: a trained role's update and inference
-    calls from one option, not each at its fastest over options) is at most the exhaustive best of every allocation
-    under it, and above the bound without it for some child, or the rule would prune nothing."""
+def _without_role_options(pb) -> None:
+    pb._by_role_option = lambda prefix, js, rows, switches: np.full(len(js), -np.inf)
+
+
+def _without_sync_across_nodes(pb) -> None:
+    pb.apart_switch, pb.best_apart = pb.switch, pb.best_switch
+
+
+@pytest.mark.parametrize("rule", [_without_role_options, _without_sync_across_nodes])
+def test_tighter_bounds_are_below_every_allocation_under_them(lab, rule):
+    """Each rule that tightens children's bounds, taken away (`rule`): by each role's options (PlacementBounds.
+    _by_role_option: a trained role's update and inference calls from one option, not each at its fastest over
+    options), and a rollout set's weight sync across nodes where it cannot share one with the actor's set, sized or
+    not (apart_switch, best_apart). With it every bound of three small cases is at most the exhaustive best of every
+    allocation under it, and above the bound without it for some child, or the rule would prune nothing."""
     from hfplan.planner.bounds import PlacementBounds
 
-    cluster, reference, contexts = _own_contexts(lab, name)
     tighter = 0
-    for ctx in contexts:
-        for placement in ctx.placements:
-            pb = PlacementBounds(ctx.bounds, placement, cluster.gpus)
-            without = PlacementBounds(ctx.bounds, placement, cluster.gpus)
-            without._by_role_option = lambda prefix, js, rows, switches: np.full(len(js), -np.inf)
-            todo = [()]
-            while todo:
-                prefix = todo.pop()
-                if len(prefix) == pb.k:
-                    continue
-                for (child, bound, _), (_, loose, _) in zip(pb.children(prefix), without.children(prefix), strict=True):
-                    best = min((r.best_s for (p, a), r in reference.items()
-                                if p == placement and a[:len(child)] == child), default=math.inf)
-                    assert loose <= bound <= best * (1 + 1e-9), (placement, child, loose, bound, best)
-                    tighter += loose < bound < math.inf
-                    todo.append(child)
+    for name in ["ppo-4gpu-2nodes", "grpo-4gpu-2nodes", "ppo-tight-4gpu-2nodes"]:
+        cluster, reference, contexts = _own_contexts(lab, name)
+        for ctx in contexts:
+            for placement in ctx.placements:
+                pb = PlacementBounds(ctx.bounds, placement, cluster.gpus)
+                without = PlacementBounds(ctx.bounds, placement, cluster.gpus)
+                rule(without)
+                todo = [()]
+                while todo:
+                    prefix = todo.pop()
+                    if len(prefix) == pb.k:
+                        continue
+                    for (child, bound, _), (_, loose, _) in zip(pb.children(prefix), without.children(prefix),
+                                                                strict=True):
+                        best = min((r.best_s for (p, a), r in reference.items()
+                                    if p == placement and a[:len(child)] == child), default=math.inf)
+                        assert loose <= bound <= best * (1 + 1e-9), (name, placement, child, loose, bound, best)
+                        tighter += loose < bound < math.inf
+                        todo.append(child)
     assert tighter
 
 
