@@ -240,6 +240,12 @@ class Runtime(_Strict):
                                         "for it (the call started, its arguments read, its outputs stored), paid "
                                         "by every role call; None: controller_call_us, as for a profile written "
                                         "before the field")
+    rank_dispatch_us: float = Field(
+        default=0.0, ge=0, description="how much later each rank past the first of a set starts a call the "
+                                       "controller sends to every rank (one Ray task per rank, each reaching its "
+                                       "worker after the one before), which the call's end waits for: its last "
+                                       "rank ends that much later; measured with two ranks, charged per rank past "
+                                       "the first")
     controller_step_us: float = Field(default=0.0, ge=0, description="fixed cost of one step the controller "
                                                                      "runs itself (advantages, a rule reward)")
     controller_send_us: float | None = Field(
@@ -348,9 +354,11 @@ class Runtime(_Strict):
         """Seconds of fixed cost per tensor-parallel collective of a generation step (tp_step_collective_us)."""
         return self.tp_step_collective_us * 1e-6
 
-    def call_dispatch_s(self) -> float:
-        """Seconds a role call costs its worker beyond its work (Ray's start of it, arguments, outputs)."""
-        return (self.controller_call_us if self.call_dispatch_us is None else self.call_dispatch_us) * 1e-6
+    def call_dispatch_s(self, ranks: int = 1) -> float:
+        """Seconds a role call on `ranks` ranks costs beyond its work (Ray's start of it on each rank, arguments,
+        outputs), until its last rank has started."""
+        base = self.controller_call_us if self.call_dispatch_us is None else self.call_dispatch_us
+        return (base + (ranks - 1) * self.rank_dispatch_us) * 1e-6
 
     def controller_send_s(self) -> float:
         """Seconds from a controller step's end to the start of the call it feeds on an idle worker."""
