@@ -36,7 +36,12 @@ Assumptions common to the cases:
 - The shipped profiles' engine step (`runtime.engine_step_us`, 4 ms) is vLLM's Python scheduler's host work per step.
   gpt-fast does not pay it (`_engine_without_host_step`): it replays each decode step as one CUDA graph (generate.py:
   `torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)`), so its steps are their kernels alone.
-  TensorRT-LLM's session publishes no per-step host figure: its cases keep the shipped one.
+  TensorRT-LLM's session publishes no per-step host figure: its cases keep the shipped one. gpt-fast also sets
+  `torch._inductor.config.coordinate_descent_tuning = True` (generate.py), under which inductor decomposes an mm
+  with one row into an elementwise product and a sum over K (torch/_inductor/decomposition.py, `mm`: "Our matrix
+  vector multiplies only achieve peak bandwidth with coordinate descent tuning"): a batch-1 step's GEMMs are
+  Triton reductions on the CUDA cores, not tensor-core tiles padded to 64 or 128 rows (`_gpt_fast`,
+  Compute.matrix_vector "reduction").
 - TensorRT-LLM v0.6.1's generation phase ran its masked multi-head attention kernel (the engines are built with
   `--use_gpt_attention_plugin`; its XQA kernel for grouped-query attention came in v0.8, per the repository's
   docs/source/blogs/XQA-kernel.md: "using tensor cores ... reducing data loading and conversion", up to 2.4x the
@@ -132,6 +137,14 @@ def _engine_without_host_step(name: str) -> HardwareProfile:
     hw = _hw(name)
     runtime = hw.runtime.model_copy(update={"engine_step_us": 0.0, "engine_step_continuous_us": None})
     return hw.model_copy(update={"runtime": runtime})
+
+
+@cache
+def _gpt_fast(name: str) -> HardwareProfile:
+    """The shipped profile with gpt-fast's engine: no host work between steps (_engine_without_host_step) and its
+    one-row GEMMs run as reductions (Compute.matrix_vector, module docstring)."""
+    hw = _engine_without_host_step(name)
+    return hw.model_copy(update={"compute": hw.compute.model_copy(update={"matrix_vector": "reduction"})})
 
 
 @cache
@@ -322,8 +335,7 @@ def decode_cases() -> list[Case]:
     cases = [Case("decode", f"{model} a100-80g tp{tp} bs1", "tokens/s", tok,
                   GPTFAST.format(table="Tensor Parallelism table" if tp > 1 else "Benchmarks table",
                                  row=f"{model}, {tp} GPU(s), Base"),
-                  lambda name=name, tp=tp: _batch1_tokens_per_s(_engine_without_host_step("a100-80g"), CATALOG[name],
-                                                                tp, 5 + 100))
+                  lambda name=name, tp=tp: _batch1_tokens_per_s(_gpt_fast("a100-80g"), CATALOG[name], tp, 5 + 100))
              for model, name, tp, tok in fast]
     # TensorRT-LLM peak throughput (static batching, gptSessionBenchmark): one batch of `batch` sequences, output
     # tokens per second per GPU. The A100 table's heading says only "out tok/s"; it is read as per GPU, as the H100

@@ -80,9 +80,17 @@ class Compute(_Strict):
                                        "CUDA cores, each reading its KV head's cache through L2: TensorRT-LLM's "
                                        "masked multi-head attention before its XQA kernel, vLLM's paged attention "
                                        "v1/v2 kernels)")
+    matrix_vector: Literal["tiled", "reduction"] = Field(
+        default="tiled", description="how the stack runs a product of one row by a weight matrix (a batch-1 decode "
+                                     "step's GEMMs): tiled (its GEMM library's tensor-core tiles, `gemm`, padded to "
+                                     "the tile's rows) or reduction (an elementwise product summed over K on the "
+                                     "CUDA cores in fp32, as torch.compile decomposes a one-row mm under "
+                                     "coordinate-descent tuning, which gpt-fast sets): the weights' read at the "
+                                     "memory bandwidth, or the math at vector_tflops where that is slower")
     vector_tflops: float | None = Field(
         default=None, gt=0, description="fp32 peak of the CUDA cores (not the tensor cores), TFLOP/s: the rate of a "
-                                        "per_query_head decode attention's math; None: not limited by it")
+                                        "per_query_head decode attention's math and of a reduction matrix_vector "
+                                        "product's; None: not limited by it")
     overlap_slowdown: float = Field(
         default=0.0, ge=0, description="how much slower compute kernels run while a collective runs beside them "
                                        "(its kernels hold SMs and memory bandwidth), as a fraction: 0.2 = 20% "
