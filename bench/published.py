@@ -25,6 +25,11 @@ Assumptions common to the cases:
   gradient clipping by norm stream 92 bytes per parameter, as the shipped model's torch AdamW and clip do
   (`costs.ADAM_PASS_BYTES`): the lerp the torch one uses is a mul and an add there, and its weight-decay pass is
   skipped at weight decay 0, 8 bytes each way.
+- The MPT runs' stack (the results' Image column, llm-foundry commit beb8dee scripts/train/benchmarking/h100new.md:
+  mosaicml/pytorch:2.1.0_cu121-nightly20230827, where submit_benchmarks.py installs torch 2.1.0.dev20230821+cu121 and
+  mosaicml/composer 784f50be): composer's mixed precision "DEFAULT" sets a bf16 param_dtype and leaves reduce_dtype
+  unset (get_mixed_precision), which torch's FSDP1 takes as the param_dtype: gradients are reduce-scattered in bf16
+  (`_with_bf16_gradient_reduction`; the shipped profiles reduce in fp32, as the executor's FSDP2 does).
 - FSDP's all-gathers and reduce-scatters run beside the compute they overlap, which they slow by the shipped
   profiles' `compute.overlap_slowdown` (18.9%, Lee et al., arXiv 2507.03114); each micro-batch's first and last
   layers' collectives have nothing beside them (`sharding.exposed_step_comm`).
@@ -184,6 +189,11 @@ def _with_attention_rate(name: str, points: tuple[tuple[int, float], ...] | None
     return hw.model_copy(update={"compute": hw.compute.model_copy(update={"attention_rate": points})})
 
 
+def _with_bf16_gradient_reduction(hw: HardwareProfile) -> HardwareProfile:
+    """The profile with FSDP1's gradient reduction in bf16 (Compute.gradient_reduce_bytes 2, module docstring)."""
+    return hw.model_copy(update={"compute": hw.compute.model_copy(update={"gradient_reduce_bytes": 2})})
+
+
 def gpt_arch(name: str, layers: int, hidden: int, heads: int, vocab: int, rotary_dim: int, tied: bool = True
              ) -> ModelArch:
     """A GPT-style model: a GeLU MLP 4h wide, multi-head attention, `rotary_dim` rotated dimensions per head."""
@@ -276,7 +286,7 @@ def _foundry(table: str, hw_name: str, size: str, gpus: int, seq: int, micro: in
 
     def predict() -> float:
         attention = TRITON_ATTENTION_A100 if hw_name == "a100-80g" else _triton_attention_h100()
-        hw = _with_attention_rate(hw_name, attention)
+        hw = _with_bf16_gradient_reduction(_with_attention_rate(hw_name, attention))
         if inter_node is not None:
             inter = hw.links.inter_node.model_copy(update={"bandwidth_gbytes_per_s": inter_node})
             hw = hw.model_copy(update={"links": hw.links.model_copy(update={"inter_node": inter})})

@@ -62,6 +62,10 @@ class Compute(_Strict):
     kernel_overhead_us: float = Field(ge=0, description="fixed cost of one kernel (launch, tail effects)")
     value_bytes: int = Field(default=2, description="bytes of one weight or activation value in the precision "
                                                     "the device computes in: 2 (bf16) on GPUs, 4 (fp32) on CPUs")
+    gradient_reduce_bytes: Literal[2, 4] = Field(
+        default=4, description="bytes of one gradient value as data-parallel ranks reduce it: 4 (fp32, as the "
+                               "executor's FSDP2 reduces, MixedPrecisionPolicy reduce_dtype float32) or 2 (bf16: "
+                               "torch's FSDP1 with a bf16 param_dtype and reduce_dtype unset reduces in param_dtype)")
     attention: Literal["flash", "eager"] = Field(default="flash", description="attention kernel of the stack: "
                                                                                "flash (fused, scores stay on chip) "
                                                                                "or eager (scores through memory)")
