@@ -25,10 +25,11 @@ Assumptions common to the cases:
   gradient clipping by norm stream 92 bytes per parameter, as the shipped model's torch AdamW and clip do
   (`costs.ADAM_PASS_BYTES`): the lerp the torch one uses is a mul and an add there, and its weight-decay pass is
   skipped at weight decay 0, 8 bytes each way.
-- The MPT runs' stack (the results' Image column, llm-foundry commit beb8dee scripts/train/benchmarking/h100new.md:
+- The MPT runs' stack (11 of the 12 rows; A100's 70b row, not listed there, is priced alike): the results' Image
+  column (llm-foundry commit beb8dee, scripts/train/benchmarking/h100new.md) names
   mosaicml/pytorch:2.1.0_cu121-nightly20230827, where submit_benchmarks.py installs torch 2.1.0.dev20230821+cu121 and
-  mosaicml/composer 784f50be): composer's mixed precision "DEFAULT" sets a bf16 param_dtype and leaves reduce_dtype
-  unset (get_mixed_precision), which torch's FSDP1 takes as the param_dtype: gradients are reduce-scattered in bf16
+  mosaicml/composer 784f50be, whose mixed precision "DEFAULT" sets a bf16 param_dtype and leaves reduce_dtype unset
+  (get_mixed_precision), which torch's FSDP1 takes as the param_dtype: gradients are reduce-scattered in bf16
   (`_with_bf16_gradient_reduction`; the shipped profiles reduce in fp32, as the executor's FSDP2 does).
 - FSDP's all-gathers and reduce-scatters run beside the compute they overlap, which they slow by the shipped
   profiles' `compute.overlap_slowdown` (18.9%, Lee et al., arXiv 2507.03114); each micro-batch's first and last
