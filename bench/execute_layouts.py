@@ -26,31 +26,11 @@ from pathlib import Path
 
 from execute_speed import compute_per_call, run_executor  # bench/ is the script's folder, hence on sys.path
 
-from hfplan.layout import generating_role, layouts_of
-from hfplan.plan import GenConfig, InferConfig, PlacementSet, Plan, RoleParallelism, TrainConfig
+from hfplan.plan import Plan, colocated_plan
 from hfplan.simulator.engine import simulate_plan
-from hfplan.spec import Workload, load_workload, make_cluster
+from hfplan.spec import load_workload
 
 LAYOUTS = ((1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 2, 1), (2, 2, 1))  # (tp, pp, dp)
-
-
-def layout_plan(workload: Workload, tp: int, pp: int, dp: int, hardware: str) -> Plan:
-    """Every model role on one set of tp * pp * dp processes: training and inference tp x pp x dp, generation
-    tp x (pp * dp) (one stage)."""
-    generator = generating_role(workload)
-    per_rank = workload.sequences // workload.mini_batches // dp
-    parallelism = {}
-    for role in workload.model_roles:
-        kinds = layouts_of(workload, role, generator)
-        parallelism[role] = RoleParallelism(
-            train=TrainConfig(tp=tp, pp=pp, dp=dp, micro_batch=per_rank // pp, shard=dp > 1)
-            if "train" in kinds else None,
-            infer=InferConfig(tp=tp, pp=pp, dp=dp, micro_batch=workload.sequences // dp // pp),
-            gen=GenConfig(tp=tp, dp=pp * dp) if "gen" in kinds else None,
-        )
-    gpus = tp * pp * dp
-    return Plan(workload=workload, cluster=make_cluster(gpus, hardware),
-                placement=[PlacementSet(models=list(workload.model_roles), gpus=gpus)], parallelism=parallelism)
 
 
 def simulated_per_call(plan: Plan) -> dict[str, float]:
@@ -91,7 +71,7 @@ def main() -> None:
             gpus = tp * pp * dp
             if gpus > args.max_processes:
                 continue
-            plan = layout_plan(workload, tp, pp, dp, args.hardware)
+            plan = colocated_plan(workload, tp, pp, dp, args.hardware)
             simulated = simulated_per_call(plan)
             started = time.perf_counter()
             name = f"tp{tp} pp{pp} dp{dp}"

@@ -25,6 +25,12 @@ Assumptions common to the cases:
   gradient clipping by norm stream 92 bytes per parameter, as the shipped model's torch AdamW and clip do
   (`costs.ADAM_PASS_BYTES`): the lerp the torch one uses is a mul and an add there, and its weight-decay pass is
   skipped at weight decay 0, 8 bytes each way.
+- The MPT runs' stack (11 of the 12 rows; A100's 70b row, not listed there, is priced alike): the results' Image
+  column (llm-foundry commit beb8dee, scripts/train/benchmarking/h100new.md) names
+  mosaicml/pytorch:2.1.0_cu121-nightly20230827, where submit_benchmarks.py installs torch 2.1.0.dev20230821+cu121 and
+  mosaicml/composer 784f50be, whose mixed precision "DEFAULT" sets a bf16 param_dtype and leaves reduce_dtype unset
+  (get_mixed_precision), which torch's FSDP1 takes as the param_dtype: gradients are reduce-scattered in bf16
+  (`_with_bf16_gradient_reduction`; the shipped profiles reduce in fp32, as the executor's FSDP2 does).
 - FSDP's all-gathers and reduce-scatters run beside the compute they overlap, which they slow by the shipped
   profiles' `compute.overlap_slowdown` (18.9%, Lee et al., arXiv 2507.03114); each micro-batch's first and last
   layers' collectives have nothing beside them (`sharding.exposed_step_comm`).
@@ -36,7 +42,12 @@ Assumptions common to the cases:
 - The shipped profiles' engine step (`runtime.engine_step_us`, 4 ms) is vLLM's Python scheduler's host work per step.
   gpt-fast does not pay it (`_engine_without_host_step`): it replays each decode step as one CUDA graph (generate.py:
   `torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)`), so its steps are their kernels alone.
-  TensorRT-LLM's session publishes no per-step host figure: its cases keep the shipped one.
+  TensorRT-LLM's session publishes no per-step host figure: its cases keep the shipped one. gpt-fast also sets
+  `torch._inductor.config.coordinate_descent_tuning = True` (generate.py), under which inductor decomposes an mm
+  with one row into an elementwise product and a sum over K (torch/_inductor/decomposition.py, `mm`: "Our matrix
+  vector multiplies only achieve peak bandwidth with coordinate descent tuning"): a batch-1 step's GEMMs are
+  Triton reductions on the CUDA cores, not tensor-core tiles padded to 64 or 128 rows (`_gpt_fast`,
+  Compute.matrix_vector "reduction").
 - TensorRT-LLM v0.6.1's generation phase ran its masked multi-head attention kernel (the engines are built with
   `--use_gpt_attention_plugin`; its XQA kernel for grouped-query attention came in v0.8, per the repository's
   docs/source/blogs/XQA-kernel.md: "using tensor cores ... reducing data loading and conversion", up to 2.4x the
@@ -135,6 +146,14 @@ def _engine_without_host_step(name: str) -> HardwareProfile:
 
 
 @cache
+def _gpt_fast(name: str) -> HardwareProfile:
+    """The shipped profile with gpt-fast's engine: no host work between steps (_engine_without_host_step) and its
+    one-row GEMMs run as reductions (Compute.matrix_vector, module docstring)."""
+    hw = _engine_without_host_step(name)
+    return hw.model_copy(update={"compute": hw.compute.model_copy(update={"matrix_vector": "reduction"})})
+
+
+@cache
 def _with_decode_attention(name: str, kernel: str) -> HardwareProfile:
     """The shipped profile with the published engine's decode attention kernel (Compute.decode_attention)."""
     hw = _hw(name)
@@ -169,6 +188,11 @@ def _with_attention_rate(name: str, points: tuple[tuple[int, float], ...] | None
     if points is None:
         return hw
     return hw.model_copy(update={"compute": hw.compute.model_copy(update={"attention_rate": points})})
+
+
+def _with_bf16_gradient_reduction(hw: HardwareProfile) -> HardwareProfile:
+    """The profile with FSDP1's gradient reduction in bf16 (Compute.gradient_reduce_bytes 2, module docstring)."""
+    return hw.model_copy(update={"compute": hw.compute.model_copy(update={"gradient_reduce_bytes": 2})})
 
 
 def gpt_arch(name: str, layers: int, hidden: int, heads: int, vocab: int, rotary_dim: int, tied: bool = True
@@ -263,7 +287,7 @@ def _foundry(table: str, hw_name: str, size: str, gpus: int, seq: int, micro: in
 
     def predict() -> float:
         attention = TRITON_ATTENTION_A100 if hw_name == "a100-80g" else _triton_attention_h100()
-        hw = _with_attention_rate(hw_name, attention)
+        hw = _with_bf16_gradient_reduction(_with_attention_rate(hw_name, attention))
         if inter_node is not None:
             inter = hw.links.inter_node.model_copy(update={"bandwidth_gbytes_per_s": inter_node})
             hw = hw.model_copy(update={"links": hw.links.model_copy(update={"inter_node": inter})})
@@ -322,8 +346,7 @@ def decode_cases() -> list[Case]:
     cases = [Case("decode", f"{model} a100-80g tp{tp} bs1", "tokens/s", tok,
                   GPTFAST.format(table="Tensor Parallelism table" if tp > 1 else "Benchmarks table",
                                  row=f"{model}, {tp} GPU(s), Base"),
-                  lambda name=name, tp=tp: _batch1_tokens_per_s(_engine_without_host_step("a100-80g"), CATALOG[name],
-                                                                tp, 5 + 100))
+                  lambda name=name, tp=tp: _batch1_tokens_per_s(_gpt_fast("a100-80g"), CATALOG[name], tp, 5 + 100))
              for model, name, tp, tok in fast]
     # TensorRT-LLM peak throughput (static batching, gptSessionBenchmark): one batch of `batch` sequences, output
     # tokens per second per GPU. The A100 table's heading says only "out tok/s"; it is read as per GPU, as the H100

@@ -31,12 +31,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from execute_layouts import LAYOUTS, layout_plan  # bench/ is the script's folder, hence on sys.path
+from execute_layouts import LAYOUTS  # bench/ is the script's folder, hence on sys.path
 
 from hfplan.dataflow.ops import PHASES
 from hfplan.executor.controller import ExecuteOptions
 from hfplan.layout import ROLLOUT
-from hfplan.plan import Plan
+from hfplan.plan import Plan, colocated_plan
 from hfplan.planner.search import search
 from hfplan.planner.strategies import Rules
 from hfplan.spec import BUILTIN_WORKLOADS, RULE_PREFIX, Workload, make_cluster, workload_from_dict
@@ -144,7 +144,7 @@ def main() -> None:
                <= args.max_processes]
     plans: list[tuple[str, Plan]] = []
     for name, workload in workloads(args.model).items():
-        plans += [(f"{name} t{tp}p{pp}d{dp}", layout_plan(workload, tp, pp, dp, args.hardware))
+        plans += [(f"{name} t{tp}p{pp}d{dp}", colocated_plan(workload, tp, pp, dp, args.hardware))
                   for tp, pp, dp in layouts]
         if not args.quick and args.max_processes >= 2:
             plans += [(f"{name} {label}", plan) for label, plan in placed_plans(workload, args.hardware)]

@@ -826,7 +826,7 @@ def validate(
                                                                             f"{plan_title(plan)}"))])
     if as_json:
         body = {"plan": str(plan_path), "iterations": iterations, "response_len_mean": result.response_len_mean,
-                "other_cpu_cores": result.other_cpu_cores,
+                "other_cpu_cores": result.other_cpu_cores, "rank_start_spread_s": result.rank_start_spread_s,
                 "pace": result.pace.to_json() if result.pace is not None else None, **result.comparison.to_json()}
         sys.stdout.write(json.dumps(body, indent=2) + "\n")
         return
@@ -864,6 +864,11 @@ def render_validation(result) -> None:
         console.print(f"other processes used {result.other_cpu_cores:.2f} of the machine's {os.cpu_count()} cores "
                       "during the compared iterations (their work slows the run and no profile predicts it)",
                       highlight=False)
+    if result.rank_start_spread_s is not None:
+        charged = result.plan.cluster.profile.runtime.rank_dispatch_us
+        console.print(f"ranks' start spread: a task sent to every rank of a set started on its last rank a median "
+                      f"{result.rank_start_spread_s * 1e3:.2f} ms after its first (the profile charges "
+                      f"{charged / 1e3:.2f} ms per rank past the first, runtime.rank_dispatch_us)", highlight=False)
     if result.pace is not None:
         pace = result.pace
         console.print(f"machine pace: the probe (a decode step of the tiny model) took {pace.before_s * 1e6:,.0f} us "

@@ -21,13 +21,14 @@ from hfplan.files import read_mapping
 from hfplan.layout import (
     ROLLOUT,
     call_set,
+    generating_role,
     generation_role,
     layouts_of,
     nesting_problem,
     set_index,
     staleness_problem,
 )
-from hfplan.spec import Cluster, Workload
+from hfplan.spec import Cluster, Workload, make_cluster
 
 # ROLLOUT (re-exported): the pseudo-role of a separate generation engine (weights synced from the actor
 # each iteration, as OpenRLHF does). Without it the actor generates on its own GPUs (hybrid engine).
@@ -430,3 +431,23 @@ def load_plan(path: str | Path) -> Plan:
     if not path.is_file():
         raise HfplanError(f"plan file not found: {path}")
     return plan_from_dict(read_mapping(path, "plan"), str(path))
+
+
+def colocated_plan(workload: Workload, tp: int, pp: int, dp: int, hardware: str) -> Plan:
+    """Every model role on one set of tp * pp * dp devices of `hardware`: training and inference in that layout
+    (sharded ZeRO-3 where dp > 1, a pipeline's mini-batch in pp micro-batches), generation at tp in one stage of
+    pp * dp replicas."""
+    generator = generating_role(workload)
+    per_rank = workload.sequences // workload.mini_batches // dp
+    parallelism = {}
+    for role in workload.model_roles:
+        kinds = layouts_of(workload, role, generator)
+        parallelism[role] = RoleParallelism(
+            train=TrainConfig(tp=tp, pp=pp, dp=dp, micro_batch=per_rank // pp, shard=dp > 1)
+            if "train" in kinds else None,
+            infer=InferConfig(tp=tp, pp=pp, dp=dp, micro_batch=workload.sequences // dp // pp),
+            gen=GenConfig(tp=tp, dp=pp * dp) if "gen" in kinds else None,
+        )
+    gpus = tp * pp * dp
+    return Plan(workload=workload, cluster=make_cluster(gpus, hardware),
+                placement=[PlacementSet(models=list(workload.model_roles), gpus=gpus)], parallelism=parallelism)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hfplan.plan import Span
-from hfplan.profiler.call_gaps import call_gaps, gaps_of, probe_plan, probe_workload
+from hfplan.profiler.call_gaps import call_gaps, gaps_of, probe_plan, probe_workload, spread_probe_plan
 from hfplan.profiles.hardware import load_hardware
 
 
@@ -60,24 +60,28 @@ def test_a_timeline_without_an_advantage_step_between_calls_is_refused():
         call_gaps([no_gae])
 
 
-def test_the_probe_is_ppo_with_an_advantage_step_on_one_device(tmp_path):
+def test_the_probe_is_ppo_with_an_advantage_step_on_one_device_and_then_on_two(tmp_path):
     workload = probe_workload()
     assert workload.algorithm == "ppo" and workload.response_len == 8
     plan = probe_plan(load_hardware("cpu"), tmp_path)
     assert plan.cluster.gpus == 1 and len(plan.placement) == 1
     assert set(plan.placement[0].models) >= {"actor", "critic"}
+    two = spread_probe_plan(load_hardware("cpu"), tmp_path)
+    assert [s.gpus for s in two.placement] == [2] and set(two.placement[0].models) == set(workload.model_roles)
+    assert all(layout.dp == 2 for p in two.parallelism.values() for layout in (p.train, p.infer, p.gen) if layout)
 
 
 @pytest.mark.slow
 def test_a_probe_run_of_the_executor_gives_positive_gaps(ray_driver, tmp_path):
-    """The probe executed for real (in the test session's Ray): every figure measured and positive, the round
-    trip through the controller longer than a queued call's gap (it holds one and more), and the worker's own
-    resident memory."""
+    """The probe executed for real (in the test session's Ray), on one rank and on two: every figure measured and
+    positive (the two ranks of a task cannot start at one instant), the round trip through the controller longer
+    than a queued call's gap (it holds one and more), and the worker's own resident memory."""
     pytest.importorskip("torch")
     from hfplan.profiler.call_gaps import measure_call_gaps
 
-    gaps = measure_call_gaps(load_hardware("cpu"))
+    gaps = measure_call_gaps(load_hardware("cpu"), ranks=2)
     assert gaps.call_dispatch_s > 0 and gaps.controller_step_s > 0
+    assert gaps.rank_dispatch_s is not None and 0 < gaps.rank_dispatch_s < 0.1
     assert gaps.controller_call_s > gaps.call_dispatch_s
     # On CPU, the worker's own memory beyond the probe plan's simulated peak: the interpreter and torch at least.
     assert gaps.worker_resident_gib is not None and 0.1 < gaps.worker_resident_gib < 4

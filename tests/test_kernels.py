@@ -89,6 +89,32 @@ def test_gemv_shaped_decode_gemm_is_weight_read_bound_on_h100():
     assert gemm_time(unsplit, m, k, n) > 1.5 * gemm_time(hw, m, k, n)
 
 
+def _reduction(hw):
+    return hw.model_copy(update={"compute": hw.compute.model_copy(update={"matrix_vector": "reduction"})})
+
+
+def test_reduction_matrix_vector_reads_the_weights_without_tile_padding():
+    # gpt-fast's batch-1 gate/up GEMM of Llama-2-70B at tp 4 on A100: 1 x 8192 by 8192 x 14336. Tiled, its 112 output
+    # tiles of 128 x 128 exceed the 108 SMs (no split-K), so two waves each walk all of K: priced compute-bound.
+    # As a reduction it reads the bf16 weights and the row and writes the output at 2039 GB/s x 0.88; its 2kn fp32
+    # multiply-adds at 19.5 TFLOP/s (12 us) are hidden under the read (131 us).
+    hw = load_hardware("a100-80g")
+    m, k, n = 1, 8192, 14336
+    expected = 4e-6 + 2 * (k + k * n + n) / (2039e9 * 0.88)
+    assert gemm_time(_reduction(hw), m, k, n) == pytest.approx(expected, rel=1e-12)
+    assert gemm_time(hw, m, k, n) > 1.5 * expected
+    # Only one row is decomposed: two rows keep the tiled kernel.
+    assert gemm_time(_reduction(hw), 2, k, n) == gemm_time(hw, 2, k, n)
+
+
+def test_reduction_matrix_vector_is_math_bound_where_the_cuda_cores_are_slower():
+    # A toy with CUDA cores so slow that 2kn fp32 operations outlast the weights' read.
+    hw = _reduction(load_hardware("a100-80g"))
+    slow = hw.model_copy(update={"compute": hw.compute.model_copy(update={"vector_tflops": 0.01})})
+    k, n = 4096, 4096
+    assert gemm_time(slow, 1, k, n) == pytest.approx(4e-6 + 2 * k * n / 1e10, rel=1e-12)
+
+
 def test_shipped_gpu_profiles_split_k():
     assert all(load_hardware(n).compute.gemm.split_k for n in ("a100-80g", "h100-80g", "h200-141g"))
 

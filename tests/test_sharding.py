@@ -71,6 +71,15 @@ def test_step_communication_by_hand(toy_hw, small_arch, shard, group, n_micro, e
     assert got == pytest.approx(expected, rel=1e-12)
 
 
+def test_bf16_gradient_reduction_moves_half_the_bytes(toy_hw, small_arch):
+    # Compute.gradient_reduce_bytes 2 (FSDP1 reducing in its bf16 param_dtype): the reduce-scatter moves 2P, not 4P.
+    hw = toy_hw.model_copy(update={"compute": toy_hw.compute.model_copy(update={"gradient_reduce_bytes": 2})})
+    got = sharding.exposed_step_comm(hw, small_arch, _config("full", dp=4), SetShape(4, 8), "lm", 0.0, 0.0, 2)
+    assert got == pytest.approx(2 * 3 * _ring(4, 2 * P), rel=1e-12)
+    got = sharding.exposed_step_comm(hw, small_arch, _config("replicated", dp=4), SetShape(4, 8), "lm", 0.0, 0.0, 1)
+    assert got == pytest.approx(_ring(4, 2 * P, passes=2), rel=1e-12)
+
+
 def test_backward_hides_the_gradient_reduction_but_not_the_weight_gather(toy_hw, small_arch):
     where, long = SetShape(4, 8), 10.0
     assert sharding.exposed_step_comm(toy_hw, small_arch, _config("replicated", dp=4), where, "lm", 0, long, 3) == 0

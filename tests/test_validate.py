@@ -213,6 +213,7 @@ def test_two_iterations_compared_as_json(tiny_plan_file, tmp_path, ray_driver):
     assert memory["measured"] > 0 and memory["simulated"] > 0
     assert f"simulated: {label}" in chart.read_text() and f"measured: {label}" in chart.read_text()
     assert body["other_cpu_cores"] is None or body["other_cpu_cores"] >= 0.0
+    assert body["rank_start_spread_s"] is None  # the tiny plan's sets are one rank each
     pace = body["pace"]  # the tiny plan's profile was measured on CPU processes: the probe ran around the run
     assert pace["profiled_step_s"] == pytest.approx(profiled_step_seconds(load_hardware("cpu")))
     assert pace["before_step_s"] > 0 and pace["after_step_s"] > 0

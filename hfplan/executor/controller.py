@@ -104,6 +104,7 @@ class IterationReport:
     samples: list[Sample] = field(default_factory=list)  # the first `samples` sequences as text (eval's after)
     eval_spans: list[Span] = field(default_factory=list)  # the evaluation after it, if any (evaluation.py)
     sampled: dict = field(default_factory=dict)  # its sampled sequences' fields (sampled_outputs), for on_iteration
+    rank_start_spreads: list[float] = field(default_factory=list)  # Recorder.rank_start_spreads
 
 
 @dataclass
@@ -474,7 +475,8 @@ def finish_iteration_report(plan: Plan, options: ExecuteOptions, checked, roles,
     metrics = iteration_metrics(plan, iteration, elapsed, recorder, update_metrics, progress.state)
     samples = take_samples(iteration, options.samples, sampled_outputs(recorder), recorder.texts.get(False),
                            checked.decode_prompts, checked.decode_responses) if options.samples else []
-    report = IterationReport(iteration, metrics, list(recorder.spans), samples, sampled=sampled_outputs(recorder))
+    report = IterationReport(iteration, metrics, list(recorder.spans), samples, sampled=sampled_outputs(recorder),
+                             rank_start_spreads=list(recorder.rank_start_spreads))
     progress.iteration += 1
     if checked.eval_set is not None and evaluation.due(progress.iteration, options.eval_every, options.iterations):
         evaluated = evaluation.run_eval(plan, roles, checked, recorder, iteration, options.samples)

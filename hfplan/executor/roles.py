@@ -56,6 +56,9 @@ class Recorder:
     # (prompts, responses) as a controller reward decoded them, by greedy: what --samples shows without decoding
     texts: dict[bool, tuple[list[str], list[str]]] = field(default_factory=dict)
     deferred: list[Callable[[], None]] = field(default_factory=list)  # spans taken when the iteration finishes
+    # Seconds from the first to the last rank's start of each Ray task sent to every rank of a multi-rank set
+    # (its first call's first stretch): what the profiler reads as Runtime.rank_dispatch_us.
+    rank_start_spreads: list[float] = field(default_factory=list)
 
     def start_iteration(self, prompt_columns: dict[str, list] | None = None, origin: float | None = None) -> None:
         """A new recording (a training iteration, or an evaluation): spans from now (or from `origin`, where its
@@ -65,6 +68,7 @@ class Recorder:
         self.observed = {}
         self.texts = {}
         self.calls = []
+        self.rank_start_spreads = []
         self.start_batch(prompt_columns)
 
     def start_batch(self, prompt_columns: dict[str, list] | None = None) -> None:
@@ -108,11 +112,16 @@ class Recorder:
             self.span(role, op, ON_CONTROLLER, min(max(asked, *ends), now), now, kind="transfer")
         return fields
 
-    def worker_spans(self, role: str, op: str, set_index: int, results: list[dict]) -> None:
+    def worker_spans(self, role: str, op: str, set_index: int, results: list[dict], opens_task: bool = False
+                     ) -> None:
         """One span per stretch of call `op`, from the first rank's start to the last rank's end; every
-        stretch (its input transfer, its layout switches) in the call's phase (timed_phase)."""
+        stretch (its input transfer, its layout switches) in the call's phase (timed_phase). `opens_task`: the
+        call was the first of the Ray task each rank got (its ranks' start spread is the dispatch's)."""
         per_rank = [[(t, self.clock_offsets[(set_index, rank)]) for t in result["spans"]]
                     for rank, result in enumerate(results)]
+        if opens_task and len(per_rank) > 1 and all(per_rank):
+            starts = [timed[0][0].start - timed[0][1] for timed in per_rank]
+            self.rank_start_spreads.append(max(starts) - min(starts))
         for i, (first, _) in enumerate(per_rank[0]):
             start = min(timed[i][0].start - timed[i][1] for timed in per_rank)
             end = max(timed[i][0].end - timed[i][1] for timed in per_rank)
@@ -189,6 +198,7 @@ class Dispatch:
                 mine = [call for call in calls if rank in call.args]
                 if not mine:
                     continue
+                mine[0].opens_task = True
                 refs = worker.calls.options(num_returns=len(mine)).remote(
                     *wire.pack([call.args.pop(rank) for call in mine]))
                 for call, ref in zip(mine, refs if len(mine) > 1 else [refs], strict=True):
@@ -209,6 +219,7 @@ class PendingCall:
         self.collect, self.rows, self.recorder, self.dispatch = collect, rows, recorder, dispatch
         self.describe_failure, self.timeout_s, self.call_id = describe_failure, timeout_s, call_id
         self.refs: list = [None] * len(workers)
+        self.opens_task = False  # the first call of a Ray task its ranks got (Dispatch.send)
         self._outputs: dict | None = None
         self.ended = 0.0  # when its last rank finished (the controller's clock), once its outputs are fetched
         dispatch.held.append(self)
@@ -247,7 +258,7 @@ class PendingCall:
             for result in results:
                 if isinstance(result, wire.CallFailed):  # the worker's own error, as Ray's would read
                     raise RunFailed(self.describe_failure(RuntimeError(result.error)))
-            self.recorder.worker_spans(self.label[0], self.label[1], self.set_index, results)
+            self.recorder.worker_spans(self.label[0], self.label[1], self.set_index, results, self.opens_task)
             offsets = self.recorder.clock_offsets
             self.ended = max(timed.end - offsets[(self.set_index, rank)]
                              for rank, result in enumerate(results) for timed in result["spans"])
@@ -445,7 +456,8 @@ class ActorRole(WorkerGroupRole):
             results = ray.get([w.leave_generation.remote() for w in self.workers.workers], timeout=self.timeout_s)
         except Exception as failure:
             raise RunFailed(self.workers.describe_failure(self.name, "reshard back", failure)) from failure
-        self.recorder.worker_spans(self.name, "generate", self.workers.index, [{"spans": s} for s in results])
+        self.recorder.worker_spans(self.name, "generate", self.workers.index, [{"spans": s} for s in results],
+                                   opens_task=True)
 
     def sync_rollout(self) -> None:
         """Each rank of the actor puts, per rollout rank, the slices of that rank's generation shard it holds

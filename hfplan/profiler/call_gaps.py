@@ -13,6 +13,9 @@ few iterations in the profiler's Ray session, and its measured timelines give th
   simulator charges an edge into the controller the round trip less its sending side, an edge out of it the
   sending side less a call's dispatch, and the call its dispatch: the gap in all.
 - controller_step_us: the median seconds of that step itself, as the executor's controller runs it.
+- rank_dispatch_us (where the profiled world has two devices): the probe again on one set of two ranks (data
+  parallel), and the median spread between its ranks' starts of each Ray task the controller sent to both: the
+  second rank's task reaches its worker that much after the first's, and the call ends that much later.
 
 On a CPU profile it also gives memory.worker_resident_gib: the worker's measured peak resident memory less the
 simulator's peak for the probe plan (what a worker process holds beyond the model states the simulator counts:
@@ -31,12 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hfplan.measure import typical
-from hfplan.plan import Plan, Span
+from hfplan.plan import Plan, Span, colocated_plan
 from hfplan.profiles.hardware import HardwareProfile, Runtime
 from hfplan.spec import BUILTIN_WORKLOADS, Workload, make_cluster, workload_from_dict
 
 # The Runtime fields it measures.
-CALL_FIELDS = ("call_dispatch_us", "controller_call_us", "controller_step_us", "controller_send_us")
+CALL_FIELDS = ("call_dispatch_us", "controller_call_us", "controller_step_us", "controller_send_us", "rank_dispatch_us")
 PROBE_ITERATIONS = 8  # the first a warm-up
 ADVANTAGE_STEP = ("controller", "gae")  # the controller step whose gaps are read (PPO's)
 
@@ -48,6 +51,7 @@ class CallGaps:
     controller_step_s: float
     controller_send_s: float
     worker_resident_gib: float | None = None  # on a CPU profile; None on a GPU (its peak is allocated memory)
+    rank_dispatch_s: float | None = None  # None: not measured (a world of one device)
 
 
 def probe_workload() -> Workload:
@@ -55,14 +59,24 @@ def probe_workload() -> Workload:
     return workload_from_dict(dict(BUILTIN_WORKLOADS["demo"], response_len=8), "call-gap-probe")
 
 
-def probe_plan(profile: HardwareProfile, folder: Path) -> Plan:
-    """The search's plan for the probe on one device of `profile` (its rates fitted, its runtime not yet: the
-    plan only has to run, on the device kind the profile names)."""
-    from hfplan.planner.search import search
-
+def _probe_hardware(profile: HardwareProfile, folder: Path) -> str:
+    """`profile` as a file, its rates fitted, its runtime not yet (a probe plan only has to run, on the device
+    kind the profile names)."""
     path = folder / "probe-hardware.yaml"
     path.write_text(profile.model_copy(update={"runtime": Runtime()}).to_yaml())
-    return search(probe_workload(), make_cluster(1, str(path))).best
+    return str(path)
+
+
+def probe_plan(profile: HardwareProfile, folder: Path) -> Plan:
+    """The search's plan for the probe on one device of `profile`."""
+    from hfplan.planner.search import search
+
+    return search(probe_workload(), make_cluster(1, _probe_hardware(profile, folder))).best
+
+
+def spread_probe_plan(profile: HardwareProfile, folder: Path) -> Plan:
+    """The probe on one set of two devices, every role data parallel over both."""
+    return colocated_plan(probe_workload(), 1, 1, 2, _probe_hardware(profile, folder))
 
 
 def _calls(spans: Sequence[Span]) -> list[tuple[float, float]]:
@@ -110,19 +124,39 @@ def call_gaps(iterations: Sequence[Sequence[Span]]) -> CallGaps:
     return CallGaps(typical(queued), typical(around), typical(steps), typical(sends))
 
 
-def measure_call_gaps(profile: HardwareProfile) -> CallGaps:
-    """Execute the probe plan in the Ray session this process holds and read its gaps (and, on CPU, the
-    worker's own resident memory)."""
+def rank_dispatch(iterations: Sequence[Sequence[float]]) -> float:
+    """The median start spread of the measured iterations' tasks on two ranks (IterationReport.rank_start_spreads)."""
+    spreads = [spread for spreads in iterations for spread in spreads]
+    if not spreads:
+        raise ValueError("the two-rank probe recorded no task sent to both ranks")
+    return typical(spreads)
+
+
+def _run_probe(plan: Plan, out: Path) -> tuple[list, object]:
+    """The measured iterations' reports (the first, a warm-up, left out) and the run's summary."""
     from hfplan.executor.controller import ExecuteOptions, execute
-    from hfplan.simulator.engine import simulate_plan
 
     reports: list = []
+    options = ExecuteOptions(iterations=PROBE_ITERATIONS, out=out, call_timeout_s=300, start_timeout_s=300)
+    summary = execute(plan, options, reports.append)
+    return reports[1:], summary
+
+
+def measure_call_gaps(profile: HardwareProfile, ranks: int = 1) -> CallGaps:
+    """Execute the probe plan in the Ray session this process holds and read its gaps (and, on CPU, the
+    worker's own resident memory); with `ranks` >= 2 (the session has room for two workers), the two-rank probe
+    too."""
+    from hfplan.simulator.engine import simulate_plan
+
     with tempfile.TemporaryDirectory(prefix="hfplan-profile-probe-") as folder:
         plan = probe_plan(profile, Path(folder))
-        options = ExecuteOptions(iterations=PROBE_ITERATIONS, out=Path(folder) / "run", call_timeout_s=300,
-                                 start_timeout_s=300)
-        summary = execute(plan, options, reports.append)
-        gaps = call_gaps([r.spans for r in reports[1:]])
+        reports, summary = _run_probe(plan, Path(folder) / "run-one-rank")
+        gaps = call_gaps([r.spans for r in reports])
+        if ranks >= 2:
+            spread_reports, _ = _run_probe(spread_probe_plan(profile, Path(folder)),
+                                           Path(folder) / "run-two-ranks")
+            gaps = dataclasses.replace(gaps, rank_dispatch_s=rank_dispatch([r.rank_start_spreads
+                                                                            for r in spread_reports]))
         if not profile.on_host:
             return gaps
         measured_gib = max(summary.peak_memory_bytes.values()) / 2**30

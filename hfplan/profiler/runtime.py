@@ -146,6 +146,8 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
         rows += [_row("controller_step", gaps.controller_step_s, 0.0),
                  _row("controller_call", gaps.controller_call_s, 0.0), _row("call_dispatch", gaps.call_dispatch_s, 0.0),
                  _row("controller_send", gaps.controller_send_s, 0.0)]
+        if gaps.rank_dispatch_s is not None:
+            rows.append(_row("rank_dispatch", gaps.rank_dispatch_s, 0.0, world=2))
     runtime = Runtime(forward_pass_us=round(train.forward_us, 2), forward_token_us=round(per_token.forward_us, 3),
                       train_token_us=round(per_token.train_us, 3),
                       engine_step_us=round(max(0.0, fixed_us(step_s, step_model) - sequence_us), 2),
@@ -156,6 +158,8 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
                       call_dispatch_us=round(gaps.call_dispatch_s * 1e6, 2) if gaps else None,
                       controller_step_us=round(gaps.controller_step_s * 1e6, 2) if gaps else 0.0,
                       controller_send_us=round(gaps.controller_send_s * 1e6, 2) if gaps else None,
+                      rank_dispatch_us=round(gaps.rank_dispatch_s * 1e6, 2)
+                      if gaps and gaps.rank_dispatch_s is not None else 0.0,
                       engine_step_continuous_us=round(max(0.0, fixed_us(continuous_s, step_model) - sequence_us),
                                                       2),
                       train_pass_us=round(train.pass_us, 2), optimizer_tensor_us=round(train.tensor_us, 3),
@@ -528,24 +532,25 @@ def _ray_worker(device: Device, profile: HardwareProfile, min_time: float) -> Ra
     if ray.is_initialized():
         return None
     gpus = 1 if device.kind == "cuda" else 0
+    ranks = min(2, device.world_size)  # the call-gap probe's second run needs two devices' slots
     with tempfile.TemporaryDirectory(prefix="hfplan-profile-ray-") as folder:
-        ray.init(num_cpus=1, num_gpus=gpus, include_dashboard=False, logging_level=logging.WARNING,
-                 log_to_driver=False, **local_ray_options(folder))
+        ray.init(num_cpus=ranks if device.kind == "cpu" else 1, num_gpus=gpus * ranks, include_dashboard=False,
+                 logging_level=logging.WARNING, log_to_driver=False, **local_ray_options(folder))
         try:
             timer = ray.remote(num_gpus=gpus)(_EngineTimer).remote()
             resident = ray.get(timer.resident_bytes.remote(), timeout=300)
             engines = ray.get(timer.time_engines.remote(device, min_time), timeout=900)
             ray.kill(timer)  # its device and memory go back before the probe's worker starts
-            return RayCosts(resident, engines, _probe_gaps(profile))
+            return RayCosts(resident, engines, _probe_gaps(profile, ranks))
         finally:
             ray.shutdown()
 
 
-def _probe_gaps(profile: HardwareProfile) -> CallGaps | None:
+def _probe_gaps(profile: HardwareProfile, ranks: int) -> CallGaps | None:
     from hfplan.executor.errors import RunFailed
 
     try:
-        return measure_call_gaps(profile)
+        return measure_call_gaps(profile, ranks)
     except (RunFailed, HfplanError, ValueError) as failure:
         logger.warning("the executor's call gaps were not measured (the probe run failed: %s)", failure)
         return None

@@ -62,6 +62,10 @@ class Compute(_Strict):
     kernel_overhead_us: float = Field(ge=0, description="fixed cost of one kernel (launch, tail effects)")
     value_bytes: int = Field(default=2, description="bytes of one weight or activation value in the precision "
                                                     "the device computes in: 2 (bf16) on GPUs, 4 (fp32) on CPUs")
+    gradient_reduce_bytes: Literal[2, 4] = Field(
+        default=4, description="bytes of one gradient value as data-parallel ranks reduce it: 4 (fp32, as the "
+                               "executor's FSDP2 reduces, MixedPrecisionPolicy reduce_dtype float32) or 2 (bf16: "
+                               "torch's FSDP1 with a bf16 param_dtype and reduce_dtype unset reduces in param_dtype)")
     attention: Literal["flash", "eager"] = Field(default="flash", description="attention kernel of the stack: "
                                                                                "flash (fused, scores stay on chip) "
                                                                                "or eager (scores through memory)")
@@ -80,9 +84,17 @@ class Compute(_Strict):
                                        "CUDA cores, each reading its KV head's cache through L2: TensorRT-LLM's "
                                        "masked multi-head attention before its XQA kernel, vLLM's paged attention "
                                        "v1/v2 kernels)")
+    matrix_vector: Literal["tiled", "reduction"] = Field(
+        default="tiled", description="how the stack runs a product of one row by a weight matrix (a batch-1 decode "
+                                     "step's GEMMs): tiled (its GEMM library's tensor-core tiles, `gemm`, padded to "
+                                     "the tile's rows) or reduction (an elementwise product summed over K on the "
+                                     "CUDA cores in fp32, as torch.compile decomposes a one-row mm under "
+                                     "coordinate-descent tuning, which gpt-fast sets): the weights' read at the "
+                                     "memory bandwidth, or the math at vector_tflops where that is slower")
     vector_tflops: float | None = Field(
         default=None, gt=0, description="fp32 peak of the CUDA cores (not the tensor cores), TFLOP/s: the rate of a "
-                                        "per_query_head decode attention's math; None: not limited by it")
+                                        "per_query_head decode attention's math and of a reduction matrix_vector "
+                                        "product's; None: not limited by it")
     overlap_slowdown: float = Field(
         default=0.0, ge=0, description="how much slower compute kernels run while a collective runs beside them "
                                        "(its kernels hold SMs and memory bandwidth), as a fraction: 0.2 = 20% "
@@ -240,6 +252,12 @@ class Runtime(_Strict):
                                         "for it (the call started, its arguments read, its outputs stored), paid "
                                         "by every role call; None: controller_call_us, as for a profile written "
                                         "before the field")
+    rank_dispatch_us: float = Field(
+        default=0.0, ge=0, description="how much later each rank past the first of a set starts a call the "
+                                       "controller sends to every rank (one Ray task per rank, each reaching its "
+                                       "worker after the one before), which the call's end waits for: its last "
+                                       "rank ends that much later; measured with two ranks, charged per rank past "
+                                       "the first")
     controller_step_us: float = Field(default=0.0, ge=0, description="fixed cost of one step the controller "
                                                                      "runs itself (advantages, a rule reward)")
     controller_send_us: float | None = Field(
@@ -348,9 +366,11 @@ class Runtime(_Strict):
         """Seconds of fixed cost per tensor-parallel collective of a generation step (tp_step_collective_us)."""
         return self.tp_step_collective_us * 1e-6
 
-    def call_dispatch_s(self) -> float:
-        """Seconds a role call costs its worker beyond its work (Ray's start of it, arguments, outputs)."""
-        return (self.controller_call_us if self.call_dispatch_us is None else self.call_dispatch_us) * 1e-6
+    def call_dispatch_s(self, ranks: int = 1) -> float:
+        """Seconds a role call on `ranks` ranks costs beyond its work (Ray's start of it on each rank, arguments,
+        outputs), until its last rank has started."""
+        base = self.controller_call_us if self.call_dispatch_us is None else self.call_dispatch_us
+        return (base + (ranks - 1) * self.rank_dispatch_us) * 1e-6
 
     def controller_send_s(self) -> float:
         """Seconds from a controller step's end to the start of the call it feeds on an idle worker."""

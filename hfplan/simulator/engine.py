@@ -83,7 +83,7 @@ def schedule(dag: Dag, plan_costs: PlanCosts) -> list[Scheduled]:
         role = points.get(node.id)
         switch = plan_costs.switch_seconds(role) if role is not None else 0.0
         index = plan_costs.set_of(node)
-        dispatch = costs.call_dispatch(plan_costs.hw) if index >= 0 else 0.0
+        dispatch = costs.call_dispatch(plan_costs.hw, plan_costs.placement[index][1]) if index >= 0 else 0.0
         out.append(Scheduled(node, index, plan_costs.node_seconds(node), switch, role, dispatch))
     return out
 

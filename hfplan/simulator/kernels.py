@@ -82,10 +82,24 @@ def split_k_bytes(tiling: GemmTiling | None, m: float, k: float, n: float) -> fl
     return 2.0 * (splits - 1) * FP32 * m * n
 
 
+def reduction_matrix_vector_time(hw: HardwareProfile, k: float, n: float) -> float:
+    """One row times a (k x n) matrix as an elementwise product summed over K (Compute.matrix_vector "reduction"):
+    no tensor-core tile to pad, so it reads the weights (and the row, writes the output) at the memory bandwidth,
+    its 2kn multiply-adds in fp32 on the CUDA cores where vector_tflops is known."""
+    nbytes = hw.compute.value_bytes * (k + k * n + n)
+    times = [nbytes / (hw.memory.bandwidth_gbytes_per_s * 1e9 * hw.memory.efficiency)]
+    if hw.compute.vector_tflops is not None:
+        times.append(2.0 * k * n / (hw.compute.vector_tflops * 1e12))
+    return hw.compute.kernel_overhead_us * 1e-6 + max(times)
+
+
 def gemm_time(hw: HardwareProfile, m: float, k: float, n: float) -> float:
-    """(m x k) @ (k x n) in the device's compute precision."""
+    """(m x k) @ (k x n) in the device's compute precision; one row (m = 1) as the stack runs it
+    (Compute.matrix_vector)."""
     if m <= 0 or k <= 0 or n <= 0:
         return 0.0
+    if m == 1 and hw.compute.matrix_vector == "reduction":
+        return reduction_matrix_vector_time(hw, k, n)
     tiling = hw.compute.gemm
     nbytes = hw.compute.value_bytes * (m * k + k * n + m * n) + split_k_bytes(tiling, m, k, n)
     return kernel_time(hw, 2.0 * m * k * n, nbytes, gemm_shape_efficiency(tiling, m, k, n))

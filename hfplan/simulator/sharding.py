@@ -6,7 +6,8 @@ master copy and Adam's two moments). Ranks of a shard group are consecutive data
 apart (the contract's rank order); hybrid sharding's replicas are the groups' counterparts, g * tp apart.
 
 Per step (one mini-batch of n micro-batches on each rank), with P the rank's parameters (after tp and
-pp), v the weight bytes and 4 the fp32 gradient bytes per parameter:
+pp), v the weight bytes and 4 the fp32 gradient bytes per parameter (Compute.gradient_reduce_bytes: 2 where the
+stack reduces bf16 gradients):
 - replicated: one all-reduce of 4P over dp, overlapped with the last backward;
 - zero1: one reduce-scatter of 4P over dp (overlapped with the last backward), then one all-gather
   of the updated weights, vP, after the optimizer step;
@@ -72,7 +73,7 @@ def _step_collectives(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, dp
     all-reduce)."""
     layout = Layout(tp=tp, pp=pp, dp=dp)
     local = stage_params(arch, pp, head) / tp
-    grads = FP32 * local
+    grads = hw.compute.gradient_reduce_bytes * local  # the gradients as the ranks reduce them (fp32 unless bf16)
     everyone = shard_group(layout, dp, where)
     if shard == "replicated":
         return coll.all_reduce(hw, everyone, grads), 0.0, 0.0

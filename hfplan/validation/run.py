@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hfplan.errors import HfplanError
+from hfplan.measure import typical
 from hfplan.plan import Plan, Span
 from hfplan.spec import Cluster
 from hfplan.validation import machine
@@ -24,6 +25,9 @@ class Validation:
     response_len_mean: float
     other_cpu_cores: float | None = None  # CPU other processes used during the compared iterations (machine.py)
     pace: machine.Pace | None = None  # the machine's speed around the run against the profile's (machine.py)
+    # The median spread between the first and last rank's start of the compared iterations' tasks sent to every
+    # rank of a multi-rank set (None: no such set), beside what the simulator charges per rank past the first.
+    rank_start_spread_s: float | None = None
 
 
 def with_profile(plan: Plan, profile: Path | None) -> Plan:
@@ -102,8 +106,10 @@ def validate(plan: Plan, options, labels: Sequence[str],
     measured_gib = peak_gib_per_set(summary.peak_memory_bytes, len(plan.placement))
     comparison = compare(simulated, measured, predicted_gib(costed, result.estimate.peak_memory_gib), measured_gib,
                          labels)
+    spreads = [spread for r in timed for spread in r.rank_start_spreads]
     return Validation(comparison, costed, simulated, measured[-1], mean_len,
-                      machine.other_cores(readings.get("before"), readings.get("after")), pace)
+                      machine.other_cores(readings.get("before"), readings.get("after")), pace,
+                      typical(spreads) if spreads else None)
 
 
 def side_by_side(simulated: Sequence[Span], measured: Sequence[Span], labels: Sequence[str]
