@@ -22,25 +22,44 @@ from tests.support.processes import start_cli, stop_all, tagged, wait_for
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def plan_file(tmp_path):
-    path = tmp_path / "plan.json"
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
     path.write_text(cpu_plan(tiny_workload("ppo"), [(("actor", "critic", "reference"), 2)]).to_json())
     return path
 
 
-def start_long_run(tmp_path, plan_file, *args):
-    """A run of many iterations, a checkpoint after each; returns once the first one is complete."""
-    out = tmp_path / "run"
-    cli = start_cli(tmp_path / "log", "execute", plan_file, "--out", out, "--iterations", 200, "--checkpoint-every", 1,
+def start_long_run(folder, plan_file, *args):
+    """A run of many iterations, a checkpoint after each (wait_first_checkpoint waits for the first)."""
+    out = folder / "run"
+    cli = start_cli(folder / "log", "execute", plan_file, "--out", out, "--iterations", 200, "--checkpoint-every", 1,
                     *args)
-    wait_for(lambda: latest(out) is not None, 300, "first checkpoint", cli)
     return cli, out
+
+
+def wait_first_checkpoint(cli, out) -> None:
+    wait_for(lambda: latest(out) is not None, 300, "first checkpoint", cli)
+
+
+@pytest.fixture(scope="module")
+def interruptible_runs(tmp_path_factory, plan_file):
+    """The Ctrl-C tests' runs, each on a Ray of its own, started together by the first of them (by whether the
+    SIGINT goes to the process group): much of a run's start is waiting (Ray's start-up, its processes' polls,
+    the rendezvous), which the two runs overlap; each test interrupts its own."""
+    runs = {}
+    try:
+        for to_group in (False, True):
+            runs[to_group] = start_long_run(tmp_path_factory.mktemp("ctrl-c"), plan_file)
+        yield runs
+    finally:
+        for cli, _ in runs.values():
+            stop_all(cli)
 
 
 def test_a_killed_worker_stops_the_run_naming_its_set_and_rank(tmp_path, plan_file, ray_cluster):
     cli, out = start_long_run(tmp_path, plan_file, "--address", ray_cluster)
     try:
+        wait_first_checkpoint(cli, out)
         pid = json.loads((out / "workers.json").read_text())["pids"]["set 0 rank 1"]
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
@@ -61,10 +80,11 @@ def test_a_killed_worker_stops_the_run_naming_its_set_and_rank(tmp_path, plan_fi
 
 
 @pytest.mark.parametrize("to_group", [False, True], ids=["to the CLI", "to its process group, as a terminal does"])
-def test_ctrl_c_stops_every_process_and_says_how_to_resume(tmp_path, plan_file, to_group):
+def test_ctrl_c_stops_every_process_and_says_how_to_resume(interruptible_runs, to_group):
     """On a Ray of the run's own: its processes, Ray's too, carry the run's tag."""
-    cli, out = start_long_run(tmp_path, plan_file)
+    cli, out = interruptible_runs[to_group]
     try:
+        wait_first_checkpoint(cli, out)
         assert len(tagged(cli.tag)) > 3  # the CLI, Ray's own processes and the two workers
         (os.killpg if to_group else os.kill)(cli.proc.pid, signal.SIGINT)
         code = cli.wait(60)
