@@ -48,7 +48,11 @@ def start_cli(log: Path, *args) -> Cli:
 
 
 def run_cli(log: Path, *args, timeout: float = 300) -> Cli:
-    cli = start_cli(log, *args)
+    return finish(start_cli(log, *args), timeout)
+
+
+def finish(cli: Cli, timeout: float = 300) -> Cli:
+    """Wait for a started `hfplan` to end, then kill what is left of it."""
     try:
         cli.wait(timeout)
     finally:
