@@ -55,7 +55,9 @@ def started(tmp_path_factory, plan_file, whole_run, ray_cluster, shared_runs) ->
     """The module's runs of `hfplan execute` on the session's cluster, started together (their ranks fit in it
     side by side): most of such a run's seconds go to starting it (imports, connecting, its workers' imports,
     polls), which the runs overlap. Each test waits on its own: by name, the run's process, its folder and its
-    metrics before it started."""
+    metrics before it started. The shared runs they read are made first: the run killed at its second
+    checkpoint must not run on meanwhile."""
+    safe_rlhf = shared_runs.get(safe_rlhf_plan(), **SAFE_RLHF_RUN).out
     runs = {}
     try:
         folder = tmp_path_factory.mktemp("killed")
@@ -73,12 +75,11 @@ def started(tmp_path_factory, plan_file, whole_run, ray_cluster, shared_runs) ->
         # kept; test_execute reads the run too) resumed to its end.
         folder = tmp_path_factory.mktemp("safe-rlhf")
         (folder / "plan.json").write_text(safe_rlhf_plan().to_json())
-        whole = shared_runs.get(safe_rlhf_plan(), **SAFE_RLHF_RUN).out
         first = Path("checkpoints") / "iteration-000001"
-        shutil.copytree(whole / first, folder / "copy" / first)
+        shutil.copytree(safe_rlhf / first, folder / "copy" / first)
         runs["safe-rlhf"] = (start_cli(folder / "log", "execute", folder / "plan.json", "--out", folder / "copy",
                                        "--iterations", 3, "--resume", "--address", ray_cluster),
-                             folder / "copy", metrics(whole))
+                             folder / "copy", metrics(safe_rlhf))
         yield runs
     finally:
         for cli, *_ in runs.values():
