@@ -1,5 +1,6 @@
 """Failures of a running `hfplan execute`: a worker killed mid-run stops the run within seconds, naming its
-role, set and rank, and leaves the last checkpoint loadable; Ctrl-C stops every process and says how to resume."""
+role, set and rank, and leaves the last checkpoint loadable; a death on an idle set stops the wait on another.
+(Ctrl-C: test_local_runs.)"""
 
 from __future__ import annotations
 
@@ -17,49 +18,30 @@ from hfplan.executor.placement import DeathWatch, failure_namer
 from hfplan.executor.resume import latest, read_checkpoint
 from hfplan.executor.roles import WorkerSet
 from tests.support.executor_runs import cpu_plan, tiny_workload
-from tests.support.processes import start_cli, stop_all, tagged, wait_for
+from tests.support.processes import start_cli, stop_all, wait_for
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def plan_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("plan") / "plan.json"
+@pytest.fixture
+def plan_file(tmp_path):
+    path = tmp_path / "plan.json"
     path.write_text(cpu_plan(tiny_workload("ppo"), [(("actor", "critic", "reference"), 2)]).to_json())
     return path
 
 
-def start_long_run(folder, plan_file, *args):
-    """A run of many iterations, a checkpoint after each (wait_first_checkpoint waits for the first)."""
-    out = folder / "run"
-    cli = start_cli(folder / "log", "execute", plan_file, "--out", out, "--iterations", 200, "--checkpoint-every", 1,
+def start_long_run(tmp_path, plan_file, *args):
+    """A run of many iterations, a checkpoint after each; returns once the first one is complete."""
+    out = tmp_path / "run"
+    cli = start_cli(tmp_path / "log", "execute", plan_file, "--out", out, "--iterations", 200, "--checkpoint-every", 1,
                     *args)
-    return cli, out
-
-
-def wait_first_checkpoint(cli, out) -> None:
     wait_for(lambda: latest(out) is not None, 300, "first checkpoint", cli)
-
-
-@pytest.fixture(scope="module")
-def interruptible_runs(tmp_path_factory, plan_file):
-    """The Ctrl-C tests' runs, each on a Ray of its own, started together by the first of them (by whether the
-    SIGINT goes to the process group): much of a run's start is waiting (Ray's start-up, its processes' polls,
-    the rendezvous), which the two runs overlap; each test interrupts its own."""
-    runs = {}
-    try:
-        for to_group in (False, True):
-            runs[to_group] = start_long_run(tmp_path_factory.mktemp("ctrl-c"), plan_file)
-        yield runs
-    finally:
-        for cli, _ in runs.values():
-            stop_all(cli)
+    return cli, out
 
 
 def test_a_killed_worker_stops_the_run_naming_its_set_and_rank(tmp_path, plan_file, ray_cluster):
     cli, out = start_long_run(tmp_path, plan_file, "--address", ray_cluster)
     try:
-        wait_first_checkpoint(cli, out)
         pid = json.loads((out / "workers.json").read_text())["pids"]["set 0 rank 1"]
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
@@ -77,25 +59,6 @@ def test_a_killed_worker_stops_the_run_naming_its_set_and_rank(tmp_path, plan_fi
     last = latest(out)
     read_checkpoint(last)
     assert set(export_checkpoint(last, tmp_path / "hf")) == {"actor", "critic"}
-
-
-@pytest.mark.parametrize("to_group", [False, True], ids=["to the CLI", "to its process group, as a terminal does"])
-def test_ctrl_c_stops_every_process_and_says_how_to_resume(interruptible_runs, to_group):
-    """On a Ray of the run's own: its processes, Ray's too, carry the run's tag."""
-    cli, out = interruptible_runs[to_group]
-    try:
-        wait_first_checkpoint(cli, out)
-        assert len(tagged(cli.tag)) > 3  # the CLI, Ray's own processes and the two workers
-        (os.killpg if to_group else os.kill)(cli.proc.pid, signal.SIGINT)
-        code = cli.wait(60)
-        wait_for(lambda: not tagged(cli.tag), 30, "end of every process of the run")
-    finally:
-        stop_all(cli)
-    output = cli.output()
-    assert code == 130, output
-    hint = next(line for line in output.splitlines() if line.startswith("interrupted"))
-    assert f"--out {out} --resume" in hint, hint
-    assert str(latest(out).parent) in hint
 
 
 def test_a_death_on_an_idle_set_stops_the_wait(ray_driver):
