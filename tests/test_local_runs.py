@@ -58,16 +58,14 @@ def command_line(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
 
 
-def owners() -> dict[str, str]:
-    """Socket inode -> the command line of the process holding it."""
+def owners(pids) -> dict[str, str]:
+    """Socket inode -> the command line of the process holding it, for the processes `pids`."""
     found = {}
-    for proc in os.listdir("/proc"):
-        if not proc.isdigit():
-            continue
+    for pid in pids:
         try:
-            command = command_line(int(proc))
-            for fd in os.listdir(f"/proc/{proc}/fd"):
-                target = os.readlink(f"/proc/{proc}/fd/{fd}")
+            command = command_line(pid)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
                 if target.startswith("socket:["):
                     found[target[8:-1]] = command
         except OSError:
@@ -83,18 +81,16 @@ RAY_PROCESSES = ("raylet", "gcs_server", "ray::", "ray/dashboard", "ray/_private
 @pytest.fixture(scope="module")
 def local_runs(tmp_path_factory):
     """Two runs of many iterations, a checkpoint after each, each on a Ray of its own, started together; keyed by
-    whether the Ctrl-C test that stops it sends SIGINT to the process group. Also what listened before they
-    started (the set of `listening()`)."""
+    whether the Ctrl-C test that stops it sends SIGINT to the process group."""
     plan_file = tmp_path_factory.mktemp("plan") / "plan.json"
     plan_file.write_text(cpu_plan(tiny_workload("ppo"), [(("actor", "critic", "reference"), 2)]).to_json())
-    before = listening()
     runs: dict[bool, tuple[Cli, Path]] = {}
     try:
         for to_group in (False, True):
             folder = tmp_path_factory.mktemp("local-run")
             runs[to_group] = (start_cli(folder / "log", "execute", plan_file, "--out", folder / "run", "--iterations",
                                         200, "--checkpoint-every", 1), folder / "run")
-        yield runs, before
+        yield runs
     finally:
         for cli, _ in runs.values():
             stop_all(cli)
@@ -105,14 +101,14 @@ def wait_first_checkpoint(cli: Cli, out: Path) -> None:
 
 
 def test_a_local_run_listens_on_loopback_only(local_runs):
-    """Once both runs have checkpointed an iteration (their workers up, their groups met)."""
-    runs, before = local_runs
-    for cli, out in runs.values():
+    """Once both runs have checkpointed an iteration (their workers up, their groups met): the sockets of their
+    processes (all carry their run's tag: other processes of this machine are not the runs')."""
+    for cli, out in local_runs.values():
         wait_first_checkpoint(cli, out)
-    held = owners()
-    wide = {(address, port): held.get(inode, "?") for address, port, inode in listening() - before
-            if not is_loopback(address)}
-    drivers = {command_line(cli.proc.pid) for cli, _ in runs.values()}
+    held = owners({pid for cli, _ in local_runs.values() for pid in tagged(cli.tag)})
+    wide = {(address, port): held[inode] for address, port, inode in listening()
+            if inode in held and not is_loopback(address)}
+    drivers = {command_line(cli.proc.pid) for cli, _ in local_runs.values()}
     unexpected = {key: who for key, who in wide.items()
                   if not any(name in who for name in RAY_PROCESSES) and who not in drivers}
     assert not unexpected, unexpected
@@ -121,7 +117,7 @@ def test_a_local_run_listens_on_loopback_only(local_runs):
 @pytest.mark.parametrize("to_group", [False, True], ids=["to the CLI", "to its process group, as a terminal does"])
 def test_ctrl_c_stops_every_process_and_says_how_to_resume(local_runs, to_group):
     """Its processes, Ray's too, carry the run's tag."""
-    cli, out = local_runs[0][to_group]
+    cli, out = local_runs[to_group]
     try:
         wait_first_checkpoint(cli, out)
         assert len(tagged(cli.tag)) > 3  # the CLI, Ray's own processes and the two workers
