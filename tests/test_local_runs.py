@@ -4,7 +4,7 @@ run listens on beyond loopback, and Ctrl-C stops every process of it and says ho
 What listens: only Ray's processes (their gRPC servers bind every interface whatever the node address; torch's
 rendezvous store runs inside a Ray worker) and the driver (the CLI), as the README's security section says. The
 test cannot tell the store from Ray's own servers inside a worker process: it fails on a listener of any other
-process, not on one of those.
+of the runs' processes, not on one of those.
 
 Both Ctrl-C tests' runs start together (a module fixture), and the listening test reads them before they are
 interrupted: much of such a run's start is waiting (Ray's start-up, its processes' polls, the rendezvous), which
