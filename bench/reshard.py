@@ -396,10 +396,13 @@ def rank_main(rank: int, world: int, folder: str, points: list, sizes: dict, buc
 
 def run_world(world: int, points: list[tuple[TrainConfig, int]], sizes: dict, bucket_bytes: int, reps: int
               ) -> list[list[dict]]:
-    """Per grid point, every rank's figures, from one spawned gloo world of `world` processes."""
+    """Per grid point, every rank's figures, from one gloo world of `world` processes. They are forked: this
+    process has imported torch and transformers but run no torch op yet, so each rank starts with them imported
+    (spawned, each would import them again: most of a quick run's time on a 2-core machine)."""
     with tempfile.TemporaryDirectory(prefix="hfplan-reshard-") as folder:
         plain = [(train.model_dump(), tp_g) for train, tp_g in points]
-        mp.spawn(rank_main, args=(world, folder, plain, sizes, bucket_bytes, reps), nprocs=world, join=True)
+        mp.start_processes(rank_main, args=(world, folder, plain, sizes, bucket_bytes, reps), nprocs=world,
+                           join=True, start_method="fork")
         per_rank = [json.loads((Path(folder) / f"{r}.json").read_text()) for r in range(world)]
     return [list(ranks) for ranks in zip(*per_rank, strict=True)]
 

@@ -16,7 +16,7 @@ if importlib.util.find_spec("torch") is None:
     # `hfplan execute` (which imports it), are not collected;
     # the planner and simulator tests, and the executor's checks that need no torch, still run.
     collect_ignore_glob = ["test_engine*.py", "test_checkpoint.py", "test_losses.py", "test_faults.py",
-                           "test_worlds.py", "test_cli_execute.py", "test_reshard_bench.py"]
+                           "test_worlds.py", "test_cli_execute.py", "test_reshard_bench.py", "test_local_runs.py"]
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """Failures of a running `hfplan execute`: a worker killed mid-run stops the run within seconds, naming its
-role, set and rank, and leaves the last checkpoint loadable; Ctrl-C stops every process and says how to resume."""
+role, set and rank, and leaves the last checkpoint loadable; a death on an idle set stops the wait on another.
+(Ctrl-C: test_local_runs.)"""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from hfplan.executor.placement import DeathWatch, failure_namer
 from hfplan.executor.resume import latest, read_checkpoint
 from hfplan.executor.roles import WorkerSet
 from tests.support.executor_runs import cpu_plan, tiny_workload
-from tests.support.processes import start_cli, stop_all, tagged, wait_for
+from tests.support.processes import start_cli, stop_all, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -58,24 +59,6 @@ def test_a_killed_worker_stops_the_run_naming_its_set_and_rank(tmp_path, plan_fi
     last = latest(out)
     read_checkpoint(last)
     assert set(export_checkpoint(last, tmp_path / "hf")) == {"actor", "critic"}
-
-
-@pytest.mark.parametrize("to_group", [False, True], ids=["to the CLI", "to its process group, as a terminal does"])
-def test_ctrl_c_stops_every_process_and_says_how_to_resume(tmp_path, plan_file, to_group):
-    """On a Ray of the run's own: its processes, Ray's too, carry the run's tag."""
-    cli, out = start_long_run(tmp_path, plan_file)
-    try:
-        assert len(tagged(cli.tag)) > 3  # the CLI, Ray's own processes and the two workers
-        (os.killpg if to_group else os.kill)(cli.proc.pid, signal.SIGINT)
-        code = cli.wait(60)
-        wait_for(lambda: not tagged(cli.tag), 30, "end of every process of the run")
-    finally:
-        stop_all(cli)
-    output = cli.output()
-    assert code == 130, output
-    hint = next(line for line in output.splitlines() if line.startswith("interrupted"))
-    assert f"--out {out} --resume" in hint, hint
-    assert str(latest(out).parent) in hint
 
 
 def test_a_death_on_an_idle_set_stops_the_wait(ray_driver):

@@ -7,12 +7,13 @@ import json
 import os
 import shutil
 import signal
+from pathlib import Path
 
 import pytest
 
 from hfplan.executor.resume import latest
 from tests.support.executor_runs import PPO_TWO_RANKS_RUN, SAFE_RLHF_RUN, cpu_plan, safe_rlhf_plan, tiny_workload
-from tests.support.processes import run_cli, start_cli, stop_all, wait_for
+from tests.support.processes import finish, run_cli, start_cli, stop_all, wait_for
 
 pytestmark = pytest.mark.slow
 SETS = [(("actor", "critic", "reference"), 2)]
@@ -49,10 +50,45 @@ def whole_run(shared_runs):
     return shared_runs.get(cpu_plan(tiny_workload("ppo"), SETS), **PPO_TWO_RANKS_RUN).out
 
 
-def test_a_killed_run_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path, plan_file, whole_run, ray_cluster):
-    out = tmp_path / "run"
-    cli = start_cli(tmp_path / "log", "execute", plan_file, "--out", out, "--iterations", 4, "--checkpoint-every", 2,
-                    "--address", ray_cluster)
+@pytest.fixture(scope="module")
+def started(tmp_path_factory, plan_file, whole_run, ray_cluster, shared_runs) -> dict:
+    """The module's runs of `hfplan execute` on the session's cluster, started together (their ranks fit in it
+    side by side): most of such a run's seconds go to starting it (imports, connecting, its workers' imports,
+    polls), which the runs overlap. Each test waits on its own: by name, the run's process, its folder and its
+    metrics before it started. The shared runs they read are made first: the run killed at its second
+    checkpoint must not run on meanwhile."""
+    safe_rlhf = shared_runs.get(safe_rlhf_plan(), **SAFE_RLHF_RUN).out
+    runs = {}
+    try:
+        folder = tmp_path_factory.mktemp("killed")
+        runs["killed"] = (start_cli(folder / "log", "execute", plan_file, "--out", folder / "run", "--iterations", 4,
+                                    "--checkpoint-every", 2, "--address", ray_cluster), folder / "run", [])
+        # A copy of the whole run (4 iterations, 2 ranks) continues to 5 on one rank.
+        folder = tmp_path_factory.mktemp("one-rank")
+        one = folder / "one.json"
+        one.write_text(cpu_plan(tiny_workload("ppo"), [(("actor", "critic", "reference"), 1)]).to_json())
+        shutil.copytree(whole_run, folder / "run")
+        runs["one rank"] = (start_cli(folder / "log", "execute", one, "--out", folder / "run", "--iterations", 5,
+                                      "--resume", "--keep", 1, "--address", ray_cluster),
+                            folder / "run", metrics(folder / "run"))
+        # A copy of a Safe-RLHF run's first checkpoint (SAFE_RLHF_RUN: 3 iterations, a checkpoint after each, all
+        # kept; test_execute reads the run too) resumed to its end.
+        folder = tmp_path_factory.mktemp("safe-rlhf")
+        (folder / "plan.json").write_text(safe_rlhf_plan().to_json())
+        first = Path("checkpoints") / "iteration-000001"
+        shutil.copytree(safe_rlhf / first, folder / "copy" / first)
+        runs["safe-rlhf"] = (start_cli(folder / "log", "execute", folder / "plan.json", "--out", folder / "copy",
+                                       "--iterations", 3, "--resume", "--address", ray_cluster),
+                             folder / "copy", metrics(safe_rlhf))
+        yield runs
+    finally:
+        for cli, *_ in runs.values():
+            stop_all(cli)
+
+
+def test_a_killed_run_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path, plan_file, whole_run, ray_cluster,
+                                                                     started):
+    cli, out, _ = started["killed"]
     try:
         wait_for(lambda: (out / "checkpoints" / "iteration-000002" / "manifest.json").is_file(), 300,
                  "checkpoint of iteration 2", cli)
@@ -76,32 +112,20 @@ def test_the_run_exports_its_actor_and_critic(whole_run):
     assert [p.name for p in sorted((whole_run / "checkpoints").iterdir())] == ["iteration-000002", "iteration-000004"]
 
 
-def test_a_two_rank_checkpoint_continues_on_one_rank(tmp_path, whole_run, ray_cluster):
-    plan = tmp_path / "one.json"
-    plan.write_text(cpu_plan(tiny_workload("ppo"), [(("actor", "critic", "reference"), 1)]).to_json())
-    out = tmp_path / "run"
-    shutil.copytree(whole_run, out)
-    before = metrics(out)
-    cli = run_cli(tmp_path / "log", "execute", plan, "--out", out, "--iterations", 5, "--resume", "--keep", 1,
-                  "--address", ray_cluster)
+def test_a_two_rank_checkpoint_continues_on_one_rank(started):
+    cli, out, before = started["one rank"]
+    finish(cli)
     assert cli.proc.returncode == 0, cli.output()
     after = metrics(out)
     assert len(after) == 5 and after[:4] == before
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["iteration-000005"]
 
 
-def test_safe_rlhf_resumes_with_its_multiplier(tmp_path, ray_cluster, shared_runs):
-    """A copy of a Safe-RLHF run's first checkpoint, resumed, ends with the run's own metrics (the multiplier too).
-    The run (SAFE_RLHF_RUN: 3 iterations, a checkpoint after each, all kept) is one test_execute reads too."""
-    plan = tmp_path / "plan.json"
-    plan.write_text(safe_rlhf_plan().to_json())
-    whole = shared_runs.get(safe_rlhf_plan(), **SAFE_RLHF_RUN).out
-    copy = tmp_path / "copy"
-    shutil.copytree(whole / "checkpoints" / "iteration-000001", copy / "checkpoints" / "iteration-000001")
-    cli = run_cli(tmp_path / "log2", "execute", plan, "--out", copy, "--iterations", 3, "--resume",
-                  "--address", ray_cluster)
+def test_safe_rlhf_resumes_with_its_multiplier(started):
+    """A copy of a Safe-RLHF run's first checkpoint, resumed, ends with the run's own metrics (the multiplier too)."""
+    cli, copy, rows = started["safe-rlhf"]
+    finish(cli)
     assert cli.proc.returncode == 0, cli.output()
-    rows = metrics(whole)
     assert rows[1]["lagrange"] != rows[2]["lagrange"]  # the multiplier moves: resuming it is seen
     assert_same_metrics(rows, metrics(copy))
     assert set(json.loads((copy / "checkpoints" / "iteration-000003" / "manifest.json").read_text())["heads"]) == {

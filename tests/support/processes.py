@@ -18,6 +18,7 @@ from pathlib import Path
 import hfplan
 
 TAG = "HFPLAN_TEST_RUN"
+HFPLAN = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); from hfplan.cli import app; app()"
 
 
 @dataclass
@@ -34,18 +35,24 @@ class Cli:
 
 
 def start_cli(log: Path, *args) -> Cli:
-    """`hfplan ARGS` in a new session, stdout and stderr into `log`."""
+    """`hfplan ARGS` in a new session, stdout and stderr into `log`. Ctrl-C (SIGINT) interrupts it as it does
+    hfplan started from a terminal, also where the tests run as a background job (whose children inherit
+    SIGINT ignored, so that a test's SIGINT would go unheard)."""
     tag = uuid.uuid4().hex
     root = str(Path(hfplan.__file__).parent.parent)
     env = os.environ | {"PYTHONPATH": root, TAG: tag, "RAY_AUTH_MODE": "disabled"}
     with log.open("w") as sink:
-        proc = subprocess.Popen([sys.executable, "-c", "from hfplan.cli import app; app()", *map(str, args)],
+        proc = subprocess.Popen([sys.executable, "-c", HFPLAN, *map(str, args)],
                                 stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return Cli(proc, tag, log)
 
 
 def run_cli(log: Path, *args, timeout: float = 300) -> Cli:
-    cli = start_cli(log, *args)
+    return finish(start_cli(log, *args), timeout)
+
+
+def finish(cli: Cli, timeout: float = 300) -> Cli:
+    """Wait for a started `hfplan` to end, then kill what is left of it."""
     try:
         cli.wait(timeout)
     finally:
