@@ -4,9 +4,11 @@ than wall-clock time does.
 
 Each round runs `hfplan execute PLAN` once per tree (the tree on PYTHONPATH, so its Ray worker runs that tree too)
 and reads the CPU time (user + system, /proc) of the controller's process and of its one worker between the end of
-iteration --skip and the end of iteration --iterations - 5 (the last ones write the checkpoint), and the median
-`iteration_s` over them. PLAN defaults to the plan bench/vs_trl.py runs (`arith-grpo` on 1 process, the `cpu`
-profile); plans of more than one worker are refused. Linux only (/proc). Prints figures; asserts nothing.
+iteration --skip and the end of iteration --iterations - 5 (the last ones write the checkpoint), the median
+`iteration_s` over them, and the median of the worker's idle time per iteration (`iteration_s` less the union of its
+set's spans in timeline.json: the gaps between its calls). PLAN defaults to the plan bench/vs_trl.py runs
+(`arith-grpo` on 1 process, the `cpu` profile); plans of more than one worker are refused. Linux only (/proc).
+Prints figures; asserts nothing.
 
     RAY_AUTH_MODE=disabled python bench/execute_cpu.py [--plan PLAN] [--rounds N] [--iterations N]
         [NAME=TREE ...]   (default: this tree, as "this")
@@ -69,9 +71,21 @@ def one_run(tree: Path, plan: Path, out: Path, iterations: int, skip: int) -> di
     if proc.wait():
         raise SystemExit(f"hfplan execute failed ({proc.returncode}) in {tree}")
     seconds = [json.loads(line)["iteration_s"] for line in metrics.read_text().splitlines()[skip:end]]
+    timeline = json.loads((out / "timeline.json").read_text())["iterations"][skip:end]
+    idle = [wall - busy_s(entry["spans"]) for wall, entry in zip(seconds, timeline, strict=True)]
     n = end - skip
     return {"controller_cpu_ms": 1e3 * (controller1 - controller0) / n, "worker_cpu_ms": 1e3 * (worker1 - worker0) / n,
-            "iteration_s_median_ms": 1e3 * statistics.median(seconds)}
+            "iteration_s_median_ms": 1e3 * statistics.median(seconds),
+            "worker_idle_median_ms": 1e3 * statistics.median(idle)}
+
+
+def busy_s(spans: list[dict]) -> float:
+    """Seconds covered by the spans of the workers' set (set 0; the controller's are set -1), overlaps once."""
+    covered, reach = 0.0, 0.0
+    for start, end in sorted((s["start"], s["end"]) for s in spans if s["set"] == 0):
+        covered += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return covered
 
 
 def main() -> None:

@@ -4,9 +4,11 @@ The demo actor (`tiny-arith`, or --model) over a batch shaped like bench/vs_trl.
 response tokens, some prompts left-padded and some responses ended early): the log-prob forward (no grad, logits
 of the last R + 1 positions) and a forward and backward of a loss on them. Each is timed in CPU time (less disturbed
 by a shared machine than wall time) over --rounds alternating rounds; prints the fastest round of each and the count
-of aten ops one call dispatches (torch profiler). Asserts nothing about time.
+of aten ops one call dispatches (torch profiler). With --op-split, also the CPU time of each kind of aten op in
+hfplan's forward and backward (timed one op at a time, so their sum exceeds the call's own time by the timing's cost):
+what is kernel work and what is per-op overhead. Asserts nothing about time.
 
-    python bench/lean_forward.py [--model NAME] [--rounds N] [--calls N]
+    python bench/lean_forward.py [--model NAME] [--rounds N] [--calls N] [--op-split]
 """
 
 from __future__ import annotations
@@ -57,11 +59,35 @@ def aten_ops(fn: Callable[[], None]) -> int:
     return sum(event.count for event in prof.key_averages() if event.key.startswith("aten::"))
 
 
+def op_split(fn: Callable[[], None], calls: int) -> list[tuple[str, float, int]]:
+    """(aten op, CPU ms per call, times per call) of `fn`'s ops, most CPU first."""
+    from collections import defaultdict
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seconds: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+
+    class Timer(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            start = time.process_time()
+            out = func(*args, **(kwargs or {}))
+            seconds[func.overloadpacket.__name__] += time.process_time() - start
+            count[func.overloadpacket.__name__] += 1
+            return out
+
+    with Timer():
+        for _ in range(calls):
+            fn()
+    return sorted(((op, 1e3 * s / calls, count[op] // calls) for op, s in seconds.items()), key=lambda row: -row[1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-arith")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--calls", type=int, default=20, help="calls per round")
+    parser.add_argument("--op-split", action="store_true", help="CPU ms per aten op of hfplan's forward + backward")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = build_model(args.model, "lm", seed=0)
@@ -85,6 +111,12 @@ def main() -> None:
         ops = {name: aten_ops(fns[op]) for name, fns in systems.items()}
         print(f"  {op:<20} HF {best['HF']:6.2f} ms ({ops['HF']} aten ops)  lean {best['lean']:6.2f} ms "
               f"({ops['lean']} aten ops)  HF/lean {best['HF'] / best['lean']:.2f}x")
+    if args.op_split:
+        rows = op_split(systems["lean"]["forward + backward"], args.calls)
+        print(f"hfplan's forward + backward, CPU ms per call by aten op (timed one by one: "
+              f"{sum(ms for _, ms, _ in rows):.2f} ms in all)")
+        for name, ms, times in rows[:12]:
+            print(f"  {name:<54} {ms:6.3f} ms  x{times}")
 
 
 if __name__ == "__main__":

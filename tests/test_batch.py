@@ -76,6 +76,25 @@ def test_futures_merge_without_waiting_and_resolve_on_demand():
     assert [len(p) for p in batch.chunk(2)] == [1, 1]
 
 
+def test_is_future_agrees_with_the_protocol_check():
+    class OnlyDone:
+        def done(self) -> bool:
+            return True
+
+    class Cleared:  # both methods on the class (which decides), one switched off on an instance
+        def done(self) -> bool:
+            return True
+
+        def result(self, timeout=None):
+            return 1
+
+    cleared = Cleared()
+    cleared.result = None
+    values = [Future(), Cleared(), cleared, OnlyDone(), np.zeros(2), {"done": 1, "result": 2}, [1], None, "text"]
+    assert [is_future(v) for v in values] == [isinstance(v, FutureProtocol) for v in values]
+    assert [is_future(v) for v in values] == [True, True, True, False, False, False, False, False, False]
+
+
 def test_resolve_times_out_on_a_future_that_never_comes():
     with pytest.raises(TimeoutError):
         Batch(values=Future()).resolve(timeout=0.01)

@@ -40,6 +40,14 @@ def test_wire_keeps_references_beside_the_pickle_and_large_arrays_out_of_band(mo
     assert np.array_equal(back["small"], small) and np.array_equal(back["large"], large)
 
 
+def test_wire_sends_a_pickle_alone_when_nothing_travels_beside_it():
+    packed = wire.pack({"call": ("actor", "log_prob"), "rows": np.arange(4)})
+    assert isinstance(packed, bytes)  # one argument, which Ray passes without a pickler of its own
+    assert wire.arguments(packed) == (packed,)
+    back = wire.unpack_packed(packed)
+    assert back["call"] == ("actor", "log_prob") and np.array_equal(back["rows"], np.arange(4))
+
+
 class _Worker:
     """A worker's task handling as SetWorker.calls runs it (the real method), with run_call recording each call
     it runs and returning what the test set (default: no fields), or raising for the call ids in `failing`."""

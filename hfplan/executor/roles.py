@@ -200,7 +200,7 @@ class Dispatch:
                     continue
                 mine[0].opens_task = True
                 refs = worker.calls.options(num_returns=len(mine)).remote(
-                    *wire.pack([call.args.pop(rank) for call in mine]))
+                    *wire.arguments(wire.pack([call.args.pop(rank) for call in mine])))
                 for call, ref in zip(mine, refs if len(mine) > 1 else [refs], strict=True):
                     call.refs[rank] = ref
 
@@ -254,7 +254,7 @@ class PendingCall:
                 packed = ray.get(self.sent_refs(), timeout=self.timeout_s if timeout is None else timeout)
             except Exception as failure:  # a dead worker, a failed call, or a timeout: name who
                 raise RunFailed(self.describe_failure(failure)) from failure
-            results = [wire.unpack(*result) for result in packed]
+            results = [wire.unpack_packed(result) for result in packed]
             for result in results:
                 if isinstance(result, wire.CallFailed):  # the worker's own error, as Ray's would read
                     raise RunFailed(self.describe_failure(RuntimeError(result.error)))

@@ -94,7 +94,7 @@ def fetch_fields(fields: dict, kept: dict[int, dict]) -> dict[str, np.ndarray]:
     from hfplan.executor.roles import KeptOutputs
 
     remote, refs = _remote_fields(fields)
-    results = [wire.unpack(*packed) for packed in ray.get(refs)] if refs else []
+    results = [wire.unpack_packed(packed) for packed in ray.get(refs)] if refs else []
     fetched = dict(zip((id(ref) for ref in refs), results, strict=True))
 
     def outputs_of(source) -> dict:
@@ -175,7 +175,7 @@ class SetWorker:
         self.marks[WORKER_STAGES[2]] = time.time()
         return self.marks
 
-    def calls(self, blob: bytes, buffers: list, refs: list) -> tuple | list:
+    def calls(self, blob: bytes, buffers: list | tuple = (), refs: list | tuple = ()) -> wire.Packed | list:
         """Role calls run back to back (roles.Dispatch): a list of `run_call`'s arguments, as wire.pack sends it;
         returns each call's result packed the same way (one value per call: Ray's num_returns). A call that fails
         returns CallFailed, and so do the calls after it, which do not run."""
