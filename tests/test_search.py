@@ -403,11 +403,10 @@ def _own_contexts(lab, name: str):
     return cluster, lab.reference(name), (hybrid, rollout)
 
 
-@pytest.mark.parametrize("name", ["ppo-4gpu-2nodes", "grpo-4gpu-2nodes", "ppo-tight-4gpu-2nodes"])
-def test_prefix_bounds_are_below_every_allocation_under_them(lab, name):
-    """Every prefix bound the walk uses (children) is at most the exhaustive best of every allocation that extends
-    it, by the generating role's options (Floors.generator_rows) as by the floors alone; and the options' bound is
-    above the floors' somewhere, or the rule would not prune anything."""
+def _bounds_between(lab, name: str, loosen) -> int:
+    """Walk every prefix of case `name`'s placements with the bounds as built and with `loosen` applied to a second
+    copy: each child's loosened bound <= its bound <= the exhaustive best of every allocation under it. Returns
+    how many children the built bound raised above the loosened one."""
     from hfplan.planner.bounds import PlacementBounds
 
     cluster, reference, contexts = _own_contexts(lab, name)
@@ -415,21 +414,33 @@ def test_prefix_bounds_are_below_every_allocation_under_them(lab, name):
     for ctx in contexts:
         for placement in ctx.placements:
             pb = PlacementBounds(ctx.bounds, placement, cluster.gpus)
-            floors_only = PlacementBounds(ctx.bounds, placement, cluster.gpus)
-            floors_only.gen_set = None
+            loose_pb = PlacementBounds(ctx.bounds, placement, cluster.gpus)
+            loosen(loose_pb)
             todo = [()]
             while todo:
                 prefix = todo.pop()
                 if len(prefix) == pb.k:
                     continue
-                for (child, bound, _), (_, floor_bound, _) in zip(pb.children(prefix), floors_only.children(prefix),
-                                                                  strict=True):
+                for (child, bound, _), (_, loose, _) in zip(pb.children(prefix), loose_pb.children(prefix),
+                                                            strict=True):
                     best = min((r.best_s for (p, a), r in reference.items()
                                 if p == placement and a[:len(child)] == child), default=math.inf)
-                    assert floor_bound <= bound <= best * (1 + 1e-9), (placement, child, floor_bound, bound, best)
-                    tighter += floor_bound < bound < math.inf
+                    assert loose <= bound <= best * (1 + 1e-9), (name, placement, child, loose, bound, best)
+                    tighter += loose < bound < math.inf
                     todo.append(child)
-    assert tighter
+    return tighter
+
+
+def _floors_only(pb) -> None:
+    pb.gen_set = None
+
+
+@pytest.mark.parametrize("name", ["ppo-4gpu-2nodes", "grpo-4gpu-2nodes", "ppo-tight-4gpu-2nodes"])
+def test_prefix_bounds_are_below_every_allocation_under_them(lab, name):
+    """Every prefix bound the walk uses (children) is at most the exhaustive best of every allocation that extends
+    it, by the generating role's options (Floors.generator_rows) as by the floors alone; and the options' bound is
+    above the floors' somewhere, or the rule would not prune anything."""
+    assert _bounds_between(lab, name, _floors_only)
 
 
 def _without_role_options(pb) -> None:
@@ -447,29 +458,8 @@ def test_tighter_bounds_are_below_every_allocation_under_them(lab, rule):
     options), and a rollout set's weight sync across nodes where it cannot share one with the actor's set, sized or
     not (apart_switch, best_apart). With it every bound of three small cases is at most the exhaustive best of every
     allocation under it, and above the bound without it for some child, or the rule would prune nothing."""
-    from hfplan.planner.bounds import PlacementBounds
-
-    tighter = 0
-    for name in ["ppo-4gpu-2nodes", "grpo-4gpu-2nodes", "ppo-tight-4gpu-2nodes"]:
-        cluster, reference, contexts = _own_contexts(lab, name)
-        for ctx in contexts:
-            for placement in ctx.placements:
-                pb = PlacementBounds(ctx.bounds, placement, cluster.gpus)
-                without = PlacementBounds(ctx.bounds, placement, cluster.gpus)
-                rule(without)
-                todo = [()]
-                while todo:
-                    prefix = todo.pop()
-                    if len(prefix) == pb.k:
-                        continue
-                    for (child, bound, _), (_, loose, _) in zip(pb.children(prefix), without.children(prefix),
-                                                                strict=True):
-                        best = min((r.best_s for (p, a), r in reference.items()
-                                    if p == placement and a[:len(child)] == child), default=math.inf)
-                        assert loose <= bound <= best * (1 + 1e-9), (name, placement, child, loose, bound, best)
-                        tighter += loose < bound < math.inf
-                        todo.append(child)
-    assert tighter
+    assert sum(_bounds_between(lab, name, rule)
+               for name in ["ppo-4gpu-2nodes", "grpo-4gpu-2nodes", "ppo-tight-4gpu-2nodes"])
 
 
 @pytest.mark.parametrize("name", ["ppo-4gpu-2nodes", "grpo-4gpu-2nodes"])

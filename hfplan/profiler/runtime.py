@@ -532,9 +532,9 @@ def _ray_worker(device: Device, profile: HardwareProfile, min_time: float) -> Ra
     if ray.is_initialized():
         return None
     gpus = 1 if device.kind == "cuda" else 0
-    ranks = min(2, device.world_size)  # the call-gap probe's second run needs two devices' slots
+    ranks = min(2, device.world_size)  # the call-gap probe's second run needs two workers' slots (placement.bundle)
     with tempfile.TemporaryDirectory(prefix="hfplan-profile-ray-") as folder:
-        ray.init(num_cpus=ranks if device.kind == "cpu" else 1, num_gpus=gpus * ranks, include_dashboard=False,
+        ray.init(num_cpus=ranks, num_gpus=gpus * ranks, include_dashboard=False,
                  logging_level=logging.WARNING, log_to_driver=False, **local_ray_options(folder))
         try:
             timer = ray.remote(num_gpus=gpus)(_EngineTimer).remote()
