@@ -31,6 +31,10 @@ Assumptions common to the cases:
   mosaicml/composer 784f50be, whose mixed precision "DEFAULT" sets a bf16 param_dtype and leaves reduce_dtype unset
   (get_mixed_precision), which torch's FSDP1 takes as the param_dtype: gradients are reduce-scattered in bf16
   (`_with_bf16_gradient_reduction`; the shipped profiles reduce in fp32, as the executor's FSDP2 does).
+- H100's GEMMs run at the shipped profile's sustained rate (708.5 TFLOP/s: S. Bekman's MSMF of the same GH100
+  compute at its 700 W limit, ~1465 MHz), not the boost-clock burst of his MAMF table (792.1 on H100 with the runs'
+  CUDA 12.1): a training step keeps the tensor cores at the power limit. A100's is his MAMF (no A100 MSMF is
+  published).
 - FSDP's all-gathers and reduce-scatters run beside the compute they overlap, which they slow by the shipped
   profiles' `compute.overlap_slowdown` (18.9%, Lee et al., arXiv 2507.03114); each micro-batch's first and last
   layers' collectives have nothing beside them (`sharding.exposed_step_comm`).

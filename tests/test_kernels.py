@@ -136,3 +136,16 @@ def test_a_gelu_mlp_without_rotary_by_hand(toy_hw, small_arch):
     activation = memory_time(toy_hw, 2 * 3 * 1000 * 128) - memory_time(toy_hw, 2 * 2 * 1000 * 128)
     assert swiglu.elementwise - plain.elementwise == pytest.approx(rotary + activation)
     assert plain.attention == swiglu.attention
+
+
+@pytest.mark.parametrize("name", ["h100-80g", "h200-141g"])
+def test_hopper_profiles_price_the_sustained_best_shape_gemm_at_its_measured_rate(name):
+    """The GH100 profiles' matmul rate is the power-saturated one (MSMF, 708.5 TFLOP/s on H200 at ~1465 MHz), not
+    the boost-clock burst (MAMF, 792.1 on H100). Its shape, 8192 x 20480 x 8448, tiles into 64 x 33 = 2112 tiles of
+    128 x 256: 16 whole waves of 132 SMs, and walks 320 K blocks plus the 3 that fill the 4-stage pipeline. So it
+    is priced at 708.5 x 320 / 323 TFLOP/s (its 4 us launch aside), and the burst rate would be 12% faster."""
+    hw = load_hardware(name)
+    flops = 2.0 * 8192 * 20480 * 8448
+    seconds = gemm_time(hw, 8192, 20480, 8448) - hw.compute.kernel_overhead_us * 1e-6
+    assert flops / seconds / 1e12 == pytest.approx(708.5 * 320 / 323, rel=1e-3)
+    assert flops / seconds / 1e12 < 0.9 * 792.1 * 320 / 323
