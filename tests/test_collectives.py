@@ -181,7 +181,7 @@ def test_a_small_all_reduce_costs_at_least_its_latency():
     # across nodes, NCCL's LL tree (the inter-node link's tree): 6.8 us, then up and down the node's chain of 7
     # NVLink steps at 0.6 us and 1 level of the tree at 5 us; its LL ring would take 6.6 + 28 x 1 + 2 x 2.7 us
     assert coll.all_reduce(hw, Group(16, 8, 8), 1024) >= (6.8 + 2 * (7 * 0.6 + 5.0)) * 1e-6
-    assert coll.how_it_runs(hw, Group(16, 8, 8), 1024, passes=2) == "tree-LL"
+    assert coll.how_it_runs(hw, Group(16, 8, 8), 1024, "all_reduce") == "tree-LL"
     assert coll.all_gather(hw, Group(16, 8, 8), 1024) >= (6.6 + 14 * 1.0 + 2.7) * 1e-6  # no tree: the LL ring
     assert coll.all_reduce(hw, Group(8, 8, 8), 1024) >= (6.6 + 14 * 0.6) * 1e-6
     assert coll.all_reduce(hw, Group(8, 8, 8), 1024) < 1.01 * (6.6 + 14 * 0.6) * 1e-6  # the bytes are nothing
@@ -209,10 +209,10 @@ FULL_RATE = ("FULL_RATE", 10.0, 2.0, 1.0, None)  # 10 us + 2 us a step, the whol
 def test_a_ring_in_a_node_runs_its_fastest_protocol_by_hand(toy_hw, nbytes, expected, runs_as):
     hw = protocols(toy_hw, FAST_START, FULL_RATE)
     assert coll.all_reduce(hw, Group(8, 8, 8), nbytes) == pytest.approx(expected, rel=1e-12)
-    assert coll.how_it_runs(hw, Group(8, 8, 8), nbytes, passes=2) == runs_as
+    assert coll.how_it_runs(hw, Group(8, 8, 8), nbytes, "all_reduce") == runs_as
     # The profile's one latency per step is no longer paid in the node: 14 x 1 us + the bytes at the full rate.
     assert coll.all_reduce(toy_hw, Group(8, 8, 8), nbytes) == pytest.approx(14e-6 + 1.75 * nbytes / INTRA_BW)
-    assert coll.how_it_runs(toy_hw, Group(8, 8, 8), nbytes, passes=2) == "ring"
+    assert coll.how_it_runs(toy_hw, Group(8, 8, 8), nbytes, "all_reduce") == "ring"
 
 
 def test_all_gather_by_protocol_by_hand(toy_hw):
@@ -256,7 +256,7 @@ NET_FULL = ("FULL_RATE", 10.0, 12.0, 12.0, 3.0, 1.0)  # beside the node's FULL_R
 def test_rings_spanning_nodes_run_the_networks_protocols_by_hand(toy_hw, group, nbytes, expected, runs_as):
     hw = across_nodes(protocols(toy_hw, FAST_START, FULL_RATE), NET_FAST, NET_FULL)
     assert coll.all_reduce(hw, group, nbytes) == pytest.approx(expected, rel=1e-12)
-    assert coll.how_it_runs(hw, group, nbytes, passes=2) == runs_as
+    assert coll.how_it_runs(hw, group, nbytes, "all_reduce") == runs_as
     # all-gather: half the steps across (1 of 15), half the bytes
     if group == Group(16, 8, 8) and nbytes == 8192:
         assert coll.all_gather(hw, group, nbytes) == pytest.approx((5 + 14 * 1.0 + 3) * 1e-6 + 7680 / 4e9)
@@ -298,7 +298,7 @@ TREE_FAST = ("FAST_START", 4.0, 0.5, 5.0, 0.25)
 def test_an_all_reduce_across_nodes_may_run_the_tree_by_hand(toy_hw, group, nbytes, expected, runs_as):
     hw = with_tree(across_nodes(protocols(toy_hw, FAST_START, FULL_RATE), NET_FAST, NET_FULL), TREE_FAST)
     assert coll.all_reduce(hw, group, nbytes) == pytest.approx(expected, rel=1e-12)
-    assert coll.how_it_runs(hw, group, nbytes, passes=2) == runs_as
+    assert coll.how_it_runs(hw, group, nbytes, "all_reduce") == runs_as
     # the tree is an all-reduce's only: an all-gather keeps the ring; in one node there is no tree
     ring_only = across_nodes(protocols(toy_hw, FAST_START, FULL_RATE), NET_FAST, NET_FULL)
     assert coll.all_gather(hw, group, nbytes) == coll.all_gather(ring_only, group, nbytes)
@@ -309,7 +309,7 @@ def test_nvls_latency_by_hand(toy_hw):
     # NVLS with its own latency (25 us) against the protocols' rings: 8 KiB takes FAST_START's 12.7 us ring, 1 GiB
     # NVLS's 25 us + 1.125 GiB / 5e10 B/s.
     hw = nvls(protocols(toy_hw, FAST_START, FULL_RATE, nvls_latency_us=25.0))
-    assert coll.how_it_runs(hw, Group(8, 8, 8), 8192, passes=2) == "FAST_START"
+    assert coll.how_it_runs(hw, Group(8, 8, 8), 8192, "all_reduce") == "FAST_START"
     assert not coll.uses_nvls(hw, Group(8, 8, 8), 8192)
     assert coll.all_reduce(hw, Group(8, 8, 8), N) == pytest.approx(25e-6 + 1.125 * N / INTRA_BW, rel=1e-12)
     assert coll.uses_nvls(hw, Group(8, 8, 8), N)
@@ -324,15 +324,15 @@ def test_protocols_of_the_a100_profile_by_hand():
     hw = load_hardware("a100-80g")
     small = coll.all_reduce(hw, Group(8, 8, 8), 8192)
     assert small == pytest.approx((6.6 + 14 * 0.6) * 1e-6 + 14336 / 87.7e9, rel=1e-12)
-    assert coll.how_it_runs(hw, Group(8, 8, 8), 8192, passes=2) == "LL"
+    assert coll.how_it_runs(hw, Group(8, 8, 8), 8192, "all_reduce") == "LL"
     large = coll.all_reduce(hw, Group(8, 8, 8), 2**30)
     assert large == pytest.approx((8.4 + 14 * 3.4) * 1e-6 + 1.75 * 2**30 / (300e9 * 0.77), rel=1e-12)
-    assert coll.how_it_runs(hw, Group(8, 8, 8), 2**30, passes=2) == "Simple"
+    assert coll.how_it_runs(hw, Group(8, 8, 8), 2**30, "all_reduce") == "Simple"
     # 4 MiB (each rank sends 1.75 x 4 MiB = 7,340,032 bytes): LL 15.0 + 83.7 us; LL128 14 + 14 x 1.9 = 40.6 us +
     # the bytes at 0.92 x 231 GB/s, 34.5 us; Simple 56.0 + 31.8 us.
     mid = coll.all_reduce(hw, Group(8, 8, 8), 4 * 2**20)
     assert mid == pytest.approx(40.6e-6 + 7340032 / (0.92 * 300e9 * 0.77), rel=1e-12)
-    assert coll.how_it_runs(hw, Group(8, 8, 8), 4 * 2**20, passes=2) == "LL128"
+    assert coll.how_it_runs(hw, Group(8, 8, 8), 4 * 2**20, "all_reduce") == "LL128"
 
 
 def test_collective_time_never_falls_as_the_message_grows():
@@ -350,3 +350,20 @@ def test_shipped_profiles_reduce_in_the_switch_only_on_hopper():
 
     assert [load_hardware(n).links.intra_node.nvls for n in ("a100-80g", "h100-80g", "h200-141g", "cpu")] == [
         False, True, True, False]
+
+
+def test_a_collective_measured_on_its_own_costs_its_own_fit_in_a_node_only(toy_hw):
+    """gloo's reduce-scatter measured at 1.2 ms a step and 0.7 GB/s (Link.collectives): in a node it costs that
+    fit (3 steps and 3/4 of the input on a ring of 4), by hand; the other collectives keep the link's, and a group
+    spanning nodes the ring across them."""
+    from hfplan.profiles.hardware import MeasuredCollective
+
+    measured = MeasuredCollective(op="reduce_scatter", latency_us=1200.0, bandwidth_gbytes_per_s=0.7)
+    links = toy_hw.links.model_copy(update={"intra_node": toy_hw.links.intra_node.model_copy(
+        update={"collectives": (measured,)})})
+    hw = toy_hw.model_copy(update={"links": links})
+    assert coll.reduce_scatter(hw, Group(4, 4, 8), N) == pytest.approx(3 * 1.2e-3 + 3 / 4 * N / 0.7e9, rel=1e-12)
+    assert coll.how_it_runs(hw, Group(4, 4, 8), N, "reduce_scatter") == "measured"
+    assert coll.all_gather(hw, Group(4, 4, 8), N) == pytest.approx(coll.all_gather(toy_hw, Group(4, 4, 8), N))
+    assert coll.reduce_scatter(hw, Group(16, 8, 8), N) == pytest.approx(coll.reduce_scatter(toy_hw, Group(16, 8, 8),
+                                                                                             N))

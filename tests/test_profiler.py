@@ -4,6 +4,7 @@ profile it writes (schema round trip), its input checks, and one real quick run 
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import datetime
 import math
 from dataclasses import dataclass
@@ -25,7 +26,6 @@ from hfplan.profiler.fit import (
     COLLECTIVES,
     LinkFit,
     RooflineFit,
-    collective_terms,
     fit_alpha_beta,
     fit_roofline,
 )
@@ -33,6 +33,7 @@ from hfplan.profiler.report import FLAG_PCT, PACE_DRIFT, PASS_LABEL
 from hfplan.profiles.hardware import HardwareProfile, Link, load_hardware
 from hfplan.profiles.models import CATALOG, ModelArch
 from hfplan.simulator import collectives as coll
+from hfplan.simulator.collectives import collective_terms
 from hfplan.simulator.costs import step_tp_collectives
 from tests.support.cli import assert_user_error, invoke
 
@@ -183,6 +184,19 @@ def test_profile_schema_round_trip(tmp_path):
     assert loaded.links.host == base.links.host
     assert loaded.compute.attention_rate is None  # CPU: attention at the fitted matmul rate
     assert "carried over from base profile 'cpu'" in loaded.description
+
+
+def test_a_cpu_profile_prices_each_collective_by_its_own_fit_and_a_gpu_profile_by_the_link():
+    fits = dataclasses.replace(fake_fits(), per_collective={
+        "all_reduce": LinkFit(latency_s=600e-6, bytes_per_s=0.8e9, rms_rel_error=0.5, points=26),
+        "p2p": LinkFit(latency_s=40e-6, bytes_per_s=5e9, rms_rel_error=0.1, points=26)})
+    link = build_profile(fake_device(), fits, load_hardware("cpu"), "c", "t", "n").links.intra_node
+    (measured,) = link.collectives  # point-to-point is the link's own
+    assert (measured.op, measured.latency_us, measured.bandwidth_gbytes_per_s) == ("all_reduce", 600.0, 0.8)
+    gpu = Device(kind="cuda", name="NVIDIA H100 80GB HBM3", world_size=8, count=8, threads=1,
+                 cache_bytes=50 * 2**20, capacity_bytes=80 * 2**30, used_bytes=0.6 * 2**30,
+                 nominal=nominal_rates("NVIDIA H100 80GB HBM3", "cuda"))
+    assert build_profile(gpu, fits, load_hardware("h100-80g"), "h", "t", "n").links.intra_node.collectives == ()
 
 
 def test_profile_without_collectives_carries_the_intra_node_link():

@@ -20,9 +20,10 @@ from hfplan.errors import HfplanError
 from hfplan.executor.loopback import loopback_interface
 from hfplan.measure import typical
 from hfplan.profiler.device import Device
-from hfplan.profiler.fit import COLLECTIVES, collective_terms
+from hfplan.profiler.fit import COLLECTIVES
 from hfplan.profiler.host_share import measure_sharing
 from hfplan.profiler.runtime import FSDP, TP, engine_seconds, splits_by_tp
+from hfplan.simulator.collectives import collective_terms
 
 Step = Callable[[], None]
 SHARING_TIMES = 40  # the host-sharing probe's budget in collective points' min_time (6 s in a full CPU profile)

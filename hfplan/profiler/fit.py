@@ -14,27 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import least_squares
 
-# Collectives as the cost model (hfplan.simulator.collectives) counts them on a ring of W ranks:
-# (number of latency steps, fraction of the message each rank sends).
+# The collectives the profiler times (their steps and bytes on a ring: hfplan.simulator.collectives.collective_terms).
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
-
-
-def collective_terms(op: str, world: int) -> tuple[float, float]:
-    """(steps, bytes factor) of one collective over `world` ranks: time = steps*alpha + factor*n/bw.
-
-    all-reduce of n bytes: 2(W-1) steps moving 2(W-1)/W*n per rank (the bus-bandwidth convention);
-    all-gather (n = gathered result) and reduce-scatter (n = full input): W-1 steps, (W-1)/W*n;
-    point-to-point: one step carrying n.
-    """
-    if op == "p2p":
-        return 1.0, 1.0
-    if world < 2:
-        raise ValueError(f"{op} needs at least 2 ranks")
-    if op == "all_reduce":
-        return 2.0 * (world - 1), 2.0 * (world - 1) / world
-    if op in ("all_gather", "reduce_scatter"):
-        return float(world - 1), (world - 1) / world
-    raise ValueError(f"unknown collective {op!r}")
 
 
 @dataclass(frozen=True)
@@ -54,7 +35,7 @@ def fit_alpha_beta(steps: Sequence[float], moved_bytes: Sequence[float], seconds
                    robust: bool = True) -> LinkFit:
     """Fit time = steps*alpha + moved_bytes/bandwidth, alpha >= 0, bandwidth > 0, on relative residuals.
 
-    moved_bytes is what one rank sends (the bytes factor of `collective_terms` times the message size).
+    moved_bytes is what one rank sends (the bytes factor of `collectives.collective_terms` times the message size).
     Linear in (alpha, 1/bandwidth), so the bounded least squares has one minimum. `robust` uses a
     soft-L1 loss, so that a point disturbed by other work on the machine counts less.
     """

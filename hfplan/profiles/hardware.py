@@ -191,6 +191,18 @@ class TreeProtocol(_Strict):
                                                               "losses)")
 
 
+class MeasuredCollective(_Strict):
+    """One collective's own alpha-beta, as the library runs it over a link: time = steps x latency + the bytes
+    each rank sends / bandwidth, with the ring's steps and bytes (collectives.collective_terms). Measured where a
+    library's collectives do not follow its point-to-point transfers (gloo on a CPU host: its all-reduce and
+    reduce-scatter pay about a millisecond however small, and every collective moves its data at a fraction of
+    the point-to-point bandwidth)."""
+
+    op: Literal["all_reduce", "all_gather", "reduce_scatter"]
+    latency_us: float = Field(ge=0, description="per-step latency (alpha)")
+    bandwidth_gbytes_per_s: float = Field(gt=0, description="bytes each rank sends, per second (GB/s)")
+
+
 class Link(_Strict):
     """Alpha-beta model of one link class: a collective step costs latency + bytes / bandwidth (or, for rings in a
     node over a link that lists `protocols`, the fastest protocol's cost)."""
@@ -216,6 +228,14 @@ class Link(_Strict):
         default=(), description="inter_node only: the collective library's tree all-reduce across nodes, per "
                                 "protocol (TreeProtocol); an all-reduce spanning nodes runs the fastest of these and "
                                 "the ring's; empty: the ring alone")
+    collectives: tuple[MeasuredCollective, ...] = Field(
+        default=(), description="intra_node only: collectives measured on their own (MeasuredCollective), each "
+                                "priced by its own fit in a node instead of the link's; `hfplan profile` writes them "
+                                "on CPU hosts (gloo); empty: every collective by the link's alpha-beta or protocols")
+
+    def measured(self, op: str) -> MeasuredCollective | None:
+        """The collective's own fit on this link, if it has one."""
+        return next((c for c in self.collectives if c.op == op), None)
 
     @property
     def nvls_bytes_per_s(self) -> float:

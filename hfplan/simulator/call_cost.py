@@ -246,10 +246,9 @@ def _collective(hw: HardwareProfile, req: CallRequest, per_node: int) -> CallCos
                "reduce_scatter": coll.reduce_scatter}[req.op](hw, group, req.nbytes)
     algbw = req.nbytes / seconds
     # nccl-tests' bus bandwidth: what each rank's link carries, comparable across group sizes.
-    factor = 2 * (size - 1) / size if req.op == "all_reduce" else (size - 1) / size
+    factor = coll.collective_terms(req.op, size)[1]
     return CallCost("collective", seconds, size, {req.op: seconds},
                     detail={"op": req.op, "algbw_gbytes_per_s": algbw / 1e9, "busbw_gbytes_per_s": algbw * factor / 1e9,
                             "nodes": group.nodes, "per_node": group.per_node,
                             "nvls": str(req.op == "all_reduce" and coll.uses_nvls(hw, group, req.nbytes)).lower(),
-                            "runs_as": coll.how_it_runs(hw, group, req.nbytes, passes=2 if req.op == "all_reduce"
-                                                        else 1)})
+                            "runs_as": coll.how_it_runs(hw, group, req.nbytes, req.op)})

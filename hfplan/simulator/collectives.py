@@ -27,6 +27,8 @@ protocols runs in whichever of those is fastest, priced as NCCL's tuning model p
 may also run NCCL's tree where the inter-node link lists its protocols (`Link.tree`, _tree_all_reduce): fewer
 latencies (log2 of the nodes across the network) for a little less bandwidth, so small all-reduces over many nodes
 take it, as NCCL's tuner has them do.
+A collective the intra-node link measured on its own (`Link.collectives`: gloo's on a CPU host, whose all-reduce and
+reduce-scatter do not follow its point-to-point alpha-beta) costs its own fit in a node.
 """
 
 from __future__ import annotations
@@ -51,6 +53,26 @@ class Group:
     @property
     def nodes(self) -> int:
         return self.size // self.per_node
+
+
+PASSES = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}  # a ring's passes over the data per collective
+
+
+def collective_terms(op: str, world: int) -> tuple[float, float]:
+    """(steps, bytes factor) of one collective over `world` ranks: time = steps*alpha + factor*n/bw.
+
+    all-reduce of n bytes: 2(W-1) steps moving 2(W-1)/W*n per rank (the bus-bandwidth convention);
+    all-gather (n = gathered result) and reduce-scatter (n = full input): W-1 steps, (W-1)/W*n;
+    point-to-point: one step carrying n.
+    """
+    if op == "p2p":
+        return 1.0, 1.0
+    if world < 2:
+        raise ValueError(f"{op} needs at least 2 ranks")
+    if op not in PASSES:
+        raise ValueError(f"unknown collective {op!r}")
+    passes = PASSES[op]
+    return float(passes * (world - 1)), passes * (world - 1) / world
 
 
 @functools.lru_cache(maxsize=1 << 12)
@@ -103,13 +125,13 @@ def _nvls_all_reduce(hw: HardwareProfile, group: Group, nbytes: float) -> float:
 
 def uses_nvls(hw: HardwareProfile, group: Group, nbytes: float) -> bool:
     """Whether an all-reduce of `nbytes` in `group` runs NVLS (faster than the ring there) rather than the ring."""
-    return how_it_runs(hw, group, nbytes, passes=2) == "nvls"
+    return how_it_runs(hw, group, nbytes, "all_reduce") == "nvls"
 
 
-def how_it_runs(hw: HardwareProfile, group: Group, nbytes: float, passes: int) -> str:
-    """How a collective (`passes` as _ring's) runs: "nvls", the name of the ring's protocol (Link.protocols) or
-    "ring" (one latency per step at the full bandwidth)."""
-    return min(_ways(hw, group, nbytes, passes), key=lambda way: way[0])[1]  # ties: the first listed
+def how_it_runs(hw: HardwareProfile, group: Group, nbytes: float, op: str) -> str:
+    """How collective `op` runs: "nvls", the name of the ring's protocol (Link.protocols), "measured" (its own
+    fit, Link.collectives) or "ring" (one latency per step at the full bandwidth)."""
+    return min(_ways(hw, group, nbytes, op), key=lambda way: way[0])[1]  # ties: the first listed
 
 
 def _protocol_ring(link: Link, protocol: Protocol, steps: int, moved: float) -> float:
@@ -154,10 +176,16 @@ def _tree_all_reduce(hw: HardwareProfile, group: Group, protocol: TreeProtocol, 
     return latency * 1e-6 + 2 * nbytes / rate
 
 
-def _ways(hw: HardwareProfile, group: Group, nbytes: float, passes: int) -> list[tuple[float, str]]:
+def _ways(hw: HardwareProfile, group: Group, nbytes: float, op: str) -> list[tuple[float, str]]:
     """(seconds, how_it_runs) of each way the collective may run: the fastest runs (_ring)."""
     intra = hw.links.intra_node
     r, n = group.per_node, group.nodes
+    passes = PASSES[op]
+    measured = intra.measured(op) if n == 1 else None
+    if measured is not None:
+        steps, factor = collective_terms(op, group.size)
+        return [(steps * measured.latency_us * 1e-6 + factor * nbytes / (measured.bandwidth_gbytes_per_s * 1e9),
+                 "measured")]
     ways = [(_nvls_all_reduce(hw, group, nbytes), "nvls")] if passes == 2 else []
     moved = passes * (group.size - 1) / group.size * nbytes  # what each rank sends around the ring
     if n == 1 and intra.protocols:
@@ -176,8 +204,8 @@ def _ways(hw: HardwareProfile, group: Group, nbytes: float, passes: int) -> list
     return ways + [(latency + max(intra_time, inter_time), "ring")]
 
 
-def _ring(hw: HardwareProfile, group: Group, nbytes: float, passes: int) -> float:
-    """`passes` = 1 for all-gather or reduce-scatter (of an nbytes result), 2 for all-reduce.
+def _ring(hw: HardwareProfile, group: Group, nbytes: float, op: str) -> float:
+    """`op`: all_gather or reduce_scatter (of an nbytes result: one pass of the ring), or all_reduce (two).
 
     In a node: a ring (or, for all-reduce where the switch reduces, NVLS where it is faster), in the fastest of the
     link's protocols where it lists them. Across nodes: NCCL's ring runs through every rank, so each rank sends
@@ -187,21 +215,21 @@ def _ring(hw: HardwareProfile, group: Group, nbytes: float, passes: int) -> floa
     step's latency, and the slower link's bandwidth term."""
     if group.size <= 1 or nbytes <= 0:
         return 0.0
-    return min(seconds for seconds, _ in _ways(hw, group, nbytes, passes))
+    return min(seconds for seconds, _ in _ways(hw, group, nbytes, op))
 
 
 def all_reduce(hw: HardwareProfile, group: Group, nbytes: float) -> float:
-    return _ring(hw, group, nbytes, passes=2)
+    return _ring(hw, group, nbytes, "all_reduce")
 
 
 def all_gather(hw: HardwareProfile, group: Group, nbytes: float) -> float:
     """nbytes: size of the gathered result on each rank."""
-    return _ring(hw, group, nbytes, passes=1)
+    return _ring(hw, group, nbytes, "all_gather")
 
 
 def reduce_scatter(hw: HardwareProfile, group: Group, nbytes: float) -> float:
     """nbytes: size of the full input on each rank."""
-    return _ring(hw, group, nbytes, passes=1)
+    return _ring(hw, group, nbytes, "reduce_scatter")
 
 
 def point_to_point(hw: HardwareProfile, nbytes: float, same_node: bool, busy_per_node: int = 1) -> float:
