@@ -183,6 +183,7 @@ def test_profile_schema_round_trip(tmp_path):
     assert loaded.links.inter_node == base.links.inter_node
     assert loaded.links.host == base.links.host
     assert loaded.compute.attention_rate is None  # CPU: attention at the fitted matmul rate
+    assert loaded.compute.overlaps_collectives is False  # CPU: FSDP2's collectives run in line
     assert "carried over from base profile 'cpu'" in loaded.description
 
 
@@ -222,6 +223,7 @@ def test_gpu_profile_uses_datasheet_peaks():
     # So are the CUDA cores' fp32 peak (67 TFLOP/s on H100) and the stack's decode attention kernel.
     assert profile.compute.vector_tflops == 67 and "fp32 CUDA-core peak" in profile.description
     assert profile.compute.decode_attention == "grouped" and profile.memory.l2_gbytes_per_s is None
+    assert profile.compute.overlaps_collectives is True  # CUDA streams: collectives beside compute
     a100 = build_profile(device, fits, load_hardware("a100-80g"), "a100", "torch x", "note")
     assert a100.memory.l2_gbytes_per_s == 7219 and "L2 bandwidth" in a100.description
     assert profile.memory.bandwidth_gbytes_per_s == pytest.approx(3350)

@@ -56,14 +56,22 @@ def _ring(ranks: int, nbytes: float, passes: int = 1) -> float:
     return passes * (ranks - 1) * ALPHA + passes * (ranks - 1) / ranks * nbytes / BW
 
 
+UNITS = 3  # full and hybrid sharding's FSDP units of small_arch: its 2 decoder layers and the root
+
+
+def _by_unit(ranks: int, nbytes: float, passes: int = 1) -> float:
+    """A full or hybrid sharding collective: one ring per FSDP unit, the bytes in even shares."""
+    return UNITS * _ring(ranks, nbytes / UNITS, passes)
+
+
 @pytest.mark.parametrize(("shard", "group", "n_micro", "expected"), [
     # nothing hidden (forward = backward = 0): 4 ranks on one node, gradients 4P, weights 2P bytes
     ("replicated", None, 3, _ring(4, 4 * P, passes=2)),  # one all-reduce per step
     ("zero1", None, 3, _ring(4, 4 * P) + _ring(4, 2 * P)),  # one reduce-scatter, one all-gather of the weights
     ("zero2", None, 3, 3 * _ring(4, 4 * P) + _ring(4, 2 * P)),  # a reduce-scatter per micro-batch
-    ("full", None, 2, 2 * (2 * _ring(4, 2 * P) + _ring(4, 4 * P))),  # gathers before forward and backward
+    ("full", None, 2, 2 * (2 * _by_unit(4, 2 * P) + _by_unit(4, 4 * P))),  # gathers before forward and backward
     # groups of 2 adjacent ranks, then an all-reduce of the gradient half across the 2 groups
-    ("hybrid", 2, 2, 2 * (2 * _ring(2, 2 * P) + _ring(2, 4 * P)) + _ring(2, 4 * P / 2, passes=2)),
+    ("hybrid", 2, 2, 2 * (2 * _by_unit(2, 2 * P) + _by_unit(2, 4 * P)) + _by_unit(2, 4 * P / 2, passes=2)),
 ])
 def test_step_communication_by_hand(toy_hw, small_arch, shard, group, n_micro, expected):
     config = _config(shard, dp=4, group=group)
@@ -75,7 +83,7 @@ def test_bf16_gradient_reduction_moves_half_the_bytes(toy_hw, small_arch):
     # Compute.gradient_reduce_bytes 2 (FSDP1 reducing in its bf16 param_dtype): the reduce-scatter moves 2P, not 4P.
     hw = toy_hw.model_copy(update={"compute": toy_hw.compute.model_copy(update={"gradient_reduce_bytes": 2})})
     got = sharding.exposed_step_comm(hw, small_arch, _config("full", dp=4), SetShape(4, 8), "lm", 0.0, 0.0, 2)
-    assert got == pytest.approx(2 * 3 * _ring(4, 2 * P), rel=1e-12)
+    assert got == pytest.approx(2 * 3 * _by_unit(4, 2 * P), rel=1e-12)
     got = sharding.exposed_step_comm(hw, small_arch, _config("replicated", dp=4), SetShape(4, 8), "lm", 0.0, 0.0, 1)
     assert got == pytest.approx(_ring(4, 2 * P, passes=2), rel=1e-12)
 
@@ -104,10 +112,27 @@ def test_compute_beside_a_collective_runs_slower(toy_hw):
     assert totals == sorted(totals)
 
 
+def _in_line(hw):
+    return hw.model_copy(update={"compute": hw.compute.model_copy(update={"overlaps_collectives": False})})
+
+
+def test_collectives_run_in_line_where_the_device_cannot_overlap_them(toy_hw, small_arch):
+    """CPU processes (no streams: FSDP2 waits on each collective): however long the compute beside it, a collective
+    costs all its time, and a step's communication is every collective whole."""
+    hw = _in_line(toy_hw)
+    assert sharding.exposed_beside(hw, 1.0, 10.0) == 1.0
+    assert sharding.exposed_beside(hw, 20.0, 10.0) == 20.0
+    gather, scatter = _by_unit(4, 2 * P), _by_unit(4, 4 * P)
+    got = sharding.exposed_step_comm(hw, small_arch, _config("full", dp=4), SetShape(4, 8), "lm", 10.0, 10.0, 3)
+    assert got == pytest.approx(3 * (2 * gather + scatter), rel=1e-12)
+    got = sharding.exposed_step_comm(hw, small_arch, _config("replicated", dp=4), SetShape(4, 8), "lm", 0, 10.0, 3)
+    assert got == pytest.approx(_ring(4, 4 * P, passes=2), rel=1e-12)
+
+
 def test_full_sharding_leaves_the_first_and_last_layers_collectives_exposed(toy_hw, small_arch):
     """Layer by layer, each gather beside the layer before it: however long the passes, the forward's and the
     backward's first gather and the backward's last reduce-scatter (one layer's share each) stay exposed."""
-    gather, scatter = _ring(4, 2 * P), _ring(4, 4 * P)
+    gather, scatter = _by_unit(4, 2 * P), _by_unit(4, 4 * P)
     layer = 36992 / P
     got = sharding.exposed_step_comm(toy_hw, small_arch, _config("full", dp=4), SetShape(4, 8), "lm", 10.0, 10.0, 3)
     assert got == pytest.approx(3 * layer * (2 * gather + scatter), rel=1e-12)
@@ -184,3 +209,12 @@ def test_hybrid_engine_gathers_within_the_shard_group():
     assert generation_groups(train, gen) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     for shard in ("zero1", "zero2"):  # whole weights on every rank: nothing to gather
         assert resharding(_config(shard), gen).received_fraction == 0
+
+
+def test_each_fsdp_unit_pays_its_own_latency(toy_hw, small_arch):
+    """The same bytes gathered unit by unit cost the ring's latency once per unit (the 2 layers and the root)
+    where one collective of the whole stage would pay it once."""
+    whole = _ring(4, 2 * P)
+    got = sharding.weight_gather_seconds(toy_hw, small_arch, _config("full", dp=4), SetShape(4, 8), "lm", 4)
+    assert got == pytest.approx(whole + (UNITS - 1) * 3 * ALPHA, rel=1e-12)
+    assert sharding.fsdp_units(small_arch, 1) == UNITS and sharding.fsdp_units(small_arch, 2) == 2

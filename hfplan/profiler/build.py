@@ -121,7 +121,8 @@ def build_profile(device: Device, fits: Fits, base: HardwareProfile, name: str, 
                         value_bytes=2 if device.kind == "cuda" else 4,  # bf16 on GPUs, fp32 on CPUs
                         gemm=device_tiling(device, base), attention_rate=attention_rate,
                         decode_attention=base.compute.decode_attention if gpu else "grouped",
-                        vector_tflops=vector_tflops, overlap_slowdown=overlap_slowdown),
+                        vector_tflops=vector_tflops, overlap_slowdown=overlap_slowdown,
+                        overlaps_collectives=gpu),  # CPU: no streams, FSDP2's collectives run in line
         memory=Memory(capacity_gib=_round(capacity), reserved_gib=_round(reserved, 3),
                       bandwidth_gbytes_per_s=_round(bandwidth), efficiency=_round(mem_eff), l2_gbytes_per_s=l2),
         links=Links(intra_node=intra, inter_node=base.links.inter_node, host=host),

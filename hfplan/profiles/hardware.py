@@ -101,6 +101,14 @@ class Compute(_Strict):
                                        "slower. What overlapping a collective with compute leaves exposed "
                                        "(sharding.exposed_beside); 0: a collective shorter than the compute beside "
                                        "it is free")
+    overlaps_collectives: bool = Field(
+        default=True, description="whether the training engine's data-parallel collectives run beside its compute: "
+                                  "on GPUs FSDP2 issues its all-gathers and reduce-scatters on streams of their "
+                                  "own. false: each runs in line, the compute waiting for it (CPU processes: "
+                                  "torch has no streams there, so FSDP2 waits on every gather, reduce-scatter and "
+                                  "replica all-reduce before going on; torch/distributed/fsdp/_fully_shard, "
+                                  "FSDPCommContext.get_all_gather_streams and foreach_reduce): every collective of "
+                                  "a step is exposed (sharding.exposed_beside)")
     host_parallelism: float | None = Field(
         default=None, gt=0, description="CPU processes: how many ranks of one host compute at full speed at once, "
                                         "measured by `hfplan profile` (a decode step timed on one process while the "

@@ -16,12 +16,14 @@ stack reduces bf16 gradients):
 - full and hybrid: every micro-batch all-gathers the weights (vP) before its forward and again
   before its backward, and reduce-scatters its gradients, in its shard group (layer-wise prefetch
   overlaps them with compute); hybrid then all-reduces its gradient shard (4P / g) across the
-  replicas once per step, overlapped with the last backward.
+  replicas once per step, overlapped with the last backward. Each of these runs unit by unit (fsdp_units:
+  a collective per decoder layer and one for the stage's root), each paying its own latency.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import TYPE_CHECKING
 
 from hfplan.layout import stage_params
@@ -57,11 +59,23 @@ def shard_group(layout: Layout, size: int, where: SetShape) -> coll.Group:
     return coll.group_of(size, layout.tp, where.per_node)
 
 
+def fsdp_units(arch: ModelArch, pp: int) -> int:
+    """The units a fully sharded stage gathers and reduces one by one: each of its decoder layers and its root (the
+    embedding, the final norm and the head), each wrapped on its own as the executor's engine wraps them (and as
+    FSDP's auto-wrapping by transformer block does). Every unit's collective pays its own latency."""
+    return math.ceil(arch.layers / pp) + 1
+
+
+def unit_by_unit(collective, hw: HardwareProfile, group: coll.Group, nbytes: float, units: int) -> float:
+    """`units` collectives of nbytes / units each (one per FSDP unit: the stage's bytes in even shares)."""
+    return units * collective(hw, group, nbytes / units)
+
+
 def weight_gather_seconds(hw: HardwareProfile, arch: ModelArch, layout: Layout, where: SetShape, head: str,
                           shards: int) -> float:
-    """All-gather of a stage's weights (compute precision) among `shards` data-parallel ranks."""
+    """All-gather of a stage's weights (compute precision) among `shards` data-parallel ranks, unit by unit."""
     nbytes = hw.compute.value_bytes * stage_params(arch, layout.pp, head) / layout.tp
-    return coll.all_gather(hw, shard_group(layout, shards, where), nbytes)
+    return unit_by_unit(coll.all_gather, hw, shard_group(layout, shards, where), nbytes, fsdp_units(arch, layout.pp))
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -80,11 +94,13 @@ def _step_collectives(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, dp
     if shard in ("zero1", "zero2"):
         return (coll.reduce_scatter(hw, everyone, grads),
                 coll.all_gather(hw, everyone, hw.compute.value_bytes * local), 0.0)
+    units = fsdp_units(arch, pp)
     gather = weight_gather_seconds(hw, arch, layout, where, head, size)
-    scatter = coll.reduce_scatter(hw, shard_group(layout, size, where), grads)
+    scatter = unit_by_unit(coll.reduce_scatter, hw, shard_group(layout, size, where), grads, units)
     replicas = 0.0
     if size < dp:
-        replicas = coll.all_reduce(hw, coll.group_of(dp // size, size * tp, where.per_node), grads / size)
+        replicas = unit_by_unit(coll.all_reduce, hw, coll.group_of(dp // size, size * tp, where.per_node),
+                                grads / size, units)
     return gather, scatter, replicas
 
 
@@ -100,7 +116,10 @@ def exposed_beside(hw: HardwareProfile, comm: float, compute: float) -> float:
     the compute runs 1 + s times slower (Compute.overlap_slowdown: the collective's kernels hold SMs and memory
     bandwidth); the compute left when it ends runs at full speed. So a collective shorter than the slowed compute
     adds comm * s / (1 + s), a longer one all it outlasts the compute by (comm - compute). Never negative, never more
-    than comm, and never decreasing by more than the compute grows (more compute never shortens the pair)."""
+    than comm, and never decreasing by more than the compute grows (more compute never shortens the pair).
+    Where the device runs collectives in line (Compute.overlaps_collectives false: CPU processes), all of it."""
+    if not hw.compute.overlaps_collectives:
+        return comm
     slowdown = hw.compute.overlap_slowdown
     if comm >= compute * (1.0 + slowdown):
         return comm - compute
