@@ -290,8 +290,9 @@ def test_transition_of_sharded_training_by_hand(toy_hw):
     # tp 2, FSDP over 4: each GPU all-gathers its tp shard from 4 GPUs in the node, receiving 3/8 of every
     # split tensor (a half, less its eighth) and 3/4 of the norms (replicated over tp, FSDP-sharded over 4).
     norms = (2 * LLAMA7.layers + 1) * LLAMA7.hidden
+    # Generating in the training layout, FSDP2 gathers unit by unit: 32 layers and the root, 33 rings of 3 steps.
     received = 2 * ((LLAMA7.params() - norms) * 3 / 8 + norms * 3 / 4)
-    expected = 3 * INTRA_ALPHA + received / INTRA_BW
+    expected = (LLAMA7.layers + 1) * 3 * INTRA_ALPHA + received / INTRA_BW
     actual = costs.transition_time(toy_hw, LLAMA7, TrainConfig(tp=2, dp=4), GenConfig(tp=2, dp=4), ONE_NODE)
     assert actual == pytest.approx(expected, rel=1e-12)
 

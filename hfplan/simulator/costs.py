@@ -618,7 +618,8 @@ def transition_time(hw: HardwareProfile, arch: ModelArch, train: TrainConfig, ge
                     where: SetShape, *, memo: CostMemo | None = None) -> float:
     """Training layout -> generation layout: an all-gather of each GPU's generation shard among the
     GPUs holding its pieces (its generation group), sized by the slices the busiest GPU receives
-    (hfplan.layout's per-tensor plan, as the executor moves them). Going back moves nothing: the generation
+    (hfplan.layout's per-tensor plan, as the executor moves them); where generation keeps the training layout, the
+    training engine's FSDP2 gathers it unit by unit (sharding.fsdp_units). Going back moves nothing: the generation
     copy is dropped. Both ways, the engines pay a fixed cost per parameter tensor of the generation model
     (Runtime.switch_tensor_s)."""
     fixed = hw.compute.host_slowdown(where.per_node) * _engine_weights_fixed(hw, arch, gen, train)
@@ -627,8 +628,12 @@ def transition_time(hw: HardwareProfile, arch: ModelArch, train: TrainConfig, ge
     if plan.group <= 1 or received == 0:
         return fixed
     group = coll.grid_group(list(plan.dims), where.per_node)
-    # A ring all-gather in which each GPU receives (group - 1) / group of the result.
-    return fixed + coll.all_gather(hw, group, hw.compute.value_bytes * received * plan.group / (plan.group - 1))
+    # A ring all-gather in which each GPU receives (group - 1) / group of the result: one for each FSDP unit where
+    # generation keeps the training layout (the training engine unshards unit by unit), else one.
+    gathered = hw.compute.value_bytes * received * plan.group / (plan.group - 1)
+    if reshards_by_plan(train, gen):
+        return fixed + coll.all_gather(hw, group, gathered)
+    return fixed + sharding.unit_by_unit(coll.all_gather, hw, group, gathered, sharding.fsdp_units(arch, train.pp))
 
 
 def weight_sync_time(hw: HardwareProfile, arch: ModelArch, gen: GenConfig, rollout: SetShape,
