@@ -263,11 +263,12 @@ def test_fsdp_training_pays_a_gather_even_with_the_same_tp():
     # node 0 and 8, 12 on node 1, one ring through the four (NCCL's Simple protocol): each passes 3/4 of the
     # bytes, at 300 GB/s x 0.77 in the node and at the 2 GPUs' share (1/8 each) of 25 GB/s x 0.9 across the
     # nodes; pipelined, Simple's 8.4 us, 2 steps in a node at 3.4 us, 1 across at 14 us. A GPU receives 3/16 of
-    # every split tensor and 3/4 of the norms; the ring's result is 4/3 of that.
+    # every split tensor and 3/4 of the norms; the ring's result is 4/3 of that. FSDP2 unshards unit by unit: 33
+    # rings (32 layers and the root), each paying the latencies, the bytes split among them.
     norms = (2 * CATALOG["llama2-7b"].layers + 1) * CATALOG["llama2-7b"].hidden
     nbytes = 2 * ((LLAMA2_7B_LM_PARAMS - norms) * (1 / 4 - 1 / 16) + norms * 3 / 4) * 4 / 3
-    expected = (8.4 + 2 * 3.4 + 14.0) * 1e-6 + max(3 / 4 * nbytes / (300e9 * 0.77),
-                                                   3 / 4 * nbytes / (2 * 25e9 * 0.9 / 8))
+    expected = 33 * (8.4 + 2 * 3.4 + 14.0) * 1e-6 + max(3 / 4 * nbytes / (300e9 * 0.77),
+                                                        3 / 4 * nbytes / (2 * 25e9 * 0.9 / 8))
     assert switch.end - switch.start == pytest.approx(expected, rel=1e-9)
 
 
