@@ -183,16 +183,20 @@ class Dispatch:
     any call's results, a call that reads its rows through a Ray reference, or other work on the workers (`send`).
     Then each worker gets the calls held for it as one Ray task (SetWorker.calls), run back to back: each call past
     the first saves a Ray task's overhead on both sides (on the worker alone about 1 ms on the CPU demo: Ray's
-    argument deserialisation, result store and switch between tasks, as ray.timeline() shows them)."""
+    argument deserialisation, result store and switch between tasks, as ray.timeline() shows them). `sends` counts
+    the sends: PendingCall.sent_in and waited_after read it, what was sent before which results were waited for."""
 
     def __init__(self) -> None:
         self.held: list[PendingCall] = []
+        self.sends = 0
 
     def send(self) -> None:
         held, self.held = self.held, []
         by_set: dict[int, list[PendingCall]] = {}
         for call in held:
             by_set.setdefault(call.set_index, []).append(call)
+            call.sent_in = self.sends
+        self.sends += 1
         for calls in by_set.values():
             for rank, worker in enumerate(calls[0].workers):
                 mine = [call for call in calls if rank in call.args]
@@ -220,6 +224,8 @@ class PendingCall:
         self.describe_failure, self.timeout_s, self.call_id = describe_failure, timeout_s, call_id
         self.refs: list = [None] * len(workers)
         self.opens_task = False  # the first call of a Ray task its ranks got (Dispatch.send)
+        self.sent_in: int | None = None  # which of the Dispatch's sends sent it
+        self.waited_after: int | None = None  # how many sends there had been when its outputs were first waited for
         self._outputs: dict | None = None
         self.ended = 0.0  # when its last rank finished (the controller's clock), once its outputs are fetched
         dispatch.held.append(self)
@@ -251,7 +257,9 @@ class PendingCall:
             import ray
 
             try:
-                packed = ray.get(self.sent_refs(), timeout=self.timeout_s if timeout is None else timeout)
+                refs = self.sent_refs()
+                self.waited_after = self.dispatch.sends
+                packed = ray.get(refs, timeout=self.timeout_s if timeout is None else timeout)
             except Exception as failure:  # a dead worker, a failed call, or a timeout: name who
                 raise RunFailed(self.describe_failure(failure)) from failure
             results = [wire.unpack_packed(result) for result in packed]
