@@ -157,3 +157,7 @@ def test_grpo_sends_its_update_before_it_waits_for_the_log_prob_pair(monkeypatch
     assert worker.tasks == [[("actor", "generate", 0)],
                             [("actor", "log_prob", 1), ("reference", "log_prob", 2), ("reward", "score", 3)],
                             [("actor", "update", 4)], [("actor", "generate", 5)]]
+    timings = recorder.call_timings()  # what bench/dispatch_gaps.py reads: the sends' times, the workers' spans
+    assert [(t.role, t.op) for t in timings] == [label[:2] for label in calls]
+    assert [t.sent for t in timings] == [call.sent_at for call in calls.values()] and timings[0].sent > 0
+    assert all((t.start, t.end) == (1.0, 2.0) for t in timings)
