@@ -119,3 +119,45 @@ def test_a_call_that_failed_in_a_task_is_named_and_those_after_it_did_not_run(mo
     assert worker.tasks == [[("actor", "log_prob", 0), ("reference", "log_prob", 1)]] and worker.ran == [0]
     with pytest.raises(RunFailed, match=r"reference\.log_prob: not run: actor\.log_prob, sent with it, failed first"):
         second["ref_log_probs"].result()
+
+
+def test_grpo_sends_its_update_before_it_waits_for_the_log_prob_pair(monkeypatch):
+    """The update needs the advantages (from the rewards) and the pair's log-probs, which the worker keeps: the
+    controller sends it with nothing waited for but the generation and the rewards, and reads the pair's results
+    only once the update is sent (the Dispatch's order of sends and waits, not timing)."""
+    from hfplan.dataflow.algorithms import grpo
+    from hfplan.dataflow.controller import ControllerState
+    from hfplan.executor.roles import ExecutionController
+
+    worker, dispatch = _Worker("rank 0"), Dispatch()
+    actor, reference = _roles(monkeypatch, [worker], dispatch)
+    recorder = actor.recorder
+    reward = WorkerGroupRole("reward", RoleFacts(output="rewards", head="scalar"), actor.workers,
+                             {ROLE_OPS["score"].layout: Layout()}, recorder, 1.0, dispatch)
+    spans = [Timed("op", "compute", 1.0, 2.0)]
+    worker.results[0] = {"fields": {"prompts": np.zeros((4, 3)), "responses": np.zeros((4, 2)),
+                                    "response_mask": np.ones((4, 2)), "behaviour_log_probs": np.zeros((4, 2))},
+                         "spans": spans}
+    worker.results[1] = {"fields": {"old_log_probs": np.zeros((4, 2))}, "spans": spans}
+    worker.results[2] = {"fields": {"ref_log_probs": np.zeros((4, 2))}, "spans": spans}
+    worker.results[3] = {"fields": {"rewards": np.array([0.0, 1.0, 1.0, 1.0])}, "spans": spans}
+    worker.results[4] = {"fields": {"actor_metrics": {"policy_loss": 0.5}}, "spans": spans}
+    controller = ExecutionController(ControllerState(samples_per_prompt=2), recorder)
+    prompts = np.zeros((2, 3), dtype=np.int64)
+    updates = grpo({"actor": actor, "reference": reference, "reward": reward}, Batch(prompts=prompts), controller)
+    calls = {call.label[:2]: call for call in recorder.calls}
+    pair = calls[("actor", "log_prob")], calls[("reference", "log_prob")]
+    assert all(call.waited_after is None for call in pair)  # the program never waited for them
+    actor.send_ahead(prompts, 2, False)  # what the controller sends next: the update goes first
+    assert updates["actor_metrics"].result() == {"policy_loss": 0.5}
+    recorder.finish_iteration()  # reads what nothing read before: the pair
+    update = calls[("actor", "update")]
+    assert all(call.sent_in < calls[("reward", "score")].waited_after for call in pair)
+    assert all(update.sent_in < call.waited_after for call in pair)
+    assert worker.tasks == [[("actor", "generate", 0)],
+                            [("actor", "log_prob", 1), ("reference", "log_prob", 2), ("reward", "score", 3)],
+                            [("actor", "update", 4)], [("actor", "generate", 5)]]
+    timings = recorder.call_timings()  # what bench/dispatch_gaps.py reads: the sends' times, the workers' spans
+    assert [(t.role, t.op) for t in timings] == [label[:2] for label in calls]
+    assert [t.sent for t in timings] == [call.sent_at for call in calls.values()] and timings[0].sent > 0
+    assert all((t.start, t.end) == (1.0, 2.0) for t in timings)

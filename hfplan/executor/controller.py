@@ -42,7 +42,15 @@ from hfplan.executor.placement import (
     start_sets,
     stop_sets,
 )
-from hfplan.executor.roles import ActorRole, Dispatch, ExecutionController, Recorder, RuleRole, WorkerGroupRole
+from hfplan.executor.roles import (
+    ActorRole,
+    CallTiming,
+    Dispatch,
+    ExecutionController,
+    Recorder,
+    RuleRole,
+    WorkerGroupRole,
+)
 from hfplan.executor.samples import Sample, SamplesFile, take_samples
 from hfplan.executor.startup import StartupLog
 from hfplan.files import write_atomically
@@ -105,6 +113,7 @@ class IterationReport:
     eval_spans: list[Span] = field(default_factory=list)  # the evaluation after it, if any (evaluation.py)
     sampled: dict = field(default_factory=dict)  # its sampled sequences' fields (sampled_outputs), for on_iteration
     rank_start_spreads: list[float] = field(default_factory=list)  # Recorder.rank_start_spreads
+    calls: list[CallTiming] = field(default_factory=list)  # the training iteration's calls (Recorder.call_timings)
 
 
 @dataclass
@@ -476,7 +485,7 @@ def finish_iteration_report(plan: Plan, options: ExecuteOptions, checked, roles,
     samples = take_samples(iteration, options.samples, sampled_outputs(recorder), recorder.texts.get(False),
                            checked.decode_prompts, checked.decode_responses) if options.samples else []
     report = IterationReport(iteration, metrics, list(recorder.spans), samples, sampled=sampled_outputs(recorder),
-                             rank_start_spreads=list(recorder.rank_start_spreads))
+                             rank_start_spreads=list(recorder.rank_start_spreads), calls=recorder.call_timings())
     progress.iteration += 1
     if checked.eval_set is not None and evaluation.due(progress.iteration, options.eval_every, options.iterations):
         evaluated = evaluation.run_eval(plan, roles, checked, recorder, iteration, options.samples)

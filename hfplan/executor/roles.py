@@ -60,6 +60,12 @@ class Recorder:
     # (its first call's first stretch): what the profiler reads as Runtime.rank_dispatch_us.
     rank_start_spreads: list[float] = field(default_factory=list)
 
+    def call_timings(self) -> list[CallTiming]:
+        """When each of the recording's calls was sent, and its workers started and ended it, in the order the
+        calls were made (its outputs fetched: after finish_iteration)."""
+        return [CallTiming(call.label[0], call.label[1], call.call_id, call.sent_at, call.started, call.ended)
+                for call in self.calls]
+
     def start_iteration(self, prompt_columns: dict[str, list] | None = None, origin: float | None = None) -> None:
         """A new recording (a training iteration, or an evaluation): spans from now (or from `origin`, where its
         first call was sent before), nothing observed yet."""
@@ -128,6 +134,20 @@ class Recorder:
             self.span(role, first.op, set_index, start, end, kind=first.kind, phase=timed_phase(op, first.op))
 
 
+@dataclass(frozen=True)
+class CallTiming:
+    """One role call on the controller's clock (time.time()): `sent` (the Ray task that carried it submitted),
+    `start` (its first rank's first stretch), `end` (its last rank's last). What bench/dispatch_gaps.py reads: how
+    long before a worker was free each call was there."""
+
+    role: str
+    op: str
+    call_id: int
+    sent: float
+    start: float
+    end: float
+
+
 def timed_phase(call_op: str, timed_op: str) -> str:
     """The phase of a stretch of work inside a call: the call's, but a hybrid engine's way back from generation
     is generation's wherever it runs (before the first call after a run of generate calls)."""
@@ -183,16 +203,21 @@ class Dispatch:
     any call's results, a call that reads its rows through a Ray reference, or other work on the workers (`send`).
     Then each worker gets the calls held for it as one Ray task (SetWorker.calls), run back to back: each call past
     the first saves a Ray task's overhead on both sides (on the worker alone about 1 ms on the CPU demo: Ray's
-    argument deserialisation, result store and switch between tasks, as ray.timeline() shows them)."""
+    argument deserialisation, result store and switch between tasks, as ray.timeline() shows them). `sends` counts
+    the sends: PendingCall.sent_in and waited_after read it, what was sent before which results were waited for."""
 
     def __init__(self) -> None:
         self.held: list[PendingCall] = []
+        self.sends = 0
 
     def send(self) -> None:
         held, self.held = self.held, []
         by_set: dict[int, list[PendingCall]] = {}
+        now = time.time()
         for call in held:
             by_set.setdefault(call.set_index, []).append(call)
+            call.sent_in, call.sent_at = self.sends, now
+        self.sends += 1
         for calls in by_set.values():
             for rank, worker in enumerate(calls[0].workers):
                 mine = [call for call in calls if rank in call.args]
@@ -220,8 +245,12 @@ class PendingCall:
         self.describe_failure, self.timeout_s, self.call_id = describe_failure, timeout_s, call_id
         self.refs: list = [None] * len(workers)
         self.opens_task = False  # the first call of a Ray task its ranks got (Dispatch.send)
+        self.sent_in: int | None = None  # which of the Dispatch's sends sent it
+        self.sent_at = 0.0  # when (the controller's clock)
+        self.waited_after: int | None = None  # how many sends there had been when its outputs were first waited for
         self._outputs: dict | None = None
-        self.ended = 0.0  # when its last rank finished (the controller's clock), once its outputs are fetched
+        self.started = self.ended = 0.0  # when its first rank started and its last finished (the controller's
+        # clock), once its outputs are fetched
         dispatch.held.append(self)
         if recorded:
             recorder.calls.append(self)
@@ -251,7 +280,9 @@ class PendingCall:
             import ray
 
             try:
-                packed = ray.get(self.sent_refs(), timeout=self.timeout_s if timeout is None else timeout)
+                refs = self.sent_refs()
+                self.waited_after = self.dispatch.sends
+                packed = ray.get(refs, timeout=self.timeout_s if timeout is None else timeout)
             except Exception as failure:  # a dead worker, a failed call, or a timeout: name who
                 raise RunFailed(self.describe_failure(failure)) from failure
             results = [wire.unpack_packed(result) for result in packed]
@@ -260,8 +291,10 @@ class PendingCall:
                     raise RunFailed(self.describe_failure(RuntimeError(result.error)))
             self.recorder.worker_spans(self.label[0], self.label[1], self.set_index, results, self.opens_task)
             offsets = self.recorder.clock_offsets
-            self.ended = max(timed.end - offsets[(self.set_index, rank)]
-                             for rank, result in enumerate(results) for timed in result["spans"])
+            timed = [(t, offsets[(self.set_index, rank)])
+                     for rank, result in enumerate(results) for t in result["spans"]]
+            self.started = min(t.start - offset for t, offset in timed)
+            self.ended = max(t.end - offset for t, offset in timed)
             self._outputs = merge_outputs([results[r]["fields"] for r in self.collect])
             self.recorder.observed[self.label] = self._outputs
         return self._outputs
