@@ -266,32 +266,32 @@ def engine_seconds(torch, kind: str, mode: str) -> EngineSeconds:
 
     arch, world = CATALOG[MODEL], dist.get_world_size()
     role = profiled_role(torch, kind, mode)
-    timed = WorldClock(torch, kind, ENGINE_REPS).per_call
 
-    steps = {}
-    for n in (FEW, MANY):
+    def update(n: int, micro: int):
         batch = {"prompts": torch.randint(1, arch.vocab, (n, PROMPT)),
                  "responses": torch.randint(1, arch.vocab, (n, LONG)),
                  "response_mask": torch.ones(n, LONG, dtype=torch.long),
                  "old_log_probs": torch.zeros(n, LONG), "advantages": torch.ones(n, LONG)}
-        steps[n] = timed(lambda batch=batch: role.update_actor(batch, mini_batches=1, epochs=1, micro_batch=1,
-                                                               use_kl_loss=False))
-    one = {"prompts": torch.randint(1, arch.vocab, (1, PROMPT)), "responses": torch.randint(1, arch.vocab, (1, LONG)),
-           "response_mask": torch.ones(1, LONG, dtype=torch.long)}
-    log_prob = timed(lambda: role.log_probs(**one, micro_batch=1))
-    switch = timed(_switch(role, keep_trained=False))
+        return lambda: role.update_actor(batch, mini_batches=1, epochs=1, micro_batch=micro, use_kl_loss=False)
+
+    def log_prob(n: int):
+        rows = {"prompts": torch.randint(1, arch.vocab, (n, PROMPT)),
+                "responses": torch.randint(1, arch.vocab, (n, LONG)),
+                "response_mask": torch.ones(n, LONG, dtype=torch.long)}
+        return lambda: role.log_probs(**rows, micro_batch=n)
+
+    calls = [update(FEW, 1), update(MANY, 1), log_prob(1), _switch(role, keep_trained=False)]
+    if mode == PLAIN:
+        calls += [update(BATCH, BATCH), log_prob(BATCH), _switch(role)]
+    # Every call timed in the same rounds (WorldClock.per_calls).
+    few, many, one, switch, *wide = WorldClock(torch, kind, ENGINE_REPS).per_calls(calls)
+    steps = {FEW: few, MANY: many}
     if mode == TP:
-        return EngineSeconds(world, mode, steps, log_prob, switch, split_steps=_split_steps(torch, kind, role))
+        return EngineSeconds(world, mode, steps, one, switch, split_steps=_split_steps(torch, kind, role))
     if mode != PLAIN:
-        return EngineSeconds(world, mode, steps, log_prob, switch)
-    wide = {"prompts": torch.randint(1, arch.vocab, (BATCH, PROMPT)),
-            "responses": torch.randint(1, arch.vocab, (BATCH, LONG)),
-            "response_mask": torch.ones(BATCH, LONG, dtype=torch.long)}
-    update = {**wide, "old_log_probs": torch.zeros(BATCH, LONG), "advantages": torch.ones(BATCH, LONG)}
-    wide_update = timed(lambda: role.update_actor(update, mini_batches=1, epochs=1, micro_batch=BATCH,
-                                                  use_kl_loss=False))
-    wide_log_prob = timed(lambda: role.log_probs(**wide, micro_batch=BATCH))
-    return EngineSeconds(world, mode, steps, log_prob, switch, (wide_update, wide_log_prob), timed(_switch(role)))
+        return EngineSeconds(world, mode, steps, one, switch)
+    wide_update, wide_log_prob, kept_switch = wide
+    return EngineSeconds(world, mode, steps, one, switch, (wide_update, wide_log_prob), kept_switch)
 
 
 def _switch_fixed(bare: HardwareProfile, measured: EngineSeconds, mode: str) -> tuple[float, dict]:
@@ -363,20 +363,28 @@ class WorldClock:
 
     def per_call(self, fn, min_time: float = 0.0) -> float:
         """Seconds per call of fn (`min_time` is not used: the count is fixed)."""
+        return self.per_calls([fn])[0]
+
+    def per_calls(self, fns: list) -> list[float]:
+        """Seconds per call of each of fns, timed in interleaved rounds (one call of each per round): a machine
+        whose speed moves by the second (a VM's host) stretches every one of them alike, so the differences the
+        runtime's fits take between them (more micro-batches against fewer, a call against its parts) hold."""
         import torch.distributed as dist
 
-        fn()  # warm-up
-        seconds = []
+        for fn in fns:
+            fn()  # warm-up
+        seconds: list[list[float]] = [[] for _ in fns]
         for _ in range(self.reps):
-            dist.barrier()
-            self.clock.sync()
-            start = time.perf_counter()
-            fn()
-            self.clock.sync()
-            took = self.torch.tensor([time.perf_counter() - start], dtype=self.torch.float64, device=self.kind)
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)
-            seconds.append(float(took.item()))
-        return typical(seconds)
+            for fn, taken in zip(fns, seconds, strict=True):
+                dist.barrier()
+                self.clock.sync()
+                start = time.perf_counter()
+                fn()
+                self.clock.sync()
+                took = self.torch.tensor([time.perf_counter() - start], dtype=self.torch.float64, device=self.kind)
+                dist.all_reduce(took, op=dist.ReduceOp.MAX)
+                taken.append(float(took.item()))
+        return [typical(taken) for taken in seconds]
 
 
 def _step_collective_fixed(fitted: HardwareProfile, measured: EngineSeconds) -> tuple[float, list[dict]]:
