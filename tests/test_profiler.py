@@ -185,6 +185,7 @@ def test_profile_schema_round_trip(tmp_path):
     assert loaded.compute.attention_rate is None  # CPU: attention at the fitted matmul rate
     assert loaded.compute.overlaps_collectives is False  # CPU: FSDP2's collectives run in line
     assert "carried over from base profile 'cpu'" in loaded.description
+    assert "each collective also fitted on its own, every call timed after a millisecond" in loaded.description
 
 
 def test_a_cpu_profile_prices_each_collective_by_its_own_fit_and_a_gpu_profile_by_the_link():

@@ -105,7 +105,9 @@ def build_profile(device: Device, fits: Fits, base: HardwareProfile, name: str, 
         + "; peak "
         f"{'from the datasheet' if nominal.peak_tflops else 'is the best measured matmul rate'}. "
         + (f"Intra-node link: alpha-beta fit (bus bandwidth) of all-reduce, all-gather, reduce-scatter and "
-           f"point-to-point across {device.world_size} processes. " if fits.intra is not None else "")
+           f"point-to-point across {device.world_size} processes"
+           + ("; each collective also fitted on its own, every call timed after a millisecond of compute on every "
+              "rank" if device.kind == "cpu" else "") + ". " if fits.intra is not None else "")
         + ("Host link: fit of pinned host<->device copies. " if fits.host is not None else "")
         + f"Not measured, carried over from base profile '{base.name}': {', '.join(carried)}."
     )
