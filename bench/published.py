@@ -58,7 +58,9 @@ Assumptions common to the cases:
   throughput of LLaMA-70B at 128 in / 2048 out). That kernel runs one thread block per query head
   (decoderMaskedMultiheadAttentionTemplate.h: block `hi` reads KV head `hi / qhead_per_kv`) in fp32 on the CUDA
   cores: its throughput cases price the decode attention so (`_with_decode_attention`, Compute.decode_attention
-  "per_query_head"). LLaMA 7B and GPT-J have one query head per KV head, where this changes nothing.
+  "per_query_head"), the query heads' re-reads of their KV head's cache at the profile's L2 rate (a100-80g: the
+  5,411 GB/s te42kyfo/gpu-benches measures, not the 7,219 GB/s peak). LLaMA 7B and GPT-J have one query head per KV
+  head, where this changes nothing.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ response-length distributions, by hand on the toy profile of conftest.py (matmul
 import pytest
 
 from hfplan.plan import GenConfig, InferConfig, Layout, TrainConfig
-from hfplan.profiles.hardware import Runtime
+from hfplan.profiles.hardware import Runtime, load_hardware
 from hfplan.profiles.models import CATALOG
 from hfplan.simulator import costs, kernels
 from hfplan.simulator.costs import SetShape
@@ -342,6 +342,22 @@ def test_per_query_head_decode_of_multi_head_attention_is_its_hbm_read(toy_hw):
     hbm = 2 * (tokens * keys * 2 * 64 + 2 * tokens * 64)
     slow_l2 = _per_query_head(toy_hw, l2=toy_hw.memory.bandwidth_gbytes_per_s * toy_hw.memory.efficiency)
     assert attention_time(slow_l2, mha, tokens, keys, 1, True) == pytest.approx(5e-6 + hbm / 5e11)
+
+
+def test_a100_per_query_head_decode_of_llama_70b_is_bound_by_its_measured_l2_rate():
+    """Llama 2 70B at tp 4 on the shipped A100 profile: 2 KV heads (256 values) and 16 query heads (2048) a GPU, 8
+    query heads to a KV head. A decode layer of 240 sequences at 1,152 keys: the cache is 2 B x 240 x 1152 x (k, v)
+    x 256 = 283,115,520 B, with q and the output (2 B x 2 x 240 x 2048 = 1,966,080 B) 285,081,600 B from HBM,
+    159 us at 2,039 GB/s x 0.88; the 7 other query heads re-read the cache from L2: 2,266,890,240 B, 419 us at the
+    measured 5,411 GB/s; the math, 4 x 240 x 1152 x 2048 FLOP, 116 us at 19.5 TFLOP/s. L2 binds, plus 4 us."""
+    a100 = load_hardware("a100-80g")
+    hw = a100.model_copy(update={"compute": a100.compute.model_copy(update={"decode_attention": "per_query_head"})})
+    l2_bytes = 285_081_600 + 7 * 283_115_520
+    assert attention_time(hw, CATALOG["llama2-70b"], 240, 1152, 4, True) == pytest.approx(4e-6 + l2_bytes / 5411e9)
+    # Llama 2 7B has one query head per KV head: its 32 heads' cache (2 B x 60 x 1152 x 2 x 4096) and q and the
+    # output (2 B x 2 x 60 x 4096) are one HBM read, whatever the L2's rate.
+    hbm = 2 * 60 * 1152 * 2 * 4096 + 2 * 2 * 60 * 4096
+    assert attention_time(hw, LLAMA7, 60, 1152, 1, True) == pytest.approx(4e-6 + hbm / (2039e9 * 0.88))
 
 
 def test_attention_rate_points_must_rise_in_length_and_be_fractions(toy_hw):

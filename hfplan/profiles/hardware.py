@@ -153,9 +153,9 @@ class Memory(_Strict):
                                           description="peak device-memory bandwidth, GB/s")
     efficiency: float = Field(gt=0, le=1, description="fraction of peak bandwidth reached by streaming kernels")
     l2_gbytes_per_s: float | None = Field(
-        default=None, gt=0, description="peak L2-cache read bandwidth, GB/s: what a per_query_head decode "
-                                        "attention's repeated reads of a KV head's cache run at; None: not limited "
-                                        "by it")
+        default=None, gt=0, description="L2-cache read bandwidth a kernel reaches, GB/s: what a "
+                                        "per_query_head decode attention's repeated reads of a KV head's cache run "
+                                        "at; None: not limited by it")
     worker_resident_gib: float = Field(default=0.0, ge=0, description="resident memory of one executor worker "
                                        "process before it builds a model (the interpreter, torch, transformers, "
                                        "Ray's worker): on a CPU profile, part of what a run's resident set shows")
