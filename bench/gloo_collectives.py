@@ -1,7 +1,7 @@
 """What gloo's collectives cost two CPU ranks as the executor calls them.
 
-1. Per call, back to back and after a burst of matmuls on every rank (0.3, 1 and 3 ms): the timing `hfplan profile`
-   takes on CPU (hfplan.profiler.comm.BURST_S) against the back-to-back one it took before.
+1. Per call, back to back and after a burst of matmuls on every rank (0.3, 1 and 3 ms), timed as `hfplan profile`
+   times them on CPU (hfplan.profiler.comm: compute_burst, beyond_bursts; BURST_S) against back to back.
 2. The training engine's actor update over two FSDP2 ranks (the demo models, one micro-batch of 16 sequences a rank):
    its time, and the time inside each kind of collective (torch.distributed's functions wrapped with a timer; FSDP2
    on CPU waits for each where it calls it).
@@ -28,35 +28,22 @@ SEQUENCES, UPDATES, ROUNDS = 16, 10, 5
 TIMED = ("all_gather_single", "reduce_scatter_single", "all_reduce")
 
 
-def _collectives(torch, dist, rank: int, out: dict) -> None:
-    a, b = torch.randn(128, 128), torch.randn(128, 128)
-    start = time.perf_counter()
-    for _ in range(200):
-        torch.mm(a, b)
-    per_mm = (time.perf_counter() - start) / 200
+def _collectives(torch, dist, out: dict) -> None:
+    from hfplan.profiler.comm import beyond_bursts, compute_burst
+
     world = dist.get_world_size()
+    bursts = {ms: compute_burst(torch, ms * 1e-3) for ms in BURSTS_MS}
     for nbytes in SIZES:
         full, part = torch.ones(nbytes // 4), torch.ones(nbytes // 4 // world)
         calls = {"all_gather": lambda full=full, part=part: dist.all_gather_single(full, part),
                  "reduce_scatter": lambda full=full, part=part: dist.reduce_scatter_single(part, full),
                  "all_reduce": lambda full=full: dist.all_reduce(full)}
         for name, call in calls.items():
-            for burst_ms in BURSTS_MS:
-                count = int(burst_ms * 1e-3 / per_mm)
+            for burst_ms, burst in bursts.items():
                 extra = []
                 for _ in range(TRIALS):
                     dist.barrier()
-                    start = time.perf_counter()
-                    for _ in range(REPS):
-                        for _ in range(count):
-                            torch.mm(a, b)
-                        call()
-                    both = time.perf_counter() - start
-                    start = time.perf_counter()
-                    for _ in range(REPS):
-                        for _ in range(count):
-                            torch.mm(a, b)
-                    extra.append((both - (time.perf_counter() - start)) / REPS)
+                    extra.append(beyond_bursts(call, burst, REPS))
                 out[("call", name, nbytes, burst_ms)] = statistics.median(extra)
 
 
@@ -113,7 +100,7 @@ def _rank(rank: int, init: str, queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     out: dict = {}
-    _collectives(torch, dist, rank, out)
+    _collectives(torch, dist, out)
     for model in FSDP_MODELS:
         _fsdp_update(torch, dist, model, out)
     if rank == 0:

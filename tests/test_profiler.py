@@ -624,3 +624,24 @@ def test_engine_steps_are_timed_in_interleaved_rounds_so_a_slow_stretch_falls_on
     steps = runtime.steps_seconds(clock, cases, min_time=0.0)
     assert steps == pytest.approx([1e-4, 2e-4, 3e-4])
     assert clock.calls == 2 * len(cases) * runtime.ROUNDS
+
+
+def test_collectives_on_cpu_are_timed_beyond_a_burst_before_each():
+    """comm.beyond_bursts: each call follows a burst, and the bursts alone are timed again and taken off; a burst of
+    0 s is no work at all (GPUs time their collectives back to back)."""
+    import time
+
+    from hfplan.profiler.comm import beyond_bursts, compute_burst
+
+    counts = {"burst": 0, "call": 0}
+
+    def burst():
+        counts["burst"] += 1
+
+    def call():
+        counts["call"] += 1
+        time.sleep(0.002)
+
+    assert beyond_bursts(call, burst, 4) >= 0.002  # a call's own sleep is never taken off
+    assert counts == {"burst": 8, "call": 4}  # a burst before each call, then as many alone
+    compute_burst(None, 0.0)()  # no work: it never touches torch (None here), before or during the call

@@ -134,8 +134,8 @@ def _sweep(torch, dist, rank, world, kind, dtype, sizes, min_time, messages) -> 
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t.item())
 
-    burst = _compute_burst(torch) if kind == "cpu" else _no_burst
     burst_s = BURST_S if kind == "cpu" else 0.0
+    burst = compute_burst(torch, burst_s)
     rows = []
     for op in COLLECTIVES:
         for size in sizes:
@@ -170,16 +170,7 @@ def _sweep(torch, dist, rank, world, kind, dtype, sizes, min_time, messages) -> 
             for _ in range(3):
                 dist.barrier()
                 sync()
-                start = time.perf_counter()
-                for _ in range(reps):
-                    burst()
-                    call()
-                sync()
-                with_bursts = time.perf_counter() - start
-                start = time.perf_counter()
-                for _ in range(reps):
-                    burst()
-                trials.append(agreed_max(max(0.0, with_bursts - (time.perf_counter() - start)) / reps))
+                trials.append(agreed_max(beyond_bursts(call, burst, reps, sync)))
             seconds = typical(trials) / (2 if op == "p2p" else 1)
             nbytes = float(elements * esize)
             steps, factor = collective_terms(op, world)
@@ -192,13 +183,16 @@ def _sweep(torch, dist, rank, world, kind, dtype, sizes, min_time, messages) -> 
     return rows
 
 
-def _compute_burst(torch) -> Callable[[], None]:
-    """A burst of about BURST_S of matmuls on this rank, for the CPU sweep."""
+def compute_burst(torch, seconds: float) -> Callable[[], None]:
+    """A burst of about `seconds` of matmuls on this rank (none for 0: GPUs time collectives back to back, NCCL's
+    kernels queueing behind each other on the device)."""
+    if seconds <= 0:
+        return lambda: None
     a, b = torch.randn(128, 128), torch.randn(128, 128)
     start = time.perf_counter()
     for _ in range(50):
         torch.mm(a, b)
-    count = max(1, round(BURST_S / ((time.perf_counter() - start) / 50)))
+    count = max(1, round(seconds / ((time.perf_counter() - start) / 50)))
 
     def burst() -> None:
         for _ in range(count):
@@ -206,5 +200,16 @@ def _compute_burst(torch) -> Callable[[], None]:
     return burst
 
 
-def _no_burst() -> None:
-    """GPUs: collectives timed back to back (NCCL's kernels queue behind each other on the device)."""
+def beyond_bursts(call: Callable[[], None], burst: Callable[[], None], reps: int,
+                  sync: Callable[[], None] = lambda: None) -> float:
+    """Seconds per call of `call` beyond the burst before each: `reps` of (burst, call), less `reps` bursts alone."""
+    start = time.perf_counter()
+    for _ in range(reps):
+        burst()
+        call()
+    sync()
+    with_bursts = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(reps):
+        burst()
+    return max(0.0, with_bursts - (time.perf_counter() - start)) / reps
