@@ -39,6 +39,12 @@ Assumptions common to the cases:
   backward_prefetch BACKWARD_POST, forward_prefetch off, limit_all_gathers on, use_orig_params on, every block
   its own unit (MPT's fsdp_wrap_fn); no no_sync between micro-batches (composer's ddp_sync_context acts on DDP
   models only).
+- The MPT tables' Throughput: collect_results.py (llm-foundry 061f2c7) takes a run's last
+  throughput/samples_per_sec, composer's SpeedMonitor over the yamls' window of 10 batches (of the 30 that
+  submit_benchmarks.py's mod_parameters runs, max_duration '30ba', evaluation off, eval_interval 0): samples over
+  the wall-clock between batch ends (state.timestamp.total_wct, which leaves evaluation out). Every optimizer step
+  and each batch's host work is inside it; a case prices one optimizer step (the global batch: GPUs x micro-batch
+  x grad-accum sequences).
 - H100's GEMMs run at the shipped profile's sustained rate (708.5 TFLOP/s: S. Bekman's MSMF of the same GH100
   compute at its 700 W limit, ~1465 MHz), not the boost-clock burst of his MAMF table (792.1 on H100 with the runs'
   CUDA 12.1): a training step keeps the tensor cores at the power limit. A100's is his MAMF (no A100 MSMF is
