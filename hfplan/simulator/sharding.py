@@ -106,8 +106,10 @@ def fsdp1_passes(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, shards:
       where it differs (_post_backward_hook) and divided in place before it (_reduce_grad, _div_if_needed by
       gradient_predivide_factor); the shard divided after it where a factor is left, and cast back to the fp32
       of the shard where it was reduced in bf16 (_cast_grad_to_param_dtype).
-    Accumulating the shard across micro-batches (12 bytes of the rank's 1 / shards, from the second on) is left
-    out. Zero where the engine is FSDP2 (Compute.fsdp_engine)."""
+    No padding copy before the reduce-scatter: with use_orig_params the flat parameter is padded to a multiple of
+    the ranks when built (flat_param.py: "to avoid a copy for the post-backward reduce-scatter"). Accumulating the
+    shard across micro-batches (12 bytes of the rank's 1 / shards, from the second on) is left out. Zero where the
+    engine is FSDP2 (Compute.fsdp_engine)."""
     if hw.compute.fsdp_engine != "fsdp1" or shards == 1:
         return 0.0, 0.0, 0.0
     units = fsdp_units(arch, pp)
