@@ -29,8 +29,22 @@ Assumptions common to the cases:
   column (llm-foundry commit beb8dee, scripts/train/benchmarking/h100new.md) names
   mosaicml/pytorch:2.1.0_cu121-nightly20230827, where submit_benchmarks.py installs torch 2.1.0.dev20230821+cu121 and
   mosaicml/composer 784f50be, whose mixed precision "DEFAULT" sets a bf16 param_dtype and leaves reduce_dtype unset
-  (get_mixed_precision), which torch's FSDP1 takes as the param_dtype: gradients are reduce-scattered in bf16
-  (`_with_bf16_gradient_reduction`; the shipped profiles reduce in fp32, as the executor's FSDP2 does).
+  (get_mixed_precision), which torch's FSDP1 takes as the param_dtype: gradients are reduce-scattered in bf16, and
+  the weights gathered in bf16 (`_with_fsdp1`; the shipped profiles reduce in fp32, as the executor's FSDP2 does).
+  FSDP1 (`Compute.fsdp_engine` fsdp1, `sharding.fsdp1_passes`) also makes memory passes of its own each micro-batch:
+  the backward of its flat parameter's split views concatenates every unit's gradients into one flat gradient on the
+  compute stream, and beside the collectives it casts each fp32 shard to bf16 before a gather and divides the flat
+  gradient before its reduce-scatter (the predivide factor). The rest of the runs' FSDP settings (composer
+  784f50be's dist_strategy.py set_fsdp_default and the yamls' fsdp_config) are what the model prices: FULL_SHARD,
+  backward_prefetch BACKWARD_POST, forward_prefetch off, limit_all_gathers on, use_orig_params on, every block
+  its own unit (MPT's fsdp_wrap_fn); no no_sync between micro-batches (composer's ddp_sync_context acts on DDP
+  models only).
+- The MPT tables' Throughput: collect_results.py (llm-foundry 061f2c7) takes a run's last
+  throughput/samples_per_sec, composer's SpeedMonitor over the yamls' window of 10 batches (of the 30 that
+  submit_benchmarks.py's mod_parameters runs, max_duration '30ba', evaluation off, eval_interval 0): samples over
+  the wall-clock between batch ends (state.timestamp.total_wct, which leaves evaluation out). Every optimizer step
+  and each batch's host work is inside it; a case prices one optimizer step (the global batch: GPUs x micro-batch
+  x grad-accum sequences).
 - H100's GEMMs run at the shipped profile's sustained rate (708.5 TFLOP/s: S. Bekman's MSMF of the same GH100
   compute at its 700 W limit, ~1465 MHz), not the boost-clock burst of his MAMF table (792.1 on H100 with the runs'
   CUDA 12.1): a training step keeps the tensor cores at the power limit. A100's is his MAMF (no A100 MSMF is
@@ -196,9 +210,12 @@ def _with_attention_rate(name: str, points: tuple[tuple[int, float], ...] | None
     return hw.model_copy(update={"compute": hw.compute.model_copy(update={"attention_rate": points})})
 
 
-def _with_bf16_gradient_reduction(hw: HardwareProfile) -> HardwareProfile:
-    """The profile with FSDP1's gradient reduction in bf16 (Compute.gradient_reduce_bytes 2, module docstring)."""
-    return hw.model_copy(update={"compute": hw.compute.model_copy(update={"gradient_reduce_bytes": 2})})
+def _with_fsdp1(hw: HardwareProfile) -> HardwareProfile:
+    """The profile with the MPT runs' FSDP: torch's FSDP1 (Compute.fsdp_engine fsdp1: its flat gradient and its
+    casts and divisions, sharding.fsdp1_passes), reducing gradients in bf16 (Compute.gradient_reduce_bytes 2;
+    module docstring)."""
+    return hw.model_copy(update={"compute": hw.compute.model_copy(update={"gradient_reduce_bytes": 2,
+                                                                          "fsdp_engine": "fsdp1"})})
 
 
 def gpt_arch(name: str, layers: int, hidden: int, heads: int, vocab: int, rotary_dim: int, tied: bool = True
@@ -293,7 +310,7 @@ def _foundry(table: str, hw_name: str, size: str, gpus: int, seq: int, micro: in
 
     def predict() -> float:
         attention = TRITON_ATTENTION_A100 if hw_name == "a100-80g" else _triton_attention_h100()
-        hw = _with_bf16_gradient_reduction(_with_attention_rate(hw_name, attention))
+        hw = _with_fsdp1(_with_attention_rate(hw_name, attention))
         if inter_node is not None:
             inter = hw.links.inter_node.model_copy(update={"bandwidth_gbytes_per_s": inter_node})
             hw = hw.model_copy(update={"links": hw.links.model_copy(update={"inter_node": inter})})

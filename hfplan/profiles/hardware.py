@@ -66,6 +66,13 @@ class Compute(_Strict):
         default=4, description="bytes of one gradient value as data-parallel ranks reduce it: 4 (fp32, as the "
                                "executor's FSDP2 reduces, MixedPrecisionPolicy reduce_dtype float32) or 2 (bf16: "
                                "torch's FSDP1 with a bf16 param_dtype and reduce_dtype unset reduces in param_dtype)")
+    fsdp_engine: Literal["fsdp2", "fsdp1"] = Field(
+        default="fsdp2", description="the FSDP implementation of a fully sharded (full, hybrid) step, for the "
+                                     "memory passes it makes besides its collectives (sharding.fsdp1_passes): "
+                                     "fsdp2 (the executor's fully_shard; none priced) or fsdp1 (torch's "
+                                     "FullyShardedDataParallel over flat parameters: each micro-batch copies its "
+                                     "units' gradients into one flat gradient on the compute stream, and casts, "
+                                     "divides and accumulates on its side streams)")
     attention: Literal["flash", "eager"] = Field(default="flash", description="attention kernel of the stack: "
                                                                                "flash (fused, scores stay on chip) "
                                                                                "or eager (scores through memory)")

@@ -296,6 +296,9 @@ def train_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, whe
     forward, backward = sp.forward_parts, sp.backward_parts
     per_micro = {name: seconds + backward[name] for name, seconds in forward.items()}
     per_micro["recompute"] = _recompute_seconds(sp, Recompute.of(cfg.recompute))
+    # FSDP1's flat-gradient copy: a memory-bound pass of the backward, on the compute stream (sharding.fsdp1_passes).
+    flat_copy = sharding.flat_gradient_copy(hw, arch, cfg, head)
+    per_micro["elementwise"] += flat_copy
     per_micro["pp_comm"] = 2 * v * _p2p(hw, arch, cfg, where, micro * seq_len)
     fsdp, split = trains_through_fsdp(cfg.dp, hw.compute.value_bytes), cfg.tp > 1
     # Per token: the busiest stage's share of the model's layers.
@@ -303,7 +306,7 @@ def train_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, whe
                             + micro * seq_len * hw.runtime.train_token_us * 1e-6 / cfg.pp)
     local_params = stage_params(arch, cfg.pp, head) / cfg.tp
     exposed = sharding.exposed_step_comm(hw, arch, cfg, where, head, sp.forward,
-                                         sp.backward + per_micro["recompute"], n_micro)
+                                         sp.backward + per_micro["recompute"] + flat_copy, n_micro)
     optimizer_params = local_params * sharding.optimizer_fraction(cfg)
     optimizer = memory_time(hw, ADAM_BYTES_PER_PARAM * optimizer_params)
     per_tensor = stage_parameter_tensors(arch, cfg.pp, head) * hw.runtime.optimizer_tensor_s(fsdp, split)

@@ -18,6 +18,8 @@ stack reduces bf16 gradients):
   overlaps them with compute); hybrid then all-reduces its gradient shard (4P / g) across the
   replicas once per step, overlapped with the last backward. Each of these runs unit by unit (fsdp_units:
   a collective per decoder layer and one for the stage's root), each paying its own latency.
+Where the stack is torch's FSDP1 (Compute.fsdp_engine), full and hybrid sharding also pay its memory passes
+(fsdp1_passes): a flat-gradient copy on the compute stream, and casts and divisions beside the collectives.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import TYPE_CHECKING
 from hfplan.layout import stage_params
 from hfplan.plan import Layout, TrainConfig
 from hfplan.simulator import collectives as coll
-from hfplan.simulator.kernels import FP32
+from hfplan.simulator.kernels import FP32, memory_time
 
 if TYPE_CHECKING:
     from hfplan.profiles.hardware import HardwareProfile
@@ -76,6 +78,52 @@ def weight_gather_seconds(hw: HardwareProfile, arch: ModelArch, layout: Layout, 
     """All-gather of a stage's weights (compute precision) among `shards` data-parallel ranks, unit by unit."""
     nbytes = hw.compute.value_bytes * stage_params(arch, layout.pp, head) / layout.tp
     return unit_by_unit(coll.all_gather, hw, shard_group(layout, shards, where), nbytes, fsdp_units(arch, layout.pp))
+
+
+def gradient_predivide_factor(ranks: int) -> int:
+    """What torch's FSDP1 divides a gradient by before reducing it over `ranks` ranks (and by ranks / this after),
+    splitting the average to keep bf16 sums in range: doubling from 1 while it divides `ranks` and is below
+    ranks / itself (torch/distributed/algorithms/_comm_hooks/default_hooks.py, DefaultState.
+    _get_gradient_predivide_factor, which FSDP1's _init_core_state takes; 8 ranks: 4, then 2)."""
+    factor = 1
+    while ranks % factor == 0 and ranks / factor > factor:
+        factor *= 2
+    return factor
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def fsdp1_passes(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, shards: int, head: str
+                 ) -> tuple[float, float, float]:
+    """Seconds of torch FSDP1's own memory passes in one micro-batch of a fully sharded stage over `shards` ranks
+    (torch 2.1's torch/distributed/fsdp: _runtime_utils.py, flat_param.py), per pass over every FSDP unit (one
+    kernel each): (compute stream, before each weight gather, around the gradient reduce-scatter).
+    - Compute stream: the forward uses each parameter as a view of the unsharded flat parameter (flat_param.py,
+      _use_unsharded_views(as_params=False): torch.split, then view), so the backward of that split writes the
+      units' gradients into one flat gradient (a concatenation: each value read and written, value_bytes each).
+    - Before each gather (pre-unshard stream, twice a micro-batch): the fp32 shard cast to the compute precision
+      where it is lower (_use_low_precision_shard: 4 bytes read, value_bytes written, of the rank's 1 / shards).
+    - Around the reduce-scatter (post-backward stream): the whole flat gradient cast to the reduction's precision
+      where it differs (_post_backward_hook) and divided in place before it (_reduce_grad, _div_if_needed by
+      gradient_predivide_factor); the shard divided after it where a factor is left, and cast back to the fp32
+      of the shard where it was reduced in bf16 (_cast_grad_to_param_dtype).
+    No padding copy before the reduce-scatter: with use_orig_params the flat parameter is padded to a multiple of
+    the ranks when built (flat_param.py: "to avoid a copy for the post-backward reduce-scatter"). Accumulating the
+    shard across micro-batches (12 bytes of the rank's 1 / shards, from the second on) is left out. Zero where the
+    engine is FSDP2 (Compute.fsdp_engine)."""
+    if hw.compute.fsdp_engine != "fsdp1" or shards == 1:
+        return 0.0, 0.0, 0.0
+    units = fsdp_units(arch, pp)
+    params = stage_params(arch, pp, head) / tp
+    value, reduced = hw.compute.value_bytes, hw.compute.gradient_reduce_bytes
+
+    def passes(bytes_per_param: float) -> float:
+        return units * memory_time(hw, bytes_per_param * params / units) if bytes_per_param else 0.0
+
+    cast_in = FP32 + value if value != FP32 else 0  # the shard cast to the compute precision
+    before = (value + reduced if value != reduced else 0) + 2 * reduced  # cast to the reduction's, predivided
+    after = (2 * reduced if shards / gradient_predivide_factor(shards) > 1 else 0) + \
+        (reduced + FP32 if reduced != FP32 else 0)  # postdivided, cast back to the shard's fp32
+    return passes(2 * value), passes(cast_in / shards), passes(before) + passes(after / shards)
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -126,6 +174,14 @@ def exposed_beside(hw: HardwareProfile, comm: float, compute: float) -> float:
     return comm * slowdown / (1.0 + slowdown)
 
 
+def flat_gradient_copy(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, head: str) -> float:
+    """Seconds one micro-batch's backward spends on the compute stream copying its gradients into FSDP1's flat
+    gradient (fsdp1_passes); zero unless the stage is fully sharded (full, hybrid) over more than one rank."""
+    if cfg.dp == 1 or cfg.shard not in ("full", "hybrid"):
+        return 0.0
+    return fsdp1_passes(hw, arch, cfg.tp, cfg.pp, cfg.shard_size, head)[0]
+
+
 def layer_share(arch: ModelArch, pp: int, head: str) -> float:
     """One layer's share of a stage's parameters: of its layer-by-layer collectives, what the first (or the last)
     layer's moves, with no other layer's compute beside it."""
@@ -138,7 +194,8 @@ def exposed_step_comm(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, wh
     (`forward`, `backward`: one micro-batch's passes through the stage; `exposed_beside`). Full and hybrid sharding
     gather and reduce layer by layer, each collective beside the next layer's compute (prefetch): the forward's and
     the backward's first gather and the backward's last reduce-scatter, one layer's share each, have no compute
-    beside them."""
+    beside them. Under FSDP1 each gather waits for its shard's cast, and the reduce-scatter comes with its
+    gradient's divisions and cast (fsdp1_passes), on the same side streams."""
     if cfg.dp == 1:
         return 0.0
     first, second, third = _step_collectives(hw, arch, cfg.tp, cfg.pp, cfg.dp, cfg.shard, cfg.shard_size, where,
@@ -149,7 +206,8 @@ def exposed_step_comm(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, wh
         return exposed_beside(hw, first, backward) + second
     if cfg.shard == "zero2":
         return n_micro * exposed_beside(hw, first, backward) + second
-    gather, scatter, replicas = first, second, third
+    _, before_gather, around_scatter = fsdp1_passes(hw, arch, cfg.tp, cfg.pp, cfg.shard_size, head)
+    gather, scatter, replicas = first + before_gather, second + around_scatter, third
     edge = layer_share(arch, cfg.pp, head)
     unhidden = edge * (2 * gather + scatter)
     beside = (1.0 - edge) * gather, (1.0 - edge) * (gather + scatter)
