@@ -171,10 +171,12 @@ def reference() -> RoleModel:
 def exactness() -> None:
     """Bitwise agreement where the weights agree (the first update): the actor's training forward (grad on, the
     update's readout), eager and compiled, against the log-prob forward, eager and compiled, of the actor itself
-    and of the reference (a forward-only copy, its parameters not requiring grad), over the batch and the one
-    with a response token fewer."""
+    and of the reference (a forward-only copy, its parameters not requiring grad), and of a reference whose head
+    weight requires grad (aten's matmul folds the head's non-contiguous input into one matrix product only when the
+    weight requires grad), over the batch and the one with a response token fewer."""
     torch._dynamo.reset()
-    role, ref = actor(), reference()
+    role, ref, ref_head = actor(), reference(), reference()
+    ref_head.module.lm_head.weight.requires_grad_(True)
     train_loss, infer = torch.compile(actor_loss), torch.compile(log_probs)
     print("bitwise agreement of log-probs at real response tokens, the actor's training forward against a "
           "log-prob forward, same weights:")
@@ -185,7 +187,7 @@ def exactness() -> None:
         mask = batch["response_mask"].bool()
         trained = {name: fn(role.module, out, joined, batch, tokens, role.hp)[1].detach()
                    for name, fn in (("eager", actor_loss), ("compiled", train_loss))}
-        for whose, model in (("actor's", role), ("reference's", ref)):
+        for whose, model in (("actor's", role), ("reference's", ref), ("grad head's", ref_head)):
             inferred = {name: inference_call(model, batch, fn)() for name, fn in (("eager", log_probs),
                                                                                   ("compiled", infer))}
             for a, left in trained.items():
