@@ -27,14 +27,19 @@ from hfplan.executor.models import build_model
 ROWS, PROMPT, RESPONSE = 32, 8, 4
 
 
-def batch(vocab: int) -> sequences.Joined:
+def tensors(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(prompts, responses, response_mask) shaped as arith-grpo's (bench/compile_step.py shares them), pad id 0."""
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, vocab, (ROWS, PROMPT), generator=gen)
     responses = torch.randint(1, vocab, (ROWS, RESPONSE), generator=gen)
     mask = torch.ones(ROWS, RESPONSE, dtype=torch.long)
     prompts[: ROWS // 4, :2] = 0  # left padding, as prompts of different lengths have
     mask[: ROWS // 8, 2:] = 0  # responses that ended early
-    return sequences.join(prompts, responses * mask, mask, 0)
+    return prompts, responses * mask, mask
+
+
+def batch(vocab: int) -> sequences.Joined:
+    return sequences.join(*tensors(vocab), 0)
 
 
 def hf_forward(model, joined: sequences.Joined) -> torch.Tensor:
