@@ -6,7 +6,7 @@ on one set, in the layouts tp x pp x dp of bench/execute_layouts.py that fit --m
 2x1x1); the actor apart from the other roles on 2 processes (split, the search's best layouts for it); and a
 separate rollout engine beside the colocated roles on 2 processes (--quick: neither). Each plan is validated
 --repeats times (hfplan.validation.run.validate: executed, the first iteration a warm-up, then simulated with the
-measured mean response length) on one Ray session. Prints each plan's simulated and (median) measured iteration and
+measured response lengths) on one Ray session. Prints each plan's simulated and (median) measured iteration and
 its spread over the repeats ((highest - lowest) / median), the most CPU other processes used during a run's
 compared iterations (`others`, cores: hfplan.validation.machine), the machine's pace around its runs (`pace`: the
 probe's time over the profile's, hfplan.profiler.pace; nan where the profile was not measured on CPU) and each

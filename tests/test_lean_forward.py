@@ -105,3 +105,23 @@ def test_scores_from_the_response_window_reach_an_empty_response_prompt_end():
     last = sequences.last_token_index(sequences.join(prompts, responses * mask, mask, 0))
     assert last[4] == 4
     torch.testing.assert_close(scores, full.gather(1, last[:, None])[:, 0], rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_an_actor_and_its_frozen_reference_agree_to_the_bit(padded):
+    """The KL loss compares the actor's log-probs (weights that require grad: HF's forward under FSDP2, or this
+    one) with the reference's (a frozen copy, through this one): at the first step, where the weights are equal,
+    they must be equal (the actor's with autograd on, as its loss computes them), or the loss has a rounding-sized
+    gradient that Adam turns into a full step. aten's matmul multiplies a strided [B, keep, H] slice by a weight
+    that requires grad as one matrix product and by a frozen one batched, which rounds otherwise; the head's
+    input is made contiguous so both take one product."""
+    actor = build_model("tiny-arith", "lm", seed=0)  # shapes whose two products round apart (tiny's do not)
+    reference = build_model("tiny-arith", "lm", seed=0).requires_grad_(False).eval()
+    joined = _joined(actor.config.vocab_size, padded)
+    keep = 5
+    real = joined.attention_mask[:, -keep:].bool()
+    with torch.no_grad():  # as the reference's log-prob call runs
+        frozen = lean.head_output(reference, joined, keep)[real]
+    # the actor's as its loss computes them, with autograd on
+    assert torch.equal(lean.head_output(actor, joined, keep)[real].detach(), frozen)
+    assert torch.equal(_hf(actor, joined, keep)[real].detach(), frozen)

@@ -9,7 +9,7 @@ from pathlib import Path
 from hfplan.errors import HfplanError
 from hfplan.measure import typical
 from hfplan.plan import Plan, Span
-from hfplan.spec import Cluster
+from hfplan.spec import Cluster, HistogramBin
 from hfplan.validation import machine
 from hfplan.validation.compare import Comparison, compare
 
@@ -19,10 +19,12 @@ GIB = 2**30
 @dataclass(frozen=True)
 class Validation:
     comparison: Comparison
-    plan: Plan  # the plan as simulated: the profile and measured mean response length filled in
+    plan: Plan  # the plan as simulated: the profile and the measured response lengths filled in
     simulated: list[Span]
     measured: list[Span]  # the last measured iteration, from 0
     response_len_mean: float
+    # The compared iterations' sampled response lengths: (tokens, responses) by length, what the plan is costed with.
+    response_len_counts: tuple[tuple[int, int], ...] = ()
     other_cpu_cores: float | None = None  # CPU other processes used during the compared iterations (machine.py)
     pace: machine.Pace | None = None  # the machine's speed around the run against the profile's (machine.py)
     # The median spread between the first and last rank's start of the compared iterations' tasks sent to every
@@ -44,10 +46,25 @@ def with_profile(plan: Plan, profile: Path | None) -> Plan:
     return plan.model_copy(update={"cluster": cluster})
 
 
-def with_response_len(plan: Plan, mean: float) -> Plan:
-    """The plan's workload with responses of the measured mean length (never past response_len)."""
-    workload = plan.workload.model_copy(update={"response_len_mean": min(float(plan.workload.response_len), mean),
-                                                "response_len_histogram": None})
+def length_counts(lengths: Sequence[int], longest: int) -> tuple[tuple[int, int], ...]:
+    """(tokens, responses) for each measured response length, each taken between 1 and `longest` (the workload's
+    response_len: a response the engine ended at once still took a decode step)."""
+    counts: dict[int, int] = {}
+    for length in lengths:
+        clipped = min(longest, max(1, int(length)))
+        counts[clipped] = counts.get(clipped, 0) + 1
+    return tuple(sorted(counts.items()))
+
+
+def with_response_lengths(plan: Plan, counts: Sequence[tuple[int, int]]) -> Plan:
+    """The plan's workload with responses of the measured lengths, as a histogram: a static batch is costed at the
+    expected longest of its draws and a continuous one at their mean square (spec.ResponseLengths), where a mean
+    alone would cost a static batch at response_len."""
+    histogram = [HistogramBin(length=length, weight=float(count)) for length, count in counts]
+    workload = plan.workload.model_copy(update={"response_len_mean": None, "response_len_histogram": histogram})
+    # model_copy copies the cached `response_lengths` (a cached_property) the plan's check already computed; without
+    # this pop the copy would be costed with the plan's own lengths, not the measured ones.
+    workload.__dict__.pop("response_lengths", None)
     return plan.model_copy(update={"workload": workload})
 
 
@@ -99,15 +116,16 @@ def validate(plan: Plan, options, labels: Sequence[str],
         pace = probe.finish()
     timed = reports[1:]
     measured = [from_zero(r.spans) for r in timed]
-    mean_len = sum(r.metrics["response_len"] for r in timed) / len(timed)
-    costed = with_response_len(plan, mean_len)
+    lengths = [int(n) for r in timed for n in r.sampled["response_mask"].sum(axis=1)]
+    counts = length_counts(lengths, plan.workload.response_len)
+    costed = with_response_lengths(plan, counts)
     result = simulate_plan(costed)
     simulated = list(result.estimate.timeline)
     measured_gib = peak_gib_per_set(summary.peak_memory_bytes, len(plan.placement))
     comparison = compare(simulated, measured, predicted_gib(costed, result.estimate.peak_memory_gib), measured_gib,
                          labels)
     spreads = [spread for r in timed for spread in r.rank_start_spreads]
-    return Validation(comparison, costed, simulated, measured[-1], mean_len,
+    return Validation(comparison, costed, simulated, measured[-1], costed.workload.response_lengths.mean, counts,
                       machine.other_cores(readings.get("before"), readings.get("after")), pace,
                       typical(spreads) if spreads else None)
 

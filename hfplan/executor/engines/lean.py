@@ -110,6 +110,9 @@ def head_output(model: nn.Module, joined: sequences.Joined, keep: int = 0) -> to
             hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=(cos, sin))
     hidden = backbone.norm(hidden)
     if hasattr(model, "lm_head"):
-        return model.lm_head(hidden[:, -keep:] if keep else hidden)
+        # Contiguous, so aten's matmul takes one matrix product whether the head's weight requires grad (an
+        # actor's loss: it folds a strided slice with a copy, as HF's forward of a trained actor does) or not
+        # (a frozen reference: a strided slice would go batched and round otherwise).
+        return model.lm_head(hidden[:, -keep:].contiguous() if keep else hidden)
     scores = model.score(model.dropout(hidden))
     return scores[:, -keep:] if keep else scores

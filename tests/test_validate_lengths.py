@@ -1,0 +1,25 @@
+"""`hfplan validate` costs the plan with the run's measured response lengths (validation.run)."""
+
+import pytest
+
+from hfplan.simulator.engine import simulate_plan
+from hfplan.validation.run import length_counts, with_response_lengths
+from tests.support.executor_runs import cpu_plan, tiny_workload
+
+
+def test_a_measured_length_is_taken_between_one_and_the_longest():
+    assert length_counts([0, 1, 1, 21, 2], 16) == ((1, 3), (2, 1), (16, 1))
+
+
+def test_the_simulation_is_costed_with_the_measured_lengths_even_after_the_plan_was_costed():
+    """validate costs the plan first (to refuse one it cannot cost), which caches the workload's lengths; the copy
+    costed with the measured ones must not keep that cache."""
+    plan = cpu_plan(tiny_workload(), [(("actor", "critic", "reference"), 1)])
+    longest = plan.workload.response_len
+    before = simulate_plan(plan).estimate.iteration_s
+    costed = with_response_lengths(plan, length_counts([1, 1, 1, 2, longest], longest))
+    lengths = costed.workload.response_lengths
+    assert [length for length, _ in lengths.points] == [1, 2, longest]
+    assert [p for _, p in lengths.points] == pytest.approx([0.6, 0.2, 0.2])
+    assert lengths.mean == pytest.approx((3 + 2 + longest) / 5)
+    assert simulate_plan(costed).estimate.iteration_s < before
