@@ -27,7 +27,7 @@ from hfplan.dataflow.controller import ControllerState
 from hfplan.dataflow.registry import get_algorithm
 from hfplan.dataflow.roles import RoleFacts, update_field
 from hfplan.errors import HfplanError
-from hfplan.executor import compat, evaluation, ordering, preflight, resume, run_config
+from hfplan.executor import compat, evaluation, preflight, resume, run_config
 from hfplan.executor.data import PromptBatch, PromptStream
 from hfplan.executor.errors import RunFailed
 from hfplan.executor.generation_order import generation_rank
@@ -227,8 +227,7 @@ def _export_beside_the_controller(sets, summary: RunSummary, dest: Path,
             if summary.nodes.get(f"set {worker_set.index} rank {rank}") != here:
                 continue
             try:
-                made = ray.get(ordering.send(worker, "export_model", str(summary.checkpoint), str(dest)),
-                               timeout=timeout_s)
+                made = ray.get(worker.export_model.remote(str(summary.checkpoint), str(dest)), timeout=timeout_s)
             except Exception as failed:  # the export failed, the worker died, or it did not finish in time
                 if isinstance(getattr(failed, "cause", None), HfplanError):  # a RayTaskError's original error
                     raise HfplanError(str(failed.cause)) from None
@@ -362,8 +361,8 @@ def ask_workers(sets, method: str, timeout_s: float) -> dict:
     """One answer per worker, keyed "set S rank R"."""
     import ray
 
-    refs = {f"set {s.index} rank {rank}": ordering.send(w, method) if method in ordering.ORDERED
-            else getattr(w, method).remote() for s in sets for rank, w in enumerate(s.workers)}
+    refs = {f"set {s.index} rank {rank}": getattr(w, method).remote()
+            for s in sets for rank, w in enumerate(s.workers)}
     return dict(zip(refs, ray.get(list(refs.values()), timeout=timeout_s), strict=True))
 
 

@@ -2,7 +2,6 @@
 
 A set that fits in a node is packed onto one node (STRICT_PACK), as the plan's cost model assumes;
 a larger set spans whole nodes (PACK). Every worker takes one CPU, and one GPU when the plan is for GPUs.
-A worker is an asyncio actor whose ordered tasks run in the order sent, on its own thread (ordering.py).
 """
 
 from __future__ import annotations
@@ -13,11 +12,11 @@ import time
 import uuid
 
 from hfplan.errors import HfplanError
-from hfplan.executor import compat, ordering
+from hfplan.executor import compat
 from hfplan.executor.errors import RunFailed
 from hfplan.executor.roles import WorkerSet
 from hfplan.executor.startup import StartupLog
-from hfplan.executor.worker import InOrderWorker, WorkerSpec
+from hfplan.executor.worker import SetWorker, WorkerSpec
 from hfplan.hyperparams import Hyperparameters
 from hfplan.plan import Plan
 
@@ -50,7 +49,7 @@ def start_sets(plan: Plan, hyper: Hyperparameters, seed: int, device: str, backe
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    remote_worker = ray.remote(InOrderWorker)
+    remote_worker = ray.remote(SetWorker)
     run_id = uuid.uuid4().hex[:8]  # worker names stay unique when runs share a Ray cluster
     plan_json, hyper_json = plan.model_dump_json(), hyper.model_dump_json()
     startup = startup or StartupLog()
@@ -78,7 +77,7 @@ def start_sets(plan: Plan, hyper: Hyperparameters, seed: int, device: str, backe
     for worker_set in sets:
         host, port = _get(worker_set, worker_set.workers[0].rendezvous_address.remote(), ready_timeout_s, "start")
         startup.add(f"set {worker_set.index} worker start", requested[worker_set.index], time.time())
-        setups += [((worker_set.index, rank), worker_set, ordering.send(w, "setup", host, port))
+        setups += [((worker_set.index, rank), worker_set, w.setup.remote(host, port))
                    for rank, w in enumerate(worker_set.workers)]
     return {key: _get(worker_set, ref, ready_timeout_s, "setup") for key, worker_set, ref in setups}
 
@@ -112,9 +111,9 @@ def _get(worker_set: WorkerSet, ref, timeout_s: float, what: str):
 
 
 def call_every_worker(sets: list[WorkerSet], method: str, timeout_s: float, *args, per_worker=None) -> list:
-    """Call ordered method `method` on every worker of every set at once (with `args`, then `per_worker(set, rank)`'s
+    """Call `method` on every worker of every set at once (with `args`, then `per_worker(set, rank)`'s
     arguments if given) and wait for all; a failure raises RunFailed naming the set and rank."""
-    calls = [(s, ordering.send(w, method, *args, *(per_worker(s, rank) if per_worker else ())))
+    calls = [(s, getattr(w, method).remote(*args, *(per_worker(s, rank) if per_worker else ())))
              for s in sets for rank, w in enumerate(s.workers)]
     return [_get(worker_set, ref, timeout_s, method) for worker_set, ref in calls]
 
@@ -124,8 +123,7 @@ PROBE_S = 3.0  # how long a failure's description waits to learn which worker, i
 
 class DeathWatch:
     """Stops the run within seconds when a worker dies while the controller waits on another set: one trivial
-    call per worker is outstanding at a time (an unordered one: answered while the worker computes); one that fails
-    means the worker died.
+    call per worker is outstanding at a time (queued behind its work); one that fails means the worker died.
     The watch records the first death and kills every other worker, so that whatever the controller waits on
     fails at once, and each failure is described as that death (see `failure_namer`)."""
 
@@ -229,7 +227,7 @@ def _failed_rank(workers, failure: Exception) -> int | None:
 def stop_sets(sets: list[WorkerSet], timeout_s: float = 10.0) -> None:
     import ray
 
-    closing = [ordering.send(w, "close") for s in sets for w in s.workers]
+    closing = [w.close.remote() for s in sets for w in s.workers]
     with contextlib.suppress(Exception):  # workers already gone are fine at shutdown
         ray.get(closing, timeout=timeout_s)
     from ray.util.placement_group import remove_placement_group

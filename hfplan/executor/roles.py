@@ -9,8 +9,8 @@ Data movement follows hfplan.layout.transfer_path: a field made by a role call r
 directly, worker to worker through Ray's object store (the controller passes references and row ranges
 on, and never fetches the data); a field the controller made (a controller step's output, a rule's
 score) is sent from the controller. Rows a rank made itself in an earlier call of the iteration are read
-where they are: the worker keeps its calls' outputs for the iteration, and runs the calls in the order they were
-sent (ordering.py), so no Ray reference (no wait, no fetch) is needed for them.
+where they are: the worker keeps its calls' outputs for the iteration, and Ray runs one caller's calls to an
+actor in the order they were sent, so no Ray reference (no wait, no fetch) is needed for them.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from hfplan.dataflow.controller import STEPS, ControllerState
 from hfplan.dataflow.ops import ROLE_OPS
 from hfplan.dataflow.rewards import Reward, RewardFailed, columns_per_row, score_rows
 from hfplan.dataflow.roles import CallingRole, RoleFacts, call_writes
-from hfplan.executor import ordering, wire
+from hfplan.executor import wire
 from hfplan.executor.errors import RunFailed
 from hfplan.executor.generation_order import collector_ranks, replica_ranks
 from hfplan.layout import CONTROLLER, ON_CONTROLLER, rank_of, replica_groups
@@ -224,17 +224,10 @@ class Dispatch:
                 if not mine:
                     continue
                 mine[0].opens_task = True
-                refs = send_calls(worker, [call.args.pop(rank) for call in mine])
+                refs = worker.calls.options(num_returns=len(mine)).remote(
+                    *wire.arguments(wire.pack([call.args.pop(rank) for call in mine])))
                 for call, ref in zip(mine, refs if len(mine) > 1 else [refs], strict=True):
                     call.refs[rank] = ref
-
-
-def send_calls(worker, calls: list[tuple]):
-    """One Ray task of role calls (SetWorker.run_call's arguments) to `worker`, numbered in its order
-    (ordering.py): a reference to each call's result, or the one reference of a single call."""
-    remote = worker.calls.options(num_returns=len(calls))
-    return ordering.numbered(worker, lambda seq: remote.remote(
-        *wire.arguments(wire.pack(ordering.NumberedCalls(seq, calls)))))
 
 
 class PendingCall:
@@ -493,8 +486,7 @@ class ActorRole(WorkerGroupRole):
 
         self.dispatch.send()  # the calls made before run first
         try:
-            results = ray.get([ordering.send(w, "leave_generation") for w in self.workers.workers],
-                              timeout=self.timeout_s)
+            results = ray.get([w.leave_generation.remote() for w in self.workers.workers], timeout=self.timeout_s)
         except Exception as failure:
             raise RunFailed(self.workers.describe_failure(self.name, "reshard back", failure)) from failure
         self.recorder.worker_spans(self.name, "generate", self.workers.index, [{"spans": s} for s in results],
@@ -509,9 +501,9 @@ class ActorRole(WorkerGroupRole):
         self.dispatch.send()  # the update before the weights leave
         rollout_workers = self.rollout.workers.workers
         ranks = len(rollout_workers)
-        sent = [ordering.send(w, "weight_buckets", self.name, self.rollout.name, ranks, num_returns=ranks + 1)
+        sent = [w.weight_buckets.options(num_returns=ranks + 1).remote(self.name, self.rollout.name, ranks)
                 for w in self.workers.workers]
-        loads = [ordering.send(w, "load_shards", self.rollout.name, [refs[1 + i] for refs in sent])
+        loads = [w.load_shards.remote(self.rollout.name, *(refs[1 + i] for refs in sent))
                  for i, w in enumerate(rollout_workers)]
         self.recorder.deferred.append(lambda: self._record_sync([refs[0] for refs in sent], loads))
         self.rollout_stale = False

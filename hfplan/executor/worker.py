@@ -2,13 +2,11 @@
 
 The worker joins its set's torch.distributed world, builds the roles placed on the set and runs the
 calls the controller dispatches to it. Each call returns its outputs (numpy) and the spans it spent, timed on
-this process's clock, packed as executor.wire packs the call's arguments. The controller's tasks run in the order
-it sent them, on one thread of the worker's own, while Ray takes in the next (ordering.py).
+this process's clock, packed as executor.wire packs the call's arguments.
 """
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import os
 import socket
@@ -23,7 +21,6 @@ import numpy as np
 
 from hfplan.executor import wire
 from hfplan.executor.loopback import loopback_interface
-from hfplan.executor.ordering import ORDERED, InOrder
 from hfplan.executor.startup import WORKER_STAGES
 from hfplan.hyperparams import Hyperparameters
 from hfplan.plan import Plan
@@ -81,7 +78,7 @@ def _remote_fields(fields: dict) -> tuple[dict, list]:
 def wait_for_producers(fields: dict) -> None:
     """Block until every call on another worker whose outputs these fields read has finished (its outputs
     exist somewhere, not yet fetched here): a call is dispatched before its producers end, and that wait is
-    not transfer. This worker's own earlier calls have run: it runs them in the order they were sent (ordering.py)."""
+    not transfer. This worker's own earlier calls have run: Ray runs them in the order they were sent."""
     import ray
 
     _, refs = _remote_fields(fields)
@@ -115,24 +112,6 @@ def fetch_fields(fields: dict, kept: dict[int, dict]) -> dict[str, np.ndarray]:
     return arrays
 
 
-def run_calls(worker, calls: list) -> wire.Packed | list:
-    """Run role calls back to back on `worker` (its run_call); returns each call's result packed as wire.pack packs
-    it (one value per call: Ray's num_returns). A call that fails returns CallFailed, and so do the calls after it in
-    the list, which do not run."""
-    results, failed = [], None
-    for args in calls:
-        if failed is None:
-            try:
-                result = worker.run_call(*args)
-            except Exception as error:  # the controller names the call (roles.PendingCall.outputs)
-                failed = f"{args[0]}.{args[1]}"
-                result = wire.CallFailed(traceback.format_exception_only(error)[-1].strip())
-        else:
-            result = wire.CallFailed(f"not run: {failed}, sent with it, failed first")
-        results.append(wire.pack(result))
-    return results if len(results) > 1 else results[0]
-
-
 RUNTIME_MODULE = "hfplan.executor.runtime"  # the roles' engines: imports torch and transformers
 
 
@@ -142,7 +121,7 @@ def _imported(name: str) -> tuple[object, float]:
 
 
 class SetWorker:
-    """The worker's work, one method at a time; its Ray actor is InOrderWorker (placement.py)."""
+    """Instantiated by the controller as a Ray actor (see placement.py)."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         # torch, transformers and the engines take seconds to import: begun at once, while the controller
@@ -197,9 +176,21 @@ class SetWorker:
         return self.marks
 
     def calls(self, blob: bytes, buffers: list | tuple = (), refs: list | tuple = ()) -> wire.Packed | list:
-        """Role calls run back to back (roles.Dispatch), as `run_calls` runs them: an ordering.NumberedCalls, as
-        wire.pack sends it."""
-        return run_calls(self, wire.unpack(blob, buffers, refs))
+        """Role calls run back to back (roles.Dispatch): a list of `run_call`'s arguments, as wire.pack sends it;
+        returns each call's result packed the same way (one value per call: Ray's num_returns). A call that fails
+        returns CallFailed, and so do the calls after it, which do not run."""
+        results, failed = [], None
+        for args in wire.unpack(blob, buffers, refs):
+            if failed is None:
+                try:
+                    result = self.run_call(*args)
+                except Exception as error:  # the controller names the call (roles.PendingCall.outputs)
+                    failed = f"{args[0]}.{args[1]}"
+                    result = wire.CallFailed(traceback.format_exception_only(error)[-1].strip())
+            else:
+                result = wire.CallFailed(f"not run: {failed}, sent with it, failed first")
+            results.append(wire.pack(result))
+        return results if len(results) > 1 else results[0]
 
     def run_call(self, role: str, op: str, fields: dict, options: dict, call_id: int, keep_from: int) -> dict:
         """Run role call `call_id` on this rank's share of the batch; returns {"fields", "spans"}. Fields made by
@@ -239,13 +230,10 @@ class SetWorker:
         buckets = runtime.sync_buckets(runtime.plan.parallelism[rollout_role].gen)
         return (started, *(buckets.get(dst, []) for dst in range(ranks)))
 
-    def load_shards(self, role: str, parts: list) -> float:
-        """Take a weight sync's buckets, one list from each rank of the actor: `parts` are references to them,
-        fetched here (an ordered task takes no argument Ray must resolve first: ordering.py); returns when it was
-        done (this worker's clock)."""
-        import ray
-
-        self.runtimes[role].load_shards([bucket for part in ray.get(parts) for bucket in part])
+    def load_shards(self, role: str, *parts: list) -> float:
+        """Take a weight sync's buckets, one list from each rank of the actor (Ray resolves them before the call
+        runs); returns when it was done (this worker's clock)."""
+        self.runtimes[role].load_shards([bucket for part in parts for bucket in part])
         return time.time()
 
     def pid(self) -> int:
@@ -316,40 +304,3 @@ class SetWorker:
                 role_runtime.engine.close()  # before the world ends: vLLM tears down its groups in it
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-RAY_WARN_BLOCKING_GET_ENV = "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"
-
-
-class InOrderWorker(SetWorker):
-    """SetWorker as its Ray actor runs it (placement.py): an asyncio actor whose ordered methods (ordering.ORDERED)
-    take the number the controller gave them first and run in that order, one at a time, on the worker's own thread
-    (ordering.InOrder), while Ray's event loop takes in the next task (and unpacks role calls) and answers the
-    others (ordering.UNORDERED) at once. A task waiting for its turn holds no thread: any number may wait."""
-
-    def __init__(self, spec: WorkerSpec) -> None:
-        super().__init__(spec)
-        # The calls' ray.get and ray.wait run on the worker's own thread, not on the event loop Ray warns about.
-        os.environ[RAY_WARN_BLOCKING_GET_ENV] = "0"
-        self.in_order = InOrder()
-
-    async def calls(self, blob: bytes, buffers: list | tuple = (), refs: list | tuple = ()) -> wire.Packed | list:
-        calls = wire.unpack(blob, buffers, refs)
-        return await asyncio.wrap_future(self.in_order.submit(calls.seq, lambda: run_calls(self, calls)))
-
-
-def _in_turn(name: str):
-    """SetWorker's method `name`, taking its number first (not functools.wraps: Ray reads the signature it gives)."""
-    method = getattr(SetWorker, name)
-
-    async def in_turn(self: InOrderWorker, seq: int, *args):
-        return await asyncio.wrap_future(self.in_order.submit(seq, lambda: method(self, *args)))
-
-    in_turn.__name__ = in_turn.__qualname__ = name
-    in_turn.__doc__ = method.__doc__
-    return in_turn
-
-
-for _name in ORDERED - {"calls"}:
-    setattr(InOrderWorker, _name, _in_turn(_name))
-del _name
