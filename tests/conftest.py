@@ -4,9 +4,11 @@ export targets' searches write; the session's one Ray cluster."""
 import importlib.util
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from click.testing import Result
 
 from hfplan.profiles.hardware import Compute, HardwareProfile, Link, Links, Memory
 from hfplan.profiles.models import ModelArch
@@ -58,12 +60,15 @@ def plan_file(tmp_path):
 @pytest.fixture
 def demo_plan_file(tmp_path):
     """The demo workload's plan on 2 CPU processes, as `hfplan search` writes it: what `execute` tests run."""
+    return search_demo_plan(tmp_path / "demo.json")
+
+
+def search_demo_plan(path: Path) -> Path:
     from tests.support.cli import invoke
 
-    result = invoke("search", "--workload", "demo", "--hardware", "cpu", "--gpus", 2, "--out", tmp_path / "demo.json",
-                    "--no-compare")
+    result = invoke("search", "--workload", "demo", "--hardware", "cpu", "--gpus", 2, "--out", path, "--no-compare")
     assert result.exit_code == 0, result.output
-    return tmp_path / "demo.json"
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -114,6 +119,39 @@ def shared_runs(ray_cluster, tmp_path_factory):
     from tests.support.executor_runs import SharedRuns
 
     return SharedRuns(ray_cluster, tmp_path_factory.mktemp("shared-runs"))
+
+
+@dataclass(frozen=True)
+class DemoCliRun:
+    result: Result  # the CLI's
+    out: Path  # the run folder
+    timeline: Path  # the --timeline chart
+    plan_file: Path  # the demo plan it ran
+
+
+@pytest.fixture(scope="session")
+def demo_cli_run(ray_cluster, tmp_path_factory) -> DemoCliRun:
+    """`hfplan execute` of the demo plan (demo_plan_file's) from the command line on the session's cluster, made once
+    a session: test_cli_execute's learning claim and test_cli_execute_loggers' loggers, samples and --config read it;
+    a test that changes its folder (a resume) works on a copy. The file gives the length (4 iterations), the progress
+    interval, 10x the demo's learning rate and 3 samples; the command line gives the loggers and 2 samples, which win,
+    a checkpoint after each iteration, all kept, and the timeline chart."""
+    import ray
+
+    from tests.support.cli import invoke
+    from tests.support.executor_runs import connect
+
+    folder = tmp_path_factory.mktemp("demo-cli-run")
+    plan_file = search_demo_plan(folder / "demo.json")
+    config = folder / "run.yaml"
+    config.write_text("iterations: 4\nlog_every: 1\nsamples: 3\nset: {actor_lr: 1e-2}\n")
+    if not ray.is_initialized():
+        connect(ray_cluster)
+    out, timeline = folder / "run", folder / "run.png"
+    result = invoke("execute", plan_file, "--config", config, "--out", out, "--logger", "jsonl,csv,tensorboard",
+                    "--samples", 2, "--checkpoint-every", 1, "--keep", 4, "--timeline", timeline,
+                    "--address", ray_cluster)
+    return DemoCliRun(result, out, timeline, plan_file)
 
 
 @pytest.fixture

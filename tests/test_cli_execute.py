@@ -77,16 +77,15 @@ def vowel_probability(actor: Path) -> float:
 
 
 @pytest.mark.slow
-def test_a_few_demo_iterations_move_the_actor_towards_vowels(demo_plan_file, tmp_path, ray_driver):
+def test_a_few_demo_iterations_move_the_actor_towards_vowels(demo_cli_run, tmp_path):
     """The learning claim in short (bench/demo_learning.py measures the reward over the demo's 40 iterations,
     too noisy to judge over a few): after 4 PPO updates at 10x the demo's learning rate the actor gives vowels,
     what the reward pays for, more probability than after the first (measured: 0.0397 -> 0.0442; at the demo's
-    rate the move is 1%). The run prints its summary and writes its timeline."""
+    rate the move is 1%). The run (conftest's demo_cli_run, which test_cli_execute_loggers reads too) prints its
+    summary and writes its timeline."""
     from hfplan.executor.export_model import export_checkpoint
 
-    run = tmp_path / "run"
-    result = invoke("execute", demo_plan_file, "--out", run, "--iterations", 4, "--checkpoint-every", 1, "--keep", 4,
-                    "--set", "actor_lr=1e-2", "--timeline", tmp_path / "run.png")
+    result, run = demo_cli_run.result, demo_cli_run.out
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4
@@ -94,7 +93,7 @@ def test_a_few_demo_iterations_move_the_actor_towards_vowels(demo_plan_file, tmp
     shown = re.search(r"last 2 iterations: ([0-9.]+) vs ([0-9.]+) in the first 2", result.output)
     assert shown and float(shown.group(1)) == pytest.approx(last_two, abs=1e-4)
     assert float(shown.group(2)) == pytest.approx(first_two, abs=1e-4)
-    assert (tmp_path / "run.png").stat().st_size > 0
+    assert demo_cli_run.timeline.stat().st_size > 0
     after_one = export_checkpoint(run / "checkpoints" / "iteration-000001", tmp_path / "after-one")["actor"]
     before, after = vowel_probability(after_one), vowel_probability(run / "hf" / "actor")
     assert after > before, (before, after)
