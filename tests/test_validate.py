@@ -214,6 +214,10 @@ def test_two_iterations_compared_as_json(tiny_plan_file, tmp_path, ray_driver):
     assert f"simulated: {label}" in chart.read_text() and f"measured: {label}" in chart.read_text()
     assert body["other_cpu_cores"] is None or body["other_cpu_cores"] >= 0.0
     assert body["rank_start_spread_s"] is None  # the tiny plan's sets are one rank each
+    counts, workload = body["response_len_counts"], tiny_workload()  # the plan's: the compared iteration's responses
+    assert sum(n for _, n in counts) == workload.sequences
+    assert all(1 <= length <= workload.response_len for length, _ in counts)
+    assert body["response_len_mean"] == pytest.approx(sum(length * n for length, n in counts) / workload.sequences)
     pace = body["pace"]  # the tiny plan's profile was measured on CPU processes: the probe ran around the run
     assert pace["profiled_step_s"] == pytest.approx(profiled_step_seconds(load_hardware("cpu")))
     assert pace["before_step_s"] > 0 and pace["after_step_s"] > 0
