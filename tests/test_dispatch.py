@@ -161,3 +161,37 @@ def test_grpo_sends_its_update_before_it_waits_for_the_log_prob_pair(monkeypatch
     assert [(t.role, t.op) for t in timings] == [label[:2] for label in calls]
     assert [t.sent for t in timings] == [call.sent_at for call in calls.values()] and timings[0].sent > 0
     assert all((t.start, t.end) == (1.0, 2.0) for t in timings)
+
+
+def test_forward_calls_on_another_set_reading_a_sent_generation_go_together(monkeypatch):
+    """PPO's reference log-probs and values on a set apart from the actor read the generation's outputs through Ray
+    references. The generation is already sent, so making the second call must not send the first alone: both
+    reach their worker as one task (run back to back) when the controller waits."""
+    import ray
+
+    monkeypatch.setattr(ray, "get", lambda refs, timeout=None: refs)
+    actor_worker, other_worker, dispatch = _Worker("set 0"), _Worker("set 1"), Dispatch()
+    recorder = Recorder(clock_offsets={(0, 0): 0.0, (1, 0): 0.0})
+    recorder.start_iteration()
+
+    def describe(role, op, failure):
+        return f"{role}.{op}: {failure}"
+
+    actor = ActorRole("actor", RoleFacts(output="old_log_probs", trains=True, generates=True),
+                      WorkerSet(0, ("actor",), [actor_worker], describe),
+                      {kind: Layout() for kind in ("train", "infer", "gen")}, recorder, 1.0, dispatch, rollout=None)
+    other = WorkerSet(1, ("reference", "critic"), [other_worker], describe)
+    reference = WorkerGroupRole("reference", RoleFacts(output="ref_log_probs"), other,
+                                {ROLE_OPS["log_prob"].layout: Layout()}, recorder, 1.0, dispatch)
+    critic = WorkerGroupRole("critic", RoleFacts(output="values", head="scalar"), other,
+                             {ROLE_OPS["values"].layout: Layout()}, recorder, 1.0, dispatch)
+    generated = actor.generate(Batch(prompts=np.zeros((2, 3), dtype=np.int64)))
+    seqs = generated.select("prompts", "responses", "response_mask")
+    actor.log_prob(seqs)
+    reference.log_prob(seqs)
+    values = critic.values(seqs)
+    assert len(dispatch.held) == 3  # the generation's references were at hand: nothing sent yet
+    other_worker.results[3] = {"fields": {"values": np.ones((2, 2))}, "spans": [Timed("values", "compute", 1, 2)]}
+    assert np.array_equal(values["values"].result(), np.ones((2, 2)))
+    assert other_worker.tasks == [[("reference", "log_prob", 2), ("critic", "values", 3)]]
+    assert actor_worker.tasks == [[("actor", "generate", 0)], [("actor", "log_prob", 1)]]

@@ -184,7 +184,7 @@ class OutputPiece:
         reference to them (which sends the call if it is still held)."""
         if (set_index, rank) == (self.call.set_index, self.rank):
             return KeptOutputs(self.call.call_id)
-        return self.call.sent_refs()[self.rank]
+        return self.call.handed_refs()[self.rank]
 
 
 @dataclass(frozen=True)
@@ -257,10 +257,17 @@ class PendingCall:
 
     def sent_refs(self) -> list:
         """The references to each rank's outputs, every held call sent first: whoever asks is about to wait on
-        them, or to hand them to a call that will."""
+        them."""
         if self.dispatch.held:
             self.dispatch.send()
         return self.refs
+
+    def handed_refs(self) -> list:
+        """The references to each rank's outputs, for a call that reads them: this call sent first if it is still
+        held (with every held call). Once it is sent, the calls held since stay held, to go with the calls made
+        after them: a set's forward calls on one generation's outputs (PPO's reference log-probs and values) then
+        reach their worker as one task, run back to back, not one task each."""
+        return self.sent_refs() if self in self.dispatch.held else self.refs
 
     @property
     def greedy(self) -> bool:
