@@ -358,14 +358,9 @@ def test_keys_the_releases_dropped_are_refused_by_the_exporters_check():
 
 # -- scripts/export_keys.py ------------------------------------------------------------------------------
 def _script():
-    import importlib.util
-    from pathlib import Path
+    from tests.support.scripts import ROOT, load_script
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "export_keys.py"
-    spec = importlib.util.spec_from_file_location("export_keys", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "scripts" / "export_keys.py", "export_keys")
 
 
 def test_the_script_reads_leaf_keys_from_yaml():

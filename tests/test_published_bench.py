@@ -2,25 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "bench" / "published.py"
+from tests.support.scripts import load_bench
 
-
-def _bench():
-    """bench/published.py as a module (bench/ is a folder of scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location("published_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-BENCH = _bench()
+BENCH = load_bench("published")
 
 
 def test_the_table_covers_every_category_with_cited_cases():

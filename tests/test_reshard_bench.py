@@ -3,11 +3,9 @@ benchmark's own model and layouts, and the benchmark's quick grid runs with no m
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -17,20 +15,12 @@ from hfplan.layout import most_received_numel, received_numel
 from hfplan.plan import GenConfig
 from hfplan.profiles.models import arch_from_hf_config
 from hfplan.simulator import costs
+from tests.support.scripts import BENCH_DIR, ROOT, load_bench
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "bench" / "reshard.py"
-
-
-def _bench():
-    """bench/reshard.py as a module (bench/ is a folder of scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location("reshard_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+SCRIPT = BENCH_DIR / "reshard.py"
 
 
-BENCH = _bench()
+BENCH = load_bench("reshard")
 CASES = [(sizes, world, train, GenConfig(tp=tp_g, dp=world // tp_g))
          for grid, sizes in ((BENCH.GRID, BENCH.MODEL), (BENCH.QUICK, BENCH.QUICK_MODEL))
          for world, layouts in grid.items() for train, tps in layouts for tp_g in tps]

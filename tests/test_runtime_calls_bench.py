@@ -3,27 +3,16 @@ controller, beside the simulator's figures (run here on one process, in this tes
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
 from tests.support.executor_runs import cpu_plan, tiny_workload
+from tests.support.scripts import BENCH_DIR, load_bench
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "bench" / "runtime_calls.py"
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("runtime_calls_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-BENCH = _bench()
+SCRIPT = BENCH_DIR / "runtime_calls.py"
+BENCH = load_bench("runtime_calls")
 PLAN = cpu_plan(tiny_workload(), [(("actor", "critic", "reference"), 1)])
 
 

@@ -3,30 +3,11 @@ the colocated layouts (the actor apart; a separate rollout engine), all simulate
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-BENCH_DIR = ROOT / "bench"
+from tests.support.scripts import load_bench
 
-
-def _bench():
-    """bench/validate.py as a module (bench/ is a folder of scripts; it imports execute_layouts beside it)."""
-    sys.path.insert(0, str(BENCH_DIR))
-    try:
-        spec = importlib.util.spec_from_file_location("validate_bench", BENCH_DIR / "validate.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # its dataclasses look their module up by name
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH_DIR))
-
-
-BENCH = _bench()
+BENCH = load_bench("validate")  # it imports execute_layouts beside it
 
 
 def test_the_grid_runs_ppo_grpo_and_remax_on_the_demo_models_or_another():

@@ -4,22 +4,11 @@ text, and the benchmark's plans are 1-process plans of the arith-grpo workload."
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
-
-def bench_module(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from tests.support.scripts import load_bench
 
 
 def test_runner_prompts_are_the_runs_batches_in_order():
@@ -29,7 +18,7 @@ def test_runner_prompts_are_the_runs_batches_in_order():
     from hfplan.executor.prompts import builtin_prompts
     from hfplan.spec import load_workload
 
-    runner = bench_module("trl_runner")
+    runner = load_bench("trl_runner")
     workload = load_workload("arith-grpo")
     prompts = runner.prompts_in_order(workload, seed=3, iterations=4)
     # What the executor's controller hands out: its iteration-0 progress on the built-in prompts.
@@ -47,7 +36,7 @@ def test_runner_reward_is_the_rule_on_decoded_text():
     from hfplan.executor.codec import build_codec
     from hfplan.executor.tokenizers import build_tokenizer
 
-    runner = bench_module("trl_runner")
+    runner = load_bench("trl_runner")
     reward = runner.reward_function("arith-close")
     tokenizer = build_tokenizer("tiny-arith")
     ids = torch.tensor([tokenizer.convert_tokens_to_ids(["7", "="]), tokenizer.convert_tokens_to_ids(["9", "add"])])
@@ -61,7 +50,7 @@ def test_runner_reward_is_the_rule_on_decoded_text():
 def test_plans_are_one_process_with_actor_and_reference_colocated(tmp_path):
     from hfplan.plan import load_plan
 
-    bench = bench_module("vs_trl")
+    bench = load_bench("vs_trl")
     plans = bench.make_plans(tmp_path)
     assert bench.HFPLAN in plans
     for path in plans.values():
@@ -71,7 +60,7 @@ def test_plans_are_one_process_with_actor_and_reference_colocated(tmp_path):
 
 
 def test_start_up_stages_are_medians_over_rounds_in_the_first_run_s_order():
-    bench = bench_module("vs_trl")
+    bench = load_bench("vs_trl")
     runs = [bench.Run(bench.HFPLAN, notes={"startup": {"ray start": s, "tokenizer": 1.0}}) for s in (3.0, 1.0, 2.0)]
     assert bench.startup_stages(runs) == "ray start 2.00, tokenizer 1.00"
     assert bench.startup_stages([bench.Run(bench.HFPLAN)]) == "not written by this hfplan"
