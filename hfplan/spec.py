@@ -80,6 +80,18 @@ class ResponseLengths:
         return out
 
 
+class _Derived(BaseModel):
+    """A frozen model whose cached properties derive from its fields: a copy with fields updated computes them
+    anew (pydantic's model_copy copies the instance's __dict__, where functools.cached_property keeps them)."""
+
+    def model_copy(self, *, update: dict | None = None, deep: bool = False):
+        copied = super().model_copy(update=update, deep=deep)
+        for name, value in vars(type(self)).items():
+            if isinstance(value, cached_property):
+                copied.__dict__.pop(name, None)
+        return copied
+
+
 class HistogramBin(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -87,7 +99,7 @@ class HistogramBin(BaseModel):
     weight: float = Field(gt=0, description="relative frequency (the bins' weights are normalised)")
 
 
-class Workload(BaseModel):
+class Workload(_Derived):
     """One RLHF iteration's shape. Field names are the file format (YAML or JSON). Strict types: a number
     written as a string is an error, never read as the number."""
 
@@ -329,7 +341,7 @@ def is_power_of_two(n: int) -> bool:
     return n > 0 and not n & (n - 1)
 
 
-class Cluster(BaseModel):
+class Cluster(_Derived):
     """The GPUs to plan for. `hardware` is a shipped profile name or a profile path."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 from hfplan.errors import HfplanError
 from hfplan.measure import typical
 from hfplan.plan import Plan, Span
-from hfplan.spec import Cluster, HistogramBin
+from hfplan.spec import HistogramBin
 from hfplan.validation import machine
 from hfplan.validation.compare import Comparison, compare
 
@@ -22,14 +23,17 @@ class Validation:
     plan: Plan  # the plan as simulated: the profile and the measured response lengths filled in
     simulated: list[Span]
     measured: list[Span]  # the last measured iteration, from 0
-    response_len_mean: float
     # The compared iterations' sampled response lengths: (tokens, responses) by length, what the plan is costed with.
-    response_len_counts: tuple[tuple[int, int], ...] = ()
+    response_len_counts: tuple[tuple[int, int], ...]
     other_cpu_cores: float | None = None  # CPU other processes used during the compared iterations (machine.py)
     pace: machine.Pace | None = None  # the machine's speed around the run against the profile's (machine.py)
     # The median spread between the first and last rank's start of the compared iterations' tasks sent to every
     # rank of a multi-rank set (None: no such set), beside what the simulator charges per rank past the first.
     rank_start_spread_s: float | None = None
+
+    @property
+    def response_len_mean(self) -> float:
+        return self.plan.workload.response_lengths.mean
 
 
 def with_profile(plan: Plan, profile: Path | None) -> Plan:
@@ -41,19 +45,13 @@ def with_profile(plan: Plan, profile: Path | None) -> Plan:
     from hfplan.profiles.hardware import load_hardware
 
     load_hardware(str(profile))  # a bad profile fails here, before any worker starts
-    # A new Cluster, not a model_copy: a copy would keep the profile the plan's cluster has already loaded.
-    cluster = Cluster(**(plan.cluster.model_dump() | {"hardware": str(profile)}))
-    return plan.model_copy(update={"cluster": cluster})
+    return plan.model_copy(update={"cluster": plan.cluster.model_copy(update={"hardware": str(profile)})})
 
 
 def length_counts(lengths: Sequence[int], longest: int) -> tuple[tuple[int, int], ...]:
     """(tokens, responses) for each measured response length, each taken between 1 and `longest` (the workload's
     response_len: a response the engine ended at once still took a decode step)."""
-    counts: dict[int, int] = {}
-    for length in lengths:
-        clipped = min(longest, max(1, int(length)))
-        counts[clipped] = counts.get(clipped, 0) + 1
-    return tuple(sorted(counts.items()))
+    return tuple(sorted(Counter(min(longest, max(1, int(length))) for length in lengths).items()))
 
 
 def with_response_lengths(plan: Plan, counts: Sequence[tuple[int, int]]) -> Plan:
@@ -62,9 +60,6 @@ def with_response_lengths(plan: Plan, counts: Sequence[tuple[int, int]]) -> Plan
     alone would cost a static batch at response_len."""
     histogram = [HistogramBin(length=length, weight=float(count)) for length, count in counts]
     workload = plan.workload.model_copy(update={"response_len_mean": None, "response_len_histogram": histogram})
-    # model_copy copies the cached `response_lengths` (a cached_property) the plan's check already computed; without
-    # this pop the copy would be costed with the plan's own lengths, not the measured ones.
-    workload.__dict__.pop("response_lengths", None)
     return plan.model_copy(update={"workload": workload})
 
 
@@ -125,7 +120,7 @@ def validate(plan: Plan, options, labels: Sequence[str],
     comparison = compare(simulated, measured, predicted_gib(costed, result.estimate.peak_memory_gib), measured_gib,
                          labels)
     spreads = [spread for r in timed for spread in r.rank_start_spreads]
-    return Validation(comparison, costed, simulated, measured[-1], costed.workload.response_lengths.mean, counts,
+    return Validation(comparison, costed, simulated, measured[-1], counts,
                       machine.other_cores(readings.get("before"), readings.get("after")), pace,
                       typical(spreads) if spreads else None)
 
