@@ -513,3 +513,21 @@ def test_the_controller_s_steps_and_the_results_it_waits_for_are_priced_in_searc
     out = [s for s in timeline.spans if s.set >= 0 and "controller.gae->" in s.op]
     assert {s.kind for s in out} == {"dispatch"}
     assert out and all(700e-6 < s.end - s.start < 700e-6 + collectives.host_transfer(base, 1e6) for s in out)
+
+
+def test_a_field_between_two_sets_waits_for_its_owner_the_controller_to_learn_it_exists(toy_hw):
+    """Between two sets the consumer's worker fetches the producer's outputs straight from it, but only once the
+    controller, which owns the references, knows they exist: the result's way in (the round trip less its sending
+    side) plus the point-to-point transfer of its bytes; within a set nothing moves."""
+    from hfplan.simulator import collectives
+    from hfplan.simulator.mapping import transfer_seconds
+
+    hw = toy_hw.model_copy(update={"runtime": Runtime(controller_call_us=2300, call_dispatch_us=800,
+                                                      controller_send_us=1500)})
+    nbytes = 4e6
+    for same_node in (True, False):
+        moved = transfer_seconds(hw, 0, 1, nbytes, same_node)
+        assert moved == pytest.approx(800e-6 + collectives.point_to_point(hw, nbytes, same_node))
+    assert transfer_seconds(hw, 1, 1, nbytes, True) == 0.0
+    bare = toy_hw.model_copy(update={"runtime": Runtime()})  # a profile without Ray's costs (a GPU's)
+    assert transfer_seconds(bare, 0, 1, nbytes, True) == pytest.approx(collectives.point_to_point(bare, nbytes, True))

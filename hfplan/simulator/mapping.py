@@ -72,7 +72,11 @@ def transfer_seconds(hw: HardwareProfile, src_set: int, dst_set: int, nbytes: fl
     """Seconds to move `nbytes` of fields from one set to another (ON_CONTROLLER: the controller) along the path
     the executor takes (layout.transfer_path), `same_node`: whether the two sets share one node (PlanCosts.same_node;
     it matters only between two sets). A result for the controller also waits to reach it (Runtime.result_wait_s),
-    and a call fed by the controller waits for it to be sent and started (Runtime.send_wait_s)."""
+    and a call fed by the controller waits for it to be sent and started (Runtime.send_wait_s). Between two sets
+    the result waits to reach the controller too: the controller owns the references it passes on, and the
+    consumer's worker learns from it that the producer's outputs exist (Ray's ownership: an object's owner, the
+    process that submitted the task making it, is told of its creation and answers every wait for it) before it
+    fetches them straight from the producer."""
     path = transfer_path(src_set, dst_set)
     if path == "none" or nbytes <= 0:
         return 0.0
@@ -80,7 +84,7 @@ def transfer_seconds(hw: HardwareProfile, src_set: int, dst_set: int, nbytes: fl
         wait = (hw.runtime.result_wait_s() if dst_set == ON_CONTROLLER
                 else hw.runtime.send_wait_s() if src_set == ON_CONTROLLER else 0.0)
         return coll.host_transfer(hw, nbytes) + wait
-    return coll.point_to_point(hw, nbytes, same_node)
+    return hw.runtime.result_wait_s() + coll.point_to_point(hw, nbytes, same_node)
 
 
 def least_transfer_seconds(hw: HardwareProfile, src_set: int, dst_set: int, nbytes: float) -> float:
