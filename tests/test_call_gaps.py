@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from hfplan.plan import Span
-from hfplan.profiler.call_gaps import call_gaps, gaps_of, probe_plan, probe_workload, spread_probe_plan
+from hfplan.plan import WEIGHT_SYNC_OP, Span
+from hfplan.profiler.call_gaps import (CallGaps, call_gaps, gaps_of, probe_plan, probe_workload, rollout_probe_plan,
+                                       spread_probe_plan, weight_sync)
 from hfplan.profiles.hardware import load_hardware
 
 
@@ -71,6 +72,35 @@ def test_the_probe_is_ppo_with_an_advantage_step_on_one_device_and_then_on_two(t
     assert all(layout.dp == 2 for p in two.parallelism.values() for layout in (p.train, p.infer, p.gen) if layout)
 
 
+def test_the_rollout_probe_generates_on_a_set_of_its_own_and_its_weight_syncs_are_read_as_a_median(tmp_path):
+    plan = rollout_probe_plan(load_hardware("cpu"), tmp_path)
+    assert [s.gpus for s in plan.placement] == [1, 1] and tuple(plan.placement[1].models) == ("rollout",)
+    syncs = [[_span("rollout", WEIGHT_SYNC_OP, "transition", 0.0, ms, set_=1, phase="generation"),
+              _span("actor", "generate", "compute", ms, ms + 5.0, set_=1, phase="generation")] for ms in (4, 9, 5)]
+    assert weight_sync(syncs) == pytest.approx(5e-3)
+    with pytest.raises(ValueError, match="no weight sync"):
+        weight_sync([_ppo_iteration()])
+
+
+def test_the_profile_s_weight_sync_prices_the_probe_s_measured_sync_back(tmp_path):
+    """weight_sync_us is the measured sync less the rest the simulator prices of it (engines per tensor, bytes):
+    the probe plan simulated on the fitted profile then takes the measured sync again."""
+    from hfplan.dataflow.registry import ROLLOUT
+    from hfplan.profiler.runtime import _weight_sync_fixed
+    from hfplan.simulator.mapping import PlanCosts
+
+    fitted = load_hardware("cpu")
+    plan = rollout_probe_plan(fitted, tmp_path)
+    measured = 0.02
+    gaps = CallGaps(1e-4, 3e-3, 2e-4, 1.5e-3, weight_sync_s=measured, weight_sync_plan=plan)
+    sync_us, row = _weight_sync_fixed(fitted, gaps)
+    assert 0 < sync_us < measured * 1e6 and row["seconds"] == measured
+    priced = fitted.model_copy(update={"runtime": fitted.runtime.model_copy(update={"weight_sync_us": sync_us})})
+    costed = PlanCosts(plan.workload, [(g.models, g.gpus) for g in plan.placement], plan.parallelism, priced,
+                       plan.cluster.gpus_per_node)
+    assert costed.switch_seconds(ROLLOUT) == pytest.approx(measured)
+
+
 @pytest.mark.slow
 def test_a_probe_run_of_the_executor_gives_positive_gaps(ray_driver, tmp_path):
     """The probe executed for real (in the test session's Ray), on one rank and on two: every figure measured and
@@ -83,5 +113,8 @@ def test_a_probe_run_of_the_executor_gives_positive_gaps(ray_driver, tmp_path):
     assert gaps.call_dispatch_s > 0 and gaps.controller_step_s > 0
     assert gaps.rank_dispatch_s is not None and 0 < gaps.rank_dispatch_s < 0.1
     assert gaps.controller_call_s > gaps.call_dispatch_s
+    # The rollout probe's weight sync, through Ray's object store and the controller: a round trip at least.
+    assert gaps.weight_sync_s is not None and gaps.controller_call_s < gaps.weight_sync_s < 1.0
+    assert tuple(gaps.weight_sync_plan.placement[1].models) == ("rollout",)
     # On CPU, the worker's own memory beyond the probe plan's simulated peak: the interpreter and torch at least.
     assert gaps.worker_resident_gib is not None and 0.1 < gaps.worker_resident_gib < 4

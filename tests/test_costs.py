@@ -10,7 +10,7 @@ import pytest
 from hfplan import layout
 from hfplan.layout import resharding
 from hfplan.plan import GenConfig, InferConfig, TrainConfig
-from hfplan.profiles.hardware import load_hardware
+from hfplan.profiles.hardware import Runtime, load_hardware
 from hfplan.profiles.models import CATALOG
 from hfplan.simulator import costs, memory, sharding
 from hfplan.simulator.costs import SetShape
@@ -325,6 +325,19 @@ def test_weight_sync_by_hand(toy_hw):
     assert same == pytest.approx(shard / INTRA_BW + INTRA_ALPHA)
     other = costs.weight_sync_time(toy_hw, LLAMA7, GenConfig(tp=4, dp=2), SetShape(8, 8), same_node=False)
     assert other == pytest.approx(8 * shard / INTER_BW + 10e-6)  # the node's 8 GPUs share its NICs
+
+
+def test_a_weight_sync_pays_its_measured_fixed_cost_through_ray_or_else_one_round_trip(toy_hw):
+    """Runtime.weight_sync_us, where the profile measured it, replaces the controller's round trip that a profile
+    without it charges for the buckets' way through the controller."""
+    def sync(**runtime):
+        hw = toy_hw.model_copy(update={"runtime": Runtime(**runtime)})
+        return costs.weight_sync_time(hw, LLAMA7, GenConfig(tp=4, dp=2), SetShape(8, 8), same_node=True)
+
+    bare = sync()
+    assert sync(controller_call_us=3000) == pytest.approx(bare + 3000e-6)
+    assert sync(controller_call_us=3000, weight_sync_us=7000) == pytest.approx(bare + 7000e-6)
+    assert sync(controller_call_us=3000, weight_sync_us=0) == pytest.approx(bare)
 
 
 def test_a_cost_memo_answers_as_the_direct_computation_and_clears(toy_hw):

@@ -1,7 +1,7 @@
 """What the executor's calls cost between their spans, read off a real run of it.
 
 A probe plan (PPO on the demo's tiny models, shorter responses than the demo's, one device) is executed for a
-few iterations in the profiler's Ray session, and its measured timelines give three Runtime fields:
+few iterations in the profiler's Ray session, and its measured timelines give these Runtime fields:
 
 - call_dispatch_us: the median gap between two calls on the set with no controller step between them (the
   first call's outputs stored, the next one started and its arguments read: what Ray and the worker's wrapper
@@ -16,6 +16,10 @@ few iterations in the profiler's Ray session, and its measured timelines give th
 - rank_dispatch_us (where the profiled world has two devices): the probe again on one set of two ranks (data
   parallel), and the median spread between its ranks' starts of each Ray task the controller sent to both: the
   second rank's task reaches its worker that much after the first's, and the call ends that much later.
+- weight_sync_us (two devices as well): the probe with a separate rollout set beside the actor's, and the median
+  of its weight syncs less what the simulator prices of them besides (the engines' cost per tensor, the bytes'
+  transfer), taken once those are fitted (runtime.measure_runtime): what moving the buckets through Ray's object
+  store and the controller costs.
 
 On a CPU profile it also gives memory.worker_resident_gib: the worker's measured peak resident memory less the
 simulator's peak for the probe plan (what a worker process holds beyond the model states the simulator counts:
@@ -34,12 +38,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hfplan.measure import typical
-from hfplan.plan import Plan, Span, colocated_plan
+from hfplan.plan import WEIGHT_SYNC_OP, Plan, Span, colocated_plan
 from hfplan.profiles.hardware import HardwareProfile, Runtime
 from hfplan.spec import BUILTIN_WORKLOADS, Workload, make_cluster, workload_from_dict
 
 # The Runtime fields it measures.
-CALL_FIELDS = ("call_dispatch_us", "controller_call_us", "controller_step_us", "controller_send_us", "rank_dispatch_us")
+CALL_FIELDS = ("call_dispatch_us", "controller_call_us", "controller_step_us", "controller_send_us", "rank_dispatch_us",
+               "weight_sync_us")
 PROBE_ITERATIONS = 8  # the first a warm-up
 ADVANTAGE_STEP = ("controller", "gae")  # the controller step whose gaps are read (PPO's)
 
@@ -52,6 +57,9 @@ class CallGaps:
     controller_send_s: float
     worker_resident_gib: float | None = None  # on a CPU profile; None on a GPU (its peak is allocated memory)
     rank_dispatch_s: float | None = None  # None: not measured (a world of one device)
+    # The separate-rollout probe's median weight sync (None: not measured) and that plan, to price the rest of it.
+    weight_sync_s: float | None = None
+    weight_sync_plan: Plan | None = None
 
 
 def probe_workload() -> Workload:
@@ -77,6 +85,25 @@ def probe_plan(profile: HardwareProfile, folder: Path) -> Plan:
 def spread_probe_plan(profile: HardwareProfile, folder: Path) -> Plan:
     """The probe on one set of two devices, every role data parallel over both."""
     return colocated_plan(probe_workload(), 1, 1, 2, _probe_hardware(profile, folder))
+
+
+def rollout_probe_plan(profile: HardwareProfile, folder: Path) -> Plan:
+    """The search's plan for the probe with every model role on one device and a separate rollout set on another."""
+    from hfplan.dataflow.registry import ROLLOUT
+    from hfplan.planner.search import search
+    from hfplan.planner.strategies import Rules
+
+    workload = probe_workload()
+    rules = Rules(name="rollout probe", rollout=True, placements=((tuple(workload.model_roles), (ROLLOUT,)),))
+    return search(workload, make_cluster(2, _probe_hardware(profile, folder)), rules=rules).best
+
+
+def weight_sync(iterations: Sequence[Sequence[Span]]) -> float:
+    """The median weight sync of the measured iterations (one transition span each)."""
+    syncs = [s.end - s.start for spans in iterations for s in spans if s.op == WEIGHT_SYNC_OP]
+    if not syncs:
+        raise ValueError("the rollout probe recorded no weight sync")
+    return typical(syncs)
 
 
 def _calls(spans: Sequence[Span]) -> list[tuple[float, float]]:
@@ -157,6 +184,10 @@ def measure_call_gaps(profile: HardwareProfile, ranks: int = 1) -> CallGaps:
                                            Path(folder) / "run-two-ranks")
             gaps = dataclasses.replace(gaps, rank_dispatch_s=rank_dispatch([r.rank_start_spreads
                                                                             for r in spread_reports]))
+            synced = rollout_probe_plan(profile, Path(folder))
+            sync_reports, _ = _run_probe(synced, Path(folder) / "run-rollout")
+            gaps = dataclasses.replace(gaps, weight_sync_s=weight_sync([r.spans for r in sync_reports]),
+                                       weight_sync_plan=synced)
         if not profile.on_host:
             return gaps
         measured_gib = max(summary.peak_memory_bytes.values()) / 2**30

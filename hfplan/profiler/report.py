@@ -42,6 +42,9 @@ def fits_table(result: Result) -> Table:
                   f"{rt.controller_call_us:.1f} ({rt.controller_send_s() * 1e6:.1f}) / {rt.call_dispatch_s() * 1e6:.1f}"
                   f" (+{rt.rank_dispatch_us:.1f}) / {rt.controller_step_us:.1f}",
                   "measured through a Ray actor" if rt.controller_call_us else "no ray: no call measured")
+    table.add_row("weight sync to a separate rollout set, fixed us", f"{rt.weight_sync_s() * 1e6:.1f}",
+                  "measured with a rollout probe, beyond the engines' per-tensor cost and the bytes"
+                  if rt.weight_sync_us is not None else "not measured: the controller's round trip")
     table.add_row("training micro-batch / optimizer step per tensor us",
                   f"{rt.train_pass_s() * 1e6:.1f} / {rt.optimizer_tensor_s() * 1e6:.2f}",
                   "measured beyond the modelled kernels, on the executor's training engine")

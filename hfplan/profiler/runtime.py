@@ -173,6 +173,10 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
         collective_us, split_rows = _step_collective_fixed(fitted, across[TP])
         rows += split_rows
         runtime = runtime.model_copy(update={"tp_step_collective_us": round(collective_us, 2)})
+    if gaps is not None and gaps.weight_sync_s is not None:
+        sync_us, sync_row = _weight_sync_fixed(bare.model_copy(update={"runtime": runtime}), gaps)
+        rows.append(sync_row)
+        runtime = runtime.model_copy(update={"weight_sync_us": round(sync_us, 2)})
     resident_gib = 0.0
     if ray_costs is not None:  # a worker as it runs calls, where the probe ran; else one that only imported
         probed = gaps.worker_resident_gib if gaps is not None else None
@@ -385,6 +389,20 @@ class WorldClock:
                 dist.all_reduce(took, op=dist.ReduceOp.MAX)
                 taken.append(float(took.item()))
         return [typical(taken) for taken in seconds]
+
+
+def _weight_sync_fixed(fitted: HardwareProfile, gaps: CallGaps) -> tuple[float, dict]:
+    """Microseconds of the rollout probe's weight sync beyond what the simulator prices of it on `fitted` (the
+    engines' cost per tensor, the bytes' transfer) with no fixed cost of its own (Runtime.weight_sync_us), and its
+    row."""
+    from hfplan.dataflow.registry import ROLLOUT
+    from hfplan.simulator.mapping import PlanCosts
+
+    plan = gaps.weight_sync_plan
+    bare = fitted.model_copy(update={"runtime": fitted.runtime.model_copy(update={"weight_sync_us": 0.0})})
+    modelled = PlanCosts(plan.workload, [(g.models, g.gpus) for g in plan.placement], plan.parallelism, bare,
+                         plan.cluster.gpus_per_node).switch_seconds(ROLLOUT)
+    return fixed_us(gaps.weight_sync_s, modelled), _row("weight_sync", gaps.weight_sync_s, modelled, world=2)
 
 
 def _step_collective_fixed(fitted: HardwareProfile, measured: EngineSeconds) -> tuple[float, list[dict]]:

@@ -301,6 +301,13 @@ class Runtime(_Strict):
                                         "Ray's start of it, its arguments read); the rest of the round trip is a "
                                         "result's way into the controller. None: call_dispatch_us, as for a "
                                         "profile written before the field")
+    weight_sync_us: float | None = Field(
+        default=None, ge=0, description="fixed cost of one weight sync to a separate rollout set beyond its "
+                                        "engines' cost per tensor and its bytes' transfer: the actor ranks' "
+                                        "buckets stored in Ray's object store and their readiness reported to the "
+                                        "controller, the rollout ranks' loads sent by it, their arguments fetched; "
+                                        "None: controller_call_us (one round trip), as for a profile written "
+                                        "before the field")
     engine_step_continuous_us: float | None = Field(
         default=None, ge=0, description="fixed cost of one step of a continuous-batching engine (its slot "
                                         "bookkeeping each step on top of the static step's work); None: "
@@ -420,6 +427,10 @@ class Runtime(_Strict):
         """Seconds a call fed by the controller waits for it beyond its own dispatch (charged inside the call,
         as for a queued one): the sending side less the dispatch."""
         return max(0.0, self.controller_send_s() - self.call_dispatch_s())
+
+    def weight_sync_s(self) -> float:
+        """Seconds of a weight sync's fixed cost through Ray and the controller (weight_sync_us)."""
+        return (self.controller_call_us if self.weight_sync_us is None else self.weight_sync_us) * 1e-6
 
     def controller_step_s(self) -> float:
         """Seconds of one step the controller runs itself (advantages, a rule reward)."""

@@ -646,9 +646,10 @@ def weight_sync_time(hw: HardwareProfile, arch: ModelArch, gen: GenConfig, rollo
     links carry the shards of all its GPUs. The receiving engine takes them tensor by tensor, as the hybrid
     engine's rollout engine does (Runtime.switch_tensor_us). The rollout ranks' loads take the actor ranks'
     buckets as arguments, which Ray resolves where the references live, in the controller's process: the buckets'
-    readiness reaches the controller and the loads go out from it, one round trip (Runtime.controller_call_us)."""
+    readiness reaches the controller and the loads go out from it (Runtime.weight_sync_s: that way through Ray's
+    object store, measured, or one round trip)."""
     fixed = (hw.compute.host_slowdown(rollout.per_node) * _engine_weights_fixed(hw, arch, gen)
-             + hw.runtime.controller_call_us * 1e-6)
+             + hw.runtime.weight_sync_s())
     shard_bytes = hw.compute.value_bytes * most_generation_numel(arch, gen)
     node_bytes = shard_bytes * rollout.per_node
     if same_node:
