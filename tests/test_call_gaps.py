@@ -6,8 +6,17 @@ from __future__ import annotations
 import pytest
 
 from hfplan.plan import WEIGHT_SYNC_OP, Span
-from hfplan.profiler.call_gaps import (CallGaps, call_gaps, gaps_of, probe_plan, probe_workload, rollout_probe_plan,
-                                       spread_probe_plan, weight_sync)
+from hfplan.profiler.call_gaps import (
+    CallGaps,
+    call_gaps,
+    gaps_of,
+    opening_calls,
+    probe_plan,
+    probe_workload,
+    rollout_probe_plan,
+    spread_probe_plan,
+    weight_sync,
+)
 from hfplan.profiles.hardware import load_hardware
 
 
@@ -16,14 +25,15 @@ def _span(role, op, kind, start, end, set_=0, phase="preparation"):
 
 
 def _ppo_iteration(offset=0.0):
-    """generate (its input transfer, a switch, the compute, the switch back), three forwards, the controller's
-    reward (during a forward) and advantage step, and two updates: times in ms."""
+    """generate (its input transfer, a switch, the compute), the next task (the switch back, three forwards), the
+    controller's reward (during a forward) and advantage step, and two updates: times in ms."""
     o = offset
     return [_span("actor", "generate", "transfer", o + 0.0, o + 0.1, phase="generation"),
             _span("actor", "reshard", "transition", o + 0.2, o + 1.0, phase="generation"),
             _span("actor", "generate", "compute", o + 1.0, o + 9.0, phase="generation"),
-            _span("actor", "reshard back", "transition", o + 9.0, o + 9.5, phase="generation"),
-            _span("actor", "log_prob", "transfer", o + 10.5, o + 10.6),  # queued: 1.0 after the switch back
+            # The next task: its way back first (1.4 after the generation), then the log-prob.
+            _span("actor", "reshard back", "transition", o + 10.4, o + 10.5, phase="generation"),
+            _span("actor", "log_prob", "transfer", o + 10.5, o + 10.6),
             _span("actor", "log_prob", "compute", o + 10.6, o + 14.0),
             _span("reward", "score", "compute", o + 11.0, o + 11.5, set_=-1),  # during a call, in no gap
             _span("reference", "log_prob", "transfer", o + 14.8, o + 14.9),  # queued: 0.8
@@ -37,9 +47,13 @@ def _ppo_iteration(offset=0.0):
             _span("actor", "update", "compute", o + 41.3, o + 55.0, phase="training")]
 
 
+OPENERS = frozenset({("actor", "generate"), ("actor", "log_prob"), ("critic", "update")})  # PPO on one set
+
+
 def test_gaps_are_read_between_calls_and_around_the_advantage_step():
-    queued, around, sends, steps = gaps_of(_ppo_iteration())
-    assert queued == pytest.approx([1.0e-3, 0.8e-3, 0.6e-3, 1.2e-3])  # the gap through gae is not queued
+    queued, opened, around, sends, steps = gaps_of(_ppo_iteration(), OPENERS)
+    assert queued == pytest.approx([0.8e-3, 0.6e-3, 1.2e-3])  # the gap through gae is not queued
+    assert opened == pytest.approx([1.4e-3])  # the generation's end to its next task's way back
     assert around == pytest.approx([1.5e-3 + 1.7e-3])
     assert sends == pytest.approx([1.7e-3])
     assert steps == pytest.approx([0.3e-3])
@@ -47,8 +61,10 @@ def test_gaps_are_read_between_calls_and_around_the_advantage_step():
 
 def test_the_figures_are_medians_over_the_iterations():
     slower = [s.model_copy(update={"end": s.end + (0.4e-3 if s.op == "gae" else 0.0)}) for s in _ppo_iteration()]
-    gaps = call_gaps([_ppo_iteration(), _ppo_iteration(100.0), slower])
-    assert gaps.call_dispatch_s == pytest.approx(0.9e-3)  # the median of 12 queued gaps: 4 kinds, 3 each
+    gaps = call_gaps([_ppo_iteration(), _ppo_iteration(100.0), slower], OPENERS)
+    assert gaps.call_dispatch_s == pytest.approx(0.8e-3)  # the median of 9 queued gaps: 3 kinds, 3 each
+    assert gaps.task_dispatch_s == pytest.approx(1.4e-3)
+    assert call_gaps([_ppo_iteration()]).task_dispatch_s is None  # no call named as opening a task
     # gae 0.4 ms longer and the next call as late as before: 0.4 ms less of gap after it.
     assert gaps.controller_call_s == pytest.approx(3.2e-3)
     assert gaps.controller_send_s == pytest.approx(1.7e-3)  # 1.7, 1.7 and 1.3 ms
@@ -65,6 +81,7 @@ def test_the_probe_is_ppo_with_an_advantage_step_on_one_device_and_then_on_two(t
     workload = probe_workload()
     assert workload.algorithm == "ppo" and workload.response_len == 8
     plan = probe_plan(load_hardware("cpu"), tmp_path)
+    assert opening_calls(plan) == OPENERS
     assert plan.cluster.gpus == 1 and len(plan.placement) == 1
     assert set(plan.placement[0].models) >= {"actor", "critic"}
     two = spread_probe_plan(load_hardware("cpu"), tmp_path)
@@ -113,6 +130,7 @@ def test_a_probe_run_of_the_executor_gives_positive_gaps(ray_driver, tmp_path):
     assert gaps.call_dispatch_s > 0 and gaps.controller_step_s > 0
     assert gaps.rank_dispatch_s is not None and 0 < gaps.rank_dispatch_s < 0.1
     assert gaps.controller_call_s > gaps.call_dispatch_s
+    assert gaps.task_dispatch_s is not None and gaps.task_dispatch_s > 0
     # The rollout probe's weight sync, through Ray's object store and the controller: a round trip at least.
     assert gaps.weight_sync_s is not None and gaps.controller_call_s < gaps.weight_sync_s < 1.0
     assert tuple(gaps.weight_sync_plan.placement[1].models) == ("rollout",)

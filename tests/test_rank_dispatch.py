@@ -12,15 +12,19 @@ from hfplan.simulator.engine import simulate_plan
 from hfplan.spec import load_workload
 
 
-def test_a_call_pays_the_rank_dispatch_for_each_rank_past_the_first():
+def test_a_call_opening_a_task_pays_the_rank_dispatch_for_each_rank_past_the_first():
     runtime = Runtime(call_dispatch_us=700.0, rank_dispatch_us=300.0)
-    assert runtime.call_dispatch_s() == pytest.approx(700e-6)
-    assert runtime.call_dispatch_s(2) == pytest.approx(1000e-6)
-    assert runtime.call_dispatch_s(4) == pytest.approx(1600e-6)
-    # The edge out of the controller pays its sending side less one rank's dispatch: the ranks past the first
-    # are in the call's own dispatch.
-    runtime = runtime.model_copy(update={"controller_send_us": 1500.0})
-    assert runtime.controller_send_s() - runtime.call_dispatch_s() == pytest.approx(800e-6)
+    assert runtime.call_dispatch_s() == pytest.approx(700e-6)  # a call after another in one task: no new spread
+    assert runtime.task_dispatch_s() == pytest.approx(700e-6)  # no task opening measured: a call's dispatch
+    assert runtime.task_dispatch_s(2) == pytest.approx(1000e-6)
+    assert runtime.task_dispatch_s(4) == pytest.approx(1600e-6)
+    opened = runtime.model_copy(update={"task_dispatch_us": 900.0})
+    assert opened.task_dispatch_s(2) == pytest.approx(1200e-6)
+    assert opened.task_opening_s(2) == pytest.approx(500e-6)  # on top of the call's own dispatch
+    # The edge out of the controller pays its sending side less one rank's task dispatch: the ranks past the
+    # first are in the call's own dispatch.
+    opened = opened.model_copy(update={"controller_send_us": 1500.0})
+    assert opened.send_wait_s() == pytest.approx(600e-6)
 
 
 def _simulated(tmp_path, dp: int, rank_dispatch_us: float):
@@ -31,17 +35,21 @@ def _simulated(tmp_path, dp: int, rank_dispatch_us: float):
     return simulate_plan(colocated_plan(load_workload("demo"), 1, 1, dp, str(path)))
 
 
-def test_every_call_on_a_two_rank_set_waits_for_its_second_rank_and_one_rank_pays_nothing(tmp_path):
-    """The demo on one set: every call queues behind the one before on the set, so each call's dispatch span
-    grows by the rank dispatch and the iteration by it times the calls (hand-counted from the spans)."""
+def test_every_call_opening_a_task_on_a_two_rank_set_waits_for_its_second_rank_and_one_rank_pays_nothing(tmp_path):
+    """The demo on one set: the calls that open a Ray task (the generation, the log-prob after it, the first
+    update after the advantages) have their dispatch grow by the rank dispatch, the calls after them in their
+    task do not, and every call queues behind the one before on the set: the iteration grows by it three times."""
     extra = 1e-3
     before, after = _simulated(tmp_path, 2, 0.0), _simulated(tmp_path, 2, extra * 1e6)
     dispatches = [[s for s in sim.timeline.spans if s.kind == "dispatch" and s.set >= 0 and EDGE not in s.op]
                   for sim in (before, after)]  # a role call's own dispatch, not a field the controller sends
     assert len(dispatches[0]) == len(dispatches[1]) >= 5  # generate, log-probs, values, two updates
-    for old, new in zip(*dispatches, strict=True):
-        assert (new.end - new.start) - (old.end - old.start) == pytest.approx(extra)
-    assert after.timeline.iteration_s - before.timeline.iteration_s == pytest.approx(extra * len(dispatches[0]))
+    grown = [(new.role, new.op) for old, new in zip(*dispatches, strict=True)
+             if (new.end - new.start) - (old.end - old.start) == pytest.approx(extra)]
+    assert grown == [("actor", "generate"), ("actor", "log_prob"), ("critic", "update")]
+    assert all((new.end - new.start) == pytest.approx(old.end - old.start)
+               for old, new in zip(*dispatches, strict=True) if (new.role, new.op) not in grown)
+    assert after.timeline.iteration_s - before.timeline.iteration_s == pytest.approx(3 * extra)
     one_before, one_after = _simulated(tmp_path, 1, 0.0), _simulated(tmp_path, 1, extra * 1e6)
     assert one_after.timeline.iteration_s == pytest.approx(one_before.timeline.iteration_s)
 

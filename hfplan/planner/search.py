@@ -119,23 +119,24 @@ class _Pair:
         sets = [where.set_of(n) for n in ctx.dag.nodes]
         edges = where.edge_seconds if edge_seconds is None else edge_seconds
         self.precedence = Precedence.of(ctx.dag, sets, edges)
+        self.openings = np.array(where.task_openings(ctx.dag))  # what the engine adds to the calls opening a task
         self.switch_ids = ctx.switch_ids
         # An asynchronous workload's time is its pipelined window, the weight sync after it
         self.pipelined = Pipelined.of(ctx.dag, sets, edges) if ctx.workload.staleness else None
 
     def makespan_many(self, seconds: np.ndarray, switch: np.ndarray) -> np.ndarray:
         """makespan() of many duration rows at once: seconds (rows x nodes), switch (rows,)."""
+        seconds = seconds + self.openings
         if self.pipelined is not None:
             return self.pipelined.window_many(seconds, switch)
         if self.switch_ids:
-            seconds = seconds.copy()
             seconds[:, self.switch_ids] += switch[:, None]
         return self.precedence.makespan_many(seconds)
 
     def makespan(self, seconds: Sequence[float], switch: float) -> float:
+        durations = [float(s) for s in np.asarray(seconds) + self.openings]
         if self.pipelined is not None:
-            return self.pipelined.window(seconds, switch)
-        durations = list(seconds)
+            return self.pipelined.window(durations, switch)
         for i in self.switch_ids:
             durations[i] += switch
         return self.precedence.makespan(durations)

@@ -3,9 +3,13 @@
 A probe plan (PPO on the demo's tiny models, shorter responses than the demo's, one device) is executed for a
 few iterations in the profiler's Ray session, and its measured timelines give these Runtime fields:
 
-- call_dispatch_us: the median gap between two calls on the set with no controller step between them (the
-  first call's outputs stored, the next one started and its arguments read: what Ray and the worker's wrapper
-  cost each call). The simulator charges it inside every role call's span.
+- call_dispatch_us: the median gap between two calls of one Ray task on the set (the first call's outputs
+  stored, the next one started and its arguments read: what the worker's wrapper costs each call). The simulator
+  charges it inside every role call's span.
+- task_dispatch_us: the median gap before a call that opens a Ray task with no controller step before it (the
+  probe's log-prob call after its generation: Ray's switch between the worker's tasks, the new one's start, its
+  arguments read), the calls that open one named by the simulator's rule (schedule.task_openers). The simulator
+  charges the calls that open a task the difference on top.
 - controller_call_us: the median gap around the controller's advantage step, from the end of the last call
   that feeds it to its start plus from its end to the start of the next call on the set (the results reach the
   controller, the calls that need the advantages are sent and started).
@@ -38,13 +42,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hfplan.measure import typical
-from hfplan.plan import WEIGHT_SYNC_OP, Plan, Span, colocated_plan
+from hfplan.plan import RESHARD_BACK_OP, WEIGHT_SYNC_OP, Plan, Span, colocated_plan
 from hfplan.profiles.hardware import HardwareProfile, Runtime
 from hfplan.spec import BUILTIN_WORKLOADS, Workload, make_cluster, workload_from_dict
 
 # The Runtime fields it measures.
-CALL_FIELDS = ("call_dispatch_us", "controller_call_us", "controller_step_us", "controller_send_us", "rank_dispatch_us",
-               "weight_sync_us")
+CALL_FIELDS = ("call_dispatch_us", "task_dispatch_us", "controller_call_us", "controller_step_us", "controller_send_us",
+               "rank_dispatch_us", "weight_sync_us")
 PROBE_ITERATIONS = 8  # the first a warm-up
 ADVANTAGE_STEP = ("controller", "gae")  # the controller step whose gaps are read (PPO's)
 
@@ -60,6 +64,7 @@ class CallGaps:
     # The separate-rollout probe's median weight sync (None: not measured) and that plan, to price the rest of it.
     weight_sync_s: float | None = None
     weight_sync_plan: Plan | None = None
+    task_dispatch_s: float | None = None  # None: no call opened a task after another call with nothing between
 
 
 def probe_workload() -> Workload:
@@ -106,49 +111,72 @@ def weight_sync(iterations: Sequence[Sequence[Span]]) -> float:
     return typical(syncs)
 
 
-def _calls(spans: Sequence[Span]) -> list[tuple[float, float]]:
-    """(start, end) of each call on the sets, in order: a call begins with its input transfer span (the worker
-    records one first for every call) and ends with the last span before the next call's."""
+def opening_calls(plan: Plan) -> frozenset[tuple[str, str]]:
+    """(role, op) of the calls of `plan` that open a Ray task on their workers (schedule.task_openers)."""
+    from hfplan.simulator.mapping import PlanCosts
+    from hfplan.simulator.schedule import task_openers
+    from hfplan.simulator.trace import trace
+
+    dag = trace(plan.workload)
+    where = PlanCosts.of_plan(plan)
+    return frozenset((dag.nodes[i].role, dag.nodes[i].op) for i in task_openers(dag, [where.set_of(n) for n in
+                                                                                      dag.nodes]))
+
+
+def _calls(spans: Sequence[Span]) -> list[tuple[float, float, tuple[str, str]]]:
+    """(start, end, (role, op)) of each call on the sets, in order: a call begins with its input transfer span (the
+    worker records one first for every call), or with the hybrid engine's way back that its worker runs first, and
+    ends with the last span before the next call's."""
     ordered = sorted((s for s in spans if s.set >= 0), key=lambda s: (s.start, s.end))
-    calls: list[list[float]] = []
+    calls: list[list] = []
     for span in ordered:
-        if span.kind == "transfer" or not calls:
-            calls.append([span.start, span.end])
+        if span.kind == "transfer" and calls and calls[-1][2] is None:  # the call the way back opened
+            calls[-1][1], calls[-1][2] = span.end, (span.role, span.op)
+        elif span.op == RESHARD_BACK_OP:
+            calls.append([span.start, span.end, None])
+        elif span.kind == "transfer" or not calls:
+            calls.append([span.start, span.end, (span.role, span.op)])
         else:
             calls[-1][1] = max(calls[-1][1], span.end)
-    return [(start, end) for start, end in calls]
+    return [(start, end, label) for start, end, label in calls]
 
 
-def gaps_of(spans: Sequence[Span]) -> tuple[list[float], list[float], list[float], list[float]]:
-    """One iteration's queued gaps, gaps around the advantage step (one figure: both sides), their sending sides
-    and the step's seconds. Spans of one set on one rank (the probe's single device)."""
+def gaps_of(spans: Sequence[Span], openers: frozenset[tuple[str, str]] = frozenset()
+            ) -> tuple[list[float], list[float], list[float], list[float], list[float]]:
+    """One iteration's gaps between two calls of one task, gaps before a call opening a task (`openers`: their
+    (role, op)) with no controller step between, gaps around the advantage step (one figure: both sides), their
+    sending sides and the step's seconds. Spans of one set on one rank (the probe's single device)."""
     calls = _calls(spans)
     controller = [s for s in spans if s.set < 0 and s.kind == "compute"]
-    queued = [after[0] - before[1] for before, after in zip(calls, calls[1:], strict=False)
-              if not any(c.start < after[0] and c.end > before[1] for c in controller)]
+    queued, opened = [], []
+    for before, after in zip(calls, calls[1:], strict=False):
+        if not any(c.start < after[0] and c.end > before[1] for c in controller):
+            (opened if after[2] in openers else queued).append(after[0] - before[1])
     around, sends, steps = [], [], []
     for step in (s for s in controller if (s.role, s.op) == ADVANTAGE_STEP):
-        fed = [end for _, end in calls if end <= step.start]
-        next_starts = [start for start, _ in calls if start >= step.end]
+        fed = [end for _, end, _ in calls if end <= step.start]
+        next_starts = [start for start, _, _ in calls if start >= step.end]
         if fed and next_starts:
             sends.append(min(next_starts) - step.end)
             around.append((step.start - max(fed)) + sends[-1])
             steps.append(step.end - step.start)
-    return queued, around, sends, steps
+    return queued, opened, around, sends, steps
 
 
-def call_gaps(iterations: Sequence[Sequence[Span]]) -> CallGaps:
+def call_gaps(iterations: Sequence[Sequence[Span]], openers: frozenset[tuple[str, str]] = frozenset()) -> CallGaps:
     """The medians over the measured iterations."""
-    queued, around, sends, steps = [], [], [], []
+    queued, opened, around, sends, steps = [], [], [], [], []
     for spans in iterations:
-        q, a, sent, s = gaps_of(spans)
+        q, o, a, sent, s = gaps_of(spans, openers)
         queued += q
+        opened += o
         around += a
         sends += sent
         steps += s
     if not queued or not around:
         raise ValueError("the probe's timeline has no queued calls or no advantage step between calls")
-    return CallGaps(typical(queued), typical(around), typical(steps), typical(sends))
+    return CallGaps(typical(queued), typical(around), typical(steps), typical(sends),
+                    task_dispatch_s=typical(opened) if opened else None)
 
 
 def rank_dispatch(iterations: Sequence[Sequence[float]]) -> float:
@@ -178,7 +206,7 @@ def measure_call_gaps(profile: HardwareProfile, ranks: int = 1) -> CallGaps:
     with tempfile.TemporaryDirectory(prefix="hfplan-profile-probe-") as folder:
         plan = probe_plan(profile, Path(folder))
         reports, summary = _run_probe(plan, Path(folder) / "run-one-rank")
-        gaps = call_gaps([r.spans for r in reports])
+        gaps = call_gaps([r.spans for r in reports], opening_calls(plan))
         if ranks >= 2:
             spread_reports, _ = _run_probe(spread_probe_plan(profile, Path(folder)),
                                            Path(folder) / "run-two-ranks")

@@ -37,10 +37,10 @@ def fits_table(result: Result) -> Table:
     table.add_row("forward pass / engine step static, continuous us",
                   f"{rt.forward_pass_us:.1f} / {rt.engine_step_us:.1f}, {continuous_us:.1f}",
                   "measured beyond the modelled kernels")
-    table.add_row("controller: round trip (its sending side) / a queued call on its worker (+ each rank past the "
-                  "first) / its own step us",
+    table.add_row("controller: round trip (its sending side) / a call within a task / a call opening a task on "
+                  "its worker (+ each rank past the first) / its own step us",
                   f"{rt.controller_call_us:.1f} ({rt.controller_send_s() * 1e6:.1f}) / {rt.call_dispatch_s() * 1e6:.1f}"
-                  f" (+{rt.rank_dispatch_us:.1f}) / {rt.controller_step_us:.1f}",
+                  f" / {rt.task_dispatch_s() * 1e6:.1f} (+{rt.rank_dispatch_us:.1f}) / {rt.controller_step_us:.1f}",
                   "measured through a Ray actor" if rt.controller_call_us else "no ray: no call measured")
     table.add_row("weight sync to a separate rollout set, fixed us", f"{rt.weight_sync_s() * 1e6:.1f}",
                   "measured with a rollout probe, beyond the engines' per-tensor cost and the bytes"

@@ -146,6 +146,8 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
         rows += [_row("controller_step", gaps.controller_step_s, 0.0),
                  _row("controller_call", gaps.controller_call_s, 0.0), _row("call_dispatch", gaps.call_dispatch_s, 0.0),
                  _row("controller_send", gaps.controller_send_s, 0.0)]
+        if gaps.task_dispatch_s is not None:
+            rows.append(_row("task_dispatch", gaps.task_dispatch_s, 0.0))
         if gaps.rank_dispatch_s is not None:
             rows.append(_row("rank_dispatch", gaps.rank_dispatch_s, 0.0, world=2))
     runtime = Runtime(forward_pass_us=round(train.forward_us, 2), forward_token_us=round(per_token.forward_us, 3),
@@ -156,6 +158,8 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
                       fsdp_switch_tensor_us=round(fsdp_switch_us, 3), tp_switch_tensor_us=round(tp_switch_us, 3),
                       controller_call_us=round(gaps.controller_call_s * 1e6, 2) if gaps else 0.0,
                       call_dispatch_us=round(gaps.call_dispatch_s * 1e6, 2) if gaps else None,
+                      task_dispatch_us=round(gaps.task_dispatch_s * 1e6, 2)
+                      if gaps and gaps.task_dispatch_s is not None else None,
                       controller_step_us=round(gaps.controller_step_s * 1e6, 2) if gaps else 0.0,
                       controller_send_us=round(gaps.controller_send_s * 1e6, 2) if gaps else None,
                       rank_dispatch_us=round(gaps.rank_dispatch_s * 1e6, 2)

@@ -287,12 +287,18 @@ class Runtime(_Strict):
                                         "for it (the call started, its arguments read, its outputs stored), paid "
                                         "by every role call; None: controller_call_us, as for a profile written "
                                         "before the field")
+    task_dispatch_us: float | None = Field(
+        default=None, ge=0, description="fixed cost on a worker of a call that opens a Ray task there after its "
+                                        "last task ended (Ray's switch between the tasks, this one's start, its "
+                                        "arguments read): a generation, and the first call the controller sends "
+                                        "a set after something waited; None: call_dispatch_us, as for a profile "
+                                        "written before the field")
     rank_dispatch_us: float = Field(
-        default=0.0, ge=0, description="how much later each rank past the first of a set starts a call the "
+        default=0.0, ge=0, description="how much later each rank past the first of a set starts a task the "
                                        "controller sends to every rank (one Ray task per rank, each reaching its "
-                                       "worker after the one before), which the call's end waits for: its last "
-                                       "rank ends that much later; measured with two ranks, charged per rank past "
-                                       "the first")
+                                       "worker after the one before), which the task's first call's end waits "
+                                       "for: its last rank ends that much later; measured with two ranks, charged "
+                                       "per rank past the first to each call that opens a task")
     controller_step_us: float = Field(default=0.0, ge=0, description="fixed cost of one step the controller "
                                                                      "runs itself (advantages, a rule reward)")
     controller_send_us: float | None = Field(
@@ -408,15 +414,25 @@ class Runtime(_Strict):
         """Seconds of fixed cost per tensor-parallel collective of a generation step (tp_step_collective_us)."""
         return self.tp_step_collective_us * 1e-6
 
-    def call_dispatch_s(self, ranks: int = 1) -> float:
-        """Seconds a role call on `ranks` ranks costs beyond its work (Ray's start of it on each rank, arguments,
-        outputs), until its last rank has started."""
-        base = self.controller_call_us if self.call_dispatch_us is None else self.call_dispatch_us
-        return (base + (ranks - 1) * self.rank_dispatch_us) * 1e-6
+    def call_dispatch_s(self) -> float:
+        """Seconds a role call costs its worker beyond its work where it follows another call in the same Ray task
+        (its arguments read, its outputs stored)."""
+        return (self.controller_call_us if self.call_dispatch_us is None else self.call_dispatch_us) * 1e-6
+
+    def task_dispatch_s(self, ranks: int = 1) -> float:
+        """Seconds a role call on `ranks` ranks costs beyond its work where it opens a Ray task on each (Ray's
+        switch from the worker's last task, this one's start, its arguments read), until its last rank has
+        started: the ranks' tasks arrive one after another (rank_dispatch_us)."""
+        base = self.call_dispatch_s() if self.task_dispatch_us is None else self.task_dispatch_us * 1e-6
+        return base + (ranks - 1) * self.rank_dispatch_us * 1e-6
+
+    def task_opening_s(self, ranks: int = 1) -> float:
+        """What a call that opens a Ray task pays on top of a call within one (call_dispatch_s)."""
+        return max(0.0, self.task_dispatch_s(ranks) - self.call_dispatch_s())
 
     def controller_send_s(self) -> float:
         """Seconds from a controller step's end to the start of the call it feeds on an idle worker."""
-        return self.call_dispatch_s() if self.controller_send_us is None else self.controller_send_us * 1e-6
+        return self.task_dispatch_s() if self.controller_send_us is None else self.controller_send_us * 1e-6
 
     def result_wait_s(self) -> float:
         """Seconds a worker's result takes to reach the controller beyond its transfer: the round trip less its
@@ -424,9 +440,10 @@ class Runtime(_Strict):
         return max(0.0, self.controller_call_us * 1e-6 - self.controller_send_s())
 
     def send_wait_s(self) -> float:
-        """Seconds a call fed by the controller waits for it beyond its own dispatch (charged inside the call,
-        as for a queued one): the sending side less the dispatch."""
-        return max(0.0, self.controller_send_s() - self.call_dispatch_s())
+        """Seconds a call fed by the controller waits for it beyond its own dispatch (charged with the call): the
+        sending side less the dispatch of a call that opens a Ray task, as the first call the controller sends
+        a set after one of its steps does."""
+        return max(0.0, self.controller_send_s() - self.task_dispatch_s())
 
     def weight_sync_s(self) -> float:
         """Seconds of a weight sync's fixed cost through Ray and the controller (weight_sync_us)."""

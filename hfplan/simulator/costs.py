@@ -264,14 +264,14 @@ def _recompute_seconds(sp: StagePass, mode: Recompute) -> float:
     return 0.0
 
 
-def call_dispatch(hw: HardwareProfile, ranks: int) -> float:
-    """Seconds every role call on `ranks` ranks pays beyond its work (its `controller` part): its dispatch, until
-    the last rank has started."""
-    return hw.runtime.call_dispatch_s(ranks)
+def call_dispatch(hw: HardwareProfile) -> float:
+    """Seconds every role call pays beyond its work (its `controller` part): its dispatch within a Ray task. A
+    call that opens a task pays Runtime.task_opening_s on top, in the schedule (schedule.task_openers says which)."""
+    return hw.runtime.call_dispatch_s()
 
 
-def _controller(hw: HardwareProfile, ranks: int) -> Parts:
-    return Parts(controller=call_dispatch(hw, ranks))
+def _controller(hw: HardwareProfile) -> Parts:
+    return Parts(controller=call_dispatch(hw))
 
 
 def _pipelined(per_micro: dict[str, float], n_micro: int, bubble_slots: float, **extra: float) -> Parts:
@@ -323,7 +323,7 @@ def update_parts(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: 
                  seq_len: int, head: str, mini_batches: int, epochs: int, *, memo: CostMemo | None = None) -> Parts:
     step = train_step_parts(hw, arch, cfg, where, sequences // mini_batches, seq_len, head, memo=memo)
     out = step.times(epochs * mini_batches)
-    out["controller"] = call_dispatch(hw, cfg.gpus)
+    out["controller"] = call_dispatch(hw)
     return out
 
 
@@ -350,7 +350,7 @@ def inference_parts(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, wher
         first = sharding.layer_share(arch, cfg.pp, head) * gather  # the first layer's: nothing to run beside
         exposed = n_micro * (first + sharding.exposed_beside(hw, gather - first, sp.forward))
     return on_shared_host(hw, where, _pipelined(per_micro, n_micro, cfg.pp - 1, dp_comm=exposed,
-                                                controller=call_dispatch(hw, cfg.gpus)))
+                                                controller=call_dispatch(hw)))
 
 
 @memoized
@@ -474,7 +474,7 @@ def generation_time(hw: HardwareProfile, arch: ModelArch, cfg: GenConfig, where:
         return GenerationCost(seconds=math.inf, max_batch=0, waves=0)
     best = _best_waves(hw, arch, cfg.tp, cfg.pp, where, per_replica, max_batch, prompt_len, response_len, lengths,
                        cfg.batching, memo=memo)
-    parts = best.parts.plus(_controller(hw, cfg.gpus))
+    parts = best.parts.plus(_controller(hw))
     return GenerationCost(seconds=parts.total, max_batch=best.batch, waves=best.waves, parts=parts)
 
 

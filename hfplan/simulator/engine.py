@@ -78,13 +78,15 @@ class Scheduled:
 def schedule(dag: Dag, plan_costs: PlanCosts) -> list[Scheduled]:
     """Durations and layout switches of every call, in program order."""
     points = switch_points(dag, plan_costs.layout_role, generating_role(plan_costs.workload))
+    openings = plan_costs.task_openings(dag)
     out = []
     for node in dag.nodes:
         role = points.get(node.id)
         switch = plan_costs.switch_seconds(role) if role is not None else 0.0
         index = plan_costs.set_of(node)
-        dispatch = costs.call_dispatch(plan_costs.hw, plan_costs.placement[index][1]) if index >= 0 else 0.0
-        out.append(Scheduled(node, index, plan_costs.node_seconds(node), switch, role, dispatch))
+        opening = openings[node.id]
+        dispatch = costs.call_dispatch(plan_costs.hw) + opening if index >= 0 else 0.0
+        out.append(Scheduled(node, index, plan_costs.node_seconds(node) + opening, switch, role, dispatch))
     return out
 
 

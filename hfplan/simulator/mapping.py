@@ -30,6 +30,7 @@ from hfplan.profiles.hardware import GIB, HardwareProfile
 from hfplan.profiles.models import ModelArch
 from hfplan.simulator import collectives as coll
 from hfplan.simulator import costs, memory
+from hfplan.simulator.schedule import task_openers
 from hfplan.simulator.trace import Dag, Node
 from hfplan.spec import Workload
 
@@ -153,6 +154,16 @@ class PlanCosts:
         role = self.layout_role(node)
         return call_seconds(self.workload, self.hw, self.gpus_per_node, node, role, self.parallelism[role],
                             self.placement[index][1], self.memory[index].kv_budget, self.memo)
+
+    def task_openings(self, dag: Dag) -> list[float]:
+        """Seconds each call pays for opening a Ray task on its set's workers (by node id; 0 for the calls that
+        follow another in one task, and for the controller's): Runtime.task_opening_s on its set's ranks, for the
+        calls schedule.task_openers names."""
+        sets = [self.set_of(node) for node in dag.nodes]
+        openings = [0.0] * len(dag.nodes)
+        for node_id in task_openers(dag, sets):
+            openings[node_id] = self.hw.runtime.task_opening_s(self.placement[sets[node_id]][1])
+        return openings
 
     def engine_batch(self, dag: Dag) -> int | None:
         """Sequences a generation replica runs at once: the largest batch any generate call of `dag` chose

@@ -8,6 +8,9 @@
   engine's resharding at every change of the generating role into its generation layout, wherever it
   happens in the program; a separate rollout engine's weight sync before its first generation after
   each update of the generating role (and before its first generation of the iteration).
+- A call that opens a Ray task on its workers (`task_openers`, the executor's Dispatch: calls held for a set go as
+  one task when something waits) pays the task's opening on top of its dispatch; the calls after it in the task
+  pay their dispatch alone.
 
 The simpy engine runs this rule with events; `makespan` and `makespan_many` compute the same finish
 time as a longest path (for checking the engine, and as the planner's fast schedule and bounds), and
@@ -22,10 +25,45 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hfplan.layout import ROLLOUT
+from hfplan.layout import ON_CONTROLLER, ROLLOUT
 from hfplan.simulator.trace import Dag, Node
 
 RunsOn = Callable[[Node], "str | None"]  # the placed role whose GPUs run a call (None: the controller)
+
+
+def task_openers(dag: Dag, sets: Sequence[int]) -> tuple[int, ...]:
+    """The calls (node ids) that open a Ray task on their set's workers in a steady-state iteration, as the
+    executor's Dispatch groups them (executor/roles.py): a role call is held until something needs it sent, then
+    every call held goes, one task per set, the first of each opening it. A send happens when the controller waits
+    for a worker's outputs (a step or rule reading them: all held calls go, whichever it reads), when a call reads
+    the outputs of a call still held on another set (through a Ray reference), around every generation (it goes
+    alone, at once; in steady state the next iteration's is made before the updates' results are read), and at the
+    iteration's end. `sets`: each node's set (ON_CONTROLLER for the controller's own)."""
+    held: dict[int, list[int]] = {}
+    openers: list[int] = []
+
+    def send() -> None:
+        openers.extend(calls[0] for calls in held.values())
+        held.clear()
+
+    for node in dag.nodes:
+        where = sets[node.id]
+        producers = [e.src for e in node.deps if sets[e.src] != ON_CONTROLLER]
+        if where == ON_CONTROLLER:
+            if producers:
+                send()
+            continue
+        if node.op == "generate":
+            send()
+            held[where] = [node.id]
+            send()
+            continue
+        held_ids = {i for calls in held.values() for i in calls}
+        if any(sets[src] != where and src in held_ids for src in producers):
+            send()
+        held.setdefault(where, []).append(node.id)
+    send()
+    return tuple(sorted(openers))
 
 
 def switch_points(dag: Dag, runs_on: RunsOn, trained_generator: str) -> dict[int, str]:

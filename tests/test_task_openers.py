@@ -1,0 +1,79 @@
+"""Which calls open a Ray task on their workers (simulator.schedule.task_openers), as the executor's Dispatch sends
+them: per algorithm and placement, hand-read from executor/roles.py (tests/test_dispatch.py holds the Dispatch)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hfplan.dataflow.registry import ROLLOUT
+from hfplan.plan import colocated_plan
+from hfplan.planner.search import search
+from hfplan.planner.strategies import Rules
+from hfplan.profiles.hardware import load_hardware
+from hfplan.simulator.engine import simulate_plan
+from hfplan.simulator.mapping import PlanCosts
+from hfplan.simulator.schedule import task_openers
+from hfplan.simulator.trace import trace
+from hfplan.spec import BUILTIN_WORKLOADS, load_workload, make_cluster, workload_from_dict
+
+
+def _openers(plan) -> list[str]:
+    dag = trace(plan.workload)
+    where = PlanCosts.of_plan(plan)
+    return [dag.nodes[i].label for i in task_openers(dag, [where.set_of(n) for n in dag.nodes])]
+
+
+def _placed(workload, rules):
+    return search(workload, make_cluster(2, "cpu"), rules=rules).best
+
+
+def test_ppo_on_one_set_opens_a_task_at_the_generation_the_first_forward_and_the_first_update():
+    """The generation goes alone; the forwards wait until the reward's rule reads the generation (one task); the
+    updates until the iteration's end, after the advantages."""
+    assert _openers(colocated_plan(load_workload("demo"), 1, 1, 1, "cpu")) == [
+        "actor.generate", "actor.log_prob", "critic.update"]
+
+
+def test_grpo_and_remax_on_one_set():
+    assert _openers(colocated_plan(load_workload("arith-grpo"), 1, 1, 1, "cpu")) == [
+        "actor.generate", "actor.log_prob", "actor.update"]
+    remax = workload_from_dict(dict(BUILTIN_WORKLOADS["demo"], algorithm="remax",
+                                    models={r: BUILTIN_WORKLOADS["demo"]["models"][r]
+                                            for r in ("actor", "reference", "reward")}), "demo-remax")
+    # Both generations go alone; the forwards after them wait for the reward's read of the sampled responses.
+    assert _openers(colocated_plan(remax, 1, 1, 1, "cpu")) == [
+        "actor.generate", "actor.generate(greedy)", "actor.log_prob", "actor.update"]
+
+
+def test_ppo_split_opens_a_task_on_each_set_and_a_rollout_set_s_generation_is_a_task_of_its_own():
+    demo = load_workload("demo")
+    rest = tuple(r for r in demo.model_roles if r != "actor")
+    split = _placed(demo, Rules(name="split", placements=((("actor",), rest),)))
+    assert _openers(split) == ["actor.generate", "actor.log_prob", "reference.log_prob", "critic.update",
+                               "actor.update"]
+    grpo = load_workload("arith-grpo")
+    rollout = _placed(grpo, Rules(name="rollout", rollout=True,
+                                  placements=((tuple(grpo.model_roles), (ROLLOUT,)),)))
+    assert _openers(rollout) == ["actor.generate", "actor.log_prob", "actor.update"]
+
+
+def test_a_call_opening_a_task_pays_the_opening_on_top_of_its_dispatch_and_the_calls_after_it_do_not(tmp_path):
+    base = load_hardware("cpu")
+    hw = base.model_copy(update={"runtime": base.runtime.model_copy(update={"task_dispatch_us": None,
+                                                                            "rank_dispatch_us": 0.0})})
+    opened = hw.model_copy(update={"runtime": hw.runtime.model_copy(
+        update={"task_dispatch_us": hw.runtime.call_dispatch_s() * 1e6 + 1000.0})})
+    times = []
+    for name, profile in (("same", hw), ("opened", opened)):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(profile.model_copy(update={"name": name}).to_yaml())
+        times.append(simulate_plan(colocated_plan(load_workload("demo"), 1, 1, 1, str(path))).timeline)
+    spans = [{(s.role, s.op): s.end - s.start for s in t.spans if s.kind == "dispatch" and "->" not in s.op}
+             for t in times]
+    for key in spans[0]:
+        grown = spans[1][key] - spans[0][key]
+        assert grown == pytest.approx(1e-3 if key in {("actor", "generate"), ("actor", "log_prob"),
+                                                       ("critic", "update")} else 0.0)
+    # The first update waits for the controller's send, which already holds a task's opening: the sending side
+    # less the opening is what its edge pays, so only the two calls the worker opens itself lengthen the iteration.
+    assert times[1].iteration_s - times[0].iteration_s == pytest.approx(2e-3)
