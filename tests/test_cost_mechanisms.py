@@ -498,7 +498,8 @@ def test_the_controller_s_steps_and_the_results_it_waits_for_are_priced_in_searc
 
     base = load_hardware("cpu")
     runtime = base.runtime.model_copy(update={"controller_call_us": 2000.0, "call_dispatch_us": 500.0,
-                                              "controller_step_us": 400.0, "controller_send_us": 1200.0})
+                                              "task_dispatch_us": 500.0, "controller_step_us": 400.0,
+                                              "controller_send_us": 1200.0})
     path = tmp_path / "slow-controller.yaml"
     path.write_text(base.model_copy(update={"name": "slow-controller", "runtime": runtime}).to_yaml())
     plan = search(load_workload("demo"), make_cluster(1, str(path)), top_k=1).top[0]
