@@ -352,10 +352,15 @@ def layouts_of(workload: Workload, role: str, generator: str) -> tuple[str, ...]
     return (("train",) if facts.trains else ()) + ("infer",) + (("gen",) if role == generator else ())
 
 
+def runs_on_controller(workload: Workload, role: str) -> bool:
+    """Whether the controller runs `role`'s calls itself: its own steps and `rule:` rewards."""
+    return role == CONTROLLER or role not in workload.model_roles
+
+
 def call_role(workload: Workload, generator: str, role: str, op: str) -> str | None:
     """The placed role whose GPUs and layout run `role.op` (None: the controller runs it, as it runs
     its own steps and `rule:` rewards). `generator`: the role that runs `generate` (generation_role)."""
-    if role == CONTROLLER or role not in workload.model_roles:
+    if runs_on_controller(workload, role):
         return None
     return generator if op == "generate" else role
 

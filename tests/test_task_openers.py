@@ -77,3 +77,17 @@ def test_a_call_opening_a_task_pays_the_opening_on_top_of_its_dispatch_and_the_c
     # The first update waits for the controller's send, which already holds a task's opening: the sending side
     # less the opening is what its edge pays, so only the two calls the worker opens itself lengthen the iteration.
     assert times[1].iteration_s - times[0].iteration_s == pytest.approx(2e-3)
+
+
+def test_remax_s_forwards_start_after_the_controller_scored_the_greedy_responses():
+    """With a rule reward the controller scores the greedy responses itself before it makes the forwards: the
+    log-prob starts no earlier than that score's end, the controller's send and its own dispatch."""
+    demo = BUILTIN_WORKLOADS["demo"]
+    remax = workload_from_dict(dict(demo, algorithm="remax", models={r: demo["models"][r]
+                                                                      for r in ("actor", "reference", "reward")}),
+                               "demo-remax")
+    plan = colocated_plan(remax, 1, 1, 1, "cpu")
+    spans = simulate_plan(plan).timeline.spans
+    score = min((s for s in spans if (s.role, s.op, s.kind) == ("reward", "score", "compute")), key=lambda s: s.start)
+    log_prob = next(s for s in spans if (s.role, s.op, s.kind) == ("actor", "log_prob", "compute"))
+    assert log_prob.start >= score.end + load_hardware("cpu").runtime.controller_send_s() - 1e-9

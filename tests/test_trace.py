@@ -9,7 +9,7 @@ from hfplan.dataflow.controller import STEPS, ControllerStep
 from hfplan.dataflow.registry import Algorithm, register_algorithm, unregister_algorithm
 from hfplan.dataflow.roles import ACTOR, CRITIC, REFERENCE, REWARD
 from hfplan.simulator.trace import field_bytes, trace
-from hfplan.spec import ALGORITHM_ROLES, load_workload, workload_from_dict
+from hfplan.spec import ALGORITHM_ROLES, BUILTIN_WORKLOADS, load_workload, workload_from_dict
 
 GRPO_ROLES = {"actor": ACTOR, "reference": REFERENCE, "reward": REWARD}
 
@@ -299,3 +299,22 @@ def test_tracer_module_names_no_algorithm():
     for word in ("ppo", "grpo", "remax", "safe", "critic", "gae"):
         assert word not in source.lower(), word
 
+
+
+def test_a_call_made_after_a_rule_the_controller_runs_waits_for_it_with_an_edge_of_no_bytes():
+    """ReMax scores the greedy responses before it makes the forwards: with a `rule:` reward the controller runs
+    that score itself, in program order, so the forwards it makes next depend on it (no field of it read); a reward
+    model's score is a call sent to its workers and holds nothing up."""
+    demo = BUILTIN_WORKLOADS["demo"]
+    remax = workload_from_dict(dict(demo, algorithm="remax", models={r: demo["models"][r]
+                                                                      for r in ("actor", "reference", "reward")}),
+                               "demo-remax")
+    assert remax.models["reward"].startswith("rule:")
+    dag = trace(remax)
+    greedy_score = next(n for n in dag.nodes if n.label == "reward.score")
+    for label in ("actor.log_prob", "reference.log_prob"):
+        edge = next(e for e in _node(dag, label).deps if e.src == greedy_score.id)
+        assert edge.nbytes == 0 and edge.fields == ()
+    assert not any(e.nbytes == 0 for n in trace(load_workload("remax-llama2-7b")).nodes for e in n.deps)
+    # The calls the controller makes after its advantage step already read its fields: nothing is added.
+    assert not any(e.nbytes == 0 for n in trace(load_workload("demo")).nodes for e in n.deps)

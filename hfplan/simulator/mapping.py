@@ -79,12 +79,14 @@ def transfer_seconds(hw: HardwareProfile, src_set: int, dst_set: int, nbytes: fl
     process that submitted the task making it, is told of its creation and answers every wait for it) before it
     fetches them straight from the producer."""
     path = transfer_path(src_set, dst_set)
-    if path == "none" or nbytes <= 0:
+    if path == "none":
         return 0.0
-    if path == "host":
+    if path == "host":  # an edge of no bytes: a call the controller makes after a step of its own (trace.Tracer)
         wait = (hw.runtime.result_wait_s() if dst_set == ON_CONTROLLER
                 else hw.runtime.send_wait_s() if src_set == ON_CONTROLLER else 0.0)
-        return coll.host_transfer(hw, nbytes) + wait
+        return (coll.host_transfer(hw, nbytes) if nbytes > 0 else 0.0) + wait
+    if nbytes <= 0:
+        return 0.0
     return hw.runtime.result_wait_s() + coll.point_to_point(hw, nbytes, same_node)
 
 

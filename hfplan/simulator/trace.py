@@ -12,7 +12,7 @@ from hfplan.dataflow.controller import STEPS
 from hfplan.dataflow.ops import PREPARATION, ROLE_OPS
 from hfplan.dataflow.registry import get_algorithm
 from hfplan.dataflow.roles import RoleFacts, call_writes
-from hfplan.layout import CONTROLLER
+from hfplan.layout import CONTROLLER, runs_on_controller
 from hfplan.plan import GREEDY_MARK
 from hfplan.spec import Workload
 
@@ -98,6 +98,7 @@ class Tracer:
     def __init__(self, workload: Workload) -> None:
         self.workload = workload
         self.nodes: list[Node] = []
+        self.last_on_controller: int | None = None  # the controller's latest step or rule, in program order
 
     def record(self, role: str, op: str, phase: str, batch: Batch, writes: tuple[str, ...], sequences: int,
                greedy: bool = False) -> Batch:
@@ -105,6 +106,11 @@ class Tracer:
         for value in batch.values():
             if value.producer is not None:
                 by_producer.setdefault(value.producer, []).append(value)
+        # The controller runs the program in order, its own steps and rules included: a call made after one is
+        # made once the controller has run it (an edge of no bytes, where no field of it is read).
+        if (self.last_on_controller is not None and self.last_on_controller not in by_producer
+                and not runs_on_controller(self.workload, role)):
+            by_producer[self.last_on_controller] = []
         deps = tuple(
             Edge(src, sum(field_bytes(s.name, s.sequences, self.workload) for s in syms),
                  tuple(s.name for s in syms))
@@ -112,6 +118,8 @@ class Tracer:
         )
         node = Node(len(self.nodes), role, op, phase, sequences, deps, writes, greedy, tuple(batch))
         self.nodes.append(node)
+        if runs_on_controller(self.workload, role):
+            self.last_on_controller = node.id
         return Batch({name: Sym(node.id, name, sequences) for name in writes})
 
 
