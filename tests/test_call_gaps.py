@@ -9,12 +9,14 @@ from hfplan.plan import WEIGHT_SYNC_OP, Span
 from hfplan.profiler.call_gaps import (
     CallGaps,
     call_gaps,
+    controller_task_cpu,
     gaps_of,
     opening_calls,
     probe_plan,
     probe_workload,
     rollout_probe_plan,
     spread_probe_plan,
+    tasks_per_iteration,
     weight_sync,
 )
 from hfplan.profiles.hardware import load_hardware
@@ -71,6 +73,14 @@ def test_the_figures_are_medians_over_the_iterations():
     assert gaps.controller_step_s == pytest.approx(0.3e-3)
 
 
+def test_the_controller_s_cpu_per_task_is_its_cpu_an_iteration_less_its_own_steps_over_the_tasks_it_sends():
+    # 12 ms of CPU an iteration over two iterations; its reward and advantage step take 0.8 ms of spans (0.5 + 0.3).
+    iterations = [_ppo_iteration(), _ppo_iteration(100.0)]
+    assert controller_task_cpu([1.0, 1.012, 1.024], iterations, 3) == pytest.approx((12e-3 - 0.8e-3) / 3)
+    with pytest.raises(ValueError, match="two measured iterations"):
+        controller_task_cpu([1.0], iterations, 3)
+
+
 def test_a_timeline_without_an_advantage_step_between_calls_is_refused():
     no_gae = [s for s in _ppo_iteration() if s.op != "gae"]
     with pytest.raises(ValueError, match="advantage step"):
@@ -81,7 +91,7 @@ def test_the_probe_is_ppo_with_an_advantage_step_on_one_device_and_then_on_two(t
     workload = probe_workload()
     assert workload.algorithm == "ppo" and workload.response_len == 8
     plan = probe_plan(load_hardware("cpu"), tmp_path)
-    assert opening_calls(plan) == OPENERS
+    assert opening_calls(plan) == OPENERS and tasks_per_iteration(plan) == 3
     assert plan.cluster.gpus == 1 and len(plan.placement) == 1
     assert set(plan.placement[0].models) >= {"actor", "critic"}
     two = spread_probe_plan(load_hardware("cpu"), tmp_path)
@@ -131,6 +141,7 @@ def test_a_probe_run_of_the_executor_gives_positive_gaps(ray_driver, tmp_path):
     assert gaps.rank_dispatch_s is not None and 0 < gaps.rank_dispatch_s < 0.1
     assert gaps.controller_call_s > gaps.call_dispatch_s
     assert gaps.task_dispatch_s is not None and gaps.task_dispatch_s > 0
+    assert gaps.controller_task_cpu_s is not None and 0 < gaps.controller_task_cpu_s < 0.1
     # The rollout probe's weight sync, through Ray's object store and the controller: a round trip at least.
     assert gaps.weight_sync_s is not None and gaps.controller_call_s < gaps.weight_sync_s < 1.0
     assert tuple(gaps.weight_sync_plan.placement[1].models) == ("rollout",)

@@ -91,3 +91,41 @@ def test_remax_s_forwards_start_after_the_controller_scored_the_greedy_responses
     score = min((s for s in spans if (s.role, s.op, s.kind) == ("reward", "score", "compute")), key=lambda s: s.start)
     log_prob = next(s for s in spans if (s.role, s.op, s.kind) == ("actor", "log_prob", "compute"))
     assert log_prob.start >= score.end + load_hardware("cpu").runtime.controller_send_s() - 1e-9
+
+
+def _with_controller_cpu(tmp_path, task_cpu_us: float) -> str:
+    base = load_hardware("cpu")
+    hw = base.model_copy(update={"name": f"ctl-{task_cpu_us:g}", "runtime": base.runtime.model_copy(
+        update={"controller_task_cpu_us": task_cpu_us})})
+    path = tmp_path / f"ctl-{task_cpu_us:g}.yaml"
+    path.write_text(hw.to_yaml())
+    return str(path)
+
+
+def test_the_controller_s_cpu_shares_its_host_with_the_workers_there(tmp_path):
+    """The controller computes its CPU of the iteration (per task it sends) on the first host from the iteration's
+    start: two ranks beside it slow, more than one rank does (that one finds a core the controller leaves), and
+    nothing slows without it."""
+    demo = load_workload("demo")
+    times = {}
+    for dp in (1, 2):
+        for cpu_us in (0.0, 2000.0):
+            plan = colocated_plan(demo, 1, 1, dp, _with_controller_cpu(tmp_path, cpu_us))
+            times[dp, cpu_us] = simulate_plan(plan).timeline.iteration_s
+    one, two = times[1, 2000.0] - times[1, 0.0], times[2, 2000.0] - times[2, 0.0]
+    assert 0 < one < two
+    tasks = 3 * 2  # the generation, the forwards and the updates, one task per rank of two ranks
+    # Two ranks and the controller on a host of parallelism p: each rank runs at slowdown(2) / slowdown(3) while
+    # it computes; the iteration grows by less than the controller's whole CPU.
+    assert two < tasks * 2000e-6
+    unshared = load_hardware("a100-80g")
+    where = PlanCosts(demo, [(tuple(demo.model_roles), 2)], {}, unshared.model_copy(update={
+        "runtime": unshared.runtime.model_copy(update={"controller_task_cpu_us": 2000.0})}), 8)
+    assert where.host_ranks() is None  # GPUs: the controller's CPU shares no cores with the work
+
+
+def test_the_search_prices_the_controller_s_cpu_as_its_engine_does(tmp_path):
+    """A search over a shared host checks its best choice on the simpy engine, which now holds the controller."""
+    path = _with_controller_cpu(tmp_path, 2000.0)
+    best = search(load_workload("demo"), make_cluster(2, path), top_k=1).best
+    assert best.estimate.iteration_s == pytest.approx(simulate_plan(best).timeline.iteration_s)

@@ -767,7 +767,7 @@ def _evaluate_pair(ctx: SearchContext, placement, allocation, threshold: float, 
         return run(ctx.dag, plan_costs).iteration_s
 
     shared_hosts = (ctx.hw.compute.host_parallelism is not None  # GPUs: no PlanCosts to build per pair
-                    and engine.Hosts.of(PlanCosts(ctx.workload, sets, {}, ctx.hw, ctx.gpus_per_node)) is not None)
+                    and PlanCosts(ctx.workload, sets, {}, ctx.hw, ctx.gpus_per_node).host_ranks() is not None)
     bb = _PairSearch(pair, threshold, stats, exact, shared_hosts=shared_hosts)
     bb.run()
     bb.finish()

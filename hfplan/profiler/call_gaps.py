@@ -20,6 +20,9 @@ few iterations in the profiler's Ray session, and its measured timelines give th
 - rank_dispatch_us (where the profiled world has two devices): the probe again on one set of two ranks (data
   parallel), and the median spread between its ranks' starts of each Ray task the controller sent to both: the
   second rank's task reaches its worker that much after the first's, and the call ends that much later.
+- controller_task_cpu_us: the controller's CPU (this process's, where the probe's controller runs) from the end
+  of the first measured iteration to the end of the last, per iteration, less its own steps' and rules' spans,
+  over the Ray tasks it sends an iteration (one per rank of each call that opens a task, schedule.task_openers).
 - weight_sync_us (two devices as well): the probe with a separate rollout set beside the actor's, and the median
   of its weight syncs less what the simulator prices of them besides (the engines' cost per tensor, the bytes'
   transfer), taken once those are fitted (runtime.measure_runtime): what moving the buckets through Ray's object
@@ -48,7 +51,7 @@ from hfplan.spec import BUILTIN_WORKLOADS, Workload, make_cluster, workload_from
 
 # The Runtime fields it measures.
 CALL_FIELDS = ("call_dispatch_us", "task_dispatch_us", "controller_call_us", "controller_step_us", "controller_send_us",
-               "rank_dispatch_us", "weight_sync_us")
+               "rank_dispatch_us", "weight_sync_us", "controller_task_cpu_us")
 PROBE_ITERATIONS = 8  # the first a warm-up
 ADVANTAGE_STEP = ("controller", "gae")  # the controller step whose gaps are read (PPO's)
 
@@ -65,6 +68,7 @@ class CallGaps:
     weight_sync_s: float | None = None
     weight_sync_plan: Plan | None = None
     task_dispatch_s: float | None = None  # None: no call opened a task after another call with nothing between
+    controller_task_cpu_s: float | None = None  # None: not measured
 
 
 def probe_workload() -> Workload:
@@ -111,16 +115,37 @@ def weight_sync(iterations: Sequence[Sequence[Span]]) -> float:
     return typical(syncs)
 
 
-def opening_calls(plan: Plan) -> frozenset[tuple[str, str]]:
-    """(role, op) of the calls of `plan` that open a Ray task on their workers (schedule.task_openers)."""
+def _openers(plan: Plan) -> list[tuple[tuple[str, str], int]]:
+    """(role, op) and ranks of each call of `plan` that opens a Ray task on its workers (schedule.task_openers)."""
     from hfplan.simulator.mapping import PlanCosts
     from hfplan.simulator.schedule import task_openers
     from hfplan.simulator.trace import trace
 
     dag = trace(plan.workload)
     where = PlanCosts.of_plan(plan)
-    return frozenset((dag.nodes[i].role, dag.nodes[i].op) for i in task_openers(dag, [where.set_of(n) for n in
-                                                                                      dag.nodes]))
+    sets = [where.set_of(n) for n in dag.nodes]
+    return [((dag.nodes[i].role, dag.nodes[i].op), where.placement[sets[i]][1]) for i in task_openers(dag, sets)]
+
+
+def opening_calls(plan: Plan) -> frozenset[tuple[str, str]]:
+    """(role, op) of the calls of `plan` that open a Ray task on their workers."""
+    return frozenset(label for label, _ in _openers(plan))
+
+
+def tasks_per_iteration(plan: Plan) -> int:
+    """The Ray tasks the controller sends in one iteration of `plan`: one per rank of each call that opens one."""
+    return sum(ranks for _, ranks in _openers(plan))
+
+
+def controller_task_cpu(cpu_at_ends: Sequence[float], iterations: Sequence[Sequence[Span]], tasks: int) -> float:
+    """The controller's CPU per task sent: its CPU seconds between the ends of the first and the last measured
+    iteration (`cpu_at_ends`, one reading at each iteration's end), per iteration, less its own compute spans (its
+    steps and rules, which the simulator prices as calls), over `tasks` tasks an iteration."""
+    if len(cpu_at_ends) < 2 or tasks < 1:
+        raise ValueError("the controller's CPU needs two measured iterations and a task sent in each")
+    per_iteration = (cpu_at_ends[-1] - cpu_at_ends[0]) / (len(cpu_at_ends) - 1)
+    own = typical([sum(s.end - s.start for s in spans if s.set < 0 and s.kind == "compute") for spans in iterations])
+    return max(0.0, per_iteration - own) / tasks
 
 
 def _calls(spans: Sequence[Span]) -> list[tuple[float, float, tuple[str, str]]]:
@@ -187,14 +212,23 @@ def rank_dispatch(iterations: Sequence[Sequence[float]]) -> float:
     return typical(spreads)
 
 
-def _run_probe(plan: Plan, out: Path) -> tuple[list, object]:
-    """The measured iterations' reports (the first, a warm-up, left out) and the run's summary."""
+def _run_probe(plan: Plan, out: Path) -> tuple[list, object, list[float]]:
+    """The measured iterations' reports (the first, a warm-up, left out), the run's summary, and this process's CPU
+    seconds at the end of each measured iteration (the controller runs here)."""
+    import time
+
     from hfplan.executor.controller import ExecuteOptions, execute
 
     reports: list = []
+    cpu: list[float] = []
+
+    def keep(report) -> None:
+        cpu.append(time.process_time())
+        reports.append(report)
+
     options = ExecuteOptions(iterations=PROBE_ITERATIONS, out=out, call_timeout_s=300, start_timeout_s=300)
-    summary = execute(plan, options, reports.append)
-    return reports[1:], summary
+    summary = execute(plan, options, keep)
+    return reports[1:], summary, cpu[1:]
 
 
 def measure_call_gaps(profile: HardwareProfile, ranks: int = 1) -> CallGaps:
@@ -205,15 +239,17 @@ def measure_call_gaps(profile: HardwareProfile, ranks: int = 1) -> CallGaps:
 
     with tempfile.TemporaryDirectory(prefix="hfplan-profile-probe-") as folder:
         plan = probe_plan(profile, Path(folder))
-        reports, summary = _run_probe(plan, Path(folder) / "run-one-rank")
-        gaps = call_gaps([r.spans for r in reports], opening_calls(plan))
+        reports, summary, cpu = _run_probe(plan, Path(folder) / "run-one-rank")
+        spans = [r.spans for r in reports]
+        gaps = dataclasses.replace(call_gaps(spans, opening_calls(plan)),
+                                   controller_task_cpu_s=controller_task_cpu(cpu, spans, tasks_per_iteration(plan)))
         if ranks >= 2:
-            spread_reports, _ = _run_probe(spread_probe_plan(profile, Path(folder)),
-                                           Path(folder) / "run-two-ranks")
+            spread_reports, _, _ = _run_probe(spread_probe_plan(profile, Path(folder)),
+                                              Path(folder) / "run-two-ranks")
             gaps = dataclasses.replace(gaps, rank_dispatch_s=rank_dispatch([r.rank_start_spreads
                                                                             for r in spread_reports]))
             synced = rollout_probe_plan(profile, Path(folder))
-            sync_reports, _ = _run_probe(synced, Path(folder) / "run-rollout")
+            sync_reports, _, _ = _run_probe(synced, Path(folder) / "run-rollout")
             gaps = dataclasses.replace(gaps, weight_sync_s=weight_sync([r.spans for r in sync_reports]),
                                        weight_sync_plan=synced)
         if not profile.on_host:

@@ -42,6 +42,9 @@ def fits_table(result: Result) -> Table:
                   f"{rt.controller_call_us:.1f} ({rt.controller_send_s() * 1e6:.1f}) / {rt.call_dispatch_s() * 1e6:.1f}"
                   f" / {rt.task_dispatch_s() * 1e6:.1f} (+{rt.rank_dispatch_us:.1f}) / {rt.controller_step_us:.1f}",
                   "measured through a Ray actor" if rt.controller_call_us else "no ray: no call measured")
+    table.add_row("the controller's CPU per Ray task it sends us", f"{rt.controller_task_cpu_us:.1f}",
+                  "measured on the probe's run (its CPU beyond its steps and rules), shared with the head host's "
+                  "workers" if rt.controller_task_cpu_us else "not measured")
     table.add_row("weight sync to a separate rollout set, fixed us", f"{rt.weight_sync_s() * 1e6:.1f}",
                   "measured with a rollout probe, beyond the engines' per-tensor cost and the bytes"
                   if rt.weight_sync_us is not None else "not measured: the controller's round trip")

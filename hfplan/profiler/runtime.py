@@ -148,6 +148,8 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
                  _row("controller_send", gaps.controller_send_s, 0.0)]
         if gaps.task_dispatch_s is not None:
             rows.append(_row("task_dispatch", gaps.task_dispatch_s, 0.0))
+        if gaps.controller_task_cpu_s is not None:
+            rows.append(_row("controller_task_cpu", gaps.controller_task_cpu_s, 0.0))
         if gaps.rank_dispatch_s is not None:
             rows.append(_row("rank_dispatch", gaps.rank_dispatch_s, 0.0, world=2))
     runtime = Runtime(forward_pass_us=round(train.forward_us, 2), forward_token_us=round(per_token.forward_us, 3),
@@ -160,6 +162,8 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
                       call_dispatch_us=round(gaps.call_dispatch_s * 1e6, 2) if gaps else None,
                       task_dispatch_us=round(gaps.task_dispatch_s * 1e6, 2)
                       if gaps and gaps.task_dispatch_s is not None else None,
+                      controller_task_cpu_us=round(gaps.controller_task_cpu_s * 1e6, 2)
+                      if gaps and gaps.controller_task_cpu_s is not None else 0.0,
                       controller_step_us=round(gaps.controller_step_s * 1e6, 2) if gaps else 0.0,
                       controller_send_us=round(gaps.controller_send_s * 1e6, 2) if gaps else None,
                       rank_dispatch_us=round(gaps.rank_dispatch_s * 1e6, 2)

@@ -307,6 +307,12 @@ class Runtime(_Strict):
                                         "Ray's start of it, its arguments read); the rest of the round trip is a "
                                         "result's way into the controller. None: call_dispatch_us, as for a "
                                         "profile written before the field")
+    controller_task_cpu_us: float = Field(
+        default=0.0, ge=0, description="CPU the controller's process spends per Ray task it sends a worker rank, "
+                                       "beyond its own steps and rules (the task submitted, its results read, the "
+                                       "iteration's report): on a profile whose processes share a host's cores "
+                                       "(compute.host_parallelism) the controller computes that beside the head "
+                                       "host's workers; 0: not measured, nothing shared")
     weight_sync_us: float | None = Field(
         default=None, ge=0, description="fixed cost of one weight sync to a separate rollout set beyond its "
                                         "engines' cost per tensor and its bytes' transfer: the actor ranks' "
@@ -444,6 +450,10 @@ class Runtime(_Strict):
         sending side less the dispatch of a call that opens a Ray task, as the first call the controller sends
         a set after one of its steps does."""
         return max(0.0, self.controller_send_s() - self.task_dispatch_s())
+
+    def controller_task_cpu_s(self) -> float:
+        """Seconds of the controller's CPU per Ray task it sends a worker rank (controller_task_cpu_us)."""
+        return self.controller_task_cpu_us * 1e-6
 
     def weight_sync_s(self) -> float:
         """Seconds of a weight sync's fixed cost through Ray and the controller (weight_sync_us)."""

@@ -95,27 +95,34 @@ EdgeSeconds = Callable[[int, int, float], float]
 
 @dataclass(frozen=True)
 class Hosts:
-    """Sets that share a host's cores (PlanCosts.host_ranks) and how much its ranks slow when all compute."""
+    """Sets that share a host's cores (PlanCosts.host_ranks) and how much its ranks slow when all compute;
+    `controller_s`: the controller's own CPU of the iteration (PlanCosts.controller_cpu_seconds), which it computes
+    on its host from the iteration's start, beside the calls there (the previous iteration's results and report
+    while the next generation runs, then the sends)."""
 
     ranks: Ranks
     slowdown: Callable[[int], float]
+    controller_s: float = 0.0
 
     @classmethod
-    def of(cls, plan_costs: PlanCosts) -> Hosts | None:
+    def of(cls, plan_costs: PlanCosts, dag: Dag) -> Hosts | None:
         ranks = plan_costs.host_ranks()
-        return None if ranks is None else cls(ranks, plan_costs.hw.compute.host_slowdown)
+        if ranks is None:
+            return None
+        controller = plan_costs.controller_cpu_seconds(dag) if ON_CONTROLLER in ranks else 0.0
+        return cls(ranks, plan_costs.hw.compute.host_slowdown, controller)
 
 
 def run(dag: Dag, plan_costs: PlanCosts) -> Timeline:
     return run_calls(schedule(dag, plan_costs), plan_costs.edge_seconds, plan_costs.workload.tokens_per_iteration,
-                     Hosts.of(plan_costs))
+                     Hosts.of(plan_costs, dag))
 
 
 def run_pipelined(dag: Dag, plan_costs: PlanCosts) -> Timeline:
     """One steady-state iteration of an asynchronous plan (hfplan.simulator.pipeline): the window's calls on the
     simpy engine, their generate calls without the weight sync, which follows the window on the rollout set."""
     return run_window(schedule(dag, plan_costs), plan_costs.edge_seconds, plan_costs.workload.tokens_per_iteration,
-                      Hosts.of(plan_costs))
+                      Hosts.of(plan_costs, dag))
 
 
 def run_window(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: int, hosts: Hosts | None = None
@@ -148,7 +155,7 @@ def run_calls(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: int
     shared = SharedHosts(env, hosts.ranks, hosts.slowdown) if hosts is not None else None
 
     def work(index: int, seconds: float):
-        if shared is not None and index >= 0:
+        if shared is not None and index in shared.ranks:
             yield from shared.compute(index, seconds)
         else:
             yield env.timeout(seconds)
@@ -189,6 +196,8 @@ def run_calls(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: int
         elapsed[c.node.id] = env.now - begin
         done[c.node.id].succeed()
 
+    if shared is not None and hosts.controller_s > 0:
+        env.process(shared.compute(ON_CONTROLLER, hosts.controller_s))  # its own CPU, drawn as no span
     last_on_set: dict[int, simpy.Event] = {}
     for c in calls:
         env.process(call(c, last_on_set.get(c.set)))

@@ -128,7 +128,9 @@ class PlanCosts:
 
     def host_ranks(self) -> dict[int, dict[int, int]] | None:
         """Each set's ranks on each node it spans, where the profile's processes share a host's cores
-        (Compute.host_parallelism) and two or more sets share a node; None where no set can slow another."""
+        (Compute.host_parallelism) and two or more sets, or a set and the controller (ON_CONTROLLER: one process on
+        the first node, where the profile measured its CPU, Runtime.controller_task_cpu_us), share a node; None
+        where nothing can slow another."""
         if self.hw.compute.host_parallelism is None:
             return None
         ranks: dict[int, dict[int, int]] = {}
@@ -137,8 +139,17 @@ class PlanCosts:
             first, last = self.nodes_of(index)
             ranks[index] = {node: min(end, (node + 1) * self.gpus_per_node) - max(start, node * self.gpus_per_node)
                             for node in range(first, last + 1)}
+        if self.hw.runtime.controller_task_cpu_us > 0:
+            ranks[ON_CONTROLLER] = {0: 1}
         sets_on = Counter(node for per_node in ranks.values() for node in per_node)
         return ranks if any(count > 1 for count in sets_on.values()) else None
+
+    def controller_cpu_seconds(self, dag: Dag) -> float:
+        """The controller's CPU in one iteration beyond its steps and rules: Runtime.controller_task_cpu_s per Ray
+        task it sends, one per rank of each call that opens a task (schedule.task_openers)."""
+        sets = [self.set_of(node) for node in dag.nodes]
+        tasks = sum(self.placement[sets[i]][1] for i in task_openers(dag, sets))
+        return tasks * self.hw.runtime.controller_task_cpu_s()
 
     def same_node(self, a: int, b: int) -> bool:
         first_a, last_a = self.nodes_of(a)

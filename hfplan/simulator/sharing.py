@@ -2,10 +2,12 @@
 
 On CPU processes (Compute.host_parallelism) the ranks of one host share its cores. A call's seconds are priced with
 its own set's ranks computing at once (costs.on_shared_host); where another set on the same host computes at the
-same moment, both slow further. Each stretch of computing (a call, its dispatch, a layout switch) is work that
-advances at host_slowdown(own ranks) / host_slowdown(ranks of the host computing now) per second, the rates
-recomputed whenever a stretch on the host starts or ends. Alone on its host a stretch takes its priced seconds.
-Sharing only slows, so a schedule priced with every set alone (schedule.Precedence) is a lower bound of it.
+same moment, both slow further, and so do they beside the controller's process (the set ON_CONTROLLER, one rank on
+the first host: its steps, and its own CPU of the iteration, engine.Hosts.controller_s). Each stretch of computing
+(a call, its dispatch, a layout switch) is work that advances at host_slowdown(own ranks) / host_slowdown(ranks of
+the host computing now) per second, the rates recomputed whenever a stretch on the host starts or ends. Alone on
+its host a stretch takes its priced seconds. Sharing only slows, so a schedule priced with every set alone
+(schedule.Precedence) is a lower bound of it.
 """
 
 from __future__ import annotations
