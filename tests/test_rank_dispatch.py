@@ -29,7 +29,9 @@ def test_a_call_opening_a_task_pays_the_rank_dispatch_for_each_rank_past_the_fir
 
 def _simulated(tmp_path, dp: int, rank_dispatch_us: float):
     base = load_hardware("cpu")
-    hw = base.model_copy(update={"runtime": base.runtime.model_copy(update={"rank_dispatch_us": rank_dispatch_us})})
+    # The controller's own CPU left out (it shares the host and would stretch the spans): the dispatch alone.
+    hw = base.model_copy(update={"runtime": base.runtime.model_copy(update={"rank_dispatch_us": rank_dispatch_us,
+                                                                            "controller_task_cpu_us": 0.0})})
     path = tmp_path / f"cpu-{rank_dispatch_us:g}.yaml"
     path.write_text(hw.to_yaml())
     return simulate_plan(colocated_plan(load_workload("demo"), 1, 1, dp, str(path)))

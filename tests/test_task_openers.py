@@ -60,7 +60,8 @@ def test_ppo_split_opens_a_task_on_each_set_and_a_rollout_set_s_generation_is_a_
 def test_a_call_opening_a_task_pays_the_opening_on_top_of_its_dispatch_and_the_calls_after_it_do_not(tmp_path):
     base = load_hardware("cpu")
     hw = base.model_copy(update={"runtime": base.runtime.model_copy(update={"task_dispatch_us": None,
-                                                                            "rank_dispatch_us": 0.0})})
+                                                                            "rank_dispatch_us": 0.0,
+                                                                            "controller_task_cpu_us": 0.0})})
     opened = hw.model_copy(update={"runtime": hw.runtime.model_copy(
         update={"task_dispatch_us": hw.runtime.call_dispatch_s() * 1e6 + 1000.0})})
     times = []
