@@ -275,7 +275,9 @@ def test_a_descendant_s_cpu_is_the_run_s_and_a_stranger_s_is_the_rest_of_the_mac
     stranger_cpu = cpu_of(stranger) - stranger_before
     end = machine.sample()
     assert stranger_cpu > 0.05
-    assert machine.other_cores(start, end) * (end.wall_s - start.wall_s) >= stranger_cpu - 0.03
+    # /proc/stat's per-CPU ticks and the process's own ticks are counted apart: a few ticks of slack between them
+    # (three ticks fell short by a hair once, in a fresh clone's CI).
+    assert machine.other_cores(start, end) * (end.wall_s - start.wall_s) >= stranger_cpu - 0.05
 
 
 def test_the_profile_implies_the_probe_s_time_from_its_fit():
