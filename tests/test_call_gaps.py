@@ -123,8 +123,7 @@ def test_the_profile_s_weight_sync_prices_the_probe_s_measured_sync_back(tmp_pat
     sync_us, row = _weight_sync_fixed(fitted, gaps)
     assert 0 < sync_us < measured * 1e6 and row["seconds"] == measured
     priced = fitted.model_copy(update={"runtime": fitted.runtime.model_copy(update={"weight_sync_us": sync_us})})
-    costed = PlanCosts(plan.workload, [(g.models, g.gpus) for g in plan.placement], plan.parallelism, priced,
-                       plan.cluster.gpus_per_node)
+    costed = PlanCosts.of_plan(plan, priced)
     assert costed.switch_seconds(ROLLOUT) == pytest.approx(measured)
 
 

@@ -116,15 +116,12 @@ def weight_sync(iterations: Sequence[Sequence[Span]]) -> float:
 
 
 def _openers(plan: Plan) -> list[tuple[tuple[str, str], int]]:
-    """(role, op) and ranks of each call of `plan` that opens a Ray task on its workers (schedule.task_openers)."""
+    """(role, op) and ranks of each call of `plan` that opens a Ray task on its workers (PlanCosts.opening_tasks)."""
     from hfplan.simulator.mapping import PlanCosts
-    from hfplan.simulator.schedule import task_openers
     from hfplan.simulator.trace import trace
 
     dag = trace(plan.workload)
-    where = PlanCosts.of_plan(plan)
-    sets = [where.set_of(n) for n in dag.nodes]
-    return [((dag.nodes[i].role, dag.nodes[i].op), where.placement[sets[i]][1]) for i in task_openers(dag, sets)]
+    return [((dag.nodes[i].role, dag.nodes[i].op), ranks) for i, ranks in PlanCosts.of_plan(plan).opening_tasks(dag)]
 
 
 def opening_calls(plan: Plan) -> frozenset[tuple[str, str]]:

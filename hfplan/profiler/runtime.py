@@ -408,8 +408,7 @@ def _weight_sync_fixed(fitted: HardwareProfile, gaps: CallGaps) -> tuple[float, 
 
     plan = gaps.weight_sync_plan
     bare = fitted.model_copy(update={"runtime": fitted.runtime.model_copy(update={"weight_sync_us": 0.0})})
-    modelled = PlanCosts(plan.workload, [(g.models, g.gpus) for g in plan.placement], plan.parallelism, bare,
-                         plan.cluster.gpus_per_node).switch_seconds(ROLLOUT)
+    modelled = PlanCosts.of_plan(plan, bare).switch_seconds(ROLLOUT)
     return fixed_us(gaps.weight_sync_s, modelled), _row("weight_sync", gaps.weight_sync_s, modelled, world=2)
 
 

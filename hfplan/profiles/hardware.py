@@ -305,8 +305,8 @@ class Runtime(_Strict):
         default=None, ge=0, description="the sending side of controller_call_us: from the end of a controller "
                                         "step to the start of the call it feeds on an idle worker (the call sent, "
                                         "Ray's start of it, its arguments read); the rest of the round trip is a "
-                                        "result's way into the controller. None: call_dispatch_us, as for a "
-                                        "profile written before the field")
+                                        "result's way into the controller. None: task_dispatch_us (call_dispatch_us "
+                                        "where that is unset), as for a profile written before the field")
     controller_task_cpu_us: float = Field(
         default=0.0, ge=0, description="CPU the controller's process spends per Ray task it sends a worker rank, "
                                        "beyond its own steps and rules (the task submitted, its results read, the "

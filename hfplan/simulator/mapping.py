@@ -81,7 +81,7 @@ def transfer_seconds(hw: HardwareProfile, src_set: int, dst_set: int, nbytes: fl
     path = transfer_path(src_set, dst_set)
     if path == "none":
         return 0.0
-    if path == "host":  # an edge of no bytes: a call the controller makes after a step of its own (trace.Tracer)
+    if path == "host":  # with no bytes still a wait: a call the controller makes after a step of its own (trace)
         wait = (hw.runtime.result_wait_s() if dst_set == ON_CONTROLLER
                 else hw.runtime.send_wait_s() if src_set == ON_CONTROLLER else 0.0)
         return (coll.host_transfer(hw, nbytes) if nbytes > 0 else 0.0) + wait
@@ -112,9 +112,10 @@ class PlanCosts:
         self._layout_roles: dict[tuple[str, str], str | None] = {}
 
     @classmethod
-    def of_plan(cls, plan: Plan) -> PlanCosts:
+    def of_plan(cls, plan: Plan, hw: HardwareProfile | None = None) -> PlanCosts:
+        """`plan` costed on its cluster's profile, or on `hw`."""
         return cls(plan.workload, [(g.models, g.gpus) for g in plan.placement], plan.parallelism,
-                   plan.cluster.profile, plan.cluster.gpus_per_node)
+                   plan.cluster.profile if hw is None else hw, plan.cluster.gpus_per_node)
 
     # -- where things run -------------------------------------------------------------------------
     def set_of(self, node: Node) -> int:
@@ -144,12 +145,16 @@ class PlanCosts:
         sets_on = Counter(node for per_node in ranks.values() for node in per_node)
         return ranks if any(count > 1 for count in sets_on.values()) else None
 
+    def opening_tasks(self, dag: Dag) -> list[tuple[int, int]]:
+        """(node id, its set's ranks) of each call that opens a Ray task on its set's workers
+        (schedule.task_openers): the controller sends one task per rank."""
+        sets = [self.set_of(node) for node in dag.nodes]
+        return [(node_id, self.placement[sets[node_id]][1]) for node_id in task_openers(dag, sets)]
+
     def controller_cpu_seconds(self, dag: Dag) -> float:
         """The controller's CPU in one iteration beyond its steps and rules: Runtime.controller_task_cpu_s per Ray
-        task it sends, one per rank of each call that opens a task (schedule.task_openers)."""
-        sets = [self.set_of(node) for node in dag.nodes]
-        tasks = sum(self.placement[sets[i]][1] for i in task_openers(dag, sets))
-        return tasks * self.hw.runtime.controller_task_cpu_s()
+        task it sends."""
+        return sum(ranks for _, ranks in self.opening_tasks(dag)) * self.hw.runtime.controller_task_cpu_s()
 
     def same_node(self, a: int, b: int) -> bool:
         first_a, last_a = self.nodes_of(a)
@@ -171,11 +176,10 @@ class PlanCosts:
     def task_openings(self, dag: Dag) -> list[float]:
         """Seconds each call pays for opening a Ray task on its set's workers (by node id; 0 for the calls that
         follow another in one task, and for the controller's): Runtime.task_opening_s on its set's ranks, for the
-        calls schedule.task_openers names."""
-        sets = [self.set_of(node) for node in dag.nodes]
+        calls opening_tasks names."""
         openings = [0.0] * len(dag.nodes)
-        for node_id in task_openers(dag, sets):
-            openings[node_id] = self.hw.runtime.task_opening_s(self.placement[sets[node_id]][1])
+        for node_id, ranks in self.opening_tasks(dag):
+            openings[node_id] = self.hw.runtime.task_opening_s(ranks)
         return openings
 
     def engine_batch(self, dag: Dag) -> int | None:
