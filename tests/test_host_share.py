@@ -60,6 +60,38 @@ def test_a_set_of_ranks_on_a_shared_host_computes_slower_and_communicates_as_mea
         moved + slowdown * costs._engine_weights_fixed(alone, TINY, gen, train))
 
 
+def test_a_pipelines_stages_take_turns_so_fewer_of_its_ranks_share_the_host(toy_hw):
+    """Generation runs a step's stages one after another (1 / pp of the ranks compute at once); a pipelined
+    update over m micro-batches keeps each stage busy m of m + pp - 1 slots."""
+    alone, one_core = shared(toy_hw, None), shared(toy_hw, 1.0)
+    pair, pipeline = SetShape(2, 2), Layout(pp=2)
+    decode = costs.decode_step_parts(one_core, TINY, pipeline, pair, 4, 64)
+    assert decode == costs.decode_step_parts(alone, TINY, pipeline, pair, 4, 64)  # one rank at a time: no sharing
+    assert costs.pipeline_busy(2, 2, 1) == pytest.approx(2 / 3)
+    assert costs.pipeline_busy(1, 2, 0) == 1.0
+    train = TrainConfig(pp=2, micro_batch=2)  # 4 sequences: 2 micro-batches, 1 bubble slot
+    plain, slowed = (costs.train_step_parts(hw, TINY, train, pair, 4, 64, "lm") for hw in (alone, one_core))
+    for part, seconds in plain.items():
+        expected = seconds if part in NOT_COMPUTED else 2 * (2 / 3) * seconds  # 4/3 ranks at once on one core
+        assert slowed[part] == pytest.approx(expected, rel=1e-12), part
+
+
+def test_collectives_slow_once_more_ranks_compute_than_the_profile_measured_them_with(toy_hw):
+    """The profile's collectives were timed with its gpus_per_node processes running: 4 ranks of a host profiled
+    with 2 pay the host's slowdown of 4 over that of 2 on their collectives (CPU work of the same processes)."""
+    profiled_pairs = {"gpus_per_node": 2}
+    alone = shared(toy_hw, None).model_copy(update=profiled_pairs)
+    one_core = shared(toy_hw, 1.0).model_copy(update=profiled_pairs)
+    four, layout = SetShape(4, 4), Layout(tp=2, dp=2)
+    plain, slowed = (costs.decode_step_parts(hw, TINY, layout, four, 4, 64) for hw in (alone, one_core))
+    assert plain["tp_comm"] > 0
+    assert slowed["tp_comm"] == pytest.approx(4 / 2 * plain["tp_comm"], rel=1e-12)
+    assert slowed["gemm"] == pytest.approx(4 * plain["gemm"], rel=1e-12)
+    # With as many ranks as the profile measured, the collectives stay as measured.
+    pair = costs.decode_step_parts(one_core, TINY, Layout(tp=2), SetShape(2, 2), 4, 64)
+    assert pair["tp_comm"] == costs.decode_step_parts(alone, TINY, Layout(tp=2), SetShape(2, 2), 4, 64)["tp_comm"]
+
+
 def test_the_parallelism_is_the_world_times_alone_over_together():
     rows = [dict(kind="sharing", op="probe_alone", world=2, seconds=0.010),
             dict(kind="sharing", op="probe_together", world=2, seconds=0.016),

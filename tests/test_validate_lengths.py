@@ -23,3 +23,24 @@ def test_the_simulation_is_costed_with_the_measured_lengths_even_after_the_plan_
     assert [p for _, p in lengths.points] == pytest.approx([0.6, 0.2, 0.2])
     assert lengths.mean == pytest.approx((3 + 2 + longest) / 5)
     assert simulate_plan(costed).estimate.iteration_s < before
+
+
+def test_a_local_run_is_simulated_on_one_node_of_all_its_processes():
+    """The executor's own Ray puts every worker on this machine: validate costs the plan on one node of all of
+    them (a cpu plan of 3 or 4 processes is cut into nodes of the profile's 2 when searched)."""
+    from hfplan.executor.controller import ExecuteOptions
+    from hfplan.validation.run import on_this_machine
+
+    models = {"actor": "tiny", "critic": "tiny", "reference": "tiny", "reward": "rule:vowel-fraction"}
+    workload = tiny_workload("ppo", models)
+    for processes in (3, 4):
+        plan = cpu_plan(workload, [(("actor", "reference"), processes - 1), (("critic",), 1)])
+        assert plan.cluster.gpus_per_node == 2
+        local = on_this_machine(plan)
+        assert (local.cluster.gpus, local.cluster.gpus_per_node, local.cluster.nodes) == (processes, 4, 1)
+        assert local.cluster.profile.name == "cpu"
+        assert simulate_plan(local).estimate.iteration_s != simulate_plan(plan).estimate.iteration_s
+    two = cpu_plan(workload, [(("actor", "reference"), 1), (("critic",), 1)])
+    assert on_this_machine(two) is two
+    assert ExecuteOptions().on_this_machine and ExecuteOptions(address="127.0.0.1:6379").on_this_machine
+    assert not ExecuteOptions(address="10.0.0.7:6379").on_this_machine

@@ -23,6 +23,11 @@ DCP_METADATA_CLASSES = {
 }
 
 
+def on_loopback(address: str) -> bool:
+    """Whether a Ray address (HOST:PORT) is this machine's loopback, where no other machine's node can join."""
+    return address.rsplit(":", 1)[0] in ("127.0.0.1", "localhost")
+
+
 def reach_clusters_through_loopback() -> None:
     """Make `ray.init(address="127.0.0.1:PORT")` connect through loopback. Ray rewrites a loopback address
     to the machine's own address unless it believes multi-machine clusters are off (its Windows / macOS

@@ -86,6 +86,11 @@ class ExecuteOptions:
     eval_data: str | None = None  # held-out prompts, evaluated greedily after some iterations (evaluation.py)
     eval_every: int | None = None  # evaluate every N iterations; always after the last one when eval_data is given
 
+    @property
+    def on_this_machine(self) -> bool:
+        """Whether every worker runs on this machine: in a Ray hfplan starts, or in a cluster on loopback."""
+        return self.address is None or compat.on_loopback(self.address)
+
     @classmethod
     def from_config(cls, config: run_config.RunConfig, **others) -> ExecuteOptions:
         """A run's options from its configuration, and those that are not part of it (address, resume, ...)."""
@@ -593,7 +598,7 @@ class _RaySession:
             return  # the caller (a test, a notebook) owns the session
         self.started = True  # from here on, stop() shuts down whatever ray.init got to start
         if self.address is not None:
-            if self.address.rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
+            if compat.on_loopback(self.address):
                 compat.reach_clusters_through_loopback()
             try:
                 ray.init(address=self.address, include_dashboard=False, logging_level=logging.WARNING,

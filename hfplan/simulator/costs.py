@@ -148,18 +148,31 @@ class Parts(dict):
         return Parts({name: factor * seconds for name, seconds in self.items()})
 
 
-# Parts that are not the rank's own computing: collectives and the controller's dispatch. On a shared host they
-# were measured with the world's processes all running (hfplan.profiler.comm), so host_slowdown leaves them.
+# Parts that are not the rank's own computing: collectives and the controller's dispatch. On a shared host the
+# collectives were measured with the profile's processes all running (hfplan.profiler.comm: one per core, a node of
+# HardwareProfile.gpus_per_node); host_slowdown leaves them unless more ranks than that compute at once.
 NOT_COMPUTED = frozenset({"tp_comm", "pp_comm", "dp_comm", "controller"})
+COLLECTIVES = frozenset({"tp_comm", "pp_comm", "dp_comm"})
 
 
-def on_shared_host(hw: HardwareProfile, where: SetShape, parts: Parts) -> Parts:
-    """`parts` of a call whose set's ranks on a node all compute at once: its kernels and fixed costs slowed by
-    the host's sharing (Compute.host_slowdown: CPU processes share the host's cores; GPUs compute alone)."""
-    slowdown = hw.compute.host_slowdown(where.per_node)
+def pipeline_busy(pp: int, n_micro: int, bubble_slots: float) -> float:
+    """The fraction of a pipeline's stages computing at once, on average over a call of n_micro micro-batch slots
+    per stage and bubble_slots idle ones: each stage is busy n_micro of n_micro + bubble_slots slots."""
+    return 1.0 if pp == 1 else n_micro / (n_micro + bubble_slots)
+
+
+def on_shared_host(hw: HardwareProfile, where: SetShape, parts: Parts, busy: float = 1.0) -> Parts:
+    """`parts` of a call whose set's ranks on a node compute at once, `busy` of them on average (a pipeline's
+    stages take turns): its kernels and fixed costs slowed by the host's sharing (Compute.host_slowdown: CPU
+    processes share the host's cores; GPUs compute alone). Its collectives are CPU work of the same processes
+    (gloo copies and wakes), measured with gpus_per_node of them at once: more ranks than that slow them too."""
+    computing = busy * where.per_node
+    slowdown = hw.compute.host_slowdown(computing)
     if slowdown == 1.0:
         return parts
-    return Parts({name: seconds if name in NOT_COMPUTED else slowdown * seconds for name, seconds in parts.items()})
+    collective = max(1.0, slowdown / hw.compute.host_slowdown(hw.gpus_per_node))
+    return Parts({name: seconds * (collective if name in COLLECTIVES else 1.0 if name in NOT_COMPUTED else slowdown)
+                  for name, seconds in parts.items()})
 
 
 def _layer_tp_comm(hw: HardwareProfile, arch: ModelArch, tokens: float, tp: int, where: SetShape) -> float:
@@ -310,8 +323,9 @@ def train_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, whe
     optimizer_params = local_params * sharding.optimizer_fraction(cfg)
     optimizer = memory_time(hw, ADAM_BYTES_PER_PARAM * optimizer_params)
     per_tensor = stage_parameter_tensors(arch, cfg.pp, head) * hw.runtime.optimizer_tensor_s(fsdp, split)
+    busy = pipeline_busy(cfg.pp, n_micro, (cfg.pp - 1) / v)
     return on_shared_host(hw, where, _pipelined(per_micro, n_micro, (cfg.pp - 1) / v, dp_comm=exposed,
-                                                optimizer=optimizer, runtime=per_tensor))
+                                                optimizer=optimizer, runtime=per_tensor), busy)
 
 
 def train_step_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: SetShape, sequences: int,
@@ -349,8 +363,8 @@ def inference_parts(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, wher
         gather = sharding.weight_gather_seconds(hw, arch, cfg, where, head, weight_shards)
         first = sharding.layer_share(arch, cfg.pp, head) * gather  # the first layer's: nothing to run beside
         exposed = n_micro * (first + sharding.exposed_beside(hw, gather - first, sp.forward))
-    return on_shared_host(hw, where, _pipelined(per_micro, n_micro, cfg.pp - 1, dp_comm=exposed,
-                                                controller=call_dispatch(hw)))
+    parts = _pipelined(per_micro, n_micro, cfg.pp - 1, dp_comm=exposed, controller=call_dispatch(hw))
+    return on_shared_host(hw, where, parts, pipeline_busy(cfg.pp, n_micro, cfg.pp - 1))
 
 
 @memoized
@@ -373,7 +387,8 @@ def decode_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: 
         elementwise=n * layer.elementwise + head.elementwise + sample,
         tp_comm=(n * _layer_tp_comm(hw, arch, batch, cfg.tp, where) + _head_tp_comm(hw, batch, cfg.tp, where, "lm")
                  + _step_collectives_fixed(hw, arch, cfg.tp)),
-        pp_comm=(cfg.pp - 1) * _p2p(hw, arch, cfg, where, batch), runtime=hw.runtime.engine_step_s(batching, batch)))
+        pp_comm=(cfg.pp - 1) * _p2p(hw, arch, cfg, where, batch), runtime=hw.runtime.engine_step_s(batching, batch)),
+        1 / cfg.pp)
 
 
 def decode_step_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetShape, batch: float,
@@ -394,7 +409,7 @@ def prefill_parts(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetS
         elementwise=n * layer.elementwise + head.elementwise + embed.elementwise,
         tp_comm=n * _layer_tp_comm(hw, arch, tokens, cfg.tp, where) + _step_collectives_fixed(hw, arch, cfg.tp),
         pp_comm=(cfg.pp - 1) * _p2p(hw, arch, cfg, where, tokens),
-        runtime=hw.runtime.engine_step_s(batching, batch)))
+        runtime=hw.runtime.engine_step_s(batching, batch)), 1 / cfg.pp)
 
 
 def _lengths(response_len: int, lengths: ResponseLengths | None) -> ResponseLengths:

@@ -48,6 +48,15 @@ def with_profile(plan: Plan, profile: Path | None) -> Plan:
     return plan.model_copy(update={"cluster": plan.cluster.model_copy(update={"hardware": str(profile)})})
 
 
+def on_this_machine(plan: Plan) -> Plan:
+    """The plan as a run that starts its own Ray places it: every process on this machine, one node of them all
+    (the plan's cluster may describe several nodes; the local run shares one host's cores or GPUs' links)."""
+    gpus_per_node = 1 << (plan.cluster.gpus - 1).bit_length()  # Cluster's nodes are a power of two: one partial
+    if gpus_per_node <= plan.cluster.gpus_per_node:
+        return plan
+    return plan.model_copy(update={"cluster": plan.cluster.model_copy(update={"gpus_per_node": gpus_per_node})})
+
+
 def length_counts(lengths: Sequence[int], longest: int) -> tuple[tuple[int, int], ...]:
     """(tokens, responses) for each measured response length, each taken between 1 and `longest` (the workload's
     response_len: a response the engine ended at once still took a decode step)."""
@@ -95,7 +104,8 @@ def validate(plan: Plan, options, labels: Sequence[str],
 
     if options.iterations < 2:
         raise HfplanError("--iterations must be at least 2 (the first is a warm-up)")
-    simulate_plan(plan)  # a plan the simulator cannot cost is refused before any worker starts
+    as_run = on_this_machine(plan) if options.on_this_machine else plan
+    simulate_plan(as_run)  # a plan the simulator cannot cost is refused before any worker starts
     reports: list = []
     readings: dict[str, machine.CpuSample | None] = {}
 
@@ -113,7 +123,7 @@ def validate(plan: Plan, options, labels: Sequence[str],
     measured = [from_zero(r.spans) for r in timed]
     lengths = [int(n) for r in timed for n in r.sampled["response_mask"].sum(axis=1)]
     counts = length_counts(lengths, plan.workload.response_len)
-    costed = with_response_lengths(plan, counts)
+    costed = with_response_lengths(as_run, counts)
     result = simulate_plan(costed)
     simulated = list(result.estimate.timeline)
     measured_gib = peak_gib_per_set(summary.peak_memory_bytes, len(plan.placement))
