@@ -245,14 +245,17 @@ def test_resharding_transition_before_generate_by_hand():
     expected = (8.4 + 6 * 3.4 + 14.0) * 1e-6 + max(7 / 8 * nbytes / (300e9 * 0.77),
                                                    7 / 8 * nbytes / (4 * 25e9 * 0.9 / 8))
     assert switch.end - switch.start == pytest.approx(expected, rel=1e-9)
-    assert len([s for s in tl.spans if s.kind == "transition"]) == 1
+    # One switch in; the way back is only marked (priced with the way in) where the executor runs it.
+    transitions = [(s.op, s.end - s.start) for s in tl.spans if s.kind == "transition"]
+    assert transitions == [("reshard", switch.end - switch.start), ("reshard back", 0.0)]
 
 
 def test_no_transition_when_generation_reuses_the_training_shards():
     # Replicated training (no FSDP) with the same tp and pp: each GPU already holds its generation shard.
     plan = _actor_plan(TrainConfig(tp=4, dp=4, micro_batch=2, shard=False), GenConfig(tp=4, dp=4))
     tl = simulate_plan(plan).timeline
-    assert [s for s in tl.spans if s.kind == "transition"] == []
+    # Nothing moves in; the way back's mark (no seconds) still closes generation where the executor leaves it.
+    assert [(s.op, s.end - s.start) for s in tl.spans if s.kind == "transition"] == [("reshard back", 0.0)]
     assert _span(tl, "actor", "generate").start == pytest.approx(_dispatch(plan))
 
 
@@ -274,9 +277,12 @@ def test_fsdp_training_pays_a_gather_even_with_the_same_tp():
 
 def test_remax_pays_one_transition_for_two_generations():
     tl = simulate_plan(PLANS["remax-split"]()).timeline
-    switches = [s for s in tl.spans if s.kind == "transition"]
+    switches = [s for s in tl.spans if s.kind == "transition" and s.op == "reshard"]
     assert len(switches) == 1
     assert switches[0].end == pytest.approx(_span(tl, "actor", "generate").start)
+    greedy = _span(tl, "actor", "generate(greedy)")
+    backs = [s for s in tl.spans if s.op == "reshard back"]
+    assert len(backs) == 1 and backs[0].start > greedy.end  # one way back, after both generations
 
 
 def test_rollout_engine_syncs_weights_before_generating():

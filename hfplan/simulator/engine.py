@@ -14,12 +14,12 @@ import simpy
 from hfplan.dataflow.ops import GENERATION, PHASES
 from hfplan.errors import HfplanError
 from hfplan.layout import ON_CONTROLLER, ROLLOUT, generating_role, kv_heads_per_rank, model_role
-from hfplan.plan import EDGE, GREEDY_MARK, WEIGHT_SYNC_OP, Estimate, Plan, Span, switch_op
+from hfplan.plan import EDGE, GREEDY_MARK, RESHARD_BACK_OP, WEIGHT_SYNC_OP, Estimate, Plan, Span, switch_op
 from hfplan.simulator import costs
 from hfplan.simulator.mapping import PlanCosts
 from hfplan.simulator.memory import gib
 from hfplan.simulator.pipeline import PREVIOUS, window_dag
-from hfplan.simulator.schedule import Precedence, switch_points
+from hfplan.simulator.schedule import Precedence, switch_points, way_back_points
 from hfplan.simulator.sharing import Ranks, SharedHosts
 from hfplan.simulator.trace import Dag, Node, trace
 
@@ -73,11 +73,13 @@ class Scheduled:
     switch: float
     switch_role: str | None
     dispatch: float = 0.0  # the part of `seconds` that is the call's dispatch on its worker, drawn before it
+    way_back: str | None = None  # the role whose hybrid engine goes back to training after this call's dispatch
 
 
 def schedule(dag: Dag, plan_costs: PlanCosts) -> list[Scheduled]:
     """Durations and layout switches of every call, in program order."""
     points = switch_points(dag, plan_costs.layout_role, generating_role(plan_costs.workload))
+    backs = way_back_points(dag, plan_costs.layout_role, plan_costs.set_of, points)
     openings = plan_costs.task_openings(dag)
     out = []
     for node in dag.nodes:
@@ -86,7 +88,8 @@ def schedule(dag: Dag, plan_costs: PlanCosts) -> list[Scheduled]:
         index = plan_costs.set_of(node)
         opening = openings[node.id]
         dispatch = costs.call_dispatch(plan_costs.hw) + opening if index >= 0 else 0.0
-        out.append(Scheduled(node, index, plan_costs.node_seconds(node) + opening, switch, role, dispatch))
+        out.append(Scheduled(node, index, plan_costs.node_seconds(node) + opening, switch, role, dispatch,
+                             backs.get(node.id)))
     return out
 
 
@@ -183,6 +186,12 @@ def run_calls(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: int
             yield from work(c.set, c.dispatch)
             spans.append(Span(role=c.node.role, op=c.node.op, phase=c.node.phase, set=c.set, start=start,
                               end=env.now, kind="dispatch"))
+        if c.way_back is not None:
+            # Where the executor's hybrid engine goes back to training, a generation stretch: priced with the way in
+            # (the profile times the round trip), it takes no time here, but it closes generation's window after
+            # this call's dispatch in both timelines.
+            spans.append(Span(role=c.way_back, op=RESHARD_BACK_OP, phase=GENERATION, set=c.set, start=env.now,
+                              end=env.now, kind="transition"))
         if c.switch > 0:
             start = env.now
             yield from work(c.set, c.switch)

@@ -89,6 +89,26 @@ def switch_points(dag: Dag, runs_on: RunsOn, trained_generator: str) -> dict[int
     return points
 
 
+def way_back_points(dag: Dag, runs_on: RunsOn, set_of: Callable[[Node], int], switches: dict[int, str]
+                    ) -> dict[int, str]:
+    """Calls before which a hybrid engine goes back to its training layout, with the role going back: the first
+    call on the set, after a role of it switched into generation (switch_points), that is not one more of that
+    role's generation calls (executor.runtime.leave_generation_before: the worker leaves generation at the start of
+    its next call, once that call's task has reached it). A rollout engine never goes back."""
+    generating: dict[int, str] = {}  # set -> its role in the generation layout
+    points: dict[int, str] = {}
+    for node in dag.nodes:
+        index = set_of(node)
+        role = generating.get(index)
+        if role is not None and not (runs_on(node) == role and node.layout == "gen"):
+            points[node.id] = role
+            del generating[index]
+        switched = switches.get(node.id)
+        if switched is not None and switched != ROLLOUT:
+            generating[index] = switched
+    return points
+
+
 @dataclass(frozen=True)
 class Precedence:
     """What orders the calls of one placement: the set of each call, and the (producer, transfer

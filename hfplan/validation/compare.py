@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from hfplan.measure import typical
-from hfplan.plan import EDGE, GREEDY_MARK, Span, phase_seconds
+from hfplan.plan import EDGE, GREEDY_MARK, RESHARD_BACK_OP, RESHARD_OP, Span, phase_seconds
 
 Key = tuple[int, str, str, str, str, int]  # set, role, op, phase, kind, occurrence
 
@@ -40,7 +40,9 @@ def transfer_target(span: Span) -> str:
 def call_keys(spans: Sequence[Span]) -> dict[Key, float]:
     """Each span's seconds under its key (occurrence counted in start order). The transfers into one call are
     one figure under that call's op, occurrence 0: the one that arrived last, which the call waited for (the
-    simulator draws one per edge, in parallel; the executor records one, from the last producer's end)."""
+    simulator draws one per edge, in parallel; the executor records one, from the last producer's end). A hybrid
+    engine's way back counts with its way in before it (`reshard`: the round trip, which the simulator prices
+    with the way in and marks the way back where the executor runs it, at no cost)."""
     seen: dict[tuple, int] = defaultdict(int)
     out: dict[Key, float] = defaultdict(float)
     last_in: dict[Key, Span] = {}
@@ -53,6 +55,11 @@ def call_keys(spans: Sequence[Span]) -> dict[Key, float]:
             if key not in last_in or span.end > last_in[key].end:
                 last_in[key] = span
             continue
+        if span.kind == "transition" and span.op == RESHARD_BACK_OP:
+            way_in = (span.set, span.role, RESHARD_OP, span.phase, span.kind)
+            if seen[way_in]:  # the round trip is one figure: the simulator prices both ways with the way in
+                out[(*way_in, seen[way_in] - 1)] += span.end - span.start
+                continue
         out[(*base, seen[base])] += span.end - span.start
         seen[base] += 1
     out.update({key: span.end - span.start for key, span in last_in.items()})
