@@ -87,6 +87,12 @@ def test_collectives_slow_once_more_ranks_compute_than_the_profile_measured_them
     assert plain["tp_comm"] > 0
     assert slowed["tp_comm"] == pytest.approx(4 / 2 * plain["tp_comm"], rel=1e-12)
     assert slowed["gemm"] == pytest.approx(4 * plain["gemm"], rel=1e-12)
+    # A switch's all-gather too: the same 2x beside its engines' fixed cost, slowed 4x as the kernels are.
+    train, gen = TrainConfig(dp=4), GenConfig(tp=2, dp=2)
+    fixed = costs._engine_weights_fixed(alone, TINY, gen, train)
+    gather = costs.transition_time(alone, TINY, train, gen, four) - fixed
+    assert gather > 0
+    assert costs.transition_time(one_core, TINY, train, gen, four) == pytest.approx(4 * fixed + 2 * gather)
     # With as many ranks as the profile measured, the collectives stay as measured.
     pair = costs.decode_step_parts(one_core, TINY, Layout(tp=2), SetShape(2, 2), 4, 64)
     assert pair["tp_comm"] == costs.decode_step_parts(alone, TINY, Layout(tp=2), SetShape(2, 2), 4, 64)["tp_comm"]

@@ -161,6 +161,12 @@ def pipeline_busy(pp: int, n_micro: int, bubble_slots: float) -> float:
     return 1.0 if pp == 1 else n_micro / (n_micro + bubble_slots)
 
 
+def collective_slowdown(hw: HardwareProfile, computing: float) -> float:
+    """How much slower a collective runs with `computing` ranks of a host computing at once than the profile timed
+    it (with its gpus_per_node processes running): 1 on GPUs and up to that many processes."""
+    return max(1.0, hw.compute.host_slowdown(computing) / hw.compute.host_slowdown(hw.gpus_per_node))
+
+
 def on_shared_host(hw: HardwareProfile, where: SetShape, parts: Parts, busy: float = 1.0) -> Parts:
     """`parts` of a call whose set's ranks on a node compute at once, `busy` of them on average (a pipeline's
     stages take turns): its kernels and fixed costs slowed by the host's sharing (Compute.host_slowdown: CPU
@@ -170,7 +176,7 @@ def on_shared_host(hw: HardwareProfile, where: SetShape, parts: Parts, busy: flo
     slowdown = hw.compute.host_slowdown(computing)
     if slowdown == 1.0:
         return parts
-    collective = max(1.0, slowdown / hw.compute.host_slowdown(hw.gpus_per_node))
+    collective = collective_slowdown(hw, computing)
     return Parts({name: seconds * (collective if name in COLLECTIVES else 1.0 if name in NOT_COMPUTED else slowdown)
                   for name, seconds in parts.items()})
 
@@ -639,19 +645,21 @@ def transition_time(hw: HardwareProfile, arch: ModelArch, train: TrainConfig, ge
     (hfplan.layout's per-tensor plan, as the executor moves them); where generation keeps the training layout, the
     training engine's FSDP2 gathers it unit by unit (sharding.fsdp_units). Going back moves nothing: the generation
     copy is dropped. Both ways, the engines pay a fixed cost per parameter tensor of the generation model
-    (Runtime.switch_tensor_s)."""
+    (Runtime.switch_tensor_s). On CPU processes both slow with the host's sharing (collective_slowdown)."""
     fixed = hw.compute.host_slowdown(where.per_node) * _engine_weights_fixed(hw, arch, gen, train)
     plan = resharding(train, gen)
     received = most_received_numel(arch, train, gen)
     if plan.group <= 1 or received == 0:
         return fixed
     group = coll.grid_group(list(plan.dims), where.per_node)
+    shared = collective_slowdown(hw, where.per_node)
     # A ring all-gather in which each GPU receives (group - 1) / group of the result: one for each FSDP unit where
     # generation keeps the training layout (the training engine unshards unit by unit), else one.
     gathered = hw.compute.value_bytes * received * plan.group / (plan.group - 1)
     if reshards_by_plan(train, gen):
-        return fixed + coll.all_gather(hw, group, gathered)
-    return fixed + sharding.unit_by_unit(coll.all_gather, hw, group, gathered, sharding.fsdp_units(arch, train.pp))
+        return fixed + shared * coll.all_gather(hw, group, gathered)
+    return fixed + shared * sharding.unit_by_unit(coll.all_gather, hw, group, gathered,
+                                                  sharding.fsdp_units(arch, train.pp))
 
 
 def weight_sync_time(hw: HardwareProfile, arch: ModelArch, gen: GenConfig, rollout: SetShape,
