@@ -15,13 +15,20 @@ errors, the median spread, and Kendall's tau between simulated and measured iter
 over the pairs whose measured ranges do not overlap (the ranking the search relies on, where the measurements
 settle it), the other processes' CPU and the pace over all runs. Asserts nothing about time.
 
+With --save PATH it also writes every run's costed plan (the measured response lengths, the cluster it ran on) and
+measured figures as JSON; --recost PATH runs nothing and costs those runs again with the code at hand (and
+--hardware, if given), printing the same figures: a change to the model read against the same measurements, where
+two grids on a VM whose pace drifts differ by more than the change.
+
     RAY_AUTH_MODE=disabled python bench/validate.py [--quick] [--iterations N] [--repeats N] [--hardware NAME|PATH]
-                                                    [--max-processes N] [--model NAME]
+                                                    [--max-processes N] [--model NAME] [--save PATH]
+    python bench/validate.py --recost PATH [--hardware NAME|PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shutil
@@ -128,18 +135,42 @@ def median_abs(values) -> float:
     return statistics.median(values) * 100 if values else float("nan")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="three colocated layouts, 3 iterations, one run each")
-    parser.add_argument("--iterations", type=int, default=None, help="iterations per run (default 5; quick 3)")
-    parser.add_argument("--repeats", type=int, default=None, help="runs per plan (default 3; quick 1)")
-    parser.add_argument("--hardware", default="cpu", help="hardware profile the plans are simulated on")
-    parser.add_argument("--max-processes", type=int, default=4)
-    parser.add_argument("--model", default=None, help="a catalog model every model role runs instead of the "
-                                                       "workloads' own (e.g. qwen2.5-0.5b on a GPU)")
-    args = parser.parse_args()
-    iterations = args.iterations or (3 if args.quick else 5)
-    repeats = args.repeats or (1 if args.quick else 3)
+def print_point(point: Point) -> None:
+    print(f"{point.label:<26}{point.simulated:>12.3f}{point.median:>12.3f}{point.error * 100:>+8.1f}%"
+          f"{point.spread * 100:>7.1f}%{max(point.other_cores):>8.2f}{statistics.median(point.paces):>7.2f}  "
+          f"{stage_errors_line(point.runs[0])}", flush=True)
+
+
+def run_record(costed: Plan, comparison: Comparison, others: float, pace: float) -> dict:
+    """What --save keeps of one run: the plan as it was costed (its measured response lengths, the cluster it ran
+    on) and the measured figures, so that --recost can cost it again on another model or profile."""
+    return {"costed": json.loads(costed.model_dump_json()), "other_cores": others, "pace": pace,
+            "iteration": comparison.iteration.measured,
+            "stages": {phase: figure.measured for phase, figure in comparison.stages.items()},
+            "memory_gib": {label: figure.measured for label, figure in comparison.memory_gib.items()}}
+
+
+def recosted(record: dict, hardware: str | None) -> Comparison:
+    """A saved run's measured figures beside this code's simulation of its costed plan (on `hardware` if given)."""
+    from hfplan.plan import phase_seconds
+    from hfplan.simulator.engine import simulate_plan
+    from hfplan.validation.compare import Figure
+    from hfplan.validation.run import predicted_gib
+
+    costed = Plan.model_validate(record["costed"])
+    if hardware is not None:
+        costed = costed.model_copy(update={"cluster": costed.cluster.model_copy(update={"hardware": hardware})})
+    estimate = simulate_plan(costed).estimate
+    stages = phase_seconds(estimate.timeline)
+    memory = zip(record["memory_gib"].items(), predicted_gib(costed, estimate.peak_memory_gib), strict=True)
+    return Comparison(calls=[], stages={phase: Figure.of(stages.get(phase, 0.0), measured)
+                                        for phase, measured in record["stages"].items()},
+                      iteration=Figure.of(estimate.iteration_s, record["iteration"]),
+                      memory_gib={label: Figure.of(predicted, measured) for (label, measured), predicted in memory})
+
+
+def measure(args, iterations: int, repeats: int, records: dict) -> list[Point]:
+    """Validate every plan of the grid `repeats` times on one Ray session, printing each as it ends."""
     layouts = [lay for lay in (QUICK_LAYOUTS if args.quick else LAYOUTS) if lay[0] * lay[1] * lay[2]
                <= args.max_processes]
     plans: list[tuple[str, Plan]] = []
@@ -153,7 +184,6 @@ def main() -> None:
 
     ray_tmp = tempfile.mkdtemp(prefix="hfr-", dir="/tmp")
     out = Path(tempfile.mkdtemp(prefix="hfplan-validate-"))
-    started = time.perf_counter()
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", _temp_dir=ray_tmp,
              log_to_driver=False)
     points = []
@@ -161,8 +191,7 @@ def main() -> None:
         print(f"hfplan validate over {len(plans)} plans x {repeats} runs, {iterations} iterations each (first a "
               f"warm-up), profile {args.hardware}, models {args.model or 'of each workload'}, {os.cpu_count()} "
               f"cores, load {os.getloadavg()[0]:.1f}")
-        print(f"{'plan':<26}{'simulated s':>12}{'measured s':>12}{'error':>9}{'spread':>8}{'others':>8}{'pace':>7}"
-              "  stages (first run: generation, preparation, training)")
+        print(HEADER)
         for label, plan in plans:
             runs, others, paces = [], [], []
             for repeat in range(repeats):
@@ -172,16 +201,36 @@ def main() -> None:
                 runs.append(checked.comparison)
                 others.append(checked.other_cpu_cores if checked.other_cpu_cores is not None else math.nan)
                 paces.append(checked.pace.ratio if checked.pace is not None else math.nan)
-            point = Point(label, runs, others, paces)
-            print(f"{label:<26}{point.simulated:>12.3f}{point.median:>12.3f}{point.error * 100:>+8.1f}%"
-                  f"{point.spread * 100:>7.1f}%{max(others):>8.2f}{statistics.median(paces):>7.2f}  "
-                  f"{stage_errors_line(runs[0])}", flush=True)
-            points.append(point)
+                records.setdefault(label, []).append(run_record(checked.plan, checked.comparison, others[-1],
+                                                                paces[-1]))
+            points.append(Point(label, runs, others, paces))
+            print_point(points[-1])
     finally:
         ray.shutdown()
         shutil.rmtree(ray_tmp, ignore_errors=True)
         shutil.rmtree(out, ignore_errors=True)
+    return points
 
+
+def recost(path: Path, hardware: str | None) -> list[Point]:
+    """The saved grid's measurements against this code's simulation, printing each plan."""
+    saved = json.loads(path.read_text())
+    print(f"the measurements of {path} ({saved['runs']} of {len(saved['points'])} plans, {saved['iterations']} "
+          f"iterations each, measured {saved['date']}) costed again on profile {hardware or 'as saved'}")
+    print(HEADER)
+    points = []
+    for label, records in saved["points"].items():
+        points.append(Point(label, [recosted(r, hardware) for r in records], [r["other_cores"] for r in records],
+                            [r["pace"] for r in records]))
+        print_point(points[-1])
+    return points
+
+
+HEADER = (f"{'plan':<26}{'simulated s':>12}{'measured s':>12}{'error':>9}{'spread':>8}{'others':>8}{'pace':>7}"
+          "  stages (first run: generation, preparation, training)")
+
+
+def summary(points: list[Point]) -> None:
     stage_errors = [f.error for p in points for r in p.runs for f in r.stages.values()]
     print(f"median |error|: per stage {median_abs(stage_errors):.1f}% (worst "
           f"{max(abs(e) for e in stage_errors if e is not None) * 100:.1f}%), iteration "
@@ -209,7 +258,44 @@ def main() -> None:
               f"{median_abs([p.paced_error for p in paced]):.1f}% (worst "
               f"{max(abs(p.paced_error) for p in paced) * 100:.1f}%), Kendall tau "
               f"{kendall_tau([p.simulated * p.pace for p in paced], [p.median for p in paced]):.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="three colocated layouts, 3 iterations, one run each")
+    parser.add_argument("--iterations", type=int, default=None, help="iterations per run (default 5; quick 3)")
+    parser.add_argument("--repeats", type=int, default=None, help="runs per plan (default 3; quick 1)")
+    parser.add_argument("--hardware", default=None, help="hardware profile the plans are simulated on (default "
+                                                         "cpu; with --recost, the profile each run was costed on)")
+    parser.add_argument("--max-processes", type=int, default=4)
+    parser.add_argument("--model", default=None, help="a catalog model every model role runs instead of the "
+                                                       "workloads' own (e.g. qwen2.5-0.5b on a GPU)")
+    parser.add_argument("--save", type=Path, default=None, help="also write every run's costed plan and measured "
+                                                                "figures here (JSON), for --recost")
+    parser.add_argument("--recost", type=Path, default=None, help="run nothing: cost the runs saved by --save "
+                                                                  "again with this code and report the same figures")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    if args.recost is not None:
+        if not args.recost.is_file():
+            parser.exit(2, f"--recost {args.recost}: file not found\n")
+        summary(recost(args.recost, args.hardware))
+        return
+    if args.save is not None and not args.save.parent.is_dir():
+        parser.exit(2, f"--save {args.save}: its folder does not exist\n")
+    args.hardware = args.hardware or "cpu"
+    iterations = args.iterations or (3 if args.quick else 5)
+    repeats = args.repeats or (1 if args.quick else 3)
+    records: dict[str, list[dict]] = {}
+    points = measure(args, iterations, repeats, records)
+    summary(points)
     print(f"whole benchmark: {time.perf_counter() - started:.0f} s")
+    if args.save is not None:
+        body = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "iterations": iterations, "runs": repeats,
+                "points": records}
+        temporary = args.save.with_name(args.save.name + ".part")
+        temporary.write_text(json.dumps(body))
+        temporary.replace(args.save)
 
 
 if __name__ == "__main__":

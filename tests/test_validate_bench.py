@@ -52,3 +52,29 @@ def test_the_paced_error_stretches_the_simulated_time_by_the_runs_pace():
     assert point.pace == pytest.approx(1.35)
     assert point.paced_error == pytest.approx((1.0 * 1.35 - 1.35) / 1.35)
     assert point.paced_stage_errors() == pytest.approx([(0.5 * 1.2 - 0.6) / 0.6, (0.5 * 1.5 - 0.75) / 0.75])
+
+
+def test_a_saved_run_is_costed_again_against_its_own_measurements(tmp_path, capsys):
+    """--save keeps each run's costed plan and measured figures; --recost simulates the plan again and compares it
+    with those figures: here a record whose measurements are the simulation's own, halved."""
+    import json
+
+    from hfplan.plan import colocated_plan, phase_seconds
+    from hfplan.simulator.engine import simulate_plan
+    from hfplan.validation.compare import Comparison, Figure
+
+    plan = colocated_plan(BENCH.workloads()["arith-grpo"], 1, 1, 1, "cpu")
+    estimate = simulate_plan(plan).estimate
+    stages = phase_seconds(estimate.timeline)
+    measured = Comparison(calls=[], stages={p: Figure.of(0.0, s / 2) for p, s in stages.items()},
+                          iteration=Figure.of(0.0, estimate.iteration_s / 2), memory_gib={"set 0": Figure.of(0.0, 1.0)})
+    record = BENCH.run_record(plan, measured, 0.0, 1.0)
+    again = BENCH.recosted(json.loads(json.dumps(record)), None)
+    assert again.iteration.simulated == pytest.approx(estimate.iteration_s)
+    assert again.iteration.error == pytest.approx(1.0)
+    assert {p: f.error for p, f in again.stages.items()} == pytest.approx({p: 1.0 for p in stages})
+    saved = tmp_path / "grid.json"
+    saved.write_text(json.dumps({"date": "d", "iterations": 3, "runs": 1, "points": {"a": [record]}}))
+    BENCH.summary(BENCH.recost(saved, None))
+    out = capsys.readouterr().out
+    assert "per stage 100.0%" in out and "iteration 100.0%" in out
