@@ -116,13 +116,15 @@ def in_ray_actors(plan_json: str, world: int, rounds: int) -> list[dict[str, flo
 
 
 def simulated_calls(plan) -> dict[str, float]:
-    """The simulator's seconds per call, as these are timed: the actor's generation with its switch into it."""
+    """The simulator's seconds per call, as these are timed: the actor's generation with its switch into it (and
+    the way back, which the simulator prices with the way in and marks at no cost)."""
+    from hfplan.plan import RESHARD_BACK_OP, RESHARD_OP
     from hfplan.simulator.engine import simulate_plan
 
     out: dict[str, float] = {}
     for span in simulate_plan(plan).estimate.timeline:
         if span.kind in ("compute", "transition") and span.role != "controller":
-            name = f"{span.role}.{'generate' if span.op == 'reshard' else span.op}"
+            name = f"{span.role}.{'generate' if span.op in (RESHARD_OP, RESHARD_BACK_OP) else span.op}"
             out[name] = out.get(name, 0.0) + span.end - span.start
     return out
 
