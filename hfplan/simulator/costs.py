@@ -645,7 +645,8 @@ def transition_time(hw: HardwareProfile, arch: ModelArch, train: TrainConfig, ge
     (hfplan.layout's per-tensor plan, as the executor moves them); where generation keeps the training layout, the
     training engine's FSDP2 gathers it unit by unit (sharding.fsdp_units). Going back moves nothing: the generation
     copy is dropped. Both ways, the engines pay a fixed cost per parameter tensor of the generation model
-    (Runtime.switch_tensor_s). On CPU processes both slow with the host's sharing (collective_slowdown)."""
+    (Runtime.switch_tensor_s). On CPU processes the fixed cost slows with the host's sharing (host_slowdown) and
+    the all-gather as collectives do (collective_slowdown)."""
     fixed = hw.compute.host_slowdown(where.per_node) * _engine_weights_fixed(hw, arch, gen, train)
     plan = resharding(train, gen)
     received = most_received_numel(arch, train, gen)
