@@ -827,6 +827,8 @@ def validate(
     if as_json:
         body = {"plan": str(plan_path), "iterations": iterations, "response_len_mean": result.response_len_mean,
                 "response_len_counts": [list(pair) for pair in result.response_len_counts],
+                "simulated_cluster": {"gpus": result.plan.cluster.gpus,
+                                      "gpus_per_node": result.plan.cluster.gpus_per_node},
                 "other_cpu_cores": result.other_cpu_cores, "rank_start_spread_s": result.rank_start_spread_s,
                 "pace": result.pace.to_json() if result.pace is not None else None, **result.comparison.to_json()}
         sys.stdout.write(json.dumps(body, indent=2) + "\n")
@@ -860,9 +862,11 @@ def render_validation(result) -> None:
         figures.add_row(f"{label} GiB", f"{f.simulated:,.3f}", f"{f.measured:,.3f}", _error_cell(f.error))
     console.print(figures)
     counts = result.response_len_counts
+    cluster = result.plan.cluster
     console.print(f"simulated with the measured response lengths ({sum(n for _, n in counts)} responses, mean "
-                  f"{result.response_len_mean:.1f} tokens, longest {max(length for length, _ in counts)}); error = "
-                  "(simulated - measured) / measured", highlight=False)
+                  f"{result.response_len_mean:.1f} tokens, longest {max(length for length, _ in counts)}), on "
+                  f"{cluster.nodes} node(s) of {cluster.gpus_per_node} as the run placed its {cluster.gpus} "
+                  "process(es); error = (simulated - measured) / measured", highlight=False)
     if result.other_cpu_cores is not None:
         console.print(f"other processes used {result.other_cpu_cores:.2f} of the machine's {os.cpu_count()} cores "
                       "during the compared iterations (their work slows the run and no profile predicts it)",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -214,6 +215,9 @@ def test_two_iterations_compared_as_json(tiny_plan_file, tmp_path, ray_driver):
     assert f"simulated: {label}" in chart.read_text() and f"measured: {label}" in chart.read_text()
     assert body["other_cpu_cores"] is None or body["other_cpu_cores"] >= 0.0
     assert body["rank_start_spread_s"] is None  # the tiny plan's sets are one rank each
+    placed = json.loads(Path(tiny_plan_file).read_text())["cluster"]["gpus"]
+    cluster = body["simulated_cluster"]  # the local run's processes on one node
+    assert cluster["gpus"] == placed and cluster["gpus_per_node"] >= placed
     counts, workload = body["response_len_counts"], tiny_workload()  # the plan's: the compared iteration's responses
     assert sum(n for _, n in counts) == workload.sequences
     assert all(1 <= length <= workload.response_len for length, _ in counts)
