@@ -148,11 +148,11 @@ class Parts(dict):
         return Parts({name: factor * seconds for name, seconds in self.items()})
 
 
-# Parts that are not the rank's own computing: collectives and the controller's dispatch. On a shared host the
-# collectives were measured with the profile's processes all running (hfplan.profiler.comm: one per core, a node of
-# HardwareProfile.gpus_per_node); host_slowdown leaves them unless more ranks than that compute at once.
+# Parts that are not the rank's own computing: collectives and the controller's dispatch. On a shared host they
+# were measured with the world's processes all running (hfplan.profiler.comm), so host_slowdown leaves them: a rank
+# that waits in a collective leaves its core to another, and with more ranks than cores a gloo all-reduce after a
+# burst of compute cost 0.3-1.5x what it did with one rank a core (bench/oversubscribed.py).
 NOT_COMPUTED = frozenset({"tp_comm", "pp_comm", "dp_comm", "controller"})
-COLLECTIVES = frozenset({"tp_comm", "pp_comm", "dp_comm"})
 
 
 def pipeline_busy(pp: int, n_micro: int, bubble_slots: float) -> float:
@@ -161,24 +161,14 @@ def pipeline_busy(pp: int, n_micro: int, bubble_slots: float) -> float:
     return 1.0 if pp == 1 else n_micro / (n_micro + bubble_slots)
 
 
-def collective_slowdown(hw: HardwareProfile, computing: float) -> float:
-    """How much slower a collective runs with `computing` ranks of a host computing at once than the profile timed
-    it (with its gpus_per_node processes running): 1 on GPUs and up to that many processes."""
-    return max(1.0, hw.compute.host_slowdown(computing) / hw.compute.host_slowdown(hw.gpus_per_node))
-
-
 def on_shared_host(hw: HardwareProfile, where: SetShape, parts: Parts, busy: float = 1.0) -> Parts:
     """`parts` of a call whose set's ranks on a node compute at once, `busy` of them on average (a pipeline's
     stages take turns): its kernels and fixed costs slowed by the host's sharing (Compute.host_slowdown: CPU
-    processes share the host's cores; GPUs compute alone). Its collectives are CPU work of the same processes
-    (gloo copies and wakes), measured with gpus_per_node of them at once: more ranks than that slow them too."""
-    computing = busy * where.per_node
-    slowdown = hw.compute.host_slowdown(computing)
+    processes share the host's cores; GPUs compute alone)."""
+    slowdown = hw.compute.host_slowdown(busy * where.per_node)
     if slowdown == 1.0:
         return parts
-    collective = collective_slowdown(hw, computing)
-    return Parts({name: seconds * (collective if name in COLLECTIVES else 1.0 if name in NOT_COMPUTED else slowdown)
-                  for name, seconds in parts.items()})
+    return Parts({name: seconds if name in NOT_COMPUTED else slowdown * seconds for name, seconds in parts.items()})
 
 
 def _layer_tp_comm(hw: HardwareProfile, arch: ModelArch, tokens: float, tp: int, where: SetShape) -> float:
@@ -645,22 +635,19 @@ def transition_time(hw: HardwareProfile, arch: ModelArch, train: TrainConfig, ge
     (hfplan.layout's per-tensor plan, as the executor moves them); where generation keeps the training layout, the
     training engine's FSDP2 gathers it unit by unit (sharding.fsdp_units). Going back moves nothing: the generation
     copy is dropped. Both ways, the engines pay a fixed cost per parameter tensor of the generation model
-    (Runtime.switch_tensor_s). On CPU processes the fixed cost slows with the host's sharing (host_slowdown) and
-    the all-gather as collectives do (collective_slowdown)."""
+    (Runtime.switch_tensor_s)."""
     fixed = hw.compute.host_slowdown(where.per_node) * _engine_weights_fixed(hw, arch, gen, train)
     plan = resharding(train, gen)
     received = most_received_numel(arch, train, gen)
     if plan.group <= 1 or received == 0:
         return fixed
     group = coll.grid_group(list(plan.dims), where.per_node)
-    shared = collective_slowdown(hw, where.per_node)
     # A ring all-gather in which each GPU receives (group - 1) / group of the result: one for each FSDP unit where
     # generation keeps the training layout (the training engine unshards unit by unit), else one.
     gathered = hw.compute.value_bytes * received * plan.group / (plan.group - 1)
     if reshards_by_plan(train, gen):
-        return fixed + shared * coll.all_gather(hw, group, gathered)
-    return fixed + shared * sharding.unit_by_unit(coll.all_gather, hw, group, gathered,
-                                                  sharding.fsdp_units(arch, train.pp))
+        return fixed + coll.all_gather(hw, group, gathered)
+    return fixed + sharding.unit_by_unit(coll.all_gather, hw, group, gathered, sharding.fsdp_units(arch, train.pp))
 
 
 def weight_sync_time(hw: HardwareProfile, arch: ModelArch, gen: GenConfig, rollout: SetShape,
