@@ -794,6 +794,10 @@ def validate(
     seed: Annotated[int, typer.Option(help="seed of weights, data order and sampling")] = 0,
     overrides: Annotated[list[str] | None, typer.Option("--set", metavar="KEY=VALUE",
                                                         help="override a hyperparameter (repeatable)")] = None,
+    address: Annotated[str | None, typer.Option(help="an existing Ray cluster (default: start a local one); one "
+                                                     "beyond loopback is simulated as the plan's cluster")] = None,
+    connect_timeout: Annotated[float, typer.Option(min=0.1, metavar="S", help="seconds to wait for the --address "
+                                                                               "cluster to answer")] = 30.0,
 ) -> None:
     """Execute a plan and compare each call, stage, the iteration and peak memory with its simulation."""
     require_execute_extra("validate")
@@ -813,7 +817,8 @@ def validate(
     with (tempfile.TemporaryDirectory(prefix="hfplan-validate-") as scratch,
           _IterationProgress(iterations, log_every=1) as progress):
         options = ExecuteOptions(iterations=iterations, data=data, out=out or Path(scratch) / "run", seed=seed,
-                                 overrides=tuple(overrides or ()))
+                                 overrides=tuple(overrides or ()), address=address,
+                                 connect_timeout_s=connect_timeout)
         try:
             result = run_validation(plan, options, labels, lambda report: progress.update(report.iteration,
                                                                                        report.metrics))

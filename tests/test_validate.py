@@ -197,6 +197,12 @@ def test_one_iteration_is_refused(tiny_plan_file, tmp_path):
                       "--iterations")
 
 
+def test_an_address_where_nothing_answers_is_refused_in_one_line(tiny_plan_file, tmp_path):
+    assert_user_error(invoke("validate", tiny_plan_file, "--address", "127.0.0.1:9", "--connect-timeout", 0.5,
+                             "--out", tmp_path / "run"), "127.0.0.1:9")
+    assert not (tmp_path / "run").exists()
+
+
 def test_two_iterations_compared_as_json(tiny_plan_file, tmp_path, ray_driver):
     chart = tmp_path / "both.html"
     result = invoke("validate", tiny_plan_file, "--iterations", 2, "--json", "--timeline", chart)
