@@ -13,7 +13,10 @@ probe's time over the profile's, hfplan.profiler.pace; nan where the profile was
 stage's error in its first run, then the median and worst absolute per-stage error, the iteration and memory
 errors, the median spread, and Kendall's tau between simulated and measured iteration times, over all plans and
 over the pairs whose measured ranges do not overlap (the ranking the search relies on, where the measurements
-settle it), the other processes' CPU and the pace over all runs. Asserts nothing about time.
+settle it), the other processes' CPU and the pace over all runs, and, where validate measured the host's
+parallelism around a run (several probes at once against one alone), its range and the errors once each run is
+costed again with that parallelism and stretched by its pace (a reading of what the machine's state around the run
+explains, not the model). Asserts nothing about time.
 
 With --save PATH it also writes every run's costed plan (the measured response lengths, the cluster it ran on) and
 measured figures as JSON; --recost PATH runs nothing and costs those runs again with the code at hand (and
@@ -35,7 +38,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from execute_layouts import LAYOUTS  # bench/ is the script's folder, hence on sys.path
@@ -88,6 +91,9 @@ class Point:
     runs: list[Comparison]
     other_cores: list[float]  # each run's CPU of other processes during its compared iterations (cores)
     paces: list[float]  # each run's machine pace against the profile's (hfplan.profiler.pace; nan: not measured)
+    parallelisms: list[float] = field(default_factory=list)  # each run's host parallelism around it (nan: none)
+    # each run costed again on its profile with the parallelism measured around it (runs without one left out)
+    at_machine: list[Comparison] = field(default_factory=list)
 
     @property
     def simulated(self) -> float:
@@ -141,17 +147,19 @@ def print_point(point: Point) -> None:
           f"{stage_errors_line(point.runs[0])}", flush=True)
 
 
-def run_record(costed: Plan, comparison: Comparison, others: float, pace: float) -> dict:
+def run_record(costed: Plan, comparison: Comparison, others: float, pace: float, parallelism: float) -> dict:
     """What --save keeps of one run: the plan as it was costed (its measured response lengths, the cluster it ran
     on) and the measured figures, so that --recost can cost it again on another model or profile."""
     return {"costed": json.loads(costed.model_dump_json()), "other_cores": others, "pace": pace,
+            "parallelism": parallelism,
             "iteration": comparison.iteration.measured,
             "stages": {phase: figure.measured for phase, figure in comparison.stages.items()},
             "memory_gib": {label: figure.measured for label, figure in comparison.memory_gib.items()}}
 
 
-def recosted(record: dict, hardware: str | None) -> Comparison:
-    """A saved run's measured figures beside this code's simulation of its costed plan (on `hardware` if given)."""
+def recosted(record: dict, hardware: str | None, parallelism: float | None = None) -> Comparison:
+    """A saved run's measured figures beside this code's simulation of its costed plan (on `hardware` if given;
+    with `parallelism`, on a copy of its profile whose host parallelism is that: the machine around the run)."""
     from hfplan.plan import phase_seconds
     from hfplan.simulator.engine import simulate_plan
     from hfplan.validation.compare import Figure
@@ -160,7 +168,12 @@ def recosted(record: dict, hardware: str | None) -> Comparison:
     costed = Plan.model_validate(record["costed"])
     if hardware is not None:
         costed = costed.model_copy(update={"cluster": costed.cluster.model_copy(update={"hardware": hardware})})
-    estimate = simulate_plan(costed).estimate
+    hw = None
+    if parallelism is not None:
+        profile = costed.cluster.profile
+        hw = profile.model_copy(update={"compute": profile.compute.model_copy(
+            update={"host_parallelism": parallelism})})
+    estimate = simulate_plan(costed, hw).estimate
     stages = phase_seconds(estimate.timeline)
     memory = zip(record["memory_gib"].items(), predicted_gib(costed, estimate.peak_memory_gib), strict=True)
     return Comparison(calls=[], stages={phase: Figure.of(stages.get(phase, 0.0), measured)
@@ -193,7 +206,7 @@ def measure(args, iterations: int, repeats: int, records: dict) -> list[Point]:
               f"cores, load {os.getloadavg()[0]:.1f}")
         print(HEADER)
         for label, plan in plans:
-            runs, others, paces = [], [], []
+            runs, others, paces, parallelisms, at_machine = [], [], [], [], []
             for repeat in range(repeats):
                 options = ExecuteOptions(iterations=iterations, out=out / f"{label.replace(' ', '-')}-{repeat}",
                                          call_timeout_s=300, start_timeout_s=120)
@@ -201,9 +214,13 @@ def measure(args, iterations: int, repeats: int, records: dict) -> list[Point]:
                 runs.append(checked.comparison)
                 others.append(checked.other_cpu_cores if checked.other_cpu_cores is not None else math.nan)
                 paces.append(checked.pace.ratio if checked.pace is not None else math.nan)
-                records.setdefault(label, []).append(run_record(checked.plan, checked.comparison, others[-1],
-                                                                paces[-1]))
-            points.append(Point(label, runs, others, paces))
+                parallelism = checked.pace.parallelism if checked.pace is not None else None
+                parallelisms.append(math.nan if parallelism is None else parallelism)
+                record = run_record(checked.plan, checked.comparison, others[-1], paces[-1], parallelisms[-1])
+                records.setdefault(label, []).append(record)
+                if parallelism is not None:
+                    at_machine.append(recosted(record, None, parallelism))
+            points.append(Point(label, runs, others, paces, parallelisms, at_machine))
             print_point(points[-1])
     finally:
         ray.shutdown()
@@ -220,8 +237,11 @@ def recost(path: Path, hardware: str | None) -> list[Point]:
     print(HEADER)
     points = []
     for label, records in saved["points"].items():
+        parallelisms = [r.get("parallelism", math.nan) for r in records]
         points.append(Point(label, [recosted(r, hardware) for r in records], [r["other_cores"] for r in records],
-                            [r["pace"] for r in records]))
+                            [r["pace"] for r in records], parallelisms,
+                            [recosted(r, hardware, p) for r, p in zip(records, parallelisms, strict=True)
+                             if not math.isnan(p)]))
         print_point(points[-1])
     return points
 
@@ -258,6 +278,27 @@ def summary(points: list[Point]) -> None:
               f"{median_abs([p.paced_error for p in paced]):.1f}% (worst "
               f"{max(abs(p.paced_error) for p in paced) * 100:.1f}%), Kendall tau "
               f"{kendall_tau([p.simulated * p.pace for p in paced], [p.median for p in paced]):.2f}")
+    machine_reading(points)
+
+
+def machine_reading(points: list[Point]) -> None:
+    """The host's parallelism around the runs, and the errors of each run costed with it and stretched by its pace:
+    what is left once the machine's state around the run is counted (a reading, not the model)."""
+    measured = [(p, r, pace) for p in points for r, pace in zip(p.at_machine, [x for x, y in zip(
+        p.paces, p.parallelisms, strict=True) if not math.isnan(y)], strict=True) if not math.isnan(pace)]
+    parallelisms = [x for p in points for x in p.parallelisms if not math.isnan(x)]
+    if not parallelisms or not measured:
+        return
+    print(f"host parallelism around the runs (probes at once against one alone): median "
+          f"{statistics.median(parallelisms):.2f}, range {min(parallelisms):.2f}-{max(parallelisms):.2f}")
+    stage = [(f.simulated * pace - f.measured) / f.measured for _, r, pace in measured for f in r.stages.values()
+             if f.measured > 0]
+    iteration = [(r.iteration.simulated * pace - r.iteration.measured) / r.iteration.measured
+                 for _, r, pace in measured]
+    print(f"at the machine's pace and parallelism (each run costed with the parallelism measured around it, x its "
+          f"pace; a reading, not the model): median |error| per stage {median_abs(stage):.1f}%, iteration "
+          f"{median_abs(iteration):.1f}% (worst {max(abs(e) for e in iteration) * 100:.1f}%), over {len(measured)} "
+          "runs")
 
 
 def main() -> None:

@@ -887,6 +887,13 @@ def render_validation(result) -> None:
                       f"before the run and {pace.after_s * 1e6:,.0f} us after it, {pace.ratio:.2f}x the "
                       f"{pace.profiled_s * 1e6:,.0f} us the profile implies (above 1: the machine ran slower than "
                       "when profiled, which stretches every measured call alike)", highlight=False)
+        if pace.sharing is not None:
+            shared = pace.sharing
+            profiled = "not measured" if shared.profiled is None else f"{shared.profiled:.2f}"
+            console.print(f"host sharing: {shared.world} probes at once took {shared.before_s * 1e6:,.0f} and "
+                          f"{shared.after_s * 1e6:,.0f} us each (before, after): parallelism {pace.parallelism:.2f} "
+                          f"around the run against the profile's {profiled} (below it: the processes of a set slow "
+                          "each other more than the simulator charges)", highlight=False)
     for side, names in comparison.unmatched.items():
         if names:
             console.print(f"only {side}: {', '.join(names)}", style="dim", highlight=False)

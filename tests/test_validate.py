@@ -230,6 +230,8 @@ def test_two_iterations_compared_as_json(tiny_plan_file, tmp_path, ray_driver):
     assert body["response_len_mean"] == pytest.approx(sum(length * n for length, n in counts) / workload.sequences)
     pace = body["pace"]  # the tiny plan's profile was measured on CPU processes: the probe ran around the run
     assert pace["profiled_step_s"] == pytest.approx(profiled_step_seconds(load_hardware("cpu")))
+    assert pace["profiled_parallelism"] == load_hardware("cpu").compute.host_parallelism
+    assert pace["together"]["processes"] == load_hardware("cpu").gpus_per_node and pace["parallelism"] > 0
     assert pace["before_step_s"] > 0 and pace["after_step_s"] > 0
     assert pace["ratio"] == pytest.approx((pace["before_step_s"] + pace["after_step_s"]) / 2
                                           / pace["profiled_step_s"])
@@ -306,6 +308,28 @@ def test_pace_is_the_probe_around_the_run_over_the_profile_s():
     pace = machine.Pace(profiled_s=200e-6, before_s=300e-6, after_s=500e-6)
     assert pace.ratio == pytest.approx(2.0)
     assert pace.to_json()["ratio"] == pytest.approx(2.0)
+    assert pace.parallelism is None and pace.to_json()["together"] is None
     with machine.PaceProbe(None) as probe:  # nothing to compare with: no process is started
-        assert probe.process is None
+        assert probe.processes == []
         assert probe.finish() is None
+
+
+def test_the_host_s_parallelism_around_the_run_is_the_probes_at_once_against_one_alone():
+    """Two probes at once each 1.5x as long as one alone: the host did 2 x 1 / 1.5 = 1.33 processes' work at full
+    speed (hfplan.profiler.host_share's measure, beside the profile's)."""
+    sharing = machine.Sharing(world=2, before_s=450e-6, after_s=750e-6, profiled=1.87)
+    pace = machine.Pace(profiled_s=200e-6, before_s=300e-6, after_s=500e-6, sharing=sharing)
+    assert pace.parallelism == pytest.approx(2 * 400e-6 / 600e-6)
+    body = pace.to_json()
+    assert body["parallelism"] == pytest.approx(4 / 3) and body["profiled_parallelism"] == 1.87
+    assert body["together"] == {"processes": 2, "before_step_s": 450e-6, "after_step_s": 750e-6}
+
+
+def test_the_probe_processes_time_alone_then_together_around_a_run():
+    """The real probe processes (one alone, then both at once), as validate runs them on a CPU profile."""
+    with machine.PaceProbe(300e-6, world=2, profiled_parallelism=1.87) as probe:
+        assert len(probe.processes) == 2
+        pace = probe.finish()
+    assert pace is not None and probe.processes == []
+    assert pace.before_s > 0 and pace.after_s > 0
+    assert pace.sharing.world == 2 and pace.sharing.before_s > 0 and pace.parallelism > 0

@@ -60,6 +60,7 @@ def test_a_saved_run_is_costed_again_against_its_own_measurements(tmp_path, caps
     import json
 
     from hfplan.plan import colocated_plan, phase_seconds
+    from hfplan.profiles.hardware import load_hardware
     from hfplan.simulator.engine import simulate_plan
     from hfplan.validation.compare import Comparison, Figure
 
@@ -68,13 +69,23 @@ def test_a_saved_run_is_costed_again_against_its_own_measurements(tmp_path, caps
     stages = phase_seconds(estimate.timeline)
     measured = Comparison(calls=[], stages={p: Figure.of(0.0, s / 2) for p, s in stages.items()},
                           iteration=Figure.of(0.0, estimate.iteration_s / 2), memory_gib={"set 0": Figure.of(0.0, 1.0)})
-    record = BENCH.run_record(plan, measured, 0.0, 1.0)
+    record = BENCH.run_record(plan, measured, 0.0, 1.0, 1.0)
     again = BENCH.recosted(json.loads(json.dumps(record)), None)
     assert again.iteration.simulated == pytest.approx(estimate.iteration_s)
     assert again.iteration.error == pytest.approx(1.0)
     assert {p: f.error for p, f in again.stages.items()} == pytest.approx({p: 1.0 for p in stages})
+    # Costed with the parallelism measured around the run: the profile's own changes nothing; one core's worth
+    # slows even one process, which shares its host with the controller's CPU.
+    profiled = load_hardware("cpu").compute.host_parallelism
+    assert BENCH.recosted(record, None, profiled).iteration.simulated == pytest.approx(estimate.iteration_s)
+    assert BENCH.recosted(record, None, 1.0).iteration.simulated > estimate.iteration_s
     saved = tmp_path / "grid.json"
     saved.write_text(json.dumps({"date": "d", "iterations": 3, "runs": 1, "points": {"a": [record]}}))
     BENCH.summary(BENCH.recost(saved, None))
     out = capsys.readouterr().out
     assert "per stage 100.0%" in out and "iteration 100.0%" in out
+    assert "host parallelism around the runs" in out and "at the machine's pace and parallelism" in out
+    pair = colocated_plan(BENCH.workloads()["arith-grpo"], 1, 1, 2, "cpu")
+    paired = BENCH.run_record(pair, measured, 0.0, 1.0, 1.0)
+    assert (BENCH.recosted(paired, None, 1.0).iteration.simulated
+            > BENCH.recosted(paired, None).iteration.simulated)  # the profile's 1.87 against 1.0 around the run

@@ -60,10 +60,16 @@ def measure_sharing(torch, dist, budget_s: float) -> list[dict]:
             for op, times in zip(OPS, (alone, together), strict=True)]
 
 
+def parallelism(world: int, alone_s: float, together_s: float) -> float:
+    """How many of `world` processes' work the host does at full speed when each took `together_s` at once for
+    what one alone took in `alone_s`: world x alone / together."""
+    return world * alone_s / together_s
+
+
 def fit_parallelism(rows: list[dict]) -> float | None:
-    """Compute.host_parallelism from measure_sharing's rows: world x alone / together (None without them)."""
+    """Compute.host_parallelism from measure_sharing's rows (None without them)."""
     by_op = {r["op"]: r for r in rows if r.get("kind") == "sharing"}
     if set(OPS) - set(by_op):
         return None
     alone, together = by_op["probe_alone"], by_op["probe_together"]
-    return round(together["world"] * alone["seconds"] / together["seconds"], 3)
+    return round(parallelism(together["world"], alone["seconds"], together["seconds"]), 3)

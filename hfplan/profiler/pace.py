@@ -9,9 +9,9 @@ one CPU thread as an executor worker has); the profile implies what it took then
 plus its modelled kernels), and `hfplan validate` times it again around its run.
 
 `hfplan profile` on CPU times the probe at its start and at its end (a moving machine shows there), and
-`python -m hfplan.profiler.pace` is the probe as a process of its own: it prints the step's seconds as a JSON
-line, waits for a line on stdin, then prints a second measurement and exits, so a caller brackets a run with
-one process that imports torch once and sleeps in between.
+`python -m hfplan.profiler.pace` is the probe as a process of its own: for each line it reads on stdin it times the
+step and prints its seconds as a JSON line, until stdin ends, so a caller brackets a run with processes that import
+torch once and sleep in between (one alone for the pace; several at once for how the host's cores hold up).
 """
 
 from __future__ import annotations
@@ -63,9 +63,7 @@ def measure_step_seconds(torch, min_time: float = PROBE_SECONDS) -> float:
 def main() -> None:
     import torch
 
-    for turn in range(2):
-        if turn:
-            sys.stdin.readline()  # the caller's run has ended
+    for _ in sys.stdin:
         sys.stdout.write(json.dumps({"step_s": measure_step_seconds(torch)}) + "\n")
         sys.stdout.flush()
 

@@ -15,6 +15,7 @@ from hfplan.dataflow.ops import GENERATION, PHASES
 from hfplan.errors import HfplanError
 from hfplan.layout import ON_CONTROLLER, ROLLOUT, generating_role, kv_heads_per_rank, model_role
 from hfplan.plan import EDGE, GREEDY_MARK, RESHARD_BACK_OP, WEIGHT_SYNC_OP, Estimate, Plan, Span, switch_op
+from hfplan.profiles.hardware import HardwareProfile
 from hfplan.simulator import costs
 from hfplan.simulator.mapping import PlanCosts
 from hfplan.simulator.memory import gib
@@ -249,13 +250,13 @@ def unsplittable_kv_heads(plan: Plan) -> str | None:
     return None
 
 
-def simulate_plan(plan: Plan) -> Simulation:
-    """Trace the plan's algorithm and run it on the plan's mapping. Raises HfplanError when a layout's tp
-    splits no KV heads or a set does not fit in memory."""
+def simulate_plan(plan: Plan, hw: HardwareProfile | None = None) -> Simulation:
+    """Trace the plan's algorithm and run it on the plan's mapping (on `hw` instead of the cluster's profile if
+    given). Raises HfplanError when a layout's tp splits no KV heads or a set does not fit in memory."""
     problem = unsplittable_kv_heads(plan)
     if problem:
         raise HfplanError(f"plan cannot be costed: {problem}")
-    plan_costs = PlanCosts.of_plan(plan)
+    plan_costs = PlanCosts.of_plan(plan, hw)
     reason = plan_costs.infeasible_reason
     if reason:
         raise HfplanError(f"plan does not fit: {reason}")

@@ -99,75 +99,126 @@ def other_cores(before: CpuSample | None, after: CpuSample | None) -> float | No
 
 
 @dataclass(frozen=True)
+class Sharing:
+    """How the host's cores held up around a run: `world` probes timed at once (each process's step, their mean),
+    before and after it, beside the one timed alone (Pace), and what the profile measured (Compute.host_parallelism)."""
+
+    world: int
+    before_s: float
+    after_s: float
+    profiled: float | None
+
+    def parallelism(self, alone_s: float) -> float:
+        from hfplan.profiler.host_share import parallelism
+
+        return parallelism(self.world, alone_s, (self.before_s + self.after_s) / 2)
+
+
+@dataclass(frozen=True)
 class Pace:
     """The machine's pace around a run (hfplan.profiler.pace): the probe's seconds when the profile was
-    measured, and timed just before and just after the run."""
+    measured, and timed just before and just after the run; `sharing`: the same probe on every process of the
+    profile's host at once (None where the profile measured no sharing)."""
 
     profiled_s: float
     before_s: float
     after_s: float
+    sharing: Sharing | None = None
 
     @property
     def ratio(self) -> float:
         """How much slower than at profiling time the machine ran the probe around the run (above 1: slower)."""
         return (self.before_s + self.after_s) / 2 / self.profiled_s
 
+    @property
+    def parallelism(self) -> float | None:
+        """The host's parallelism around the run (Compute.host_parallelism's measure), None if not measured."""
+        return None if self.sharing is None else self.sharing.parallelism((self.before_s + self.after_s) / 2)
+
     def to_json(self) -> dict:
-        return {"profiled_step_s": self.profiled_s, "before_step_s": self.before_s, "after_step_s": self.after_s,
-                "ratio": self.ratio}
+        body = {"profiled_step_s": self.profiled_s, "before_step_s": self.before_s, "after_step_s": self.after_s,
+                "ratio": self.ratio, "parallelism": self.parallelism, "profiled_parallelism": None,
+                "together": None}
+        if self.sharing is not None:
+            body["profiled_parallelism"] = self.sharing.profiled
+            body["together"] = {"processes": self.sharing.world, "before_step_s": self.sharing.before_s,
+                                "after_step_s": self.sharing.after_s}
+        return body
 
 
 class PaceProbe:
-    """The probe as a process of its own (`python -m hfplan.profiler.pace`), started before a run and read after:
-    it imports torch once and sleeps in between. Any failure of the probe leaves the pace unknown (None), never
-    the run failed."""
+    """The probe as processes of their own (`python -m hfplan.profiler.pace`), started before a run and read after:
+    each imports torch once and sleeps in between. One times the probe alone; with `world` > 1 (the processes the
+    profile measured its host's sharing with), `world` of them then time it at once. Any failure of the probe leaves
+    the pace unknown (None), never the run failed."""
 
     TIMEOUT_S = 120.0
 
-    def __init__(self, profiled_s: float | None) -> None:
-        self.profiled_s = profiled_s
-        self.process: subprocess.Popen | None = None
-        self.before_s: float | None = None
+    def __init__(self, profiled_s: float | None, world: int = 1, profiled_parallelism: float | None = None) -> None:
+        self.profiled_s, self.world, self.profiled_parallelism = profiled_s, world, profiled_parallelism
+        self.processes: list[subprocess.Popen] = []
+        self.before: tuple[float, float | None] | None = None
 
     def __enter__(self) -> PaceProbe:
         if self.profiled_s is None:
             return self
         try:
-            self.process = subprocess.Popen([sys.executable, "-m", "hfplan.profiler.pace"], stdin=subprocess.PIPE,
-                                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-            self.before_s = self._read()
+            self.processes = [subprocess.Popen([sys.executable, "-m", "hfplan.profiler.pace"], stdin=subprocess.PIPE,
+                                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                              for _ in range(max(1, self.world))]
+            self.before = self._measure()
         except (OSError, ValueError) as error:
             logger.warning("the machine's pace is not measured: %s", error)
             self._stop()
         return self
 
     def finish(self) -> Pace | None:
-        """The second probe, after the run; the pace (None where either probe failed)."""
-        if self.process is None or self.before_s is None or self.profiled_s is None:
+        """The probes after the run; the pace (None where a probe failed)."""
+        if not self.processes or self.before is None or self.profiled_s is None:
             return None
+        world = len(self.processes)
         try:
-            self.process.stdin.write("\n")
-            self.process.stdin.flush()
-            after_s = self._read()
+            after = self._measure()
         except (OSError, ValueError) as error:
             logger.warning("the machine's pace is not measured: %s", error)
             return None
         finally:
             self._stop()
-        return Pace(self.profiled_s, self.before_s, after_s)
+        (before_s, together_before), (after_s, together_after) = self.before, after
+        sharing = None
+        if together_before is not None and together_after is not None:
+            sharing = Sharing(world, together_before, together_after, self.profiled_parallelism)
+        return Pace(self.profiled_s, before_s, after_s, sharing)
 
     def __exit__(self, *exc) -> None:
         self._stop()
 
-    def _read(self) -> float:
-        ready, _, _ = select.select([self.process.stdout], [], [], self.TIMEOUT_S)
-        line = self.process.stdout.readline() if ready else ""
+    def _measure(self) -> tuple[float, float | None]:
+        """The probe alone, then (with several processes) every process's at once, their mean."""
+        alone = self._ask(self.processes[:1])[0]
+        if len(self.processes) < 2:
+            return alone, None
+        together = self._ask(self.processes)
+        return alone, sum(together) / len(together)
+
+    def _ask(self, processes: list[subprocess.Popen]) -> list[float]:
+        for process in processes:
+            process.stdin.write("\n")
+            process.stdin.flush()
+        return [self._read(process) for process in processes]
+
+    def _read(self, process: subprocess.Popen) -> float:
+        ready, _, _ = select.select([process.stdout], [], [], self.TIMEOUT_S)
+        line = process.stdout.readline() if ready else ""
         if not line:
             raise ValueError("the probe process gave no measurement")
         return float(json.loads(line)["step_s"])
 
     def _stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-        self.process = None
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            process.stdin.close()
+            process.stdout.close()
+        self.processes = []

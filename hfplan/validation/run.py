@@ -116,7 +116,9 @@ def validate(plan: Plan, options, labels: Sequence[str],
         if on_iteration is not None:
             on_iteration(report)
 
-    with machine.PaceProbe(profiled_step_seconds(plan.cluster.profile)) as probe:
+    profile = plan.cluster.profile
+    sharing = profile.compute.host_parallelism  # measured with the profile's processes of one host at once
+    with machine.PaceProbe(profiled_step_seconds(profile), profile.gpus_per_node if sharing else 1, sharing) as probe:
         summary = execute(plan, options, keep)
         pace = probe.finish()
     timed = reports[1:]
