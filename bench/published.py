@@ -10,9 +10,14 @@ and worst |error| per category and overall. Asserts nothing: the numbers are for
 Assumptions common to the cases:
 - GPT-style models are described as they are built (ModelArch.mlp, rotary_dim): a GeLU MLP of width 4h (MPT,
   GPT-J), no rotary embedding where positions are learned (MPT's default, which its benchmark yamls keep) and
-  GPT-J's rotary on 64 of each head's 256 dimensions (its config.json's rotary_dim). Biases (MPT's and GPT-J's
-  linear layers and LayerNorms: well under 0.1% of the weights) are left out: a fused LayerNorm moves the bytes an
-  RMSNorm does. GPT-J's parallel
+  GPT-J's rotary on 64 of each head's 256 dimensions (its config.json's rotary_dim). MPT's projections all carry
+  biases in these runs (MPTConfig's no_bias defaults to False and no yaml sets it; the table's NumParams counts them:
+  12,853,954,560 for 13b at seq 2048 is the weights, position table and LayerNorms plus 11 x 5120 biases a block and
+  the final norm's): the forward adds them in the GEMMs' epilogues (torch's linear on a contiguous input is one
+  addmm), the backward sums each projection's output gradient over the tokens for its bias gradient
+  (ModelArch.linear_bias, kernels.bias_gradients_time). Inference cases need no bias term (GPT-J's MLP biases ride
+  the epilogues). A LayerNorm's bias is computed inside its own kernels: a fused LayerNorm moves the bytes an RMSNorm
+  does. GPT-J's parallel
   attention and MLP (one norm per layer, one residual add) is priced as two sequential blocks.
 - Where a published system's network differs from the shipped profile's, the case prices the shipped profile with
   that one link changed (`_with_inter_node`, `_without_nvls`), and says so.
@@ -218,11 +223,11 @@ def _with_fsdp1(hw: HardwareProfile) -> HardwareProfile:
                                                                           "fsdp_engine": "fsdp1"})})
 
 
-def gpt_arch(name: str, layers: int, hidden: int, heads: int, vocab: int, rotary_dim: int, tied: bool = True
-             ) -> ModelArch:
+def gpt_arch(name: str, layers: int, hidden: int, heads: int, vocab: int, rotary_dim: int, tied: bool = True,
+             linear_bias: bool = False) -> ModelArch:
     """A GPT-style model: a GeLU MLP 4h wide, multi-head attention, `rotary_dim` rotated dimensions per head."""
     return ModelArch(name, layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=4 * hidden, vocab=vocab,
-                     tied_embeddings=tied, mlp="gelu", rotary_dim=rotary_dim)
+                     tied_embeddings=tied, mlp="gelu", rotary_dim=rotary_dim, linear_bias=linear_bias)
 
 
 # MPT sizes: mosaicml/llm-foundry scripts/train/yamls/pretrain/mpt-{1b,3b,7b,13b,30b,70b}.yaml (d_model, n_heads,
@@ -230,15 +235,11 @@ def gpt_arch(name: str, layers: int, hidden: int, heads: int, vocab: int, rotary
 # table's NumParams column agrees with these within 0.1%.
 # Learned positions (llmfoundry/models/mpt/configuration_mpt.py at the same commit: learned_pos_emb True,
 # attn_config alibi False, which the yamls leave): no rotary embedding; the position table (max_seq_len x d_model,
-# under 0.1% of the weights) is left out.
-MPT = {
-    "1b": gpt_arch("mpt-1b", 24, 2048, 16, 50368, rotary_dim=0),
-    "3b": gpt_arch("mpt-3b", 32, 2560, 20, 50368, rotary_dim=0),
-    "7b": gpt_arch("mpt-7b", 32, 4096, 32, 50368, rotary_dim=0),
-    "13b": gpt_arch("mpt-13b", 40, 5120, 40, 50368, rotary_dim=0),
-    "30b": gpt_arch("mpt-30b", 48, 7168, 56, 50368, rotary_dim=0),
-    "70b": gpt_arch("mpt-70b", 80, 8192, 64, 50368, rotary_dim=0),
-}
+# under 0.1% of the weights) is left out. Biases on every projection (configuration_mpt.py: no_bias False, which
+# the yamls keep; module docstring).
+MPT = {size: gpt_arch(f"mpt-{size}", layers, hidden, heads, 50368, rotary_dim=0, linear_bias=True)
+       for size, layers, hidden, heads in (("1b", 24, 2048, 16), ("3b", 32, 2560, 20), ("7b", 32, 4096, 32),
+                                           ("13b", 40, 5120, 40), ("30b", 48, 7168, 56), ("70b", 80, 8192, 64))}
 # GPT-J 6B (EleutherAI/gpt-j-6b config.json: n_layer 28, n_embd 4096, n_head 16, rotary_dim 64, vocab 50400,
 # untied head).
 GPTJ = gpt_arch("gpt-j-6b", 28, 4096, 16, 50400, rotary_dim=64, tied=False)

@@ -267,6 +267,40 @@ def test_recompute_modes_add_the_layers_or_their_attention(toy_hw):
     assert sp.layers < sp.forward
 
 
+# -- bias gradients -----------------------------------------------------------------------------------------
+
+
+def test_biased_projections_pay_their_bias_gradient_reductions_in_the_backward(toy_hw, small_arch):
+    """small_arch (conftest: h 64, q 64, kv 32, ffn 128; SwiGLU) on toy_hw (5e11 B/s, 5 us a kernel), 1000 tokens,
+    tp 1. Every projection biased: the backward reads each one's bf16 output gradient whole to sum it over the
+    tokens: q, k, v (64 + 2 * 32 = 128 wide), the attention's output (64), gate and up (256) and down (64). The
+    forward adds the biases in the GEMMs' epilogues: nothing there changes."""
+    from dataclasses import replace
+
+    biased = replace(small_arch, linear_bias=True)
+    plain = kernels.layer_forward(toy_hw, small_arch, 1000, 500, 1)
+    layer = kernels.layer_forward(toy_hw, biased, 1000, 500, 1)
+    expected = sum(5e-6 + 2 * 1000 * width / 5e11 for width in (128, 64, 256, 64))
+    assert layer.backward_only == pytest.approx(expected)
+    assert plain.backward_only == 0.0
+    assert (layer.total, layer.backward() - plain.backward()) == pytest.approx((plain.total, expected))
+    # Qwen2's biases on q, k and v alone: one reduction, 128 wide.
+    qkv = kernels.layer_forward(toy_hw, replace(small_arch, attention_bias=True), 1000, 500, 1)
+    assert qkv.backward_only == pytest.approx(5e-6 + 2 * 1000 * 128 / 5e11)
+    # A training step pays them once a layer (2 layers) and micro-batch (one sequence of 1000 tokens, 2 of them).
+    step = costs.train_step_parts(toy_hw, biased, TrainConfig(), ONE, 2, 1000, "lm")
+    base = costs.train_step_parts(toy_hw, small_arch, TrainConfig(), ONE, 2, 1000, "lm")
+    assert step["elementwise"] - base["elementwise"] == pytest.approx(2 * 2 * expected)
+    assert step["gemm"] == base["gemm"]
+
+
+def test_biases_count_in_the_parameters(small_arch):
+    """Per layer 36992 without biases (conftest); every projection biased adds 64 + 2 * 32 + 64 + 2 * 128 + 64."""
+    from dataclasses import replace
+
+    assert replace(small_arch, linear_bias=True).params_per_layer == 36992 + 128 + 64 + 256 + 64
+
+
 # -- attention kernels --------------------------------------------------------------------------------------
 
 

@@ -37,6 +37,10 @@ class ModelArch:
     vocab: int
     tied_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has biases on q, k and v projections
+    # Every projection of a block has a bias (q, k, v, the attention's output, the MLP's): GPT-2, and MPT as its
+    # benchmark runs built it (MPTConfig's no_bias False). Only what the cost model describes: hfplan's executor
+    # builds none.
+    linear_bias: bool = False
     head_dim: int | None = None  # None: hidden // heads
     # Longest sequence (prompt + response) the model was built for: config.json's max_position_embeddings.
     # None when unknown (a config.json without the field, a synthetic model): not checked.
@@ -79,9 +83,12 @@ class ModelArch:
     def params_per_layer(self) -> int:
         h = self.hidden
         attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
-        if self.attention_bias:
+        if self.attention_bias or self.linear_bias:
             attn += self.q_dim + 2 * self.kv_dim
         mlp = self.mlp_matrices * h * self.ffn
+        if self.linear_bias:
+            attn += h
+            mlp += (self.mlp_matrices - 1) * self.ffn + h
         norms = 2 * h
         return attn + mlp + norms
 

@@ -244,8 +244,8 @@ def stage_pass(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: Se
     elementwise = n_layers * layer.elementwise + sum(c.elementwise for c in ends)
     attention = n_layers * layer.attention
     forward = Parts(gemm=gemm, attention=attention, elementwise=elementwise, tp_comm=tp_comm)
-    backward = Parts(gemm=2 * gemm, attention=layer.attention_backward * attention, elementwise=2 * elementwise,
-                     tp_comm=tp_comm)
+    backward = Parts(gemm=2 * gemm, attention=layer.attention_backward * attention,
+                     elementwise=2 * elementwise + n_layers * layer.backward_only, tp_comm=tp_comm)
     return StagePass(forward, backward, layers=n_layers * (layer.total + comm), attention=attention,
                      forward=forward.total, backward=backward.total)
 

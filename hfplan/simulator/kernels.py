@@ -124,6 +124,7 @@ class LayerCost:
     attention: float
     elementwise: float
     attention_backward: float = ATTENTION_BACKWARD["flash"]
+    backward_only: float = 0.0  # memory-bound kernels the backward runs and the forward has no counterpart of
 
     @property
     def total(self) -> float:
@@ -132,8 +133,9 @@ class LayerCost:
     def backward(self) -> float:
         """Backward: two GEMMs per forward GEMM (input and weight gradients); attention by its kernel
         (ATTENTION_BACKWARD); elementwise ops read the saved input and the incoming gradient and write one
-        gradient."""
-        return 2.0 * self.gemm + self.attention_backward * self.attention + 2.0 * self.elementwise
+        gradient; then the backward's own kernels (`backward_only`: bias gradients)."""
+        return (2.0 * self.gemm + self.attention_backward * self.attention + 2.0 * self.elementwise
+                + self.backward_only)
 
 
 def attention_fraction(hw: HardwareProfile, seq_len: float) -> float:
@@ -210,6 +212,25 @@ def attention_time(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per
             + kernel_time(hw, half_flops, io_bytes / 2 + scores))  # PV: read them and v, write the output
 
 
+def biased_widths(arch: ModelArch, tp: int) -> list[float]:
+    """Output widths, on one of `tp` GPUs, of a layer's projections that carry a bias: q, k and v where the attention
+    has biases (ModelArch.attention_bias, linear_bias), and the attention's output and the MLP's where every
+    projection has one (linear_bias)."""
+    kv_local = kv_heads_per_rank(arch.kv_heads, tp) * arch.dim_per_head
+    widths = [shard(arch.q_dim, tp) + 2 * kv_local] if arch.attention_bias or arch.linear_bias else []
+    if arch.linear_bias:
+        widths += [arch.hidden, shard((arch.mlp_matrices - 1) * arch.ffn, tp), arch.hidden]
+    return widths
+
+
+def bias_gradients_time(hw: HardwareProfile, arch: ModelArch, tokens: float, tp: int) -> float:
+    """The backward's bias gradients of one layer: each is its projection's output gradient summed over the tokens,
+    one reduction kernel reading that gradient whole (torch's addmm backward: the bias, broadcast over the rows,
+    gets `grad` summed to its shape; the GEMMs' epilogues add a bias in the forward, but no GEMM computes its
+    gradient). Reads dominate: the sum's one row per projection is left out."""
+    return sum(memory_time(hw, hw.compute.value_bytes * tokens * width) for width in biased_widths(arch, tp))
+
+
 def layer_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per_token: float, tp: int,
                   decode: bool = False, seq_len: float | None = None) -> LayerCost:
     """One layer's forward over `tokens` tokens on one of `tp` tensor-parallel GPUs.
@@ -234,7 +255,8 @@ def layer_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per_
         + memory_time(hw, v * (up + 1) * tokens * shard(f, tp))  # silu(gate) * up, or gelu(up)
     )
     return LayerCost(gemm=gemm, attention=attention, elementwise=elementwise,
-                     attention_backward=ATTENTION_BACKWARD[hw.compute.attention])
+                     attention_backward=ATTENTION_BACKWARD[hw.compute.attention],
+                     backward_only=bias_gradients_time(hw, arch, tokens, tp))
 
 
 def head_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, tp: int, head: str) -> LayerCost:
