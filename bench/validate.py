@@ -284,17 +284,19 @@ def summary(points: list[Point]) -> None:
 def machine_reading(points: list[Point]) -> None:
     """The host's parallelism around the runs, and the errors of each run costed with it and stretched by its pace:
     what is left once the machine's state around the run is counted (a reading, not the model)."""
-    measured = [(p, r, pace) for p in points for r, pace in zip(p.at_machine, [x for x, y in zip(
-        p.paces, p.parallelisms, strict=True) if not math.isnan(y)], strict=True) if not math.isnan(pace)]
+    measured = []  # (the run costed at the machine's parallelism, its pace)
+    for point in points:
+        paces = [pace for pace, parallelism in zip(point.paces, point.parallelisms, strict=True)
+                 if not math.isnan(parallelism)]
+        measured += [(run, pace) for run, pace in zip(point.at_machine, paces, strict=True) if not math.isnan(pace)]
     parallelisms = [x for p in points for x in p.parallelisms if not math.isnan(x)]
     if not parallelisms or not measured:
         return
     print(f"host parallelism around the runs (probes at once against one alone): median "
           f"{statistics.median(parallelisms):.2f}, range {min(parallelisms):.2f}-{max(parallelisms):.2f}")
-    stage = [(f.simulated * pace - f.measured) / f.measured for _, r, pace in measured for f in r.stages.values()
+    stage = [(f.simulated * pace - f.measured) / f.measured for r, pace in measured for f in r.stages.values()
              if f.measured > 0]
-    iteration = [(r.iteration.simulated * pace - r.iteration.measured) / r.iteration.measured
-                 for _, r, pace in measured]
+    iteration = [(r.iteration.simulated * pace - r.iteration.measured) / r.iteration.measured for r, pace in measured]
     print(f"at the machine's pace and parallelism (each run costed with the parallelism measured around it, x its "
           f"pace; a reading, not the model): median |error| per stage {median_abs(stage):.1f}%, iteration "
           f"{median_abs(iteration):.1f}% (worst {max(abs(e) for e in iteration) * 100:.1f}%), over {len(measured)} "
