@@ -124,8 +124,9 @@ class Compute(_Strict):
                                         "max(1, k / host_parallelism) times slower (host_slowdown). None: every "
                                         "device computes on its own (GPUs)")
 
-    def host_slowdown(self, ranks: int) -> float:
-        """How much slower each of `ranks` ranks of one host computes while all of them do (1: not shared)."""
+    def host_slowdown(self, ranks: float) -> float:
+        """How much slower each of `ranks` ranks of one host computes while all of them do (1: not shared); `ranks`
+        may be an average (a pipeline's stages take turns: costs.pipeline_busy)."""
         if self.host_parallelism is None:
             return 1.0
         return max(1.0, ranks / self.host_parallelism)

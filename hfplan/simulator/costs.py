@@ -319,9 +319,9 @@ def train_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, whe
     optimizer_params = local_params * sharding.optimizer_fraction(cfg)
     optimizer = memory_time(hw, ADAM_BYTES_PER_PARAM * optimizer_params)
     per_tensor = stage_parameter_tensors(arch, cfg.pp, head) * hw.runtime.optimizer_tensor_s(fsdp, split)
-    busy = pipeline_busy(cfg.pp, n_micro, (cfg.pp - 1) / v)
-    return on_shared_host(hw, where, _pipelined(per_micro, n_micro, (cfg.pp - 1) / v, dp_comm=exposed,
-                                                optimizer=optimizer, runtime=per_tensor), busy)
+    bubble = (cfg.pp - 1) / v
+    parts = _pipelined(per_micro, n_micro, bubble, dp_comm=exposed, optimizer=optimizer, runtime=per_tensor)
+    return on_shared_host(hw, where, parts, pipeline_busy(cfg.pp, n_micro, bubble))
 
 
 def train_step_time(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, where: SetShape, sequences: int,

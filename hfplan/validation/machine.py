@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hfplan.profiler.host_share import parallelism
+
 logger = logging.getLogger(__name__)
 
 PROC = Path("/proc")
@@ -109,8 +111,6 @@ class Sharing:
     profiled: float | None
 
     def parallelism(self, alone_s: float) -> float:
-        from hfplan.profiler.host_share import parallelism
-
         return parallelism(self.world, alone_s, (self.before_s + self.after_s) / 2)
 
 
