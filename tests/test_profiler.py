@@ -29,6 +29,7 @@ from hfplan.profiler.fit import (
     fit_alpha_beta,
     fit_roofline,
 )
+from hfplan.profiler.idle_wake import IDLE_MS
 from hfplan.profiler.report import FLAG_PCT, PACE_DRIFT, PASS_LABEL
 from hfplan.profiles.hardware import HardwareProfile, Link, load_hardware
 from hfplan.profiles.models import CATALOG, ModelArch
@@ -383,6 +384,14 @@ def test_quick_cpu_profile_end_to_end(quick_profile):
     assert set(host.index) == {"probe_alone", "probe_together"} and (host["world"] == 2).all()
     assert profile.compute.host_parallelism == pytest.approx(
         2 * host.loc["probe_alone", "seconds"] / host.loc["probe_together", "seconds"], abs=1e-3)
+    # A call after its process idled: the probe back to back and after each wait, and the profile's points from them.
+    wake = frame[frame["kind"] == "wake"]
+    back = wake[wake["op"] == "back_to_back"]["seconds"].iloc[0]
+    after = wake[wake["op"] == "after_idle"].sort_values("idle_ms")
+    assert list(after["idle_ms"]) == list(IDLE_MS)
+    assert profile.compute.idle_wake == tuple(
+        (idle, round(max(0.0, seconds - back) * 1e6, 1))
+        for idle, seconds in zip(after["idle_ms"], after["seconds"], strict=True))
     # --quick starts no Ray: the executor's call gaps, its controller step and the worker's memory are the
     # base profile's.
     base = load_hardware("cpu")

@@ -187,14 +187,15 @@ class _PairSearch:
     one by one when those are too many)."""
 
     def __init__(self, pair: _Pair, threshold: float, stats: SearchStats, exact: Callable[[dict], float] | None,
-                 free: _Free | None = None, shared_hosts: bool = False):
-        """exact: the simpy iteration time of a complete choice; with `shared_hosts` (sets sharing a host's
-        cores, engine.Hosts) it may exceed the schedule's makespan, a lower bound of it. free: bound mode
+                 free: _Free | None = None, engine_slower: bool = False):
+        """exact: the simpy iteration time of a complete choice; with `engine_slower` (sets sharing a host's
+        cores, engine.Hosts, or a cost of calls after an idle wait, Compute.idle_wake) it may exceed the schedule's
+        makespan, a lower bound of it. free: bound mode
         (_unsized_prunes): the placement's sets after its first free.sized are not sized, their calls stay at
         `free`'s floors, and the search only asks whether some choice of the sized sets' strategies has a schedule
         under `threshold` (best_time: the first such, no simpy run)."""
         self.pair, self.threshold, self.stats, self.exact, self.free = pair, threshold, stats, exact, free
-        self.shared_hosts = shared_hosts
+        self.engine_slower = engine_slower
         ctx = pair.ctx
         self.ctx = ctx
         self.usable = ctx.hw.memory.usable_bytes
@@ -408,13 +409,13 @@ class _PairSearch:
             self.best_time, self.threshold = fast, -math.inf
             return
         picked = {r: o for unit in chosen.values() for r, o in unit.parts.items()}
-        if not self.shared_hosts:
+        if not self.engine_slower:
             # The fast schedule is the engine's time here: one run checks the pair's best choice (finish).
             self.best_time, self.best_choice = fast, picked
             return
         measured = self.exact({r: o.par for r, o in picked.items()})
         self.stats.simpy_runs += 1
-        slower = measured > fast  # sets computing at once on a shared host
+        slower = measured > fast  # sets computing at once on a shared host, calls after a wait
         if not (slower or math.isclose(measured, fast, rel_tol=1e-9, abs_tol=1e-12)):
             raise AssertionError(f"search bound {fast} disagrees with the simpy engine {measured}")
         if measured >= min(self.best_time, self.threshold):
@@ -422,9 +423,9 @@ class _PairSearch:
         self.best_time, self.best_choice = measured, picked
 
     def finish(self) -> None:
-        """Without shared hosts, the best choice's time by the simpy engine, which the fast schedule equals (checked
-        here, once per pair: a choice beaten later within the pair needs no run); with them each leaf ran it."""
-        if self.best_choice is None or self.exact is None or self.shared_hosts:
+        """Where the engine is not slower, the best choice's time by the simpy engine, which the fast schedule equals
+        (checked here, once per pair: a choice beaten later within the pair needs no run); else each leaf ran it."""
+        if self.best_choice is None or self.exact is None or self.engine_slower:
             return
         measured = self.exact({r: o.par for r, o in self.best_choice.items()})
         self.stats.simpy_runs += 1
@@ -768,7 +769,8 @@ def _evaluate_pair(ctx: SearchContext, placement, allocation, threshold: float, 
 
     shared_hosts = (ctx.hw.compute.host_parallelism is not None  # GPUs: no PlanCosts to build per pair
                     and PlanCosts(ctx.workload, sets, {}, ctx.hw, ctx.gpus_per_node).host_ranks() is not None)
-    bb = _PairSearch(pair, threshold, stats, exact, shared_hosts=shared_hosts)
+    engine_slower = shared_hosts or ctx.hw.compute.idle_wake is not None
+    bb = _PairSearch(pair, threshold, stats, exact, engine_slower=engine_slower)
     bb.run()
     bb.finish()
     if bb.best_choice is None:

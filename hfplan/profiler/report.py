@@ -61,6 +61,11 @@ def fits_table(result: Result) -> Table:
     table.add_row("split by tensor parallelism: switch per tensor / each collective of a generation step us",
                   f"{rt.tp_switch_tensor_us:.1f} / {rt.tp_step_collective_us:.1f}",
                   "measured across the profiled world, beyond the modelled collectives (0: not measured)")
+    wake = hw.compute.idle_wake
+    table.add_row("a call after its process idled: idle ms -> extra us",
+                  ", ".join(f"{idle:g} -> {extra:,.0f}" for idle, extra in wake) if wake else "none",
+                  "measured: the rollout engine's generation of one prompt after each wait against back to back"
+                  if wake else "not measured (GPUs)")
     table.add_row("memory capacity / reserved GiB", f"{hw.memory.capacity_gib:g} / {hw.memory.reserved_gib:g}",
                   "per device")
     for label, link, fit in (("intra-node", hw.links.intra_node, fits.intra), ("host", hw.links.host, fits.host)):

@@ -9,7 +9,7 @@ from typing import Protocol
 
 import pandas as pd
 
-from hfplan.profiler import comm, compute, host_share, layers, pace, runtime
+from hfplan.profiler import comm, compute, host_share, idle_wake, layers, pace, runtime
 from hfplan.profiler.build import Fits, build_profile, device_tiling
 from hfplan.profiler.call_gaps import CALL_FIELDS
 from hfplan.profiler.device import Device
@@ -21,7 +21,7 @@ from hfplan.simulator.kernels import gemm_shape_efficiency, split_k_bytes
 
 COLUMNS = ("kind", "op", "dtype", "m", "k", "n", "flops", "bytes", "world", "link", "steps", "moved_bytes", "model",
            "scale", "hidden", "heads", "kv_heads", "ffn", "batch", "seq", "context", "tp", "tokens", "seconds", "rate",
-           "predicted_s", "error_pct")
+           "idle_ms", "predicted_s", "error_pct")
 
 
 class Tracker(Protocol):
@@ -32,6 +32,9 @@ class Tracker(Protocol):
 class Silent:
     def phase(self, name: str, total: int) -> Callable[[], None]:
         return lambda: None
+
+
+WAKE_TIMES = 25  # the idle-wake probe's timing, in the sweeps' min_time (a few seconds)
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,8 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
     # The machine's pace at the start and at the end (hfplan.profiler.pace): a shared or virtual machine that
     # changes speed while it is profiled shows it there.
     pace_start = pace.measure_step_seconds(torch) if device.kind == "cpu" else None
+    if device.kind == "cpu":  # alone in its process, before the world's other processes start
+        rows += idle_wake.measure_idle_wake(torch, WAKE_TIMES * sweeps.min_time)
     with _cpu_threads(torch, device):
         rows += compute.measure_matmuls(torch, device, sweeps.matmuls, sweeps.min_time,
                                         tracker.phase("matmul sweep", len(sweeps.matmuls)))
@@ -122,6 +127,13 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
             "description": profile.description + f" Host sharing: {device.world_size} processes computing at once "
                                                  f"did the work of {parallelism:g} processes each on cores of its "
                                                  "own (the rollout engine's decode, alone and together)."})
+    wake = idle_wake.fit_idle_wake(rows)
+    if wake is not None:
+        profile = profile.model_copy(update={
+            "compute": profile.compute.model_copy(update={"idle_wake": wake}),
+            "description": profile.description + f" Idle wake: the rollout engine's generation of one prompt ran "
+                                                 f"{wake[-1][1]:g} us longer after {wake[-1][0]:g} ms asleep than "
+                                                 "back to back (and at each shorter wait measured)."})
     with _cpu_threads(torch, device):
         across = runtime.EngineSeconds.from_rows(rows)
         rows = [r for r in rows if r["kind"] != "engine"]  # become runtime rows, with their predictions

@@ -123,6 +123,14 @@ class Compute(_Strict):
                                         "together). A call whose set has k ranks on a node computes "
                                         "max(1, k / host_parallelism) times slower (host_slowdown). None: every "
                                         "device computes on its own (GPUs)")
+    idle_wake: tuple[tuple[float, float], ...] | None = Field(
+        default=None, description="CPU processes: how much longer a call runs when its process waited idle before "
+                                  "it, as (idle ms, extra us) points, idle increasing, measured by `hfplan profile` "
+                                  "(the rollout engine's generation of one prompt timed back to back and after each "
+                                  "idle wait: a core that idled or ran other work meanwhile comes back slow, its "
+                                  "caches and the VM's virtual CPU cold). Between points the extra is interpolated "
+                                  "linearly, from none at no idle; beyond the last point it is the last's "
+                                  "(wake_seconds). None: not measured, no such cost (GPUs)")
 
     def host_slowdown(self, ranks: float) -> float:
         """How much slower each of `ranks` ranks of one host computes while all of them do (1: not shared); `ranks`
@@ -130,6 +138,32 @@ class Compute(_Strict):
         if self.host_parallelism is None:
             return 1.0
         return max(1.0, ranks / self.host_parallelism)
+
+    def wake_seconds(self, idle_s: float) -> float:
+        """Seconds a call runs longer after its process idled `idle_s` seconds (idle_wake; 0 without it)."""
+        if self.idle_wake is None or idle_s <= 0:
+            return 0.0
+        idle_ms = idle_s * 1e3
+        below_ms, below_us = 0.0, 0.0
+        for point_ms, extra_us in self.idle_wake:
+            if idle_ms <= point_ms:
+                return (below_us + (extra_us - below_us) * (idle_ms - below_ms) / (point_ms - below_ms)) * 1e-6
+            below_ms, below_us = point_ms, extra_us
+        return below_us * 1e-6
+
+    @field_validator("idle_wake")
+    @classmethod
+    def _rising_idle(cls, points: tuple[tuple[float, float], ...] | None) -> tuple[tuple[float, float], ...] | None:
+        if points is None:
+            return None
+        if not points:
+            raise ValueError("give at least one (idle ms, extra us) point, or leave it unset")
+        idles = [idle for idle, _ in points]
+        if any(idle <= 0 for idle in idles) or idles != sorted(set(idles)):
+            raise ValueError("idle times must be positive and increasing")
+        if any(extra < 0 for _, extra in points):
+            raise ValueError("extra microseconds must not be negative")
+        return points
 
     @field_validator("attention_rate")
     @classmethod

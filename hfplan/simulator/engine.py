@@ -95,6 +95,7 @@ def schedule(dag: Dag, plan_costs: PlanCosts) -> list[Scheduled]:
 
 
 EdgeSeconds = Callable[[int, int, float], float]
+Wake = Callable[[float], float]  # idle seconds of a set before a call -> the call's extra seconds
 
 
 @dataclass(frozen=True)
@@ -117,20 +118,26 @@ class Hosts:
         return cls(ranks, plan_costs.hw.compute.host_slowdown, controller)
 
 
+def wake_of(plan_costs: PlanCosts) -> Wake | None:
+    """The profile's cost of a call after its process idled (Compute.idle_wake), None where it has none."""
+    compute = plan_costs.hw.compute
+    return compute.wake_seconds if compute.idle_wake is not None else None
+
+
 def run(dag: Dag, plan_costs: PlanCosts) -> Timeline:
     return run_calls(schedule(dag, plan_costs), plan_costs.edge_seconds, plan_costs.workload.tokens_per_iteration,
-                     Hosts.of(plan_costs, dag))
+                     Hosts.of(plan_costs, dag), wake_of(plan_costs))
 
 
 def run_pipelined(dag: Dag, plan_costs: PlanCosts) -> Timeline:
     """One steady-state iteration of an asynchronous plan (hfplan.simulator.pipeline): the window's calls on the
     simpy engine, their generate calls without the weight sync, which follows the window on the rollout set."""
     return run_window(schedule(dag, plan_costs), plan_costs.edge_seconds, plan_costs.workload.tokens_per_iteration,
-                      Hosts.of(plan_costs, dag))
+                      Hosts.of(plan_costs, dag), wake_of(plan_costs))
 
 
-def run_window(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: int, hosts: Hosts | None = None
-               ) -> Timeline:
+def run_window(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: int, hosts: Hosts | None = None,
+               wake: Wake | None = None) -> Timeline:
     """The pipelined window of calls costed for the synchronous schedule (their one layout switch, the weight
     sync before the first generation, moves to the window's end)."""
     window = window_dag(Dag("", tuple(c.node for c in calls)))
@@ -139,7 +146,7 @@ def run_window(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: in
     moved = [Scheduled(window.nodes[0], rollout, 0.0, 0.0, None)]
     moved += [Scheduled(node, c.set, c.seconds, 0.0, None, c.dispatch)
               for node, c in zip(window.nodes[1:], calls, strict=True)]
-    ran = run_calls(moved, edge_seconds, tokens, hosts)
+    ran = run_calls(moved, edge_seconds, tokens, hosts, wake)
     end = ran.iteration_s
     spans = [s for s in ran.spans if s.role != PREVIOUS]
     spans.append(Span(role=ROLLOUT, op=WEIGHT_SYNC_OP, phase=GENERATION, set=rollout, start=end, end=end + sync,
@@ -147,16 +154,31 @@ def run_window(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: in
     return Timeline(tuple(spans), tokens, (*ran.critical, (GENERATION, sync)))
 
 
-def run_calls(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: int, hosts: Hosts | None = None
-              ) -> Timeline:
+def run_calls(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: int, hosts: Hosts | None = None,
+              wake: Wake | None = None) -> Timeline:
     """The simpy run of calls already costed: (source set, destination set, bytes) -> transfer seconds. `hosts`:
-    sets that share a host's cores compute slower while they compute at once (sharing.py); None: each alone."""
+    sets that share a host's cores compute slower while they compute at once (sharing.py); None: each alone.
+    `wake`: the seconds a call runs longer after its set idled so long before it (Compute.wake_seconds); a set's
+    first call of the iteration follows its last of the previous one, so with `wake` the iteration runs twice, the
+    second time with each set's idle tail of the first (the steady state)."""
+    if wake is None:
+        return _run_calls(calls, edge_seconds, tokens, hosts, None, {})[0]
+    first, ends = _run_calls(calls, edge_seconds, tokens, hosts, wake, {})
+    tails = {index: first.iteration_s - end for index, end in ends.items()}
+    return _run_calls(calls, edge_seconds, tokens, hosts, wake, tails)[0]
+
+
+def _run_calls(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: int, hosts: Hosts | None,
+               wake: Wake | None, tails: dict[int, float]) -> tuple[Timeline, dict[int, float]]:
+    """run_calls' one pass; `tails`: each set's idle seconds before the iteration starts. Also returns the end of
+    each set's last call."""
     by_id = {c.node.id: c for c in calls}
     env = simpy.Environment()
     done = {c.node.id: env.event() for c in calls}
     spans: list[Span] = []
     elapsed = {}  # each call's seconds from its dispatch to its end (its switch included)
     shared = SharedHosts(env, hosts.ranks, hosts.slowdown) if hosts is not None else None
+    ends: dict[int, float] = {}  # set -> end of its last call so far
 
     def work(index: int, seconds: float):
         if shared is not None and index in shared.ranks:
@@ -200,7 +222,11 @@ def run_calls(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: int
             spans.append(Span(role=role, op=switch_op(role), phase=c.node.phase, set=c.set,
                               start=start, end=env.now, kind="transition"))
         start = env.now
-        yield from work(c.set, c.seconds - c.dispatch)
+        cold = 0.0
+        if wake is not None and c.set >= 0:
+            cold = wake(begin - ends[c.set] if c.set in ends else begin + tails.get(c.set, 0.0))
+        yield from work(c.set, c.seconds - c.dispatch + cold)
+        ends[c.set] = env.now
         spans.append(Span(role=c.node.role, op=c.node.op + (GREEDY_MARK if c.node.greedy else ""),
                           phase=c.node.phase, set=c.set, start=start, end=env.now))
         elapsed[c.node.id] = env.now - begin
@@ -218,7 +244,7 @@ def run_calls(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: int
     precedence = Precedence(tuple(c.set for c in calls), tuple(
         tuple((index[e.src], edge_seconds(by_id[e.src].set, c.set, e.nbytes)) for e in c.node.deps) for c in calls))
     path = precedence.critical_path([elapsed[c.node.id] for c in calls])
-    return Timeline(tuple(spans), tokens, tuple((calls[i].node.phase, secs) for i, secs in path))
+    return Timeline(tuple(spans), tokens, tuple((calls[i].node.phase, secs) for i, secs in path)), ends
 
 
 def critical_path(dag: Dag, plan_costs: PlanCosts) -> float:
