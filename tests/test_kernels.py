@@ -173,3 +173,20 @@ def test_a_prefill_writes_its_keys_and_values_into_the_kv_cache_by_hand(toy_hw, 
     every_logit = head_forward(toy_hw, small_arch, 1000, 1, "lm").elementwise  # a log-prob pass scores every token
     assert forward["elementwise"] == pytest.approx(2 * layer.elementwise + every_logit + embedding)
 
+
+def test_a_parallel_block_has_one_norm_a_layer_by_hand(toy_hw, small_arch):
+    """A parallel block (GPT-J: attention and MLP both read ln_1's output) drops one norm a layer: its kernel (read
+    and write 64 values of 2 bytes for each of 1000 tokens: 256,000 B at 5e11 B/s, 0.512 us + 5 us), its weights (h = 64
+    a layer) and its saved input and output (2h values a token); GEMMs and attention are unchanged."""
+    from dataclasses import replace
+
+    from hfplan.simulator.kernels import layer_forward
+    from hfplan.simulator.memory import activation_values_per_token_layer
+
+    parallel = replace(small_arch, parallel_block=True)
+    sequential, side_by_side = (layer_forward(toy_hw, a, 1000, 500, 1) for a in (small_arch, parallel))
+    assert sequential.elementwise - side_by_side.elementwise == pytest.approx(5.512e-6)
+    assert (sequential.gemm, sequential.attention) == (side_by_side.gemm, side_by_side.attention)
+    assert small_arch.params_per_layer - parallel.params_per_layer == 64
+    assert (activation_values_per_token_layer(small_arch, 1) - activation_values_per_token_layer(parallel, 1)
+            == 2 * 64)

@@ -262,9 +262,9 @@ def layer_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per_
     attention = attention_time(hw, arch, tokens, keys_per_token, tp, decode, seq_len)
     rotated = arch.rotary_share * (shard(q, tp) + kv_local)
     elementwise = (
-        2 * memory_time(hw, v * 2 * tokens * h)  # two norms: read and write h
+        arch.norms * memory_time(hw, v * 2 * tokens * h)  # the norms (two, one in a parallel block): read, write h
         + memory_time(hw, v * 2 * tokens * rotated)  # rotary on q and k (its share of them)
-        + 2 * memory_time(hw, v * 3 * tokens * h)  # two residual adds
+        + 2 * memory_time(hw, v * 3 * tokens * h)  # two residual adds (a parallel block sums three: two adds)
         + memory_time(hw, v * (up + 1) * tokens * shard(f, tp))  # silu(gate) * up, or gelu(up)
     )
     return LayerCost(gemm=gemm, attention=attention, elementwise=elementwise,
