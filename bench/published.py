@@ -18,7 +18,8 @@ Assumptions common to the cases:
   (ModelArch.linear_bias, kernels.bias_gradients_time). Inference cases need no bias term (GPT-J's MLP biases ride
   the epilogues). A LayerNorm's bias is computed inside its own kernels: a fused LayerNorm moves the bytes an RMSNorm
   does. GPT-J's parallel
-  attention and MLP (one norm per layer, one residual add) is priced as two sequential blocks.
+  attention and MLP read one norm's output (ModelArch.parallel_block: one norm a layer); its three-way residual sum
+  is priced as the two adds an eager sum makes.
 - Where a published system's network differs from the shipped profile's, the case prices the shipped profile with
   that one link changed (`_with_inter_node`, `_without_nvls`), and says so.
 - Where a published run's attention kernel is not the shipped profiles' (FlashAttention-2), the case prices the
@@ -224,10 +225,11 @@ def _with_fsdp1(hw: HardwareProfile) -> HardwareProfile:
 
 
 def gpt_arch(name: str, layers: int, hidden: int, heads: int, vocab: int, rotary_dim: int, tied: bool = True,
-             linear_bias: bool = False) -> ModelArch:
+             linear_bias: bool = False, parallel_block: bool = False) -> ModelArch:
     """A GPT-style model: a GeLU MLP 4h wide, multi-head attention, `rotary_dim` rotated dimensions per head."""
     return ModelArch(name, layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=4 * hidden, vocab=vocab,
-                     tied_embeddings=tied, mlp="gelu", rotary_dim=rotary_dim, linear_bias=linear_bias)
+                     tied_embeddings=tied, mlp="gelu", rotary_dim=rotary_dim, linear_bias=linear_bias,
+                     parallel_block=parallel_block)
 
 
 # MPT sizes: mosaicml/llm-foundry scripts/train/yamls/pretrain/mpt-{1b,3b,7b,13b,30b,70b}.yaml (d_model, n_heads,
@@ -241,8 +243,10 @@ MPT = {size: gpt_arch(f"mpt-{size}", layers, hidden, heads, 50368, rotary_dim=0,
        for size, layers, hidden, heads in (("1b", 24, 2048, 16), ("3b", 32, 2560, 20), ("7b", 32, 4096, 32),
                                            ("13b", 40, 5120, 40), ("30b", 48, 7168, 56), ("70b", 80, 8192, 64))}
 # GPT-J 6B (EleutherAI/gpt-j-6b config.json: n_layer 28, n_embd 4096, n_head 16, rotary_dim 64, vocab 50400,
-# untied head).
-GPTJ = gpt_arch("gpt-j-6b", 28, 4096, 16, 50400, rotary_dim=64, tied=False)
+# untied head). Its block runs attention and MLP side by side on one LayerNorm's output (transformers'
+# modeling_gptj.py GPTJBlock: ln_1 only, `attn_output + feed_forward_hidden_states + residual`; TensorRT-LLM's
+# GPTJDecoderLayer the same): ModelArch.parallel_block, one norm a layer.
+GPTJ = gpt_arch("gpt-j-6b", 28, 4096, 16, 50400, rotary_dim=64, tied=False, parallel_block=True)
 
 
 # ---------------------------------------------------------------------------------------------- predictions

@@ -149,3 +149,44 @@ def test_hopper_profiles_price_the_sustained_best_shape_gemm_at_its_measured_rat
     seconds = gemm_time(hw, 8192, 20480, 8448) - hw.compute.kernel_overhead_us * 1e-6
     assert flops / seconds / 1e12 == pytest.approx(708.5 * 320 / 323, rel=1e-3)
     assert flops / seconds / 1e12 < 0.9 * 792.1 * 320 / 323
+
+
+def test_a_prefill_writes_its_keys_and_values_into_the_kv_cache_by_hand(toy_hw, small_arch):
+    """small_arch (conftest: 2 layers, kv_heads 2 of head_dim 16, kv 32) on toy_hw (5e11 B/s, 5 us a kernel), a
+    prompt of 1000 tokens: each layer reads the 1000 tokens' k and v and writes them into the cache, 4 x 32 values of
+    2 bytes a token = 256,000 B, 0.512 us + 5 us. At tp 2 a rank holds one KV head: half the bytes. A forward of the
+    same tokens without a cache (inference, training) makes no such pass."""
+    from hfplan.plan import InferConfig, Layout
+    from hfplan.simulator import costs
+    from hfplan.simulator.kernels import head_forward, kv_cache_write_time, layer_forward
+
+    assert kv_cache_write_time(toy_hw, small_arch, 1000, 1) == pytest.approx(5.512e-6)
+    assert kv_cache_write_time(toy_hw, small_arch, 1000, 2) == pytest.approx(5.256e-6)
+    one = costs.SetShape(1, 8)
+    prefill = costs.prefill_parts(toy_hw, small_arch, Layout(), one, 1, 1000)
+    forward = costs.inference_parts(toy_hw, small_arch, InferConfig(), one, 1, 1000, head="lm")
+    layer = layer_forward(toy_hw, small_arch, 1000, 500.5, 1, False, 1000)
+    head_norm = 5e-6 + 2 * 2 * 1 * 64 / 5e11  # the final norm over the last token only
+    embedding = 5e-6 + 2 * 2 * 1000 * 64 / 5e11
+    assert prefill["elementwise"] == pytest.approx(2 * (layer.elementwise + 5.512e-6) + head_norm + embedding
+                                                   + 5e-6 + 4 * 3 * 260 / 5e11)  # the last token's log-softmax
+    every_logit = head_forward(toy_hw, small_arch, 1000, 1, "lm").elementwise  # a log-prob pass scores every token
+    assert forward["elementwise"] == pytest.approx(2 * layer.elementwise + every_logit + embedding)
+
+
+def test_a_parallel_block_has_one_norm_a_layer_by_hand(toy_hw, small_arch):
+    """A parallel block (GPT-J: attention and MLP both read ln_1's output) drops one norm a layer: its kernel (read
+    and write 64 values of 2 bytes for each of 1000 tokens: 256,000 B at 5e11 B/s, 0.512 us + 5 us), its weights (h = 64
+    a layer) and its saved input and output (2h values a token); GEMMs and attention are unchanged."""
+    from dataclasses import replace
+
+    from hfplan.simulator.kernels import layer_forward
+    from hfplan.simulator.memory import activation_values_per_token_layer
+
+    parallel = replace(small_arch, parallel_block=True)
+    sequential, side_by_side = (layer_forward(toy_hw, a, 1000, 500, 1) for a in (small_arch, parallel))
+    assert sequential.elementwise - side_by_side.elementwise == pytest.approx(5.512e-6)
+    assert (sequential.gemm, sequential.attention) == (side_by_side.gemm, side_by_side.attention)
+    assert small_arch.params_per_layer - parallel.params_per_layer == 64
+    assert (activation_values_per_token_layer(small_arch, 1) - activation_values_per_token_layer(parallel, 1)
+            == 2 * 64)

@@ -52,6 +52,10 @@ class ModelArch:
     # Dimensions of each head rotary embeddings rotate: None every one (Llama); 0 none (ALiBi or learned
     # positions: MPT, GPT-2); GPT-J rotates 64 of its 256.
     rotary_dim: int | None = None
+    # Attention and MLP side by side on one norm's output, their outputs added to the residual together (GPT-J's
+    # GPTJBlock: ln_1 only, `attn_output + feed_forward_hidden_states + residual`; GPT-NeoX's use_parallel_residual):
+    # one norm a layer, not two. Only what the cost model describes: hfplan's executor builds sequential blocks.
+    parallel_block: bool = False
 
     def __post_init__(self) -> None:
         if min(self.layers, self.hidden, self.heads, self.kv_heads, self.ffn, self.vocab) <= 0:
@@ -89,8 +93,12 @@ class ModelArch:
         if self.linear_bias:
             attn += h
             mlp += (self.mlp_matrices - 1) * self.ffn + h
-        norms = 2 * h
-        return attn + mlp + norms
+        return attn + mlp + self.norms * h
+
+    @property
+    def norms(self) -> int:
+        """Norms of one layer: before the attention and before the MLP, or one for both (parallel_block)."""
+        return 1 if self.parallel_block else 2
 
     @property
     def mlp_matrices(self) -> int:

@@ -34,6 +34,7 @@ from hfplan.simulator.kernels import (
     LayerCost,
     embedding_forward,
     head_forward,
+    kv_cache_write_time,
     layer_forward,
     memory_time,
 )
@@ -400,9 +401,10 @@ def prefill_parts(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetS
     head = _head_forward(hw, arch, batch, cfg.tp, "lm", memo=memo)  # logits of the last prompt token only
     embed = embedding_forward(hw, arch, tokens)
     n = arch.layers
+    cache = kv_cache_write_time(hw, arch, tokens, cfg.tp)  # the prompt's keys and values into the KV cache
     return on_shared_host(hw, where, Parts(
         gemm=n * layer.gemm + head.gemm, attention=n * layer.attention,
-        elementwise=n * layer.elementwise + head.elementwise + embed.elementwise,
+        elementwise=n * (layer.elementwise + cache) + head.elementwise + embed.elementwise,
         tp_comm=n * _layer_tp_comm(hw, arch, tokens, cfg.tp, where) + _step_collectives_fixed(hw, arch, cfg.tp),
         pp_comm=(cfg.pp - 1) * _p2p(hw, arch, cfg, where, tokens),
         runtime=hw.runtime.engine_step_s(batching, batch)), 1 / cfg.pp)

@@ -212,6 +212,19 @@ def attention_time(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per
             + kernel_time(hw, half_flops, io_bytes / 2 + scores))  # PV: read them and v, write the output
 
 
+def kv_cache_write_time(hw: HardwareProfile, arch: ModelArch, tokens: float, tp: int) -> float:
+    """One layer of a prefill storing its `tokens` tokens' keys and values in the KV cache, on one of `tp` GPUs: a
+    pass that reads each token's k and v (the KV heads this rank holds) and writes them into the cache, 4 x kv values
+    a token. Every generation engine makes it: vLLM's attention layer calls `reshape_and_cache_flash` (v1
+    attention backends, flash_attn.py), hfplan's torch engine copies each layer's k and v into its preallocated cache
+    (`_forward`: `keys.narrow(...).copy_(k)`, `values...copy_(v)`), TensorRT-LLM's context phase writes them from
+    the kernel that adds the QKV bias and rotates q and k in place (`invokeApplyBiasRopeUpdateKVCache`,
+    gptAttentionCommon). A training or log-prob forward keeps no cache and makes none; a decode step appends one
+    token's k and v, bytes a step's cache read dwarfs, not priced."""
+    kv_local = kv_heads_per_rank(arch.kv_heads, tp) * arch.dim_per_head
+    return memory_time(hw, hw.compute.value_bytes * 4 * tokens * kv_local)
+
+
 def biased_widths(arch: ModelArch, tp: int) -> list[float]:
     """Output widths, on one of `tp` GPUs, of a layer's projections that carry a bias: q, k and v where the attention
     has biases (ModelArch.attention_bias, linear_bias), and the attention's output and the MLP's where every
@@ -249,9 +262,9 @@ def layer_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per_
     attention = attention_time(hw, arch, tokens, keys_per_token, tp, decode, seq_len)
     rotated = arch.rotary_share * (shard(q, tp) + kv_local)
     elementwise = (
-        2 * memory_time(hw, v * 2 * tokens * h)  # two norms: read and write h
+        arch.norms * memory_time(hw, v * 2 * tokens * h)  # the norms (two, one in a parallel block): read, write h
         + memory_time(hw, v * 2 * tokens * rotated)  # rotary on q and k (its share of them)
-        + 2 * memory_time(hw, v * 3 * tokens * h)  # two residual adds
+        + 2 * memory_time(hw, v * 3 * tokens * h)  # two residual adds (a parallel block sums three: two adds)
         + memory_time(hw, v * (up + 1) * tokens * shard(f, tp))  # silu(gate) * up, or gelu(up)
     )
     return LayerCost(gemm=gemm, attention=attention, elementwise=elementwise,

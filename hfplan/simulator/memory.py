@@ -22,10 +22,11 @@ from hfplan.spec import ResponseLengths
 
 def activation_values_per_token_layer(arch: ModelArch, tp: int) -> float:
     """Values one layer saves per token for its backward pass (flash attention, no sequence parallel):
-    the two norm inputs and outputs (4h), q, k, v and the attention output (sharded by tp), and the
-    MLP's gate, up and gated outputs (SwiGLU) or its up and activated outputs (GeLU), sharded by tp."""
+    the two norm inputs and outputs (4h; 2h for a parallel block's one norm), q, k, v and the attention output
+    (sharded by tp), and the MLP's gate, up and gated outputs (SwiGLU) or its up and activated outputs (GeLU),
+    sharded by tp."""
     kv = kv_heads_per_rank(arch.kv_heads, tp) * arch.dim_per_head
-    return 4 * arch.hidden + (2 * arch.q_dim / tp + 2 * kv) + arch.mlp_matrices * arch.ffn / tp
+    return 2 * arch.norms * arch.hidden + (2 * arch.q_dim / tp + 2 * kv) + arch.mlp_matrices * arch.ffn / tp
 
 
 def layer_working_values_per_token(arch: ModelArch, tp: int) -> float:
