@@ -196,7 +196,7 @@ def test_sets_of_a_split_plan_on_one_shared_host_are_simulated_slower_than_alone
     for name, parallelism in (("one-core", 1.0), ("own-cores", None)):
         paths[name] = tmp_path / f"{name}.yaml"
         paths[name].write_text(cpu.model_copy(update={"name": name, "compute": cpu.compute.model_copy(
-            update={"host_parallelism": parallelism})}).to_yaml())
+            update={"host_parallelism": parallelism, "idle_wake": None})}).to_yaml())  # sharing alone
     plan = _split_plan(str(paths["one-core"]))
     assert [group.models for group in plan.placement][0] == ["actor"] and len(plan.placement) == 2
     sim = simulate_plan(plan)
