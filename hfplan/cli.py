@@ -830,7 +830,8 @@ def validate(
         write_outputs([(timeline, timeline_chart(timeline, spans, rows, title=f"simulated vs measured: "
                                                                             f"{plan_title(plan)}"))])
     if as_json:
-        body = {"plan": str(plan_path), "iterations": iterations, "response_len_mean": result.response_len_mean,
+        body = {"plan": str(plan_path), "iterations": iterations, "prompt_len": result.plan.workload.prompt_len,
+                "response_len_mean": result.response_len_mean,
                 "response_len_counts": [list(pair) for pair in result.response_len_counts],
                 "simulated_cluster": {"gpus": result.plan.cluster.gpus,
                                       "gpus_per_node": result.plan.cluster.gpus_per_node},
@@ -869,7 +870,8 @@ def render_validation(result) -> None:
     counts = result.response_len_counts
     cluster = result.plan.cluster
     console.print(f"simulated with the measured response lengths ({sum(n for _, n in counts)} responses, mean "
-                  f"{result.response_len_mean:.1f} tokens, longest {max(length for length, _ in counts)}), on "
+                  f"{result.response_len_mean:.1f} tokens, longest {max(length for length, _ in counts)}) and prompt "
+                  f"width ({result.plan.workload.prompt_len} tokens), on "
                   f"{cluster.nodes} node(s) of {cluster.gpus_per_node} as the run placed its {cluster.gpus} "
                   "process(es); error = (simulated - measured) / measured", highlight=False)
     if result.other_cpu_cores is not None:

@@ -101,10 +101,12 @@ def test_encode_left_pads_and_keeps_the_last_tokens():
     tok, codec = build_tokenizer("tiny-arith"), build_codec("tiny-arith")
     word = tok.convert_tokens_to_ids
     pad, bos = tok.pad_token_id, tok.bos_token_id
-    out = codec.encode(["add 3 5 =", "sub 10 2 ="], prompt_len=7)
-    assert out.dtype == np.int64 and out.shape == (2, 7)
-    assert out[0].tolist() == [pad, pad, bos, word("add"), word("3"), word("5"), word("=")]
-    short = codec.encode(["add 3 5 ="], prompt_len=3)
+    out = codec.encode(["add 3 5 =", "="], prompt_len=7)  # as wide as the longest prompt, within prompt_len
+    assert out.dtype == np.int64 and out.shape == (2, 5)
+    assert out[0].tolist() == [bos, word("add"), word("3"), word("5"), word("=")]
+    assert out[1].tolist() == [pad, pad, pad, bos, word("=")]
+    short = codec.encode(["add 3 5 =", "="], prompt_len=3)
+    assert short.shape == (2, 3) and short[1].tolist() == [pad, bos, word("=")]
     assert short[0].tolist() == [word("3"), word("5"), word("=")]
     with pytest.raises(HfplanError, match="prompt length must be positive"):
         codec.encode(["add 3 5 ="], prompt_len=0)

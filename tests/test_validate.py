@@ -225,6 +225,7 @@ def test_two_iterations_compared_as_json(tiny_plan_file, tmp_path, ray_driver):
     cluster = body["simulated_cluster"]  # the local run's processes on one node
     assert cluster["gpus"] == placed and cluster["gpus_per_node"] >= placed
     counts, workload = body["response_len_counts"], tiny_workload()  # the plan's: the compared iteration's responses
+    assert 1 <= body["prompt_len"] <= workload.prompt_len  # the width the run padded the compared prompts to
     assert sum(n for _, n in counts) == workload.sequences
     assert all(1 <= length <= workload.response_len for length, _ in counts)
     assert body["response_len_mean"] == pytest.approx(sum(length * n for length, n in counts) / workload.sequences)

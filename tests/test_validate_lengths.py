@@ -3,7 +3,7 @@
 import pytest
 
 from hfplan.simulator.engine import simulate_plan
-from hfplan.validation.run import length_counts, with_response_lengths
+from hfplan.validation.run import length_counts, with_prompt_len, with_response_lengths
 from tests.support.executor_runs import cpu_plan, tiny_workload
 
 
@@ -22,6 +22,18 @@ def test_the_simulation_is_costed_with_the_measured_lengths_even_after_the_plan_
     assert [length for length, _ in lengths.points] == [1, 2, longest]
     assert [p for _, p in lengths.points] == pytest.approx([0.6, 0.2, 0.2])
     assert lengths.mean == pytest.approx((3 + 2 + longest) / 5)
+    assert simulate_plan(costed).estimate.iteration_s < before
+
+
+def test_the_simulation_is_costed_at_the_prompts_median_width_after_the_plan_was_costed():
+    """The run pads each iteration's prompts to its longest (TextCodec.encode): validate costs the compared
+    iterations' median width, on a copy that keeps no cached cost of the workload's prompt_len."""
+    plan = cpu_plan(tiny_workload(), [(("actor", "critic", "reference"), 1)])
+    before = simulate_plan(plan).estimate.iteration_s
+    narrow = plan.workload.prompt_len // 2
+    costed = with_prompt_len(plan, [narrow, narrow + 1, narrow, plan.workload.prompt_len])
+    assert costed.workload.prompt_len == round((narrow + narrow + 1) / 2)
+    assert costed.workload.model_dump(exclude={"prompt_len"}) == plan.workload.model_dump(exclude={"prompt_len"})
     assert simulate_plan(costed).estimate.iteration_s < before
 
 

@@ -111,14 +111,17 @@ class TextCodec:
     pad_id: int
 
     def encode(self, texts: Sequence[str], prompt_len: int) -> np.ndarray:
-        """[B, prompt_len] int64 token ids, left-padded; a longer prompt keeps its last `prompt_len` tokens."""
+        """[B, P] int64 token ids, left-padded to the batch's longest prompt (P at most `prompt_len`, at least 1); a
+        longer prompt keeps its last `prompt_len` tokens. Columns that are padding in every row would only cost
+        every forward work (positions skip left padding, so no real token's output depends on them)."""
         if prompt_len <= 0:
             raise HfplanError(f"prompt length must be positive, got {prompt_len}")
-        out = np.full((len(texts), prompt_len), self.pad_id, dtype=np.int64)
-        for i, ids in enumerate(self.encode_batch(list(texts))):
-            kept = ids[-prompt_len:]
-            if kept:
-                out[i, prompt_len - len(kept):] = kept
+        kept = [ids[-prompt_len:] for ids in self.encode_batch(list(texts))]
+        width = max([1, *(len(ids) for ids in kept)])
+        out = np.full((len(texts), width), self.pad_id, dtype=np.int64)
+        for i, ids in enumerate(kept):
+            if ids:
+                out[i, width - len(ids):] = ids
         return out
 
     def decode_responses(self, responses: np.ndarray, mask: np.ndarray) -> list[str]:

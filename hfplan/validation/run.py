@@ -72,6 +72,13 @@ def with_response_lengths(plan: Plan, counts: Sequence[tuple[int, int]]) -> Plan
     return plan.model_copy(update={"workload": workload})
 
 
+def with_prompt_len(plan: Plan, widths: Sequence[int]) -> Plan:
+    """The plan's workload with the prompt length the run padded its prompts to: each iteration's prompts are as
+    wide as its longest (TextCodec.encode, at most prompt_len), costed at the compared iterations' median width."""
+    workload = plan.workload.model_copy(update={"prompt_len": max(1, round(typical(widths)))})
+    return plan.model_copy(update={"workload": workload})
+
+
 def from_zero(spans: Sequence[Span]) -> list[Span]:
     origin = min((s.start for s in spans), default=0.0)
     return [s.model_copy(update={"start": s.start - origin, "end": s.end - origin}) for s in spans]
@@ -125,7 +132,7 @@ def validate(plan: Plan, options, labels: Sequence[str],
     measured = [from_zero(r.spans) for r in timed]
     lengths = [int(n) for r in timed for n in r.sampled["response_mask"].sum(axis=1)]
     counts = length_counts(lengths, plan.workload.response_len)
-    costed = with_response_lengths(as_run, counts)
+    costed = with_prompt_len(with_response_lengths(as_run, counts), [r.sampled["prompts"].shape[1] for r in timed])
     result = simulate_plan(costed)
     simulated = list(result.estimate.timeline)
     measured_gib = peak_gib_per_set(summary.peak_memory_bytes, len(plan.placement))
