@@ -248,7 +248,8 @@ def _run_calls(calls: Sequence[Scheduled], edge_seconds: EdgeSeconds, tokens: in
 
 
 def critical_path(dag: Dag, plan_costs: PlanCosts) -> float:
-    """The iteration time the engine must reproduce, as the schedule rule's longest path (without simpy)."""
+    """The iteration time the engine must reproduce, as the schedule rule's longest path (without simpy); where sets
+    share a host's cores or a call after an idle wait costs more (Compute.idle_wake), a lower bound of it."""
     calls = schedule(dag, plan_costs)
     precedence = Precedence.of(dag, [c.set for c in calls], plan_costs.edge_seconds)
     return precedence.makespan([c.switch + c.seconds for c in calls])
