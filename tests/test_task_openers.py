@@ -61,7 +61,8 @@ def test_a_call_opening_a_task_pays_the_opening_on_top_of_its_dispatch_and_the_c
     base = load_hardware("cpu")
     hw = base.model_copy(update={"runtime": base.runtime.model_copy(update={"task_dispatch_us": None,
                                                                             "rank_dispatch_us": 0.0,
-                                                                            "controller_task_cpu_us": 0.0})})
+                                                                            "controller_task_cpu_us": 0.0}),
+                                 "compute": base.compute.model_copy(update={"idle_wake": None})})  # openings alone
     opened = hw.model_copy(update={"runtime": hw.runtime.model_copy(
         update={"task_dispatch_us": hw.runtime.call_dispatch_s() * 1e6 + 1000.0})})
     times = []
