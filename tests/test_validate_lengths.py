@@ -30,9 +30,9 @@ def test_the_simulation_is_costed_at_the_prompts_median_width_after_the_plan_was
     iterations' median width, on a copy that keeps no cached cost of the workload's prompt_len."""
     plan = cpu_plan(tiny_workload(), [(("actor", "critic", "reference"), 1)])
     before = simulate_plan(plan).estimate.iteration_s
-    narrow = plan.workload.prompt_len // 2
-    costed = with_prompt_len(plan, [narrow, narrow + 1, narrow, plan.workload.prompt_len])
-    assert costed.workload.prompt_len == round((narrow + narrow + 1) / 2)
+    assert plan.workload.prompt_len == 8
+    costed = with_prompt_len(plan, [3, 5, 5, 8])  # median 5
+    assert costed.workload.prompt_len == 5
     assert costed.workload.model_dump(exclude={"prompt_len"}) == plan.workload.model_dump(exclude={"prompt_len"})
     assert simulate_plan(costed).estimate.iteration_s < before
 

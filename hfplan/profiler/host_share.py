@@ -24,16 +24,11 @@ OPS = ("probe_alone", "probe_together")
 def measure_sharing(torch, dist, budget_s: float) -> list[dict]:
     """Rows (kind `sharing`, on rank 0) of the probe's seconds per call alone and together; every rank of the
     process group calls this. `budget_s`: about how long the whole measurement takes."""
-    from hfplan.executor.models import build_model
     from hfplan.executor.rollout.base import SamplingParams
-    from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
     from hfplan.profiler import runtime
-    from hfplan.profiles.models import CATALOG
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = build_model(runtime.MODEL, "lm", seed=0, dtype=torch.float32).eval()
-    prompts = torch.randint(1, CATALOG[runtime.MODEL].vocab, (1, runtime.PROMPT))
-    engine = TorchRolloutEngine(model, pad_id=0, eos_id=-1)  # no token is -1: every response runs LONG tokens
+    engine, prompts = runtime.cpu_probe(torch)
     params = SamplingParams(max_new_tokens=runtime.LONG)
 
     def calls(reps: int) -> float:

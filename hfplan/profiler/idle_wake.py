@@ -27,18 +27,13 @@ AFTER_IDLE = "after_idle"
 def measure_idle_wake(torch, budget_s: float) -> list[dict]:
     """Rows (kind `wake`) of the probe's seconds back to back (idle_ms 0) and after each idle wait; about
     `budget_s` of timing, at least LEAST_ROUNDS rounds."""
-    from hfplan.executor.models import build_model
     from hfplan.executor.rollout.base import SamplingParams
-    from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
     from hfplan.profiler import runtime
-    from hfplan.profiles.models import CATALOG
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = build_model(runtime.MODEL, "lm", seed=0, dtype=torch.float32).eval()
-        prompts = torch.randint(1, CATALOG[runtime.MODEL].vocab, (1, runtime.PROMPT))
-        engine = TorchRolloutEngine(model, pad_id=0, eos_id=-1)  # no token is -1: every response runs LONG tokens
+        engine, prompts = runtime.cpu_probe(torch)
         params = SamplingParams(max_new_tokens=runtime.LONG)
 
         def call() -> float:

@@ -44,17 +44,13 @@ def profiled_step_seconds(profile: HardwareProfile) -> float | None:
 def measure_step_seconds(torch, min_time: float = PROBE_SECONDS) -> float:
     """The probe, timed here with one CPU thread (as an executor worker on CPU runs; the thread count is put
     back after)."""
-    from hfplan.executor.models import build_model
-    from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
     from hfplan.profiler import runtime
     from hfplan.profiler.timing import Clock
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = build_model(runtime.MODEL, "lm", seed=0, dtype=torch.float32).eval()
-        prompts = torch.randint(1, CATALOG[runtime.MODEL].vocab, (1, runtime.PROMPT))
-        engine = TorchRolloutEngine(model, pad_id=0, eos_id=-1)
+        engine, prompts = runtime.cpu_probe(torch)
         return runtime.step_seconds(Clock(torch, "cpu"), engine, prompts, min_time)
     finally:
         torch.set_num_threads(threads)

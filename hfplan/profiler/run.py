@@ -122,18 +122,14 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
     # How the world's processes share the host's cores (CPU); the runtime's fixed costs are fitted against it.
     parallelism = host_share.fit_parallelism(rows)
     if parallelism is not None:
-        profile = profile.model_copy(update={
-            "compute": profile.compute.model_copy(update={"host_parallelism": parallelism}),
-            "description": profile.description + f" Host sharing: {device.world_size} processes computing at once "
-                                                 f"did the work of {parallelism:g} processes each on cores of its "
-                                                 "own (the rollout engine's decode, alone and together)."})
+        profile = _with_compute(profile, f" Host sharing: {device.world_size} processes computing at once did the "
+                                         f"work of {parallelism:g} processes each on cores of its own (the rollout "
+                                         "engine's decode, alone and together).", host_parallelism=parallelism)
     wake = idle_wake.fit_idle_wake(rows)
     if wake is not None:
-        profile = profile.model_copy(update={
-            "compute": profile.compute.model_copy(update={"idle_wake": wake}),
-            "description": profile.description + f" Idle wake: the rollout engine's generation of one prompt ran "
-                                                 f"{wake[-1][1]:g} us longer after {wake[-1][0]:g} ms asleep than "
-                                                 "back to back (and at each shorter wait measured)."})
+        profile = _with_compute(profile, f" Idle wake: the rollout engine's generation of one prompt ran "
+                                         f"{wake[-1][1]:g} us longer after {wake[-1][0]:g} ms asleep than back to "
+                                         "back (and at each shorter wait measured).", idle_wake=wake)
     with _cpu_threads(torch, device):
         across = runtime.EngineSeconds.from_rows(rows)
         rows = [r for r in rows if r["kind"] != "engine"]  # become runtime rows, with their predictions
@@ -179,6 +175,12 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
     frame = pd.DataFrame(rows)
     frame = frame[[c for c in COLUMNS if c in frame.columns]]
     return Result(profile=profile, measurements=frame, fits=fits, layers=plan, device=device, pace_s=pace_s)
+
+
+def _with_compute(profile: HardwareProfile, sentence: str, **fields) -> HardwareProfile:
+    """The profile with compute fields measured here, and the sentence of its description that says how."""
+    return profile.model_copy(update={"compute": profile.compute.model_copy(update=fields),
+                                      "description": profile.description + sentence})
 
 
 def effective_flops(row: dict, tiling) -> float:

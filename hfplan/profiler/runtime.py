@@ -54,6 +54,17 @@ class RuntimeFit:
     worker_resident_gib: float = 0.0  # a Ray worker's own resident memory, measured with them
 
 
+def cpu_probe(torch):
+    """The engine and prompt the CPU probes time (the machine's pace, the host's sharing, the wake after a wait):
+    the rollout engine on MODEL in fp32 and one PROMPT-token prompt. No token is -1, so a generation runs every
+    token it is asked for."""
+    from hfplan.executor.models import build_model
+    from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
+
+    model = build_model(MODEL, "lm", seed=0, dtype=torch.float32).eval()
+    return TorchRolloutEngine(model, pad_id=0, eos_id=-1), torch.randint(1, CATALOG[MODEL].vocab, (1, PROMPT))
+
+
 def fixed_us(measured_s: float, predicted_s: float) -> float:
     """Microseconds of a unit of work beyond its modelled kernels (never negative)."""
     return max(0.0, measured_s - predicted_s) * 1e6

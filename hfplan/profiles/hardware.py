@@ -6,9 +6,11 @@ nothing in the cost model is a hard-coded hardware constant.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -53,6 +55,15 @@ class GemmTiling(_Strict):
     def __hash__(self) -> int:
         # Tilings key the GEMM efficiency cache: hash the plain field values, not through pydantic.
         return hash((self.sm_count, self.tiles, self.tile_k, self.stages, self.split_k))
+
+
+def _rising_points(points: Sequence[tuple[float, float]], point: str, firsts: str) -> None:
+    """A table of points must have one at least, its first values positive and increasing."""
+    if not points:
+        raise ValueError(f"give at least one {point} point, or leave it unset")
+    xs = [x for x, _ in points]
+    if any(x <= 0 for x in xs) or xs != sorted(set(xs)):
+        raise ValueError(f"{firsts} must be positive and increasing")
 
 
 class Compute(_Strict):
@@ -143,24 +154,15 @@ class Compute(_Strict):
         """Seconds a call runs longer after its process idled `idle_s` seconds (idle_wake; 0 without it)."""
         if self.idle_wake is None or idle_s <= 0:
             return 0.0
-        idle_ms = idle_s * 1e3
-        below_ms, below_us = 0.0, 0.0
-        for point_ms, extra_us in self.idle_wake:
-            if idle_ms <= point_ms:
-                return (below_us + (extra_us - below_us) * (idle_ms - below_ms) / (point_ms - below_ms)) * 1e-6
-            below_ms, below_us = point_ms, extra_us
-        return below_us * 1e-6
+        idles, extras = zip((0.0, 0.0), *self.idle_wake, strict=True)
+        return float(np.interp(idle_s * 1e3, idles, extras)) * 1e-6  # the last point's beyond it
 
     @field_validator("idle_wake")
     @classmethod
     def _rising_idle(cls, points: tuple[tuple[float, float], ...] | None) -> tuple[tuple[float, float], ...] | None:
         if points is None:
             return None
-        if not points:
-            raise ValueError("give at least one (idle ms, extra us) point, or leave it unset")
-        idles = [idle for idle, _ in points]
-        if any(idle <= 0 for idle in idles) or idles != sorted(set(idles)):
-            raise ValueError("idle times must be positive and increasing")
+        _rising_points(points, "(idle ms, extra us)", "idle times")
         if any(extra < 0 for _, extra in points):
             raise ValueError("extra microseconds must not be negative")
         return points
@@ -170,11 +172,7 @@ class Compute(_Strict):
     def _rising_lengths(cls, points: tuple[tuple[int, float], ...] | None) -> tuple[tuple[int, float], ...] | None:
         if points is None:
             return None
-        if not points:
-            raise ValueError("give at least one (sequence length, fraction of peak) point, or leave it unset")
-        lengths = [length for length, _ in points]
-        if any(length < 1 for length in lengths) or lengths != sorted(set(lengths)):
-            raise ValueError("sequence lengths must be positive and increasing")
+        _rising_points(points, "(sequence length, fraction of peak)", "sequence lengths")
         if any(not 0 < fraction <= 1 for _, fraction in points):
             raise ValueError("fractions of peak must be in (0, 1]")
         return points

@@ -138,6 +138,11 @@ class LayerCost:
                 + self.backward_only)
 
 
+def kv_width(arch: ModelArch, tp: int) -> int:
+    """Width of the keys (and of the values) one of `tp` tensor-parallel ranks holds: its KV heads x the head size."""
+    return kv_heads_per_rank(arch.kv_heads, tp) * arch.dim_per_head
+
+
 def attention_fraction(hw: HardwareProfile, seq_len: float) -> float:
     """Fraction of peak the flash attention kernel reaches over sequences of `seq_len` keys: the profile's measured
     rate (Compute.attention_rate, interpolated in log(length), the end's fraction beyond either end), or
@@ -190,7 +195,7 @@ def attention_time(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per
     mask is applied, not skipped). A decode step with compute.decode_attention "per_query_head" runs the stack's
     one-block-per-query-head kernel instead (`per_query_head_decode_time`)."""
     v = hw.compute.value_bytes
-    kv_local = kv_heads_per_rank(arch.kv_heads, tp) * arch.dim_per_head
+    kv_local = kv_width(arch, tp)
     q_local = shard(arch.q_dim, tp)
     if decode:
         io_bytes = v * (tokens * keys_per_token * 2 * kv_local + 2 * tokens * q_local)
@@ -221,7 +226,7 @@ def kv_cache_write_time(hw: HardwareProfile, arch: ModelArch, tokens: float, tp:
     the kernel that adds the QKV bias and rotates q and k in place (`invokeApplyBiasRopeUpdateKVCache`,
     gptAttentionCommon). A training or log-prob forward keeps no cache and makes none; a decode step appends one
     token's k and v, bytes a step's cache read dwarfs, not priced."""
-    kv_local = kv_heads_per_rank(arch.kv_heads, tp) * arch.dim_per_head
+    kv_local = kv_width(arch, tp)
     return memory_time(hw, hw.compute.value_bytes * 4 * tokens * kv_local)
 
 
@@ -229,7 +234,7 @@ def biased_widths(arch: ModelArch, tp: int) -> list[float]:
     """Output widths, on one of `tp` GPUs, of a layer's projections that carry a bias: q, k and v where the attention
     has biases (ModelArch.attention_bias, linear_bias), and the attention's output and the MLP's where every
     projection has one (linear_bias)."""
-    kv_local = kv_heads_per_rank(arch.kv_heads, tp) * arch.dim_per_head
+    kv_local = kv_width(arch, tp)
     widths = [shard(arch.q_dim, tp) + 2 * kv_local] if arch.attention_bias or arch.linear_bias else []
     if arch.linear_bias:
         widths += [arch.hidden, shard((arch.mlp_matrices - 1) * arch.ffn, tp), arch.hidden]
@@ -254,7 +259,7 @@ def layer_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per_
     """
     h, q, f = arch.hidden, arch.q_dim, arch.ffn
     v = hw.compute.value_bytes
-    kv_local = kv_heads_per_rank(arch.kv_heads, tp) * arch.dim_per_head
+    kv_local = kv_width(arch, tp)
     qkv_out = shard(q, tp) + 2 * kv_local
     up = arch.mlp_matrices - 1  # the MLP's input projections: gate and up (SwiGLU, one GEMM), up (GeLU)
     gemm = (gemm_time(hw, tokens, h, qkv_out) + gemm_time(hw, tokens, shard(q, tp), h)

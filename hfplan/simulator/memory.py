@@ -16,7 +16,7 @@ from hfplan.layout import kv_heads_per_rank, micro_batch_sizes, most_received_nu
 from hfplan.plan import GenConfig, InferConfig, Layout, Recompute, TrainConfig
 from hfplan.profiles.models import ModelArch
 from hfplan.simulator import sharding
-from hfplan.simulator.kernels import BF16, FP32
+from hfplan.simulator.kernels import BF16, FP32, kv_width
 from hfplan.spec import ResponseLengths
 
 
@@ -25,14 +25,14 @@ def activation_values_per_token_layer(arch: ModelArch, tp: int) -> float:
     the two norm inputs and outputs (4h; 2h for a parallel block's one norm), q, k, v and the attention output
     (sharded by tp), and the MLP's gate, up and gated outputs (SwiGLU) or its up and activated outputs (GeLU),
     sharded by tp."""
-    kv = kv_heads_per_rank(arch.kv_heads, tp) * arch.dim_per_head
+    kv = kv_width(arch, tp)
     return 2 * arch.norms * arch.hidden + (2 * arch.q_dim / tp + 2 * kv) + arch.mlp_matrices * arch.ffn / tp
 
 
 def layer_working_values_per_token(arch: ModelArch, tp: int) -> float:
     """Values alive at once inside one layer's forward (inference: nothing is kept for backward); with tp
     above the KV heads each rank computes its copied head (kv_heads_per_rank)."""
-    kv = kv_heads_per_rank(arch.kv_heads, tp) * arch.dim_per_head
+    kv = kv_width(arch, tp)
     return 2 * arch.hidden + arch.q_dim / tp + 2 * kv + arch.mlp_matrices * arch.ffn / tp
 
 
