@@ -132,7 +132,8 @@ def test_ctrl_c_during_the_strategy_pool_exits_130_without_worker_tracebacks(tmp
     """SIGINT to the whole process group, as a terminal's Ctrl-C does, while the worker pool costs strategies."""
     process = subprocess.Popen([str(HFPLAN), "search", "--gpus", "1024", "--workload", "safe-rlhf-llama2-70b",
                                 "--jobs", "2", "--out", str(tmp_path / "best.json")],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                               preexec_fn=_default_ctrl_c)
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and len(_children(process.pid)) < 2:
@@ -149,6 +150,12 @@ def test_ctrl_c_during_the_strategy_pool_exits_130_without_worker_tracebacks(tmp
     assert stdout == ""
     assert [line for line in stderr.splitlines() if line.strip()] == ["error: interrupted"]
     assert not (tmp_path / "best.json").exists()
+
+
+def _default_ctrl_c() -> None:
+    """A shell starts background jobs with SIGINT ignored, and an ignored signal stays ignored across exec (Python
+    then installs no handler): give the command the disposition a terminal's foreground job has."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _children(pid: int) -> list[str]:
