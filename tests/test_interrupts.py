@@ -8,6 +8,15 @@ import pytest
 from hfplan.executor.interrupts import InterruptLatch
 
 
+@pytest.fixture(autouse=True)
+def _terminal_sigint():
+    """Python's own SIGINT handler, as in a terminal's foreground job; a pytest started in the background of a
+    shell inherits SIGINT ignored, and the latch rightly leaves that alone."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def _sigint_that_a_library_swallows() -> None:
     try:
         os.kill(os.getpid(), signal.SIGINT)
