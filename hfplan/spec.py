@@ -274,11 +274,13 @@ def _builtin_workloads() -> dict[str, dict]:
         "hyperparameters": {"actor_lr": 1e-3, "critic_lr": 1e-3},
     }
     # GRPO on the arithmetic model: 8 prompts x 4 samples, answers scored with partial credit (a random
-    # model almost never says the exact answer, and groups of equal rewards teach nothing).
+    # model almost never says the exact answer, and groups of equal rewards teach nothing). Every prompt of its
+    # built-in set is 5 tokens (<bos> op A B =), so prompt_len is that: the executor pads an iteration's prompts to
+    # their longest, and the search prices prompt_len.
     table["arith-grpo"] = {
         "algorithm": "grpo",
         "models": {"actor": "tiny-arith", "reference": "tiny-arith", "reward": "rule:arith-close"},
-        "prompt_len": 8,
+        "prompt_len": 5,
         "response_len": 4,
         "batch_prompts": 8,
         "samples_per_prompt": 4,

@@ -164,7 +164,7 @@ CATALOG: dict[str, ModelArch] = {
         ModelArch("qwen2.5-72b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=29568, vocab=152064,
                   attention_bias=True, context_len=131072),
         # The demo models have no published checkpoint; their context of 256 tokens covers the workloads
-        # built on them (demo: 16 + 16, arith-grpo: 8 + 4).
+        # built on them (demo: 16 + 16, arith-grpo: 5 + 4).
         # The demo model: small enough to train on CPU processes; byte-level vocabulary (256 + specials).
         ModelArch("tiny", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=260,
                   context_len=256),
