@@ -219,13 +219,17 @@ class Dispatch:
             call.sent_in, call.sent_at = self.sends, now
         self.sends += 1
         for calls in by_set.values():
+            # Every rank's arguments are packed before the first rank's task goes, so that the ranks' tasks leave
+            # back to back: a collective waits for the set's last rank to start.
+            tasks = []
             for rank, worker in enumerate(calls[0].workers):
                 mine = [call for call in calls if rank in call.args]
                 if not mine:
                     continue
                 mine[0].opens_task = True
-                refs = worker.calls.options(num_returns=len(mine)).remote(
-                    *wire.arguments(wire.pack([call.args.pop(rank) for call in mine])))
+                tasks.append((rank, worker, mine, wire.arguments(wire.pack([call.args.pop(rank) for call in mine]))))
+            for rank, worker, mine, arguments in tasks:
+                refs = worker.calls.options(num_returns=len(mine)).remote(*arguments)
                 for call, ref in zip(mine, refs if len(mine) > 1 else [refs], strict=True):
                     call.refs[rank] = ref
 
