@@ -391,8 +391,8 @@ def search_target(target: Target, workload: Workload, cluster: Cluster, top_k: i
                   progress: Progress | None = None, jobs: int = 1, time_limit: float | None = None,
                   engines: tuple[str, ...] = ("torch",)) -> SearchResult:
     """The best plans within the target's rules: each variant searched exactly (or until time_limit, as search
-    does), the best of all kept. hfplan's own target is the search's default space (both engines, idle GPUs
-    allowed; `engines`, its rollout engines)."""
+    does), the best of all kept. hfplan's own target is the search's default space (idle GPUs allowed; `engines`,
+    its rollout engines)."""
     if target is HFPLAN:
         return search(workload, cluster, top_k=top_k, progress=progress, jobs=jobs, time_limit=time_limit,
                       engines=engines)
