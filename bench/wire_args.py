@@ -1,6 +1,9 @@
 """A Ray actor call's round trip and the caller's CPU per call with a role call's packed arguments and result (one
 pickle, no arrays or references beside it) passed as executor.wire passes them now, the pickle alone, against the
-three arguments it passed before (the pickle and two empty lists), in alternating rounds. Asserts nothing.
+three arguments it passed before (the pickle and two empty lists), in alternating rounds. Then what a worker spends
+packing a call's result (a generation's: four small arrays and six spans) with the pickler that looks for Ray
+references in every object against the one a result now takes (`wire.pack(result, refs=False)`), in alternating
+rounds, Ray imported as in a worker. Asserts nothing.
 
     RAY_AUTH_MODE=disabled python bench/wire_args.py [--rounds N] [--calls N] [--bytes N]
 """
@@ -54,6 +57,33 @@ def main() -> None:
                   f"caller CPU {statistics.median(cpu[name]):.3f}")
     finally:
         ray.shutdown()
+    pack_times(args.rounds)
+
+
+def pack_times(rounds: int, packs: int = 2000) -> None:
+    import numpy as np
+
+    from hfplan.executor import wire
+    from hfplan.executor.worker import Timed
+
+    rows = 32
+    result = {"fields": {"prompts": np.zeros((rows, 5), np.int64), "responses": np.zeros((rows, 4), np.int64),
+                         "response_mask": np.ones((rows, 4), np.int64),
+                         "log_probs": np.zeros((rows, 4), np.float32)},
+              "spans": [Timed("generate", "compute", 1.0, 2.0) for _ in range(6)]}
+    forms = {"looking for references": lambda: wire.pack(result), "refs=False": lambda: wire.pack(result, refs=False)}
+    seconds: dict[str, list[float]] = {name: [] for name in forms}
+    for _ in range(rounds):
+        for name, pack in forms.items():
+            start = time.process_time()
+            for _ in range(packs):
+                pack()
+            seconds[name].append((time.process_time() - start) / packs * 1e6)
+    print(f"packing a generation's result, {packs} packs x {rounds} alternating rounds; medians over the rounds")
+    for name in forms:
+        print(f"  {name:<24} {statistics.median(seconds[name]):.1f} us CPU")
+    before, after = (statistics.median(seconds[name]) for name in forms)
+    print(f"  refs=False / looking for references: {after / before:.2f}x")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,18 @@ def test_wire_keeps_references_beside_the_pickle_and_large_arrays_out_of_band(mo
     assert np.array_equal(back["small"], small) and np.array_equal(back["large"], large)
 
 
+def test_a_result_packed_without_references_keeps_large_arrays_out_of_band(monkeypatch):
+    monkeypatch.setattr(wire, "_ref_type", lambda: _Ref)
+    large = np.arange(wire.OUT_OF_BAND_BYTES // 4, dtype=np.float32)
+    result = {"fields": {"log_probs": large, "mask": np.ones(3)}, "spans": [Timed("log_prob", "compute", 1.0, 2.0)],
+              "note": _Ref("not looked for")}
+    blob, buffers, refs = wire.pack(result, refs=False)
+    assert refs == [] and len(buffers) == 1  # nothing taken for a reference; the large array beside the pickle
+    back = wire.unpack(blob, buffers, refs)
+    assert np.array_equal(back["fields"]["log_probs"], large) and back["spans"] == result["spans"]
+    assert back["note"].name == "not looked for"
+
+
 def test_wire_sends_a_pickle_alone_when_nothing_travels_beside_it():
     packed = wire.pack({"call": ("actor", "log_prob"), "rows": np.arange(4)})
     assert isinstance(packed, bytes)  # one argument, which Ray passes without a pickler of its own

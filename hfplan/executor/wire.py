@@ -35,13 +35,12 @@ class CallFailed:
 
 
 class _Pickler(pickle.Pickler):
-    """Ray references out of the stream, by their index in `refs` (persistent ids)."""
+    """Large arrays out of the stream (`buffers`)."""
 
-    def __init__(self, sink: io.BytesIO, buffers: list[np.ndarray], ref_type: type | None) -> None:
+    def __init__(self, sink: io.BytesIO, buffers: list[np.ndarray]) -> None:
         super().__init__(sink, protocol=5, buffer_callback=self._buffer)
-        self.buffers, self.ref_type = buffers, ref_type
+        self.buffers = buffers
         self.refs: list = []
-        self._index: dict[int, int] = {}
 
     def _buffer(self, buffer: pickle.PickleBuffer) -> bool:
         """In-band (True) below the threshold; else out-of-band, as a flat uint8 array over the same memory."""
@@ -51,8 +50,19 @@ class _Pickler(pickle.Pickler):
         self.buffers.append(np.frombuffer(raw, dtype=np.uint8))
         return False
 
+
+class _RefPickler(_Pickler):
+    """Also Ray references out of the stream, by their index in `refs` (persistent ids). The pickler asks
+    persistent_id of every object it writes, a Python call each: about half of a call's result's pickling time,
+    hence a pickler of its own."""
+
+    def __init__(self, sink: io.BytesIO, buffers: list[np.ndarray], ref_type: type) -> None:
+        super().__init__(sink, buffers)
+        self.ref_type = ref_type
+        self._index: dict[int, int] = {}
+
     def persistent_id(self, obj: Any) -> int | None:
-        if self.ref_type is None or not isinstance(obj, self.ref_type):
+        if not isinstance(obj, self.ref_type):
             return None
         index = self._index.get(id(obj))
         if index is None:
@@ -81,11 +91,13 @@ def _ref_type() -> type | None:
 Packed = bytes | tuple[bytes, list[np.ndarray], list]
 
 
-def pack(obj: Any) -> Packed:
-    """`obj` as its pickle alone when nothing travels beside it, else (pickle, out-of-band arrays, Ray references)."""
+def pack(obj: Any, refs: bool = True) -> Packed:
+    """`obj` as its pickle alone when nothing travels beside it, else (pickle, out-of-band arrays, Ray references).
+    `refs=False`: `obj` holds no Ray reference (a role call's result), so none is looked for."""
     sink = io.BytesIO()
     buffers: list[np.ndarray] = []
-    pickler = _Pickler(sink, buffers, _ref_type())
+    ref_type = _ref_type() if refs else None
+    pickler = _Pickler(sink, buffers) if ref_type is None else _RefPickler(sink, buffers, ref_type)
     pickler.dump(obj)
     if not buffers and not pickler.refs:
         return sink.getvalue()

@@ -189,7 +189,7 @@ class SetWorker:
                     result = wire.CallFailed(traceback.format_exception_only(error)[-1].strip())
             else:
                 result = wire.CallFailed(f"not run: {failed}, sent with it, failed first")
-            results.append(wire.pack(result))
+            results.append(wire.pack(result, refs=False))  # outputs and spans: no Ray reference among them
         return results if len(results) > 1 else results[0]
 
     def run_call(self, role: str, op: str, fields: dict, options: dict, call_id: int, keep_from: int) -> dict:
