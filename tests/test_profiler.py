@@ -392,6 +392,15 @@ def test_quick_cpu_profile_end_to_end(quick_profile):
     assert profile.compute.idle_wake == tuple(
         (idle, round(max(0.0, seconds - back) * 1e6, 1))
         for idle, seconds in zip(after["idle_ms"], after["seconds"], strict=True))
+    # A product of few rows runs below the matmul rate on a CPU BLAS: the one-row point is the median rate of the
+    # one-row matmuls over the fitted rate.
+    table = profile.compute.row_efficiency
+    assert table is not None and table[0][0] == 1 and 0 < table[0][1] < 1
+    assert [fraction for _, fraction in table] == sorted(fraction for _, fraction in table)
+    one_row = frame[(frame["kind"] == "matmul") & (frame["m"] == 1) & (frame[["k", "n"]].min(axis=1) >= 256)]
+    rate = profile.compute.peak_tflops * 1e12 * profile.compute.matmul_efficiency
+    reached = one_row["flops"] / (one_row["seconds"] - profile.compute.kernel_overhead_us * 1e-6) / rate
+    assert table[0][1] == pytest.approx(reached.median(), rel=0.01)
     # --quick starts no Ray: the executor's call gaps, its controller step and the worker's memory are the
     # base profile's.
     base = load_hardware("cpu")

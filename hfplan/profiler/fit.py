@@ -115,3 +115,28 @@ def fit_roofline(flops: Sequence[float], nbytes: Sequence[float], seconds: Seque
     overhead, rate, bw = unpack(best.x)
     rms = float(np.sqrt(np.mean(np.expm1(best.fun) ** 2)))
     return RooflineFit(float(overhead), float(rate), float(bw), rms, len(t))
+
+
+ROW_FIT_MIN_WIDTH = 256  # a matmul's K and N at least this wide to stand for its rows (narrower: overhead-bound)
+
+
+def fit_row_efficiency(rows: Sequence[dict], roofline: RooflineFit) -> tuple[tuple[int, float], ...] | None:
+    """Compute.row_efficiency from matmul rows (dicts with m, k, n, flops, seconds): for each row count m of the
+    matmuls at least ROW_FIT_MIN_WIDTH wide in K and N, the median rate they reached beyond the kernel overhead over
+    the fitted matmul rate, capped at 1. The fractions are made non-decreasing in m (a point below one of fewer rows
+    is that one's: timing noise, not a kernel that slows as it grows) and end at the first that reaches 1; None
+    where every row count reaches the rate (nothing to scale)."""
+    by_rows: dict[int, list[float]] = {}
+    for row in rows:
+        if min(row["k"], row["n"]) < ROW_FIT_MIN_WIDTH:
+            continue
+        compute_s = max(row["seconds"] - roofline.overhead_s, 1e-12)
+        by_rows.setdefault(int(row["m"]), []).append(row["flops"] / compute_s / roofline.flops_per_s)
+    points: list[tuple[int, float]] = []
+    for m in sorted(by_rows):
+        fraction = min(1.0, float(np.median(by_rows[m])))
+        fraction = max(fraction, points[-1][1]) if points else fraction
+        points.append((m, round(fraction, 4)))
+        if fraction >= 1.0:
+            break
+    return tuple(points) if points and points[0][1] < 1.0 else None

@@ -61,6 +61,11 @@ def fits_table(result: Result) -> Table:
     table.add_row("split by tensor parallelism: switch per tensor / each collective of a generation step us",
                   f"{rt.tp_switch_tensor_us:.1f} / {rt.tp_step_collective_us:.1f}",
                   "measured across the profiled world, beyond the modelled collectives (0: not measured)")
+    rows = hw.compute.row_efficiency
+    table.add_row("a matmul's rate by its rows: rows -> fraction of the matmul rate",
+                  ", ".join(f"{m:g} -> {fraction:.3g}" for m, fraction in rows) if rows else "none",
+                  "measured: the matmuls at least 256 wide in K and N, each row count's median rate over the fitted"
+                  if rows else "every row count at the matmul rate (GPUs: the tiling model)")
     wake = hw.compute.idle_wake
     table.add_row("a call after its process idled: idle ms -> extra us",
                   ", ".join(f"{idle:g} -> {extra:,.0f}" for idle, extra in wake) if wake else "none",

@@ -13,7 +13,7 @@ from hfplan.profiler import comm, compute, host_share, idle_wake, layers, pace, 
 from hfplan.profiler.build import Fits, build_profile, device_tiling
 from hfplan.profiler.call_gaps import CALL_FIELDS
 from hfplan.profiler.device import Device
-from hfplan.profiler.fit import COLLECTIVES, LinkFit, fit_alpha_beta, fit_roofline
+from hfplan.profiler.fit import COLLECTIVES, LinkFit, fit_alpha_beta, fit_roofline, fit_row_efficiency
 from hfplan.profiler.sweeps import Sweeps
 from hfplan.profiles.hardware import HardwareProfile
 from hfplan.profiles.models import ModelArch
@@ -119,6 +119,15 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
 
     versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
     profile = build_profile(device, fits, request.base, request.name, versions, note)
+    # A CPU BLAS's rate by the rows of a product (GPUs: the tiling model of the base profile); the runtime's fixed
+    # costs are fitted against the kernels it prices.
+    rows_fit = fit_row_efficiency([r for r in rows if r["kind"] == "matmul"], fits.roofline) if tiling is None \
+        else None
+    if rows_fit is not None:
+        profile = _with_compute(profile, f" Rows: a matmul of {rows_fit[0][0]:g} row(s) reached "
+                                         f"{rows_fit[0][1]:.3g} of the fitted matmul rate, and of "
+                                         f"{rows_fit[-1][0]:g} rows {rows_fit[-1][1]:.3g} (row_efficiency).",
+                                row_efficiency=rows_fit)
     # How the world's processes share the host's cores (CPU); the runtime's fixed costs are fitted against it.
     parallelism = host_share.fit_parallelism(rows)
     if parallelism is not None:

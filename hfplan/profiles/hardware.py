@@ -89,6 +89,14 @@ class Compute(_Strict):
                                                                                "or eager (scores through memory)")
     gemm: GemmTiling | None = Field(default=None, description="tile and wave quantization of GEMMs; none (CPUs): "
                                                               "every GEMM runs at matmul_efficiency")
+    row_efficiency: tuple[tuple[int, float], ...] | None = Field(
+        default=None, description="GEMMs without a tiling model (`gemm` none: CPUs): the fraction of the matmul rate "
+                                  "(matmul_efficiency) an (m x k)(k x n) product reaches by its rows m, as (m, "
+                                  "fraction) points, m increasing, measured by `hfplan profile` (its matmuls of "
+                                  "few rows: a CPU BLAS packs the weight matrix and runs register tiles of several "
+                                  "rows per call, so a product of a few rows, a decode step's, runs far below the "
+                                  "rate). Between two points the fraction is interpolated in log(m); beyond either "
+                                  "end it is the end's. None: every GEMM runs at the matmul rate")
     attention_rate: tuple[tuple[int, float], ...] | None = Field(
         default=None, description="the flash attention kernel's measured rate, forward and backward together, of a "
                                   "causal pass: (sequence length, fraction of peak) points, lengths increasing; "
@@ -165,6 +173,16 @@ class Compute(_Strict):
         _rising_points(points, "(idle ms, extra us)", "idle times")
         if any(extra < 0 for _, extra in points):
             raise ValueError("extra microseconds must not be negative")
+        return points
+
+    @field_validator("row_efficiency")
+    @classmethod
+    def _rising_rows(cls, points: tuple[tuple[int, float], ...] | None) -> tuple[tuple[int, float], ...] | None:
+        if points is None:
+            return None
+        _rising_points(points, "(rows, fraction of the matmul rate)", "row counts")
+        if any(not 0 < fraction <= 1 for _, fraction in points):
+            raise ValueError("fractions of the matmul rate must be in (0, 1]")
         return points
 
     @field_validator("attention_rate")

@@ -6,7 +6,8 @@ efficiency falls by itself where per-GPU work is small: small GEMMs are memory- 
 decode steps are weight-read bound, and large training GEMMs run near the measured matmul rate.
 Where the profile describes its GEMM kernels' tiling, a GEMM's math rate is further scaled by its
 shape (`gemm_shape_efficiency`): padded tiles, a last partial wave of tiles, a short reduction; where the
-library splits K (small M, as in decode), the GEMM fills the SMs and becomes weight-read bound.
+library splits K (small M, as in decode), the GEMM fills the SMs and becomes weight-read bound. Without a tiling
+(CPUs), the rate is scaled by the GEMM's rows as the profile measured it (`row_fraction`).
 """
 
 from __future__ import annotations
@@ -93,16 +94,37 @@ def reduction_matrix_vector_time(hw: HardwareProfile, k: float, n: float) -> flo
     return hw.compute.kernel_overhead_us * 1e-6 + max(times)
 
 
+def log_interpolated(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """The value at `x` of (x, value) points, x increasing: interpolated in log(x) between two points, the end's
+    value beyond either end."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (low, low_value), (high, high_value) in zip(points, points[1:], strict=False):
+        if x <= high:
+            t = math.log(x / low) / math.log(high / low)
+            return low_value + t * (high_value - low_value)
+    return points[-1][1]
+
+
+def row_fraction(hw: HardwareProfile, m: float) -> float:
+    """Fraction of the matmul rate a GEMM of `m` rows reaches where the profile has no tiling model
+    (Compute.row_efficiency; 1 without it)."""
+    points = hw.compute.row_efficiency
+    return 1.0 if points is None else log_interpolated(points, m)
+
+
 def gemm_time(hw: HardwareProfile, m: float, k: float, n: float) -> float:
     """(m x k) @ (k x n) in the device's compute precision; one row (m = 1) as the stack runs it
-    (Compute.matrix_vector)."""
+    (Compute.matrix_vector). Its math rate is scaled by its shape: by tiles and waves where the profile describes
+    the GEMM library's tiling, else by its rows (Compute.row_efficiency)."""
     if m <= 0 or k <= 0 or n <= 0:
         return 0.0
     if m == 1 and hw.compute.matrix_vector == "reduction":
         return reduction_matrix_vector_time(hw, k, n)
     tiling = hw.compute.gemm
     nbytes = hw.compute.value_bytes * (m * k + k * n + m * n) + split_k_bytes(tiling, m, k, n)
-    return kernel_time(hw, 2.0 * m * k * n, nbytes, gemm_shape_efficiency(tiling, m, k, n))
+    shape = gemm_shape_efficiency(tiling, m, k, n) if tiling is not None else row_fraction(hw, m)
+    return kernel_time(hw, 2.0 * m * k * n, nbytes, shape)
 
 
 def memory_time(hw: HardwareProfile, nbytes: float) -> float:
@@ -151,15 +173,7 @@ def attention_fraction(hw: HardwareProfile, seq_len: float) -> float:
     diagonal ones, so it runs well below the GEMM rate, the more so on short sequences (fewer tiles per query
     block to amortise each block's prologue and epilogue over)."""
     points = hw.compute.attention_rate
-    if points is None:
-        return hw.compute.matmul_efficiency
-    if seq_len <= points[0][0]:
-        return points[0][1]
-    for (low, low_fraction), (high, high_fraction) in zip(points, points[1:], strict=False):
-        if seq_len <= high:
-            t = math.log(seq_len / low) / math.log(high / low)
-            return low_fraction + t * (high_fraction - low_fraction)
-    return points[-1][1]
+    return hw.compute.matmul_efficiency if points is None else log_interpolated(points, seq_len)
 
 
 def shard(dim: int, tp: int) -> float:

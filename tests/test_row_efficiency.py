@@ -1,0 +1,75 @@
+"""A GEMM's rate by its rows where the profile has no tiling model (CPU BLAS): Compute.row_efficiency, its use in
+kernels.gemm_time, and its fit from the profiler's matmul rows."""
+
+import pytest
+from pydantic import ValidationError
+
+from hfplan.profiler.fit import RooflineFit, fit_row_efficiency
+from hfplan.profiles.hardware import GemmTiling
+from hfplan.simulator import kernels
+
+
+def _with_rows(hw, points):
+    return hw.model_copy(update={"compute": hw.compute.model_copy(update={"row_efficiency": points})})
+
+
+def test_log_interpolation_between_points_and_the_ends_beyond():
+    points = ((1, 0.05), (16, 0.25), (256, 1.0))
+    assert kernels.log_interpolated(points, 4) == pytest.approx(0.05 + 0.5 * 0.2)  # log 4 is half of log 16
+    assert kernels.log_interpolated(points, 64) == pytest.approx(0.25 + 0.5 * 0.75)
+    assert kernels.log_interpolated(points, 0.5) == 0.05 and kernels.log_interpolated(points, 4096) == 1.0
+
+
+def test_a_gemm_of_few_rows_runs_at_its_fraction_of_the_matmul_rate(toy_hw):
+    # toy_hw: matmul 5e13 FLOP/s, memory 5e11 B/s, 5 us a kernel; bf16 values.
+    hw = _with_rows(toy_hw, ((1, 0.01), (16, 0.1), (256, 1.0)))
+    k = n = 8192
+    # One row: 2kn = 134.2 MFLOP at 0.01 x 5e13 = 268.4 us; bytes 2(k + kn + n) = 134.2 MB at 5e11 = 268.5 us.
+    flops, nbytes = 2.0 * k * n, 2.0 * (k + k * n + n)
+    assert kernels.gemm_time(hw, 1, k, n) == pytest.approx(5e-6 + max(flops / 5e11, nbytes / 5e11))
+    # 64 rows: fraction 0.1 + 0.5 x 0.9 = 0.55; math 64 x 134.2 MFLOP / 2.75e13 = 312.3 us, above the read of
+    # 2(64k + kn + 64n) = 136.3 MB in 272.6 us.
+    assert kernels.gemm_time(hw, 64, k, n) == pytest.approx(5e-6 + 64 * flops / (0.55 * 5e13))
+    # At and beyond the last point: the plain roofline.
+    assert kernels.gemm_time(hw, 4096, k, n) == pytest.approx(kernels.gemm_time(toy_hw, 4096, k, n))
+    assert kernels.gemm_time(hw, 16, k, n) > kernels.gemm_time(toy_hw, 16, k, n)
+
+
+def test_a_tiling_model_takes_precedence_over_the_rows(toy_hw):
+    tiling = GemmTiling(sm_count=108, tiles=((128, 128),), tile_k=32, stages=3)
+    tiled = toy_hw.model_copy(update={"compute": toy_hw.compute.model_copy(update={"gemm": tiling})})
+    assert kernels.gemm_time(_with_rows(tiled, ((1, 0.01), (256, 1.0))), 8, 4096, 4096) == \
+        kernels.gemm_time(tiled, 8, 4096, 4096)
+
+
+@pytest.mark.parametrize("points, problem", [
+    (((16, 0.2), (1, 0.05)), "increasing"),
+    (((1, 0.0), (16, 0.2)), "(0, 1]"),
+    (((1, 0.5), (16, 1.2)), "(0, 1]"),
+    ((), "at least one"),
+])
+def test_bad_row_tables_are_refused(toy_hw, points, problem):
+    with pytest.raises(ValidationError, match=problem.replace("(", r"\(").replace("]", r"\]")):
+        toy_hw.compute.model_validate(toy_hw.compute.model_dump() | {"row_efficiency": points})
+
+
+def _row(m, k, n, rate, overhead=1e-6):
+    flops = 2.0 * m * k * n
+    return {"m": m, "k": k, "n": n, "flops": flops, "seconds": overhead + flops / rate}
+
+
+def test_the_fit_reads_each_row_count_s_rate_over_the_fitted_one():
+    fit = RooflineFit(overhead_s=1e-6, flops_per_s=1e11, bytes_per_s=1e10, rms_rel_error=0.0, points=9)
+    rows = [_row(1, 1024, 1024, 5e9), _row(1, 1024, 4096, 5e9), _row(16, 1024, 1024, 3e10),
+            _row(16, 4096, 1024, 2e10), _row(16, 1024, 4096, 2.5e10),  # median 2.5e10
+            _row(128, 1024, 1024, 8e10), _row(256, 256, 256, 1.2e11), _row(512, 512, 512, 1e11),
+            _row(16, 64, 64, 1e8)]  # narrow: overhead-bound, not a row count's rate
+    assert fit_row_efficiency(rows, fit) == ((1, 0.05), (16, 0.25), (128, 0.8), (256, 1.0))
+
+
+def test_the_fit_never_falls_with_more_rows_and_is_none_when_every_count_reaches_the_rate():
+    fit = RooflineFit(overhead_s=0.0, flops_per_s=1e11, bytes_per_s=1e10, rms_rel_error=0.0, points=3)
+    noisy = [_row(1, 1024, 1024, 5e9, 0.0), _row(16, 1024, 1024, 3e10, 0.0), _row(64, 1024, 1024, 2e10, 0.0)]
+    assert fit_row_efficiency(noisy, fit) == ((1, 0.05), (16, 0.3), (64, 0.3))
+    fast = [_row(1, 1024, 1024, 2e11, 0.0), _row(64, 1024, 1024, 1e11, 0.0)]
+    assert fit_row_efficiency(fast, fit) is None
