@@ -1,8 +1,9 @@
 """hfplan's lean forward (executor/engines/lean.py) against HF's own forward of the same model, on one torch thread.
 
-The demo actor (`tiny-arith`, or --model) over a batch shaped like bench/vs_trl.py's (32 sequences of 8 prompt and 4
-response tokens, some prompts left-padded and some responses ended early): the log-prob forward (no grad, logits
-of the last R + 1 positions) and a forward and backward of a loss on them. Each is timed in CPU time (less disturbed
+The demo actor (`tiny-arith`, or --model) over a batch shaped as bench/vs_trl.py's was (32 sequences of 8 prompt
+and 4 response tokens, some prompts left-padded and some responses ended early; arith-grpo's prompts now run 5
+wide): the log-prob forward (no grad, logits of the last R + 1 positions) and a forward and backward of a loss on
+them. Each is timed in CPU time (less disturbed
 by a shared machine than wall time) over --rounds alternating rounds; prints the fastest round of each and the count
 of aten ops one call dispatches (torch profiler). With --op-split, also the CPU time of each kind of aten op in
 hfplan's forward and backward (timed one op at a time, so their sum exceeds the call's own time by the timing's cost):

@@ -26,7 +26,7 @@ from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
 from hfplan.executor.tokenizers import build_tokenizer
 
 # (model, batch, prompt_len, response_len): the demo workload's shape, arith-grpo's (8 prompts x 4
-# samples), and a wider batch of each.
+# samples, at the prompt_len of 8 it had before its 5-token prompts set it to 5), and a wider batch of each.
 CASES = [("tiny", 8, 16, 16), ("tiny", 64, 16, 16), ("tiny-arith", 32, 8, 4), ("tiny-arith", 64, 8, 4)]
 
 

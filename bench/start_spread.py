@@ -42,7 +42,8 @@ def validate_once(tree: Path, plan: Path, iterations: int) -> dict:
     done = subprocess.run([sys.executable, "-m", "hfplan", "validate", str(plan), "--iterations", str(iterations),
                            "--json"], cwd=tree, env=env, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
-        raise SystemExit(f"hfplan validate in {tree} failed: {done.stderr.strip().splitlines()[-1:]}")
+        last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
+        raise SystemExit(f"hfplan validate in {tree} failed: {last}")
     return json.loads(done.stdout)
 
 
@@ -75,8 +76,9 @@ def main() -> None:
         print(f"{name:<12}{medians[name][0]:>16.2f}{medians[name][1]:>14.1f}{pace:>7}   {rounds}")
     first = trees[0][0]
     for name, _ in trees[1:]:
-        print(f"{name} / {first}: start spread {medians[name][0] / medians[first][0]:.2f}x, "
-              f"iteration {medians[name][1] / medians[first][1]:.2f}x")
+        spread = (f"start spread {medians[name][0] / medians[first][0]:.2f}x" if medians[first][0] > 0
+                  else "no start spread (every set of the plan has one rank)")
+        print(f"{name} / {first}: {spread}, iteration {medians[name][1] / medians[first][1]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -120,6 +120,32 @@ def test_calls_held_for_a_set_go_as_one_task_when_something_waits_and_a_generati
     assert worker.tasks[2:] == [[("actor", "update", 3)], [("actor", "generate", 4)]]
 
 
+def test_every_rank_s_arguments_are_packed_before_the_first_rank_s_task_goes(monkeypatch):
+    """A set's ranks get their tasks back to back: packing rank 1's arguments between the two submissions would
+    start it later, and its first collective would hold rank 0 that long."""
+    events: list[tuple] = []
+    workers = [_Worker("rank 0"), _Worker("rank 1")]
+    for rank, worker in enumerate(workers):
+        def remote(*packed, submit=worker.remote, rank=rank):
+            events.append(("submit", rank))
+            return submit(*packed)
+        worker.remote = remote
+    pack = wire.pack
+    monkeypatch.setattr(wire, "pack", lambda obj, **options: events.append(("pack",)) or pack(obj, **options))
+    recorder, dispatch = Recorder(clock_offsets={}), Dispatch()
+    recorder.start_iteration()
+    worker_set = WorkerSet(0, ("reference",), workers, lambda role, op, failure: f"{role}.{op}: {failure}")
+    reference = WorkerGroupRole("reference", RoleFacts(output="ref_log_probs"), worker_set,
+                                {ROLE_OPS["log_prob"].layout: Layout(dp=2)}, recorder, 1.0, dispatch)
+    out = reference.log_prob(Batch(prompts=np.zeros((4, 3)), responses=np.zeros((4, 2)),
+                                   response_mask=np.ones((4, 2))))
+    dispatch.send()
+    assert events[:3] == [("pack",), ("pack",), ("submit", 0)]  # (each worker here packs its result as it runs)
+    assert [task for worker in workers for task in worker.tasks] == [[("reference", "log_prob", 0)]] * 2
+    call = out["ref_log_probs"].call
+    assert call.opens_task and all(ref is not None for ref in call.refs)
+
+
 def test_a_call_that_failed_in_a_task_is_named_and_those_after_it_did_not_run(monkeypatch):
     worker, dispatch = _Worker("rank 0"), Dispatch()
     actor, reference = _roles(monkeypatch, [worker], dispatch)

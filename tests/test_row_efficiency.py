@@ -4,7 +4,7 @@ kernels.gemm_time, and its fit from the profiler's matmul rows."""
 import pytest
 from pydantic import ValidationError
 
-from hfplan.profiler.fit import RooflineFit, fit_row_efficiency
+from hfplan.profiler.fit import fit_row_efficiency
 from hfplan.profiles.hardware import GemmTiling
 from hfplan.simulator import kernels
 
@@ -23,10 +23,13 @@ def test_log_interpolation_between_points_and_the_ends_beyond():
 def test_a_gemm_of_few_rows_runs_at_its_fraction_of_the_matmul_rate(toy_hw):
     # toy_hw: matmul 5e13 FLOP/s, memory 5e11 B/s, 5 us a kernel; bf16 values.
     hw = _with_rows(toy_hw, ((1, 0.01), (16, 0.1), (256, 1.0)))
+    # One row at 0.002: 2kn = 134.2 MFLOP at 1e11 FLOP/s = 1342 us, above the read of 2(k + kn + n) = 134.2 MB in
+    # 268.5 us (at the matmul rate it would be that read).
     k = n = 8192
-    # One row: 2kn = 134.2 MFLOP at 0.01 x 5e13 = 268.4 us; bytes 2(k + kn + n) = 134.2 MB at 5e11 = 268.5 us.
-    flops, nbytes = 2.0 * k * n, 2.0 * (k + k * n + n)
-    assert kernels.gemm_time(hw, 1, k, n) == pytest.approx(5e-6 + max(flops / 5e11, nbytes / 5e11))
+    flops = 2.0 * k * n
+    slow = _with_rows(toy_hw, ((1, 0.002), (256, 1.0)))
+    assert kernels.gemm_time(slow, 1, k, n) == pytest.approx(5e-6 + flops / 1e11)
+    assert kernels.gemm_time(toy_hw, 1, k, n) == pytest.approx(5e-6 + 2.0 * (k + k * n + n) / 5e11)
     # 64 rows: fraction 0.1 + 0.5 x 0.9 = 0.55; math 64 x 134.2 MFLOP / 2.75e13 = 312.3 us, above the read of
     # 2(64k + kn + 64n) = 136.3 MB in 272.6 us.
     assert kernels.gemm_time(hw, 64, k, n) == pytest.approx(5e-6 + 64 * flops / (0.55 * 5e13))
@@ -58,18 +61,21 @@ def _row(m, k, n, rate, overhead=1e-6):
     return {"m": m, "k": k, "n": n, "flops": flops, "seconds": overhead + flops / rate}
 
 
-def test_the_fit_reads_each_row_count_s_rate_over_the_fitted_one():
-    fit = RooflineFit(overhead_s=1e-6, flops_per_s=1e11, bytes_per_s=1e10, rms_rel_error=0.0, points=9)
+def test_the_fit_reads_each_row_count_s_rate_over_the_matmul_rate():
     rows = [_row(1, 1024, 1024, 5e9), _row(1, 1024, 4096, 5e9), _row(16, 1024, 1024, 3e10),
             _row(16, 4096, 1024, 2e10), _row(16, 1024, 4096, 2.5e10),  # median 2.5e10
             _row(128, 1024, 1024, 8e10), _row(256, 256, 256, 1.2e11), _row(512, 512, 512, 1e11),
             _row(16, 64, 64, 1e8)]  # narrow: overhead-bound, not a row count's rate
-    assert fit_row_efficiency(rows, fit) == ((1, 0.05), (16, 0.25), (128, 0.8), (256, 1.0))
+    assert fit_row_efficiency(rows, 1e11, 1e-6) == ((1, 0.05), (16, 0.25), (128, 0.8), (256, 1.0))
 
 
-def test_the_fit_never_falls_with_more_rows_and_is_none_when_every_count_reaches_the_rate():
-    fit = RooflineFit(overhead_s=0.0, flops_per_s=1e11, bytes_per_s=1e10, rms_rel_error=0.0, points=3)
-    noisy = [_row(1, 1024, 1024, 5e9, 0.0), _row(16, 1024, 1024, 3e10, 0.0), _row(64, 1024, 1024, 2e10, 0.0)]
-    assert fit_row_efficiency(noisy, fit) == ((1, 0.05), (16, 0.3), (64, 0.3))
-    fast = [_row(1, 1024, 1024, 2e11, 0.0), _row(64, 1024, 1024, 1e11, 0.0)]
-    assert fit_row_efficiency(fast, fit) is None
+def test_the_fit_never_falls_with_more_rows_and_ends_at_the_rate():
+    noisy = [_row(1, 1024, 1024, 5e9, 0.0), _row(16, 1024, 1024, 3e10, 0.0), _row(32, 1024, 1024, 2e10, 0.0),
+             _row(64, 1024, 1024, 9e10, 0.0)]
+    # 32 rows measured below 16 rows: taken as 16's; the largest row count measured is the rate's own.
+    assert fit_row_efficiency(noisy, 1e11, 0.0) == ((1, 0.05), (16, 0.3), (32, 0.3), (64, 1.0))
+
+
+def test_no_table_where_every_row_count_reaches_the_rate_or_one_alone_was_measured():
+    assert fit_row_efficiency([_row(1, 1024, 1024, 2e11, 0.0), _row(64, 1024, 1024, 1e11, 0.0)], 1e11, 0.0) is None
+    assert fit_row_efficiency([_row(1, 1024, 1024, 5e9, 0.0)], 1e11, 0.0) is None

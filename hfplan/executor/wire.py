@@ -91,7 +91,7 @@ def _ref_type() -> type | None:
 Packed = bytes | tuple[bytes, list[np.ndarray], list]
 
 
-def pack(obj: Any, refs: bool = True) -> Packed:
+def pack(obj: Any, *, refs: bool = True) -> Packed:
     """`obj` as its pickle alone when nothing travels beside it, else (pickle, out-of-band arrays, Ray references).
     `refs=False`: `obj` holds no Ray reference (a role call's result), so none is looked for."""
     sink = io.BytesIO()

@@ -177,8 +177,9 @@ class SetWorker:
 
     def calls(self, blob: bytes, buffers: list | tuple = (), refs: list | tuple = ()) -> wire.Packed | list:
         """Role calls run back to back (roles.Dispatch): a list of `run_call`'s arguments, as wire.pack sends it;
-        returns each call's result packed the same way (one value per call: Ray's num_returns). A call that fails
-        returns CallFailed, and so do the calls after it, which do not run."""
+        returns each call's result packed the same way (one value per call: Ray's num_returns), with no Ray
+        reference looked for in it (a result is arrays and spans; a reference in it would travel unseen by Ray's
+        reference counting). A call that fails returns CallFailed, and so do the calls after it, which do not run."""
         results, failed = [], None
         for args in wire.unpack(blob, buffers, refs):
             if failed is None:

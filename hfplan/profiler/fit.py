@@ -120,18 +120,19 @@ def fit_roofline(flops: Sequence[float], nbytes: Sequence[float], seconds: Seque
 ROW_FIT_MIN_WIDTH = 256  # a matmul's K and N at least this wide to stand for its rows (narrower: overhead-bound)
 
 
-def fit_row_efficiency(rows: Sequence[dict], roofline: RooflineFit) -> tuple[tuple[int, float], ...] | None:
-    """Compute.row_efficiency from matmul rows (dicts with m, k, n, flops, seconds): for each row count m of the
-    matmuls at least ROW_FIT_MIN_WIDTH wide in K and N, the median rate they reached beyond the kernel overhead over
-    the fitted matmul rate, capped at 1. The fractions are made non-decreasing in m (a point below one of fewer rows
-    is that one's: timing noise, not a kernel that slows as it grows) and end at the first that reaches 1; None
-    where every row count reaches the rate (nothing to scale)."""
+def fit_row_efficiency(rows: Sequence[dict], rate: float, overhead_s: float) -> tuple[tuple[int, float], ...] | None:
+    """Compute.row_efficiency from matmul rows (dicts with m, k, n, flops, seconds) and the profile's matmul rate
+    (FLOP/s) and kernel overhead: for each row count m of the matmuls at least ROW_FIT_MIN_WIDTH wide in K and N, the
+    median rate they reached beyond the overhead over `rate`, capped at 1. The fractions are made non-decreasing in
+    m (a point below one of fewer rows is that one's: timing noise, not a kernel that slows as it grows) and end at
+    1: at the first row count that reaches the rate, else at the largest measured (the rate is the large matmuls').
+    None where every row count reaches the rate (nothing to scale)."""
     by_rows: dict[int, list[float]] = {}
     for row in rows:
         if min(row["k"], row["n"]) < ROW_FIT_MIN_WIDTH:
             continue
-        compute_s = max(row["seconds"] - roofline.overhead_s, 1e-12)
-        by_rows.setdefault(int(row["m"]), []).append(row["flops"] / compute_s / roofline.flops_per_s)
+        compute_s = max(row["seconds"] - overhead_s, 1e-12)
+        by_rows.setdefault(int(row["m"]), []).append(row["flops"] / compute_s / rate)
     points: list[tuple[int, float]] = []
     for m in sorted(by_rows):
         fraction = min(1.0, float(np.median(by_rows[m])))
@@ -139,4 +140,7 @@ def fit_row_efficiency(rows: Sequence[dict], roofline: RooflineFit) -> tuple[tup
         points.append((m, round(fraction, 4)))
         if fraction >= 1.0:
             break
-    return tuple(points) if points and points[0][1] < 1.0 else None
+    if not points or points[0][1] >= 1.0 or len(points) < 2:
+        return None  # every row count at the rate, or too few row counts to say how the rate grows
+    points[-1] = (points[-1][0], 1.0)
+    return tuple(points)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pandas as pd
 from rich.table import Table
 
+from hfplan.profiler.fit import ROW_FIT_MIN_WIDTH
 from hfplan.profiler.run import Result
 
 PASS_LABEL = {"forward": "fwd", "forward+backward": "fwd+bwd", "decode": "decode"}
@@ -64,8 +65,9 @@ def fits_table(result: Result) -> Table:
     rows = hw.compute.row_efficiency
     table.add_row("a matmul's rate by its rows: rows -> fraction of the matmul rate",
                   ", ".join(f"{m:g} -> {fraction:.3g}" for m, fraction in rows) if rows else "none",
-                  "measured: the matmuls at least 256 wide in K and N, each row count's median rate over the fitted"
-                  if rows else "every row count at the matmul rate (GPUs: the tiling model)")
+                  f"measured: each row count's median rate over the matmul rate, of the matmuls at least "
+                  f"{ROW_FIT_MIN_WIDTH} wide in K and N" if rows else
+                  "every row count at the matmul rate (or a tiling model prices the shape)")
     wake = hw.compute.idle_wake
     table.add_row("a call after its process idled: idle ms -> extra us",
                   ", ".join(f"{idle:g} -> {extra:,.0f}" for idle, extra in wake) if wake else "none",

@@ -121,13 +121,14 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
     profile = build_profile(device, fits, request.base, request.name, versions, note)
     # A CPU BLAS's rate by the rows of a product (GPUs: the tiling model of the base profile); the runtime's fixed
     # costs are fitted against the kernels it prices.
-    rows_fit = fit_row_efficiency([r for r in rows if r["kind"] == "matmul"], fits.roofline) if tiling is None \
-        else None
+    rows_fit = None
+    if tiling is None:
+        rate = profile.peak_flops * profile.compute.matmul_efficiency
+        rows_fit = fit_row_efficiency([r for r in rows if r["kind"] == "matmul"], rate, fits.roofline.overhead_s)
     if rows_fit is not None:
         profile = _with_compute(profile, f" Rows: a matmul of {rows_fit[0][0]:g} row(s) reached "
-                                         f"{rows_fit[0][1]:.3g} of the fitted matmul rate, and of "
-                                         f"{rows_fit[-1][0]:g} rows {rows_fit[-1][1]:.3g} (row_efficiency).",
-                                row_efficiency=rows_fit)
+                                         f"{rows_fit[0][1]:.3g} of the matmul rate, of {rows_fit[-1][0]:g} rows "
+                                         "all of it (row_efficiency).", row_efficiency=rows_fit)
     # How the world's processes share the host's cores (CPU); the runtime's fixed costs are fitted against it.
     parallelism = host_share.fit_parallelism(rows)
     if parallelism is not None:

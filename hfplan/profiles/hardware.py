@@ -66,6 +66,17 @@ def _rising_points(points: Sequence[tuple[float, float]], point: str, firsts: st
         raise ValueError(f"{firsts} must be positive and increasing")
 
 
+def _fraction_points(points: tuple[tuple[int, float], ...] | None, x: str, xs: str, of: str
+                     ) -> tuple[tuple[int, float], ...] | None:
+    """A table of (x, fraction of `of`) points: x positive and increasing, each fraction in (0, 1]."""
+    if points is None:
+        return None
+    _rising_points(points, f"({x}, fraction of {of})", xs)
+    if any(not 0 < fraction <= 1 for _, fraction in points):
+        raise ValueError(f"fractions of {of} must be in (0, 1]")
+    return points
+
+
 class Compute(_Strict):
     peak_tflops: float = Field(gt=0, description="dense matmul peak per device, bf16 (fp32 on CPU)")
     matmul_efficiency: float = Field(gt=0, le=1, description="fraction of peak reached by large matmuls (with "
@@ -95,8 +106,9 @@ class Compute(_Strict):
                                   "fraction) points, m increasing, measured by `hfplan profile` (its matmuls of "
                                   "few rows: a CPU BLAS packs the weight matrix and runs register tiles of several "
                                   "rows per call, so a product of a few rows, a decode step's, runs far below the "
-                                  "rate). Between two points the fraction is interpolated in log(m); beyond either "
-                                  "end it is the end's. None: every GEMM runs at the matmul rate")
+                                  "rate; the profiler ends it at 1). Between two points the fraction is "
+                                  "interpolated in log(m); beyond either end it is the end's. None: every GEMM runs "
+                                  "at the matmul rate")
     attention_rate: tuple[tuple[int, float], ...] | None = Field(
         default=None, description="the flash attention kernel's measured rate, forward and backward together, of a "
                                   "causal pass: (sequence length, fraction of peak) points, lengths increasing; "
@@ -178,22 +190,12 @@ class Compute(_Strict):
     @field_validator("row_efficiency")
     @classmethod
     def _rising_rows(cls, points: tuple[tuple[int, float], ...] | None) -> tuple[tuple[int, float], ...] | None:
-        if points is None:
-            return None
-        _rising_points(points, "(rows, fraction of the matmul rate)", "row counts")
-        if any(not 0 < fraction <= 1 for _, fraction in points):
-            raise ValueError("fractions of the matmul rate must be in (0, 1]")
-        return points
+        return _fraction_points(points, "rows", "row counts", "the matmul rate")
 
     @field_validator("attention_rate")
     @classmethod
     def _rising_lengths(cls, points: tuple[tuple[int, float], ...] | None) -> tuple[tuple[int, float], ...] | None:
-        if points is None:
-            return None
-        _rising_points(points, "(sequence length, fraction of peak)", "sequence lengths")
-        if any(not 0 < fraction <= 1 for _, fraction in points):
-            raise ValueError("fractions of peak must be in (0, 1]")
-        return points
+        return _fraction_points(points, "sequence length", "sequence lengths", "peak")
 
     @field_validator("value_bytes")
     @classmethod
