@@ -197,10 +197,13 @@ def test_one_iteration_is_refused(tiny_plan_file, tmp_path):
                       "--iterations")
 
 
-def test_an_address_where_nothing_answers_is_refused_in_one_line(tiny_plan_file, tmp_path):
+def test_an_address_where_nothing_answers_is_refused_in_one_line(tiny_plan_file, tmp_path, monkeypatch):
+    read: list[bool] = []
+    monkeypatch.setattr(machine.PaceProbe, "measure_before", lambda probe: read.append(True))
     assert_user_error(invoke("validate", tiny_plan_file, "--address", "127.0.0.1:9", "--connect-timeout", 0.5,
                              "--out", tmp_path / "run"), "127.0.0.1:9")
     assert not (tmp_path / "run").exists()
+    assert read == []  # refused before the pace probes are read (they take seconds to start)
 
 
 def test_two_iterations_compared_as_json(tiny_plan_file, tmp_path, ray_driver):
@@ -312,6 +315,7 @@ def test_pace_is_the_probe_around_the_run_over_the_profile_s():
     assert pace.parallelism is None and pace.to_json()["together"] is None
     with machine.PaceProbe(None) as probe:  # nothing to compare with: no process is started
         assert probe.processes == []
+        probe.measure_before()
         assert probe.finish() is None
 
 
@@ -329,7 +333,8 @@ def test_the_host_s_parallelism_around_the_run_is_the_probes_at_once_against_one
 def test_the_probe_processes_time_alone_then_together_around_a_run():
     """The real probe processes (one alone, then both at once), as validate runs them on a CPU profile."""
     with machine.PaceProbe(300e-6, world=2, profiled_parallelism=1.87) as probe:
-        assert len(probe.processes) == 2
+        assert len(probe.processes) == 2 and probe.before is None  # read once the run's workers are up
+        probe.measure_before()
         pace = probe.finish()
     assert pace is not None and probe.processes == []
     assert pace.before_s > 0 and pace.after_s > 0

@@ -147,10 +147,12 @@ class Pace:
 
 
 class PaceProbe:
-    """The probe as processes of their own (`python -m hfplan.profiler.pace`), started before a run and read after:
-    each imports torch once and sleeps in between. One times the probe alone; with `world` > 1 (the processes the
-    profile measured its host's sharing with), `world` of them then time it at once. Any failure of the probe leaves
-    the pace unknown (None), never the run failed."""
+    """The probe as processes of their own (`python -m hfplan.profiler.pace`), started on entry (each imports torch
+    once, meanwhile the run checks its inputs and starts its workers), read once the run's workers are up
+    (`before`: before its first iteration) and again after the run (`finish`); they sleep in between. One times the
+    probe alone; with `world` > 1 (the processes the profile measured its host's sharing with), `world` of them then
+    time it at once. Any failure of the probe leaves the pace unknown (None), never the run failed; a run refused
+    before its workers start waits for no probe."""
 
     TIMEOUT_S = 120.0
 
@@ -166,11 +168,20 @@ class PaceProbe:
             self.processes = [subprocess.Popen([sys.executable, "-m", "hfplan.profiler.pace"], stdin=subprocess.PIPE,
                                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
                               for _ in range(max(1, self.world))]
+        except OSError as error:
+            logger.warning("the machine's pace is not measured: %s", error)
+            self._stop()
+        return self
+
+    def measure_before(self) -> None:
+        """The probes before the run's iterations (once; a later call does nothing)."""
+        if not self.processes or self.before is not None:
+            return
+        try:
             self.before = self._measure()
         except (OSError, ValueError) as error:
             logger.warning("the machine's pace is not measured: %s", error)
             self._stop()
-        return self
 
     def finish(self) -> Pace | None:
         """The probes after the run; the pace (None where a probe failed)."""

@@ -126,7 +126,7 @@ def validate(plan: Plan, options, labels: Sequence[str],
     profile = plan.cluster.profile
     sharing = profile.compute.host_parallelism  # measured with the profile's processes of one host at once
     with machine.PaceProbe(profiled_step_seconds(profile), profile.gpus_per_node if sharing else 1, sharing) as probe:
-        summary = execute(plan, options, keep)
+        summary = execute(plan, options, keep, on_start=lambda done, resumed: probe.measure_before())
         pace = probe.finish()
     timed = reports[1:]
     measured = [from_zero(r.spans) for r in timed]
