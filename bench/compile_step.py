@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
 from lean_forward import RESPONSE, tensors  # bench/ is the script's folder, hence on sys.path
+from rounds import alternate
 
 from hfplan.executor import sequences
 from hfplan.executor.engines import forward, losses
@@ -120,18 +120,6 @@ def first_call(fn: Callable[[], object]) -> str:
     fn()
     return (f"first call {time.perf_counter() - start:.1f} s wall, {time.process_time() - cpu:.1f} s CPU "
             f"({graphs() - before} graphs)")
-
-
-def alternate(fns: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, float]:
-    """Median over `rounds` alternating rounds of the CPU ms per call of each function."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.process_time()
-            for _ in range(calls):
-                fn()
-            times[name].append((time.process_time() - start) / calls * 1e3)
-    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def phase(dynamic: bool, rounds: int, calls: int) -> None:

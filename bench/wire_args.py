@@ -16,6 +16,7 @@ import statistics
 import time
 
 import ray
+from rounds import alternate  # bench/ is the script's folder, hence on sys.path
 
 
 @ray.remote(num_cpus=1)
@@ -72,17 +73,11 @@ def pack_times(rounds: int, packs: int = 2000) -> None:
                          "log_probs": np.zeros((rows, 4), np.float32)},
               "spans": [Timed("generate", "compute", 1.0, 2.0) for _ in range(6)]}
     forms = {"looking for references": lambda: wire.pack(result), "refs=False": lambda: wire.pack(result, refs=False)}
-    seconds: dict[str, list[float]] = {name: [] for name in forms}
-    for _ in range(rounds):
-        for name, pack in forms.items():
-            start = time.process_time()
-            for _ in range(packs):
-                pack()
-            seconds[name].append((time.process_time() - start) / packs * 1e6)
+    ms = alternate(forms, rounds, packs)
     print(f"packing a generation's result, {packs} packs x {rounds} alternating rounds; medians over the rounds")
     for name in forms:
-        print(f"  {name:<24} {statistics.median(seconds[name]):.1f} us CPU")
-    before, after = (statistics.median(seconds[name]) for name in forms)
+        print(f"  {name:<24} {ms[name] * 1e3:.1f} us CPU")
+    before, after = (ms[name] for name in forms)
     print(f"  refs=False / looking for references: {after / before:.2f}x")
 
 

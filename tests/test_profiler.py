@@ -398,8 +398,7 @@ def test_quick_cpu_profile_end_to_end(quick_profile):
     assert table is not None and table[0][0] == 1 and 0 < table[0][1] < 1
     assert [fraction for _, fraction in table] == sorted(fraction for _, fraction in table)
     one_row = frame[(frame["kind"] == "matmul") & (frame["m"] == 1) & (frame[["k", "n"]].min(axis=1) >= 256)]
-    rate = profile.compute.peak_tflops * 1e12 * profile.compute.matmul_efficiency
-    reached = one_row["flops"] / (one_row["seconds"] - profile.compute.kernel_overhead_us * 1e-6) / rate
+    reached = one_row["flops"] / (one_row["seconds"] - profile.compute.kernel_overhead_us * 1e-6) / profile.matmul_flops
     assert table[0][1] == pytest.approx(reached.median(), rel=0.01)
     # --quick starts no Ray: the executor's call gaps, its controller step and the worker's memory are the
     # base profile's.

@@ -140,7 +140,7 @@ def fit_row_efficiency(rows: Sequence[dict], rate: float, overhead_s: float) -> 
         points.append((m, round(fraction, 4)))
         if fraction >= 1.0:
             break
-    if not points or points[0][1] >= 1.0 or len(points) < 2:
-        return None  # every row count at the rate, or too few row counts to say how the rate grows
+    if len(points) < 2:
+        return None  # the fewest rows measured already at the rate, or too few row counts to say how it grows
     points[-1] = (points[-1][0], 1.0)
     return tuple(points)

@@ -121,10 +121,8 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
     profile = build_profile(device, fits, request.base, request.name, versions, note)
     # A CPU BLAS's rate by the rows of a product (GPUs: the tiling model of the base profile); the runtime's fixed
     # costs are fitted against the kernels it prices.
-    rows_fit = None
-    if tiling is None:
-        rate = profile.peak_flops * profile.compute.matmul_efficiency
-        rows_fit = fit_row_efficiency([r for r in rows if r["kind"] == "matmul"], rate, fits.roofline.overhead_s)
+    rows_fit = None if tiling is not None else fit_row_efficiency(
+        [r for r in rows if r["kind"] == "matmul"], profile.matmul_flops, fits.roofline.overhead_s)
     if rows_fit is not None:
         profile = _with_compute(profile, f" Rows: a matmul of {rows_fit[0][0]:g} row(s) reached "
                                          f"{rows_fit[0][1]:.3g} of the matmul rate, of {rows_fit[-1][0]:g} rows "

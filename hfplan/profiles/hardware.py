@@ -550,6 +550,11 @@ class HardwareProfile(_Strict):
     def peak_flops(self) -> float:
         return self.compute.peak_tflops * 1e12
 
+    @property
+    def matmul_flops(self) -> float:
+        """The matmul rate: FLOP/s of a GEMM without tile, wave or few-row loss (peak x matmul_efficiency)."""
+        return self.peak_flops * self.compute.matmul_efficiency
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 

@@ -27,7 +27,7 @@ FP32 = 4  # bytes of an fp32 value (gradients, optimizer states, logits; everyth
 
 def kernel_time(hw: HardwareProfile, flops: float, nbytes: float, shape_efficiency: float = 1.0) -> float:
     """shape_efficiency: the fraction of the matmul rate this kernel's shape allows (GEMMs; 1 otherwise)."""
-    compute = flops / (hw.peak_flops * hw.compute.matmul_efficiency * shape_efficiency)
+    compute = flops / (hw.matmul_flops * shape_efficiency)
     memory = nbytes / (hw.memory.bandwidth_gbytes_per_s * 1e9 * hw.memory.efficiency)
     return hw.compute.kernel_overhead_us * 1e-6 + max(compute, memory)
 
