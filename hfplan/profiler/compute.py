@@ -31,9 +31,11 @@ def measure_matmuls(torch, device: Device, shapes, min_time: float, step: Step) 
     for m, k, n in shapes:
         nbytes = esize * (m * k + k * n + m * n)
         copies = copies_for(nbytes, device.cache_bytes, rotation_budget(device))
-        # Outputs are zeroed, not just allocated: a first write to fresh pages would be timed otherwise.
-        sets = [(torch.randn(m, k, dtype=dtype, device=device.kind), torch.randn(k, n, dtype=dtype, device=device.kind),
-                 torch.zeros(m, n, dtype=dtype, device=device.kind)) for _ in range(copies)]
+        # The copies are clones of one random pair (drawing each at random took a second per shape on a CPU); outputs
+        # are zeroed, not just allocated: a first write to fresh pages would be timed otherwise.
+        a, b = torch.randn(m, k, dtype=dtype, device=device.kind), torch.randn(k, n, dtype=dtype, device=device.kind)
+        sets = [(a.clone(), b.clone(), torch.zeros(m, n, dtype=dtype, device=device.kind)) for _ in range(copies)]
+        del a, b
         following = rotating(sets)
 
         def matmul(following=following) -> None:
