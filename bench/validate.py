@@ -1,7 +1,9 @@
 """The simulator against the executor: `hfplan validate`'s comparison over a grid of plans on this machine.
 
 Workloads: the built-in `demo` (PPO), `arith-grpo` (GRPO) and the demo run as ReMax (`demo-remax`: its actor,
-reference and rule reward); with --model, every model role runs that catalog model instead. Placements: every role
+reference and rule reward); with --model, every model role runs that catalog model instead; with --small, each demo
+model its larger counterpart of the same vocabulary (`small`, `small-arith`: 12M parameters, where the tiny ones'
+calls are mostly fixed costs, theirs are mostly GEMMs). Placements: every role
 on one set, in the layouts tp x pp x dp of bench/execute_layouts.py that fit --max-processes (--quick: 1x1x1, 1x1x2,
 2x1x1); the actor apart from the other roles on 2 processes (split, the search's best layouts for it); and a
 separate rollout engine beside the colocated roles on 2 processes (--quick: neither). Each plan is validated
@@ -24,7 +26,7 @@ measured figures as JSON; --recost PATH runs nothing and costs those runs again 
 two grids on a VM whose pace drifts differ by more than the change.
 
     RAY_AUTH_MODE=disabled python bench/validate.py [--quick] [--iterations N] [--repeats N] [--hardware NAME|PATH]
-                                                    [--max-processes N] [--model NAME] [--save PATH]
+                                                    [--max-processes N] [--model NAME | --small] [--save PATH]
     python bench/validate.py --recost PATH [--hardware NAME|PATH]
 """
 
@@ -56,9 +58,14 @@ from hfplan.validation.run import validate
 QUICK_LAYOUTS = ((1, 1, 1), (1, 1, 2), (2, 1, 1))
 
 
-def workloads(model: str | None = None) -> dict[str, Workload]:
+# The demo models' larger counterparts, of the same vocabularies (--small).
+LARGER = {"tiny": "small", "tiny-arith": "small-arith"}
+
+
+def workloads(model: str | None = None, small: bool = False) -> dict[str, Workload]:
     """demo, arith-grpo and demo-remax (the demo's models, batch and lengths, trained by ReMax); `model`: every
-    model role of each runs that catalog model instead (rule rewards stay)."""
+    model role of each runs that catalog model instead (rule rewards stay); `small`: each demo model is its larger
+    counterpart (LARGER)."""
     remax = dict(BUILTIN_WORKLOADS["demo"], algorithm="remax")
     remax["models"] = {role: remax["models"][role] for role in ("actor", "reference", "reward")}
     specs = {"demo": BUILTIN_WORKLOADS["demo"], "arith-grpo": BUILTIN_WORKLOADS["arith-grpo"], "demo-remax": remax}
@@ -67,6 +74,8 @@ def workloads(model: str | None = None) -> dict[str, Workload]:
         if model is not None:
             spec = dict(spec, models={role: ref if ref.startswith(RULE_PREFIX) else model
                                       for role, ref in spec["models"].items()})
+        if small:
+            spec = dict(spec, models={role: LARGER.get(ref, ref) for role, ref in spec["models"].items()})
         out[name] = workload_from_dict(spec, name)
     return out
 
@@ -182,12 +191,18 @@ def recosted(record: dict, hardware: str | None, parallelism: float | None = Non
                       memory_gib={label: Figure.of(predicted, measured) for (label, measured), predicted in memory})
 
 
+def models_label(args) -> str:
+    if args.small:
+        return "small, small-arith"
+    return args.model or "of each workload"
+
+
 def measure(args, iterations: int, repeats: int, records: dict) -> list[Point]:
     """Validate every plan of the grid `repeats` times on one Ray session, printing each as it ends."""
     layouts = [lay for lay in (QUICK_LAYOUTS if args.quick else LAYOUTS) if lay[0] * lay[1] * lay[2]
                <= args.max_processes]
     plans: list[tuple[str, Plan]] = []
-    for name, workload in workloads(args.model).items():
+    for name, workload in workloads(args.model, args.small).items():
         plans += [(f"{name} t{tp}p{pp}d{dp}", colocated_plan(workload, tp, pp, dp, args.hardware))
                   for tp, pp, dp in layouts]
         if not args.quick and args.max_processes >= 2:
@@ -202,7 +217,7 @@ def measure(args, iterations: int, repeats: int, records: dict) -> list[Point]:
     points = []
     try:
         print(f"hfplan validate over {len(plans)} plans x {repeats} runs, {iterations} iterations each (first a "
-              f"warm-up), profile {args.hardware}, models {args.model or 'of each workload'}, {os.cpu_count()} "
+              f"warm-up), profile {args.hardware}, models {models_label(args)}, {os.cpu_count()} "
               f"cores, load {os.getloadavg()[0]:.1f}")
         print(HEADER)
         for label, plan in plans:
@@ -313,6 +328,8 @@ def main() -> None:
     parser.add_argument("--max-processes", type=int, default=4)
     parser.add_argument("--model", default=None, help="a catalog model every model role runs instead of the "
                                                        "workloads' own (e.g. qwen2.5-0.5b on a GPU)")
+    parser.add_argument("--small", action="store_true", help="the demo models' larger counterparts (small, "
+                                                             "small-arith: 12M parameters) in their places")
     parser.add_argument("--save", type=Path, default=None, help="also write every run's costed plan and measured "
                                                                 "figures here (JSON), for --recost")
     parser.add_argument("--recost", type=Path, default=None, help="run nothing: cost the runs saved by --save "
@@ -324,6 +341,8 @@ def main() -> None:
             parser.exit(2, f"--recost {args.recost}: file not found\n")
         summary(recost(args.recost, args.hardware))
         return
+    if args.small and args.model is not None:
+        parser.exit(2, "--small and --model: give one\n")
     if args.save is not None and not args.save.parent.is_dir():
         parser.exit(2, f"--save {args.save}: its folder does not exist\n")
     args.hardware = args.hardware or "cpu"

@@ -19,7 +19,7 @@ from hfplan.executor.codec import build_codec  # noqa: E402
 from hfplan.executor.models import build_model, model_config_for  # noqa: E402
 from hfplan.executor.prompts import builtin_prompts  # noqa: E402
 from hfplan.executor.tokenizers import build_tokenizer  # noqa: E402
-from hfplan.profiles.models import CATALOG  # noqa: E402
+from hfplan.profiles.models import CATALOG, DEMO_MODELS  # noqa: E402
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=300, max_position_embeddings=128)
@@ -33,7 +33,7 @@ def write_config(tmp_path, architecture: str, model_type: str, **extra) -> str:
 
 # ---- tokenizers -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("ref", ["tiny", "tiny-arith"])
+@pytest.mark.parametrize("ref", list(DEMO_MODELS))
 def test_demo_tokenizers_have_the_catalog_vocabulary_and_all_specials(ref):
     tok = build_tokenizer(ref)
     assert len(tok) == CATALOG[ref].vocab
@@ -48,6 +48,16 @@ def test_encoding_text_never_yields_the_pad_id(ref):
     texts = ["<pad>", "add 3 <pad> 5 =", f"{tok.pad_token} {tok.eos_token}", "héllo wörld ✓", "", "sub 40 41 ="]
     for ids in tok(texts)["input_ids"]:
         assert tok.pad_token_id not in ids
+
+
+def test_each_demo_model_takes_the_tokenizer_and_prompts_of_its_vocabulary():
+    """The larger demo models read what their tiny counterparts do: `small` the phrases in bytes, `small-arith`
+    the arithmetic in words."""
+    for ref, tiny in (("small", "tiny"), ("small-arith", "tiny-arith")):
+        assert DEMO_MODELS[ref] == DEMO_MODELS[tiny]
+        assert build_tokenizer(ref).get_vocab() == build_tokenizer(tiny).get_vocab()
+        assert builtin_prompts(ref) == builtin_prompts(tiny)
+    assert builtin_prompts("llama2-7b") is None
 
 
 def test_byte_tokenizer_round_trips_any_text_byte_by_byte():

@@ -1,5 +1,6 @@
-"""bench/validate.py's grid: its workloads (PPO, GRPO, ReMax; another model on request) and its placements beyond
-the colocated layouts (the actor apart; a separate rollout engine), all simulated, nothing run."""
+"""bench/validate.py's grid: its workloads (PPO, GRPO, ReMax; larger demo models or another model on request) and
+its placements beyond the colocated layouts (the actor apart; a separate rollout engine), all simulated, nothing
+run."""
 
 from __future__ import annotations
 
@@ -21,6 +22,11 @@ def test_the_grid_runs_ppo_grpo_and_remax_on_the_demo_models_or_another():
     for name, workload in swapped.items():
         assert workload.models["reward"] == own[name].models["reward"]  # rule rewards stay
         assert {ref for role, ref in workload.models.items() if role != "reward"} == {"qwen2.5-0.5b"}
+    larger = BENCH.workloads(small=True)  # the second model size: each demo model's larger counterpart
+    assert {role: ref for role, ref in larger["demo"].models.items() if role != "reward"} == {
+        "actor": "small", "critic": "small", "reference": "small"}
+    assert larger["arith-grpo"].models["actor"] == "small-arith"
+    assert [larger[name].models["reward"] for name in own] == [own[name].models["reward"] for name in own]
     placed = dict(BENCH.placed_plans(own["demo"], "cpu"))
     split, rollout = placed["split 1|1"], placed["rollout 1+1"]
     assert [group.models for group in split.placement] == [["actor"], ["critic", "reference"]]

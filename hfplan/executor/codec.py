@@ -22,7 +22,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
 from hfplan.dataflow.rewards import ARITH_MAX
 from hfplan.errors import HfplanError
-from hfplan.profiles.models import resolve_model
+from hfplan.profiles.models import DEMO_MODELS, resolve_model
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 ARITH_WORDS = ("add", "sub", "=")
@@ -88,8 +88,9 @@ def checkpoint_folder(model_ref: str) -> Path | None:
 
 
 def builtin_backend(model_ref: str) -> Tokenizer:
-    """The word-level tokenizer of `tiny-arith`, or bytes for every other model whose vocabulary holds them."""
-    if model_ref == "tiny-arith":
+    """The word-level tokenizer of the arithmetic demo models (`tiny-arith`, `small-arith`), or bytes for every
+    other model whose vocabulary holds them."""
+    if DEMO_MODELS.get(model_ref) == "arith":
         return arith_backend()
     arch = resolve_model(model_ref)
     backend = byte_backend()

@@ -5,13 +5,16 @@ from __future__ import annotations
 import random
 
 from hfplan.dataflow.rewards import ARITH_MAX
+from hfplan.profiles.models import DEMO_MODELS
 
 
 def builtin_prompts(model_ref: str) -> list[str] | None:
-    """The demo prompt set of a demo model, in a fixed order; None for any other model."""
-    if model_ref == "tiny":
+    """The demo prompt set of a demo model (by its vocabulary: the phrases, or the arithmetic), in a fixed order;
+    None for any other model."""
+    vocabulary = DEMO_MODELS.get(model_ref)
+    if vocabulary == "bytes":
         return _tiny_prompts()
-    if model_ref == "tiny-arith":
+    if vocabulary == "arith":
         return _arith_prompts()
     return None
 

@@ -25,7 +25,8 @@ def _wrap(backend: Tokenizer) -> PreTrainedTokenizerFast:
 
 
 def build_tokenizer(model_ref: str) -> PreTrainedTokenizerFast:
-    """The tokenizer of a model reference: its folder's own, the word-level one of `tiny-arith`, or bytes."""
+    """The tokenizer of a model reference: its folder's own, the word-level one of the arithmetic demo models, or
+    bytes."""
     folder = checkpoint_folder(model_ref)
     if folder is not None:
         return _checkpoint_tokenizer(folder)

@@ -172,13 +172,18 @@ CATALOG: dict[str, ModelArch] = {
         # and =, and the numbers 0-40 (hfplan.executor.tokenizers builds it in code).
         ModelArch("tiny-arith", layers=2, hidden=128, heads=4, kv_heads=2, ffn=256, vocab=48,
                   context_len=256),
+        # Their larger counterparts (12M parameters), with the same vocabularies: a CPU run whose GEMMs, not
+        # the per-call fixed costs, take most of its time (bench/validate.py --small).
+        ModelArch("small", layers=4, hidden=512, heads=8, kv_heads=4, ffn=1376, vocab=260, context_len=256),
+        ModelArch("small-arith", layers=4, hidden=512, heads=8, kv_heads=4, ffn=1376, vocab=48, context_len=256),
     ]
 }
 
 
 # Models built for CPU demos and tests: they have no published checkpoint and no built-in workloads
-# of the <algorithm>-<model> kind.
-DEMO_MODELS = ("tiny", "tiny-arith")
+# of the <algorithm>-<model> kind. Each names its vocabulary: "bytes" (the byte-level tokenizer, the demo's
+# phrases as its built-in prompts) or "arith" (tiny-arith's words, its arithmetic prompts).
+DEMO_MODELS: dict[str, str] = {"tiny": "bytes", "tiny-arith": "arith", "small": "bytes", "small-arith": "arith"}
 
 
 def arch_from_hf_config(config: dict, name: str) -> ModelArch:
