@@ -120,27 +120,36 @@ def fit_roofline(flops: Sequence[float], nbytes: Sequence[float], seconds: Seque
 ROW_FIT_MIN_WIDTH = 256  # a matmul's K and N at least this wide to stand for its rows (narrower: overhead-bound)
 
 
-def fit_row_efficiency(rows: Sequence[dict], rate: float, overhead_s: float) -> tuple[tuple[int, float], ...] | None:
+def fit_row_efficiency(rows: Sequence[dict], rate: float, overhead_s: float, value_bytes: int
+                       ) -> tuple[tuple[int, int, float], ...] | None:
     """Compute.row_efficiency from matmul rows (dicts with m, k, n, flops, seconds) and the profile's matmul rate
-    (FLOP/s) and kernel overhead: for each row count m of the matmuls at least ROW_FIT_MIN_WIDTH wide in K and N, the
-    median rate they reached beyond the overhead over `rate`, capped at 1. The fractions are made non-decreasing in
-    m (a point below one of fewer rows is that one's: timing noise, not a kernel that slows as it grows) and end at
-    1: at the first row count that reaches the rate, else at the largest measured (the rate is the large matmuls').
-    None where every row count reaches the rate (nothing to scale)."""
-    by_rows: dict[int, list[float]] = {}
+    (FLOP/s) and kernel overhead. The matmuls at least ROW_FIT_MIN_WIDTH wide in K and N are grouped by their weight's
+    bytes (k x n values of `value_bytes`); for each weight size measured at two row counts or more, each row count's
+    median rate beyond the overhead over `rate`, capped at 1. A weight size's fractions are made non-decreasing in m
+    (a point below one of fewer rows is that one's: timing noise, not a kernel that slows as it grows) and end at 1:
+    at the first row count that reaches the rate, else at the largest measured (the rate is the large matmuls').
+    None where every row count of every weight size reaches the rate (nothing to scale)."""
+    by_weight: dict[int, dict[int, list[float]]] = {}
     for row in rows:
         if min(row["k"], row["n"]) < ROW_FIT_MIN_WIDTH:
             continue
         compute_s = max(row["seconds"] - overhead_s, 1e-12)
-        by_rows.setdefault(int(row["m"]), []).append(row["flops"] / compute_s / rate)
-    points: list[tuple[int, float]] = []
-    for m in sorted(by_rows):
-        fraction = min(1.0, float(np.median(by_rows[m])))
-        fraction = max(fraction, points[-1][1]) if points else fraction
-        points.append((m, round(fraction, 4)))
-        if fraction >= 1.0:
-            break
-    if len(points) < 2:
-        return None  # the fewest rows measured already at the rate, or too few row counts to say how it grows
-    points[-1] = (points[-1][0], 1.0)
-    return tuple(points)
+        weight = int(row["k"] * row["n"] * value_bytes)
+        by_weight.setdefault(weight, {}).setdefault(int(row["m"]), []).append(row["flops"] / compute_s / rate)
+    table: list[tuple[int, int, float]] = []
+    for weight in sorted(by_weight):
+        by_rows = by_weight[weight]
+        if len(by_rows) < 2:
+            continue  # one row count says nothing of how the rate grows with rows
+        points: list[tuple[int, float]] = []
+        for m in sorted(by_rows):
+            fraction = min(1.0, float(np.median(by_rows[m])))
+            fraction = max(fraction, points[-1][1]) if points else fraction
+            points.append((m, round(fraction, 4)))
+            if fraction >= 1.0:
+                break
+        points[-1] = (points[-1][0], 1.0)
+        table += [(m, weight, fraction) for m, fraction in points]
+    if all(fraction >= 1.0 for _, _, fraction in table):
+        return None
+    return tuple(table)

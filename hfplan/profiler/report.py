@@ -7,7 +7,7 @@ import pandas as pd
 from rich.table import Table
 
 from hfplan.profiler.fit import ROW_FIT_MIN_WIDTH
-from hfplan.profiler.run import Result
+from hfplan.profiler.run import Result, size_text
 
 PASS_LABEL = {"forward": "fwd", "forward+backward": "fwd+bwd", "decode": "decode"}
 # Above this relative error a fit or a layer prediction is flagged: plans made with the profile may be off.
@@ -63,8 +63,10 @@ def fits_table(result: Result) -> Table:
                   f"{rt.tp_switch_tensor_us:.1f} / {rt.tp_step_collective_us:.1f}",
                   "measured across the profiled world, beyond the modelled collectives (0: not measured)")
     rows = hw.compute.row_efficiency
-    table.add_row("a matmul's rate by its rows: rows -> fraction of the matmul rate",
-                  ", ".join(f"{m:g} -> {fraction:.3g}" for m, fraction in rows) if rows else "none",
+    table.add_row("a matmul's rate by its rows and weight: rows -> fraction of the matmul rate, per weight size",
+                  "; ".join(f"{size_text(weight)}: " + ", ".join(f"{m:g} -> {fraction:.3g}" for m, w, fraction in rows
+                                                              if w == weight)
+                            for weight in sorted({w for _, w, _ in rows})) if rows else "none",
                   f"measured: each row count's median rate over the matmul rate, of the matmuls at least "
                   f"{ROW_FIT_MIN_WIDTH} wide in K and N" if rows else
                   "every row count at the matmul rate (or a tiling model prices the shape)")

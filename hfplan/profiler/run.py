@@ -113,7 +113,7 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
     esize = torch.empty((), dtype=dtype).element_size()
     sizes = sweeps.copy_bytes
     note = (f"{len(sweeps.matmuls)} matmul shapes ({str(dtype).removeprefix('torch.')}), "
-            f"{len(sizes)} copy sizes of {_size(min(sizes))} to {_size(max(sizes))}"
+            f"{len(sizes)} copy sizes of {size_text(min(sizes))} to {size_text(max(sizes))}"
             + (f", {device.threads} CPU thread(s) per process" if device.kind == "cpu" else ""))
     import transformers
 
@@ -122,11 +122,15 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
     # A CPU BLAS's rate by the rows of a product (GPUs: the tiling model of the base profile); the runtime's fixed
     # costs are fitted against the kernels it prices.
     rows_fit = None if tiling is not None else fit_row_efficiency(
-        [r for r in rows if r["kind"] == "matmul"], profile.matmul_flops, fits.roofline.overhead_s)
+        [r for r in rows if r["kind"] == "matmul"], profile.matmul_flops, fits.roofline.overhead_s, esize)
     if rows_fit is not None:
-        profile = _with_compute(profile, f" Rows: a matmul of {rows_fit[0][0]:g} row(s) reached "
-                                         f"{rows_fit[0][1]:.3g} of the matmul rate, of {rows_fit[-1][0]:g} rows "
-                                         "all of it (row_efficiency).", row_efficiency=rows_fit)
+        fewest = min(rows_fit, key=lambda point: (point[0], point[1]))
+        largest = max(weight for _, weight, _ in rows_fit)
+        one_row_largest = min((p for p in rows_fit if p[1] == largest), key=lambda point: point[0])
+        profile = _with_compute(profile, f" Rows: a matmul of {fewest[0]:g} row(s) by a {size_text(fewest[1])} weight "
+                                         f"reached {fewest[2]:.3g} of the matmul rate, by a {size_text(largest)} one "
+                                         f"{one_row_largest[2]:.3g}; of enough rows all of it (row_efficiency).",
+                                row_efficiency=rows_fit)
     # How the world's processes share the host's cores (CPU); the runtime's fixed costs are fitted against it.
     parallelism = host_share.fit_parallelism(rows)
     if parallelism is not None:
@@ -207,7 +211,8 @@ def effective_bytes(row: dict, tiling) -> float:
     return row["bytes"] + split_k_bytes(tiling, row["m"], row["k"], row["n"])
 
 
-def _size(nbytes: float) -> str:
+def size_text(nbytes: float) -> str:
+    """Bytes as the profile's notes and report write them (KiB, MiB, GiB)."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
             return f"{nbytes / scale:g} {unit}"

@@ -100,15 +100,17 @@ class Compute(_Strict):
                                                                                "or eager (scores through memory)")
     gemm: GemmTiling | None = Field(default=None, description="tile and wave quantization of GEMMs; none (CPUs): "
                                                               "every GEMM runs at matmul_efficiency")
-    row_efficiency: tuple[tuple[int, float], ...] | None = Field(
+    row_efficiency: tuple[tuple[int, int, float], ...] | None = Field(
         default=None, description="GEMMs without a tiling model (`gemm` none: CPUs): the fraction of the matmul rate "
-                                  "(matmul_efficiency) an (m x k)(k x n) product reaches by its rows m, as (m, "
-                                  "fraction) points, m increasing, measured by `hfplan profile` (its matmuls of "
-                                  "few rows: a CPU BLAS packs the weight matrix and runs register tiles of several "
-                                  "rows per call, so a product of a few rows, a decode step's, runs far below the "
-                                  "rate; the profiler ends it at 1). Between two points the fraction is "
-                                  "interpolated in log(m); beyond either end it is the end's. None: every GEMM runs "
-                                  "at the matmul rate")
+                                  "(matmul_efficiency) an (m x k)(k x n) product reaches by its rows m and the bytes "
+                                  "of its k x n operand (the weight), as (m, weight bytes, fraction) points, measured "
+                                  "by `hfplan profile` (its matmuls of few rows: a CPU BLAS packs the weight matrix "
+                                  "and runs register tiles of several rows per call, so a product of a few rows, a "
+                                  "decode step's, runs below the rate, the more so the less of the weight its caches "
+                                  "hold; the profiler ends each weight size's rows at 1). Between two row counts of "
+                                  "a weight size the fraction is interpolated in log(m), between two weight sizes in "
+                                  "log(bytes); beyond either end it is the end's. None: every GEMM runs at the "
+                                  "matmul rate")
     attention_rate: tuple[tuple[int, float], ...] | None = Field(
         default=None, description="the flash attention kernel's measured rate, forward and backward together, of a "
                                   "causal pass: (sequence length, fraction of peak) points, lengths increasing; "
@@ -189,8 +191,18 @@ class Compute(_Strict):
 
     @field_validator("row_efficiency")
     @classmethod
-    def _rising_rows(cls, points: tuple[tuple[int, float], ...] | None) -> tuple[tuple[int, float], ...] | None:
-        return _fraction_points(points, "rows", "row counts", "the matmul rate")
+    def _rising_rows(cls, points: tuple[tuple[int, int, float], ...] | None
+                     ) -> tuple[tuple[int, int, float], ...] | None:
+        if points is None:
+            return None
+        if not points:
+            raise ValueError("a table of (rows, weight bytes, fraction of the matmul rate) needs at least one point")
+        if any(weight <= 0 for _, weight, _ in points):
+            raise ValueError("weight bytes must be positive")
+        for weight in {weight for _, weight, _ in points}:
+            _fraction_points(tuple((m, fraction) for m, w, fraction in points if w == weight), "rows",
+                             f"row counts of one weight size ({weight} bytes)", "the matmul rate")
+        return points
 
     @field_validator("attention_rate")
     @classmethod

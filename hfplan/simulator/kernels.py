@@ -7,7 +7,7 @@ decode steps are weight-read bound, and large training GEMMs run near the measur
 Where the profile describes its GEMM kernels' tiling, a GEMM's math rate is further scaled by its
 shape (`gemm_shape_efficiency`): padded tiles, a last partial wave of tiles, a short reduction; where the
 library splits K (small M, as in decode), the GEMM fills the SMs and becomes weight-read bound. Without a tiling
-(CPUs), the rate is scaled by the GEMM's rows as the profile measured it (`row_fraction`).
+(CPUs), the rate is scaled by the GEMM's rows and its weight's bytes as the profile measured them (`row_fraction`).
 """
 
 from __future__ import annotations
@@ -106,24 +106,43 @@ def log_interpolated(points: tuple[tuple[float, float], ...], x: float) -> float
     return points[-1][1]
 
 
-def row_fraction(hw: HardwareProfile, m: float) -> float:
-    """Fraction of the matmul rate a GEMM of `m` rows reaches where the profile has no tiling model
-    (Compute.row_efficiency; 1 without it)."""
-    points = hw.compute.row_efficiency
-    return 1.0 if points is None else log_interpolated(points, m)
+@functools.cache
+def _rows_by_weight(table: tuple[tuple[int, int, float], ...]) -> tuple[tuple[int, tuple[tuple[int, float], ...]], ...]:
+    """Compute.row_efficiency as (weight bytes, its (rows, fraction) points), weight sizes increasing."""
+    weights = sorted({weight for _, weight, _ in table})
+    return tuple((weight, tuple((m, fraction) for m, w, fraction in table if w == weight)) for weight in weights)
+
+
+def row_fraction(hw: HardwareProfile, m: float, weight_bytes: float) -> float:
+    """Fraction of the matmul rate a GEMM of `m` rows by a weight (its k x n operand) of `weight_bytes` reaches
+    where the profile has no tiling model (Compute.row_efficiency: in log rows along each weight size measured, then
+    in log bytes between the two sizes around this one; 1 without a table)."""
+    table = hw.compute.row_efficiency
+    if table is None:
+        return 1.0
+    by_weight = _rows_by_weight(table)
+    if weight_bytes <= by_weight[0][0]:
+        return log_interpolated(by_weight[0][1], m)
+    for (low, low_points), (high, high_points) in zip(by_weight, by_weight[1:], strict=False):
+        if weight_bytes <= high:
+            low_value = log_interpolated(low_points, m)
+            t = math.log(weight_bytes / low) / math.log(high / low)
+            return low_value + t * (log_interpolated(high_points, m) - low_value)
+    return log_interpolated(by_weight[-1][1], m)
 
 
 def gemm_time(hw: HardwareProfile, m: float, k: float, n: float) -> float:
     """(m x k) @ (k x n) in the device's compute precision; one row (m = 1) as the stack runs it
     (Compute.matrix_vector). Its math rate is scaled by its shape: by tiles and waves where the profile describes
-    the GEMM library's tiling, else by its rows (Compute.row_efficiency)."""
+    the GEMM library's tiling, else by its rows and its weight's bytes (Compute.row_efficiency)."""
     if m <= 0 or k <= 0 or n <= 0:
         return 0.0
     if m == 1 and hw.compute.matrix_vector == "reduction":
         return reduction_matrix_vector_time(hw, k, n)
     tiling = hw.compute.gemm
     nbytes = hw.compute.value_bytes * (m * k + k * n + m * n) + split_k_bytes(tiling, m, k, n)
-    shape = gemm_shape_efficiency(tiling, m, k, n) if tiling is not None else row_fraction(hw, m)
+    shape = (gemm_shape_efficiency(tiling, m, k, n) if tiling is not None
+             else row_fraction(hw, m, hw.compute.value_bytes * k * n))
     return kernel_time(hw, 2.0 * m * k * n, nbytes, shape)
 
 
