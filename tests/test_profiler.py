@@ -451,6 +451,37 @@ def test_gpu_profile_carries_the_base_tiling_on_its_own_sm_count():
     assert build_profile(fake_device(), fake_fits(), load_hardware("cpu"), "c", "t", "n").compute.gemm is None
 
 
+def test_a_cpu_sweep_fits_its_rate_without_the_products_its_rows_slow():
+    """A CPU sweep timed as the cost model charges it (the few-row products at their row fraction of the rate)
+    fits back the rate; fitted over every matmul, the slow few-row products pull it down."""
+    from hfplan.profiler.run import roofline_kernels
+    from hfplan.profiler.sweeps import sweeps_for
+
+    rate, overhead, bandwidth = 1.2e11, 1e-6, 1.2e10
+    fraction = {1: 0.05, 16: 0.3, 128: 0.8}
+    shapes = sweeps_for("cpu", quick=False).matmuls
+    most_rows: dict[int, int] = {}  # per weight size: its largest row count, which the table takes as the rate's
+    for m, k, n in shapes:
+        most_rows[k * n] = max(m, most_rows.get(k * n, 0))
+    rows = [dict(kind="matmul", m=m, k=k, n=n, flops=2.0 * m * k * n, bytes=4.0 * (m * k + k * n + m * n))
+            for m, k, n in shapes]
+    rows += [dict(kind="memory", flops=0.0, bytes=float(b)) for b in (2**16, 2**20, 2**24, 2**28)]
+    for r in rows:
+        few = r["kind"] == "matmul" and min(r["k"], r["n"]) >= 256 and r["m"] < most_rows[r["k"] * r["n"]]
+        slowed = fraction.get(r["m"], 1.0) if few else 1.0
+        r["seconds"] = overhead + max(r["flops"] / (rate * slowed), r["bytes"] / bandwidth)
+    kept = roofline_kernels(rows, None, 4)
+    fit = fit_roofline([r["flops"] for r in kept], [r["bytes"] for r in kept], [r["seconds"] for r in kept])
+    assert fit.flops_per_s == pytest.approx(rate, rel=0.02)
+    assert not any(r["kind"] == "matmul" and min(r["k"], r["n"]) >= 256 and r["m"] < most_rows[r["k"] * r["n"]]
+                   for r in kept)
+    matmuls = [r for r in rows if r["kind"] != "memory" or r in kept]
+    every = fit_roofline([r["flops"] for r in matmuls], [r["bytes"] for r in matmuls], [r["seconds"] for r in matmuls])
+    assert every.flops_per_s < 0.97 * rate
+    assert roofline_kernels(rows, load_hardware("a100-80g").compute.gemm, 4) == [
+        r for r in rows if r["kind"] in ("matmul", "memory")]  # a GPU's tiling prices its shapes instead
+
+
 def test_matmul_sweep_is_fitted_with_the_shape_model():
     """A sweep timed exactly as the cost model charges it (rate / shape efficiency; the small-M shapes split K and
     bound by their bytes, partial sums included) fits back the rate and the bandwidth."""

@@ -104,3 +104,15 @@ def test_the_fit_never_falls_with_more_rows_and_ends_at_the_rate():
 def test_no_table_where_every_row_count_reaches_the_rate_or_one_alone_was_measured():
     assert fit_row_efficiency([_row(1, 1024, 1024, 2e11, 0.0), _row(64, 1024, 1024, 1e11, 0.0)], 1e11, 0.0, 4) is None
     assert fit_row_efficiency([_row(1, 1024, 1024, 5e9, 0.0)], 1e11, 0.0, 4) is None
+
+
+def test_the_products_the_row_table_prices_leave_the_rate_s_fit():
+    """Of each weight size measured at two row counts or more, every row count below its largest; a square alone at
+    its size, and narrow products, stay in the roofline's fit."""
+    from hfplan.profiler.fit import row_limited
+
+    rows = [_row(1, 1024, 1024, 5e9), _row(16, 1024, 1024, 3e10), _row(1024, 1024, 1024, 1.4e11),
+            _row(128, 256, 256, 1.2e11), _row(256, 256, 256, 1.2e11),
+            _row(512, 512, 512, 1e11), _row(16, 64, 64, 1e8)]
+    limited = row_limited(rows, 4)
+    assert [(r["m"], r["k"], r["n"]) for r in limited] == [(1, 1024, 1024), (16, 1024, 1024), (128, 256, 256)]

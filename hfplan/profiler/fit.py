@@ -120,6 +120,27 @@ def fit_roofline(flops: Sequence[float], nbytes: Sequence[float], seconds: Seque
 ROW_FIT_MIN_WIDTH = 256  # a matmul's K and N at least this wide to stand for its rows (narrower: overhead-bound)
 
 
+def _row_groups(rows: Sequence[dict], value_bytes: int) -> dict[int, list[dict]]:
+    """The matmul rows at least ROW_FIT_MIN_WIDTH wide in K and N, by their weight's bytes (k x n values)."""
+    groups: dict[int, list[dict]] = {}
+    for row in rows:
+        if min(row["k"], row["n"]) >= ROW_FIT_MIN_WIDTH:
+            groups.setdefault(int(row["k"] * row["n"] * value_bytes), []).append(row)
+    return groups
+
+
+def row_limited(rows: Sequence[dict], value_bytes: int) -> list[dict]:
+    """The matmuls whose rate Compute.row_efficiency describes: of each weight size measured at two row counts or
+    more, those below its largest. The roofline's matmul rate is fitted without them (CPU), as a GPU's is fitted on
+    FLOPs its tiling model scales: a product of few rows is slow by its rows, not by the rate."""
+    limited = []
+    for group in _row_groups(rows, value_bytes).values():
+        counts = {int(row["m"]) for row in group}
+        if len(counts) >= 2:
+            limited += [row for row in group if int(row["m"]) < max(counts)]
+    return limited
+
+
 def fit_row_efficiency(rows: Sequence[dict], rate: float, overhead_s: float, value_bytes: int
                        ) -> tuple[tuple[int, int, float], ...] | None:
     """Compute.row_efficiency from matmul rows (dicts with m, k, n, flops, seconds) and the profile's matmul rate
@@ -130,12 +151,10 @@ def fit_row_efficiency(rows: Sequence[dict], rate: float, overhead_s: float, val
     at the first row count that reaches the rate, else at the largest measured (the rate is the large matmuls').
     None where every row count of every weight size reaches the rate (nothing to scale)."""
     by_weight: dict[int, dict[int, list[float]]] = {}
-    for row in rows:
-        if min(row["k"], row["n"]) < ROW_FIT_MIN_WIDTH:
-            continue
-        compute_s = max(row["seconds"] - overhead_s, 1e-12)
-        weight = int(row["k"] * row["n"] * value_bytes)
-        by_weight.setdefault(weight, {}).setdefault(int(row["m"]), []).append(row["flops"] / compute_s / rate)
+    for weight, group in _row_groups(rows, value_bytes).items():
+        for row in group:
+            compute_s = max(row["seconds"] - overhead_s, 1e-12)
+            by_weight.setdefault(weight, {}).setdefault(int(row["m"]), []).append(row["flops"] / compute_s / rate)
     table: list[tuple[int, int, float]] = []
     for weight in sorted(by_weight):
         by_rows = by_weight[weight]

@@ -13,7 +13,14 @@ from hfplan.profiler import comm, compute, host_share, idle_wake, layers, pace, 
 from hfplan.profiler.build import Fits, build_profile, device_tiling
 from hfplan.profiler.call_gaps import CALL_FIELDS
 from hfplan.profiler.device import Device
-from hfplan.profiler.fit import COLLECTIVES, LinkFit, fit_alpha_beta, fit_roofline, fit_row_efficiency
+from hfplan.profiler.fit import (
+    COLLECTIVES,
+    LinkFit,
+    fit_alpha_beta,
+    fit_roofline,
+    fit_row_efficiency,
+    row_limited,
+)
 from hfplan.profiler.sweeps import Sweeps
 from hfplan.profiles.hardware import HardwareProfile
 from hfplan.profiles.models import ModelArch
@@ -96,9 +103,10 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
             torch.cuda.empty_cache()
         rows += comm.measure_collectives(torch, device, sweeps.message_bytes, sweeps.comm_min_time,
                                          tracker.phase("collectives", comm.points(sweeps.message_bytes)))
-    kernels = [r for r in rows if r["kind"] in ("matmul", "memory")]
     collectives = [r for r in rows if r["kind"] == "collective"]
     tiling = device_tiling(device, request.base)
+    esize = torch.empty((), dtype=compute.compute_dtype(device)).element_size()
+    kernels = roofline_kernels(rows, tiling, esize)
     fits = Fits(
         roofline=fit_roofline([effective_flops(r, tiling) for r in kernels],
                               [effective_bytes(r, tiling) for r in kernels], [r["seconds"] for r in kernels]),
@@ -110,7 +118,6 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
                         if (fit := _link_fit([r for r in collectives if r["op"] == op])) is not None},
     )
     dtype = compute.compute_dtype(device)
-    esize = torch.empty((), dtype=dtype).element_size()
     sizes = sweeps.copy_bytes
     note = (f"{len(sweeps.matmuls)} matmul shapes ({str(dtype).removeprefix('torch.')}), "
             f"{len(sizes)} copy sizes of {size_text(min(sizes))} to {size_text(max(sizes))}"
@@ -193,6 +200,14 @@ def _with_compute(profile: HardwareProfile, sentence: str, **fields) -> Hardware
     """The profile with compute fields measured here, and the sentence of its description that says how."""
     return profile.model_copy(update={"compute": profile.compute.model_copy(update=fields),
                                       "description": profile.description + sentence})
+
+
+def roofline_kernels(rows: list[dict], tiling, value_bytes: int) -> list[dict]:
+    """The matmuls and copies the roofline is fitted to. Without a tiling model (CPU) the products of few rows are
+    priced by their rows (row_efficiency, fitted against the rate), so the rate is fitted without them; a GPU's
+    on the FLOPs its tiling model scales (effective_flops)."""
+    limited = [] if tiling is not None else row_limited([r for r in rows if r["kind"] == "matmul"], value_bytes)
+    return [r for r in rows if r["kind"] in ("matmul", "memory") and not any(r is row for row in limited)]
 
 
 def effective_flops(row: dict, tiling) -> float:
