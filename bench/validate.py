@@ -51,6 +51,7 @@ from hfplan.layout import ROLLOUT
 from hfplan.plan import Plan, colocated_plan
 from hfplan.planner.search import search
 from hfplan.planner.strategies import Rules
+from hfplan.profiles.models import LARGER_DEMO_MODELS
 from hfplan.spec import BUILTIN_WORKLOADS, RULE_PREFIX, Workload, make_cluster, workload_from_dict
 from hfplan.validation.compare import Comparison, kendall_tau
 from hfplan.validation.run import validate
@@ -58,14 +59,10 @@ from hfplan.validation.run import validate
 QUICK_LAYOUTS = ((1, 1, 1), (1, 1, 2), (2, 1, 1))
 
 
-# The demo models' larger counterparts, of the same vocabularies (--small).
-LARGER = {"tiny": "small", "tiny-arith": "small-arith"}
-
-
 def workloads(model: str | None = None, small: bool = False) -> dict[str, Workload]:
     """demo, arith-grpo and demo-remax (the demo's models, batch and lengths, trained by ReMax); `model`: every
     model role of each runs that catalog model instead (rule rewards stay); `small`: each demo model is its larger
-    counterpart (LARGER)."""
+    counterpart (LARGER_DEMO_MODELS)."""
     remax = dict(BUILTIN_WORKLOADS["demo"], algorithm="remax")
     remax["models"] = {role: remax["models"][role] for role in ("actor", "reference", "reward")}
     specs = {"demo": BUILTIN_WORKLOADS["demo"], "arith-grpo": BUILTIN_WORKLOADS["arith-grpo"], "demo-remax": remax}
@@ -75,7 +72,7 @@ def workloads(model: str | None = None, small: bool = False) -> dict[str, Worklo
             spec = dict(spec, models={role: ref if ref.startswith(RULE_PREFIX) else model
                                       for role, ref in spec["models"].items()})
         if small:
-            spec = dict(spec, models={role: LARGER.get(ref, ref) for role, ref in spec["models"].items()})
+            spec = dict(spec, models={role: LARGER_DEMO_MODELS.get(ref, ref) for role, ref in spec["models"].items()})
         out[name] = workload_from_dict(spec, name)
     return out
 
@@ -192,6 +189,7 @@ def recosted(record: dict, hardware: str | None, parallelism: float | None = Non
 
 
 def models_label(args) -> str:
+    """The models the grid runs, as its header names them."""
     if args.small:
         return "small, small-arith"
     return args.model or "of each workload"
@@ -326,9 +324,10 @@ def main() -> None:
     parser.add_argument("--hardware", default=None, help="hardware profile the plans are simulated on (default "
                                                          "cpu; with --recost, the profile each run was costed on)")
     parser.add_argument("--max-processes", type=int, default=4)
-    parser.add_argument("--model", default=None, help="a catalog model every model role runs instead of the "
+    models = parser.add_mutually_exclusive_group()
+    models.add_argument("--model", default=None, help="a catalog model every model role runs instead of the "
                                                        "workloads' own (e.g. qwen2.5-0.5b on a GPU)")
-    parser.add_argument("--small", action="store_true", help="the demo models' larger counterparts (small, "
+    models.add_argument("--small", action="store_true", help="the demo models' larger counterparts (small, "
                                                              "small-arith: 12M parameters) in their places")
     parser.add_argument("--save", type=Path, default=None, help="also write every run's costed plan and measured "
                                                                 "figures here (JSON), for --recost")
@@ -341,8 +340,6 @@ def main() -> None:
             parser.exit(2, f"--recost {args.recost}: file not found\n")
         summary(recost(args.recost, args.hardware))
         return
-    if args.small and args.model is not None:
-        parser.exit(2, "--small and --model: give one\n")
     if args.save is not None and not args.save.parent.is_dir():
         parser.exit(2, f"--save {args.save}: its folder does not exist\n")
     args.hardware = args.hardware or "cpu"

@@ -19,7 +19,7 @@ from hfplan.executor.codec import build_codec  # noqa: E402
 from hfplan.executor.models import build_model, model_config_for  # noqa: E402
 from hfplan.executor.prompts import builtin_prompts  # noqa: E402
 from hfplan.executor.tokenizers import build_tokenizer  # noqa: E402
-from hfplan.profiles.models import CATALOG, DEMO_MODELS  # noqa: E402
+from hfplan.profiles.models import CATALOG, DEMO_MODELS, LARGER_DEMO_MODELS  # noqa: E402
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=300, max_position_embeddings=128)
@@ -42,7 +42,7 @@ def test_demo_tokenizers_have_the_catalog_vocabulary_and_all_specials(ref):
     assert max(tok.get_vocab().values()) == len(tok) - 1
 
 
-@pytest.mark.parametrize("ref", ["tiny", "tiny-arith"])
+@pytest.mark.parametrize("ref", list(DEMO_MODELS))
 def test_encoding_text_never_yields_the_pad_id(ref):
     tok = build_tokenizer(ref)
     texts = ["<pad>", "add 3 <pad> 5 =", f"{tok.pad_token} {tok.eos_token}", "héllo wörld ✓", "", "sub 40 41 ="]
@@ -53,7 +53,8 @@ def test_encoding_text_never_yields_the_pad_id(ref):
 def test_each_demo_model_takes_the_tokenizer_and_prompts_of_its_vocabulary():
     """The larger demo models read what their tiny counterparts do: `small` the phrases in bytes, `small-arith`
     the arithmetic in words."""
-    for ref, tiny in (("small", "tiny"), ("small-arith", "tiny-arith")):
+    assert LARGER_DEMO_MODELS == {"tiny": "small", "tiny-arith": "small-arith"}
+    for tiny, ref in LARGER_DEMO_MODELS.items():
         assert DEMO_MODELS[ref] == DEMO_MODELS[tiny]
         assert build_tokenizer(ref).get_vocab() == build_tokenizer(tiny).get_vocab()
         assert builtin_prompts(ref) == builtin_prompts(tiny)
@@ -135,7 +136,7 @@ TEXTS = ["add 3 5 =", "sub 40 41 =", "<pad> <bos> <eos> <unk>", "add <pad>3 =", 
          "Hello, world! 3+5=8", "a , b . c ' d n't", "\x00\x7f tabs\tand\nlines"]
 
 
-@pytest.mark.parametrize("ref", ["tiny", "tiny-arith"])
+@pytest.mark.parametrize("ref", list(DEMO_MODELS))
 def test_the_controllers_codec_encodes_and_decodes_as_the_transformers_tokenizer(ref):
     """The controller encodes with the bare backend, the workers and exported folders use the transformers
     object: the two must agree on every text, special-token look-alikes and random ids included."""
@@ -182,7 +183,7 @@ def test_tiny_prompts_are_a_few_dozen_distinct_phrases_that_fit_the_demo_prompt_
 
 # ---- models -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("ref", ["tiny", "tiny-arith"])
+@pytest.mark.parametrize("ref", list(DEMO_MODELS))
 def test_catalog_models_have_the_catalog_parameter_counts(ref):
     arch = CATALOG[ref]
     lm = build_model(ref, "lm", seed=0)

@@ -120,55 +120,42 @@ def fit_roofline(flops: Sequence[float], nbytes: Sequence[float], seconds: Seque
 ROW_FIT_MIN_WIDTH = 256  # a matmul's K and N at least this wide to stand for its rows (narrower: overhead-bound)
 
 
-def _row_groups(rows: Sequence[dict], value_bytes: int) -> dict[int, list[dict]]:
-    """The matmul rows at least ROW_FIT_MIN_WIDTH wide in K and N, by their weight's bytes (k x n values)."""
-    groups: dict[int, list[dict]] = {}
+def _row_tables(rows: Sequence[dict], value_bytes: int) -> dict[int, dict[int, list[dict]]]:
+    """The matmuls Compute.row_efficiency is fitted to, by their weight's bytes (k x n values) and then their rows:
+    those at least ROW_FIT_MIN_WIDTH wide in K and N, of the weight sizes measured at two row counts or more (one
+    says nothing of how the rate grows with rows)."""
+    groups: dict[int, dict[int, list[dict]]] = {}
     for row in rows:
         if min(row["k"], row["n"]) >= ROW_FIT_MIN_WIDTH:
-            groups.setdefault(int(row["k"] * row["n"] * value_bytes), []).append(row)
-    return groups
+            weight = int(row["k"] * row["n"] * value_bytes)
+            groups.setdefault(weight, {}).setdefault(int(row["m"]), []).append(row)
+    return {weight: by_rows for weight, by_rows in groups.items() if len(by_rows) >= 2}
 
 
 def row_limited(rows: Sequence[dict], value_bytes: int) -> list[dict]:
-    """The matmuls whose rate Compute.row_efficiency describes: of each weight size measured at two row counts or
-    more, those below its largest. The roofline's matmul rate is fitted without them (CPU), as a GPU's is fitted on
-    FLOPs its tiling model scales: a product of few rows is slow by its rows, not by the rate."""
-    limited = []
-    for group in _row_groups(rows, value_bytes).values():
-        counts = {int(row["m"]) for row in group}
-        if len(counts) >= 2:
-            limited += [row for row in group if int(row["m"]) < max(counts)]
-    return limited
+    """The matmuls whose rate Compute.row_efficiency describes: of each weight size it tables, every row count below
+    its largest (the largest is the table's end, at the rate). The roofline's matmul rate is fitted without them
+    (CPU), as a GPU's is fitted on FLOPs its tiling model scales: a product of few rows is slow by its rows, not by
+    the rate."""
+    return [row for by_rows in _row_tables(rows, value_bytes).values() for m, group in by_rows.items()
+            if m < max(by_rows) for row in group]
 
 
 def fit_row_efficiency(rows: Sequence[dict], rate: float, overhead_s: float, value_bytes: int
                        ) -> tuple[tuple[int, int, float], ...] | None:
     """Compute.row_efficiency from matmul rows (dicts with m, k, n, flops, seconds) and the profile's matmul rate
-    (FLOP/s) and kernel overhead. The matmuls at least ROW_FIT_MIN_WIDTH wide in K and N are grouped by their weight's
-    bytes (k x n values of `value_bytes`); for each weight size measured at two row counts or more, each row count's
-    median rate beyond the overhead over `rate`, capped at 1. A weight size's fractions are made non-decreasing in m
-    (a point below one of fewer rows is that one's: timing noise, not a kernel that slows as it grows) and end at 1:
-    at the first row count that reaches the rate, else at the largest measured (the rate is the large matmuls').
-    None where every row count of every weight size reaches the rate (nothing to scale)."""
-    by_weight: dict[int, dict[int, list[float]]] = {}
-    for weight, group in _row_groups(rows, value_bytes).items():
-        for row in group:
-            compute_s = max(row["seconds"] - overhead_s, 1e-12)
-            by_weight.setdefault(weight, {}).setdefault(int(row["m"]), []).append(row["flops"] / compute_s / rate)
+    (FLOP/s) and kernel overhead: for each weight size `_row_tables` keeps, each row count's median rate beyond the
+    overhead over `rate`, capped at 1, made non-decreasing in m (a point below one of fewer rows is that one's:
+    timing noise, not a kernel that slows as it grows), and 1 at the largest row count measured (the rate is the
+    large matmuls': the sweep measures each weight at enough rows to reach it). None where every row count of every
+    weight size reaches the rate (nothing to scale)."""
     table: list[tuple[int, int, float]] = []
-    for weight in sorted(by_weight):
-        by_rows = by_weight[weight]
-        if len(by_rows) < 2:
-            continue  # one row count says nothing of how the rate grows with rows
-        points: list[tuple[int, float]] = []
+    for weight, by_rows in sorted(_row_tables(rows, value_bytes).items()):
+        fraction = 0.0
         for m in sorted(by_rows):
-            fraction = min(1.0, float(np.median(by_rows[m])))
-            fraction = max(fraction, points[-1][1]) if points else fraction
-            points.append((m, round(fraction, 4)))
-            if fraction >= 1.0:
-                break
-        points[-1] = (points[-1][0], 1.0)
-        table += [(m, weight, fraction) for m, fraction in points]
+            reached = [row["flops"] / max(row["seconds"] - overhead_s, 1e-12) / rate for row in by_rows[m]]
+            fraction = 1.0 if m == max(by_rows) else max(fraction, min(1.0, float(np.median(reached))))
+            table.append((m, weight, round(fraction, 4)))
     if all(fraction >= 1.0 for _, _, fraction in table):
         return None
     return tuple(table)

@@ -68,7 +68,8 @@ def fits_table(result: Result) -> Table:
                                                               if w == weight)
                             for weight in sorted({w for _, w, _ in rows})) if rows else "none",
                   f"measured: each row count's median rate over the matmul rate, of the matmuls at least "
-                  f"{ROW_FIT_MIN_WIDTH} wide in K and N" if rows else
+                  f"{ROW_FIT_MIN_WIDTH} wide in K and N, per weight size measured at two row counts or more"
+                  if rows else
                   "every row count at the matmul rate (or a tiling model prices the shape)")
     wake = hw.compute.idle_wake
     table.add_row("a call after its process idled: idle ms -> extra us",

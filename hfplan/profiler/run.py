@@ -105,7 +105,8 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
                                          tracker.phase("collectives", comm.points(sweeps.message_bytes)))
     collectives = [r for r in rows if r["kind"] == "collective"]
     tiling = device_tiling(device, request.base)
-    esize = torch.empty((), dtype=compute.compute_dtype(device)).element_size()
+    dtype = compute.compute_dtype(device)
+    esize = torch.empty((), dtype=dtype).element_size()
     kernels = roofline_kernels(rows, tiling, esize)
     fits = Fits(
         roofline=fit_roofline([effective_flops(r, tiling) for r in kernels],
@@ -117,7 +118,6 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
         per_collective={op: fit for op in COLLECTIVES
                         if (fit := _link_fit([r for r in collectives if r["op"] == op])) is not None},
     )
-    dtype = compute.compute_dtype(device)
     sizes = sweeps.copy_bytes
     note = (f"{len(sweeps.matmuls)} matmul shapes ({str(dtype).removeprefix('torch.')}), "
             f"{len(sizes)} copy sizes of {size_text(min(sizes))} to {size_text(max(sizes))}"
@@ -206,8 +206,9 @@ def roofline_kernels(rows: list[dict], tiling, value_bytes: int) -> list[dict]:
     """The matmuls and copies the roofline is fitted to. Without a tiling model (CPU) the products of few rows are
     priced by their rows (row_efficiency, fitted against the rate), so the rate is fitted without them; a GPU's
     on the FLOPs its tiling model scales (effective_flops)."""
-    limited = [] if tiling is not None else row_limited([r for r in rows if r["kind"] == "matmul"], value_bytes)
-    return [r for r in rows if r["kind"] in ("matmul", "memory") and not any(r is row for row in limited)]
+    limited = set() if tiling is not None else {
+        id(row) for row in row_limited([r for r in rows if r["kind"] == "matmul"], value_bytes)}
+    return [r for r in rows if r["kind"] in ("matmul", "memory") and id(r) not in limited]
 
 
 def effective_flops(row: dict, tiling) -> float:

@@ -65,9 +65,9 @@ def sweeps_for(kind: str, quick: bool) -> Sweeps:
         )
     return Sweeps(
         matmuls=_square((16, 64, 128, 256, 512, 1024) if quick else (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048))
-        # Few rows by weights from ones the core's cache holds (256 KiB in fp32) to ones it streams (16-64 MiB):
-        # Compute.row_efficiency by rows and weight bytes.
-        + _skinny((1, 16, 128), ((256, 256), (512, 1024), (1024, 1024), (1024, 4096), (4096, 1024)) if quick else
+        # Few rows by weights from ones the core's cache holds (256 KiB in fp32) to ones it streams (16-64 MiB), and
+        # 512 rows by each, where the rate is reached: Compute.row_efficiency by rows and weight bytes.
+        + _skinny((1, 16, 128, 512), ((256, 256), (512, 1024), (1024, 1024), (1024, 4096), (4096, 1024)) if quick else
                   ((256, 256), (512, 1024), (1024, 1024), (1024, 4096), (4096, 1024), (2048, 2048), (4096, 4096))),
         copy_bytes=tuple(2**k for k in (range(6, 27, 2) if quick else range(6, 31))),
         message_bytes=tuple(2**k for k in (range(3, 28, 3) if quick else range(3, 29))),

@@ -199,7 +199,7 @@ class Compute(_Strict):
             raise ValueError("a table of (rows, weight bytes, fraction of the matmul rate) needs at least one point")
         if any(weight <= 0 for _, weight, _ in points):
             raise ValueError("weight bytes must be positive")
-        for weight in {weight for _, weight, _ in points}:
+        for weight in sorted({weight for _, weight, _ in points}):
             _fraction_points(tuple((m, fraction) for m, w, fraction in points if w == weight), "rows",
                              f"row counts of one weight size ({weight} bytes)", "the matmul rate")
         return points

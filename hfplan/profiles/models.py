@@ -184,6 +184,7 @@ CATALOG: dict[str, ModelArch] = {
 # of the <algorithm>-<model> kind. Each names its vocabulary: "bytes" (the byte-level tokenizer, the demo's
 # phrases as its built-in prompts) or "arith" (tiny-arith's words, its arithmetic prompts).
 DEMO_MODELS: dict[str, str] = {"tiny": "bytes", "tiny-arith": "arith", "small": "bytes", "small-arith": "arith"}
+LARGER_DEMO_MODELS = {"tiny": "small", "tiny-arith": "small-arith"}  # each tiny demo model's larger counterpart
 
 
 def arch_from_hf_config(config: dict, name: str) -> ModelArch:
