@@ -137,8 +137,11 @@ def row_limited(rows: Sequence[dict], value_bytes: int) -> list[dict]:
     its largest (the largest is the table's end, at the rate). The roofline's matmul rate is fitted without them
     (CPU), as a GPU's is fitted on FLOPs its tiling model scales: a product of few rows is slow by its rows, not by
     the rate."""
-    return [row for by_rows in _row_tables(rows, value_bytes).values() for m, group in by_rows.items()
-            if m < max(by_rows) for row in group]
+    limited = []
+    for by_rows in _row_tables(rows, value_bytes).values():
+        largest = max(by_rows)
+        limited += [row for m, group in by_rows.items() if m < largest for row in group]
+    return limited
 
 
 def fit_row_efficiency(rows: Sequence[dict], rate: float, overhead_s: float, value_bytes: int
@@ -151,10 +154,10 @@ def fit_row_efficiency(rows: Sequence[dict], rate: float, overhead_s: float, val
     weight size reaches the rate (nothing to scale)."""
     table: list[tuple[int, int, float]] = []
     for weight, by_rows in sorted(_row_tables(rows, value_bytes).items()):
-        fraction = 0.0
+        fraction, largest = 0.0, max(by_rows)
         for m in sorted(by_rows):
             reached = [row["flops"] / max(row["seconds"] - overhead_s, 1e-12) / rate for row in by_rows[m]]
-            fraction = 1.0 if m == max(by_rows) else max(fraction, min(1.0, float(np.median(reached))))
+            fraction = 1.0 if m == largest else max(fraction, min(1.0, float(np.median(reached))))
             table.append((m, weight, round(fraction, 4)))
     if all(fraction >= 1.0 for _, _, fraction in table):
         return None

@@ -131,9 +131,9 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
     rows_fit = None if tiling is not None else fit_row_efficiency(
         [r for r in rows if r["kind"] == "matmul"], profile.matmul_flops, fits.roofline.overhead_s, esize)
     if rows_fit is not None:
-        fewest = min(rows_fit, key=lambda point: (point[0], point[1]))
+        fewest = min(rows_fit)  # the fewest rows by the smallest weight
         largest = max(weight for _, weight, _ in rows_fit)
-        one_row_largest = min((p for p in rows_fit if p[1] == largest), key=lambda point: point[0])
+        one_row_largest = min(point for point in rows_fit if point[1] == largest)
         profile = _with_compute(profile, f" Rows: a matmul of {fewest[0]:g} row(s) by a {size_text(fewest[1])} weight "
                                          f"reached {fewest[2]:.3g} of the matmul rate, by a {size_text(largest)} one "
                                          f"{one_row_largest[2]:.3g}; of enough rows all of it (row_efficiency).",

@@ -77,6 +77,12 @@ def _fraction_points(points: tuple[tuple[int, float], ...] | None, x: str, xs: s
     return points
 
 
+def rows_by_weight(table: tuple[tuple[int, int, float], ...]) -> tuple[tuple[int, tuple[tuple[int, float], ...]], ...]:
+    """Compute.row_efficiency as (weight bytes, its (rows, fraction) points), weight sizes increasing."""
+    weights = sorted({weight for _, weight, _ in table})
+    return tuple((weight, tuple((m, fraction) for m, w, fraction in table if w == weight)) for weight in weights)
+
+
 class Compute(_Strict):
     peak_tflops: float = Field(gt=0, description="dense matmul peak per device, bf16 (fp32 on CPU)")
     matmul_efficiency: float = Field(gt=0, le=1, description="fraction of peak reached by large matmuls (with "
@@ -199,9 +205,8 @@ class Compute(_Strict):
             raise ValueError("a table of (rows, weight bytes, fraction of the matmul rate) needs at least one point")
         if any(weight <= 0 for _, weight, _ in points):
             raise ValueError("weight bytes must be positive")
-        for weight in sorted({weight for _, weight, _ in points}):
-            _fraction_points(tuple((m, fraction) for m, w, fraction in points if w == weight), "rows",
-                             f"row counts of one weight size ({weight} bytes)", "the matmul rate")
+        for weight, rows in rows_by_weight(points):
+            _fraction_points(rows, "rows", f"row counts of one weight size ({weight} bytes)", "the matmul rate")
         return points
 
     @field_validator("attention_rate")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from hfplan.layout import kv_heads_per_rank
-from hfplan.profiles.hardware import GemmTiling, HardwareProfile
+from hfplan.profiles.hardware import GemmTiling, HardwareProfile, rows_by_weight
 from hfplan.profiles.models import ModelArch
 
 BF16 = 2  # bytes of a bf16 value (weights and activations on GPUs)
@@ -106,11 +106,8 @@ def log_interpolated(points: tuple[tuple[float, float], ...], x: float) -> float
     return points[-1][1]
 
 
-@functools.cache
-def _rows_by_weight(table: tuple[tuple[int, int, float], ...]) -> tuple[tuple[int, tuple[tuple[int, float], ...]], ...]:
-    """Compute.row_efficiency as (weight bytes, its (rows, fraction) points), weight sizes increasing."""
-    weights = sorted({weight for _, weight, _ in table})
-    return tuple((weight, tuple((m, fraction) for m, w, fraction in table if w == weight)) for weight in weights)
+# A profile's table grouped once: gemm_time is the search's hot path.
+_rows_by_weight = functools.cache(rows_by_weight)
 
 
 def row_fraction(hw: HardwareProfile, m: float, weight_bytes: float) -> float:
