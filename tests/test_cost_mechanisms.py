@@ -223,17 +223,16 @@ def test_parameter_tensors_are_those_of_the_executor_models():
         assert stage_parameter_tensors(CATALOG["tiny"], 1, head) == len(list(model.parameters()))
 
 
-def test_the_optimizer_step_streams_every_pass_of_foreach_adamw_and_the_gradient_clip(toy_hw, small_arch):
-    """small_arch holds 107,328 parameters (conftest.py). torch's foreach AdamW passes over the fp32 shard, bytes per
-    parameter: weight decay 8, lerp of the first moment 12, the second moment's scaling 8 and addcmul 12, its sqrt,
-    division and epsilon 8 each, the addcdiv update 16 (80); clip_grad_norm_ reads the gradients (4) and scales them
-    (8): 92 bytes at 5e11 B/s, one kernel's 5 us."""
+def test_the_optimizer_step_streams_fused_adamw_once_and_the_gradient_clip(toy_hw, small_arch):
+    """small_arch holds 107,328 parameters (conftest.py). The executor's fused AdamW reads each fp32 parameter, its
+    gradient and both moments (16 bytes) and writes the parameter and the moments (12) in one pass; the clip reads
+    the gradients (4) and scales them (8): 40 bytes at 5e11 B/s, one kernel's 5 us."""
     params = 2 * 36992 + 16640 + 64 + 16640
     one = costs.train_step_parts(toy_hw, small_arch, TrainConfig(), ONE, 4, 64, "lm")
-    assert one["optimizer"] == pytest.approx(5e-6 + 92 * params / 5e11)
+    assert one["optimizer"] == pytest.approx(5e-6 + 40 * params / 5e11)
     # Fully sharded over 4 ranks, each rank steps a quarter of them.
     four = costs.train_step_parts(toy_hw, small_arch, TrainConfig(dp=4, shard="full"), SetShape(4, 8), 16, 64, "lm")
-    assert four["optimizer"] == pytest.approx(5e-6 + 92 * params / 4 / 5e11)
+    assert four["optimizer"] == pytest.approx(5e-6 + 40 * params / 4 / 5e11)
 
 
 # -- pipeline schedules and recomputation ------------------------------------------------------------------

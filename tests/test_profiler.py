@@ -408,6 +408,24 @@ def test_quick_cpu_profile_end_to_end(quick_profile):
         reached = (one_row["flops"] / (one_row["seconds"] - profile.compute.kernel_overhead_us * 1e-6)
                    / profile.matmul_flops)
         assert points[0][1] == pytest.approx(min(1.0, reached.median()), rel=0.01)
+    # The products are timed as nn.Linear runs them, and their backward pairs (input and weight gradients) at
+    # training's rows: per weight size, the fewest rows' point is the median rate of those pairs (two kernels)
+    # over the matmul rate.
+    assert set(matmuls["op"]) == {"linear"}
+    backwards = frame[frame["kind"] == "matmul_backward"]
+    assert set(backwards["op"]) == {"linear_backward"} and set(backwards["m"]) == {16, 128, 512}
+    assert (backwards["flops"] == 4.0 * backwards["m"] * backwards["k"] * backwards["n"]).all()
+    backward_table = profile.compute.backward_row_efficiency
+    assert backward_table is not None
+    backward_weights = backwards["k"] * backwards["n"] * 4
+    for weight in {weight for _, weight, _ in backward_table}:
+        points = [(m, fraction) for m, w, fraction in backward_table if w == weight]
+        assert [m for m, _ in points] == [16, 128, 512]
+        assert [fraction for _, fraction in points] == sorted(fraction for _, fraction in points)
+        fewest = backwards[(backwards["m"] == 16) & (backward_weights == weight)]
+        reached = (fewest["flops"] / (fewest["seconds"] - 2 * profile.compute.kernel_overhead_us * 1e-6)
+                   / profile.matmul_flops)
+        assert points[0][1] == pytest.approx(min(1.0, reached.median()), rel=0.01)
     # --quick starts no Ray: the executor's call gaps, its controller step and the worker's memory are the
     # base profile's.
     base = load_hardware("cpu")

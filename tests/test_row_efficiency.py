@@ -1,6 +1,8 @@
 """A GEMM's rate by its rows and its weight's bytes where the profile has no tiling model (CPU BLAS):
 Compute.row_efficiency, its use in kernels.gemm_time, and its fit from the profiler's matmul rows."""
 
+from dataclasses import replace
+
 import pytest
 from pydantic import ValidationError
 
@@ -61,6 +63,40 @@ def test_a_tiling_model_takes_precedence_over_the_rows(toy_hw):
         kernels.gemm_time(tiled, 8, 4096, 4096)
 
 
+def test_a_backward_measured_by_rows_prices_both_gradients_at_its_fraction(toy_hw):
+    """Compute.backward_row_efficiency: the input and weight gradients of an (m x k)(k x n) product, their 4mkn
+    FLOPs at the measured fraction, two kernels' overhead; without it, each GEMM at its own shape's fraction."""
+    k = n = 8192
+    forward_only = _with_rows(toy_hw, ((16, BIG, 0.1), (256, BIG, 1.0)))
+    both = forward_only.model_copy(update={"compute": forward_only.compute.model_copy(
+        update={"backward_row_efficiency": ((16, BIG, 0.2), (256, BIG, 0.8))})})
+    # 64 rows: 0.2 + 0.5 x 0.6 = 0.5 of 5e13; 4 x 64 x k x n = 17.2 GFLOP in 687.2 us, above the two GEMMs' reads
+    # and writes of 2 x 2(64n + nk + 64k) = 272.6 MB in 545.3 us.
+    assert kernels.gemm_backward_time(both, 64, k, n) == pytest.approx(2 * 5e-6 + 4.0 * 64 * k * n / (0.5 * 5e13))
+    # Without the backward's table: the input gradient (64 x n)(n x k) at 64 rows' forward fraction, the weight
+    # gradient (k x 64)(64 x n) at k rows': the rate.
+    assert kernels.gemm_backward_time(forward_only, 64, k, n) == pytest.approx(
+        kernels.gemm_time(forward_only, 64, n, k) + kernels.gemm_time(forward_only, k, 64, n))
+    assert kernels.gemm_time(forward_only, k, 64, n) == kernels.gemm_time(toy_hw, k, 64, n)
+    assert kernels.gemm_backward_time(both, 0, k, n) == 0.0
+
+
+def test_a_layer_s_backward_is_its_gemms_backward_pairs(toy_hw, small_arch):
+    """LayerCost.backward charges each projection's input and weight gradients (gemm_backward_time), not twice its
+    forward: a backward table slower than the forward's makes the backward, and only it, slower."""
+    forward_only = _with_rows(toy_hw, ((16, BIG, 0.1), (4096, BIG, 1.0)))
+    slow = forward_only.model_copy(update={"compute": forward_only.compute.model_copy(
+        update={"backward_row_efficiency": ((16, BIG, 0.05), (4096, BIG, 0.5))})})
+    arch = replace(small_arch, hidden=2048, heads=16, kv_heads=8, ffn=8192)  # 256 rows of it: compute-bound
+    plain, slower = (kernels.layer_forward(hw, arch, 256, 128.5, 1) for hw in (forward_only, slow))
+    assert plain.gemm == slower.gemm and slower.gemm_backward > 1.5 * plain.gemm_backward
+    h, f = arch.hidden, arch.ffn
+    kv = kernels.kv_width(arch, 1)
+    shapes = ((h, arch.q_dim + 2 * kv), (arch.q_dim, h), (h, 2 * f), (f, h))
+    assert slower.gemm_backward == pytest.approx(sum(kernels.gemm_backward_time(slow, 256, k, n) for k, n in shapes))
+    assert slower.backward() - plain.backward() == pytest.approx(slower.gemm_backward - plain.gemm_backward)
+
+
 @pytest.mark.parametrize("points, problem", [
     (((16, BIG, 0.2), (1, BIG, 0.05)), "increasing"),
     (((1, BIG, 0.0), (16, BIG, 0.2)), "(0, 1]"),
@@ -99,6 +135,15 @@ def test_the_fit_never_falls_with_more_rows_and_ends_at_the_rate():
     # 32 rows measured below 16 rows: taken as 16's; 128 rows below 64's rate: 64's; the largest ends at the rate.
     assert fit_row_efficiency(noisy, 1e11, 0.0, 4) == ((1, MIB4, 0.05), (16, MIB4, 0.3), (32, MIB4, 0.3),
                                                         (64, MIB4, 1.0), (128, MIB4, 1.0))
+
+
+def test_the_backward_s_fit_keeps_its_largest_row_count_s_measured_fraction():
+    """The backward pairs run below the forward's rate even at many rows: their table is what was measured, not
+    ended at the rate (never above it, never falling with more rows)."""
+    rows = [_row(16, 1024, 1024, 2e10, 0.0), _row(128, 1024, 1024, 7e10, 0.0), _row(512, 1024, 1024, 6e10, 0.0),
+            _row(16, 4096, 1024, 3e10, 0.0), _row(512, 4096, 1024, 1.3e11, 0.0)]
+    assert fit_row_efficiency(rows, 1e11, 0.0, 4, ends_at_rate=False) == (
+        (16, MIB4, 0.2), (128, MIB4, 0.7), (512, MIB4, 0.7), (16, MIB16, 0.3), (512, MIB16, 1.0))
 
 
 def test_no_table_where_every_row_count_reaches_the_rate_or_one_alone_was_measured():

@@ -24,31 +24,66 @@ def rotation_budget(device: Device) -> float:
 
 
 def measure_matmuls(torch, device: Device, shapes, min_time: float, step: Step) -> list[dict]:
+    """(m x k) inputs times (k x n) weights as nn.Linear multiplies them: the weight stored n x k and read
+    transposed. A CPU BLAS's speed depends on that layout (a row-major k x n operand whose rows are a power of two
+    apart in memory ran 128-row products at two thirds of the rate on the project's VM; the transposed one did not)."""
     dtype = compute_dtype(device)
     esize = torch.empty((), dtype=dtype).element_size()
     clock = Clock(torch, device.kind)
     rows = []
     for m, k, n in shapes:
         nbytes = esize * (m * k + k * n + m * n)
-        copies = copies_for(nbytes, device.cache_bytes, rotation_budget(device))
-        # The copies are clones of one random pair (drawing each at random took a second per shape on a CPU); outputs
-        # are zeroed, not just allocated: a first write to fresh pages would be timed otherwise.
-        a, b = torch.randn(m, k, dtype=dtype, device=device.kind), torch.randn(k, n, dtype=dtype, device=device.kind)
-        sets = [(a.clone(), b.clone(), torch.zeros(m, n, dtype=dtype, device=device.kind)) for _ in range(copies)]
-        del a, b
-        following = rotating(sets)
+        following = _rotating_operands(torch, device, dtype, nbytes, [(m, k), (n, k)], [(m, n)])
 
         def matmul(following=following) -> None:
-            a, b, out = following()
-            torch.mm(a, b, out=out)
+            x, weight, out = following()
+            torch.mm(x, weight.t(), out=out)
 
         seconds = clock.per_call(matmul, min_time)
         flops = 2.0 * m * k * n
-        rows.append(dict(kind="matmul", op="mm", dtype=str(dtype).removeprefix("torch."), m=m, k=k, n=n,
+        rows.append(dict(kind="matmul", op="linear", dtype=str(dtype).removeprefix("torch."), m=m, k=k, n=n,
                          flops=flops, bytes=float(nbytes), seconds=seconds, rate=flops / seconds))
-        del sets, following
+        del following
         step()
     return rows
+
+
+def measure_linear_backwards(torch, device: Device, shapes, min_time: float, step: Step) -> list[dict]:
+    """The backward of each (m x k)(k x n) product as nn.Linear's runs it: the input gradient dY @ W, (m x n)(n x k),
+    and the weight gradient dY^T @ X, (n x m)(m x k), timed together (Compute.backward_row_efficiency)."""
+    dtype = compute_dtype(device)
+    esize = torch.empty((), dtype=dtype).element_size()
+    clock = Clock(torch, device.kind)
+    rows = []
+    for m, k, n in shapes:
+        nbytes = esize * 2 * (m * n + n * k + m * k)  # each GEMM's two operands and its output
+        following = _rotating_operands(torch, device, dtype, nbytes, [(m, k), (n, k), (m, n)],
+                                       [(m, k), (n, k)])
+
+        def backward(following=following) -> None:
+            x, weight, grad_out, grad_in, grad_weight = following()
+            torch.mm(grad_out, weight, out=grad_in)
+            torch.mm(grad_out.t(), x, out=grad_weight)
+
+        seconds = clock.per_call(backward, min_time)
+        flops = 4.0 * m * k * n
+        rows.append(dict(kind="matmul_backward", op="linear_backward", dtype=str(dtype).removeprefix("torch."),
+                         m=m, k=k, n=n, flops=flops, bytes=float(nbytes), seconds=seconds, rate=flops / seconds))
+        del following
+        step()
+    return rows
+
+
+def _rotating_operands(torch, device: Device, dtype, nbytes: float, inputs, outputs):
+    """Copies of random tensors of the `inputs` shapes and of zeroed ones of the `outputs` shapes to rotate
+    through, enough that each call reads its operands from memory, not from a cache the last call filled. The
+    copies are clones of one random set (drawing each at random took a second per shape on a CPU); outputs are
+    zeroed, not just allocated: a first write to fresh pages would be timed otherwise."""
+    copies = copies_for(nbytes, device.cache_bytes, rotation_budget(device))
+    first = [torch.randn(*shape, dtype=dtype, device=device.kind) for shape in inputs]
+    sets = [tuple(t.clone() for t in first) + tuple(torch.zeros(*shape, dtype=dtype, device=device.kind)
+                                                    for shape in outputs) for _ in range(copies)]
+    return rotating(sets)
 
 
 def measure_copies(torch, device: Device, sizes, min_time: float, step: Step) -> list[dict]:

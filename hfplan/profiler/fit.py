@@ -144,20 +144,22 @@ def row_limited(rows: Sequence[dict], value_bytes: int) -> list[dict]:
     return limited
 
 
-def fit_row_efficiency(rows: Sequence[dict], rate: float, overhead_s: float, value_bytes: int
-                       ) -> tuple[tuple[int, int, float], ...] | None:
+def fit_row_efficiency(rows: Sequence[dict], rate: float, overhead_s: float, value_bytes: int,
+                       ends_at_rate: bool = True) -> tuple[tuple[int, int, float], ...] | None:
     """Compute.row_efficiency from matmul rows (dicts with m, k, n, flops, seconds) and the profile's matmul rate
     (FLOP/s) and kernel overhead: for each weight size `_row_tables` keeps, each row count's median rate beyond the
     overhead over `rate`, capped at 1, made non-decreasing in m (a point below one of fewer rows is that one's:
-    timing noise, not a kernel that slows as it grows), and 1 at the largest row count measured (the rate is the
-    large matmuls': the sweep measures each weight at enough rows to reach it). None where every row count of every
-    weight size reaches the rate (nothing to scale)."""
+    timing noise, not a kernel that slows as it grows), and, `ends_at_rate`, 1 at the largest row count measured
+    (the rate is the large matmuls': the sweep measures each weight at enough rows to reach it). Without it (the
+    backward pairs of Compute.backward_row_efficiency, whose rate is not the one fitted) the largest row count keeps
+    its measured fraction. None where every row count of every weight size reaches the rate (nothing to scale)."""
     table: list[tuple[int, int, float]] = []
     for weight, by_rows in sorted(_row_tables(rows, value_bytes).items()):
         fraction, largest = 0.0, max(by_rows)
         for m in sorted(by_rows):
             reached = [row["flops"] / max(row["seconds"] - overhead_s, 1e-12) / rate for row in by_rows[m]]
-            fraction = 1.0 if m == largest else max(fraction, min(1.0, float(np.median(reached))))
+            measured = max(fraction, min(1.0, float(np.median(reached))))
+            fraction = 1.0 if m == largest and ends_at_rate else measured
             table.append((m, weight, round(fraction, 4)))
     if all(fraction >= 1.0 for _, _, fraction in table):
         return None

@@ -8,6 +8,7 @@ from rich.table import Table
 
 from hfplan.profiler.fit import ROW_FIT_MIN_WIDTH
 from hfplan.profiler.run import Result, size_text
+from hfplan.profiles.hardware import rows_by_weight
 
 PASS_LABEL = {"forward": "fwd", "forward+backward": "fwd+bwd", "decode": "decode"}
 # Above this relative error a fit or a layer prediction is flagged: plans made with the profile may be off.
@@ -62,15 +63,15 @@ def fits_table(result: Result) -> Table:
     table.add_row("split by tensor parallelism: switch per tensor / each collective of a generation step us",
                   f"{rt.tp_switch_tensor_us:.1f} / {rt.tp_step_collective_us:.1f}",
                   "measured across the profiled world, beyond the modelled collectives (0: not measured)")
-    rows = hw.compute.row_efficiency
-    table.add_row("a matmul's rate by its rows and weight: rows -> fraction of the matmul rate, per weight size",
-                  "; ".join(f"{size_text(weight)}: " + ", ".join(f"{m:g} -> {fraction:.3g}" for m, w, fraction in rows
-                                                              if w == weight)
-                            for weight in sorted({w for _, w, _ in rows})) if rows else "none",
-                  f"measured: each row count's median rate over the matmul rate, of the matmuls at least "
-                  f"{ROW_FIT_MIN_WIDTH} wide in K and N, per weight size measured at two row counts or more"
-                  if rows else
-                  "every row count at the matmul rate (or a tiling model prices the shape)")
+    for label, rows, measured in (
+            ("a matmul's rate by its rows and weight", hw.compute.row_efficiency, "median rate"),
+            ("its backward's (input and weight gradients)", hw.compute.backward_row_efficiency,
+             "median backward pair's rate")):
+        table.add_row(f"{label}: rows -> fraction of the matmul rate, per weight size",
+                      _row_table_text(rows) if rows else "none",
+                      f"measured: each row count's {measured} over the matmul rate, of the matmuls at least "
+                      f"{ROW_FIT_MIN_WIDTH} wide in K and N, per weight size measured at two row counts or more"
+                      if rows else "every row count at the matmul rate (or a tiling model prices the shape)")
     wake = hw.compute.idle_wake
     table.add_row("a call after its process idled: idle ms -> extra us",
                   ", ".join(f"{idle:g} -> {extra:,.0f}" for idle, extra in wake) if wake else "none",
@@ -166,3 +167,9 @@ def pace_note(result: Result) -> tuple[str, bool] | None:
     return (line + f": the machine's speed moved by {moved * 100:.0f}% while it was profiled, so the fixed costs "
             "(runtime) hold one moment of it; profile again when the machine is quiet, or compare `hfplan "
             "validate`'s pace"), True
+
+
+def _row_table_text(rows: tuple[tuple[int, int, float], ...]) -> str:
+    """A row table as its weight sizes, each with its rows -> fraction points."""
+    return "; ".join(f"{size_text(weight)}: " + ", ".join(f"{m:g} -> {fraction:.3g}" for m, fraction in points)
+                     for weight, points in rows_by_weight(rows))

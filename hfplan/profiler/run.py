@@ -93,6 +93,9 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
     with _cpu_threads(torch, device):
         rows += compute.measure_matmuls(torch, device, sweeps.matmuls, sweeps.min_time,
                                         tracker.phase("matmul sweep", len(sweeps.matmuls)))
+        if sweeps.linear_backwards:
+            rows += compute.measure_linear_backwards(torch, device, sweeps.linear_backwards, sweeps.min_time,
+                                                     tracker.phase("matmul backwards", len(sweeps.linear_backwards)))
         rows += compute.measure_copies(torch, device, sweeps.copy_bytes, sweeps.min_time,
                                        tracker.phase("memory copies", len(sweeps.copy_bytes)))
         if device.kind == "cuda" and sweeps.host_bytes:
@@ -138,6 +141,16 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
                                          f"reached {fewest[2]:.3g} of the matmul rate, by a {size_text(largest)} one "
                                          f"{one_row_largest[2]:.3g}; of enough rows all of it (row_efficiency).",
                                 row_efficiency=rows_fit)
+    # Their backward pairs, two kernels each, by the same rows.
+    backward_fit = None if tiling is not None else fit_row_efficiency(
+        [r for r in rows if r["kind"] == "matmul_backward"], profile.matmul_flops, 2 * fits.roofline.overhead_s,
+        esize, ends_at_rate=False)
+    if backward_fit is not None:
+        fewest, most = min(backward_fit), max(backward_fit)
+        profile = _with_compute(profile, f" Their backward (input and weight gradients together): {fewest[0]:g} rows "
+                                         f"by a {size_text(fewest[1])} weight reached {fewest[2]:.3g} of the rate, "
+                                         f"{most[0]:g} rows by a {size_text(most[1])} one {most[2]:.3g} "
+                                         "(backward_row_efficiency).", backward_row_efficiency=backward_fit)
     # How the world's processes share the host's cores (CPU); the runtime's fixed costs are fitted against it.
     parallelism = host_share.fit_parallelism(rows)
     if parallelism is not None:

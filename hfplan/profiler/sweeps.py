@@ -30,6 +30,7 @@ class Sweeps:
     min_time: float  # seconds of timed calls per point (split over trials)
     comm_min_time: float
     through_ray: bool = True  # engines timed in a Ray worker, and the executor's call gaps measured on a run
+    linear_backwards: tuple[tuple[int, int, int], ...] = ()  # (m, k, n) products whose backward pair is timed (CPU)
 
 
 # Rows (M) of the skinny GEMMs measured on a GPU against hidden and MLP widths: decode batches (where the GEMM
@@ -63,12 +64,15 @@ def sweeps_for(kind: str, quick: bool) -> Sweeps:
             comm_min_time=0.02 if quick else 0.1,
             through_ray=not quick,  # --quick skips Ray and the probe run (their start takes seconds)
         )
+    # Few rows by weights from ones the core's cache holds (256 KiB in fp32) to ones it streams (16-64 MiB), and
+    # 512 rows by each, where the rate is reached: Compute.row_efficiency by rows and weight bytes; the backward of
+    # each product of training's rows (16 and up), Compute.backward_row_efficiency.
+    weights = (((256, 256), (512, 1024), (1024, 1024), (1024, 4096), (4096, 1024)) if quick else
+               ((256, 256), (512, 1024), (1024, 1024), (1024, 4096), (4096, 1024), (2048, 2048), (4096, 4096)))
     return Sweeps(
         matmuls=_square((16, 64, 128, 256, 512, 1024) if quick else (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048))
-        # Few rows by weights from ones the core's cache holds (256 KiB in fp32) to ones it streams (16-64 MiB), and
-        # 512 rows by each, where the rate is reached: Compute.row_efficiency by rows and weight bytes.
-        + _skinny((1, 16, 128, 512), ((256, 256), (512, 1024), (1024, 1024), (1024, 4096), (4096, 1024)) if quick else
-                  ((256, 256), (512, 1024), (1024, 1024), (1024, 4096), (4096, 1024), (2048, 2048), (4096, 4096))),
+        + _skinny((1, 16, 128, 512), weights),
+        linear_backwards=_skinny((16, 128, 512), weights),
         copy_bytes=tuple(2**k for k in (range(6, 27, 2) if quick else range(6, 31))),
         message_bytes=tuple(2**k for k in (range(3, 28, 3) if quick else range(3, 29))),
         host_bytes=(),

@@ -110,13 +110,21 @@ class Compute(_Strict):
         default=None, description="GEMMs without a tiling model (`gemm` none: CPUs): the fraction of the matmul rate "
                                   "(matmul_efficiency) an (m x k)(k x n) product reaches by its rows m and the bytes "
                                   "of its k x n operand (the weight), as (m, weight bytes, fraction) points, measured "
-                                  "by `hfplan profile` (its matmuls of few rows: a CPU BLAS packs the weight matrix "
-                                  "and runs register tiles of several rows per call, so a product of a few rows, a "
-                                  "decode step's, runs below the rate, the more so the less of the weight its caches "
-                                  "hold; the profiler ends each weight size's rows at 1). Between two row counts of "
+                                  "by `hfplan profile` as nn.Linear runs the product (the weight stored n x k, read "
+                                  "transposed): a CPU BLAS packs the weight matrix and runs register tiles of several "
+                                  "rows per call, so a product of a few rows, a decode step's, runs below the rate "
+                                  "(the profiler ends each weight size's rows at 1). Between two row counts of "
                                   "a weight size the fraction is interpolated in log(m), between two weight sizes in "
                                   "log(bytes); beyond either end it is the end's. None: every GEMM runs at the "
                                   "matmul rate")
+    backward_row_efficiency: tuple[tuple[int, int, float], ...] | None = Field(
+        default=None, description="the backward of such a product as nn.Linear's runs it (`gemm` none: CPUs): its "
+                                  "input gradient (m x n)(n x k) and its weight gradient (n x m)(m x k), their "
+                                  "4mkn FLOPs together, as a fraction of the matmul rate by the rows m and the "
+                                  "weight's bytes: (m, weight bytes, fraction) points, measured by `hfplan profile` "
+                                  "and read as row_efficiency is (a weight gradient sums over the m rows, so few of "
+                                  "them leave a CPU BLAS's kernel as short as few output rows do). None: each of "
+                                  "the two GEMMs at the fraction its own shape gets")
     attention_rate: tuple[tuple[int, float], ...] | None = Field(
         default=None, description="the flash attention kernel's measured rate, forward and backward together, of a "
                                   "causal pass: (sequence length, fraction of peak) points, lengths increasing; "
@@ -195,7 +203,7 @@ class Compute(_Strict):
             raise ValueError("extra microseconds must not be negative")
         return points
 
-    @field_validator("row_efficiency")
+    @field_validator("row_efficiency", "backward_row_efficiency")
     @classmethod
     def _rising_rows(cls, points: tuple[tuple[int, int, float], ...] | None
                      ) -> tuple[tuple[int, int, float], ...] | None:

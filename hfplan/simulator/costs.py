@@ -41,19 +41,14 @@ from hfplan.simulator.kernels import (
 from hfplan.simulator.memory import kv_sequence
 from hfplan.spec import ResponseLengths
 
-# One optimizer step's memory traffic per parameter, bytes of each pass over the GPU's fp32 shard (parameters,
-# gradients and both moments are fp32: FSDP2 keeps the sharded parameters in fp32 and casts at the all-gather).
-# The executor steps torch.optim.AdamW, whose default CUDA path (torch/optim/adamw.py, _multi_tensor_adamw) runs
-# one foreach kernel per line of the update, each reading its operands and writing its result in full:
+# One optimizer step's memory traffic per parameter, bytes over the device's fp32 shard (parameters, gradients and
+# both moments are fp32: FSDP2 keeps the sharded parameters in fp32 and casts at the all-gather). The executor
+# steps torch.optim.AdamW with fused=True (engines.training), on CPU and CUDA alike: one kernel per group of tensors
+# (torch/optim/adamw.py, _fused_adamw, torch._fused_adamw_) that reads each parameter, its gradient and its two
+# moments once and writes the parameter and the moments once, where the default foreach path runs one kernel per
+# line of the update, each reading its operands and writing its result in full (92 bytes a parameter with the clip).
 ADAM_PASS_BYTES = (
-    4 + 4,  # params *= 1 - lr * weight_decay
-    8 + 4,  # exp_avg.lerp_(grad, 1 - beta1)
-    4 + 4,  # exp_avg_sq *= beta2
-    8 + 4,  # exp_avg_sq.addcmul_(grad, grad, 1 - beta2): the gradient read once for both operands
-    4 + 4,  # denom = sqrt(exp_avg_sq)
-    4 + 4,  # denom /= sqrt(bias_correction2)
-    4 + 4,  # denom += eps
-    12 + 4,  # params.addcdiv_(exp_avg, denom, -step_size)
+    4 * 4 + 3 * 4,  # read the parameter, gradient, exp_avg and exp_avg_sq; write the parameter and both moments
 )
 # Before it, the training engine clips the gradients (torch.nn.utils.clip_grad_norm_): their norm reads them, the
 # scaling by the clip coefficient reads and writes them.
@@ -245,7 +240,8 @@ def stage_pass(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: Se
     elementwise = n_layers * layer.elementwise + sum(c.elementwise for c in ends)
     attention = n_layers * layer.attention
     forward = Parts(gemm=gemm, attention=attention, elementwise=elementwise, tp_comm=tp_comm)
-    backward = Parts(gemm=2 * gemm, attention=layer.attention_backward * attention,
+    gemm_backward = n_layers * layer.gemm_backward + sum(c.gemm_backward for c in ends)
+    backward = Parts(gemm=gemm_backward, attention=layer.attention_backward * attention,
                      elementwise=2 * elementwise + n_layers * layer.backward_only, tp_comm=tp_comm)
     return StagePass(forward, backward, layers=n_layers * (layer.total + comm), attention=attention,
                      forward=forward.total, backward=backward.total)

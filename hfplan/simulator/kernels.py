@@ -110,11 +110,12 @@ def log_interpolated(points: tuple[tuple[float, float], ...], x: float) -> float
 _rows_by_weight = functools.cache(rows_by_weight)
 
 
-def row_fraction(hw: HardwareProfile, m: float, weight_bytes: float) -> float:
+def row_fraction(hw: HardwareProfile, m: float, weight_bytes: float, backward: bool = False) -> float:
     """Fraction of the matmul rate a GEMM of `m` rows by a weight (its k x n operand) of `weight_bytes` reaches
-    where the profile has no tiling model (Compute.row_efficiency: in log rows along each weight size measured, then
-    in log bytes between the two sizes around this one; 1 without a table)."""
-    table = hw.compute.row_efficiency
+    where the profile has no tiling model (Compute.row_efficiency; with `backward`, of that product's backward pair,
+    Compute.backward_row_efficiency: in log rows along each weight size measured, then in log bytes between the two
+    sizes around this one; 1 without a table)."""
+    table = hw.compute.backward_row_efficiency if backward else hw.compute.row_efficiency
     if table is None:
         return 1.0
     by_weight = _rows_by_weight(table)
@@ -143,6 +144,21 @@ def gemm_time(hw: HardwareProfile, m: float, k: float, n: float) -> float:
     return kernel_time(hw, 2.0 * m * k * n, nbytes, shape)
 
 
+def gemm_backward_time(hw: HardwareProfile, m: float, k: float, n: float) -> float:
+    """The backward of an (m x k) @ (k x n) product (a layer's input times its weight): the input gradient
+    (m x n)(n x k) and the weight gradient (k x m)(m x n), whose reduction runs over the m rows. Where the profile
+    measured that pair by rows (Compute.backward_row_efficiency, CPUs), both at its fraction; otherwise each GEMM at
+    the efficiency of its own shape (the weight gradient's K is the rows: few of them are a short reduction)."""
+    if m <= 0 or k <= 0 or n <= 0:
+        return 0.0
+    if hw.compute.gemm is None and hw.compute.backward_row_efficiency is not None:
+        v = hw.compute.value_bytes
+        nbytes = v * (m * n + n * k + m * k) + v * (k * m + m * n + k * n)  # each GEMM's operands and output
+        fraction = row_fraction(hw, m, v * k * n, backward=True)
+        return hw.compute.kernel_overhead_us * 1e-6 + kernel_time(hw, 4.0 * m * k * n, nbytes, fraction)
+    return gemm_time(hw, m, n, k) + gemm_time(hw, k, m, n)
+
+
 def memory_time(hw: HardwareProfile, nbytes: float) -> float:
     """An elementwise (memory-bound) kernel moving nbytes."""
     return kernel_time(hw, 0.0, nbytes) if nbytes > 0 else 0.0
@@ -161,6 +177,7 @@ class LayerCost:
     gemm: float
     attention: float
     elementwise: float
+    gemm_backward: float  # the backward's GEMMs: each forward GEMM's input and weight gradients (gemm_backward_time)
     attention_backward: float = ATTENTION_BACKWARD["flash"]
     backward_only: float = 0.0  # memory-bound kernels the backward runs and the forward has no counterpart of
 
@@ -169,10 +186,10 @@ class LayerCost:
         return self.gemm + self.attention + self.elementwise
 
     def backward(self) -> float:
-        """Backward: two GEMMs per forward GEMM (input and weight gradients); attention by its kernel
-        (ATTENTION_BACKWARD); elementwise ops read the saved input and the incoming gradient and write one
+        """Backward: two GEMMs per forward GEMM (input and weight gradients, `gemm_backward`); attention by its
+        kernel (ATTENTION_BACKWARD); elementwise ops read the saved input and the incoming gradient and write one
         gradient; then the backward's own kernels (`backward_only`: bias gradients)."""
-        return (2.0 * self.gemm + self.attention_backward * self.attention + 2.0 * self.elementwise
+        return (self.gemm_backward + self.attention_backward * self.attention + 2.0 * self.elementwise
                 + self.backward_only)
 
 
@@ -292,8 +309,8 @@ def layer_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per_
     kv_local = kv_width(arch, tp)
     qkv_out = shard(q, tp) + 2 * kv_local
     up = arch.mlp_matrices - 1  # the MLP's input projections: gate and up (SwiGLU, one GEMM), up (GeLU)
-    gemm = (gemm_time(hw, tokens, h, qkv_out) + gemm_time(hw, tokens, shard(q, tp), h)
-            + gemm_time(hw, tokens, h, shard(up * f, tp)) + gemm_time(hw, tokens, shard(f, tp), h))
+    shapes = ((h, qkv_out), (shard(q, tp), h), (h, shard(up * f, tp)), (shard(f, tp), h))  # (k, n) of each GEMM
+    gemm = sum(gemm_time(hw, tokens, k, n) for k, n in shapes)
     attention = attention_time(hw, arch, tokens, keys_per_token, tp, decode, seq_len)
     rotated = arch.rotary_share * (shard(q, tp) + kv_local)
     elementwise = (
@@ -303,6 +320,7 @@ def layer_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per_
         + memory_time(hw, v * (up + 1) * tokens * shard(f, tp))  # silu(gate) * up, or gelu(up)
     )
     return LayerCost(gemm=gemm, attention=attention, elementwise=elementwise,
+                     gemm_backward=sum(gemm_backward_time(hw, tokens, k, n) for k, n in shapes),
                      attention_backward=ATTENTION_BACKWARD[hw.compute.attention],
                      backward_only=bias_gradients_time(hw, arch, tokens, tp))
 
@@ -314,9 +332,10 @@ def head_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, tp: int, h
     gemm = gemm_time(hw, tokens, arch.hidden, local_out)
     softmax = memory_time(hw, FP32 * 3 * tokens * local_out) if head == "lm" else 0.0
     norm = memory_time(hw, hw.compute.value_bytes * 2 * tokens * arch.hidden)
-    return LayerCost(gemm=gemm, attention=0.0, elementwise=softmax + norm)
+    return LayerCost(gemm=gemm, attention=0.0, elementwise=softmax + norm,
+                     gemm_backward=gemm_backward_time(hw, tokens, arch.hidden, local_out))
 
 
 def embedding_forward(hw: HardwareProfile, arch: ModelArch, tokens: float) -> LayerCost:
     nbytes = hw.compute.value_bytes * 2 * tokens * arch.hidden
-    return LayerCost(gemm=0.0, attention=0.0, elementwise=memory_time(hw, nbytes))
+    return LayerCost(gemm=0.0, attention=0.0, elementwise=memory_time(hw, nbytes), gemm_backward=0.0)
