@@ -235,6 +235,25 @@ def test_the_optimizer_step_streams_fused_adamw_once_and_the_gradient_clip(toy_h
     assert four["optimizer"] == pytest.approx(5e-6 + 40 * params / 4 / 5e11)
 
 
+def test_each_decoder_layer_pays_its_fixed_cost_in_every_pass_and_step(toy_hw, small_arch):
+    """Runtime.layer_*_us: a forward micro-batch pays layer_forward_us for each layer of its stage, a training
+    micro-batch layer_train_us, a generation engine's step (prefill or decode) layer_step_us for each layer of the
+    model. small_arch's 2 layers, one stage: 2 micro-batches of 2 sequences."""
+    fixed = toy_hw.model_copy(update={"runtime": Runtime(layer_forward_us=100, layer_train_us=300,
+                                                         layer_step_us=50)})
+
+    def added(cost) -> float:
+        return cost(fixed) - cost(toy_hw)
+
+    assert added(lambda hw: costs.inference_time(hw, small_arch, InferConfig(micro_batch=2), ONE, 4, 64, "lm")) == \
+        pytest.approx(2 * 2 * 100e-6)
+    assert added(lambda hw: costs.train_step_time(hw, small_arch, TrainConfig(micro_batch=2), ONE, 4, 64, "lm")) == \
+        pytest.approx(2 * 2 * 300e-6)
+    assert added(lambda hw: costs.decode_step_time(hw, small_arch, Layout(), ONE, 8, 100)) == pytest.approx(2 * 50e-6)
+    assert added(lambda hw: costs.prefill_parts(hw, small_arch, Layout(), ONE, 8, 64).total) == \
+        pytest.approx(2 * 50e-6)
+
+
 # -- pipeline schedules and recomputation ------------------------------------------------------------------
 
 

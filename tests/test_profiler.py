@@ -562,7 +562,7 @@ def test_runtime_costs_measured_on_the_executor_engine(quick_profile, monkeypatc
     from hfplan.layout import stage_parameter_tensors
     from hfplan.plan import Layout, TrainConfig
     from hfplan.profiler import device as devices
-    from hfplan.profiler.runtime import BATCH, FEW, LONG, MANY, PROMPT, SHORT, measure_runtime
+    from hfplan.profiler.runtime import BATCH, DEEP, FEW, LONG, MANY, PROMPT, SHORT, measure_runtime
     from hfplan.profiles.hardware import Runtime
     from hfplan.simulator import costs
 
@@ -579,7 +579,9 @@ def test_runtime_costs_measured_on_the_executor_engine(quick_profile, monkeypatc
                          "engine_log_prob", "fsdp_engine_log_prob", "hybrid_switch", "fsdp_hybrid_switch",
                          "kept_hybrid_switch",
                          f"train_step_1_micro_batch_of_{BATCH}", f"engine_log_prob_{BATCH}_sequences",
-                         *(op for steps in engines.values() for op in steps.values())}
+                         *(op for steps in engines.values() for op in steps.values()),
+                         *(f"depth_{call}_{n}_layers" for call in ("log_prob", "train_pass", "step")
+                           for n in (2, 2 * DEEP))}
     # A switch in the training layout on one rank moves nothing: all of it is the engines' cost per tensor.
     assert rows["hybrid_switch"]["predicted_s"] == 0.0
     assert fit.runtime.switch_tensor_us == pytest.approx(
@@ -587,15 +589,27 @@ def test_runtime_costs_measured_on_the_executor_engine(quick_profile, monkeypatc
     # The executor's own switch there keeps the trained tensors: timed whole, with weights handed over apart.
     assert fit.runtime.kept_switch_us == pytest.approx(rows["kept_hybrid_switch"]["seconds"] * 1e6, abs=0.01)
     assert all(r["seconds"] > 0 for r in fit.rows)
-    # The modelled kernels alone: the profile's own fixed costs are what the measurement replaces.
+    # Each decoder layer's fixed cost: the same call on the demo model at two depths, beyond the modelled kernels
+    # alone (the profile's own fixed costs are what the measurement replaces), over the layers between them.
     kernels_only = hw.model_copy(update={"runtime": Runtime()})
+    rt = fit.runtime
+    deeper = dataclasses.replace(CATALOG["tiny"], layers=2 * DEEP)
+    assert rows["depth_step_4_layers"]["predicted_s"] == pytest.approx(costs.decode_step_time(
+        kernels_only, deeper, Layout(), costs.SetShape(1, 1), 1, PROMPT + (SHORT + LONG) / 2))
+    for call, field in (("log_prob", "layer_forward_us"), ("train_pass", "layer_train_us"), ("step", "layer_step_us")):
+        shallow, deep = rows[f"depth_{call}_2_layers"], rows[f"depth_{call}_4_layers"]
+        per_layer = max(0.0, deep["seconds"] - shallow["seconds"] - deep["predicted_s"] + shallow["predicted_s"]) / 2
+        assert getattr(rt, field) == pytest.approx(per_layer * 1e6, abs=0.01)
+    # Every other fixed cost is what its call took beyond its kernels and its layers' fixed costs.
+    kernels_only = hw.model_copy(update={"runtime": Runtime(layer_forward_us=rt.layer_forward_us,
+                                                            layer_train_us=rt.layer_train_us,
+                                                            layer_step_us=rt.layer_step_us)})
     step_model = costs.decode_step_time(kernels_only, CATALOG["tiny"], Layout(), costs.SetShape(1, 1), 1,
                                         PROMPT + (SHORT + LONG) / 2)
     assert rows["engine_step"]["predicted_s"] == rows["engine_step_continuous"]["predicted_s"] == pytest.approx(
         step_model)  # both run a batch of one
     # The fixed cost per sequence in a step is the slope from one sequence to BATCH; a step of one costs the
     # measured step's fixed cost, whichever the engine.
-    rt = fit.runtime
     batch_model = costs.decode_step_time(kernels_only, CATALOG["tiny"], Layout(), costs.SetShape(1, 1), BATCH,
                                          PROMPT + (SHORT + LONG) / 2)
     assert rows[f"engine_step_{BATCH}_sequences"]["predicted_s"] == pytest.approx(batch_model)
@@ -654,6 +668,37 @@ def test_the_tensor_parallel_engine_is_timed_only_over_worlds_the_demo_model_spl
     for world in (3, 4, 8):  # its 2 KV heads split over 2 ranks only
         assert shape_problem(tiny, "train", world, 1) is not None
         assert not splits_by_tp(world)
+
+
+def test_a_layer_s_fixed_cost_is_the_deeper_model_s_time_beyond_its_kernels_per_layer_added():
+    """Calls timed as the kernels of their depth plus 2 ms a call, and 150, 400 and 90 us per decoder layer (a
+    forward, a training micro-batch, a decode step): those per-layer figures come back; a deeper model that ran
+    faster than its kernels say leaves none (never negative)."""
+    from hfplan.plan import InferConfig, Layout, TrainConfig
+    from hfplan.profiler.runtime import FEW, LONG, MANY, PROMPT, SHORT, DepthSeconds, _layer_fixed
+    from hfplan.profiles.hardware import Runtime
+    from hfplan.simulator import costs
+
+    bare = load_hardware("cpu").model_copy(update={"runtime": Runtime()})
+    one, tokens = costs.SetShape(1, 1), PROMPT + LONG
+
+    def timed(layers: int) -> tuple[float, float, float]:
+        arch = dataclasses.replace(CATALOG["tiny"], layers=layers)
+        log_prob = costs.inference_time(bare, arch, InferConfig(micro_batch=1), one, 1, tokens, "lm")
+        steps = [costs.train_step_time(bare, arch, TrainConfig(micro_batch=1), one, n, tokens, "lm")
+                 for n in (FEW, MANY)]
+        step = costs.decode_step_time(bare, arch, Layout(), one, 1, PROMPT + (SHORT + LONG) / 2)
+        return (log_prob + 2e-3 + layers * 150e-6, (steps[1] - steps[0]) / (MANY - FEW) + 2e-3 + layers * 400e-6,
+                step + 2e-3 + layers * 90e-6)
+
+    shallow, deep = timed(2), timed(4)
+    depths = DepthSeconds((2, 4), *zip(shallow, deep, strict=True))
+    layers, rows = _layer_fixed(bare, depths)
+    assert (layers.layer_forward_us, layers.layer_train_us, layers.layer_step_us) == pytest.approx((150, 400, 90))
+    assert len(rows) == 6 and {r["op"] for r in rows} >= {"depth_log_prob_2_layers", "depth_step_4_layers"}
+    faster = DepthSeconds((2, 4), (shallow[0], shallow[0]), (shallow[1], shallow[1]), (shallow[2], shallow[2]))
+    none, _ = _layer_fixed(bare, faster)
+    assert none.layer_forward_us == none.layer_train_us == none.layer_step_us == 0.0
 
 
 def test_pace_drift_is_symmetric_and_zero_at_the_same_pace():

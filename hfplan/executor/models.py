@@ -81,12 +81,16 @@ def _catalog_config(arch: ModelArch) -> PretrainedConfig:
     return LlamaConfig(**common)
 
 
-def build_model(model_ref: str, head: Head, *, seed: int, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+def build_model(model_ref: str, head: Head, *, seed: int, dtype: torch.dtype = torch.float32,
+                layers: int | None = None) -> PreTrainedModel:
     """The model of a reference with the given head: loaded from a checkpoint folder with weights,
-    else built from its config with random weights drawn under `seed`."""
+    else built from its config with random weights drawn under `seed`. `layers`: that many decoder layers in
+    place of the config's (built, never loaded: the profiler times the demo model at two depths)."""
     if head not in ("lm", "scalar"):
         raise HfplanError(f"unknown model head {head!r}; known: lm, scalar")
     config = model_config_for(model_ref)
+    if layers is not None:
+        config.num_hidden_layers = layers
     if head == "scalar":
         config.num_labels = 1
         config.classifier_dropout = 0.0  # value and reward heads read the hidden state as it is
@@ -97,7 +101,7 @@ def build_model(model_ref: str, head: Head, *, seed: int, dtype: torch.dtype = t
     folder = Path(model_ref)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # also draws a scalar head over a loaded LM checkpoint deterministically
-        if folder.is_dir() and any((folder / name).is_file() for name in _WEIGHT_FILES):
+        if layers is None and folder.is_dir() and any((folder / name).is_file() for name in _WEIGHT_FILES):
             try:
                 return cls.from_pretrained(str(folder), config=config, dtype=dtype, local_files_only=True)
             except (OSError, ValueError) as bad:

@@ -38,7 +38,10 @@ def fits_table(result: Result) -> Table:
     continuous_us = rt.engine_step_s("continuous") * 1e6
     table.add_row("forward pass / engine step static, continuous us",
                   f"{rt.forward_pass_us:.1f} / {rt.engine_step_us:.1f}, {continuous_us:.1f}",
-                  "measured beyond the modelled kernels")
+                  "measured beyond the modelled kernels and each layer's")
+    table.add_row("each decoder layer: forward / training micro-batch / engine step us",
+                  f"{rt.layer_forward_us:.1f} / {rt.layer_train_us:.1f} / {rt.layer_step_us:.1f}",
+                  "measured beyond the modelled kernels: the demo model at two depths, the difference per layer")
     table.add_row("controller: round trip (its sending side) / a call within a task / a call opening a task on "
                   "its worker (+ each rank past the first) / its own step us",
                   f"{rt.controller_call_us:.1f} ({rt.controller_send_s() * 1e6:.1f}) / {rt.call_dispatch_s() * 1e6:.1f}"

@@ -21,7 +21,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hfplan.errors import HfplanError
@@ -41,6 +41,7 @@ PROMPT = 8
 SHORT, LONG = 2, 34  # response lengths whose time difference is LONG - SHORT decode steps
 BATCH = 8  # sequences of the larger static batch whose steps are timed (the demo's batch)
 FEW, MANY = 1, 3  # micro-batches (of one sequence) per optimizer step: the difference is MANY - FEW passes
+DEEP = 2  # the demo model timed again with its decoder layers this many times over: the difference is per layer
 ROUNDS = 3
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,70 @@ class EngineTimes:
     batch_step: float  # of BATCH sequences
     continuous_step: float  # a continuous engine's, one slot refilled
     plain: EngineSeconds  # the training engine as one rank trains (with its wide micro-batch and the switch)
+    depths: DepthSeconds  # the same calls at two depths of the demo model
+
+
+@dataclass(frozen=True)
+class DepthSeconds:
+    """Seconds of the same calls on the demo model with its own decoder layers and with DEEP times as many (each
+    pair: (its own depth, the deeper)): a log-prob call of one sequence and a training micro-batch of one sequence
+    (the slope of an actor update's time from FEW to MANY micro-batches, so the optimizer step drops out) through
+    the training engine as one rank trains, and a static decode step of one sequence."""
+
+    layers: tuple[int, int]
+    log_prob: tuple[float, float]
+    train_pass: tuple[float, float]
+    step: tuple[float, float]
+
+
+def depth_seconds(torch, device: Device, min_time: float) -> DepthSeconds:
+    """Time DepthSeconds' calls, the two depths alternating within each round."""
+    from hfplan.executor.models import build_model
+    from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
+
+    arch = CATALOG[MODEL]
+    layers = (arch.layers, DEEP * arch.layers)
+    engines = [TorchRolloutEngine(build_model(MODEL, "lm", seed=0, dtype=compute_dtype(device), layers=n)
+                                  .to(device.kind).eval(), pad_id=0, eos_id=-1) for n in layers]
+    prompts = torch.randint(1, arch.vocab, (1, PROMPT), device=device.kind)
+    steps = steps_seconds(Clock(torch, device.kind), [(engine, prompts) for engine in engines], min_time)
+    with _world_of_one(torch, device):
+        roles = [profiled_role(torch, device.kind, PLAIN, layers=n) for n in layers]
+        calls = [_log_prob_call(torch, role, 1) for role in roles]
+        calls += [_update_call(torch, role, n, 1) for role in roles for n in (FEW, MANY)]
+        shallow_lp, deep_lp, *updates = WorldClock(torch, device.kind, ENGINE_REPS).per_calls(calls)
+    shallow_pass, deep_pass = ((many - few) / (MANY - FEW) for few, many in zip(updates[::2], updates[1::2],
+                                                                                 strict=True))
+    return DepthSeconds(layers, (shallow_lp, deep_lp), (shallow_pass, deep_pass), (steps[0], steps[1]))
+
+
+def _layer_fixed(bare: HardwareProfile, depths: DepthSeconds) -> tuple[Runtime, list[dict]]:
+    """The fixed costs per decoder layer (Runtime.layer_forward_us, layer_train_us, layer_step_us): what each of
+    DepthSeconds' calls took beyond its modelled kernels at the deeper depth less at its own, over the layers
+    between them."""
+    one, tokens = costs.SetShape(1, 1), PROMPT + LONG
+    archs = [replace(CATALOG[MODEL], layers=n) for n in depths.layers]
+    context = PROMPT + (SHORT + LONG) / 2
+
+    def train_pass(arch) -> float:  # a step of MANY micro-batches less one of FEW, per micro-batch between them
+        step = {n: costs.train_step_time(bare, arch, TrainConfig(micro_batch=1), one, n, tokens, "lm")
+                for n in (FEW, MANY)}
+        return (step[MANY] - step[FEW]) / (MANY - FEW)
+
+    models = {"log_prob": [costs.inference_time(bare, a, InferConfig(micro_batch=1), one, 1, tokens, "lm")
+                           for a in archs],
+              "train_pass": [train_pass(a) for a in archs],
+              "step": [costs.decode_step_time(bare, a, Layout(), one, 1, context) for a in archs]}
+    added = depths.layers[1] - depths.layers[0]
+    per_layer, rows = {}, []
+    for name, (shallow_model, deep_model) in models.items():
+        shallow, deep = getattr(depths, name)
+        per_layer[name] = max(0.0, (deep - shallow) - (deep_model - shallow_model)) * 1e6 / added
+        rows += [_row(f"depth_{name}_{n}_layers", seconds, model)
+                 for n, seconds, model in zip(depths.layers, (shallow, deep), (shallow_model, deep_model),
+                                              strict=True)]
+    return Runtime(layer_forward_us=round(per_layer["log_prob"], 2), layer_train_us=round(per_layer["train_pass"], 2),
+                   layer_step_us=round(per_layer["step"], 2)), rows
 
 
 def time_engines(torch, device: Device, min_time: float) -> EngineTimes:
@@ -101,7 +166,7 @@ def time_engines(torch, device: Device, min_time: float) -> EngineTimes:
     step, batch_step, continuous_step = steps_seconds(
         clock, [(static, prompts), (static, prompts.repeat(BATCH, 1)), (continuous, prompts.repeat(2, 1))], min_time)
     return EngineTimes(step=step, batch_step=batch_step, continuous_step=continuous_step,
-                       plain=_engine_on_one_rank(torch, device, PLAIN))
+                       plain=_engine_on_one_rank(torch, device, PLAIN), depths=depth_seconds(torch, device, min_time))
 
 
 def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: float, through_ray: bool = True,
@@ -112,18 +177,21 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
     here and the call fields are left at their defaults. `across`: the engine wrapped in FSDP2 and split by
     tensor parallelism, each timed over the profiled world (measure_collectives' processes, all computing at
     once, as a layout's ranks do); without them, FSDP2 over a world of one and no tensor-parallel costs."""
-    bare = profile.model_copy(update={"runtime": Runtime()})  # kernels only
     arch = CATALOG[MODEL]
     one = costs.SetShape(1, 1)
     ray_costs = _ray_worker(device, profile, min_time) if through_ray else None
     times = ray_costs.engines if ray_costs is not None else time_engines(torch, device, min_time)
+    # Each decoder layer's fixed cost first (against the kernels alone): every other fixed cost is what a call
+    # takes beyond its kernels and its layers' fixed costs.
+    layers, layer_rows = _layer_fixed(profile.model_copy(update={"runtime": Runtime()}), times.depths)
+    bare = profile.model_copy(update={"runtime": layers})
     step_s, batch_s, continuous_s, plain = times.step, times.batch_step, times.continuous_step, times.plain
     context = PROMPT + (SHORT + LONG) / 2
     step_model = costs.decode_step_time(bare, arch, Layout(), one, 1, context)
     batch_model = costs.decode_step_time(bare, arch, Layout(), one, BATCH, context)
     # A step's fixed cost grows with the sequences in it: the slope between a batch of one and of BATCH.
     sequence_us = max(0.0, fixed_us(batch_s, batch_model) - fixed_us(step_s, step_model)) / (BATCH - 1)
-    rows = [_row("engine_step", step_s, step_model),
+    rows = layer_rows + [_row("engine_step", step_s, step_model),
             _row(f"engine_step_{BATCH}_sequences", batch_s, batch_model),
             _row("engine_step_continuous", continuous_s, step_model)]
     across = across or {}
@@ -163,7 +231,8 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
             rows.append(_row("controller_task_cpu", gaps.controller_task_cpu_s, 0.0))
         if gaps.rank_dispatch_s is not None:
             rows.append(_row("rank_dispatch", gaps.rank_dispatch_s, 0.0, world=2))
-    runtime = Runtime(forward_pass_us=round(train.forward_us, 2), forward_token_us=round(per_token.forward_us, 3),
+    runtime = layers.model_copy(update=dict(
+                      forward_pass_us=round(train.forward_us, 2), forward_token_us=round(per_token.forward_us, 3),
                       train_token_us=round(per_token.train_us, 3),
                       engine_step_us=round(max(0.0, fixed_us(step_s, step_model) - sequence_us), 2),
                       engine_sequence_step_us=round(sequence_us, 2), switch_tensor_us=round(switch_us, 3),
@@ -186,7 +255,7 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
                       fsdp_optimizer_tensor_us=round(wrapped.tensor_us, 3),
                       tp_forward_pass_us=round(max(0.0, split.forward_us - unsplit.forward_us), 2),
                       tp_train_pass_us=round(max(0.0, split.pass_us - unsplit.pass_us), 2),
-                      tp_optimizer_tensor_us=round(max(0.0, split.tensor_us - unsplit.tensor_us), 3))
+                      tp_optimizer_tensor_us=round(max(0.0, split.tensor_us - unsplit.tensor_us), 3)))
     if TP in across and across[TP].split_steps is not None:
         fitted = bare.model_copy(update={"runtime": runtime})
         collective_us, split_rows = _step_collective_fixed(fitted, across[TP])
@@ -265,8 +334,9 @@ def splits_by_tp(world: int) -> bool:
     return world > 1 and shape_problem(CATALOG[MODEL], "train", world, 1) is None
 
 
-def profiled_role(torch, kind: str, mode: str):
-    """The training engine (RoleModel) of the demo model in `mode` over the process group this process is in."""
+def profiled_role(torch, kind: str, mode: str, layers: int | None = None):
+    """The training engine (RoleModel) of the demo model (with `layers` decoder layers: its own by default) in
+    `mode` over the process group this process is in."""
     import torch.distributed as dist
 
     from hfplan.executor.engines.training import RoleModel
@@ -276,7 +346,7 @@ def profiled_role(torch, kind: str, mode: str):
 
     world = dist.get_world_size()
     mesh = (ParallelDims(1, 1, 1, world) if mode == TP else ParallelDims(1, 1, world, 1)).build(kind)
-    model = build_model(MODEL, "lm", seed=0, dtype=torch.float32)
+    model = build_model(MODEL, "lm", seed=0, dtype=torch.float32, layers=layers)
     return RoleModel(model, mesh, Hyperparameters(), kind, compute_dtype(kind), pad_id=0, lr=1e-6,
                      fsdp=WRAPS_IN_FSDP[mode])
 
@@ -287,25 +357,13 @@ def engine_seconds(torch, kind: str, mode: str) -> EngineSeconds:
     slowest rank)."""
     import torch.distributed as dist
 
-    arch, world = CATALOG[MODEL], dist.get_world_size()
+    world = dist.get_world_size()
     role = profiled_role(torch, kind, mode)
 
-    def update(n: int, micro: int):
-        batch = {"prompts": torch.randint(1, arch.vocab, (n, PROMPT)),
-                 "responses": torch.randint(1, arch.vocab, (n, LONG)),
-                 "response_mask": torch.ones(n, LONG, dtype=torch.long),
-                 "old_log_probs": torch.zeros(n, LONG), "advantages": torch.ones(n, LONG)}
-        return lambda: role.update_actor(batch, mini_batches=1, epochs=1, micro_batch=micro, use_kl_loss=False)
-
-    def log_prob(n: int):
-        rows = {"prompts": torch.randint(1, arch.vocab, (n, PROMPT)),
-                "responses": torch.randint(1, arch.vocab, (n, LONG)),
-                "response_mask": torch.ones(n, LONG, dtype=torch.long)}
-        return lambda: role.log_probs(**rows, micro_batch=n)
-
-    calls = [update(FEW, 1), update(MANY, 1), log_prob(1), _switch(role, keep_trained=False)]
+    calls = [_update_call(torch, role, FEW, 1), _update_call(torch, role, MANY, 1), _log_prob_call(torch, role, 1),
+             _switch(role, keep_trained=False)]
     if mode == PLAIN:
-        calls += [update(BATCH, BATCH), log_prob(BATCH), _switch(role)]
+        calls += [_update_call(torch, role, BATCH, BATCH), _log_prob_call(torch, role, BATCH), _switch(role)]
     # Every call timed in the same rounds (WorldClock.per_calls).
     few, many, one, switch, *wide = WorldClock(torch, kind, ENGINE_REPS).per_calls(calls)
     steps = {FEW: few, MANY: many}
@@ -315,6 +373,24 @@ def engine_seconds(torch, kind: str, mode: str) -> EngineSeconds:
         return EngineSeconds(world, mode, steps, one, switch)
     wide_update, wide_log_prob, kept_switch = wide
     return EngineSeconds(world, mode, steps, one, switch, (wide_update, wide_log_prob), kept_switch)
+
+
+def _update_call(torch, role, n: int, micro: int):
+    """An actor update (one optimizer step) of `role` over n sequences of PROMPT + LONG tokens, micro-batches of
+    `micro`."""
+    vocab = CATALOG[MODEL].vocab
+    batch = {"prompts": torch.randint(1, vocab, (n, PROMPT)), "responses": torch.randint(1, vocab, (n, LONG)),
+             "response_mask": torch.ones(n, LONG, dtype=torch.long),
+             "old_log_probs": torch.zeros(n, LONG), "advantages": torch.ones(n, LONG)}
+    return lambda: role.update_actor(batch, mini_batches=1, epochs=1, micro_batch=micro, use_kl_loss=False)
+
+
+def _log_prob_call(torch, role, n: int):
+    """A log-prob call of `role` over n sequences of PROMPT + LONG tokens, in one micro-batch."""
+    vocab = CATALOG[MODEL].vocab
+    rows = {"prompts": torch.randint(1, vocab, (n, PROMPT)), "responses": torch.randint(1, vocab, (n, LONG)),
+            "response_mask": torch.ones(n, LONG, dtype=torch.long)}
+    return lambda: role.log_probs(**rows, micro_batch=n)
 
 
 def _switch_fixed(bare: HardwareProfile, measured: EngineSeconds, mode: str) -> tuple[float, dict]:

@@ -357,6 +357,17 @@ class Runtime(_Strict):
     engine_step_us: float = Field(default=0.0, ge=0, description="fixed cost of one step of the generation engine "
                                                                  "(a prefill or a decode step): scheduling, input "
                                                                  "preparation, sampled tokens back to the host")
+    layer_forward_us: float = Field(
+        default=0.0, ge=0, description="fixed cost per decoder layer of a forward micro-batch beyond the layer's "
+                                       "kernels (a CPU's dispatch of the layer's torch ops, the host's share where "
+                                       "it does not run ahead of the device): each layer a pass runs pays it, on top "
+                                       "of forward_pass_us")
+    layer_train_us: float = Field(
+        default=0.0, ge=0, description="the same per decoder layer of a training micro-batch (its forward and "
+                                       "backward), on top of train_pass_us")
+    layer_step_us: float = Field(
+        default=0.0, ge=0, description="the same per decoder layer of a generation engine's step (a prefill or a "
+                                       "decode step), on top of engine_step_us")
     controller_call_us: float = Field(default=0.0, ge=0, description="fixed cost of one round trip of the "
                                                                      "single controller to a worker group: a call "
                                                                      "sent, and its result waited for")

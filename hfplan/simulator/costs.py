@@ -309,6 +309,7 @@ def train_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, whe
     fsdp, split = trains_through_fsdp(cfg.dp, hw.compute.value_bytes), cfg.tp > 1
     # Per token: the busiest stage's share of the model's layers.
     per_micro["runtime"] = (v * hw.runtime.train_pass_s(fsdp, split)
+                            + math.ceil(arch.layers / cfg.pp) * hw.runtime.layer_train_us * 1e-6
                             + micro * seq_len * hw.runtime.train_token_us * 1e-6 / cfg.pp)
     local_params = stage_params(arch, cfg.pp, head) / cfg.tp
     exposed = sharding.exposed_step_comm(hw, arch, cfg, where, head, sp.forward,
@@ -350,6 +351,7 @@ def inference_parts(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, wher
     sp = stage_pass(hw, arch, cfg.tp, cfg.pp, where, micro, seq_len, head, memo=memo)
     per_micro = dict(sp.forward_parts, pp_comm=_p2p(hw, arch, cfg, where, micro * seq_len),
                      runtime=hw.runtime.forward_pass_s(fsdp, cfg.tp > 1)
+                     + math.ceil(arch.layers / cfg.pp) * hw.runtime.layer_forward_us * 1e-6
                      + micro * seq_len * hw.runtime.forward_token_us * 1e-6 / cfg.pp)
     exposed = 0.0
     if weight_shards > 1:
@@ -380,8 +382,8 @@ def decode_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: 
         elementwise=n * layer.elementwise + head.elementwise + sample,
         tp_comm=(n * _layer_tp_comm(hw, arch, batch, cfg.tp, where) + _head_tp_comm(hw, batch, cfg.tp, where, "lm")
                  + _step_collectives_fixed(hw, arch, cfg.tp)),
-        pp_comm=(cfg.pp - 1) * _p2p(hw, arch, cfg, where, batch), runtime=hw.runtime.engine_step_s(batching, batch)),
-        1 / cfg.pp)
+        pp_comm=(cfg.pp - 1) * _p2p(hw, arch, cfg, where, batch),
+        runtime=_engine_step_runtime(hw, arch, batching, batch)), 1 / cfg.pp)
 
 
 def decode_step_time(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetShape, batch: float,
@@ -403,7 +405,12 @@ def prefill_parts(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetS
         elementwise=n * (layer.elementwise + cache) + head.elementwise + embed.elementwise,
         tp_comm=n * _layer_tp_comm(hw, arch, tokens, cfg.tp, where) + _step_collectives_fixed(hw, arch, cfg.tp),
         pp_comm=(cfg.pp - 1) * _p2p(hw, arch, cfg, where, tokens),
-        runtime=hw.runtime.engine_step_s(batching, batch)), 1 / cfg.pp)
+        runtime=_engine_step_runtime(hw, arch, batching, batch)), 1 / cfg.pp)
+
+
+def _engine_step_runtime(hw: HardwareProfile, arch: ModelArch, batching: str, batch: float) -> float:
+    """A generation engine step's fixed cost: the step's own and each decoder layer's (every stage's in turn)."""
+    return hw.runtime.engine_step_s(batching, batch) + arch.layers * hw.runtime.layer_step_us * 1e-6
 
 
 def _lengths(response_len: int, lengths: ResponseLengths | None) -> ResponseLengths:
