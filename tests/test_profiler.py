@@ -476,7 +476,7 @@ def test_a_cpu_sweep_fits_its_rate_without_the_products_its_rows_slow():
     from hfplan.profiler.sweeps import sweeps_for
 
     rate, overhead, bandwidth = 1.2e11, 1e-6, 1.2e10
-    fraction = {1: 0.05, 16: 0.3, 128: 0.8}
+    fraction = {1: 0.05, 2: 0.08, 4: 0.12, 8: 0.2, 16: 0.3, 32: 0.45, 64: 0.6, 128: 0.8}
     shapes = sweeps_for("cpu", quick=False).matmuls
     most_rows: dict[int, int] = {}  # per weight size: its largest row count, which the table takes as the rate's
     for m, k, n in shapes:
@@ -637,7 +637,7 @@ def test_runtime_costs_measured_on_the_executor_engine(quick_profile, monkeypatc
     # as one rank trains and as FSDP2 wraps it; a pass's fixed cost is what its tokens' leave.
     tensors = stage_parameter_tensors(CATALOG["tiny"], 1, "lm")
     forward_model = costs.stage_pass(kernels_only, CATALOG["tiny"], 1, 1, costs.SetShape(1, 1), 1, PROMPT + LONG,
-                                     "lm").forward
+                                     "lm").forward + CATALOG["tiny"].layers * rt.layer_forward_us * 1e-6
     for engine, steps in engines.items():
         fsdp = engine == "fsdp_"
         beyond = {}

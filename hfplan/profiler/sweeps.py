@@ -66,13 +66,14 @@ def sweeps_for(kind: str, quick: bool) -> Sweeps:
         )
     # Few rows by weights from ones the core's cache holds (256 KiB in fp32) to ones it streams (16-64 MiB), and
     # 512 rows by each, where the rate is reached: Compute.row_efficiency by rows and weight bytes; the backward of
-    # each product of training's rows (16 and up), Compute.backward_row_efficiency.
+    # each product of training's rows (16 and up), Compute.backward_row_efficiency. The rate is far from linear in
+    # log rows between 1 and 16 (a decode batch's rows), so the full sweep measures the counts in between.
     weights = (((256, 256), (512, 1024), (1024, 1024), (1024, 4096), (4096, 1024)) if quick else
                ((256, 256), (512, 1024), (1024, 1024), (1024, 4096), (4096, 1024), (2048, 2048), (4096, 4096)))
     return Sweeps(
         matmuls=_square((16, 64, 128, 256, 512, 1024) if quick else (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048))
-        + _skinny((1, 16, 128, 512), weights),
-        linear_backwards=_skinny((16, 128, 512), weights),
+        + _skinny((1, 8, 16, 128, 512) if quick else (1, 2, 4, 8, 16, 32, 64, 128, 512), weights),
+        linear_backwards=_skinny((16, 128, 512) if quick else (16, 32, 64, 128, 512), weights),
         copy_bytes=tuple(2**k for k in (range(6, 27, 2) if quick else range(6, 31))),
         message_bytes=tuple(2**k for k in (range(3, 28, 3) if quick else range(3, 29))),
         host_bytes=(),
