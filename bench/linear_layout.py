@@ -43,7 +43,7 @@ def products(k: int, n: int, m: int) -> tuple[Callable[[], object], ...]:
     copies = max(2, ROTATION_BYTES // (4 * k * n))
     stored_kn = itertools.cycle([torch.randn(k, n) for _ in range(copies)])
     stored_nk = itertools.cycle([torch.randn(n, k) for _ in range(copies)])
-    grads = itertools.cycle([torch.empty(n, k) for _ in range(copies)])
+    grads = itertools.cycle([torch.zeros(n, k) for _ in range(copies)])  # zeroed: no first write to fresh pages
     x, dy = torch.randn(m, k), torch.randn(m, n)
     return (lambda: x @ next(stored_kn), lambda: x @ next(stored_nk).t(), lambda: dy @ next(stored_nk),
             lambda: torch.mm(dy.t(), x, out=next(grads)))

@@ -28,9 +28,10 @@ Assumptions common to the cases:
   FlashAttention-2's measured H100/A100 ratio (`_triton_attention_h100`, no H100 measurement of it being published).
   Nothing else of a profile is changed.
 - The MPT runs' optimizer (composer's DecoupledAdamW, one unfused kernel per line of the update, weight decay 0) and
-  gradient clipping by norm stream 92 bytes per parameter, as the shipped model's torch AdamW and clip do
-  (`costs.ADAM_PASS_BYTES`): the lerp the torch one uses is a mul and an add there, and its weight-decay pass is
-  skipped at weight decay 0, 8 bytes each way.
+  gradient clipping by norm stream 92 bytes per parameter, as torch's foreach AdamW and the clip do
+  (`Compute.optimizer` unfused, `costs.UNFUSED_ADAMW_PASS_BYTES`; `_with_unfused_adamw`; the shipped profiles price
+  the executor's fused AdamW, 40 bytes): the lerp the torch one uses is a mul and an add there, and its weight-decay
+  pass is skipped at weight decay 0, 8 bytes each way.
 - The MPT runs' stack (11 of the 12 rows; A100's 70b row, not listed there, is priced alike): the results' Image
   column (llm-foundry commit beb8dee, scripts/train/benchmarking/h100new.md) names
   mosaicml/pytorch:2.1.0_cu121-nightly20230827, where submit_benchmarks.py installs torch 2.1.0.dev20230821+cu121 and
@@ -224,6 +225,12 @@ def _with_fsdp1(hw: HardwareProfile) -> HardwareProfile:
                                                                           "fsdp_engine": "fsdp1"})})
 
 
+def _with_unfused_adamw(hw: HardwareProfile) -> HardwareProfile:
+    """The profile with the MPT runs' optimizer: an AdamW of one kernel per line of the update (Compute.optimizer
+    unfused; module docstring)."""
+    return hw.model_copy(update={"compute": hw.compute.model_copy(update={"optimizer": "unfused"})})
+
+
 def gpt_arch(name: str, layers: int, hidden: int, heads: int, vocab: int, rotary_dim: int, tied: bool = True,
              linear_bias: bool = False, parallel_block: bool = False) -> ModelArch:
     """A GPT-style model: a GeLU MLP 4h wide, multi-head attention, `rotary_dim` rotated dimensions per head."""
@@ -315,7 +322,7 @@ def _foundry(table: str, hw_name: str, size: str, gpus: int, seq: int, micro: in
 
     def predict() -> float:
         attention = TRITON_ATTENTION_A100 if hw_name == "a100-80g" else _triton_attention_h100()
-        hw = _with_fsdp1(_with_attention_rate(hw_name, attention))
+        hw = _with_unfused_adamw(_with_fsdp1(_with_attention_rate(hw_name, attention)))
         if inter_node is not None:
             inter = hw.links.inter_node.model_copy(update={"bandwidth_gbytes_per_s": inter_node})
             hw = hw.model_copy(update={"links": hw.links.model_copy(update={"inter_node": inter})})

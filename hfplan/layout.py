@@ -192,10 +192,15 @@ def generation_groups(train: TrainLayoutLike, gen: LayoutLike) -> list[list[int]
     return groups
 
 
+def stage_layers(arch: ModelArch, pp: int) -> int:
+    """Decoder layers of the most loaded of `pp` pipeline stages (equal blocks, the last ones short)."""
+    return math.ceil(arch.layers / pp)
+
+
 def stage_params(arch: ModelArch, pp: int, head: str) -> float:
     """Parameters on the most loaded pipeline stage (before tensor-parallel division): equal blocks of
     layers, the embedding on the first stage, the final norm and the head on the last."""
-    layers = math.ceil(arch.layers / pp) * arch.params_per_layer
+    layers = stage_layers(arch, pp) * arch.params_per_layer
     ends = arch.embedding_params + arch.head_params(head) + arch.hidden
     if pp == 1:
         return layers + ends

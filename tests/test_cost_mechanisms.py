@@ -2,6 +2,8 @@
 response-length distributions, by hand on the toy profile of conftest.py (matmul 5e13 FLOP/s, memory 5e11 B/s,
 5 us per kernel, intra-node 5e10 B/s with alpha 1 us)."""
 
+from dataclasses import replace
+
 import pytest
 
 from hfplan.plan import GenConfig, InferConfig, Layout, TrainConfig
@@ -233,6 +235,12 @@ def test_the_optimizer_step_streams_fused_adamw_once_and_the_gradient_clip(toy_h
     # Fully sharded over 4 ranks, each rank steps a quarter of them.
     four = costs.train_step_parts(toy_hw, small_arch, TrainConfig(dp=4, shard="full"), SetShape(4, 8), 16, 64, "lm")
     assert four["optimizer"] == pytest.approx(5e-6 + 40 * params / 4 / 5e11)
+    # A stack that runs one kernel per line of the update (Compute.optimizer unfused: torch's foreach path): weight
+    # decay 8, the first moment's lerp 12, the second's scaling 8 and addcmul 12, its sqrt, division and epsilon 8
+    # each, the addcdiv update 16, and the clip's 12: 92 bytes.
+    unfused = toy_hw.model_copy(update={"compute": toy_hw.compute.model_copy(update={"optimizer": "unfused"})})
+    assert costs.train_step_parts(unfused, small_arch, TrainConfig(), ONE, 4, 64, "lm")["optimizer"] == \
+        pytest.approx(5e-6 + 92 * params / 5e11)
 
 
 def test_each_decoder_layer_pays_its_fixed_cost_in_every_pass_and_step(toy_hw, small_arch):
@@ -252,6 +260,17 @@ def test_each_decoder_layer_pays_its_fixed_cost_in_every_pass_and_step(toy_hw, s
     assert added(lambda hw: costs.decode_step_time(hw, small_arch, Layout(), ONE, 8, 100)) == pytest.approx(2 * 50e-6)
     assert added(lambda hw: costs.prefill_parts(hw, small_arch, Layout(), ONE, 8, 64).total) == \
         pytest.approx(2 * 50e-6)
+    # Full recomputation runs each layer's forward again in the backward: its fixed cost too.
+    full = TrainConfig(micro_batch=2, recompute="full")
+    assert added(lambda hw: costs.train_step_time(hw, small_arch, full, ONE, 4, 64, "lm")) == \
+        pytest.approx(2 * 2 * (300e-6 + 100e-6))
+    # Three layers on two pipeline stages: a pass pays the busiest stage's two, in each of its slots (one
+    # micro-batch and one of fill); a generation step every layer, the stages in turn.
+    three, two_stages = replace(small_arch, layers=3), SetShape(2, 8)
+    assert added(lambda hw: costs.inference_time(hw, three, InferConfig(pp=2, micro_batch=4), two_stages, 4, 64,
+                                                 "lm")) == pytest.approx(2 * 2 * 100e-6)
+    assert added(lambda hw: costs.decode_step_time(hw, three, Layout(pp=2), two_stages, 8, 100)) == \
+        pytest.approx(3 * 50e-6)
 
 
 # -- pipeline schedules and recomputation ------------------------------------------------------------------

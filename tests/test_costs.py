@@ -89,7 +89,7 @@ def test_training_step_on_one_gpu_matches_6_params_tokens():
     # FlashAttention-2's backward does 5 matmuls to the forward's 2, so 3.5 x the forward in all, at the profile's
     # measured FlashAttention-2 rate for 2048-token sequences: 155 of 312 TFLOP/s (0.497 of peak).
     attention_flops = 3.5 * 4 * tokens * (seq_len + 1) / 2 * q * layers
-    # Optimizer step: the fused AdamW's one pass and the gradient clip, 40 B per parameter (costs.ADAM_PASS_BYTES).
+    # Optimizer step: the fused AdamW and the gradient clip, 40 B per parameter (costs.optimizer_bytes_per_param).
     optimizer = 40 * arch.params() / (2039e9 * 0.88)
     expected = gemm_flops / rate + attention_flops / (312e12 * 0.497) + optimizer
     actual = costs.train_step_time(hw, arch, TrainConfig(micro_batch=1), SetShape(1, 8), sequences, seq_len, "lm")

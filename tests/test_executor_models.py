@@ -61,6 +61,19 @@ def test_each_demo_model_takes_the_tokenizer_and_prompts_of_its_vocabulary():
     assert builtin_prompts("llama2-7b") is None
 
 
+def test_a_catalog_model_is_built_with_another_layer_count_for_the_profiler(tmp_path):
+    """build_model(layers=N): the catalog model's config with N decoder layers (every per-layer list of the config
+    that long, as a Qwen2 config's layer types); a model given as a file or folder is refused."""
+    deeper = build_model("tiny", "lm", seed=0, layers=4)
+    assert deeper.config.num_hidden_layers == len(deeper.model.layers) == 4
+    qwen = model_config_for("qwen2.5-0.5b", 3)
+    assert qwen.num_hidden_layers == 3 and len(qwen.layer_types) == 3
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", **SMALL}))
+    with pytest.raises(HfplanError, match="only a catalog model"):
+        model_config_for(str(config), 4)
+
+
 def test_byte_tokenizer_round_trips_any_text_byte_by_byte():
     tok = build_tokenizer("tiny")
     text = "Hello, wörld! 3+5=8 ✓"

@@ -588,7 +588,7 @@ def test_runtime_costs_measured_on_the_executor_engine(quick_profile, monkeypatc
         rows["hybrid_switch"]["seconds"] * 1e6 / stage_parameter_tensors(CATALOG["tiny"], 1, "lm"), abs=1e-3)
     # The executor's own switch there keeps the trained tensors: timed whole, with weights handed over apart.
     assert fit.runtime.kept_switch_us == pytest.approx(rows["kept_hybrid_switch"]["seconds"] * 1e6, abs=0.01)
-    assert all(r["seconds"] > 0 for r in fit.rows)
+    assert all(r["seconds"] > 0 for r in fit.rows if not r["op"].startswith("depth_train_pass"))  # those: slopes
     # Each decoder layer's fixed cost: the same call on the demo model at two depths, beyond the modelled kernels
     # alone (the profile's own fixed costs are what the measurement replaces), over the layers between them.
     kernels_only = hw.model_copy(update={"runtime": Runtime()})

@@ -297,12 +297,14 @@ def test_a_descendant_s_cpu_is_the_run_s_and_a_stranger_s_is_the_rest_of_the_mac
 
 
 def test_the_profile_implies_the_probe_s_time_from_its_fit():
-    """The probe's time at profiling is what the fit split it into: the step's fixed costs (per step and per
-    sequence, one sequence) on top of its modelled kernels; a profile not measured on CPU processes has none."""
+    """The probe's time at profiling is what the fit split it into: the step's fixed costs (per step, per
+    sequence of one, and per layer of the 2-layer tiny model) on top of its modelled kernels; a profile not
+    measured on CPU processes has none."""
     cpu = load_hardware("cpu")
     bare = profiled_step_seconds(cpu.model_copy(update={"runtime": Runtime()}))
-    runtime = cpu.runtime.model_copy(update={"engine_step_us": 300.0, "engine_sequence_step_us": 20.0})
-    assert profiled_step_seconds(cpu.model_copy(update={"runtime": runtime})) == pytest.approx(bare + 320e-6)
+    runtime = cpu.runtime.model_copy(update={"engine_step_us": 300.0, "engine_sequence_step_us": 20.0,
+                                             "layer_step_us": 50.0})
+    assert profiled_step_seconds(cpu.model_copy(update={"runtime": runtime})) == pytest.approx(bare + 420e-6)
     assert bare > 0
     assert profiled_step_seconds(load_hardware("a100-80g")) is None
     assert profiled_step_seconds(cpu.model_copy(update={"measured": False})) is None

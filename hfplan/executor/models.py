@@ -9,6 +9,7 @@ starts from the actor's weights, and a scalar model's backbone equals the LM's.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
@@ -29,7 +30,7 @@ from transformers import (
 
 from hfplan.errors import HfplanError
 from hfplan.executor.tokenizers import build_tokenizer
-from hfplan.profiles.models import ModelArch, resolve_model
+from hfplan.profiles.models import CATALOG, ModelArch, resolve_model
 
 Head = Literal["lm", "scalar"]
 
@@ -46,11 +47,16 @@ _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_m
                  "pytorch_model.bin.index.json")
 
 
-def model_config_for(model_ref: str) -> PretrainedConfig:
-    """The HF config of a model reference (validated against the architectures hfplan runs)."""
+def model_config_for(model_ref: str, layers: int | None = None) -> PretrainedConfig:
+    """The HF config of a model reference (validated against the architectures hfplan runs); `layers`: a catalog
+    model's with that many decoder layers (the profiler's deeper copy of the demo model)."""
     arch = resolve_model(model_ref)  # raises HfplanError for unknown or unsupported models
     path = Path(model_ref)
-    if model_ref.endswith(".json") or path.is_dir() or path.is_file():
+    if layers is not None:
+        if model_ref not in CATALOG:
+            raise HfplanError(f"model {model_ref}: only a catalog model is built with another layer count")
+        config = _catalog_config(replace(arch, layers=layers))
+    elif model_ref.endswith(".json") or path.is_dir() or path.is_file():
         file = path / "config.json" if path.is_dir() else path
         data = json.loads(file.read_text())
         data.pop("transformers_version", None)
@@ -88,9 +94,7 @@ def build_model(model_ref: str, head: Head, *, seed: int, dtype: torch.dtype = t
     place of the config's (built, never loaded: the profiler times the demo model at two depths)."""
     if head not in ("lm", "scalar"):
         raise HfplanError(f"unknown model head {head!r}; known: lm, scalar")
-    config = model_config_for(model_ref)
-    if layers is not None:
-        config.num_hidden_layers = layers
+    config = model_config_for(model_ref, layers)
     if head == "scalar":
         config.num_labels = 1
         config.classifier_dropout = 0.0  # value and reward heads read the hidden state as it is

@@ -20,7 +20,7 @@ import json
 import sys
 
 from hfplan.plan import Layout
-from hfplan.profiles.hardware import HardwareProfile, Runtime
+from hfplan.profiles.hardware import HardwareProfile
 from hfplan.profiles.models import CATALOG
 from hfplan.simulator import costs
 
@@ -34,11 +34,10 @@ def profiled_step_seconds(profile: HardwareProfile) -> float | None:
 
     if not (profile.measured and profile.on_host):
         return None
-    bare = profile.model_copy(update={"runtime": Runtime()})
-    context = runtime.PROMPT + (runtime.SHORT + runtime.LONG) / 2
-    kernels = costs.decode_step_time(bare, CATALOG[runtime.MODEL], Layout(), costs.SetShape(1, 1), 1, context)
-    fixed_us = profile.runtime.engine_step_us + profile.runtime.engine_sequence_step_us
-    return kernels + fixed_us * 1e-6
+    # The simulator's own decode step of one sequence on one process: its kernels, the step's fixed costs and each
+    # layer's.
+    return costs.decode_step_time(profile, CATALOG[runtime.MODEL], Layout(), costs.SetShape(1, 1), 1,
+                                  runtime.PROBE_CONTEXT)
 
 
 def measure_step_seconds(torch, min_time: float = PROBE_SECONDS) -> float:

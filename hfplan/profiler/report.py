@@ -66,15 +66,16 @@ def fits_table(result: Result) -> Table:
     table.add_row("split by tensor parallelism: switch per tensor / each collective of a generation step us",
                   f"{rt.tp_switch_tensor_us:.1f} / {rt.tp_step_collective_us:.1f}",
                   "measured across the profiled world, beyond the modelled collectives (0: not measured)")
-    for label, rows, measured in (
-            ("a matmul's rate by its rows and weight", hw.compute.row_efficiency, "median rate"),
+    for label, rows, measured, unset in (
+            ("a matmul's rate by its rows and weight", hw.compute.row_efficiency, "median rate",
+             "every row count at the matmul rate (or a tiling model prices the shape)"),
             ("its backward's (input and weight gradients)", hw.compute.backward_row_efficiency,
-             "median backward pair's rate")):
+             "median backward pair's rate", "each gradient's GEMM priced by its own shape")):
         table.add_row(f"{label}: rows -> fraction of the matmul rate, per weight size",
                       _row_table_text(rows) if rows else "none",
                       f"measured: each row count's {measured} over the matmul rate, of the matmuls at least "
                       f"{ROW_FIT_MIN_WIDTH} wide in K and N, per weight size measured at two row counts or more"
-                      if rows else "every row count at the matmul rate (or a tiling model prices the shape)")
+                      if rows else unset)
     wake = hw.compute.idle_wake
     table.add_row("a call after its process idled: idle ms -> extra us",
                   ", ".join(f"{idle:g} -> {extra:,.0f}" for idle, extra in wake) if wake else "none",

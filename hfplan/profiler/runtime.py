@@ -10,7 +10,9 @@ FSDP2 and split by tensor parallelism (there, also the rollout engine's decode s
 group, as the executor generates in that layout: the fixed cost of each of its collectives); per token of a
 micro-batch (one sequence against BATCH, on one rank); the hybrid engine's switch on one rank, a Ray worker's own
 resident memory, and what the executor's calls cost between their spans and its controller's advantage step
-(call_gaps: read off a short run of the executor).
+(call_gaps: read off a short run of the executor). On CPU, first each decoder layer's fixed cost: a log-prob call, a
+training micro-batch and a decode step of the demo model at its depth and at DEEP times it, beyond their kernels,
+per layer added; every other fixed cost is then fitted beyond the kernels and those.
 torch and ray are passed in or imported here, only when `hfplan profile` runs.
 """
 
@@ -39,6 +41,7 @@ from hfplan.simulator import costs
 MODEL = "tiny"  # the demo model: its kernels are tiny, so what it takes is mostly the fixed cost
 PROMPT = 8
 SHORT, LONG = 2, 34  # response lengths whose time difference is LONG - SHORT decode steps
+PROBE_CONTEXT = PROMPT + (SHORT + LONG) / 2  # the mean context of those decode steps, as the model prices them
 BATCH = 8  # sequences of the larger static batch whose steps are timed (the demo's batch)
 FEW, MANY = 1, 3  # micro-batches (of one sequence) per optimizer step: the difference is MANY - FEW passes
 DEEP = 2  # the demo model timed again with its decoder layers this many times over: the difference is per layer
@@ -72,8 +75,11 @@ def fixed_us(measured_s: float, predicted_s: float) -> float:
 
 
 def _row(op: str, seconds: float, predicted: float, world: int = 1) -> dict:
+    """A raw runtime row; its error none where `seconds`, a difference of two timings (a slope), came out at or
+    below zero on a noisy machine."""
+    error = 100.0 * (predicted - seconds) / seconds if seconds > 0 else None
     return dict(kind="runtime", op=op, model=MODEL, world=world, seconds=seconds, predicted_s=predicted,
-                error_pct=100.0 * (predicted - seconds) / seconds)
+                error_pct=error)
 
 
 @dataclass(frozen=True)
@@ -84,7 +90,7 @@ class EngineTimes:
     batch_step: float  # of BATCH sequences
     continuous_step: float  # a continuous engine's, one slot refilled
     plain: EngineSeconds  # the training engine as one rank trains (with its wide micro-batch and the switch)
-    depths: DepthSeconds  # the same calls at two depths of the demo model
+    depths: DepthSeconds | None  # the same calls at two depths of the demo model (CPU: its host's per-layer cost)
 
 
 @dataclass(frozen=True)
@@ -127,7 +133,7 @@ def _layer_fixed(bare: HardwareProfile, depths: DepthSeconds) -> tuple[Runtime, 
     between them."""
     one, tokens = costs.SetShape(1, 1), PROMPT + LONG
     archs = [replace(CATALOG[MODEL], layers=n) for n in depths.layers]
-    context = PROMPT + (SHORT + LONG) / 2
+    context = PROBE_CONTEXT
 
     def train_pass(arch) -> float:  # a step of MANY micro-batches less one of FEW, per micro-batch between them
         step = {n: costs.train_step_time(bare, arch, TrainConfig(micro_batch=1), one, n, tokens, "lm")
@@ -166,7 +172,8 @@ def time_engines(torch, device: Device, min_time: float) -> EngineTimes:
     step, batch_step, continuous_step = steps_seconds(
         clock, [(static, prompts), (static, prompts.repeat(BATCH, 1)), (continuous, prompts.repeat(2, 1))], min_time)
     return EngineTimes(step=step, batch_step=batch_step, continuous_step=continuous_step,
-                       plain=_engine_on_one_rank(torch, device, PLAIN), depths=depth_seconds(torch, device, min_time))
+                       plain=_engine_on_one_rank(torch, device, PLAIN),
+                       depths=depth_seconds(torch, device, min_time) if device.kind == "cpu" else None)
 
 
 def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: float, through_ray: bool = True,
@@ -182,11 +189,13 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
     ray_costs = _ray_worker(device, profile, min_time) if through_ray else None
     times = ray_costs.engines if ray_costs is not None else time_engines(torch, device, min_time)
     # Each decoder layer's fixed cost first (against the kernels alone): every other fixed cost is what a call
-    # takes beyond its kernels and its layers' fixed costs.
-    layers, layer_rows = _layer_fixed(profile.model_copy(update={"runtime": Runtime()}), times.depths)
+    # takes beyond its kernels and its layers' fixed costs. Only a CPU's: a GPU's host runs ahead of its kernels,
+    # which the model charges instead.
+    layers, layer_rows = (Runtime(), []) if times.depths is None else _layer_fixed(
+        profile.model_copy(update={"runtime": Runtime()}), times.depths)
     bare = profile.model_copy(update={"runtime": layers})
     step_s, batch_s, continuous_s, plain = times.step, times.batch_step, times.continuous_step, times.plain
-    context = PROMPT + (SHORT + LONG) / 2
+    context = PROBE_CONTEXT
     step_model = costs.decode_step_time(bare, arch, Layout(), one, 1, context)
     batch_model = costs.decode_step_time(bare, arch, Layout(), one, BATCH, context)
     # A step's fixed cost grows with the sequences in it: the slope between a batch of one and of BATCH.
@@ -505,7 +514,7 @@ def _step_collective_fixed(fitted: HardwareProfile, measured: EngineSeconds) -> 
     sequences), each beyond its modelled step on `fitted` (the unsplit engine's fixed costs fitted, the host's
     sharing and the link's collectives in it), over the step's collectives; the mean of the two."""
     arch, world = CATALOG[MODEL], measured.world
-    where, context = costs.SetShape(world, world), PROMPT + (SHORT + LONG) / 2
+    where, context = costs.SetShape(world, world), PROBE_CONTEXT
     cases = list(zip((1, BATCH), measured.split_steps, SPLIT_STEP_OPS, strict=True))
     modelled = {batch: costs.decode_step_time(fitted, arch, Layout(tp=world), where, batch, context)
                 for batch, _, _ in cases}

@@ -101,6 +101,11 @@ class Compute(_Strict):
                                      "FullyShardedDataParallel over flat parameters: each micro-batch copies its "
                                      "units' gradients into one flat gradient on the compute stream, and casts, "
                                      "divides and accumulates on its side streams)")
+    optimizer: Literal["fused", "unfused"] = Field(
+        default="fused", description="how the stack steps AdamW: fused (torch's fused=True, one pass over each fp32 "
+                                     "parameter, its gradient and both moments: 28 bytes a parameter; the "
+                                     "executor's training engine) or unfused (one kernel per line of the update: "
+                                     "torch's default foreach path, composer's DecoupledAdamW; 80 bytes)")
     attention: Literal["flash", "eager"] = Field(default="flash", description="attention kernel of the stack: "
                                                                                "flash (fused, scores stay on chip) "
                                                                                "or eager (scores through memory)")
@@ -353,10 +358,11 @@ class Runtime(_Strict):
 
     forward_pass_us: float = Field(default=0.0, ge=0, description="fixed cost of one forward pass (one micro-batch "
                                                                   "through a training or inference engine) beyond "
-                                                                  "its kernels")
+                                                                  "its kernels and its layers' (layer_forward_us)")
     engine_step_us: float = Field(default=0.0, ge=0, description="fixed cost of one step of the generation engine "
                                                                  "(a prefill or a decode step): scheduling, input "
-                                                                 "preparation, sampled tokens back to the host")
+                                                                 "preparation, sampled tokens back to the host; "
+                                                                 "beyond its layers' (layer_step_us)")
     layer_forward_us: float = Field(
         default=0.0, ge=0, description="fixed cost per decoder layer of a forward micro-batch beyond the layer's "
                                        "kernels (a CPU's dispatch of the layer's torch ops, the host's share where "

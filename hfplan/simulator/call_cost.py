@@ -64,7 +64,7 @@ PART_MEANINGS = {
     "bubble": "pipeline fill and drain",
     "recompute": "activation recomputation",
     "optimizer": "optimizer step's memory traffic",
-    "runtime": "host overhead: engine steps, passes, per-tensor work",
+    "runtime": "host overhead: engine steps, passes, each layer's, per-tensor work",
     "controller": "the controller's dispatch of the call",
 }
 

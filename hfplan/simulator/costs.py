@@ -20,6 +20,7 @@ from hfplan.layout import (
     most_received_numel,
     resharding,
     reshards_by_plan,
+    stage_layers,
     stage_parameter_tensors,
     stage_params,
     trains_through_fsdp,
@@ -42,18 +43,34 @@ from hfplan.simulator.memory import kv_sequence
 from hfplan.spec import ResponseLengths
 
 # One optimizer step's memory traffic per parameter, bytes over the device's fp32 shard (parameters, gradients and
-# both moments are fp32: FSDP2 keeps the sharded parameters in fp32 and casts at the all-gather). The executor
-# steps torch.optim.AdamW with fused=True (engines.training), on CPU and CUDA alike: one kernel per group of tensors
-# (torch/optim/adamw.py, _fused_adamw, torch._fused_adamw_) that reads each parameter, its gradient and its two
-# moments once and writes the parameter and the moments once, where the default foreach path runs one kernel per
-# line of the update, each reading its operands and writing its result in full (92 bytes a parameter with the clip).
-ADAM_PASS_BYTES = (
-    4 * 4 + 3 * 4,  # read the parameter, gradient, exp_avg and exp_avg_sq; write the parameter and both moments
+# both moments are fp32: FSDP2 keeps the sharded parameters in fp32 and casts at the all-gather), by how the stack
+# runs AdamW (Compute.optimizer). fused: torch.optim.AdamW(fused=True), which the executor's training engine steps on
+# CPU and CUDA (torch/optim/adamw.py, _fused_adamw, torch._fused_adamw_): one pass that reads each parameter, its
+# gradient and both moments and writes the parameter and the moments.
+FUSED_ADAMW_BYTES = 4 * 4 + 3 * 4
+# unfused: one kernel per line of the update, each reading its operands and writing its result in full (torch's
+# default foreach path, _multi_tensor_adamw; composer's DecoupledAdamW alike).
+UNFUSED_ADAMW_PASS_BYTES = (
+    4 + 4,  # params *= 1 - lr * weight_decay
+    8 + 4,  # exp_avg.lerp_(grad, 1 - beta1)
+    4 + 4,  # exp_avg_sq *= beta2
+    8 + 4,  # exp_avg_sq.addcmul_(grad, grad, 1 - beta2): the gradient read once for both operands
+    4 + 4,  # denom = sqrt(exp_avg_sq)
+    4 + 4,  # denom /= sqrt(bias_correction2)
+    4 + 4,  # denom += eps
+    12 + 4,  # params.addcdiv_(exp_avg, denom, -step_size)
 )
-# Before it, the training engine clips the gradients (torch.nn.utils.clip_grad_norm_): their norm reads them, the
-# scaling by the clip coefficient reads and writes them.
+# Before it, the training engine clips the gradients: their norm reads them, the scaling by the clip coefficient
+# reads and writes them.
 CLIP_PASS_BYTES = (4, 4 + 4)
-ADAM_BYTES_PER_PARAM = sum(ADAM_PASS_BYTES) + sum(CLIP_PASS_BYTES)
+ADAMW_BYTES = {"fused": FUSED_ADAMW_BYTES, "unfused": sum(UNFUSED_ADAMW_PASS_BYTES)}
+
+
+def optimizer_bytes_per_param(hw: HardwareProfile) -> int:
+    """Bytes an optimizer step and its gradient clip move per fp32 parameter on the profile's stack."""
+    return ADAMW_BYTES[hw.compute.optimizer] + sum(CLIP_PASS_BYTES)
+
+
 # Vocabulary-parallel log-softmax reduces a max and a sum per token across tensor-parallel ranks.
 LOGSOFTMAX_REDUCTIONS = 2
 LAYER_ALL_REDUCES = 2  # a tensor-parallel layer pass sums its hidden state after attention and after the MLP
@@ -229,7 +246,7 @@ def stage_pass(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: Se
     tokens = micro_seqs * seq_len
     layer = _layer_forward(hw, arch, tokens, (seq_len + 1) / 2, tp, False, seq_len, memo=memo)
     comm = _layer_tp_comm(hw, arch, tokens, tp, where)
-    n_layers = math.ceil(arch.layers / pp)
+    n_layers = stage_layers(arch, pp)
     head_cost = _head_forward(hw, arch, tokens, tp, head, memo=memo)
     head_comm = _head_tp_comm(hw, tokens, tp, where, head)
     embed = embedding_forward(hw, arch, tokens)
@@ -261,10 +278,11 @@ def _per_rank(sequences: int, dp: int, micro_batch: int) -> tuple[int, int]:
     return sizes[0], len(sizes)
 
 
-def _recompute_seconds(sp: StagePass, mode: Recompute) -> float:
-    """What the backward repeats: every layer's forward (full) or attention's score work (selective)."""
+def _recompute_seconds(sp: StagePass, mode: Recompute, layers_host: float) -> float:
+    """What the backward repeats: every layer's forward (full: its kernels and `layers_host`, the stage's layers'
+    fixed cost of a forward) or attention's score work (selective)."""
     if mode is Recompute.FULL:
-        return sp.layers
+        return sp.layers + layers_host
     if mode is Recompute.SELECTIVE:
         return sp.attention
     return 0.0
@@ -301,7 +319,8 @@ def train_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, whe
     v = cfg.virtual_stages
     forward, backward = sp.forward_parts, sp.backward_parts
     per_micro = {name: seconds + backward[name] for name, seconds in forward.items()}
-    per_micro["recompute"] = _recompute_seconds(sp, Recompute.of(cfg.recompute))
+    per_micro["recompute"] = _recompute_seconds(sp, Recompute.of(cfg.recompute),
+                                                stage_layers(arch, cfg.pp) * hw.runtime.layer_forward_us * 1e-6)
     # FSDP1's flat-gradient copy: a memory-bound pass of the backward, on the compute stream (sharding.fsdp1_passes).
     flat_copy = sharding.flat_gradient_copy(hw, arch, cfg, head)
     per_micro["elementwise"] += flat_copy
@@ -309,13 +328,13 @@ def train_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, whe
     fsdp, split = trains_through_fsdp(cfg.dp, hw.compute.value_bytes), cfg.tp > 1
     # Per token: the busiest stage's share of the model's layers.
     per_micro["runtime"] = (v * hw.runtime.train_pass_s(fsdp, split)
-                            + math.ceil(arch.layers / cfg.pp) * hw.runtime.layer_train_us * 1e-6
+                            + stage_layers(arch, cfg.pp) * hw.runtime.layer_train_us * 1e-6
                             + micro * seq_len * hw.runtime.train_token_us * 1e-6 / cfg.pp)
     local_params = stage_params(arch, cfg.pp, head) / cfg.tp
     exposed = sharding.exposed_step_comm(hw, arch, cfg, where, head, sp.forward,
                                          sp.backward + per_micro["recompute"] + flat_copy, n_micro)
     optimizer_params = local_params * sharding.optimizer_fraction(cfg)
-    optimizer = memory_time(hw, ADAM_BYTES_PER_PARAM * optimizer_params)
+    optimizer = memory_time(hw, optimizer_bytes_per_param(hw) * optimizer_params)
     per_tensor = stage_parameter_tensors(arch, cfg.pp, head) * hw.runtime.optimizer_tensor_s(fsdp, split)
     bubble = (cfg.pp - 1) / v
     parts = _pipelined(per_micro, n_micro, bubble, dp_comm=exposed, optimizer=optimizer, runtime=per_tensor)
@@ -351,7 +370,7 @@ def inference_parts(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, wher
     sp = stage_pass(hw, arch, cfg.tp, cfg.pp, where, micro, seq_len, head, memo=memo)
     per_micro = dict(sp.forward_parts, pp_comm=_p2p(hw, arch, cfg, where, micro * seq_len),
                      runtime=hw.runtime.forward_pass_s(fsdp, cfg.tp > 1)
-                     + math.ceil(arch.layers / cfg.pp) * hw.runtime.layer_forward_us * 1e-6
+                     + stage_layers(arch, cfg.pp) * hw.runtime.layer_forward_us * 1e-6
                      + micro * seq_len * hw.runtime.forward_token_us * 1e-6 / cfg.pp)
     exposed = 0.0
     if weight_shards > 1:

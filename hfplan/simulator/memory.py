@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hfplan.layout import kv_heads_per_rank, micro_batch_sizes, most_received_numel, stage_params
+from hfplan.layout import kv_heads_per_rank, micro_batch_sizes, most_received_numel, stage_layers, stage_params
 from hfplan.plan import GenConfig, InferConfig, Layout, Recompute, TrainConfig
 from hfplan.profiles.models import ModelArch
 from hfplan.simulator import sharding
@@ -89,7 +89,7 @@ def train_transient_bytes(arch: ModelArch, cfg: TrainConfig, sequences_per_step:
     sizes = micro_batch_sizes(math.ceil(sequences_per_step / cfg.dp), cfg.micro_batch)
     micro, n_micro = sizes[0], len(sizes)
     tokens = micro * seq_len
-    layers = math.ceil(arch.layers / cfg.pp)
+    layers = stage_layers(arch, cfg.pp)
     saved = value_bytes * tokens * activation_values_per_token_layer(arch, cfg.tp)
     scores = score_bytes(arch, cfg.tp, micro, seq_len, attention, value_bytes)
     mode = Recompute.of(cfg.recompute)
@@ -149,7 +149,7 @@ def kv_bytes_per_token_per_gpu(arch: ModelArch, cfg: Layout, value_bytes: int = 
     """KV-cache bytes of one token on one GPU: KV heads split over tp (replicated when fewer than tp),
     layers split over pp."""
     heads_local = kv_heads_per_rank(arch.kv_heads, cfg.tp)
-    return 2 * value_bytes * heads_local * arch.dim_per_head * math.ceil(arch.layers / cfg.pp)
+    return 2 * value_bytes * heads_local * arch.dim_per_head * stage_layers(arch, cfg.pp)
 
 
 # vLLM's default KV-cache block on CUDA: 16 tokens (vLLM engine arguments, `--block-size`). A sequence's last block

@@ -25,10 +25,9 @@ Where the stack is torch's FSDP1 (Compute.fsdp_engine), full and hybrid sharding
 from __future__ import annotations
 
 import functools
-import math
 from typing import TYPE_CHECKING
 
-from hfplan.layout import stage_params
+from hfplan.layout import stage_layers, stage_params
 from hfplan.plan import Layout, TrainConfig
 from hfplan.simulator import collectives as coll
 from hfplan.simulator.kernels import FP32, memory_time
@@ -65,7 +64,7 @@ def fsdp_units(arch: ModelArch, pp: int) -> int:
     """The units a fully sharded stage gathers and reduces one by one: each of its decoder layers and its root (the
     embedding, the final norm and the head), each wrapped on its own as the executor's engine wraps them (and as
     FSDP's auto-wrapping by transformer block does). Every unit's collective pays its own latency."""
-    return math.ceil(arch.layers / pp) + 1
+    return stage_layers(arch, pp) + 1
 
 
 def unit_by_unit(collective, hw: HardwareProfile, group: coll.Group, nbytes: float, units: int) -> float:
