@@ -180,6 +180,8 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
                        "profiled world wrapped in FSDP2 and split by tensor parallelism) and the hybrid engine's "
                        "switch, less their modelled kernels and collectives (on one rank: timed in a Ray worker, "
                        "as the executor runs them, where Ray is measured too)"
+                       + (" and each decoder layer's (a log-prob call, a micro-batch and a decode step of the demo "
+                          "model at two depths)" if device.kind == "cpu" else "")
                        + (", that worker's resident memory" if fixed.ray else "")
                        + (", and the executor's gaps between calls and its controller's advantage step, read off "
                           "a short run of it" if measured_calls
