@@ -133,7 +133,6 @@ def _layer_fixed(bare: HardwareProfile, depths: DepthSeconds) -> tuple[Runtime, 
     between them."""
     one, tokens = costs.SetShape(1, 1), PROMPT + LONG
     archs = [replace(CATALOG[MODEL], layers=n) for n in depths.layers]
-    context = PROBE_CONTEXT
 
     def train_pass(arch) -> float:  # a step of MANY micro-batches less one of FEW, per micro-batch between them
         step = {n: costs.train_step_time(bare, arch, TrainConfig(micro_batch=1), one, n, tokens, "lm")
@@ -143,7 +142,7 @@ def _layer_fixed(bare: HardwareProfile, depths: DepthSeconds) -> tuple[Runtime, 
     models = {"log_prob": [costs.inference_time(bare, a, InferConfig(micro_batch=1), one, 1, tokens, "lm")
                            for a in archs],
               "train_pass": [train_pass(a) for a in archs],
-              "step": [costs.decode_step_time(bare, a, Layout(), one, 1, context) for a in archs]}
+              "step": [costs.decode_step_time(bare, a, Layout(), one, 1, PROBE_CONTEXT) for a in archs]}
     added = depths.layers[1] - depths.layers[0]
     per_layer, rows = {}, []
     for name, (shallow_model, deep_model) in models.items():

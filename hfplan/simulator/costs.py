@@ -319,8 +319,9 @@ def train_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, whe
     v = cfg.virtual_stages
     forward, backward = sp.forward_parts, sp.backward_parts
     per_micro = {name: seconds + backward[name] for name, seconds in forward.items()}
+    layers = stage_layers(arch, cfg.pp)
     per_micro["recompute"] = _recompute_seconds(sp, Recompute.of(cfg.recompute),
-                                                stage_layers(arch, cfg.pp) * hw.runtime.layer_forward_us * 1e-6)
+                                                layers * hw.runtime.layer_forward_us * 1e-6)
     # FSDP1's flat-gradient copy: a memory-bound pass of the backward, on the compute stream (sharding.fsdp1_passes).
     flat_copy = sharding.flat_gradient_copy(hw, arch, cfg, head)
     per_micro["elementwise"] += flat_copy
@@ -328,7 +329,7 @@ def train_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, whe
     fsdp, split = trains_through_fsdp(cfg.dp, hw.compute.value_bytes), cfg.tp > 1
     # Per token: the busiest stage's share of the model's layers.
     per_micro["runtime"] = (v * hw.runtime.train_pass_s(fsdp, split)
-                            + stage_layers(arch, cfg.pp) * hw.runtime.layer_train_us * 1e-6
+                            + layers * hw.runtime.layer_train_us * 1e-6
                             + micro * seq_len * hw.runtime.train_token_us * 1e-6 / cfg.pp)
     local_params = stage_params(arch, cfg.pp, head) / cfg.tp
     exposed = sharding.exposed_step_comm(hw, arch, cfg, where, head, sp.forward,

@@ -153,7 +153,7 @@ def gemm_backward_time(hw: HardwareProfile, m: float, k: float, n: float) -> flo
         return 0.0
     if hw.compute.gemm is None and hw.compute.backward_row_efficiency is not None:
         v = hw.compute.value_bytes
-        nbytes = v * (m * n + n * k + m * k) + v * (k * m + m * n + k * n)  # each GEMM's operands and output
+        nbytes = 2 * v * (m * n + n * k + m * k)  # each of the two GEMMs reads two of these and writes the third
         fraction = row_fraction(hw, m, v * k * n, backward=True)
         return hw.compute.kernel_overhead_us * 1e-6 + kernel_time(hw, 4.0 * m * k * n, nbytes, fraction)
     return gemm_time(hw, m, n, k) + gemm_time(hw, k, m, n)
