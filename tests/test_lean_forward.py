@@ -8,6 +8,8 @@ from transformers import Qwen2Config, Qwen2ForTokenClassification
 
 from hfplan.executor import sequences
 from hfplan.executor.engines import forward, lean
+from hfplan.executor.engines.forward import Readout
+from hfplan.executor.engines.pipeline_split import split_model
 from hfplan.executor.models import ATTENTION, build_model
 
 TOL = 1e-6
@@ -125,3 +127,35 @@ def test_an_actor_and_its_frozen_reference_agree_to_the_bit(padded):
     # the actor's as its loss computes them, with autograd on
     assert torch.equal(lean.head_output(actor, joined, keep)[real].detach(), frozen)
     assert torch.equal(_hf(actor, joined, keep)[real].detach(), frozen)
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_pipeline_stages_compute_their_layers_here_as_their_backbones_forward_does(padded):
+    """A pipeline stage (pipeline_split.Stage) runs its share of the layers through this forward: its outputs
+    equal those of its HF backbone's forward (taken where a hook on the backbone sends it there) at every real
+    position, to the bit, and the gradients agree."""
+    model = build_model("tiny", "lm", seed=0)  # 2 layers: a stage of one layer each
+    joined = _joined(model.config.vocab_size, padded)
+    response = 4
+    rank, _, _ = split_model(model, [0, 1], 2)
+    rank.set_readout(Readout("log_probs", response))
+    real = joined.attention_mask.bool()
+
+    def outputs_and_grads(through_hf: bool):
+        hooks = [stage.backbone.register_forward_pre_hook(lambda module, args: None)
+                 for stage in rank.stages] if through_hf else []
+        assert all(lean.runs_backbone(stage.backbone, joined) != through_hf for stage in rank.stages)
+        rank.zero_grad(set_to_none=True)
+        hidden, *passed = rank.stages[0](joined.input_ids, joined.attention_mask, joined.position_ids)
+        log_probs = rank.stages[1](hidden, *passed)
+        log_probs[real[:, -response:]].square().sum().backward()
+        for hook in hooks:
+            hook.remove()
+        return hidden.detach(), log_probs.detach(), {n: p.grad.clone() for n, p in rank.named_parameters()}
+
+    hf_hidden, hf_log_probs, hf_grads = outputs_and_grads(through_hf=True)
+    hidden, log_probs, grads = outputs_and_grads(through_hf=False)
+    assert torch.equal(hidden[real], hf_hidden[real])
+    assert torch.equal(log_probs[real[:, -response:]], hf_log_probs[real[:, -response:]])
+    for name, grad in hf_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=TOL, atol=TOL, msg=name)

@@ -41,9 +41,17 @@ def runs(model: nn.Module, joined: sequences.Joined) -> bool:
     """Whether this forward runs `model` over `joined` (else HF's forward does)."""
     if isinstance(model, FSDPModule) or model._forward_hooks or model._forward_pre_hooks:
         return False
-    config = getattr(model, "config", None)
     backbone = getattr(model, "model", None)
-    if config is None or backbone is None or not any(hasattr(model, head) for head in HEADS):
+    if backbone is None or not any(hasattr(model, head) for head in HEADS):
+        return False
+    return runs_backbone(backbone, joined)
+
+
+def runs_backbone(backbone: nn.Module, joined: sequences.Joined) -> bool:
+    """Whether `layers_output` runs an HF backbone (`<Arch>Model`, or a pipeline stage's share of one) over
+    `joined`: the mask it builds is what its attention expects, and nothing hooks the backbone's own call."""
+    config = getattr(backbone, "config", None)
+    if config is None or backbone._forward_hooks or backbone._forward_pre_hooks:
         return False
     if getattr(config, "_attn_implementation", None) not in _BOOLEAN_MASK_ATTENTION:
         return False
@@ -91,23 +99,29 @@ def _layer(layer: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None, co
     return hidden + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
 
 
-def head_output(model: nn.Module, joined: sequences.Joined, keep: int = 0) -> torch.Tensor:
-    """The head's output ([B, T, V] logits, or a token classifier's [B, T, labels]) at the last `keep`
-    positions (0: every position), as `model(...).logits` with logits_to_keep=keep gives it: every layer over
-    every position, as HF's forward computes them (a matrix product over fewer rows may round otherwise, and an
-    actor trained through HF's forward must match a reference run through this one to the bit)."""
-    backbone, config = model.model, model.config
+def layers_output(backbone: nn.Module, hidden: torch.Tensor, joined: sequences.Joined) -> torch.Tensor:
+    """The hidden states after `backbone`'s decoder layers (before its final norm), from their input `hidden`
+    (the embeddings, or an earlier pipeline stage's output) at `joined`'s positions."""
     position_ids = joined.position_ids
-    hidden = backbone.embed_tokens(joined.input_ids)
     cos, sin = backbone.rotary_emb(hidden, position_ids=position_ids)
     mask = attention_mask(joined)
     tables = None  # the [B, 1, T, D] tables of the layers computed here, made on first use
-    for layer in backbone.layers[: config.num_hidden_layers]:
+    for layer in backbone.layers[: backbone.config.num_hidden_layers]:
         if _computed_here(layer):
             tables = tables or (cos[:, None], signed_sin(sin)[:, None])
             hidden = _layer(layer, hidden, mask, *tables)
         else:
             hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=(cos, sin))
+    return hidden
+
+
+def head_output(model: nn.Module, joined: sequences.Joined, keep: int = 0) -> torch.Tensor:
+    """The head's output ([B, T, V] logits, or a token classifier's [B, T, labels]) at the last `keep`
+    positions (0: every position), as `model(...).logits` with logits_to_keep=keep gives it: every layer over
+    every position, as HF's forward computes them (a matrix product over fewer rows may round otherwise, and an
+    actor trained through HF's forward must match a reference run through this one to the bit)."""
+    backbone = model.model
+    hidden = layers_output(backbone, backbone.embed_tokens(joined.input_ids), joined)
     hidden = backbone.norm(hidden)
     if hasattr(model, "lm_head"):
         # Contiguous, so aten's matmul takes one matrix product whether the head's weight requires grad (an

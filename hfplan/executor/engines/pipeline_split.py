@@ -5,8 +5,9 @@ pipelining's word for a model chunk) of equal layers: stage s of n holds the dec
 [s * L/n, (s+1) * L/n), stage 0 also the embedding, the last stage the final norm and the head (the LM
 head, or the scalar head of a critic, reward or cost model). Rank r holds the stages r, r + pp,
 r + 2 pp, ... (`rank_stages`, the stage-to-rank rule of torch's looped schedules); with v = 1 the
-stage of rank r is r. Each stage runs the model's own backbone `forward` over its layers (so the
-architecture's masks and rotary embeddings are its own), and passes on the tuple
+stage of rank r is r. Each stage runs its layers as the whole model's forward does (`lean.layers_output`
+where it runs, else the model's own backbone `forward` over them, with the architecture's own masks and
+rotary embeddings), and passes on the tuple
 
     (hidden states, input ids, attention mask, position ids)
 
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 
 from hfplan.executor import sequences
-from hfplan.executor.engines import forward
+from hfplan.executor.engines import forward, lean
 from hfplan.executor.engines.forward import Readout
 from hfplan.executor.engines.modules import HEADS
 
@@ -83,12 +84,18 @@ class Stage(nn.Module):
             (input_ids, attention_mask, position_ids), hidden = inputs, None
         else:
             hidden, input_ids, attention_mask, position_ids = inputs
-        out = self.backbone(input_ids=input_ids if self.first else None, inputs_embeds=hidden,
-                            attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-        hidden = out.last_hidden_state
+        joined = sequences.Joined(input_ids, attention_mask, position_ids, 0)
+        if lean.runs_backbone(self.backbone, joined):
+            if self.first:
+                hidden = self.backbone.embed_tokens(input_ids)
+            hidden = self.backbone.norm(lean.layers_output(self.backbone, hidden, joined))
+        else:
+            hidden = self.backbone(input_ids=input_ids if self.first else None, inputs_embeds=hidden,
+                                   attention_mask=attention_mask, position_ids=position_ids,
+                                   use_cache=False).last_hidden_state
         if not self.last:
             return hidden, input_ids, attention_mask, position_ids
-        return self._read(hidden, sequences.Joined(input_ids, attention_mask, position_ids, 0))
+        return self._read(hidden, joined)
 
     def _read(self, hidden: torch.Tensor, joined: sequences.Joined):
         spec = self.readout
