@@ -22,7 +22,7 @@ from hfplan.measure import typical
 from hfplan.profiler.device import Device
 from hfplan.profiler.fit import COLLECTIVES
 from hfplan.profiler.host_share import measure_sharing
-from hfplan.profiler.runtime import FSDP, TP, engine_seconds, splits_by_tp
+from hfplan.profiler.runtime import engine_seconds, world_modes
 from hfplan.simulator.collectives import collective_terms
 
 Step = Callable[[], None]
@@ -41,9 +41,9 @@ def points(sizes: Sequence[int]) -> int:
 
 def measure_collectives(torch, device: Device, sizes: Sequence[int], min_time: float, step: Step) -> list[dict]:
     """All-reduce, all-gather, reduce-scatter and point-to-point over `device.world_size` processes, then the
-    training engine wrapped in FSDP2 and (where the demo model splits over them) split by tensor parallelism
-    across them (rows of kind `engine`, for runtime.measure_runtime), and on CPU how the processes share the host's
-    cores (rows of kind `sharing`, host_share)."""
+    training engine wrapped in FSDP2 and (where the demo model splits over them) split by tensor parallelism and in
+    pipeline stages across them (rows of kind `engine`, for runtime.measure_runtime), and on CPU how the processes
+    share the host's cores (rows of kind `sharing`, host_share)."""
     import torch.multiprocessing as mp
 
     if device.world_size < 2:
@@ -101,7 +101,7 @@ def _worker(rank: int, world: int, kind: str, init: str, sizes: tuple[int, ...],
     try:
         rows = _sweep(torch, dist, rank, world, kind, dtype, sizes, min_time, messages)
         torch.set_num_threads(threads)  # the engines as a run's workers compute (the collectives took one)
-        for mode in (FSDP, TP) if splits_by_tp(world) else (FSDP,):  # every rank computing at once, as in a run
+        for mode in world_modes(world):  # every rank computing at once, as in a run
             rows += engine_seconds(torch, kind, mode).rows()
         if kind == "cpu":  # processes share the host's cores; GPUs compute on their own
             rows += measure_sharing(torch, dist, SHARING_TIMES * min_time)

@@ -63,6 +63,9 @@ def fits_table(result: Result) -> Table:
     table.add_row("split by tensor parallelism, on top: forward / training micro-batch / optimizer step per tensor us",
                   f"{rt.tp_forward_pass_us:.1f} / {rt.tp_train_pass_us:.1f} / {rt.tp_optimizer_tensor_us:.2f}",
                   "measured across the profiled world (0: not measured)")
+    table.add_row("in pipeline stages, on top: forward / training micro-batch per stage us; a switch resharded by "
+                  "plan, per tensor us", f"{rt.pp_forward_pass_us:.1f} / {rt.pp_train_pass_us:.1f}; "
+                  f"{rt.reshard_tensor_us:.1f}", "measured across the profiled world (0: not measured)")
     table.add_row("split by tensor parallelism: switch per tensor / each collective of a generation step us",
                   f"{rt.tp_switch_tensor_us:.1f} / {rt.tp_step_collective_us:.1f}",
                   "measured across the profiled world, beyond the modelled collectives (0: not measured)")

@@ -264,6 +264,10 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
                       tp_forward_pass_us=round(max(0.0, split.forward_us - unsplit.forward_us), 2),
                       tp_train_pass_us=round(max(0.0, split.pass_us - unsplit.pass_us), 2),
                       tp_optimizer_tensor_us=round(max(0.0, split.tensor_us - unsplit.tensor_us), 3)))
+    if PP in across:
+        pipelined, pipeline_rows = _pipeline_fixed(bare.model_copy(update={"runtime": runtime}), across[PP])
+        rows += pipeline_rows
+        runtime = runtime.model_copy(update=pipelined)
     if TP in across and across[TP].split_steps is not None:
         fitted = bare.model_copy(update={"runtime": runtime})
         collective_us, split_rows = _step_collective_fixed(fitted, across[TP])
@@ -280,9 +284,10 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
     return RuntimeFit(runtime, rows, ray_costs is not None, round(resident_gib, 3))
 
 
-PLAIN, FSDP, TP = "plain", "fsdp", "tp"  # the training engine as one rank trains, over FSDP2 ranks, split by tp
-# RoleModel's `fsdp` per mode: split by tp, the engine wraps as the layout rule says (one data-parallel rank)
-WRAPS_IN_FSDP = {PLAIN: False, FSDP: True, TP: None}
+# The training engine as one rank trains, over FSDP2 ranks, split by tp, in pipeline stages
+PLAIN, FSDP, TP, PP = "plain", "fsdp", "tp", "pp"
+# RoleModel's `fsdp` per mode: split by tp or pp, the engine wraps as the layout rule says (one data-parallel rank)
+WRAPS_IN_FSDP = {PLAIN: False, FSDP: True, TP: None, PP: None}
 ENGINE_REPS = 7  # timed calls per measurement of the training engine (the median kept); fixed, so every rank
 # of a world makes the same collectives
 SPLIT_STEP_OPS = ("tp_engine_step", f"tp_engine_step_{BATCH}_sequences")  # EngineSeconds.split_steps' rows
@@ -296,7 +301,7 @@ class EngineSeconds:
     sequence per data-parallel rank."""
 
     world: int
-    mode: str  # PLAIN, FSDP or TP
+    mode: str  # PLAIN, FSDP, TP or PP
     steps: dict[int, float]
     log_prob: float
     switch: float  # the hybrid engine's switch into generation and back, in the training layout, weights handed over
@@ -324,7 +329,7 @@ class EngineSeconds:
     def from_rows(cls, rows: list[dict]) -> dict[str, EngineSeconds]:
         """The engines' measurements among raw rows (from measure_collectives' worlds), by mode."""
         out = {}
-        for mode in (FSDP, TP):
+        for mode in (FSDP, TP, PP):
             by_op = {r["op"]: r for r in rows if r.get("kind") == "engine" and r["mode"] == mode}
             if by_op:
                 steps = {n: by_op[f"{mode}_train_step_{n}_micro_batches"]["seconds"] for n in (FEW, MANY)}
@@ -342,6 +347,17 @@ def splits_by_tp(world: int) -> bool:
     return world > 1 and shape_problem(CATALOG[MODEL], "train", world, 1) is None
 
 
+def splits_by_pp(world: int) -> bool:
+    """Whether the demo model trains in pipeline stages over the whole world (one stage a rank: the world divides
+    its decoder layers): where not, no pipelined engine is timed."""
+    return world > 1 and CATALOG[MODEL].layers % world == 0
+
+
+def world_modes(world: int) -> tuple[str, ...]:
+    """The engine modes timed across a profiled world of `world` ranks (every rank computing at once)."""
+    return (FSDP, *((TP,) if splits_by_tp(world) else ()), *((PP,) if splits_by_pp(world) else ()))
+
+
 def profiled_role(torch, kind: str, mode: str, layers: int | None = None):
     """The training engine (RoleModel) of the demo model (with `layers` decoder layers: its own by default) in
     `mode` over the process group this process is in."""
@@ -353,7 +369,8 @@ def profiled_role(torch, kind: str, mode: str, layers: int | None = None):
     from hfplan.hyperparams import Hyperparameters
 
     world = dist.get_world_size()
-    mesh = (ParallelDims(1, 1, 1, world) if mode == TP else ParallelDims(1, 1, world, 1)).build(kind)
+    dims = {TP: ParallelDims(1, 1, 1, world), PP: ParallelDims(world, 1, 1, 1)}.get(mode, ParallelDims(1, 1, world, 1))
+    mesh = dims.build(kind)
     model = build_model(MODEL, "lm", seed=0, dtype=torch.float32, layers=layers)
     return RoleModel(model, mesh, Hyperparameters(), kind, compute_dtype(kind), pad_id=0, lr=1e-6,
                      fsdp=WRAPS_IN_FSDP[mode])
@@ -369,7 +386,7 @@ def engine_seconds(torch, kind: str, mode: str) -> EngineSeconds:
     role = profiled_role(torch, kind, mode)
 
     calls = [_update_call(torch, role, FEW, 1), _update_call(torch, role, MANY, 1), _log_prob_call(torch, role, 1),
-             _switch(role, keep_trained=False)]
+             _switch(role, keep_trained=False, layouts=pipeline_switch(world) if mode == PP else None)]
     if mode == PLAIN:
         calls += [_update_call(torch, role, BATCH, BATCH), _log_prob_call(torch, role, BATCH), _switch(role)]
     # Every call timed in the same rounds (WorldClock.per_calls).
@@ -413,14 +430,21 @@ def _switch_fixed(bare: HardwareProfile, measured: EngineSeconds, mode: str) -> 
     return per_tensor_us / bare.compute.host_slowdown(world), _row(op, measured.switch, model, world)
 
 
-def _switch(role, keep_trained: bool = True):
-    """One switch of the hybrid engine over `role` in its training layout, as a call: the rollout engine given
-    the generation weights, then released, and the engine back in training (executor.runtime's generate).
-    keep_trained=False: the weights are handed over at every switch even where the executor keeps them (the
-    rollout engine's cost per tensor, which a weight sync and every other switch pay)."""
+def pipeline_switch(world: int) -> tuple[TrainConfig, GenConfig]:
+    """The switch timed of the engine in pipeline stages over `world` ranks: into generation on every rank alone,
+    as a pipelined actor of the search's colocated plans generates (resharded by plan)."""
+    return TrainConfig(pp=world), GenConfig(dp=world)
+
+
+def _switch(role, keep_trained: bool = True, layouts: tuple[TrainConfig, GenConfig] | None = None):
+    """One switch of the hybrid engine over `role` in its training layout (or by `layouts`, resharded by plan), as
+    a call: the rollout engine given the generation weights, then released, and the engine back in training
+    (executor.runtime's generate). keep_trained=False: the weights are handed over at every switch even where
+    the executor keeps them (the rollout engine's cost per tensor, which a weight sync and every other switch
+    pay)."""
     from hfplan.executor.engines.hybrid import HybridEngine
 
-    hybrid, engine = HybridEngine(role, keep_trained=keep_trained), _rollout_engine(role)
+    hybrid, engine = HybridEngine(role, layouts, keep_trained=keep_trained), _rollout_engine(role)
 
     def switch() -> None:
         engine.load_weights(hybrid.enter_generation(), presharded=hybrid.presharded)
@@ -521,6 +545,57 @@ def _step_collective_fixed(fitted: HardwareProfile, measured: EngineSeconds) -> 
                       for batch, seconds, _ in cases]
     rows = [_row(op, seconds, modelled[batch], world) for batch, seconds, op in cases]
     return sum(per_collective) / len(per_collective), rows
+
+
+PROBE_US = 1000.0  # a fixed cost set on a profile to read how much of it the model charges a call
+
+
+def _linear_fixed_us(measured: float, modelled) -> float:
+    """The fixed cost x (us) at which `modelled(x)`, a call's modelled seconds with x in one of the profile's
+    runtime fields (the model is linear in each), equals `measured` (never negative): the model itself says how
+    often, and how slowed by the host's sharing, a call pays it."""
+    at_zero = modelled(0.0)
+    per_us = (modelled(PROBE_US) - at_zero) / PROBE_US
+    return max(0.0, (measured - at_zero) / per_us) if per_us > 0 else 0.0
+
+
+def _pipeline_fixed(fitted: HardwareProfile, measured: EngineSeconds) -> tuple[dict[str, float], list[dict]]:
+    """Runtime.pp_train_pass_us, pp_forward_pass_us and reshard_tensor_us, and their rows: the engine in pipeline
+    stages over `measured.world` ranks (one stage a rank), beyond its model on `fitted` (every other fixed cost
+    fitted). A training micro-batch's from the slope of a step's time over its micro-batches (the optimizer step
+    drops out), a forward's from a log-prob call of one micro-batch (each micro-batch crosses every stage, and
+    the pipeline's fill and drain are the model's), a resharding switch's from the switch into generation on
+    every rank alone (pipeline_switch)."""
+    arch, world = CATALOG[MODEL], measured.world
+    where, tokens = costs.SetShape(world, world), PROMPT + LONG
+    train, infer = TrainConfig(pp=world, micro_batch=1), InferConfig(pp=world, micro_batch=1)
+
+    def with_fixed(field: str, us: float) -> HardwareProfile:
+        return fitted.model_copy(update={"runtime": fitted.runtime.model_copy(update={field: us})})
+
+    def step(hw: HardwareProfile, n: int) -> float:
+        return costs.train_step_time(hw, arch, train, where, n, tokens, "lm")
+
+    def slope(hw: HardwareProfile) -> float:
+        return (step(hw, MANY) - step(hw, FEW)) / (MANY - FEW)
+
+    def forward(hw: HardwareProfile) -> float:
+        return costs.inference_time(hw, arch, infer, where, 1, tokens, "lm")
+
+    train_us = _linear_fixed_us((measured.steps[MANY] - measured.steps[FEW]) / (MANY - FEW),
+                                lambda us: slope(with_fixed("pp_train_pass_us", us)))
+    forward_us = _linear_fixed_us(measured.log_prob, lambda us: forward(with_fixed("pp_forward_pass_us", us)))
+    train_layout, gen = pipeline_switch(world)
+
+    def switch(hw: HardwareProfile) -> float:
+        return costs.transition_time(hw, arch, train_layout, gen, where)
+
+    reshard_us = _linear_fixed_us(measured.switch, lambda us: switch(with_fixed("reshard_tensor_us", us)))
+    rows = [_row(f"pp_train_step_{n}_micro_batches", measured.steps[n], step(fitted, n), world) for n in (FEW, MANY)]
+    rows += [_row("pp_engine_log_prob", measured.log_prob, forward(fitted), world),
+             _row("pp_hybrid_switch", measured.switch, switch(fitted), world)]
+    return {"pp_train_pass_us": round(train_us, 2), "pp_forward_pass_us": round(forward_us, 2),
+            "reshard_tensor_us": round(reshard_us, 3)}, rows
 
 
 @dataclass(frozen=True)

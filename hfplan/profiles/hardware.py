@@ -439,6 +439,12 @@ class Runtime(_Strict):
                                         "resharded after), beyond the modelled all-gather; None: switch_tensor_us")
     tp_switch_tensor_us: float = Field(default=0.0, ge=0, description="the same on top, of a role split by tensor "
                                        "parallelism that generates in its training layout")
+    reshard_tensor_us: float = Field(
+        default=0.0, ge=0, description="fixed cost per parameter tensor of a switch whose generation shards are built "
+                                       "by the per-tensor resharding plan (a generation tp other than the training "
+                                       "one, or pipelined training: each tensor's slices cut, sent and received, "
+                                       "its shard assembled), beyond the modelled all-gather, on top of "
+                                       "switch_tensor_us; measured with the engine in pipeline stages")
     kept_switch_us: float | None = Field(
         default=None, ge=0, description="one whole switch into generation and back of a hybrid actor that generates "
                                         "with the very tensors it trains (layout.keeps_trained_tensors: its training "
@@ -471,6 +477,14 @@ class Runtime(_Strict):
     tp_train_pass_us: float = Field(default=0.0, ge=0, description="the same on top of a training micro-batch")
     tp_optimizer_tensor_us: float = Field(default=0.0, ge=0, description="the same on top of an optimizer step, "
                                           "per parameter tensor")
+    pp_forward_pass_us: float = Field(
+        default=0.0, ge=0, description="fixed cost of one micro-batch through one pipeline stage of a forward-only "
+                                       "call (the pipeline schedule's actions, its point-to-point sends' and "
+                                       "receives' host work, the outputs sent from the last stage to the others) "
+                                       "on top of the unsplit engine's pass; each stage a micro-batch crosses pays "
+                                       "it")
+    pp_train_pass_us: float = Field(default=0.0, ge=0, description="the same of a training micro-batch (forward and "
+                                                                   "backward) through one pipeline stage")
     tp_step_collective_us: float = Field(
         default=0.0, ge=0, description="fixed cost of each tensor-parallel collective of a step of the generation "
                                        "engine (prefill or decode) beyond the link's modelled latency and "
@@ -483,20 +497,20 @@ class Runtime(_Strict):
                                         "LLM class): the tokens of the dummy forward vLLM profiles its activations "
                                         "with before it sizes its KV cache, so what it sets aside for them")
 
-    def forward_pass_s(self, fsdp: bool = False, tp: bool = False) -> float:
-        """Seconds of fixed cost per forward micro-batch; `fsdp`: through a trained role's FSDP2-wrapped engine;
-        `tp`: the model split by tensor parallelism."""
+    def forward_pass_s(self, fsdp: bool = False, tp: bool = False, pp: bool = False) -> float:
+        """Seconds of fixed cost per forward micro-batch (of one pipeline stage); `fsdp`: through a trained role's
+        FSDP2-wrapped engine; `tp`: the model split by tensor parallelism; `pp`: a stage of a pipeline."""
         base = self.fsdp_forward_pass_us if fsdp and self.fsdp_forward_pass_us is not None else self.forward_pass_us
-        return (base + (self.tp_forward_pass_us if tp else 0.0)) * 1e-6
+        return (base + (self.tp_forward_pass_us if tp else 0.0) + (self.pp_forward_pass_us if pp else 0.0)) * 1e-6
 
-    def train_pass_s(self, fsdp: bool = False, tp: bool = False) -> float:
-        """Seconds of fixed cost per training micro-batch; `fsdp`: through the FSDP2-wrapped engine; `tp`: split
-        by tensor parallelism."""
+    def train_pass_s(self, fsdp: bool = False, tp: bool = False, pp: bool = False) -> float:
+        """Seconds of fixed cost per training micro-batch (of one pipeline stage); `fsdp`: through the
+        FSDP2-wrapped engine; `tp`: split by tensor parallelism; `pp`: a stage of a pipeline."""
         if fsdp and self.fsdp_train_pass_us is not None:
             base = self.fsdp_train_pass_us
         else:
             base = self.forward_pass_us if self.train_pass_us is None else self.train_pass_us
-        return (base + (self.tp_train_pass_us if tp else 0.0)) * 1e-6
+        return (base + (self.tp_train_pass_us if tp else 0.0) + (self.pp_train_pass_us if pp else 0.0)) * 1e-6
 
     def optimizer_tensor_s(self, fsdp: bool = False, tp: bool = False) -> float:
         """Seconds of fixed cost of an optimizer step per parameter tensor; `fsdp`: over FSDP2's shards; `tp`:
@@ -505,11 +519,12 @@ class Runtime(_Strict):
                 else self.optimizer_tensor_us)
         return (base + (self.tp_optimizer_tensor_us if tp else 0.0)) * 1e-6
 
-    def switch_tensor_s(self, fsdp: bool = False, tp: bool = False) -> float:
+    def switch_tensor_s(self, fsdp: bool = False, tp: bool = False, by_plan: bool = False) -> float:
         """Seconds of a hybrid switch's fixed cost per parameter tensor; `fsdp`, `tp`: a role generating in its
-        training layout, trained through FSDP2, split by tensor parallelism (else the rollout engine's alone)."""
+        training layout, trained through FSDP2, split by tensor parallelism (else the rollout engine's alone);
+        `by_plan`: its generation shards built by the per-tensor resharding plan."""
         base = self.fsdp_switch_tensor_us if fsdp and self.fsdp_switch_tensor_us is not None else self.switch_tensor_us
-        return (base + (self.tp_switch_tensor_us if tp else 0.0)) * 1e-6
+        return (base + (self.tp_switch_tensor_us if tp else 0.0) + (self.reshard_tensor_us if by_plan else 0.0)) * 1e-6
 
     def tp_step_collective_s(self) -> float:
         """Seconds of fixed cost per tensor-parallel collective of a generation step (tp_step_collective_us)."""

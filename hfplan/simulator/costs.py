@@ -328,7 +328,7 @@ def train_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, whe
     per_micro["pp_comm"] = 2 * v * _p2p(hw, arch, cfg, where, micro * seq_len)
     fsdp, split = trains_through_fsdp(cfg.dp, hw.compute.value_bytes), cfg.tp > 1
     # Per token: the busiest stage's share of the model's layers.
-    per_micro["runtime"] = (v * hw.runtime.train_pass_s(fsdp, split)
+    per_micro["runtime"] = (v * hw.runtime.train_pass_s(fsdp, split, cfg.pp > 1)
                             + layers * hw.runtime.layer_train_us * 1e-6
                             + micro * seq_len * hw.runtime.train_token_us * 1e-6 / cfg.pp)
     local_params = stage_params(arch, cfg.pp, head) / cfg.tp
@@ -370,7 +370,7 @@ def inference_parts(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, wher
     micro, n_micro = _per_rank(sequences, cfg.dp, cfg.micro_batch)
     sp = stage_pass(hw, arch, cfg.tp, cfg.pp, where, micro, seq_len, head, memo=memo)
     per_micro = dict(sp.forward_parts, pp_comm=_p2p(hw, arch, cfg, where, micro * seq_len),
-                     runtime=hw.runtime.forward_pass_s(fsdp, cfg.tp > 1)
+                     runtime=hw.runtime.forward_pass_s(fsdp, cfg.tp > 1, cfg.pp > 1)
                      + stage_layers(arch, cfg.pp) * hw.runtime.layer_forward_us * 1e-6
                      + micro * seq_len * hw.runtime.forward_token_us * 1e-6 / cfg.pp)
     exposed = 0.0
@@ -641,15 +641,17 @@ def _engine_weights_fixed(hw: HardwareProfile, arch: ModelArch, gen: GenConfig, 
                           ) -> float:
     """The engines' fixed cost of a switch, per parameter tensor a GPU generates with: the rollout engine's, or
     for a hybrid actor generating in its training layout (`train`, not resharded by plan) its training engine's
-    unshard and reshard through FSDP2 and tensor parallelism as well; for one that generates with the very
+    unshard and reshard through FSDP2 and tensor parallelism as well, or one resharded by plan that plan's cutting
+    and assembling (Runtime.reshard_tensor_us); for one that generates with the very
     tensors it trains, nothing is handed over: the profile's cost of that whole switch (Runtime.kept_switch_us)."""
     if (train is not None and hw.runtime.kept_switch_us is not None
             and keeps_trained_tensors(train, gen, hw.compute.value_bytes)):
         return hw.runtime.kept_switch_us * 1e-6
-    in_place = train is not None and not reshards_by_plan(train, gen)
+    by_plan = train is not None and reshards_by_plan(train, gen)
+    in_place = train is not None and not by_plan
     fsdp = in_place and trains_through_fsdp(train.dp, hw.compute.value_bytes)
     split = in_place and train.tp > 1
-    return stage_parameter_tensors(arch, gen.pp, "lm") * hw.runtime.switch_tensor_s(fsdp, split)
+    return stage_parameter_tensors(arch, gen.pp, "lm") * hw.runtime.switch_tensor_s(fsdp, split, by_plan)
 
 
 @memoized
