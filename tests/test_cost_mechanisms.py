@@ -203,6 +203,34 @@ def test_the_fsdp_wrapped_engine_pays_its_own_fixed_costs_where_the_executor_wra
     assert one_rank["runtime"] == pytest.approx(2 * 900e-6 + tensors * 5e-6)
 
 
+def test_a_pipeline_stage_pays_its_own_fixed_cost_per_micro_batch_and_a_switch_by_plan_per_tensor(toy_hw):
+    """Runtime.pp_*_pass_us: each micro-batch slot of a pipelined call (its micro-batches and the pipeline's fill
+    and drain) pays it on top of the unsplit engine's pass, a call without stages never; reshard_tensor_us: every
+    tensor of a switch resharded by plan, and no other switch."""
+    from hfplan.layout import stage_parameter_tensors
+
+    fp32 = toy_hw.model_copy(update={"compute": toy_hw.compute.model_copy(update={"value_bytes": 4})})
+    fixed = fp32.model_copy(update={"runtime": Runtime(pp_forward_pass_us=400, pp_train_pass_us=2000,
+                                                       reshard_tensor_us=30)})
+    where = SetShape(2, 8)
+
+    def added(cost) -> float:
+        return cost(fixed) - cost(fp32)
+
+    for pp, slots in ((1, 0), (2, 4 + 1)):  # 4 micro-batches of one sequence and, with 2 stages, one of fill and drain
+        train = TrainConfig(pp=pp, micro_batch=1)
+        assert added(lambda hw: costs.train_step_time(hw, LLAMA7, train, where, 4, 128, "lm")) == \
+            pytest.approx(slots * 2000e-6), pp
+        infer = InferConfig(pp=pp, micro_batch=1)
+        assert added(lambda hw: costs.inference_time(hw, LLAMA7, infer, where, 4, 128, "lm")) == \
+            pytest.approx(slots * 400e-6), pp
+    pipelined, split = TrainConfig(pp=2), TrainConfig(tp=2)
+    assert added(lambda hw: costs.transition_time(hw, LLAMA7, pipelined, GenConfig(dp=2), where)) == \
+        pytest.approx(stage_parameter_tensors(LLAMA7, 1, "lm") * 30e-6)
+    assert added(lambda hw: costs.transition_time(hw, LLAMA7, split, GenConfig(tp=1, dp=2), where)) > 0  # by plan
+    assert added(lambda hw: costs.transition_time(hw, LLAMA7, split, GenConfig(tp=2), where)) == 0  # in place
+
+
 def test_parameter_tensors_of_a_stage_follow_the_model():
     from hfplan.layout import stage_parameter_tensors
 

@@ -349,7 +349,9 @@ def quick_profile(tmp_path_factory) -> QuickProfile:
 def test_quick_cpu_profile_end_to_end(quick_profile):
     """`hfplan profile --device cpu --world-size 2 --quick`: a profile the simulator reads, raw
     measurements beside it, and the layer table against predictions from that very profile."""
+    from hfplan.plan import GenConfig, InferConfig, TrainConfig
     from hfplan.profiler.layers import Case, predict
+    from hfplan.simulator import costs
 
     result, out = quick_profile.result, quick_profile.out
     assert result.exit_code == 0, result.output
@@ -379,6 +381,27 @@ def test_quick_cpu_profile_end_to_end(quick_profile):
     beyond = (split["seconds"] - split["predicted_s"]).clip(lower=0) * 1e6 / step_tp_collectives(CATALOG["tiny"])
     assert profile.runtime.tp_step_collective_us == pytest.approx(beyond.mean(), abs=0.01)
     assert profile.runtime.fsdp_train_pass_us is not None
+    # The engine in pipeline stages, timed across the world too: its fixed costs are where the written profile's
+    # model meets those timings (the slope of a step over its micro-batches, a log-prob call, a switch resharded by
+    # plan), or zero where the model already reaches them.
+    assert engine["pp_train_step_3_micro_batches"] == engine["pp_engine_log_prob"] == engine["pp_hybrid_switch"] == 2
+    pipelined = frame[frame["op"].str.startswith("pp_")].set_index("op")["seconds"]
+    tiny, two = CATALOG["tiny"], costs.SetShape(2, 2)
+    tokens = runtime.PROMPT + runtime.LONG
+    measured_slope = (pipelined["pp_train_step_3_micro_batches"] - pipelined["pp_train_step_1_micro_batches"]) / 2
+    step = {n: costs.train_step_time(profile, tiny, TrainConfig(pp=2, micro_batch=1), two, n, tokens, "lm")
+            for n in (1, 3)}
+    modelled = {"pp_train_pass_us": ((step[3] - step[1]) / 2, measured_slope),
+                "pp_forward_pass_us": (costs.inference_time(profile, tiny, InferConfig(pp=2, micro_batch=1), two, 1,
+                                                            tokens, "lm") - costs.call_dispatch(profile),
+                                       pipelined["pp_engine_log_prob"]),  # timed as the engine's own call
+                "reshard_tensor_us": (costs.transition_time(profile, tiny, TrainConfig(pp=2), GenConfig(dp=2), two),
+                                      pipelined["pp_hybrid_switch"])}
+    for field, (model_s, measured_s) in modelled.items():
+        if getattr(profile.runtime, field) > 0:
+            assert model_s == pytest.approx(measured_s, rel=1e-3), field
+        else:
+            assert model_s >= measured_s, field
     # How the two processes share the host's cores: the probe alone and together, and the profile's figure from them.
     host = frame[frame["kind"] == "sharing"].set_index("op")
     assert set(host.index) == {"probe_alone", "probe_together"} and (host["world"] == 2).all()
@@ -668,6 +691,34 @@ def test_the_tensor_parallel_engine_is_timed_only_over_worlds_the_demo_model_spl
     for world in (3, 4, 8):  # its 2 KV heads split over 2 ranks only
         assert shape_problem(tiny, "train", world, 1) is not None
         assert not splits_by_tp(world)
+
+
+def test_the_pipelined_engine_s_fixed_costs_are_those_the_model_needs_to_meet_its_timings():
+    """Timings made by the model itself with 2.5 ms per stage micro-batch of training, 0.4 ms of a forward and
+    30 us per tensor of a switch resharded by plan come back as those figures; timings the model already exceeds
+    leave none (never negative)."""
+    from hfplan.plan import GenConfig, InferConfig, TrainConfig
+    from hfplan.profiler.runtime import FEW, LONG, MANY, PP, PROMPT, EngineSeconds, _pipeline_fixed
+    from hfplan.simulator import costs
+
+    fitted = load_hardware("cpu")
+    planted = fitted.model_copy(update={"runtime": fitted.runtime.model_copy(update=dict(
+        pp_train_pass_us=2500.0, pp_forward_pass_us=400.0, reshard_tensor_us=30.0))})
+    tiny, two, tokens = CATALOG["tiny"], costs.SetShape(2, 2), PROMPT + LONG
+    steps = {n: costs.train_step_time(planted, tiny, TrainConfig(pp=2, micro_batch=1), two, n, tokens, "lm")
+             for n in (FEW, MANY)}
+    log_prob = (costs.inference_time(planted, tiny, InferConfig(pp=2, micro_batch=1), two, 1, tokens, "lm")
+                - costs.call_dispatch(planted))  # the engine's own call, timed without a controller's
+    switch = costs.transition_time(planted, tiny, TrainConfig(pp=2), GenConfig(dp=2), two)
+    fields, rows = _pipeline_fixed(fitted, EngineSeconds(2, PP, steps, log_prob, switch))
+    assert fields == pytest.approx({"pp_train_pass_us": 2500.0, "pp_forward_pass_us": 400.0,
+                                    "reshard_tensor_us": 30.0}, abs=0.01)
+    assert {r["op"] for r in rows} == {"pp_train_step_1_micro_batches", "pp_train_step_3_micro_batches",
+                                       "pp_engine_log_prob", "pp_hybrid_switch"}
+    assert all(r["world"] == 2 and r["predicted_s"] < r["seconds"] for r in rows)
+    faster = EngineSeconds(2, PP, {FEW: steps[FEW], MANY: steps[FEW]}, 0.0, 0.0)
+    none, _ = _pipeline_fixed(fitted, faster)
+    assert set(none.values()) == {0.0}
 
 
 def test_a_layer_s_fixed_cost_is_the_deeper_model_s_time_beyond_its_kernels_per_layer_added():

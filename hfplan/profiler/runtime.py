@@ -579,8 +579,8 @@ def _pipeline_fixed(fitted: HardwareProfile, measured: EngineSeconds) -> tuple[d
     def slope(hw: HardwareProfile) -> float:
         return (step(hw, MANY) - step(hw, FEW)) / (MANY - FEW)
 
-    def forward(hw: HardwareProfile) -> float:
-        return costs.inference_time(hw, arch, infer, where, 1, tokens, "lm")
+    def forward(hw: HardwareProfile) -> float:  # the engine's own call: no controller's call dispatched it
+        return costs.inference_time(hw, arch, infer, where, 1, tokens, "lm") - costs.call_dispatch(hw)
 
     train_us = _linear_fixed_us((measured.steps[MANY] - measured.steps[FEW]) / (MANY - FEW),
                                 lambda us: slope(with_fixed("pp_train_pass_us", us)))
