@@ -219,10 +219,10 @@ def test_a_pipeline_stage_pays_its_own_fixed_cost_per_micro_batch_and_a_switch_b
 
     for pp, slots in ((1, 0), (2, 4 + 1)):  # 4 micro-batches of one sequence and, with 2 stages, one of fill and drain
         train = TrainConfig(pp=pp, micro_batch=1)
-        assert added(lambda hw: costs.train_step_time(hw, LLAMA7, train, where, 4, 128, "lm")) == \
+        assert added(lambda hw, train=train: costs.train_step_time(hw, LLAMA7, train, where, 4, 128, "lm")) == \
             pytest.approx(slots * 2000e-6), pp
         infer = InferConfig(pp=pp, micro_batch=1)
-        assert added(lambda hw: costs.inference_time(hw, LLAMA7, infer, where, 4, 128, "lm")) == \
+        assert added(lambda hw, infer=infer: costs.inference_time(hw, LLAMA7, infer, where, 4, 128, "lm")) == \
             pytest.approx(slots * 400e-6), pp
     pipelined, split = TrainConfig(pp=2), TrainConfig(tp=2)
     assert added(lambda hw: costs.transition_time(hw, LLAMA7, pipelined, GenConfig(dp=2), where)) == \

@@ -617,12 +617,18 @@ def test_runtime_costs_measured_on_the_executor_engine(quick_profile, monkeypatc
     kernels_only = hw.model_copy(update={"runtime": Runtime()})
     rt = fit.runtime
     deeper = dataclasses.replace(CATALOG["tiny"], layers=2 * DEEP)
-    assert rows["depth_step_4_layers"]["predicted_s"] == pytest.approx(costs.decode_step_time(
+    assert rows[f"depth_step_{2 * DEEP}_layers"]["predicted_s"] == pytest.approx(costs.decode_step_time(
         kernels_only, deeper, Layout(), costs.SetShape(1, 1), 1, PROMPT + (SHORT + LONG) / 2))
     for call, field in (("log_prob", "layer_forward_us"), ("train_pass", "layer_train_us"), ("step", "layer_step_us")):
-        shallow, deep = rows[f"depth_{call}_2_layers"], rows[f"depth_{call}_4_layers"]
-        per_layer = max(0.0, deep["seconds"] - shallow["seconds"] - deep["predicted_s"] + shallow["predicted_s"]) / 2
+        shallow, deep = rows[f"depth_{call}_2_layers"], rows[f"depth_{call}_{2 * DEEP}_layers"]
+        per_layer = (max(0.0, deep["seconds"] - shallow["seconds"] - deep["predicted_s"] + shallow["predicted_s"])
+                     / (2 * DEEP - 2))
         assert getattr(rt, field) == pytest.approx(per_layer * 1e6, abs=0.01)
+    # The shallower depth's training calls are the very timings the engine's other fixed costs are fitted from.
+    assert rows["depth_log_prob_2_layers"]["seconds"] == rows["engine_log_prob"]["seconds"]
+    assert rows["depth_train_pass_2_layers"]["seconds"] == pytest.approx(
+        (rows[f"train_step_{MANY}_micro_batches"]["seconds"] - rows[f"train_step_{FEW}_micro_batches"]["seconds"])
+        / (MANY - FEW))
     # Every other fixed cost is what its call took beyond its kernels and its layers' fixed costs.
     kernels_only = hw.model_copy(update={"runtime": Runtime(layer_forward_us=rt.layer_forward_us,
                                                             layer_train_us=rt.layer_train_us,

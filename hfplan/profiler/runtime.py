@@ -44,7 +44,7 @@ SHORT, LONG = 2, 34  # response lengths whose time difference is LONG - SHORT de
 PROBE_CONTEXT = PROMPT + (SHORT + LONG) / 2  # the mean context of those decode steps, as the model prices them
 BATCH = 8  # sequences of the larger static batch whose steps are timed (the demo's batch)
 FEW, MANY = 1, 3  # micro-batches (of one sequence) per optimizer step: the difference is MANY - FEW passes
-DEEP = 2  # the demo model timed again with its decoder layers this many times over: the difference is per layer
+DEEP = 4  # the demo model timed again with its decoder layers this many times over: the difference is per layer
 ROUNDS = 3
 
 logger = logging.getLogger(__name__)
@@ -106,8 +106,10 @@ class DepthSeconds:
     step: tuple[float, float]
 
 
-def depth_seconds(torch, device: Device, min_time: float) -> DepthSeconds:
-    """Time DepthSeconds' calls, the two depths alternating within each round."""
+def depth_seconds(torch, device: Device, min_time: float, plain: EngineSeconds) -> DepthSeconds:
+    """Time DepthSeconds' decode steps, the two depths alternating within each round; the training engine's calls
+    are `plain`'s (engine_seconds times them at both depths in the same rounds, so the shallower are the very
+    timings the engine's other fixed costs are fitted from)."""
     from hfplan.executor.models import build_model
     from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
 
@@ -117,14 +119,9 @@ def depth_seconds(torch, device: Device, min_time: float) -> DepthSeconds:
                                   .to(device.kind).eval(), pad_id=0, eos_id=-1) for n in layers]
     prompts = torch.randint(1, arch.vocab, (1, PROMPT), device=device.kind)
     steps = steps_seconds(Clock(torch, device.kind), [(engine, prompts) for engine in engines], min_time)
-    with _world_of_one(torch, device):
-        roles = [profiled_role(torch, device.kind, PLAIN, layers=n) for n in layers]
-        calls = [_log_prob_call(torch, role, 1) for role in roles]
-        calls += [_update_call(torch, role, n, 1) for role in roles for n in (FEW, MANY)]
-        shallow_lp, deep_lp, *updates = WorldClock(torch, device.kind, ENGINE_REPS).per_calls(calls)
-    shallow_pass, deep_pass = ((many - few) / (MANY - FEW) for few, many in zip(updates[::2], updates[1::2],
-                                                                                 strict=True))
-    return DepthSeconds(layers, (shallow_lp, deep_lp), (shallow_pass, deep_pass), (steps[0], steps[1]))
+    deep_log_prob, deep_few, deep_many = plain.deep
+    passes = ((plain.steps[MANY] - plain.steps[FEW]) / (MANY - FEW), (deep_many - deep_few) / (MANY - FEW))
+    return DepthSeconds(layers, (plain.log_prob, deep_log_prob), passes, (steps[0], steps[1]))
 
 
 def _layer_fixed(bare: HardwareProfile, depths: DepthSeconds) -> tuple[Runtime, list[dict]]:
@@ -170,9 +167,9 @@ def time_engines(torch, device: Device, min_time: float) -> EngineTimes:
     continuous = TorchRolloutEngine(model, pad_id=0, eos_id=-1, batching="continuous", max_batch=1)
     step, batch_step, continuous_step = steps_seconds(
         clock, [(static, prompts), (static, prompts.repeat(BATCH, 1)), (continuous, prompts.repeat(2, 1))], min_time)
-    return EngineTimes(step=step, batch_step=batch_step, continuous_step=continuous_step,
-                       plain=_engine_on_one_rank(torch, device, PLAIN),
-                       depths=depth_seconds(torch, device, min_time) if device.kind == "cpu" else None)
+    plain = _engine_on_one_rank(torch, device, PLAIN)
+    return EngineTimes(step=step, batch_step=batch_step, continuous_step=continuous_step, plain=plain,
+                       depths=depth_seconds(torch, device, min_time, plain) if device.kind == "cpu" else None)
 
 
 def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: float, through_ray: bool = True,
@@ -288,7 +285,7 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
 PLAIN, FSDP, TP, PP = "plain", "fsdp", "tp", "pp"
 # RoleModel's `fsdp` per mode: split by tp or pp, the engine wraps as the layout rule says (one data-parallel rank)
 WRAPS_IN_FSDP = {PLAIN: False, FSDP: True, TP: None, PP: None}
-ENGINE_REPS = 7  # timed calls per measurement of the training engine (the median kept); fixed, so every rank
+ENGINE_REPS = 15  # timed calls per measurement of the training engine (the median kept); fixed, so every rank
 # of a world makes the same collectives
 SPLIT_STEP_OPS = ("tp_engine_step", f"tp_engine_step_{BATCH}_sequences")  # EngineSeconds.split_steps' rows
 SPLIT_STEP_REPS = 3  # timed calls per round of steps_seconds for the split decode steps (ROUNDS rounds)
@@ -307,6 +304,9 @@ class EngineSeconds:
     switch: float  # the hybrid engine's switch into generation and back, in the training layout, weights handed over
     wide: tuple[float, float] | None = None  # PLAIN only: (actor update, log-prob call) of one micro-batch of BATCH
     kept_switch: float | None = None  # PLAIN only: the same switch generating with the trained tensors themselves
+    # PLAIN on CPU only: a log-prob call and the updates of FEW and MANY micro-batches of the demo model with DEEP
+    # times its decoder layers, timed in the same rounds as the others
+    deep: tuple[float, float, float] | None = None
     split_steps: tuple[float, float] | None = None  # TP only: a decode step of one and of BATCH sequences, the
     # rollout engine generating over the tensor-parallel group in the training layout (as the executor does)
 
@@ -387,8 +387,12 @@ def engine_seconds(torch, kind: str, mode: str) -> EngineSeconds:
 
     calls = [_update_call(torch, role, FEW, 1), _update_call(torch, role, MANY, 1), _log_prob_call(torch, role, 1),
              _switch(role, keep_trained=False, layouts=pipeline_switch(world) if mode == PP else None)]
+    deeper = mode == PLAIN and kind == "cpu"
     if mode == PLAIN:
         calls += [_update_call(torch, role, BATCH, BATCH), _log_prob_call(torch, role, BATCH), _switch(role)]
+    if deeper:  # the same calls DEEP times as deep, in the same rounds: the difference is the layers' own
+        deep = profiled_role(torch, kind, PLAIN, layers=DEEP * CATALOG[MODEL].layers)
+        calls += [_log_prob_call(torch, deep, 1), _update_call(torch, deep, FEW, 1), _update_call(torch, deep, MANY, 1)]
     # Every call timed in the same rounds (WorldClock.per_calls).
     few, many, one, switch, *wide = WorldClock(torch, kind, ENGINE_REPS).per_calls(calls)
     steps = {FEW: few, MANY: many}
@@ -396,8 +400,9 @@ def engine_seconds(torch, kind: str, mode: str) -> EngineSeconds:
         return EngineSeconds(world, mode, steps, one, switch, split_steps=_split_steps(torch, kind, role))
     if mode != PLAIN:
         return EngineSeconds(world, mode, steps, one, switch)
-    wide_update, wide_log_prob, kept_switch = wide
-    return EngineSeconds(world, mode, steps, one, switch, (wide_update, wide_log_prob), kept_switch)
+    wide_update, wide_log_prob, kept_switch, *deep_calls = wide
+    return EngineSeconds(world, mode, steps, one, switch, (wide_update, wide_log_prob), kept_switch,
+                         deep=tuple(deep_calls) if deeper else None)
 
 
 def _update_call(torch, role, n: int, micro: int):
