@@ -1,6 +1,7 @@
-"""Generation split by tensor parallelism: the fixed cost of each collective of a generation step
-(Runtime.tp_step_collective_us) in the cost model, its fit from the profiler's split decode steps, and the profiler
-timing the split engine as the executor runs it (over the role's tensor-parallel group, weight shards as they are)."""
+"""Generation split by tensor parallelism: the cost of each collective of a generation step (Runtime.step_collective_us
+in place of the link's latency; tp_step_collective_us on top of it, as older profiles say) in the cost model, its
+fit from the profiler's split decode steps, and the profiler timing the split engine as the executor runs it (over
+the role's tensor-parallel group, weight shards as they are)."""
 
 import pytest
 import torch
@@ -43,19 +44,45 @@ def test_a_split_generation_step_pays_the_fixed_cost_of_each_collective(step):
     assert parts(with_cost, 1).total == parts(without, 1).total
 
 
+@pytest.mark.parametrize("step", ["decode", "prefill"])
+def test_a_measured_step_collective_replaces_the_link_s_latency(step):
+    """Runtime.step_collective_us: each collective of a split generation step costs that figure and the link's term
+    for its bytes, whatever the link's latency (a step's collectives measured whole can be cheaper than the link's
+    sweep says, where the ranks meet between small kernels); tp_step_collective_us is not added on top."""
+    hw = load_hardware("cpu")
+    where = SetShape(2, 2)
+
+    def tp_comm(profile) -> float:
+        if step == "decode":
+            return costs.decode_step_parts(profile, TINY, Layout(tp=2), where, 4, 20)["tp_comm"]
+        return costs.prefill_parts(profile, TINY, Layout(tp=2), where, 4, 8)["tp_comm"]
+
+    slow_link = hw.model_copy(update={"links": hw.links.model_copy(update={"intra_node": hw.links.intra_node.model_copy(
+        update={"latency_us": 10 * hw.links.intra_node.latency_us, "collectives": ()})})})
+    fast_link = hw.model_copy(update={"links": hw.links.model_copy(update={"intra_node": hw.links.intra_node.model_copy(
+        update={"collectives": ()})})})
+    measured = {name: _with(profile, step_collective_us=300.0) for name, profile in (("slow", slow_link),
+                                                                                        ("fast", fast_link))}
+    assert tp_comm(_with(slow_link)) > tp_comm(_with(fast_link))  # the link's latency counts without the figure
+    assert tp_comm(measured["slow"]) == pytest.approx(tp_comm(measured["fast"]), rel=1e-3)
+    assert tp_comm(measured["fast"]) == pytest.approx(costs.step_tp_collectives(TINY) * 300e-6, rel=0.05)
+    assert tp_comm(_with(fast_link, step_collective_us=300.0, tp_step_collective_us=50.0)) == pytest.approx(
+        tp_comm(measured["fast"]))
+
+
 def test_the_fit_recovers_the_collective_cost_from_the_split_decode_steps():
     """The fit inverts the model: decode steps the cost model gives a tp-2 engine with a known collective cost (on a
     host of parallelism 1.4), fitted back against the same profile without it, give that cost."""
     host = load_hardware("cpu")
     host = host.model_copy(update={"compute": host.compute.model_copy(update={"host_parallelism": 1.4})})
-    truth, fitted = _with(host, tp_step_collective_us=80.0), _with(host)
+    truth, fitted = _with(host, step_collective_us=800.0), _with(host)
     world, context = 2, runtime.PROMPT + (runtime.SHORT + runtime.LONG) / 2
     steps = tuple(costs.decode_step_time(truth, TINY, Layout(tp=world), SetShape(world, world), batch, context)
                   for batch in (1, runtime.BATCH))
     measured = runtime.EngineSeconds(world, runtime.TP, {runtime.FEW: 1.0, runtime.MANY: 2.0}, 0.1, 0.01,
                                      split_steps=steps)
     collective_us, rows = runtime._step_collective_fixed(fitted, measured)
-    assert collective_us == pytest.approx(80.0, rel=1e-6)
+    assert collective_us == pytest.approx(800.0, rel=1e-6)
     assert [r["op"] for r in rows] == list(runtime.SPLIT_STEP_OPS)
     # The raw rows carry the split steps to the parent process and back.
     assert runtime.EngineSeconds.from_rows(measured.rows())[runtime.TP].split_steps == steps

@@ -67,8 +67,10 @@ def fits_table(result: Result) -> Table:
                   "plan, per tensor us", f"{rt.pp_forward_pass_us:.1f} / {rt.pp_train_pass_us:.1f}; "
                   f"{rt.reshard_tensor_us:.1f}", "measured across the profiled world (0: not measured)")
     table.add_row("split by tensor parallelism: switch per tensor / each collective of a generation step us",
-                  f"{rt.tp_switch_tensor_us:.1f} / {rt.tp_step_collective_us:.1f}",
-                  "measured across the profiled world, beyond the modelled collectives (0: not measured)")
+                  f"{rt.tp_switch_tensor_us:.1f} / "
+                  + ("link" if rt.step_collective_us is None else f"{rt.step_collective_us:.1f}"),
+                  "measured across the profiled world: the switch beyond the modelled collectives, each collective "
+                  "whole, in place of the link's latency (0, link: not measured)")
     for label, rows, measured, unset in (
             ("a matmul's rate by its rows and weight", hw.compute.row_efficiency, "median rate",
              "every row count at the matmul rate (or a tiling model prices the shape)"),

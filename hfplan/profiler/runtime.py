@@ -269,7 +269,7 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
         fitted = bare.model_copy(update={"runtime": runtime})
         collective_us, split_rows = _step_collective_fixed(fitted, across[TP])
         rows += split_rows
-        runtime = runtime.model_copy(update={"tp_step_collective_us": round(collective_us, 2)})
+        runtime = runtime.model_copy(update={"step_collective_us": round(collective_us, 2)})
     if gaps is not None and gaps.weight_sync_s is not None:
         sync_us, sync_row = _weight_sync_fixed(bare.model_copy(update={"runtime": runtime}), gaps)
         rows.append(sync_row)
@@ -537,18 +537,22 @@ def _weight_sync_fixed(fitted: HardwareProfile, gaps: CallGaps) -> tuple[float, 
 
 
 def _step_collective_fixed(fitted: HardwareProfile, measured: EngineSeconds) -> tuple[float, list[dict]]:
-    """Microseconds per tensor-parallel collective of a generation step beyond the model (tp_step_collective_us),
-    and its rows: the rollout engine's decode steps split over `measured.world` ranks (of one and of BATCH
-    sequences), each beyond its modelled step on `fitted` (the unsplit engine's fixed costs fitted, the host's
-    sharing and the link's collectives in it), over the step's collectives; the mean of the two."""
+    """Microseconds of each tensor-parallel collective of a generation step (Runtime.step_collective_us, in place
+    of the link's latency), and its rows: the rollout engine's decode steps split over `measured.world` ranks (of
+    one and of BATCH sequences), each the value at which its modelled step on `fitted` (the unsplit engine's fixed
+    costs fitted, the host's sharing and the link's term for the bytes in it) meets the timing; the mean of the
+    two. The rows compare the timings with the step as the link's model alone prices its collectives."""
     arch, world = CATALOG[MODEL], measured.world
     where, context = costs.SetShape(world, world), PROBE_CONTEXT
     cases = list(zip((1, BATCH), measured.split_steps, SPLIT_STEP_OPS, strict=True))
-    modelled = {batch: costs.decode_step_time(fitted, arch, Layout(tp=world), where, batch, context)
-                for batch, _, _ in cases}
-    per_collective = [fixed_us(seconds, modelled[batch]) / costs.step_tp_collectives(arch)
-                      for batch, seconds, _ in cases]
-    rows = [_row(op, seconds, modelled[batch], world) for batch, seconds, op in cases]
+    base = fitted.runtime.model_copy(update={"tp_step_collective_us": 0.0})
+
+    def step(batch: int, collective_us: float | None) -> float:
+        hw = fitted.model_copy(update={"runtime": base.model_copy(update={"step_collective_us": collective_us})})
+        return costs.decode_step_time(hw, arch, Layout(tp=world), where, batch, context)
+
+    per_collective = [_linear_fixed_us(seconds, lambda us, batch=batch: step(batch, us)) for batch, seconds, _ in cases]
+    rows = [_row(op, seconds, step(batch, None), world) for batch, seconds, op in cases]
     return sum(per_collective) / len(per_collective), rows
 
 

@@ -492,6 +492,13 @@ class Runtime(_Strict):
                                        "the slowest one's compute and for the host to run it; measured with every "
                                        "rank generating at once")
 
+    step_collective_us: float | None = Field(
+        default=None, ge=0, description="each tensor-parallel collective of a generation step (prefill or decode), "
+                                        "in place of the link's modelled latency (the link's term for its bytes "
+                                        "kept): measured with every rank generating at once, the ranks meeting "
+                                        "between the step's kernels as they do there; None: the link's latency, "
+                                        "plus tp_step_collective_us, as for a profile written before the field")
+
     vllm_batched_tokens: int = Field(
         default=8192, ge=1, description="vLLM's max_num_batched_tokens on this device (its default for the offline "
                                         "LLM class): the tokens of the dummy forward vLLM profiles its activations "

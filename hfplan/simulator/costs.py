@@ -184,11 +184,26 @@ def on_shared_host(hw: HardwareProfile, where: SetShape, parts: Parts, busy: flo
     return Parts({name: seconds if name in NOT_COMPUTED else slowdown * seconds for name, seconds in parts.items()})
 
 
-def _layer_tp_comm(hw: HardwareProfile, arch: ModelArch, tokens: float, tp: int, where: SetShape) -> float:
+AllReduce = Callable[[HardwareProfile, coll.Group, float], float]
+
+
+def step_all_reduce(hw: HardwareProfile, group: coll.Group, nbytes: float) -> float:
+    """One tensor-parallel all-reduce of a generation step: the link's model, or where the profile measured a
+    step's collectives whole (Runtime.step_collective_us) that figure in place of the link's latency, the link's
+    term for the bytes kept."""
+    link = coll.all_reduce(hw, group, nbytes)
+    measured = hw.runtime.step_collective_us
+    if measured is None or group.size <= 1:
+        return link
+    return measured * 1e-6 + max(0.0, link - coll.all_reduce(hw, group, 1.0))
+
+
+def _layer_tp_comm(hw: HardwareProfile, arch: ModelArch, tokens: float, tp: int, where: SetShape,
+                   reduce: AllReduce = coll.all_reduce) -> float:
     """LAYER_ALL_REDUCES all-reduces of the hidden state per layer pass."""
     if tp == 1:
         return 0.0
-    return LAYER_ALL_REDUCES * coll.all_reduce(hw, tp_group(tp, where), hw.compute.value_bytes * tokens * arch.hidden)
+    return LAYER_ALL_REDUCES * reduce(hw, tp_group(tp, where), hw.compute.value_bytes * tokens * arch.hidden)
 
 
 def step_tp_collectives(arch: ModelArch) -> int:
@@ -200,14 +215,17 @@ def step_tp_collectives(arch: ModelArch) -> int:
 
 def _step_collectives_fixed(hw: HardwareProfile, arch: ModelArch, tp: int) -> float:
     """The fixed cost of a generation step's tensor-parallel collectives beyond their modelled transfers
-    (Runtime.tp_step_collective_us)."""
-    return 0.0 if tp == 1 else step_tp_collectives(arch) * hw.runtime.tp_step_collective_s()
+    (Runtime.tp_step_collective_us, where no step_collective_us replaces the link's latency)."""
+    if tp == 1 or hw.runtime.step_collective_us is not None:
+        return 0.0
+    return step_tp_collectives(arch) * hw.runtime.tp_step_collective_s()
 
 
-def _head_tp_comm(hw: HardwareProfile, tokens: float, tp: int, where: SetShape, head: str) -> float:
+def _head_tp_comm(hw: HardwareProfile, tokens: float, tp: int, where: SetShape, head: str,
+                  reduce: AllReduce = coll.all_reduce) -> float:
     if tp == 1 or head != "lm":
         return 0.0
-    return LOGSOFTMAX_REDUCTIONS * coll.all_reduce(hw, tp_group(tp, where), FP32 * tokens)
+    return LOGSOFTMAX_REDUCTIONS * reduce(hw, tp_group(tp, where), FP32 * tokens)
 
 
 @memoized
@@ -400,7 +418,8 @@ def decode_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: 
     return on_shared_host(hw, where, Parts(
         gemm=n * layer.gemm + head.gemm, attention=n * layer.attention,
         elementwise=n * layer.elementwise + head.elementwise + sample,
-        tp_comm=(n * _layer_tp_comm(hw, arch, batch, cfg.tp, where) + _head_tp_comm(hw, batch, cfg.tp, where, "lm")
+        tp_comm=(n * _layer_tp_comm(hw, arch, batch, cfg.tp, where, step_all_reduce)
+                 + _head_tp_comm(hw, batch, cfg.tp, where, "lm", step_all_reduce)
                  + _step_collectives_fixed(hw, arch, cfg.tp)),
         pp_comm=(cfg.pp - 1) * _p2p(hw, arch, cfg, where, batch),
         runtime=_engine_step_runtime(hw, arch, batching, batch)), 1 / cfg.pp)
@@ -423,7 +442,9 @@ def prefill_parts(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetS
     return on_shared_host(hw, where, Parts(
         gemm=n * layer.gemm + head.gemm, attention=n * layer.attention,
         elementwise=n * (layer.elementwise + cache) + head.elementwise + embed.elementwise,
-        tp_comm=n * _layer_tp_comm(hw, arch, tokens, cfg.tp, where) + _step_collectives_fixed(hw, arch, cfg.tp),
+        tp_comm=(n * _layer_tp_comm(hw, arch, tokens, cfg.tp, where, step_all_reduce)
+                 + _head_tp_comm(hw, batch, cfg.tp, where, "lm", step_all_reduce)  # the last prompt token's logits
+                 + _step_collectives_fixed(hw, arch, cfg.tp)),
         pp_comm=(cfg.pp - 1) * _p2p(hw, arch, cfg, where, tokens),
         runtime=_engine_step_runtime(hw, arch, batching, batch)), 1 / cfg.pp)
 
