@@ -380,15 +380,15 @@ def test_quick_cpu_profile_end_to_end(quick_profile):
     assert set(split.index) == set(runtime.SPLIT_STEP_OPS) and (split["world"] == 2).all()
     # Each collective of a step is what the two cases need of it on average: on the written profile the model's
     # two steps miss the timings by as much either way (or meet both where the link's model alone exceeds them).
-    context = runtime.PROMPT + (runtime.SHORT + runtime.LONG) / 2
-    modelled = [costs.decode_step_time(profile, CATALOG["tiny"], Layout(tp=2), costs.SetShape(2, 2), batch, context)
-                for batch in (1, runtime.BATCH)]
-    missed = sum(m - split.loc[op, "seconds"] for m, op in zip(modelled, runtime.SPLIT_STEP_OPS, strict=True))
+    modelled = [costs.decode_step_time(profile, CATALOG["tiny"], Layout(tp=2), costs.SetShape(2, 2), batch,
+                                       runtime.PROBE_CONTEXT) for batch in (1, runtime.BATCH)]
+    missed = [m - split.loc[op, "seconds"] for m, op in zip(modelled, runtime.SPLIT_STEP_OPS, strict=True)]
     assert profile.runtime.step_collective_us is not None and profile.runtime.tp_step_collective_us == 0.0
-    if profile.runtime.step_collective_us > 0:
-        assert missed == pytest.approx(0.0, abs=2 * step_tp_collectives(CATALOG["tiny"]) * 0.01e-6)
+    rounding = step_tp_collectives(CATALOG["tiny"]) * 0.01e-6  # the figure is written to 0.01 us
+    if profile.runtime.step_collective_us > 0:  # the mean of the two cases' figures: one over, one under, or both met
+        assert min(missed) <= rounding and max(missed) >= -rounding
     else:
-        assert missed >= 0
+        assert min(missed) >= -rounding
     assert profile.runtime.fsdp_train_pass_us is not None
     # The engine in pipeline stages, timed across the world too: its fixed costs are where the written profile's
     # model meets those timings (the slope of a step over its micro-batches, a log-prob call, a switch resharded by
@@ -402,15 +402,15 @@ def test_quick_cpu_profile_end_to_end(quick_profile):
             for n in (1, 3)}
     modelled = {"pp_train_pass_us": ((step[3] - step[1]) / 2, measured_slope),
                 "pp_forward_pass_us": (costs.inference_time(profile, tiny, InferConfig(pp=2, micro_batch=1), two, 1,
-                                                            tokens, "lm") - costs.call_dispatch(profile),
-                                       pipelined["pp_engine_log_prob"]),  # timed as the engine's own call
+                                                            tokens, "lm", fsdp=False) - costs.call_dispatch(profile),
+                                       pipelined["pp_engine_log_prob"]),  # the engine's own call; fp32: unwrapped
                 "reshard_tensor_us": (costs.transition_time(profile, tiny, TrainConfig(pp=2), GenConfig(dp=2), two),
                                       pipelined["pp_hybrid_switch"])}
     for field, (model_s, measured_s) in modelled.items():
         if getattr(profile.runtime, field) > 0:
             assert model_s == pytest.approx(measured_s, rel=1e-3), field
-        else:
-            assert model_s >= measured_s, field
+        else:  # the model reaches the timing without it (a figure below the written 0.01 us rounds to 0)
+            assert model_s >= measured_s * (1 - 1e-3), field
     # How the two processes share the host's cores: the probe alone and together, and the profile's figure from them.
     host = frame[frame["kind"] == "sharing"].set_index("op")
     assert set(host.index) == {"probe_alone", "probe_together"} and (host["world"] == 2).all()

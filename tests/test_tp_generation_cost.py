@@ -11,6 +11,7 @@ from hfplan.plan import Layout
 from hfplan.profiler import runtime
 from hfplan.profiles.hardware import Runtime, load_hardware
 from hfplan.profiles.models import CATALOG
+from hfplan.simulator import collectives as coll
 from hfplan.simulator import costs
 from hfplan.simulator.costs import SetShape
 from tests.support.worlds import run_world
@@ -68,6 +69,13 @@ def test_a_measured_step_collective_replaces_the_link_s_latency(step):
     assert tp_comm(measured["fast"]) == pytest.approx(costs.step_tp_collectives(TINY) * 300e-6, rel=0.05)
     assert tp_comm(_with(fast_link, step_collective_us=300.0, tp_step_collective_us=50.0)) == pytest.approx(
         tp_comm(measured["fast"]))
+    # Measured on two ranks of a node: a larger group pays the link's latency beyond that pair's on top.
+    group, pair = costs.tp_group(4, SetShape(4, 4)), costs.STEP_COLLECTIVE_GROUP
+    profile = measured["slow"]
+    extra = coll.all_reduce(profile, group, 1.0) - coll.all_reduce(profile, pair, 1.0)
+    assert extra > 0
+    assert costs.step_all_reduce(profile, group, 64.0) == pytest.approx(
+        300e-6 + extra + coll.all_reduce(profile, group, 64.0) - coll.all_reduce(profile, group, 1.0))
 
 
 def test_the_fit_recovers_the_collective_cost_from_the_split_decode_steps():

@@ -177,9 +177,9 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
         "description": profile.description + " Runtime: a sampled decode step of the executor's torch rollout "
                        "engine (of one and of several sequences), a micro-batch, an optimizer step and a log-prob "
                        "call of its training engine (as one rank trains, per token on that rank, and across the "
-                       "profiled world wrapped in FSDP2 and split by tensor parallelism) and the hybrid engine's "
-                       "switch, less their modelled kernels and collectives (on one rank: timed in a Ray worker, "
-                       "as the executor runs them, where Ray is measured too)"
+                       "profiled world wrapped in FSDP2, split by tensor parallelism and in pipeline stages) and "
+                       "the hybrid engine's switch, less their modelled kernels and collectives (on one rank: timed "
+                       "in a Ray worker, as the executor runs them, where Ray is measured too)"
                        + (" and each decoder layer's (a log-prob call, a micro-batch and a decode step of the demo "
                           "model at two depths)" if device.kind == "cpu" else "")
                        + (", that worker's resident memory" if fixed.ray else "")

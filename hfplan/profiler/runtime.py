@@ -6,8 +6,9 @@ BATCH: the fixed cost per step and per sequence in it) and with continuous batch
 over decode steps, so the prefills drop out), a training micro-batch and an optimizer step of the executor's
 training engine (the slope of a step's time over its micro-batches, and what is left at none) and a log-prob call
 through it, as it trains on one rank and, across the profiled world (every rank computing at once), wrapped in
-FSDP2 and split by tensor parallelism (there, also the rollout engine's decode step over the tensor-parallel
-group, as the executor generates in that layout: the fixed cost of each of its collectives); per token of a
+FSDP2, split by tensor parallelism (there, also the rollout engine's decode step over the tensor-parallel
+group, as the executor generates in that layout: what each of its collectives costs whole) and in pipeline stages
+(with its switch resharded by plan); per token of a
 micro-batch (one sequence against BATCH, on one rank); the hybrid engine's switch on one rank, a Ray worker's own
 resident memory, and what the executor's calls cost between their spans and its controller's advantage step
 (call_gaps: read off a short run of the executor). On CPU, first each decoder layer's fixed cost: a log-prob call, a
@@ -179,7 +180,8 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
     executor runs them, in a Ray worker, and the executor's call gaps are measured; else the engines are timed
     here and the call fields are left at their defaults. `across`: the engine wrapped in FSDP2 and split by
     tensor parallelism, each timed over the profiled world (measure_collectives' processes, all computing at
-    once, as a layout's ranks do); without them, FSDP2 over a world of one and no tensor-parallel costs."""
+    once, as a layout's ranks do) and in pipeline stages; without them, FSDP2 over a world of one and no
+    tensor-parallel or pipeline costs."""
     arch = CATALOG[MODEL]
     one = costs.SetShape(1, 1)
     ray_costs = _ray_worker(device, profile, min_time) if through_ray else None
@@ -588,8 +590,12 @@ def _pipeline_fixed(fitted: HardwareProfile, measured: EngineSeconds) -> tuple[d
     def slope(hw: HardwareProfile) -> float:
         return (step(hw, MANY) - step(hw, FEW)) / (MANY - FEW)
 
-    def forward(hw: HardwareProfile) -> float:  # the engine's own call: no controller's call dispatched it
-        return costs.inference_time(hw, arch, infer, where, 1, tokens, "lm") - costs.call_dispatch(hw)
+    # A trained role's forward, wrapped as the layout rule wraps it (as a plan's call of it is costed), and the
+    # engine's own call: no controller's call dispatched it.
+    wrapped = trains_through_fsdp(1, fitted.compute.value_bytes)
+
+    def forward(hw: HardwareProfile) -> float:
+        return costs.inference_time(hw, arch, infer, where, 1, tokens, "lm", fsdp=wrapped) - costs.call_dispatch(hw)
 
     train_us = _linear_fixed_us((measured.steps[MANY] - measured.steps[FEW]) / (MANY - FEW),
                                 lambda us: slope(with_fixed("pp_train_pass_us", us)))

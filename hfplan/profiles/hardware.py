@@ -481,23 +481,26 @@ class Runtime(_Strict):
         default=0.0, ge=0, description="fixed cost of one micro-batch through one pipeline stage of a forward-only "
                                        "call (the pipeline schedule's actions, its point-to-point sends' and "
                                        "receives' host work, the outputs sent from the last stage to the others) "
-                                       "on top of the unsplit engine's pass; each stage a micro-batch crosses pays "
-                                       "it")
+                                       "on top of the unsplit engine's pass; each micro-batch slot of the call (its "
+                                       "micro-batches and the pipeline's fill and drain) pays it")
     pp_train_pass_us: float = Field(default=0.0, ge=0, description="the same of a training micro-batch (forward and "
                                                                    "backward) through one pipeline stage")
     tp_step_collective_us: float = Field(
         default=0.0, ge=0, description="fixed cost of each tensor-parallel collective of a step of the generation "
                                        "engine (prefill or decode) beyond the link's modelled latency and "
                                        "bandwidth: the ranks meeting between the step's kernels, each waiting for "
-                                       "the slowest one's compute and for the host to run it; measured with every "
-                                       "rank generating at once")
+                                       "the slowest one's compute and for the host to run it; written by "
+                                       "`hfplan profile` before step_collective_us replaced it, which it is not "
+                                       "added to")
 
     step_collective_us: float | None = Field(
-        default=None, ge=0, description="each tensor-parallel collective of a generation step (prefill or decode), "
-                                        "in place of the link's modelled latency (the link's term for its bytes "
-                                        "kept): measured with every rank generating at once, the ranks meeting "
-                                        "between the step's kernels as they do there; None: the link's latency, "
-                                        "plus tp_step_collective_us, as for a profile written before the field")
+        default=None, ge=0, description="each tensor-parallel collective of a generation step (prefill or decode) "
+                                        "over two ranks of a node, in place of the link's modelled latency (the "
+                                        "link's term for its bytes kept; a larger or wider group adds the link's "
+                                        "latency beyond that pair's): measured with every rank generating at "
+                                        "once, the ranks meeting between the step's kernels as they do there; "
+                                        "None: the link's latency, plus tp_step_collective_us, as for a profile "
+                                        "written before the field")
 
     vllm_batched_tokens: int = Field(
         default=8192, ge=1, description="vLLM's max_num_batched_tokens on this device (its default for the offline "

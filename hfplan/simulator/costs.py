@@ -187,15 +187,19 @@ def on_shared_host(hw: HardwareProfile, where: SetShape, parts: Parts, busy: flo
 AllReduce = Callable[[HardwareProfile, coll.Group, float], float]
 
 
+STEP_COLLECTIVE_GROUP = coll.group_of(2, 1, 2)  # Runtime.step_collective_us is measured on two ranks of a node
+
+
 def step_all_reduce(hw: HardwareProfile, group: coll.Group, nbytes: float) -> float:
     """One tensor-parallel all-reduce of a generation step: the link's model, or where the profile measured a
-    step's collectives whole (Runtime.step_collective_us) that figure in place of the link's latency, the link's
-    term for the bytes kept."""
+    step's collectives whole (Runtime.step_collective_us, over STEP_COLLECTIVE_GROUP) that figure in place of the
+    link's latency for that pair: the link's model shifted by the difference, never below its term for the bytes."""
     link = coll.all_reduce(hw, group, nbytes)
     measured = hw.runtime.step_collective_us
     if measured is None or group.size <= 1:
         return link
-    return measured * 1e-6 + max(0.0, link - coll.all_reduce(hw, group, 1.0))
+    latency = coll.all_reduce(hw, group, 1.0)
+    return max(link - latency, link + measured * 1e-6 - coll.all_reduce(hw, STEP_COLLECTIVE_GROUP, 1.0))
 
 
 def _layer_tp_comm(hw: HardwareProfile, arch: ModelArch, tokens: float, tp: int, where: SetShape,

@@ -16,7 +16,9 @@ run as before. At real positions the results are HF's own, to the bit (tests/tes
 The forward runs where that mask is what the layers expect (`runs`): an SDPA attention (or its
 selective-recompute wrapper), no sliding window narrower than the sequence, and a root without hooks and not an
 FSDP2 module (FSDP2 gathers and reduces the root's own parameters in hooks on the root's call, which only HF's
-forward makes). Elsewhere HF's forward runs.
+forward makes). Elsewhere HF's forward runs. A pipeline stage runs its share of the layers the same way
+(`layers_output`, where `runs_backbone`): the stage itself is the FSDP2 root there, called by the pipeline
+schedule, so its hooks run.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def runs_backbone(backbone: nn.Module, joined: sequences.Joined) -> bool:
     """Whether `layers_output` runs an HF backbone (`<Arch>Model`, or a pipeline stage's share of one) over
     `joined`: the mask it builds is what its attention expects, and nothing hooks the backbone's own call."""
     config = getattr(backbone, "config", None)
-    if config is None or backbone._forward_hooks or backbone._forward_pre_hooks:
+    if config is None or isinstance(backbone, FSDPModule) or backbone._forward_hooks or backbone._forward_pre_hooks:
         return False
     if getattr(config, "_attn_implementation", None) not in _BOOLEAN_MASK_ATTENTION:
         return False
