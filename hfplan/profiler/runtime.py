@@ -70,6 +70,11 @@ def cpu_probe(torch):
     return TorchRolloutEngine(model, pad_id=0, eos_id=-1), torch.randint(1, CATALOG[MODEL].vocab, (1, PROMPT))
 
 
+def slope_s(few_s: float, many_s: float) -> float:
+    """Seconds per micro-batch between updates of FEW and of MANY micro-batches."""
+    return (many_s - few_s) / (MANY - FEW)
+
+
 def fixed_us(measured_s: float, predicted_s: float) -> float:
     """Microseconds of a unit of work beyond its modelled kernels (never negative)."""
     return max(0.0, measured_s - predicted_s) * 1e6
@@ -121,7 +126,7 @@ def depth_seconds(torch, device: Device, min_time: float, plain: EngineSeconds) 
     prompts = torch.randint(1, arch.vocab, (1, PROMPT), device=device.kind)
     steps = steps_seconds(Clock(torch, device.kind), [(engine, prompts) for engine in engines], min_time)
     deep_log_prob, deep_few, deep_many = plain.deep
-    passes = ((plain.steps[MANY] - plain.steps[FEW]) / (MANY - FEW), (deep_many - deep_few) / (MANY - FEW))
+    passes = (plain.pass_s, slope_s(deep_few, deep_many))
     return DepthSeconds(layers, (plain.log_prob, deep_log_prob), passes, (steps[0], steps[1]))
 
 
@@ -135,7 +140,7 @@ def _layer_fixed(bare: HardwareProfile, depths: DepthSeconds) -> tuple[Runtime, 
     def train_pass(arch) -> float:  # a step of MANY micro-batches less one of FEW, per micro-batch between them
         step = {n: costs.train_step_time(bare, arch, TrainConfig(micro_batch=1), one, n, tokens, "lm")
                 for n in (FEW, MANY)}
-        return (step[MANY] - step[FEW]) / (MANY - FEW)
+        return slope_s(step[FEW], step[MANY])
 
     models = {"log_prob": [costs.inference_time(bare, a, InferConfig(micro_batch=1), one, 1, tokens, "lm")
                            for a in archs],
@@ -193,9 +198,8 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
         profile.model_copy(update={"runtime": Runtime()}), times.depths)
     bare = profile.model_copy(update={"runtime": layers})
     step_s, batch_s, continuous_s, plain = times.step, times.batch_step, times.continuous_step, times.plain
-    context = PROBE_CONTEXT
-    step_model = costs.decode_step_time(bare, arch, Layout(), one, 1, context)
-    batch_model = costs.decode_step_time(bare, arch, Layout(), one, BATCH, context)
+    step_model = costs.decode_step_time(bare, arch, Layout(), one, 1, PROBE_CONTEXT)
+    batch_model = costs.decode_step_time(bare, arch, Layout(), one, BATCH, PROBE_CONTEXT)
     # A step's fixed cost grows with the sequences in it: the slope between a batch of one and of BATCH.
     sequence_us = max(0.0, fixed_us(batch_s, batch_model) - fixed_us(step_s, step_model)) / (BATCH - 1)
     rows = layer_rows + [_row("engine_step", step_s, step_model),
@@ -311,6 +315,11 @@ class EngineSeconds:
     deep: tuple[float, float, float] | None = None
     split_steps: tuple[float, float] | None = None  # TP only: a decode step of one and of BATCH sequences, the
     # rollout engine generating over the tensor-parallel group in the training layout (as the executor does)
+
+    @property
+    def pass_s(self) -> float:
+        """Seconds a training micro-batch adds to an update (FEW to MANY: the optimizer step drops out)."""
+        return slope_s(self.steps[FEW], self.steps[MANY])
 
     @property
     def prefix(self) -> str:
@@ -545,13 +554,12 @@ def _step_collective_fixed(fitted: HardwareProfile, measured: EngineSeconds) -> 
     costs fitted, the host's sharing and the link's term for the bytes in it) meets the timing; the mean of the
     two. The rows compare the timings with the step as the link's model alone prices its collectives."""
     arch, world = CATALOG[MODEL], measured.world
-    where, context = costs.SetShape(world, world), PROBE_CONTEXT
+    where = costs.SetShape(world, world)
     cases = list(zip((1, BATCH), measured.split_steps, SPLIT_STEP_OPS, strict=True))
-    base = fitted.runtime.model_copy(update={"tp_step_collective_us": 0.0})
 
     def step(batch: int, collective_us: float | None) -> float:
-        hw = fitted.model_copy(update={"runtime": base.model_copy(update={"step_collective_us": collective_us})})
-        return costs.decode_step_time(hw, arch, Layout(tp=world), where, batch, context)
+        hw = _with_runtime(fitted, tp_step_collective_us=0.0, step_collective_us=collective_us)
+        return costs.decode_step_time(hw, arch, Layout(tp=world), where, batch, PROBE_CONTEXT)
 
     per_collective = [_linear_fixed_us(seconds, lambda us, batch=batch: step(batch, us)) for batch, seconds, _ in cases]
     rows = [_row(op, seconds, step(batch, None), world) for batch, seconds, op in cases]
@@ -559,6 +567,11 @@ def _step_collective_fixed(fitted: HardwareProfile, measured: EngineSeconds) -> 
 
 
 PROBE_US = 1000.0  # a fixed cost set on a profile to read how much of it the model charges a call
+
+
+def _with_runtime(hw: HardwareProfile, **fields: float | None) -> HardwareProfile:
+    """`hw` with these runtime fields set."""
+    return hw.model_copy(update={"runtime": hw.runtime.model_copy(update=fields)})
 
 
 def _linear_fixed_us(measured: float, modelled) -> float:
@@ -581,14 +594,11 @@ def _pipeline_fixed(fitted: HardwareProfile, measured: EngineSeconds) -> tuple[d
     where, tokens = costs.SetShape(world, world), PROMPT + LONG
     train, infer = TrainConfig(pp=world, micro_batch=1), InferConfig(pp=world, micro_batch=1)
 
-    def with_fixed(field: str, us: float) -> HardwareProfile:
-        return fitted.model_copy(update={"runtime": fitted.runtime.model_copy(update={field: us})})
-
     def step(hw: HardwareProfile, n: int) -> float:
         return costs.train_step_time(hw, arch, train, where, n, tokens, "lm")
 
     def slope(hw: HardwareProfile) -> float:
-        return (step(hw, MANY) - step(hw, FEW)) / (MANY - FEW)
+        return slope_s(step(hw, FEW), step(hw, MANY))
 
     # A trained role's forward, wrapped as the layout rule wraps it (as a plan's call of it is costed), and the
     # engine's own call: no controller's call dispatched it.
@@ -597,15 +607,14 @@ def _pipeline_fixed(fitted: HardwareProfile, measured: EngineSeconds) -> tuple[d
     def forward(hw: HardwareProfile) -> float:
         return costs.inference_time(hw, arch, infer, where, 1, tokens, "lm", fsdp=wrapped) - costs.call_dispatch(hw)
 
-    train_us = _linear_fixed_us((measured.steps[MANY] - measured.steps[FEW]) / (MANY - FEW),
-                                lambda us: slope(with_fixed("pp_train_pass_us", us)))
-    forward_us = _linear_fixed_us(measured.log_prob, lambda us: forward(with_fixed("pp_forward_pass_us", us)))
+    train_us = _linear_fixed_us(measured.pass_s, lambda us: slope(_with_runtime(fitted, pp_train_pass_us=us)))
+    forward_us = _linear_fixed_us(measured.log_prob, lambda us: forward(_with_runtime(fitted, pp_forward_pass_us=us)))
     train_layout, gen = pipeline_switch(world)
 
     def switch(hw: HardwareProfile) -> float:
         return costs.transition_time(hw, arch, train_layout, gen, where)
 
-    reshard_us = _linear_fixed_us(measured.switch, lambda us: switch(with_fixed("reshard_tensor_us", us)))
+    reshard_us = _linear_fixed_us(measured.switch, lambda us: switch(_with_runtime(fitted, reshard_tensor_us=us)))
     rows = [_row(f"pp_train_step_{n}_micro_batches", measured.steps[n], step(fitted, n), world) for n in (FEW, MANY)]
     rows += [_row("pp_engine_log_prob", measured.log_prob, forward(fitted), world),
              _row("pp_hybrid_switch", measured.switch, switch(fitted), world)]
@@ -661,7 +670,7 @@ def _train_fixed(bare: HardwareProfile, measured: EngineSeconds, per_token: _Tok
     train = TrainConfig(tp=tp, dp=dp, micro_batch=1, shard="full" if fsdp else "replicated")
     modelled = {n: costs.train_step_time(bare, arch, train, where, n * dp, PROMPT + LONG, "lm") for n in (FEW, MANY)}
     beyond = {n: measured.steps[n] - modelled[n] for n in (FEW, MANY)}
-    pass_s = max(0.0, (beyond[MANY] - beyond[FEW]) / (MANY - FEW))
+    pass_s = max(0.0, slope_s(beyond[FEW], beyond[MANY]))
     step_s = max(0.0, beyond[FEW] - FEW * pass_s)
     tokens = PROMPT + LONG
     forward_model = costs.inference_time(bare, arch, InferConfig(tp=tp, dp=dp, micro_batch=1), where, dp,
