@@ -39,7 +39,8 @@ def points(sizes: Sequence[int]) -> int:
     return len(COLLECTIVES) * len(sizes)
 
 
-def measure_collectives(torch, device: Device, sizes: Sequence[int], min_time: float, step: Step) -> list[dict]:
+def measure_collectives(torch, device: Device, sizes: Sequence[int], min_time: float, engine_reps: int,
+                        step: Step) -> list[dict]:
     """All-reduce, all-gather, reduce-scatter and point-to-point over `device.world_size` processes, then the
     training engine wrapped in FSDP2 and (where the demo model splits over them) split by tensor parallelism and in
     pipeline stages across them (rows of kind `engine`, for runtime.measure_runtime), and on CPU how the processes
@@ -53,8 +54,8 @@ def measure_collectives(torch, device: Device, sizes: Sequence[int], min_time: f
     with tempfile.TemporaryDirectory(prefix="hfplan-profile-") as folder:
         init = Path(folder, "rendezvous").as_uri()
         context = mp.start_processes(_worker, args=(device.world_size, device.kind, init, tuple(sizes), min_time,
-                                                    device.threads, messages), nprocs=device.world_size, join=False,
-                                     start_method="spawn")
+                                                    engine_reps, device.threads, messages),
+                                     nprocs=device.world_size, join=False, start_method="spawn")
         try:
             done = False
             while not done:
@@ -82,8 +83,8 @@ def _drain(messages, step: Step) -> list[dict]:
             rows += payload
 
 
-def _worker(rank: int, world: int, kind: str, init: str, sizes: tuple[int, ...], min_time: float, threads: int,
-            messages) -> None:
+def _worker(rank: int, world: int, kind: str, init: str, sizes: tuple[int, ...], min_time: float, engine_reps: int,
+            threads: int, messages) -> None:
     import torch
     import torch.distributed as dist
 
@@ -102,7 +103,7 @@ def _worker(rank: int, world: int, kind: str, init: str, sizes: tuple[int, ...],
         rows = _sweep(torch, dist, rank, world, kind, dtype, sizes, min_time, messages)
         torch.set_num_threads(threads)  # the engines as a run's workers compute (the collectives took one)
         for mode in world_modes(world):  # every rank computing at once, as in a run
-            rows += engine_seconds(torch, kind, mode).rows()
+            rows += engine_seconds(torch, kind, mode, engine_reps).rows()
         if kind == "cpu":  # processes share the host's cores; GPUs compute on their own
             rows += measure_sharing(torch, dist, SHARING_TIMES * min_time)
         if rank == 0:

@@ -104,7 +104,7 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
     if device.world_size > 1:
         if device.kind == "cuda":
             torch.cuda.empty_cache()
-        rows += comm.measure_collectives(torch, device, sweeps.message_bytes, sweeps.comm_min_time,
+        rows += comm.measure_collectives(torch, device, sweeps.message_bytes, sweeps.comm_min_time, sweeps.engine_reps,
                                          tracker.phase("collectives", comm.points(sweeps.message_bytes)))
     collectives = [r for r in rows if r["kind"] == "collective"]
     tiling = device_tiling(device, request.base)
@@ -165,7 +165,8 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
     with _cpu_threads(torch, device):
         across = runtime.EngineSeconds.from_rows(rows)
         rows = [r for r in rows if r["kind"] != "engine"]  # become runtime rows, with their predictions
-        fixed = runtime.measure_runtime(torch, device, profile, sweeps.min_time, sweeps.through_ray, across)
+        fixed = runtime.measure_runtime(torch, device, profile, sweeps.min_time, sweeps.through_ray, across,
+                                        sweeps.engine_reps)
     base = request.base
     resident = fixed.worker_resident_gib if fixed.ray else base.memory.worker_resident_gib
     memory = profile.memory.model_copy(update={"worker_resident_gib": resident})

@@ -47,6 +47,9 @@ BATCH = 8  # sequences of the larger static batch whose steps are timed (the dem
 FEW, MANY = 1, 3  # micro-batches (of one sequence) per optimizer step: the difference is MANY - FEW passes
 DEEP = 4  # the demo model timed again with its decoder layers this many times over: the difference is per layer
 ROUNDS = 3
+# Timed calls per measurement of the training engine (the median kept; Sweeps.engine_reps, fewer with --quick); a
+# count, not a time, so every rank of a world makes the same collectives
+ENGINE_REPS = 15
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +161,7 @@ def _layer_fixed(bare: HardwareProfile, depths: DepthSeconds) -> tuple[Runtime, 
                    layer_step_us=round(per_layer["step"], 2)), rows
 
 
-def time_engines(torch, device: Device, min_time: float) -> EngineTimes:
+def time_engines(torch, device: Device, min_time: float, engine_reps: int = ENGINE_REPS) -> EngineTimes:
     """Time the rollout engine, the training engine on a world of this process alone and the hybrid engine's
     switch, here (in the process that calls this)."""
     from hfplan.executor.models import build_model
@@ -173,13 +176,13 @@ def time_engines(torch, device: Device, min_time: float) -> EngineTimes:
     continuous = TorchRolloutEngine(model, pad_id=0, eos_id=-1, batching="continuous", max_batch=1)
     step, batch_step, continuous_step = steps_seconds(
         clock, [(static, prompts), (static, prompts.repeat(BATCH, 1)), (continuous, prompts.repeat(2, 1))], min_time)
-    plain = _engine_on_one_rank(torch, device, PLAIN)
+    plain = _engine_on_one_rank(torch, device, PLAIN, engine_reps)
     return EngineTimes(step=step, batch_step=batch_step, continuous_step=continuous_step, plain=plain,
                        depths=depth_seconds(torch, device, min_time, plain) if device.kind == "cpu" else None)
 
 
 def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: float, through_ray: bool = True,
-                    across: dict[str, EngineSeconds] | None = None) -> RuntimeFit:
+                    across: dict[str, EngineSeconds] | None = None, engine_reps: int = ENGINE_REPS) -> RuntimeFit:
     """The Runtime fields (the module docstring's measurements), with the rows behind them. `through_ray` (and
     ray importable, no Ray session already in this process): the engines on one rank are timed where the
     executor runs them, in a Ray worker, and the executor's call gaps are measured; else the engines are timed
@@ -189,8 +192,8 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
     tensor-parallel or pipeline costs."""
     arch = CATALOG[MODEL]
     one = costs.SetShape(1, 1)
-    ray_costs = _ray_worker(device, profile, min_time) if through_ray else None
-    times = ray_costs.engines if ray_costs is not None else time_engines(torch, device, min_time)
+    ray_costs = _ray_worker(device, profile, min_time, engine_reps) if through_ray else None
+    times = ray_costs.engines if ray_costs is not None else time_engines(torch, device, min_time, engine_reps)
     # Each decoder layer's fixed cost first (against the kernels alone): every other fixed cost is what a call
     # takes beyond its kernels and its layers' fixed costs. Only a CPU's: a GPU's host runs ahead of its kernels,
     # which the model charges instead.
@@ -215,7 +218,7 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
     # The executor's own switch on one rank trained as it is: the rollout engine keeps the trained tensors.
     kept_us = None if plain.kept_switch is None else round(fixed_us(plain.kept_switch, 0.0), 2)
     rows += [] if plain.kept_switch is None else [_row("kept_hybrid_switch", plain.kept_switch, 0.0)]
-    fsdp = across.get(FSDP) or _engine_on_one_rank(torch, device, FSDP)
+    fsdp = across.get(FSDP) or _engine_on_one_rank(torch, device, FSDP, engine_reps)
     wrapped = _train_fixed(bare, fsdp, per_token)
     fsdp_switch_us, fsdp_switch_row = _switch_fixed(bare, fsdp, FSDP)
     rows.append(fsdp_switch_row)
@@ -291,8 +294,6 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
 PLAIN, FSDP, TP, PP = "plain", "fsdp", "tp", "pp"
 # RoleModel's `fsdp` per mode: split by tp or pp, the engine wraps as the layout rule says (one data-parallel rank)
 WRAPS_IN_FSDP = {PLAIN: False, FSDP: True, TP: None, PP: None}
-ENGINE_REPS = 15  # timed calls per measurement of the training engine (the median kept); fixed, so every rank
-# of a world makes the same collectives
 SPLIT_STEP_OPS = ("tp_engine_step", f"tp_engine_step_{BATCH}_sequences")  # EngineSeconds.split_steps' rows
 SPLIT_STEP_REPS = 3  # timed calls per round of steps_seconds for the split decode steps (ROUNDS rounds)
 
@@ -387,9 +388,9 @@ def profiled_role(torch, kind: str, mode: str, layers: int | None = None):
                      fsdp=WRAPS_IN_FSDP[mode])
 
 
-def engine_seconds(torch, kind: str, mode: str) -> EngineSeconds:
+def engine_seconds(torch, kind: str, mode: str, reps: int = ENGINE_REPS) -> EngineSeconds:
     """Time the executor's training engine on the process group this process is in (every rank calls this):
-    each measurement the median of ENGINE_REPS calls, each call the slowest rank's (a collective ends with its
+    each measurement the median of `reps` calls, each call the slowest rank's (a collective ends with its
     slowest rank)."""
     import torch.distributed as dist
 
@@ -405,7 +406,7 @@ def engine_seconds(torch, kind: str, mode: str) -> EngineSeconds:
         deep = profiled_role(torch, kind, PLAIN, layers=DEEP * CATALOG[MODEL].layers)
         calls += [_log_prob_call(torch, deep, 1), _update_call(torch, deep, FEW, 1), _update_call(torch, deep, MANY, 1)]
     # Every call timed in the same rounds (WorldClock.per_calls).
-    few, many, one, switch, *wide = WorldClock(torch, kind, ENGINE_REPS).per_calls(calls)
+    few, many, one, switch, *wide = WorldClock(torch, kind, reps).per_calls(calls)
     steps = {FEW: few, MANY: many}
     if mode == TP:
         return EngineSeconds(world, mode, steps, one, switch, split_steps=_split_steps(torch, kind, role))
@@ -687,9 +688,9 @@ def _train_fixed(bare: HardwareProfile, measured: EngineSeconds, per_token: _Tok
                        rows)
 
 
-def _engine_on_one_rank(torch, device: Device, mode: str) -> EngineSeconds:
+def _engine_on_one_rank(torch, device: Device, mode: str, reps: int = ENGINE_REPS) -> EngineSeconds:
     with _world_of_one(torch, device):
-        return engine_seconds(torch, device.kind, mode)
+        return engine_seconds(torch, device.kind, mode, reps)
 
 
 @contextmanager
@@ -747,7 +748,8 @@ class RayCosts:
     gaps: CallGaps | None
 
 
-def _ray_worker(device: Device, profile: HardwareProfile, min_time: float) -> RayCosts | None:
+def _ray_worker(device: Device, profile: HardwareProfile, min_time: float,
+                engine_reps: int = ENGINE_REPS) -> RayCosts | None:
     """None without ray or when a Ray session is already running in this process (it is not ours to measure
     or stop)."""
     try:
@@ -766,7 +768,7 @@ def _ray_worker(device: Device, profile: HardwareProfile, min_time: float) -> Ra
         try:
             timer = ray.remote(num_gpus=gpus)(_EngineTimer).remote()
             resident = ray.get(timer.resident_bytes.remote(), timeout=300)
-            engines = ray.get(timer.time_engines.remote(device, min_time), timeout=900)
+            engines = ray.get(timer.time_engines.remote(device, min_time, engine_reps), timeout=900)
             ray.kill(timer)  # its device and memory go back before the probe's worker starts
             return RayCosts(resident, engines, _probe_gaps(profile, ranks))
         finally:
@@ -793,7 +795,7 @@ class _EngineTimer:
 
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
-    def time_engines(self, device: Device, min_time: float) -> EngineTimes:
+    def time_engines(self, device: Device, min_time: float, engine_reps: int = ENGINE_REPS) -> EngineTimes:
         """time_engines in this worker, with the threads an executor worker of `device` gets."""
         import torch
 
@@ -801,4 +803,4 @@ class _EngineTimer:
             torch.set_num_threads(device.threads)
         else:
             torch.cuda.set_device(0)  # Ray exposes exactly the actor's GPU
-        return time_engines(torch, device, min_time)
+        return time_engines(torch, device, min_time, engine_reps)

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hfplan.profiler.runtime import ENGINE_REPS
+
 KIB, MIB = 2**10, 2**20
+# --quick times each training-engine measurement this many times (a test's profile; the median of 15 otherwise)
+QUICK_ENGINE_REPS = 5
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,7 @@ class Sweeps:
     comm_min_time: float
     through_ray: bool = True  # engines timed in a Ray worker, and the executor's call gaps measured on a run
     linear_backwards: tuple[tuple[int, int, int], ...] = ()  # (m, k, n) products whose backward pair is timed (CPU)
+    engine_reps: int = ENGINE_REPS  # timed calls per measurement of the training engine (the median kept)
 
 
 # Rows (M) of the skinny GEMMs measured on a GPU against hidden and MLP widths: decode batches (where the GEMM
@@ -63,6 +68,7 @@ def sweeps_for(kind: str, quick: bool) -> Sweeps:
             min_time=0.05 if quick else 0.2,
             comm_min_time=0.02 if quick else 0.1,
             through_ray=not quick,  # --quick skips Ray and the probe run (their start takes seconds)
+            engine_reps=QUICK_ENGINE_REPS if quick else ENGINE_REPS,
         )
     # Few rows by weights from ones the core's cache holds (256 KiB in fp32) to ones it streams (16-64 MiB), and
     # 512 rows by each, where the rate is reached: Compute.row_efficiency by rows and weight bytes; the backward of
@@ -84,4 +90,5 @@ def sweeps_for(kind: str, quick: bool) -> Sweeps:
         min_time=0.06 if quick else 0.3,
         comm_min_time=0.03 if quick else 0.15,
         through_ray=not quick,  # --quick skips Ray and the probe run (their start takes seconds)
+        engine_reps=QUICK_ENGINE_REPS if quick else ENGINE_REPS,
     )
