@@ -30,7 +30,8 @@ from hfplan.profiler.fit import (
     fit_roofline,
 )
 from hfplan.profiler.idle_wake import IDLE_MS
-from hfplan.profiler.report import FLAG_PCT, PACE_DRIFT, PASS_LABEL
+from hfplan.profiler.pace import PACE_DRIFT
+from hfplan.profiler.report import FLAG_PCT, PASS_LABEL
 from hfplan.profiles.hardware import HardwareProfile, Link, load_hardware
 from hfplan.profiles.models import CATALOG, ModelArch
 from hfplan.simulator import collectives as coll

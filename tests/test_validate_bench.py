@@ -4,6 +4,8 @@ run."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tests.support.scripts import load_bench
@@ -75,7 +77,7 @@ def test_a_saved_run_is_costed_again_against_its_own_measurements(tmp_path, caps
     stages = phase_seconds(estimate.timeline)
     measured = Comparison(calls=[], stages={p: Figure.of(0.0, s / 2) for p, s in stages.items()},
                           iteration=Figure.of(0.0, estimate.iteration_s / 2), memory_gib={"set 0": Figure.of(0.0, 1.0)})
-    record = BENCH.run_record(plan, measured, 0.0, 1.0, 1.0)
+    record = BENCH.run_record(plan, measured, 0.0, 1.0, 1.0, math.nan)
     again = BENCH.recosted(json.loads(json.dumps(record)), None)
     assert again.iteration.simulated == pytest.approx(estimate.iteration_s)
     assert again.iteration.error == pytest.approx(1.0)
@@ -91,7 +93,16 @@ def test_a_saved_run_is_costed_again_against_its_own_measurements(tmp_path, caps
     out = capsys.readouterr().out
     assert "per stage 100.0%" in out and "iteration 100.0%" in out
     assert "host parallelism around the runs" in out and "at the machine's pace and parallelism" in out
+    assert "collectives' pace" not in out  # no run measured it
     pair = colocated_plan(BENCH.workloads()["arith-grpo"], 1, 1, 2, "cpu")
-    paired = BENCH.run_record(pair, measured, 0.0, 1.0, 1.0)
+    paired = BENCH.run_record(pair, measured, 0.0, 1.0, 1.0, 1.3)
+    saved.write_text(json.dumps({"date": "d", "iterations": 3, "runs": 1, "points": {"a": [record], "b": [paired]}},
+                                allow_nan=True))
+    points = BENCH.recost(saved, None)
+    assert [p.spans_processes for p in points] == [False, True]
+    BENCH.summary(points)
+    out = capsys.readouterr().out
+    assert "collectives' pace against the profile's link model" in out and "median 1.30, range 1.30-1.30" in out
+    assert "+100.0% over the 1 others" in out and "over the 1 plans with a set of several processes" in out
     assert (BENCH.recosted(paired, None, 1.0).iteration.simulated
             > BENCH.recosted(paired, None).iteration.simulated)  # the profile's 1.87 against 1.0 around the run

@@ -12,6 +12,13 @@ plus its modelled kernels), and `hfplan validate` times it again around its run.
 `python -m hfplan.profiler.pace` is the probe as a process of its own: for each line it reads on stdin it times the
 step and prints its seconds as a JSON line, until stdin ends, so a caller brackets a run with processes that import
 torch once and sleep in between (one alone for the pace; several at once for how the host's cores hold up).
+
+The step computes alone, and the machine's collectives drift on their own: on the project's 2-core VM the
+tensor-parallel training engine's calls ran 20-45% longer than in a profile two hours older while this step's pace
+stayed within 3% (2026-12-07). So `python -m hfplan.profiler.pace --rank R --world W --init URI` is one of W such
+processes in a gloo group (on loopback, meeting at the file URI), and a line `collective` makes every one of them
+time an all-reduce of COLLECTIVE_BYTES as the profile timed its collectives (hfplan.profiler.comm, after a burst of
+compute on each rank), which the profile's link model implies a time for too (profiled_collective_seconds).
 """
 
 from __future__ import annotations
@@ -25,6 +32,12 @@ from hfplan.profiles.models import CATALOG
 from hfplan.simulator import costs
 
 PROBE_SECONDS = 0.6  # timing budget of one probe (its warm-up and rounds on top)
+COLLECTIVE_BYTES = 16 * 2**10  # the all-reduce of the collective probe: a tensor-parallel layer's activations
+# in the demo runs (128 tokens x a hidden size of 32 in fp32), where latency and bytes both count
+COLLECTIVE = "collective"  # the line that asks the probes of a group for the collective probe
+# Two timings of a probe further apart than this (drift): the machine changed speed between them (while it was
+# profiled, or since, around a validated run)
+PACE_DRIFT = 0.25
 
 
 def profiled_step_seconds(profile: HardwareProfile) -> float | None:
@@ -55,12 +68,58 @@ def measure_step_seconds(torch, min_time: float = PROBE_SECONDS) -> float:
         torch.set_num_threads(threads)
 
 
-def main() -> None:
+def profiled_collective_seconds(profile: HardwareProfile, world: int) -> float | None:
+    """What the collective probe over `world` processes of one host takes by `profile`'s link model; None where
+    the profile was not measured on CPU processes or has one process a node."""
+    from hfplan.simulator import collectives
+
+    if not (profile.measured and profile.on_host) or world < 2 or profile.gpus_per_node < world:
+        return None
+    return collectives.all_reduce(profile, collectives.group_of(world, 1, world), COLLECTIVE_BYTES)
+
+
+def measure_collective_seconds(torch, dist) -> float:
+    """The collective probe in this process's group (every rank calls this and gets the same figure)."""
+    from hfplan.profiler import comm
+
+    full = torch.ones(COLLECTIVE_BYTES // 4, dtype=torch.float32)
+    return comm.collective_seconds(torch, dist, "cpu", lambda: dist.all_reduce(full),
+                                   comm.compute_burst(torch, comm.BURST_S), PROBE_SECONDS)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
     import torch
 
-    for _ in sys.stdin:
-        sys.stdout.write(json.dumps({"step_s": measure_step_seconds(torch)}) + "\n")
-        sys.stdout.flush()
+    parser = argparse.ArgumentParser(prog="python -m hfplan.profiler.pace")
+    parser.add_argument("--rank", type=int)
+    parser.add_argument("--world", type=int)
+    parser.add_argument("--init", help="file:// URI where the group's processes meet")
+    args = parser.parse_args(argv)
+    dist = None
+    if args.world is not None:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        from hfplan.executor.loopback import gloo_on_loopback
+
+        with gloo_on_loopback():
+            dist.init_process_group("gloo", init_method=args.init, rank=args.rank, world_size=args.world,
+                                    timeout=timedelta(seconds=60))
+    torch.set_num_threads(1)
+    try:
+        for line in sys.stdin:
+            if line.strip() == COLLECTIVE and dist is not None:
+                body = {"collective_s": measure_collective_seconds(torch, dist)}
+            else:
+                body = {"step_s": measure_step_seconds(torch)}
+            sys.stdout.write(json.dumps(body) + "\n")
+            sys.stdout.flush()
+    finally:
+        if dist is not None:
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

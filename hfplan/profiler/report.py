@@ -156,14 +156,13 @@ def error_summary(frame: pd.DataFrame) -> str:
     return "prediction error (predicted - measured) / measured: " + "; ".join(parts)
 
 
-PACE_DRIFT = 0.25  # the probe's start and end further apart than this: the machine changed speed while profiled
 
 
 def pace_note(result: Result) -> tuple[str, bool] | None:
     """The pace probe's line under the tables (CPU profiles), and whether it is a warning; None without one."""
     if result.pace_s is None:
         return None
-    from hfplan.profiler.pace import drift, profiled_step_seconds
+    from hfplan.profiler.pace import PACE_DRIFT, drift, profiled_step_seconds
 
     start, end = result.pace_s
     implied = profiled_step_seconds(result.profile)

@@ -20,11 +20,13 @@ import os
 import select
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from hfplan.profiler.host_share import parallelism
+from hfplan.profiler.pace import COLLECTIVE, PACE_DRIFT, drift
 
 logger = logging.getLogger(__name__)
 
@@ -115,15 +117,37 @@ class Sharing:
 
 
 @dataclass(frozen=True)
+class CollectivePace:
+    """The collective probe (hfplan.profiler.pace: an all-reduce over `world` processes of the host, after a burst
+    of compute on each) as the profile's link model prices it, and timed just before and just after the run."""
+
+    world: int
+    profiled_s: float
+    before_s: float
+    after_s: float
+
+    @property
+    def ratio(self) -> float:
+        """How much slower than the profile's link model the collective ran around the run (above 1: slower)."""
+        return (self.before_s + self.after_s) / 2 / self.profiled_s
+
+    def to_json(self) -> dict:
+        return {"processes": self.world, "profiled_s": self.profiled_s, "before_s": self.before_s,
+                "after_s": self.after_s, "ratio": self.ratio}
+
+
+@dataclass(frozen=True)
 class Pace:
     """The machine's pace around a run (hfplan.profiler.pace): the probe's seconds when the profile was
     measured, and timed just before and just after the run; `sharing`: the same probe on every process of the
-    profile's host at once (None where the profile measured no sharing)."""
+    profile's host at once (None where the profile measured no sharing); `collective`: the collective probe
+    over those processes (None where not measured)."""
 
     profiled_s: float
     before_s: float
     after_s: float
     sharing: Sharing | None = None
+    collective: CollectivePace | None = None
 
     @property
     def ratio(self) -> float:
@@ -135,6 +159,20 @@ class Pace:
         """The host's parallelism around the run (Compute.host_parallelism's measure), None if not measured."""
         return None if self.sharing is None else self.sharing.parallelism((self.before_s + self.after_s) / 2)
 
+    def drifted(self) -> str | None:
+        """A sentence when the machine around the run was further than PACE_DRIFT from the profile's moment, on
+        the step or on the collectives: the run's misses are then the machine's as much as the model's."""
+        moved = []
+        if drift(self.profiled_s, (self.before_s + self.after_s) / 2) > PACE_DRIFT:
+            moved.append(f"the step's pace {self.ratio:.2f}x")
+        probe = self.collective
+        if probe is not None and drift(probe.profiled_s, (probe.before_s + probe.after_s) / 2) > PACE_DRIFT:
+            moved.append(f"the collectives' {probe.ratio:.2f}x")
+        if not moved:
+            return None
+        return (f"the machine has moved since it was profiled ({' and '.join(moved)} the profile's): profile it "
+                "again (hfplan profile) before reading these errors as the model's")
+
     def to_json(self) -> dict:
         body = {"profiled_step_s": self.profiled_s, "before_step_s": self.before_s, "after_step_s": self.after_s,
                 "ratio": self.ratio, "parallelism": self.parallelism, "profiled_parallelism": None,
@@ -143,6 +181,7 @@ class Pace:
             body["profiled_parallelism"] = self.sharing.profiled
             body["together"] = {"processes": self.sharing.world, "before_step_s": self.sharing.before_s,
                                 "after_step_s": self.sharing.after_s}
+        body["collective"] = None if self.collective is None else self.collective.to_json()
         return body
 
 
@@ -156,18 +195,30 @@ class PaceProbe:
 
     TIMEOUT_S = 120.0
 
-    def __init__(self, profiled_s: float | None, world: int = 1, profiled_parallelism: float | None = None) -> None:
+    def __init__(self, profiled_s: float | None, world: int = 1, profiled_parallelism: float | None = None,
+                 profiled_collective_s: float | None = None) -> None:
+        """`profiled_collective_s`: the collective probe's time by the profile's link model (pace.
+        profiled_collective_seconds over `world` processes); with it, the processes form a gloo group and also
+        time the collective probe, all at once, after the step."""
         self.profiled_s, self.world, self.profiled_parallelism = profiled_s, world, profiled_parallelism
+        self.profiled_collective_s = profiled_collective_s if world > 1 else None
         self.processes: list[subprocess.Popen] = []
-        self.before: tuple[float, float | None] | None = None
+        self.before: Probed | None = None
+        self._rendezvous: tempfile.TemporaryDirectory | None = None
 
     def __enter__(self) -> PaceProbe:
         if self.profiled_s is None:
             return self
+        world = max(1, self.world)
+        command = [sys.executable, "-m", "hfplan.profiler.pace"]
+        group: list[list[str]] = [[] for _ in range(world)]
         try:
-            self.processes = [subprocess.Popen([sys.executable, "-m", "hfplan.profiler.pace"], stdin=subprocess.PIPE,
-                                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-                              for _ in range(max(1, self.world))]
+            if self.profiled_collective_s is not None:
+                self._rendezvous = tempfile.TemporaryDirectory(prefix="hfplan-pace-")
+                init = Path(self._rendezvous.name, "rendezvous").as_uri()
+                group = [["--rank", str(rank), "--world", str(world), "--init", init] for rank in range(world)]
+            self.processes = [subprocess.Popen(command + args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                               stderr=subprocess.DEVNULL, text=True) for args in group]
         except OSError as error:
             logger.warning("the machine's pace is not measured: %s", error)
             self._stop()
@@ -195,35 +246,41 @@ class PaceProbe:
             return None
         finally:
             self._stop()
-        (before_s, together_before), (after_s, together_after) = self.before, after
-        sharing = None
-        if together_before is not None and together_after is not None:
-            sharing = Sharing(world, together_before, together_after, self.profiled_parallelism)
-        return Pace(self.profiled_s, before_s, after_s, sharing)
+        before = self.before
+        sharing = collective = None
+        if before.together_s is not None and after.together_s is not None:
+            sharing = Sharing(world, before.together_s, after.together_s, self.profiled_parallelism)
+        if before.collective_s is not None and after.collective_s is not None:
+            collective = CollectivePace(world, self.profiled_collective_s, before.collective_s, after.collective_s)
+        return Pace(self.profiled_s, before.alone_s, after.alone_s, sharing, collective)
 
     def __exit__(self, *exc) -> None:
         self._stop()
 
-    def _measure(self) -> tuple[float, float | None]:
-        """The probe alone, then (with several processes) every process's at once, their mean."""
+    def _measure(self) -> Probed:
+        """The probe alone, then (with several processes) every process's at once, their mean, then the collective
+        probe (where asked for: every process at once, each with the same figure)."""
         alone = self._ask(self.processes[:1])[0]
         if len(self.processes) < 2:
-            return alone, None
+            return Probed(alone)
         together = self._ask(self.processes)
-        return alone, sum(together) / len(together)
+        collective = None
+        if self.profiled_collective_s is not None:
+            collective = self._ask(self.processes, COLLECTIVE, "collective_s")[0]
+        return Probed(alone, sum(together) / len(together), collective)
 
-    def _ask(self, processes: list[subprocess.Popen]) -> list[float]:
+    def _ask(self, processes: list[subprocess.Popen], line: str = "", answer: str = "step_s") -> list[float]:
         for process in processes:
-            process.stdin.write("\n")
+            process.stdin.write(line + "\n")
             process.stdin.flush()
-        return [self._read(process) for process in processes]
+        return [self._read(process, answer) for process in processes]
 
-    def _read(self, process: subprocess.Popen) -> float:
+    def _read(self, process: subprocess.Popen, answer: str) -> float:
         ready, _, _ = select.select([process.stdout], [], [], self.TIMEOUT_S)
         line = process.stdout.readline() if ready else ""
         if not line:
             raise ValueError("the probe process gave no measurement")
-        return float(json.loads(line)["step_s"])
+        return float(json.loads(line)[answer])
 
     def _stop(self) -> None:
         for process in self.processes:
@@ -233,3 +290,16 @@ class PaceProbe:
             process.stdin.close()
             process.stdout.close()
         self.processes = []
+        if self._rendezvous is not None:
+            self._rendezvous.cleanup()
+            self._rendezvous = None
+
+
+@dataclass(frozen=True)
+class Probed:
+    """One reading of the probes: the step alone, every process's at once (their mean) and the collective probe
+    (None where not measured)."""
+
+    alone_s: float
+    together_s: float | None = None
+    collective_s: float | None = None
