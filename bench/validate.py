@@ -18,7 +18,9 @@ over the pairs whose measured ranges do not overlap (the ranking the search reli
 settle it), the other processes' CPU and the pace over all runs, and, where validate measured the host's
 parallelism around a run (several probes at once against one alone), its range and the errors once each run is
 costed again with that parallelism and stretched by its pace (a reading of what the machine's state around the run
-explains, not the model). Asserts nothing about time.
+explains, not the model), and the split engine's pace validate measured around the runs beside the median signed
+iteration error of the plans with a set of several processes and of the others (the same kind of reading). Asserts
+nothing about time.
 
 With --save PATH it also writes every run's costed plan (the measured response lengths, the cluster it ran on) and
 measured figures as JSON; --recost PATH runs nothing and costs those runs again with the code at hand (and
@@ -100,8 +102,8 @@ class Point:
     parallelisms: list[float] = field(default_factory=list)  # each run's host parallelism around it (nan: none)
     # each run costed again on its profile with the parallelism measured around it (runs without one left out)
     at_machine: list[Comparison] = field(default_factory=list)
-    # each run's collectives' pace against the profile's link model (validate's collective probe; nan: none)
-    collectives: list[float] = field(default_factory=list)
+    # each run's split engine's pace against the profile's price of it (validate's split probe; nan: none)
+    splits: list[float] = field(default_factory=list)
     spans_processes: bool = False  # a set of the plan has several processes (its calls make collectives)
 
     @property
@@ -157,11 +159,11 @@ def print_point(point: Point) -> None:
 
 
 def run_record(costed: Plan, comparison: Comparison, others: float, pace: float, parallelism: float,
-               collective: float) -> dict:
+               split: float) -> dict:
     """What --save keeps of one run: the plan as it was costed (its measured response lengths, the cluster it ran
     on) and the measured figures, so that --recost can cost it again on another model or profile."""
     return {"costed": json.loads(costed.model_dump_json()), "other_cores": others, "pace": pace,
-            "parallelism": parallelism, "collective_pace": collective,
+            "parallelism": parallelism, "split_pace": split,
             "iteration": comparison.iteration.measured,
             "stages": {phase: figure.measured for phase, figure in comparison.stages.items()},
             "memory_gib": {label: figure.measured for label, figure in comparison.memory_gib.items()}}
@@ -223,7 +225,7 @@ def measure(args, iterations: int, repeats: int, records: dict) -> list[Point]:
               f"cores, load {os.getloadavg()[0]:.1f}")
         print(HEADER)
         for label, plan in plans:
-            runs, others, paces, parallelisms, at_machine, collectives = [], [], [], [], [], []
+            runs, others, paces, parallelisms, at_machine, splits = [], [], [], [], [], []
             for repeat in range(repeats):
                 options = ExecuteOptions(iterations=iterations, out=out / f"{label.replace(' ', '-')}-{repeat}",
                                          call_timeout_s=300, start_timeout_s=120)
@@ -233,14 +235,14 @@ def measure(args, iterations: int, repeats: int, records: dict) -> list[Point]:
                 paces.append(checked.pace.ratio if checked.pace is not None else math.nan)
                 parallelism = checked.pace.parallelism if checked.pace is not None else None
                 parallelisms.append(math.nan if parallelism is None else parallelism)
-                probe = checked.pace.collective if checked.pace is not None else None
-                collectives.append(math.nan if probe is None else probe.ratio)
+                probe = checked.pace.split if checked.pace is not None else None
+                splits.append(math.nan if probe is None else probe.ratio)
                 record = run_record(checked.plan, checked.comparison, others[-1], paces[-1], parallelisms[-1],
-                                    collectives[-1])
+                                    splits[-1])
                 records.setdefault(label, []).append(record)
                 if parallelism is not None:
                     at_machine.append(recosted(record, None, parallelism))
-            points.append(Point(label, runs, others, paces, parallelisms, at_machine, collectives,
+            points.append(Point(label, runs, others, paces, parallelisms, at_machine, splits,
                                 spans_processes(plan)))
             print_point(points[-1])
     finally:
@@ -262,7 +264,7 @@ def recost(path: Path, hardware: str | None) -> list[Point]:
         points.append(Point(label, [recosted(r, hardware) for r in records], [r["other_cores"] for r in records],
                             [r["pace"] for r in records], parallelisms,
                             [recosted(r, hardware, p) for r, p in zip(records, parallelisms, strict=True)
-                             if not math.isnan(p)], [r.get("collective_pace", math.nan) for r in records],
+                             if not math.isnan(p)], [r.get("split_pace", math.nan) for r in records],
                             spans_processes(Plan.model_validate(records[0]["costed"]))))
         print_point(points[-1])
     return points
@@ -301,7 +303,7 @@ def summary(points: list[Point]) -> None:
               f"{max(abs(p.paced_error) for p in paced) * 100:.1f}%), Kendall tau "
               f"{kendall_tau([p.simulated * p.pace for p in paced], [p.median for p in paced]):.2f}")
     machine_reading(points)
-    collectives_reading(points)
+    split_reading(points)
 
 
 def machine_reading(points: list[Point]) -> None:
@@ -330,16 +332,16 @@ def spans_processes(plan: Plan) -> bool:
     return any(group.gpus > 1 for group in plan.placement)
 
 
-def collectives_reading(points: list[Point]) -> None:
-    """The collectives' pace around the runs (validate's collective probe against the profile's link model), and
-    the iteration errors of the plans whose sets span processes beside those of one-process plans: whether the
-    misses of the first follow the machine's collectives (a reading, not the model)."""
-    ratios = [x for p in points for x in p.collectives if not math.isnan(x)]
+def split_reading(points: list[Point]) -> None:
+    """The split engine's pace around the runs (validate's split probe against the profile's price of it), and the
+    iteration errors of the plans whose sets span processes beside those of one-process plans: whether the misses of
+    the first follow the machine's split engine (a reading, not the model)."""
+    ratios = [x for p in points for x in p.splits if not math.isnan(x)]
     if not ratios:
         return
     spanning = [p for p in points if p.spans_processes]
     alone = [p for p in points if not p.spans_processes]
-    print(f"collectives' pace against the profile's link model (the probe around each run; above 1: slower): median "
+    print(f"split engine's pace against the profile's (the probe around each run; above 1: slower): median "
           f"{statistics.median(ratios):.2f}, range {min(ratios):.2f}-{max(ratios):.2f}; median iteration error "
           f"{statistics.median(p.error for p in spanning) * 100 if spanning else math.nan:+.1f}% over the "
           f"{len(spanning)} plans with a set of several processes, "

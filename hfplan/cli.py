@@ -849,8 +849,6 @@ def _error_cell(error: float | None) -> str:
 
 
 def render_validation(result) -> None:
-    from hfplan.profiler.pace import COLLECTIVE_BYTES
-
     comparison = result.comparison
     calls = Table(title="calls (median of the measured iterations)", show_edge=False)
     for column in ("set", "role", "call", "phase", "kind", "simulated s", "measured s", "error"):
@@ -898,13 +896,13 @@ def render_validation(result) -> None:
                           f"{shared.after_s * 1e6:,.0f} us each (before, after): parallelism {pace.parallelism:.2f} "
                           f"around the run against the profile's {profiled} (below it: the processes of a set slow "
                           "each other more than the simulator charges)", highlight=False)
-        if pace.collective is not None:
-            probe = pace.collective
-            console.print(f"collectives' pace: a {COLLECTIVE_BYTES // 2**10} KiB all-reduce over {probe.world} "
-                          f"processes after a burst of compute took {probe.before_s * 1e6:,.0f} us before the run "
-                          f"and {probe.after_s * 1e6:,.0f} us after it, {probe.ratio:.2f}x the "
-                          f"{probe.profiled_s * 1e6:,.0f} us the profile's link model implies (above 1: the calls of "
-                          "a multi-process set ran slower than when profiled)", highlight=False)
+        if pace.split is not None:
+            probe = pace.split
+            console.print(f"split engine's pace: the profile's log-prob calls of the tiny model over {probe.world} "
+                          f"processes (wrapped in FSDP2, split by tensor parallelism) took {probe.before_s * 1e3:,.1f} "
+                          f"ms before the run and {probe.after_s * 1e3:,.1f} ms after it, {probe.ratio:.2f}x the "
+                          f"{probe.profiled_s * 1e3:,.1f} ms the profile prices them at (above 1: the calls of a set "
+                          "of several processes ran slower than when profiled)", highlight=False)
         moved = pace.drifted()
         if moved is not None:
             console.print(moved, style="bold yellow", highlight=False)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hfplan.plan import Span, phase_seconds
-from hfplan.profiler.pace import profiled_collective_seconds, profiled_step_seconds
+from hfplan.profiler.pace import profiled_split_seconds, profiled_step_seconds
 from hfplan.profiles.hardware import Runtime, load_hardware
 from hfplan.validation import machine
 from hfplan.validation.compare import compare, kendall_tau, signed_error
@@ -239,9 +239,9 @@ def test_two_iterations_compared_as_json(tiny_plan_file, tmp_path, ray_driver):
     assert pace["before_step_s"] > 0 and pace["after_step_s"] > 0
     assert pace["ratio"] == pytest.approx((pace["before_step_s"] + pace["after_step_s"]) / 2
                                           / pace["profiled_step_s"])
-    collective = pace["collective"]  # the probes' all-reduce, against the profile's link model
-    assert collective["processes"] == 2 and collective["before_s"] > 0 and collective["after_s"] > 0
-    assert collective["profiled_s"] == pytest.approx(profiled_collective_seconds(load_hardware("cpu"), 2))
+    split = pace["split"]  # the probes' split engine, against the profile's price of it
+    assert split["processes"] == 2 and split["before_s"] > 0 and split["after_s"] > 0
+    assert split["profiled_s"] == pytest.approx(profiled_split_seconds(load_hardware("cpu"), 2))
 
 
 def test_the_rest_of_the_machine_is_its_busy_time_less_the_run_s_own_cpu():
@@ -317,7 +317,7 @@ def test_pace_is_the_probe_around_the_run_over_the_profile_s():
     pace = machine.Pace(profiled_s=200e-6, before_s=300e-6, after_s=500e-6)
     assert pace.ratio == pytest.approx(2.0)
     assert pace.to_json()["ratio"] == pytest.approx(2.0)
-    assert pace.parallelism is None and pace.to_json()["together"] is None and pace.to_json()["collective"] is None
+    assert pace.parallelism is None and pace.to_json()["together"] is None and pace.to_json()["split"] is None
     with machine.PaceProbe(None) as probe:  # nothing to compare with: no process is started
         assert probe.processes == []
         probe.measure_before()
@@ -335,10 +335,10 @@ def test_the_host_s_parallelism_around_the_run_is_the_probes_at_once_against_one
     assert body["together"] == {"processes": 2, "before_step_s": 450e-6, "after_step_s": 750e-6}
 
 
-def test_the_probe_processes_time_alone_then_together_then_their_collective_around_a_run():
-    """The real probe processes (one alone, then both at once, then an all-reduce between them in their gloo group),
-    as validate runs them on a CPU profile; their rendezvous folder is gone after."""
-    with machine.PaceProbe(300e-6, world=2, profiled_parallelism=1.87, profiled_collective_s=500e-6) as probe:
+def test_the_probe_processes_time_alone_then_together_then_the_split_engine_around_a_run():
+    """The real probe processes (one alone, then both at once, then the engine's log-prob calls across them in their
+    gloo group), as validate runs them on a CPU profile; their rendezvous folder is gone after."""
+    with machine.PaceProbe(300e-6, world=2, profiled_parallelism=1.87, profiled_split_s=20e-3) as probe:
         assert len(probe.processes) == 2 and probe.before is None  # read once the run's workers are up
         rendezvous = Path(probe._rendezvous.name)
         probe.measure_before()
@@ -346,43 +346,49 @@ def test_the_probe_processes_time_alone_then_together_then_their_collective_arou
     assert pace is not None and probe.processes == [] and not rendezvous.exists()
     assert pace.before_s > 0 and pace.after_s > 0
     assert pace.sharing.world == 2 and pace.sharing.before_s > 0 and pace.parallelism > 0
-    probe = pace.collective
-    assert probe.world == 2 and probe.profiled_s == 500e-6 and probe.before_s > 0 and probe.after_s > 0
-    assert pace.to_json()["collective"]["ratio"] == pytest.approx(probe.ratio)
+    probe = pace.split
+    assert probe.world == 2 and probe.profiled_s == 20e-3 and probe.before_s > 0 and probe.after_s > 0
+    assert pace.to_json()["split"]["ratio"] == pytest.approx(probe.ratio)
 
 
-def test_a_collective_probe_is_asked_only_of_several_processes():
-    probe = machine.PaceProbe(300e-6, world=1, profiled_collective_s=500e-6)
-    assert probe.profiled_collective_s is None  # one process has no one to all-reduce with
+def test_a_split_probe_is_asked_only_of_several_processes():
+    probe = machine.PaceProbe(300e-6, world=1, profiled_split_s=20e-3)
+    assert probe.profiled_split_s is None  # one process splits nothing
 
 
-def test_the_collectives_pace_is_the_probe_around_the_run_over_the_profile_s_link_model():
-    """The collective probe's time by the profile is its link model's all-reduce of the probe's bytes over the
-    host's processes; a profile with one process a node, or not measured on CPU processes, implies none."""
-    from hfplan.profiler.pace import COLLECTIVE_BYTES
-    from hfplan.simulator import collectives
+def test_the_split_engine_s_pace_is_the_probe_around_the_run_over_the_profile_s_price():
+    """The split probe's time by the profile is its price of the engine's log-prob calls across the host's
+    processes (wrapped in FSDP2, split by tensor parallelism; the profile's fit of those calls) without the
+    controller's dispatch; a profile with one process a node, or not measured on CPU processes, implies none."""
+    from hfplan.profiler import runtime
+    from hfplan.profiler.pace import split_modes
 
     cpu = load_hardware("cpu")
-    implied = profiled_collective_seconds(cpu, 2)
-    assert implied == collectives.all_reduce(cpu, collectives.group_of(2, 1, 2), COLLECTIVE_BYTES) and implied > 0
-    assert profiled_collective_seconds(cpu, 1) is None
-    assert profiled_collective_seconds(cpu, cpu.gpus_per_node + 1) is None
-    assert profiled_collective_seconds(load_hardware("a100-80g"), 2) is None
-    pace = machine.CollectivePace(world=2, profiled_s=400e-6, before_s=500e-6, after_s=700e-6)
+    assert split_modes(2) == (runtime.FSDP, runtime.TP)
+    implied = profiled_split_seconds(cpu, 2)
+    assert implied == pytest.approx(sum(runtime.log_prob_price(cpu, mode, 2) for mode in split_modes(2)))
+    # Its tensor-parallel fixed cost is in it, once per pass
+    more = cpu.model_copy(update={"runtime": cpu.runtime.model_copy(
+        update={"tp_forward_pass_us": cpu.runtime.tp_forward_pass_us + 1000.0})})
+    assert profiled_split_seconds(more, 2) > implied + 0.9e-3
+    assert profiled_split_seconds(cpu, 1) is None
+    assert profiled_split_seconds(cpu, cpu.gpus_per_node + 1) is None
+    assert profiled_split_seconds(load_hardware("a100-80g"), 2) is None
+    pace = machine.SplitPace(world=2, profiled_s=400e-6, before_s=500e-6, after_s=700e-6)
     assert pace.ratio == pytest.approx(1.5)
     assert pace.to_json() == {"processes": 2, "profiled_s": 400e-6, "before_s": 500e-6, "after_s": 700e-6,
                               "ratio": pytest.approx(1.5)}
 
 
 def test_a_machine_that_moved_since_its_profile_is_named_by_what_moved():
-    """Further than PACE_DRIFT from the profile's moment, on the step or on the collectives (either way: faster
+    """Further than PACE_DRIFT from the profile's moment, on the step or on the split engine (either way: faster
     counts as much as slower), validate says so; within it, nothing."""
     from hfplan.profiler.pace import PACE_DRIFT
 
     steady = machine.Pace(profiled_s=100e-6, before_s=110e-6, after_s=110e-6)
     assert steady.drifted() is None
     slower = machine.Pace(profiled_s=100e-6, before_s=100e-6 * (1 + PACE_DRIFT) + 10e-6, after_s=130e-6)
-    assert "the step's pace" in slower.drifted() and "collectives" not in slower.drifted()
-    faster = machine.CollectivePace(world=2, profiled_s=1e-3, before_s=0.7e-3, after_s=0.7e-3)
-    moved = machine.Pace(profiled_s=100e-6, before_s=100e-6, after_s=100e-6, collective=faster).drifted()
-    assert "the collectives' 0.70x" in moved and "step" not in moved
+    assert "the step's pace" in slower.drifted() and "split" not in slower.drifted()
+    faster = machine.SplitPace(world=2, profiled_s=1e-3, before_s=0.7e-3, after_s=0.7e-3)
+    moved = machine.Pace(profiled_s=100e-6, before_s=100e-6, after_s=100e-6, split=faster).drifted()
+    assert "the split engine's 0.70x" in moved and "step" not in moved

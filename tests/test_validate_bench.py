@@ -93,7 +93,7 @@ def test_a_saved_run_is_costed_again_against_its_own_measurements(tmp_path, caps
     out = capsys.readouterr().out
     assert "per stage 100.0%" in out and "iteration 100.0%" in out
     assert "host parallelism around the runs" in out and "at the machine's pace and parallelism" in out
-    assert "collectives' pace" not in out  # no run measured it
+    assert "split engine's pace" not in out  # no run measured it
     pair = colocated_plan(BENCH.workloads()["arith-grpo"], 1, 1, 2, "cpu")
     paired = BENCH.run_record(pair, measured, 0.0, 1.0, 1.0, 1.3)
     saved.write_text(json.dumps({"date": "d", "iterations": 3, "runs": 1, "points": {"a": [record], "b": [paired]}},
@@ -102,7 +102,7 @@ def test_a_saved_run_is_costed_again_against_its_own_measurements(tmp_path, caps
     assert [p.spans_processes for p in points] == [False, True]
     BENCH.summary(points)
     out = capsys.readouterr().out
-    assert "collectives' pace against the profile's link model" in out and "median 1.30, range 1.30-1.30" in out
+    assert "split engine's pace against the profile's" in out and "median 1.30, range 1.30-1.30" in out
     assert "+100.0% over the 1 others" in out and "over the 1 plans with a set of several processes" in out
     assert (BENCH.recosted(paired, None, 1.0).iteration.simulated
             > BENCH.recosted(paired, None).iteration.simulated)  # the profile's 1.87 against 1.0 around the run

@@ -13,7 +13,6 @@ import queue as queue_module
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -125,7 +124,19 @@ def _sweep(torch, dist, rank, world, kind, dtype, sizes, min_time, messages) -> 
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     esize = torch.empty((), dtype=dtype).element_size()
 
-    burst = compute_burst(torch, BURST_S if kind == "cpu" else 0.0)
+    def sync() -> None:
+        if kind == "cuda":
+            torch.cuda.synchronize()
+
+    def agreed_max(value: float) -> float:
+        """The largest of every rank's value: all ranks run the same loop, and a collective ends
+        when its slowest rank does."""
+        t = torch.tensor([value], dtype=torch.float64, device=kind)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    burst_s = BURST_S if kind == "cpu" else 0.0
+    burst = compute_burst(torch, burst_s)
     rows = []
     for op in COLLECTIVES:
         for size in sizes:
@@ -149,7 +160,19 @@ def _sweep(torch, dist, rank, world, kind, dtype, sizes, min_time, messages) -> 
                     elif rank == 1:
                         dist.recv(full, 0)
                         dist.send(full, 0)
-            seconds = collective_seconds(torch, dist, kind, call, burst, min_time) / (2 if op == "p2p" else 1)
+            call()
+            sync()
+            start = time.perf_counter()
+            call()
+            sync()
+            once = agreed_max(time.perf_counter() - start)
+            reps = int(min(500, max(1, math.ceil(min_time / 3 / max(once + burst_s, 1e-7)))))
+            trials = []
+            for _ in range(3):
+                dist.barrier()
+                sync()
+                trials.append(agreed_max(beyond_bursts(call, burst, reps, sync)))
+            seconds = typical(trials) / (2 if op == "p2p" else 1)
             nbytes = float(elements * esize)
             steps, factor = collective_terms(op, world)
             rows.append(dict(kind="collective", op=op, link="intra_node", world=world, dtype=str(dtype).split(".")[-1],
@@ -161,51 +184,11 @@ def _sweep(torch, dist, rank, world, kind, dtype, sizes, min_time, messages) -> 
     return rows
 
 
-def collective_seconds(torch, dist, kind: str, call: Callable[[], None], burst: Burst, min_time: float) -> float:
-    """Seconds of one `call` (a collective every rank of the process group makes) beyond the burst of compute before
-    each (compute_burst; none on GPUs): the median of three trials of about min_time / 3, each trial its slowest
-    rank's (a collective ends when its slowest rank does). Every rank calls this and gets the same figure."""
-
-    def sync() -> None:
-        if kind == "cuda":
-            torch.cuda.synchronize()
-
-    def agreed_max(value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64, device=kind)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
-
-    call()
-    sync()
-    start = time.perf_counter()
-    call()
-    sync()
-    once = agreed_max(time.perf_counter() - start)
-    reps = int(min(500, max(1, math.ceil(min_time / 3 / max(once + burst.seconds, 1e-7)))))
-    trials = []
-    for _ in range(3):
-        dist.barrier()
-        sync()
-        trials.append(agreed_max(beyond_bursts(call, burst, reps, sync)))
-    return typical(trials)
-
-
-@dataclass(frozen=True)
-class Burst:
-    """About `seconds` of matmuls on this rank, run by calling it."""
-
-    seconds: float
-    run: Callable[[], None]
-
-    def __call__(self) -> None:
-        self.run()
-
-
-def compute_burst(torch, seconds: float) -> Burst:
+def compute_burst(torch, seconds: float) -> Callable[[], None]:
     """A burst of about `seconds` of matmuls on this rank (none for 0: GPUs time collectives back to back, NCCL's
     kernels queueing behind each other on the device)."""
     if seconds <= 0:
-        return Burst(0.0, lambda: None)
+        return lambda: None
     a, b = torch.randn(128, 128), torch.randn(128, 128)
     start = time.perf_counter()
     for _ in range(50):
@@ -215,7 +198,7 @@ def compute_burst(torch, seconds: float) -> Burst:
     def burst() -> None:
         for _ in range(count):
             torch.mm(a, b)
-    return Burst(seconds, burst)
+    return burst
 
 
 def beyond_bursts(call: Callable[[], None], burst: Callable[[], None], reps: int,

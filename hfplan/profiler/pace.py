@@ -13,12 +13,14 @@ plus its modelled kernels), and `hfplan validate` times it again around its run.
 step and prints its seconds as a JSON line, until stdin ends, so a caller brackets a run with processes that import
 torch once and sleep in between (one alone for the pace; several at once for how the host's cores hold up).
 
-The step computes alone, and the machine's collectives drift on their own: on the project's 2-core VM the
+The step computes alone, and the engine split across processes drifts on its own: on the project's 2-core VM the
 tensor-parallel training engine's calls ran 20-45% longer than in a profile two hours older while this step's pace
-stayed within 3% (2026-12-07). So `python -m hfplan.profiler.pace --rank R --world W --init URI` is one of W such
-processes in a gloo group (on loopback, meeting at the file URI), and a line `collective` makes every one of them
-time an all-reduce of COLLECTIVE_BYTES as the profile timed its collectives (hfplan.profiler.comm, after a burst of
-compute on each rank), which the profile's link model implies a time for too (profiled_collective_seconds).
+stayed within 3%, and a 16 KiB all-reduce after a burst of compute did not show it (2026-12-07: the profile's
+all-reduce fit moved by 3.5% between the two). So `python -m hfplan.profiler.pace --rank R --world W --init URI`
+is one of W such processes in a gloo group (on loopback, meeting at the file URI), and a line `split` makes every
+one of them time the profile's own log-prob calls of the demo model across the group, wrapped in FSDP2 and split by
+tensor parallelism (hfplan.profiler.runtime: log_prob_call, timed as the profile's WorldClock times it), whose
+time the profile's fit implies too (profiled_split_seconds).
 """
 
 from __future__ import annotations
@@ -32,9 +34,8 @@ from hfplan.profiles.models import CATALOG
 from hfplan.simulator import costs
 
 PROBE_SECONDS = 0.6  # timing budget of one probe (its warm-up and rounds on top)
-COLLECTIVE_BYTES = 16 * 2**10  # the all-reduce of the collective probe: a tensor-parallel layer's activations
-# in the demo runs (128 tokens x a hidden size of 32 in fp32), where latency and bytes both count
-COLLECTIVE = "collective"  # the line that asks the probes of a group for the collective probe
+SPLIT = "split"  # the line that asks the probes of a group for the split engine probe
+SPLIT_REPS = 9  # timed calls of each of its log-prob calls (the median kept)
 # Two timings of a probe further apart than this (drift): the machine changed speed between them (while it was
 # profiled, or since, around a validated run)
 PACE_DRIFT = 0.25
@@ -68,23 +69,43 @@ def measure_step_seconds(torch, min_time: float = PROBE_SECONDS) -> float:
         torch.set_num_threads(threads)
 
 
-def profiled_collective_seconds(profile: HardwareProfile, world: int) -> float | None:
-    """What the collective probe over `world` processes of one host takes by `profile`'s link model; None where
-    the profile was not measured on CPU processes or has one process a node."""
-    from hfplan.simulator import collectives
+def split_modes(world: int) -> tuple[str, ...]:
+    """The engine modes of the split probe over `world` processes: wrapped in FSDP2, and split by tensor
+    parallelism where the demo model splits over them (as the profile timed them across its world)."""
+    from hfplan.profiler import runtime
+
+    return tuple(mode for mode in runtime.world_modes(world) if mode in (runtime.FSDP, runtime.TP))
+
+
+def profiled_split_seconds(profile: HardwareProfile, world: int) -> float | None:
+    """What the split probe over `world` processes of one host takes by `profile` (its log-prob calls' modelled
+    kernels and collectives and the fitted fixed costs); None where the profile was not measured on CPU processes
+    or has fewer processes a node."""
+    from hfplan.profiler import runtime
 
     if not (profile.measured and profile.on_host) or world < 2 or profile.gpus_per_node < world:
         return None
-    return collectives.all_reduce(profile, collectives.group_of(world, 1, world), COLLECTIVE_BYTES)
+    return sum(runtime.log_prob_price(profile, mode, world) for mode in split_modes(world))
 
 
-def measure_collective_seconds(torch, dist) -> float:
-    """The collective probe in this process's group (every rank calls this and gets the same figure)."""
-    from hfplan.profiler import comm
+class SplitProbe:
+    """The split probe in this process's group (every rank builds and calls it): the engine's roles are built on
+    first use and kept."""
 
-    full = torch.ones(COLLECTIVE_BYTES // 4, dtype=torch.float32)
-    return comm.collective_seconds(torch, dist, "cpu", lambda: dist.all_reduce(full),
-                                   comm.compute_burst(torch, comm.BURST_S), PROBE_SECONDS)
+    def __init__(self, torch) -> None:
+        self.torch = torch
+        self.calls: list | None = None
+
+    def seconds(self) -> float:
+        import torch.distributed as dist
+
+        from hfplan.profiler import runtime
+
+        if self.calls is None:
+            modes = split_modes(dist.get_world_size())
+            self.calls = [runtime.log_prob_call(self.torch, runtime.profiled_role(self.torch, "cpu", mode), 1)
+                          for mode in modes]
+        return sum(runtime.WorldClock(self.torch, "cpu", SPLIT_REPS).per_calls(self.calls))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -97,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world", type=int)
     parser.add_argument("--init", help="file:// URI where the group's processes meet")
     args = parser.parse_args(argv)
-    dist = None
+    split = None
     if args.world is not None:
         from datetime import timedelta
 
@@ -105,20 +126,24 @@ def main(argv: list[str] | None = None) -> None:
 
         from hfplan.executor.loopback import gloo_on_loopback
 
-        with gloo_on_loopback():
-            dist.init_process_group("gloo", init_method=args.init, rank=args.rank, world_size=args.world,
-                                    timeout=timedelta(seconds=60))
+        try:
+            with gloo_on_loopback():
+                dist.init_process_group("gloo", init_method=args.init, rank=args.rank, world_size=args.world,
+                                        timeout=timedelta(seconds=60))
+            split = SplitProbe(torch)
+        except (RuntimeError, ValueError, OSError):  # no group: the step is still timed, the split probe is not
+            split = None
     torch.set_num_threads(1)
     try:
         for line in sys.stdin:
-            if line.strip() == COLLECTIVE and dist is not None:
-                body = {"collective_s": measure_collective_seconds(torch, dist)}
+            if line.strip() == SPLIT:
+                body = {"split_s": None if split is None else split.seconds()}
             else:
                 body = {"step_s": measure_step_seconds(torch)}
             sys.stdout.write(json.dumps(body) + "\n")
             sys.stdout.flush()
     finally:
-        if dist is not None:
+        if split is not None:
             dist.destroy_process_group()
 
 

@@ -397,14 +397,14 @@ def engine_seconds(torch, kind: str, mode: str, reps: int = ENGINE_REPS) -> Engi
     world = dist.get_world_size()
     role = profiled_role(torch, kind, mode)
 
-    calls = [_update_call(torch, role, FEW, 1), _update_call(torch, role, MANY, 1), _log_prob_call(torch, role, 1),
+    calls = [_update_call(torch, role, FEW, 1), _update_call(torch, role, MANY, 1), log_prob_call(torch, role, 1),
              _switch(role, keep_trained=False, layouts=pipeline_switch(world) if mode == PP else None)]
     deeper = mode == PLAIN and kind == "cpu"
     if mode == PLAIN:
-        calls += [_update_call(torch, role, BATCH, BATCH), _log_prob_call(torch, role, BATCH), _switch(role)]
+        calls += [_update_call(torch, role, BATCH, BATCH), log_prob_call(torch, role, BATCH), _switch(role)]
     if deeper:  # the same calls DEEP times as deep, in the same rounds: the difference is the layers' own
         deep = profiled_role(torch, kind, PLAIN, layers=DEEP * CATALOG[MODEL].layers)
-        calls += [_log_prob_call(torch, deep, 1), _update_call(torch, deep, FEW, 1), _update_call(torch, deep, MANY, 1)]
+        calls += [log_prob_call(torch, deep, 1), _update_call(torch, deep, FEW, 1), _update_call(torch, deep, MANY, 1)]
     # Every call timed in the same rounds (WorldClock.per_calls).
     few, many, one, switch, *wide = WorldClock(torch, kind, reps).per_calls(calls)
     steps = {FEW: few, MANY: many}
@@ -427,8 +427,9 @@ def _update_call(torch, role, n: int, micro: int):
     return lambda: role.update_actor(batch, mini_batches=1, epochs=1, micro_batch=micro, use_kl_loss=False)
 
 
-def _log_prob_call(torch, role, n: int):
-    """A log-prob call of `role` over n sequences of PROMPT + LONG tokens, in one micro-batch."""
+def log_prob_call(torch, role, n: int):
+    """A log-prob call of `role` over n sequences of PROMPT + LONG tokens, in one micro-batch (the profile's, and
+    the split engine probe's: hfplan.profiler.pace)."""
     vocab = CATALOG[MODEL].vocab
     rows = {"prompts": torch.randint(1, vocab, (n, PROMPT)), "responses": torch.randint(1, vocab, (n, LONG)),
             "response_mask": torch.ones(n, LONG, dtype=torch.long)}
@@ -674,8 +675,7 @@ def _train_fixed(bare: HardwareProfile, measured: EngineSeconds, per_token: _Tok
     pass_s = max(0.0, slope_s(beyond[FEW], beyond[MANY]))
     step_s = max(0.0, beyond[FEW] - FEW * pass_s)
     tokens = PROMPT + LONG
-    forward_model = costs.inference_time(bare, arch, InferConfig(tp=tp, dp=dp, micro_batch=1), where, dp,
-                                         PROMPT + LONG, "lm", dp if fsdp else 1, fsdp)
+    forward_model = log_prob_price(bare, measured.mode, world)
     rows = [_row(f"{measured.prefix}train_step_{n}_micro_batches", measured.steps[n], modelled[n], world)
             for n in (FEW, MANY)]
     rows.append(_row(f"{measured.prefix}engine_log_prob", measured.log_prob, forward_model, world))
@@ -686,6 +686,16 @@ def _train_fixed(bare: HardwareProfile, measured: EngineSeconds, per_token: _Tok
                        step_s * 1e6 / stage_parameter_tensors(arch, 1, "lm") / shared,
                        max(0.0, fixed_us(measured.log_prob, forward_model) / shared - tokens * per_token.forward_us),
                        rows)
+
+
+def log_prob_price(hw: HardwareProfile, mode: str, world: int) -> float:
+    """What `hw` prices the engine's log-prob call of one sequence per data-parallel rank (log_prob_call) at, in
+    `mode` over `world` ranks of a node, beyond the controller's dispatch of it (the engine's call timed alone)."""
+    fsdp = mode == FSDP
+    tp, dp = (world, 1) if mode == TP else (1, world)
+    return (costs.inference_time(hw, CATALOG[MODEL], InferConfig(tp=tp, dp=dp, micro_batch=1),
+                                 costs.SetShape(world, world), dp, PROMPT + LONG, "lm", dp if fsdp else 1, fsdp)
+            - costs.call_dispatch(hw))
 
 
 def _engine_on_one_rank(torch, device: Device, mode: str, reps: int = ENGINE_REPS) -> EngineSeconds:

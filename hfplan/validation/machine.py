@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hfplan.profiler.host_share import parallelism
-from hfplan.profiler.pace import COLLECTIVE, PACE_DRIFT, drift
+from hfplan.profiler.pace import PACE_DRIFT, SPLIT, drift
 
 logger = logging.getLogger(__name__)
 
@@ -117,9 +117,10 @@ class Sharing:
 
 
 @dataclass(frozen=True)
-class CollectivePace:
-    """The collective probe (hfplan.profiler.pace: an all-reduce over `world` processes of the host, after a burst
-    of compute on each) as the profile's link model prices it, and timed just before and just after the run."""
+class SplitPace:
+    """The split engine probe (hfplan.profiler.pace: the profile's log-prob calls of the demo model across `world`
+    processes of the host, wrapped in FSDP2 and split by tensor parallelism) as the profile prices it, and timed
+    just before and just after the run."""
 
     world: int
     profiled_s: float
@@ -128,7 +129,7 @@ class CollectivePace:
 
     @property
     def ratio(self) -> float:
-        """How much slower than the profile's link model the collective ran around the run (above 1: slower)."""
+        """How much slower than the profile prices them the split calls ran around the run (above 1: slower)."""
         return (self.before_s + self.after_s) / 2 / self.profiled_s
 
     def to_json(self) -> dict:
@@ -140,14 +141,14 @@ class CollectivePace:
 class Pace:
     """The machine's pace around a run (hfplan.profiler.pace): the probe's seconds when the profile was
     measured, and timed just before and just after the run; `sharing`: the same probe on every process of the
-    profile's host at once (None where the profile measured no sharing); `collective`: the collective probe
-    over those processes (None where not measured)."""
+    profile's host at once (None where the profile measured no sharing); `split`: the split engine probe over
+    those processes (None where not measured)."""
 
     profiled_s: float
     before_s: float
     after_s: float
     sharing: Sharing | None = None
-    collective: CollectivePace | None = None
+    split: SplitPace | None = None
 
     @property
     def ratio(self) -> float:
@@ -161,13 +162,13 @@ class Pace:
 
     def drifted(self) -> str | None:
         """A sentence when the machine around the run was further than PACE_DRIFT from the profile's moment, on
-        the step or on the collectives: the run's misses are then the machine's as much as the model's."""
+        the step or on the split engine: the run's misses are then the machine's as much as the model's."""
         moved = []
         if drift(self.profiled_s, (self.before_s + self.after_s) / 2) > PACE_DRIFT:
             moved.append(f"the step's pace {self.ratio:.2f}x")
-        probe = self.collective
+        probe = self.split
         if probe is not None and drift(probe.profiled_s, (probe.before_s + probe.after_s) / 2) > PACE_DRIFT:
-            moved.append(f"the collectives' {probe.ratio:.2f}x")
+            moved.append(f"the split engine's {probe.ratio:.2f}x")
         if not moved:
             return None
         return (f"the machine has moved since it was profiled ({' and '.join(moved)} the profile's): profile it "
@@ -181,7 +182,7 @@ class Pace:
             body["profiled_parallelism"] = self.sharing.profiled
             body["together"] = {"processes": self.sharing.world, "before_step_s": self.sharing.before_s,
                                 "after_step_s": self.sharing.after_s}
-        body["collective"] = None if self.collective is None else self.collective.to_json()
+        body["split"] = None if self.split is None else self.split.to_json()
         return body
 
 
@@ -196,12 +197,12 @@ class PaceProbe:
     TIMEOUT_S = 120.0
 
     def __init__(self, profiled_s: float | None, world: int = 1, profiled_parallelism: float | None = None,
-                 profiled_collective_s: float | None = None) -> None:
-        """`profiled_collective_s`: the collective probe's time by the profile's link model (pace.
-        profiled_collective_seconds over `world` processes); with it, the processes form a gloo group and also
-        time the collective probe, all at once, after the step."""
+                 profiled_split_s: float | None = None) -> None:
+        """`profiled_split_s`: the split engine probe's time by the profile (pace.profiled_split_seconds over
+        `world` processes); with it, the processes form a gloo group and also time the split probe, all at once,
+        after the step."""
         self.profiled_s, self.world, self.profiled_parallelism = profiled_s, world, profiled_parallelism
-        self.profiled_collective_s = profiled_collective_s if world > 1 else None
+        self.profiled_split_s = profiled_split_s if world > 1 else None
         self.processes: list[subprocess.Popen] = []
         self.before: Probed | None = None
         self._rendezvous: tempfile.TemporaryDirectory | None = None
@@ -213,12 +214,13 @@ class PaceProbe:
         command = [sys.executable, "-m", "hfplan.profiler.pace"]
         group: list[list[str]] = [[] for _ in range(world)]
         try:
-            if self.profiled_collective_s is not None:
+            if self.profiled_split_s is not None:
                 self._rendezvous = tempfile.TemporaryDirectory(prefix="hfplan-pace-")
                 init = Path(self._rendezvous.name, "rendezvous").as_uri()
                 group = [["--rank", str(rank), "--world", str(world), "--init", init] for rank in range(world)]
-            self.processes = [subprocess.Popen(command + args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                               stderr=subprocess.DEVNULL, text=True) for args in group]
+            for args in group:  # each kept as it starts, so that a failed start stops those already running
+                self.processes.append(subprocess.Popen(command + args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                       stderr=subprocess.DEVNULL, text=True))
         except OSError as error:
             logger.warning("the machine's pace is not measured: %s", error)
             self._stop()
@@ -247,27 +249,32 @@ class PaceProbe:
         finally:
             self._stop()
         before = self.before
-        sharing = collective = None
+        sharing = split = None
         if before.together_s is not None and after.together_s is not None:
             sharing = Sharing(world, before.together_s, after.together_s, self.profiled_parallelism)
-        if before.collective_s is not None and after.collective_s is not None:
-            collective = CollectivePace(world, self.profiled_collective_s, before.collective_s, after.collective_s)
-        return Pace(self.profiled_s, before.alone_s, after.alone_s, sharing, collective)
+        if before.split_s is not None and after.split_s is not None:
+            split = SplitPace(world, self.profiled_split_s, before.split_s, after.split_s)
+        return Pace(self.profiled_s, before.alone_s, after.alone_s, sharing, split)
 
     def __exit__(self, *exc) -> None:
         self._stop()
 
     def _measure(self) -> Probed:
-        """The probe alone, then (with several processes) every process's at once, their mean, then the collective
-        probe (where asked for: every process at once, each with the same figure)."""
+        """The probe alone, then (with several processes) every process's at once, their mean, then the split
+        engine probe (where asked for: every process at once, each with the same figure; a failure of it leaves
+        it unknown from then on and the step's probes as they are)."""
         alone = self._ask(self.processes[:1])[0]
         if len(self.processes) < 2:
             return Probed(alone)
         together = self._ask(self.processes)
-        collective = None
-        if self.profiled_collective_s is not None:
-            collective = self._ask(self.processes, COLLECTIVE, "collective_s")[0]
-        return Probed(alone, sum(together) / len(together), collective)
+        split = None
+        if self.profiled_split_s is not None:
+            try:
+                split = self._ask(self.processes, SPLIT, "split_s")[0]
+            except ValueError as error:
+                logger.warning("the split engine's pace is not measured: %s", error)
+                self.profiled_split_s = None
+        return Probed(alone, sum(together) / len(together), split)
 
     def _ask(self, processes: list[subprocess.Popen], line: str = "", answer: str = "step_s") -> list[float]:
         for process in processes:
@@ -280,7 +287,10 @@ class PaceProbe:
         line = process.stdout.readline() if ready else ""
         if not line:
             raise ValueError("the probe process gave no measurement")
-        return float(json.loads(line)[answer])
+        value = json.loads(line).get(answer)
+        if not isinstance(value, int | float):
+            raise ValueError(f"the probe process did not measure {answer}")
+        return float(value)
 
     def _stop(self) -> None:
         for process in self.processes:
@@ -297,9 +307,9 @@ class PaceProbe:
 
 @dataclass(frozen=True)
 class Probed:
-    """One reading of the probes: the step alone, every process's at once (their mean) and the collective probe
+    """One reading of the probes: the step alone, every process's at once (their mean) and the split engine probe
     (None where not measured)."""
 
     alone_s: float
     together_s: float | None = None
-    collective_s: float | None = None
+    split_s: float | None = None

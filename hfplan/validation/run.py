@@ -106,7 +106,7 @@ def validate(plan: Plan, options, labels: Sequence[str],
     """Run `options.iterations` iterations (the first a warm-up, not compared) and compare the rest with the
     simulated iteration. `options` is the executor's ExecuteOptions."""
     from hfplan.executor.controller import execute
-    from hfplan.profiler.pace import profiled_collective_seconds, profiled_step_seconds
+    from hfplan.profiler.pace import profiled_split_seconds, profiled_step_seconds
     from hfplan.simulator.engine import simulate_plan
 
     if options.iterations < 2:
@@ -127,7 +127,7 @@ def validate(plan: Plan, options, labels: Sequence[str],
     sharing = profile.compute.host_parallelism  # measured with the profile's processes of one host at once
     world = profile.gpus_per_node if sharing else 1
     with machine.PaceProbe(profiled_step_seconds(profile), world, sharing,
-                           profiled_collective_seconds(profile, world)) as probe:
+                           profiled_split_seconds(profile, world)) as probe:
         summary = execute(plan, options, keep, on_start=lambda done, resumed: probe.measure_before())
         pace = probe.finish()
     timed = reports[1:]
