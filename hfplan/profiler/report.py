@@ -156,8 +156,6 @@ def error_summary(frame: pd.DataFrame) -> str:
     return "prediction error (predicted - measured) / measured: " + "; ".join(parts)
 
 
-
-
 def pace_note(result: Result) -> tuple[str, bool] | None:
     """The pace probe's line under the tables (CPU profiles), and whether it is a warning; None without one."""
     if result.pace_s is None:

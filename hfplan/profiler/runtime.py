@@ -34,6 +34,7 @@ from hfplan.plan import GenConfig, InferConfig, Layout, TrainConfig
 from hfplan.profiler.call_gaps import CallGaps, measure_call_gaps
 from hfplan.profiler.compute import compute_dtype
 from hfplan.profiler.device import Device
+from hfplan.profiler.sweeps import ENGINE_REPS
 from hfplan.profiler.timing import Clock
 from hfplan.profiles.hardware import HardwareProfile, Runtime
 from hfplan.profiles.models import CATALOG
@@ -47,9 +48,6 @@ BATCH = 8  # sequences of the larger static batch whose steps are timed (the dem
 FEW, MANY = 1, 3  # micro-batches (of one sequence) per optimizer step: the difference is MANY - FEW passes
 DEEP = 4  # the demo model timed again with its decoder layers this many times over: the difference is per layer
 ROUNDS = 3
-# Timed calls per measurement of the training engine (the median kept; Sweeps.engine_reps, fewer with --quick); a
-# count, not a time, so every rank of a world makes the same collectives
-ENGINE_REPS = 15
 
 logger = logging.getLogger(__name__)
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hfplan.profiler.runtime import ENGINE_REPS
-
 KIB, MIB = 2**10, 2**20
-# --quick times each training-engine measurement this many times (a test's profile; the median of 15 otherwise)
-QUICK_ENGINE_REPS = 5
+# Timed calls per measurement of the training engine (the median kept; hfplan.profiler.runtime); a count, not a
+# time, so every rank of a world makes the same collectives. --quick (a test's profile) takes fewer.
+ENGINE_REPS, QUICK_ENGINE_REPS = 15, 5
 
 
 @dataclass(frozen=True)

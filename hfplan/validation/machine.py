@@ -164,11 +164,10 @@ class Pace:
         """A sentence when the machine around the run was further than PACE_DRIFT from the profile's moment, on
         the step or on the split engine: the run's misses are then the machine's as much as the model's."""
         moved = []
-        if drift(self.profiled_s, (self.before_s + self.after_s) / 2) > PACE_DRIFT:
+        if drift(1.0, self.ratio) > PACE_DRIFT:
             moved.append(f"the step's pace {self.ratio:.2f}x")
-        probe = self.split
-        if probe is not None and drift(probe.profiled_s, (probe.before_s + probe.after_s) / 2) > PACE_DRIFT:
-            moved.append(f"the split engine's {probe.ratio:.2f}x")
+        if self.split is not None and drift(1.0, self.split.ratio) > PACE_DRIFT:
+            moved.append(f"the split engine's {self.split.ratio:.2f}x")
         if not moved:
             return None
         return (f"the machine has moved since it was profiled ({' and '.join(moved)} the profile's): profile it "
