@@ -25,6 +25,7 @@ time the profile's fit implies too (profiled_split_seconds).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -126,13 +127,11 @@ def main(argv: list[str] | None = None) -> None:
 
         from hfplan.executor.loopback import gloo_on_loopback
 
-        try:
-            with gloo_on_loopback():
-                dist.init_process_group("gloo", init_method=args.init, rank=args.rank, world_size=args.world,
-                                        timeout=timedelta(seconds=60))
+        # No group (a failed rendezvous): the step is still timed, and the split probe answers that it was not.
+        with contextlib.suppress(RuntimeError, ValueError, OSError), gloo_on_loopback():
+            dist.init_process_group("gloo", init_method=args.init, rank=args.rank, world_size=args.world,
+                                    timeout=timedelta(seconds=60))
             split = SplitProbe(torch)
-        except (RuntimeError, ValueError, OSError):  # no group: the step is still timed, the split probe is not
-            split = None
     torch.set_num_threads(1)
     try:
         for line in sys.stdin:

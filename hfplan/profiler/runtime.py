@@ -159,7 +159,7 @@ def _layer_fixed(bare: HardwareProfile, depths: DepthSeconds) -> tuple[Runtime, 
                    layer_step_us=round(per_layer["step"], 2)), rows
 
 
-def time_engines(torch, device: Device, min_time: float, engine_reps: int = ENGINE_REPS) -> EngineTimes:
+def time_engines(torch, device: Device, min_time: float, engine_reps: int) -> EngineTimes:
     """Time the rollout engine, the training engine on a world of this process alone and the hybrid engine's
     switch, here (in the process that calls this)."""
     from hfplan.executor.models import build_model
@@ -386,7 +386,7 @@ def profiled_role(torch, kind: str, mode: str, layers: int | None = None):
                      fsdp=WRAPS_IN_FSDP[mode])
 
 
-def engine_seconds(torch, kind: str, mode: str, reps: int = ENGINE_REPS) -> EngineSeconds:
+def engine_seconds(torch, kind: str, mode: str, reps: int) -> EngineSeconds:
     """Time the executor's training engine on the process group this process is in (every rank calls this):
     each measurement the median of `reps` calls, each call the slowest rank's (a collective ends with its
     slowest rank)."""
@@ -592,7 +592,7 @@ def _pipeline_fixed(fitted: HardwareProfile, measured: EngineSeconds) -> tuple[d
     every rank alone (pipeline_switch)."""
     arch, world = CATALOG[MODEL], measured.world
     where, tokens = costs.SetShape(world, world), PROMPT + LONG
-    train, infer = TrainConfig(pp=world, micro_batch=1), InferConfig(pp=world, micro_batch=1)
+    train = TrainConfig(pp=world, micro_batch=1)
 
     def step(hw: HardwareProfile, n: int) -> float:
         return costs.train_step_time(hw, arch, train, where, n, tokens, "lm")
@@ -600,15 +600,9 @@ def _pipeline_fixed(fitted: HardwareProfile, measured: EngineSeconds) -> tuple[d
     def slope(hw: HardwareProfile) -> float:
         return slope_s(step(hw, FEW), step(hw, MANY))
 
-    # A trained role's forward, wrapped as the layout rule wraps it (as a plan's call of it is costed), and the
-    # engine's own call: no controller's call dispatched it.
-    wrapped = trains_through_fsdp(1, fitted.compute.value_bytes)
-
-    def forward(hw: HardwareProfile) -> float:
-        return costs.inference_time(hw, arch, infer, where, 1, tokens, "lm", fsdp=wrapped) - costs.call_dispatch(hw)
-
     train_us = _linear_fixed_us(measured.pass_s, lambda us: slope(_with_runtime(fitted, pp_train_pass_us=us)))
-    forward_us = _linear_fixed_us(measured.log_prob, lambda us: forward(_with_runtime(fitted, pp_forward_pass_us=us)))
+    forward_us = _linear_fixed_us(measured.log_prob,
+                                  lambda us: log_prob_price(_with_runtime(fitted, pp_forward_pass_us=us), PP, world))
     train_layout, gen = pipeline_switch(world)
 
     def switch(hw: HardwareProfile) -> float:
@@ -616,7 +610,7 @@ def _pipeline_fixed(fitted: HardwareProfile, measured: EngineSeconds) -> tuple[d
 
     reshard_us = _linear_fixed_us(measured.switch, lambda us: switch(_with_runtime(fitted, reshard_tensor_us=us)))
     rows = [_row(f"pp_train_step_{n}_micro_batches", measured.steps[n], step(fitted, n), world) for n in (FEW, MANY)]
-    rows += [_row("pp_engine_log_prob", measured.log_prob, forward(fitted), world),
+    rows += [_row("pp_engine_log_prob", measured.log_prob, log_prob_price(fitted, PP, world), world),
              _row("pp_hybrid_switch", measured.switch, switch(fitted), world)]
     return {"pp_train_pass_us": round(train_us, 2), "pp_forward_pass_us": round(forward_us, 2),
             "reshard_tensor_us": round(reshard_us, 3)}, rows
@@ -688,15 +682,18 @@ def _train_fixed(bare: HardwareProfile, measured: EngineSeconds, per_token: _Tok
 
 def log_prob_price(hw: HardwareProfile, mode: str, world: int) -> float:
     """What `hw` prices the engine's log-prob call of one sequence per data-parallel rank (log_prob_call) at, in
-    `mode` over `world` ranks of a node, beyond the controller's dispatch of it (the engine's call timed alone)."""
-    fsdp = mode == FSDP
-    tp, dp = (world, 1) if mode == TP else (1, world)
-    return (costs.inference_time(hw, CATALOG[MODEL], InferConfig(tp=tp, dp=dp, micro_batch=1),
+    `mode` over `world` ranks of a node, beyond the controller's dispatch of it (the engine's call timed alone). In
+    pipeline stages it is a trained role's forward, wrapped as the layout rule wraps it (as a plan's call of it is
+    costed)."""
+    fsdp = mode == FSDP or (mode == PP and trains_through_fsdp(1, hw.compute.value_bytes))
+    tp, pp = (world, 1) if mode == TP else (1, world) if mode == PP else (1, 1)
+    dp = world // (tp * pp)
+    return (costs.inference_time(hw, CATALOG[MODEL], InferConfig(tp=tp, pp=pp, dp=dp, micro_batch=1),
                                  costs.SetShape(world, world), dp, PROMPT + LONG, "lm", dp if fsdp else 1, fsdp)
             - costs.call_dispatch(hw))
 
 
-def _engine_on_one_rank(torch, device: Device, mode: str, reps: int = ENGINE_REPS) -> EngineSeconds:
+def _engine_on_one_rank(torch, device: Device, mode: str, reps: int) -> EngineSeconds:
     with _world_of_one(torch, device):
         return engine_seconds(torch, device.kind, mode, reps)
 
@@ -756,8 +753,7 @@ class RayCosts:
     gaps: CallGaps | None
 
 
-def _ray_worker(device: Device, profile: HardwareProfile, min_time: float,
-                engine_reps: int = ENGINE_REPS) -> RayCosts | None:
+def _ray_worker(device: Device, profile: HardwareProfile, min_time: float, engine_reps: int) -> RayCosts | None:
     """None without ray or when a Ray session is already running in this process (it is not ours to measure
     or stop)."""
     try:
@@ -803,7 +799,7 @@ class _EngineTimer:
 
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
-    def time_engines(self, device: Device, min_time: float, engine_reps: int = ENGINE_REPS) -> EngineTimes:
+    def time_engines(self, device: Device, min_time: float, engine_reps: int) -> EngineTimes:
         """time_engines in this worker, with the threads an executor worker of `device` gets."""
         import torch
 

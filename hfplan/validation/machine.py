@@ -117,20 +117,30 @@ class Sharing:
 
 
 @dataclass(frozen=True)
-class SplitPace:
-    """The split engine probe (hfplan.profiler.pace: the profile's log-prob calls of the demo model across `world`
-    processes of the host, wrapped in FSDP2 and split by tensor parallelism) as the profile prices it, and timed
-    just before and just after the run."""
+class Probe:
+    """A probe's seconds by the profile, and timed just before and just after the run."""
 
-    world: int
     profiled_s: float
     before_s: float
     after_s: float
 
     @property
     def ratio(self) -> float:
-        """How much slower than the profile prices them the split calls ran around the run (above 1: slower)."""
+        """How much slower than by the profile the probe ran around the run (above 1: slower)."""
         return (self.before_s + self.after_s) / 2 / self.profiled_s
+
+    def moved(self) -> bool:
+        """Whether the probe around the run was further than PACE_DRIFT from the profile's figure, either way."""
+        return drift(1.0, self.ratio) > PACE_DRIFT
+
+
+@dataclass(frozen=True)
+class SplitPace(Probe):
+    """The split engine probe (hfplan.profiler.pace: the profile's log-prob calls of the demo model across `world`
+    processes of the host, wrapped in FSDP2 and split by tensor parallelism), its profiled_s the profile's price of
+    them."""
+
+    world: int
 
     def to_json(self) -> dict:
         return {"processes": self.world, "profiled_s": self.profiled_s, "before_s": self.before_s,
@@ -138,22 +148,14 @@ class SplitPace:
 
 
 @dataclass(frozen=True)
-class Pace:
+class Pace(Probe):
     """The machine's pace around a run (hfplan.profiler.pace): the probe's seconds when the profile was
-    measured, and timed just before and just after the run; `sharing`: the same probe on every process of the
-    profile's host at once (None where the profile measured no sharing); `split`: the split engine probe over
-    those processes (None where not measured)."""
+    measured (what its fit implies), and timed just before and just after the run; `sharing`: the same probe on
+    every process of the profile's host at once (None where the profile measured no sharing); `split`: the split
+    engine probe over those processes (None where not measured)."""
 
-    profiled_s: float
-    before_s: float
-    after_s: float
     sharing: Sharing | None = None
     split: SplitPace | None = None
-
-    @property
-    def ratio(self) -> float:
-        """How much slower than at profiling time the machine ran the probe around the run (above 1: slower)."""
-        return (self.before_s + self.after_s) / 2 / self.profiled_s
 
     @property
     def parallelism(self) -> float | None:
@@ -164,9 +166,9 @@ class Pace:
         """A sentence when the machine around the run was further than PACE_DRIFT from the profile's moment, on
         the step or on the split engine: the run's misses are then the machine's as much as the model's."""
         moved = []
-        if drift(1.0, self.ratio) > PACE_DRIFT:
+        if self.moved():
             moved.append(f"the step's pace {self.ratio:.2f}x")
-        if self.split is not None and drift(1.0, self.split.ratio) > PACE_DRIFT:
+        if self.split is not None and self.split.moved():
             moved.append(f"the split engine's {self.split.ratio:.2f}x")
         if not moved:
             return None
@@ -252,7 +254,7 @@ class PaceProbe:
         if before.together_s is not None and after.together_s is not None:
             sharing = Sharing(world, before.together_s, after.together_s, self.profiled_parallelism)
         if before.split_s is not None and after.split_s is not None:
-            split = SplitPace(world, self.profiled_split_s, before.split_s, after.split_s)
+            split = SplitPace(self.profiled_split_s, before.split_s, after.split_s, world)
         return Pace(self.profiled_s, before.alone_s, after.alone_s, sharing, split)
 
     def __exit__(self, *exc) -> None:
