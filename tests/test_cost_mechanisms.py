@@ -301,6 +301,32 @@ def test_each_decoder_layer_pays_its_fixed_cost_in_every_pass_and_step(toy_hw, s
         pytest.approx(3 * 50e-6)
 
 
+def test_a_wrapped_or_split_decoder_layer_pays_its_engine_s_fixed_cost_on_top(toy_hw, small_arch):
+    """Runtime.fsdp_layer_*_us and tp_layer_*_us: a pass through the engine wrapped in FSDP2 pays the former for
+    each layer, one split by tensor parallelism the latter, the plain engine (one rank in fp32) neither.
+    small_arch's 2 layers; 4 sequences, micro-batches of 2."""
+    fp32 = toy_hw.model_copy(update={"compute": toy_hw.compute.model_copy(update={"value_bytes": 4})})
+    fixed = fp32.model_copy(update={"runtime": Runtime(fsdp_layer_forward_us=70, fsdp_layer_train_us=200,
+                                                       tp_layer_forward_us=40, tp_layer_train_us=500)})
+
+    def added(cost) -> float:
+        return cost(fixed) - cost(fp32)
+
+    two = SetShape(2, 8)
+    # Two data-parallel ranks: one micro-batch each, through FSDP2.
+    assert added(lambda hw: costs.train_step_time(hw, small_arch, TrainConfig(dp=2, micro_batch=2), two, 4, 64,
+                                                  "lm")) == pytest.approx(2 * 200e-6)
+    assert added(lambda hw: costs.inference_time(hw, small_arch, InferConfig(dp=2, micro_batch=2), two, 4, 64,
+                                                 "lm", 2, True)) == pytest.approx(2 * 70e-6)
+    # Split over two ranks: every rank runs both micro-batches.
+    assert added(lambda hw: costs.train_step_time(hw, small_arch, TrainConfig(tp=2, micro_batch=2), two, 4, 64,
+                                                  "lm")) == pytest.approx(2 * 2 * 500e-6)
+    assert added(lambda hw: costs.inference_time(hw, small_arch, InferConfig(tp=2, micro_batch=2), two, 4, 64,
+                                                 "lm")) == pytest.approx(2 * 2 * 40e-6)
+    assert added(lambda hw: costs.train_step_time(hw, small_arch, TrainConfig(micro_batch=2), ONE, 4, 64,
+                                                  "lm")) == 0.0
+
+
 # -- pipeline schedules and recomputation ------------------------------------------------------------------
 
 

@@ -595,7 +595,7 @@ def test_runtime_costs_measured_on_the_executor_engine(quick_profile, monkeypatc
     from hfplan.layout import stage_parameter_tensors
     from hfplan.plan import Layout, TrainConfig
     from hfplan.profiler import device as devices
-    from hfplan.profiler.runtime import BATCH, DEEP, FEW, LONG, MANY, PROMPT, SHORT, measure_runtime
+    from hfplan.profiler.runtime import ACROSS_DEEP, BATCH, DEEP, FEW, LONG, MANY, PROMPT, SHORT, measure_runtime
     from hfplan.profiles.hardware import Runtime
     from hfplan.simulator import costs
 
@@ -614,7 +614,10 @@ def test_runtime_costs_measured_on_the_executor_engine(quick_profile, monkeypatc
                          f"train_step_1_micro_batch_of_{BATCH}", f"engine_log_prob_{BATCH}_sequences",
                          *(op for steps in engines.values() for op in steps.values()),
                          *(f"depth_{call}_{n}_layers" for call in ("log_prob", "train_pass", "step")
-                           for n in (2, 2 * DEEP))}
+                           for n in (2, 2 * DEEP)),
+                         # the wrapped engine at its deeper depth too (its per-layer figures)
+                         f"fsdp_engine_log_prob_{2 * ACROSS_DEEP}_layers",
+                         *(f"fsdp_train_step_{n}_micro_batches_{2 * ACROSS_DEEP}_layers" for n in (FEW, MANY))}
     # A switch in the training layout on one rank moves nothing: all of it is the engines' cost per tensor.
     assert rows["hybrid_switch"]["predicted_s"] == 0.0
     assert fit.runtime.switch_tensor_us == pytest.approx(
@@ -691,8 +694,10 @@ def test_runtime_costs_measured_on_the_executor_engine(quick_profile, monkeypatc
         assert rt.optimizer_tensor_s(fsdp) == pytest.approx(max(0.0, beyond[FEW] - FEW * pass_s) / tensors,
                                                             abs=1e-9)
     for fsdp, op in ((False, "engine_log_prob"), (True, "fsdp_engine_log_prob")):
-        assert rows[op]["predicted_s"] == pytest.approx(forward_model)
-        assert rt.forward_pass_s(fsdp) == pytest.approx(max(0.0, rows[op]["seconds"] - forward_model
+        # the wrapped engine's layers pay their own fixed cost on top, measured at two depths before its pass's
+        model = forward_model + (CATALOG["tiny"].layers * rt.fsdp_layer_forward_us * 1e-6 if fsdp else 0.0)
+        assert rows[op]["predicted_s"] == pytest.approx(model)
+        assert rt.forward_pass_s(fsdp) == pytest.approx(max(0.0, rows[op]["seconds"] - model
                                                             - tokens * rt.forward_token_us * 1e-6), abs=1e-7)
     # No world profiled (a world of one): nothing measured of a tensor-parallel engine, nothing charged for it.
     assert rt.tp_forward_pass_us == rt.tp_train_pass_us == rt.tp_optimizer_tensor_us == 0.0
@@ -768,6 +773,59 @@ def test_a_layer_s_fixed_cost_is_the_deeper_model_s_time_beyond_its_kernels_per_
     faster = DepthSeconds((2, 4), (shallow[0], shallow[0]), (shallow[1], shallow[1]), (shallow[2], shallow[2]))
     none, _ = _layer_fixed(bare, faster)
     assert none.layer_forward_us == none.layer_train_us == none.layer_step_us == 0.0
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "tp"])
+def test_a_split_or_wrapped_layer_s_fixed_cost_is_what_the_deeper_model_took_beyond_its_model_per_layer(mode):
+    """The engine across two ranks (wrapped in FSDP2, or split by tensor parallelism) timed as the model prices it
+    with 300 us per decoder layer of a forward and 2 ms of a training micro-batch planted on top of the plain
+    engine's layer costs: those come back from the two depths; a deeper model that took no longer than the shallow
+    one leaves none (never negative)."""
+    from hfplan.profiler.runtime import (
+        FEW,
+        MANY,
+        EngineSeconds,
+        _layers_across,
+        deep_layers,
+        log_prob_price,
+        mode_step_price,
+    )
+
+    fitted = load_hardware("cpu")
+    fields = {f"{mode}_layer_forward_us": 0.0, f"{mode}_layer_train_us": 0.0}
+    fitted = fitted.model_copy(update={"runtime": fitted.runtime.model_copy(update=fields)})
+    planted = fitted.model_copy(update={"runtime": fitted.runtime.model_copy(update={
+        f"{mode}_layer_forward_us": 300.0, f"{mode}_layer_train_us": 2000.0})})
+    shallow, deep = CATALOG["tiny"].layers, deep_layers(mode)
+    assert deep > shallow
+
+    def timed(layers: int) -> tuple[float, dict[int, float]]:
+        return (log_prob_price(planted, mode, 2, layers),
+                {n: mode_step_price(planted, mode, 2, n, layers) for n in (FEW, MANY)})
+
+    (log_prob, steps), (deep_log_prob, deep_steps) = timed(shallow), timed(deep)
+    measured = EngineSeconds(2, mode, steps, log_prob, 0.0, deep=(deep_log_prob, deep_steps[FEW], deep_steps[MANY]))
+    got, rows = _layers_across(fitted, measured)
+    assert got == pytest.approx({f"{mode}_layer_forward_us": 300.0, f"{mode}_layer_train_us": 2000.0}, abs=0.01)
+    assert {r["op"] for r in rows} == {f"{mode}_engine_log_prob_{deep}_layers",
+                                       f"{mode}_train_step_1_micro_batches_{deep}_layers",
+                                       f"{mode}_train_step_3_micro_batches_{deep}_layers"}
+    assert all(r["world"] == 2 and r["predicted_s"] < r["seconds"] for r in rows)
+    flat = EngineSeconds(2, mode, steps, log_prob, 0.0, deep=(log_prob, steps[FEW], steps[MANY]))
+    none, _ = _layers_across(fitted, flat)
+    assert set(none.values()) == {0.0}
+
+
+def test_the_engine_s_timings_across_a_world_keep_their_deeper_calls_through_raw_rows():
+    """measure_collectives' worlds hand the engine's timings to the parent as raw rows: the deeper model's calls
+    come back with them (and none where they were not timed)."""
+    from hfplan.profiler.runtime import FEW, MANY, EngineSeconds
+
+    timed = EngineSeconds(2, "tp", {FEW: 0.04, MANY: 0.12}, 0.013, 0.002, deep=(0.02, 0.07, 0.2),
+                          split_steps=(0.001, 0.002))
+    untimed = EngineSeconds(2, "fsdp", {FEW: 0.02, MANY: 0.05}, 0.007, 0.003)
+    back = EngineSeconds.from_rows(timed.rows() + untimed.rows())
+    assert back == {"tp": timed, "fsdp": untimed}
 
 
 def test_pace_drift_is_symmetric_and_zero_at_the_same_pace():

@@ -42,6 +42,11 @@ def fits_table(result: Result) -> Table:
     table.add_row("each decoder layer: forward / training micro-batch / engine step us",
                   f"{rt.layer_forward_us:.1f} / {rt.layer_train_us:.1f} / {rt.layer_step_us:.1f}",
                   "measured beyond the modelled kernels: the demo model at two depths, the difference per layer")
+    table.add_row("each decoder layer on top, wrapped in FSDP2 / split by tensor parallelism: forward, training "
+                  "micro-batch us",
+                  f"{rt.fsdp_layer_forward_us:.1f}, {rt.fsdp_layer_train_us:.1f} / {rt.tp_layer_forward_us:.1f}, "
+                  f"{rt.tp_layer_train_us:.1f}",
+                  "measured across the profiled world at two depths, the difference per layer (0: not measured)")
     table.add_row("controller: round trip (its sending side) / a call within a task / a call opening a task on "
                   "its worker (+ each rank past the first) / its own step us",
                   f"{rt.controller_call_us:.1f} ({rt.controller_send_s() * 1e6:.1f}) / {rt.call_dispatch_s() * 1e6:.1f}"

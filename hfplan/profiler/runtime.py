@@ -47,6 +47,9 @@ PROBE_CONTEXT = PROMPT + (SHORT + LONG) / 2  # the mean context of those decode 
 BATCH = 8  # sequences of the larger static batch whose steps are timed (the demo's batch)
 FEW, MANY = 1, 3  # micro-batches (of one sequence) per optimizer step: the difference is MANY - FEW passes
 DEEP = 4  # the demo model timed again with its decoder layers this many times over: the difference is per layer
+# The same across the profiled world (wrapped in FSDP2, split by tensor parallelism): fewer, as each of those
+# layers costs several times a plain one's (an update of the demo model at 8 layers split over two ranks: 0.4 s)
+ACROSS_DEEP = 2
 ROUNDS = 3
 
 logger = logging.getLogger(__name__)
@@ -121,14 +124,13 @@ def depth_seconds(torch, device: Device, min_time: float, plain: EngineSeconds) 
     from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
 
     arch = CATALOG[MODEL]
-    layers = (arch.layers, DEEP * arch.layers)
+    layers = (arch.layers, deep_layers(PLAIN))
     engines = [TorchRolloutEngine(build_model(MODEL, "lm", seed=0, dtype=compute_dtype(device), layers=n)
                                   .to(device.kind).eval(), pad_id=0, eos_id=-1) for n in layers]
     prompts = torch.randint(1, arch.vocab, (1, PROMPT), device=device.kind)
     steps = steps_seconds(Clock(torch, device.kind), [(engine, prompts) for engine in engines], min_time)
-    deep_log_prob, deep_few, deep_many = plain.deep
-    passes = (plain.pass_s, slope_s(deep_few, deep_many))
-    return DepthSeconds(layers, (plain.log_prob, deep_log_prob), passes, (steps[0], steps[1]))
+    return DepthSeconds(layers, (plain.log_prob, plain.deep[0]), (plain.pass_s, plain.deep_pass_s),
+                        (steps[0], steps[1]))
 
 
 def _layer_fixed(bare: HardwareProfile, depths: DepthSeconds) -> tuple[Runtime, list[dict]]:
@@ -217,14 +219,23 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
     kept_us = None if plain.kept_switch is None else round(fixed_us(plain.kept_switch, 0.0), 2)
     rows += [] if plain.kept_switch is None else [_row("kept_hybrid_switch", plain.kept_switch, 0.0)]
     fsdp = across.get(FSDP) or _engine_on_one_rank(torch, device, FSDP, engine_reps)
-    wrapped = _train_fixed(bare, fsdp, per_token)
+    # The wrapped and the split engines' costs per layer first (where timed at two depths), then what each pass
+    # takes beyond them.
+    layered, across_layers = bare, {}
+    for measured in (fsdp, across.get(TP)):
+        if measured is not None and measured.deep is not None:
+            fields, layer_rows = _layers_across(layered, measured)
+            rows += layer_rows
+            across_layers.update(fields)
+            layered = _with_runtime(layered, **fields)
+    wrapped = _train_fixed(layered, fsdp, per_token)
     fsdp_switch_us, fsdp_switch_row = _switch_fixed(bare, fsdp, FSDP)
     rows.append(fsdp_switch_row)
     rows += train.rows + wrapped.rows
     # Tensor parallelism's costs on top of those of the engine it splits (one data-parallel rank): only where
     # a world was profiled.
     unsplit = wrapped if trains_through_fsdp(1, bare.compute.value_bytes) else train
-    split = _train_fixed(bare, across[TP], per_token) if TP in across else unsplit
+    split = _train_fixed(layered, across[TP], per_token) if TP in across else unsplit
     rows += split.rows if TP in across else []
     tp_switch_us = 0.0
     if TP in across:
@@ -267,7 +278,8 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
                       fsdp_optimizer_tensor_us=round(wrapped.tensor_us, 3),
                       tp_forward_pass_us=round(max(0.0, split.forward_us - unsplit.forward_us), 2),
                       tp_train_pass_us=round(max(0.0, split.pass_us - unsplit.pass_us), 2),
-                      tp_optimizer_tensor_us=round(max(0.0, split.tensor_us - unsplit.tensor_us), 3)))
+                      tp_optimizer_tensor_us=round(max(0.0, split.tensor_us - unsplit.tensor_us), 3),
+                      **across_layers))
     if PP in across:
         pipelined, pipeline_rows = _pipeline_fixed(bare.model_copy(update={"runtime": runtime}), across[PP])
         rows += pipeline_rows
@@ -293,6 +305,8 @@ PLAIN, FSDP, TP, PP = "plain", "fsdp", "tp", "pp"
 # RoleModel's `fsdp` per mode: split by tp or pp, the engine wraps as the layout rule says (one data-parallel rank)
 WRAPS_IN_FSDP = {PLAIN: False, FSDP: True, TP: None, PP: None}
 SPLIT_STEP_OPS = ("tp_engine_step", f"tp_engine_step_{BATCH}_sequences")  # EngineSeconds.split_steps' rows
+DEEP_OPS = ("deep_engine_log_prob", f"deep_train_step_{FEW}_micro_batches",
+            f"deep_train_step_{MANY}_micro_batches")  # EngineSeconds.deep's rows (after the mode's prefix)
 SPLIT_STEP_REPS = 3  # timed calls per round of steps_seconds for the split decode steps (ROUNDS rounds)
 
 
@@ -309,8 +323,8 @@ class EngineSeconds:
     switch: float  # the hybrid engine's switch into generation and back, in the training layout, weights handed over
     wide: tuple[float, float] | None = None  # PLAIN only: (actor update, log-prob call) of one micro-batch of BATCH
     kept_switch: float | None = None  # PLAIN only: the same switch generating with the trained tensors themselves
-    # PLAIN on CPU only: a log-prob call and the updates of FEW and MANY micro-batches of the demo model with DEEP
-    # times its decoder layers, timed in the same rounds as the others
+    # On CPU only (PLAIN, FSDP, TP): a log-prob call and the updates of FEW and MANY micro-batches of the demo model
+    # with deep_layers(mode) decoder layers, timed in the same rounds as the others
     deep: tuple[float, float, float] | None = None
     split_steps: tuple[float, float] | None = None  # TP only: a decode step of one and of BATCH sequences, the
     # rollout engine generating over the tensor-parallel group in the training layout (as the executor does)
@@ -324,6 +338,12 @@ class EngineSeconds:
     def prefix(self) -> str:
         return "" if self.mode == PLAIN else f"{self.mode}_"
 
+    @property
+    def deep_pass_s(self) -> float:
+        """pass_s of the deeper model (deep)."""
+        _, few, many = self.deep
+        return slope_s(few, many)
+
     def rows(self) -> list[dict]:
         """As raw profile rows (kind `engine`), for the parent process to turn into runtime rows."""
         return ([dict(kind="engine", op=f"{self.prefix}train_step_{n}_micro_batches", world=self.world,
@@ -333,7 +353,9 @@ class EngineSeconds:
                    dict(kind="engine", op=f"{self.prefix}hybrid_switch", world=self.world, mode=self.mode,
                         seconds=self.switch)]
                 + [dict(kind="engine", op=op, world=self.world, mode=self.mode, seconds=s)
-                   for op, s in zip(SPLIT_STEP_OPS, self.split_steps or (), strict=False)])
+                   for op, s in zip(SPLIT_STEP_OPS, self.split_steps or (), strict=False)]
+                + [dict(kind="engine", op=f"{self.prefix}{op}", world=self.world, mode=self.mode, seconds=s)
+                   for op, s in zip(DEEP_OPS, self.deep or (), strict=False)])
 
     @classmethod
     def from_rows(cls, rows: list[dict]) -> dict[str, EngineSeconds]:
@@ -345,8 +367,10 @@ class EngineSeconds:
                 steps = {n: by_op[f"{mode}_train_step_{n}_micro_batches"]["seconds"] for n in (FEW, MANY)}
                 log_prob = by_op[f"{mode}_engine_log_prob"]
                 split = tuple(by_op[op]["seconds"] for op in SPLIT_STEP_OPS if op in by_op)
+                deep = tuple(by_op[f"{mode}_{op}"]["seconds"] for op in DEEP_OPS if f"{mode}_{op}" in by_op)
                 out[mode] = cls(int(log_prob["world"]), mode, steps, log_prob["seconds"],
                                 by_op[f"{mode}_hybrid_switch"]["seconds"],
+                                deep=deep if len(deep) == len(DEEP_OPS) else None,
                                 split_steps=split if len(split) == len(SPLIT_STEP_OPS) else None)
         return out
 
@@ -366,6 +390,11 @@ def splits_by_pp(world: int) -> bool:
 def world_modes(world: int) -> tuple[str, ...]:
     """The engine modes timed across a profiled world of `world` ranks (every rank computing at once)."""
     return (FSDP, *((TP,) if splits_by_tp(world) else ()), *((PP,) if splits_by_pp(world) else ()))
+
+
+def deep_layers(mode: str) -> int:
+    """The decoder layers of the deeper demo model the engine in `mode` is timed with as well (EngineSeconds.deep)."""
+    return (DEEP if mode == PLAIN else ACROSS_DEEP) * CATALOG[MODEL].layers
 
 
 def profiled_role(torch, kind: str, mode: str, layers: int | None = None):
@@ -397,22 +426,24 @@ def engine_seconds(torch, kind: str, mode: str, reps: int) -> EngineSeconds:
 
     calls = [_update_call(torch, role, FEW, 1), _update_call(torch, role, MANY, 1), log_prob_call(torch, role, 1),
              _switch(role, keep_trained=False, layouts=pipeline_switch(world) if mode == PP else None)]
-    deeper = mode == PLAIN and kind == "cpu"
     if mode == PLAIN:
         calls += [_update_call(torch, role, BATCH, BATCH), log_prob_call(torch, role, BATCH), _switch(role)]
-    if deeper:  # the same calls DEEP times as deep, in the same rounds: the difference is the layers' own
-        deep = profiled_role(torch, kind, PLAIN, layers=DEEP * CATALOG[MODEL].layers)
+    deeper = kind == "cpu" and mode != PP
+    if deeper:  # the same calls of a deeper model, in the same rounds: the difference is the layers' own
+        deep = profiled_role(torch, kind, mode, layers=deep_layers(mode))
         calls += [log_prob_call(torch, deep, 1), _update_call(torch, deep, FEW, 1), _update_call(torch, deep, MANY, 1)]
     # Every call timed in the same rounds (WorldClock.per_calls).
-    few, many, one, switch, *wide = WorldClock(torch, kind, reps).per_calls(calls)
-    steps = {FEW: few, MANY: many}
+    timed = WorldClock(torch, kind, reps).per_calls(calls)
+    few, many, one, switch = timed[:4]
+    steps, deep_calls = {FEW: few, MANY: many}, tuple(timed[-len(DEEP_OPS):]) if deeper else None
     if mode == TP:
-        return EngineSeconds(world, mode, steps, one, switch, split_steps=_split_steps(torch, kind, role))
+        return EngineSeconds(world, mode, steps, one, switch, deep=deep_calls,
+                             split_steps=_split_steps(torch, kind, role))
     if mode != PLAIN:
-        return EngineSeconds(world, mode, steps, one, switch)
-    wide_update, wide_log_prob, kept_switch, *deep_calls = wide
+        return EngineSeconds(world, mode, steps, one, switch, deep=deep_calls)
+    wide_update, wide_log_prob, kept_switch = timed[4:7]
     return EngineSeconds(world, mode, steps, one, switch, (wide_update, wide_log_prob), kept_switch,
-                         deep=tuple(deep_calls) if deeper else None)
+                         deep=deep_calls)
 
 
 def _update_call(torch, role, n: int, micro: int):
@@ -658,11 +689,8 @@ def _train_fixed(bare: HardwareProfile, measured: EngineSeconds, per_token: _Tok
     zeroing visit each one). Also a log-prob call of one micro-batch through the same engine, beyond its modelled
     forward (with FSDP2: gathering the weights for the call and freeing them after, on top of the pass). A pass's
     fixed cost is what is left after `per_token`'s for its sequence's tokens."""
-    arch, world, fsdp = CATALOG[MODEL], measured.world, measured.mode == FSDP
-    where = costs.SetShape(world, world)
-    tp, dp = (world, 1) if measured.mode == TP else (1, world)
-    train = TrainConfig(tp=tp, dp=dp, micro_batch=1, shard="full" if fsdp else "replicated")
-    modelled = {n: costs.train_step_time(bare, arch, train, where, n * dp, PROMPT + LONG, "lm") for n in (FEW, MANY)}
+    world = measured.world
+    modelled = {n: mode_step_price(bare, measured.mode, world, n) for n in (FEW, MANY)}
     beyond = {n: measured.steps[n] - modelled[n] for n in (FEW, MANY)}
     pass_s = max(0.0, slope_s(beyond[FEW], beyond[MANY]))
     step_s = max(0.0, beyond[FEW] - FEW * pass_s)
@@ -675,22 +703,71 @@ def _train_fixed(bare: HardwareProfile, measured: EngineSeconds, per_token: _Tok
     # `world` ranks on a node) is taken off, as the model puts it back on a set's fixed costs.
     shared = bare.compute.host_slowdown(world)
     return _TrainFixed(max(0.0, pass_s * 1e6 / shared - tokens * per_token.train_us),
-                       step_s * 1e6 / stage_parameter_tensors(arch, 1, "lm") / shared,
+                       step_s * 1e6 / stage_parameter_tensors(CATALOG[MODEL], 1, "lm") / shared,
                        max(0.0, fixed_us(measured.log_prob, forward_model) / shared - tokens * per_token.forward_us),
                        rows)
 
 
-def log_prob_price(hw: HardwareProfile, mode: str, world: int) -> float:
+def log_prob_price(hw: HardwareProfile, mode: str, world: int, layers: int | None = None) -> float:
     """What `hw` prices the engine's log-prob call of one sequence per data-parallel rank (log_prob_call) at, in
-    `mode` over `world` ranks of a node, beyond the controller's dispatch of it (the engine's call timed alone). In
-    pipeline stages it is a trained role's forward, wrapped as the layout rule wraps it (as a plan's call of it is
-    costed)."""
+    `mode` over `world` ranks of a node (of the demo model with `layers` decoder layers: its own by default),
+    beyond the controller's dispatch of it (the engine's call timed alone). In pipeline stages it is a trained
+    role's forward, wrapped as the layout rule wraps it (as a plan's call of it is costed)."""
     fsdp = mode == FSDP or (mode == PP and trains_through_fsdp(1, hw.compute.value_bytes))
     tp, pp = (world, 1) if mode == TP else (1, world) if mode == PP else (1, 1)
     dp = world // (tp * pp)
-    return (costs.inference_time(hw, CATALOG[MODEL], InferConfig(tp=tp, pp=pp, dp=dp, micro_batch=1),
+    return (costs.inference_time(hw, _demo_arch(layers), InferConfig(tp=tp, pp=pp, dp=dp, micro_batch=1),
                                  costs.SetShape(world, world), dp, PROMPT + LONG, "lm", dp if fsdp else 1, fsdp)
             - costs.call_dispatch(hw))
+
+
+def mode_step_price(hw: HardwareProfile, mode: str, world: int, micro_batches: int, layers: int | None = None) -> float:
+    """What `hw` prices an actor update (_update_call) of `micro_batches` micro-batches of one sequence per
+    data-parallel rank at, through the engine as one rank trains (PLAIN), wrapped in FSDP2 or split by tensor
+    parallelism over `world` ranks of a node (of the demo model with `layers` decoder layers: its own by
+    default)."""
+    fsdp = mode == FSDP
+    tp, dp = (world, 1) if mode == TP else (1, world)
+    train = TrainConfig(tp=tp, dp=dp, micro_batch=1, shard="full" if fsdp else "replicated")
+    return costs.train_step_time(hw, _demo_arch(layers), train, costs.SetShape(world, world), micro_batches * dp,
+                                 PROMPT + LONG, "lm")
+
+
+def _demo_arch(layers: int | None):
+    arch = CATALOG[MODEL]
+    return arch if layers is None else replace(arch, layers=layers)
+
+
+def _layers_across(fitted: HardwareProfile, measured: EngineSeconds) -> tuple[dict[str, float], list[dict]]:
+    """Runtime.fsdp_layer_forward_us and fsdp_layer_train_us (tp_'s for `measured.mode` TP), and their rows: what
+    the engine's log-prob call and training micro-batch across `measured.world` ranks took at the deeper depth
+    less at its own, each the value at which the same difference of its model on `fitted` (the plain engine's
+    layer costs fitted, the host's sharing) meets the measured one."""
+    mode, world = measured.mode, measured.world
+    shallow, deep = CATALOG[MODEL].layers, deep_layers(mode)
+
+    def log_prob(hw: HardwareProfile, layers: int) -> float:
+        return log_prob_price(hw, mode, world, layers)
+
+    def train_pass(hw: HardwareProfile, layers: int) -> float:
+        return slope_s(*(mode_step_price(hw, mode, world, n, layers) for n in (FEW, MANY)))
+
+    def fitted_us(measured_s: float, model, field: str) -> float:
+        def added(us: float) -> float:
+            hw = _with_runtime(fitted, **{field: us})
+            return model(hw, deep) - model(hw, shallow)
+        return round(_linear_fixed_us(measured_s, added), 2)
+
+    deep_log_prob, deep_few, deep_many = measured.deep
+    fields = {f"{mode}_layer_forward_us": fitted_us(deep_log_prob - measured.log_prob, log_prob,
+                                                    f"{mode}_layer_forward_us"),
+              f"{mode}_layer_train_us": fitted_us(measured.deep_pass_s - measured.pass_s, train_pass,
+                                                  f"{mode}_layer_train_us")}
+    rows = [_row(f"{mode}_engine_log_prob_{deep}_layers", deep_log_prob, log_prob(fitted, deep), world)]
+    rows += [_row(f"{mode}_train_step_{n}_micro_batches_{deep}_layers", seconds,
+                  mode_step_price(fitted, mode, world, n, deep), world)
+             for n, seconds in ((FEW, deep_few), (MANY, deep_many))]
+    return fields, rows
 
 
 def _engine_on_one_rank(torch, device: Device, mode: str, reps: int) -> EngineSeconds:

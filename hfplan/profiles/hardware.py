@@ -477,6 +477,20 @@ class Runtime(_Strict):
     tp_train_pass_us: float = Field(default=0.0, ge=0, description="the same on top of a training micro-batch")
     tp_optimizer_tensor_us: float = Field(default=0.0, ge=0, description="the same on top of an optimizer step, "
                                           "per parameter tensor")
+    fsdp_layer_forward_us: float = Field(
+        default=0.0, ge=0, description="fixed cost per decoder layer of a forward micro-batch through a trained "
+                                       "role's FSDP2-wrapped engine (each layer its own unit: its hooks, its "
+                                       "parameters gathered and freed, DTensor dispatch) on top of "
+                                       "layer_forward_us; measured across the profiled world at two depths")
+    fsdp_layer_train_us: float = Field(default=0.0, ge=0, description="the same per decoder layer of a training "
+                                       "micro-batch, on top of layer_train_us")
+    tp_layer_forward_us: float = Field(
+        default=0.0, ge=0, description="fixed cost per decoder layer of a forward micro-batch of an engine split by "
+                                       "tensor parallelism (its split linears' DTensor dispatch, the host's work "
+                                       "and the ranks' meeting at each of its collectives) on top of the unsplit "
+                                       "engine's layer; measured across the profiled world at two depths")
+    tp_layer_train_us: float = Field(default=0.0, ge=0, description="the same per decoder layer of a training "
+                                     "micro-batch")
     pp_forward_pass_us: float = Field(
         default=0.0, ge=0, description="fixed cost of one micro-batch through one pipeline stage of a forward-only "
                                        "call (the pipeline schedule's actions, its point-to-point sends' and "
@@ -521,6 +535,16 @@ class Runtime(_Strict):
         else:
             base = self.forward_pass_us if self.train_pass_us is None else self.train_pass_us
         return (base + (self.tp_train_pass_us if tp else 0.0) + (self.pp_train_pass_us if pp else 0.0)) * 1e-6
+
+    def layer_forward_s(self, fsdp: bool = False, tp: bool = False) -> float:
+        """Seconds of fixed cost per decoder layer of a forward micro-batch; `fsdp`, `tp` as forward_pass_s."""
+        return (self.layer_forward_us + (self.fsdp_layer_forward_us if fsdp else 0.0)
+                + (self.tp_layer_forward_us if tp else 0.0)) * 1e-6
+
+    def layer_train_s(self, fsdp: bool = False, tp: bool = False) -> float:
+        """Seconds of fixed cost per decoder layer of a training micro-batch; `fsdp`, `tp` as train_pass_s."""
+        return (self.layer_train_us + (self.fsdp_layer_train_us if fsdp else 0.0)
+                + (self.tp_layer_train_us if tp else 0.0)) * 1e-6
 
     def optimizer_tensor_s(self, fsdp: bool = False, tp: bool = False) -> float:
         """Seconds of fixed cost of an optimizer step per parameter tensor; `fsdp`: over FSDP2's shards; `tp`:

@@ -342,16 +342,16 @@ def train_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: TrainConfig, whe
     forward, backward = sp.forward_parts, sp.backward_parts
     per_micro = {name: seconds + backward[name] for name, seconds in forward.items()}
     layers = stage_layers(arch, cfg.pp)
+    fsdp, split = trains_through_fsdp(cfg.dp, hw.compute.value_bytes), cfg.tp > 1
     per_micro["recompute"] = _recompute_seconds(sp, Recompute.of(cfg.recompute),
-                                                layers * hw.runtime.layer_forward_us * 1e-6)
+                                                layers * hw.runtime.layer_forward_s(fsdp, split))
     # FSDP1's flat-gradient copy: a memory-bound pass of the backward, on the compute stream (sharding.fsdp1_passes).
     flat_copy = sharding.flat_gradient_copy(hw, arch, cfg, head)
     per_micro["elementwise"] += flat_copy
     per_micro["pp_comm"] = 2 * v * _p2p(hw, arch, cfg, where, micro * seq_len)
-    fsdp, split = trains_through_fsdp(cfg.dp, hw.compute.value_bytes), cfg.tp > 1
     # Per token: the busiest stage's share of the model's layers.
     per_micro["runtime"] = (v * hw.runtime.train_pass_s(fsdp, split, cfg.pp > 1)
-                            + layers * hw.runtime.layer_train_us * 1e-6
+                            + layers * hw.runtime.layer_train_s(fsdp, split)
                             + micro * seq_len * hw.runtime.train_token_us * 1e-6 / cfg.pp)
     local_params = stage_params(arch, cfg.pp, head) / cfg.tp
     exposed = sharding.exposed_step_comm(hw, arch, cfg, where, head, sp.forward,
@@ -393,7 +393,7 @@ def inference_parts(hw: HardwareProfile, arch: ModelArch, cfg: InferConfig, wher
     sp = stage_pass(hw, arch, cfg.tp, cfg.pp, where, micro, seq_len, head, memo=memo)
     per_micro = dict(sp.forward_parts, pp_comm=_p2p(hw, arch, cfg, where, micro * seq_len),
                      runtime=hw.runtime.forward_pass_s(fsdp, cfg.tp > 1, cfg.pp > 1)
-                     + stage_layers(arch, cfg.pp) * hw.runtime.layer_forward_us * 1e-6
+                     + stage_layers(arch, cfg.pp) * hw.runtime.layer_forward_s(fsdp, cfg.tp > 1)
                      + micro * seq_len * hw.runtime.forward_token_us * 1e-6 / cfg.pp)
     exposed = 0.0
     if weight_shards > 1:
