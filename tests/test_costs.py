@@ -327,6 +327,28 @@ def test_weight_sync_by_hand(toy_hw):
     assert other == pytest.approx(8 * shard / INTER_BW + 10e-6)  # the node's 8 GPUs share its NICs
 
 
+def test_a_weight_sync_moves_its_bytes_through_the_object_store_where_the_profile_measured_it(toy_hw):
+    """Links.object_store: each rollout rank's shard through Ray's object store at its rate (on a GPU also out of
+    and into the devices over the host link), across nodes the node's shards over the network first; without it,
+    a point-to-point send (test_weight_sync_by_hand)."""
+    from hfplan.profiles.hardware import Link
+
+    store = toy_hw.model_copy(update={"links": toy_hw.links.model_copy(update={"object_store": Link(
+        bandwidth_gbytes_per_s=0.5, efficiency=1.0, latency_us=4000)})})
+    norms = (2 * LLAMA7.layers + 1) * LLAMA7.hidden
+    shard = 2 * ((LLAMA7.params() - norms) / 4 + norms)
+    handed = 4e-3 + shard / 0.5e9
+    host = 2 * (3e-6 + shard / 1e10)  # toy_hw's host link: 1e10 B/s, 3 us
+    same = costs.weight_sync_time(store, LLAMA7, GenConfig(tp=4, dp=2), SetShape(8, 8), same_node=True)
+    assert same == pytest.approx(handed + host)
+    other = costs.weight_sync_time(store, LLAMA7, GenConfig(tp=4, dp=2), SetShape(8, 8), same_node=False)
+    assert other == pytest.approx(handed + host + 8 * shard / INTER_BW + 10e-6)
+    # A CPU's processes hold their tensors in the host's memory: no device copies.
+    on_host = store.model_copy(update={"backend": "gloo"})
+    assert costs.weight_sync_time(on_host, LLAMA7, GenConfig(tp=4, dp=2), SetShape(8, 8), same_node=True) == \
+        pytest.approx(handed)
+
+
 def test_a_weight_sync_pays_its_measured_fixed_cost_through_ray_or_else_one_round_trip(toy_hw):
     """Runtime.weight_sync_us, where the profile measured it, replaces the controller's round trip that a profile
     without it charges for the buckets' way through the controller."""

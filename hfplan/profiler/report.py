@@ -55,6 +55,11 @@ def fits_table(result: Result) -> Table:
     table.add_row("the controller's CPU per Ray task it sends us", f"{rt.controller_task_cpu_us:.1f}",
                   "measured on the probe's run (its CPU beyond its steps and rules), shared with the head host's "
                   "workers" if rt.controller_task_cpu_us else "not measured")
+    store = hw.links.object_store
+    table.add_row("tensors between two workers through Ray's object store: GB/s, latency us",
+                  "none" if store is None else f"{store.bandwidth_gbytes_per_s:g}, {store.latency_us:g}",
+                  "measured through Ray, 1 to 64 MiB" if store is not None
+                  else "not measured (--quick, ray not importable): a point-to-point send over the node's link")
     table.add_row("weight sync to a separate rollout set, fixed us", f"{rt.weight_sync_s() * 1e6:.1f}",
                   "measured with a rollout probe, beyond the engines' per-tensor cost and the bytes"
                   if rt.weight_sync_us is not None else "not measured: the controller's round trip")

@@ -173,8 +173,10 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
     measured_calls = fixed.ray and fixed.runtime.call_dispatch_us is not None
     calls = {} if measured_calls else {name: getattr(base.runtime, name) for name in CALL_FIELDS}
     calls["vllm_batched_tokens"] = base.runtime.vllm_batched_tokens  # vLLM's default for the device, not measured
+    links = profile.links if fixed.object_store is None else profile.links.model_copy(
+        update={"object_store": fixed.object_store})
     profile = profile.model_copy(update={
-        "runtime": fixed.runtime.model_copy(update=calls), "memory": memory,
+        "runtime": fixed.runtime.model_copy(update=calls), "memory": memory, "links": links,
         "description": profile.description + " Runtime: a sampled decode step of the executor's torch rollout "
                        "engine (of one and of several sequences), a micro-batch, an optimizer step and a log-prob "
                        "call of its training engine (as one rank trains, per token on that rank, and across the "
@@ -189,7 +191,9 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
                           else "; the executor's call gaps and controller step not measured (--quick, ray not "
                           f"importable, or the probe run failed; carried over from base profile '{base.name}')")
                        + ("" if fixed.ray else f"; worker memory carried over from base profile '{base.name}'")
-                       + "."})
+                       + "." + (" Object store: tensors of 1 to 64 MiB handed from one Ray worker to another as "
+                                "the executor hands a separate rollout set its weights, alpha-beta fit."
+                                if fixed.object_store is not None else "")})
     rows += fixed.rows
 
     plan = layers.plan_layers(profile, request.model, sweeps.layers, device, esize, sweeps.min_time)

@@ -31,13 +31,15 @@ from hfplan.errors import HfplanError
 from hfplan.layout import shape_problem, stage_parameter_tensors, trains_through_fsdp
 from hfplan.measure import typical
 from hfplan.plan import GenConfig, InferConfig, Layout, TrainConfig
+from hfplan.profiler import object_store
 from hfplan.profiler.call_gaps import CallGaps, measure_call_gaps
 from hfplan.profiler.compute import compute_dtype
 from hfplan.profiler.device import Device
 from hfplan.profiler.sweeps import ENGINE_REPS
 from hfplan.profiler.timing import Clock
-from hfplan.profiles.hardware import HardwareProfile, Runtime
+from hfplan.profiles.hardware import HardwareProfile, Link, Runtime
 from hfplan.profiles.models import CATALOG
+from hfplan.simulator import collectives as coll
 from hfplan.simulator import costs
 
 MODEL = "tiny"  # the demo model: its kernels are tiny, so what it takes is mostly the fixed cost
@@ -61,6 +63,7 @@ class RuntimeFit:
     rows: list[dict]
     ray: bool  # whether the executor's calls were measured (through Ray; else the engines timed here)
     worker_resident_gib: float = 0.0  # a Ray worker's own resident memory, measured with them
+    object_store: Link | None = None  # Links.object_store, measured through Ray
 
 
 def cpu_probe(torch):
@@ -194,6 +197,11 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
     one = costs.SetShape(1, 1)
     ray_costs = _ray_worker(device, profile, min_time, engine_reps) if through_ray else None
     times = ray_costs.engines if ray_costs is not None else time_engines(torch, device, min_time, engine_reps)
+    # The executor's handover of tensors between workers (a separate rollout set's weight sync is fitted beyond
+    # its bytes at that rate).
+    store = object_store.object_store_link(ray_costs.object_store) if ray_costs is not None else None
+    if store is not None:
+        profile = profile.model_copy(update={"links": profile.links.model_copy(update={"object_store": store})})
     # Each decoder layer's fixed cost first (against the kernels alone): every other fixed cost is what a call
     # takes beyond its kernels and its layers' fixed costs. Only a CPU's: a GPU's host runs ahead of its kernels,
     # which the model charges instead.
@@ -297,7 +305,11 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
     if ray_costs is not None:  # a worker as it runs calls, where the probe ran; else one that only imported
         probed = gaps.worker_resident_gib if gaps is not None else None
         resident_gib = probed if probed is not None else ray_costs.resident_bytes / 2**30
-    return RuntimeFit(runtime, rows, ray_costs is not None, round(resident_gib, 3))
+    if store is not None:
+        rows += [_row(f"object_store_{r['moved_bytes']}_bytes", r["seconds"],
+                      coll.object_store_transfer(profile, r["moved_bytes"]), world=2)
+                 | {"moved_bytes": r["moved_bytes"]} for r in ray_costs.object_store]
+    return RuntimeFit(runtime, rows, ray_costs is not None, round(resident_gib, 3), store)
 
 
 # The training engine as one rank trains, over FSDP2 ranks, split by tp, in pipeline stages
@@ -828,6 +840,7 @@ class RayCosts:
     resident_bytes: int
     engines: EngineTimes
     gaps: CallGaps | None
+    object_store: list[dict]  # raw rows: tensors handed between two workers (hfplan.profiler.object_store)
 
 
 def _ray_worker(device: Device, profile: HardwareProfile, min_time: float, engine_reps: int) -> RayCosts | None:
@@ -851,7 +864,8 @@ def _ray_worker(device: Device, profile: HardwareProfile, min_time: float, engin
             resident = ray.get(timer.resident_bytes.remote(), timeout=300)
             engines = ray.get(timer.time_engines.remote(device, min_time, engine_reps), timeout=900)
             ray.kill(timer)  # its device and memory go back before the probe's worker starts
-            return RayCosts(resident, engines, _probe_gaps(profile, ranks))
+            handed = object_store.measure_object_store(ray)
+            return RayCosts(resident, engines, _probe_gaps(profile, ranks), handed)
         finally:
             ray.shutdown()
 

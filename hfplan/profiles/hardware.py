@@ -350,6 +350,11 @@ class Links(_Strict):
     intra_node: Link
     inter_node: Link
     host: Link = Field(description="device <-> host (PCIe); data through the single controller")
+    object_store: Link | None = Field(
+        default=None, description="tensors handed from one of hfplan's executor workers to another through Ray's "
+                                  "object store, as a separate rollout set's weights go (packed, stored, read, "
+                                  "copied into place; on a GPU also through the host link both ways): measured by "
+                                  "`hfplan profile` through Ray; None: a point-to-point send over the node's link")
 
 
 class Runtime(_Strict):

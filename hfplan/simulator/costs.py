@@ -710,11 +710,18 @@ def weight_sync_time(hw: HardwareProfile, arch: ModelArch, gen: GenConfig, rollo
     engine's rollout engine does (Runtime.switch_tensor_us). The rollout ranks' loads take the actor ranks'
     buckets as arguments, which Ray resolves where the references live, in the controller's process: the buckets'
     readiness reaches the controller and the loads go out from it (Runtime.weight_sync_s: that way through Ray's
-    object store, measured, or one round trip)."""
+    object store, measured, or one round trip). The bytes go through Ray's object store where the profile measured
+    it (Links.object_store), else as a point-to-point send."""
     fixed = (hw.compute.host_slowdown(rollout.per_node) * _engine_weights_fixed(hw, arch, gen)
              + hw.runtime.weight_sync_s())
     shard_bytes = hw.compute.value_bytes * most_generation_numel(arch, gen)
     node_bytes = shard_bytes * rollout.per_node
+    if hw.links.object_store is not None:
+        # The executor's path: each rollout rank reads its shard through Ray's object store in its own process
+        # (a GPU's buckets leave and reach the devices through the host link); Ray moves them between nodes first.
+        through_host = 0.0 if hw.on_host else 2 * coll.host_transfer(hw, shard_bytes)
+        across = 0.0 if same_node else coll.point_to_point(hw, node_bytes, same_node=False)
+        return fixed + coll.object_store_transfer(hw, shard_bytes) + through_host + across
     if same_node:
         return fixed + coll.point_to_point(hw, shard_bytes, same_node=True)
     return fixed + coll.point_to_point(hw, node_bytes, same_node=False)
