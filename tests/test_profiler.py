@@ -595,7 +595,7 @@ def test_runtime_costs_measured_on_the_executor_engine(quick_profile, monkeypatc
     from hfplan.layout import stage_parameter_tensors
     from hfplan.plan import Layout, TrainConfig
     from hfplan.profiler import device as devices
-    from hfplan.profiler.runtime import ACROSS_DEEP, BATCH, DEEP, FEW, LONG, MANY, PROMPT, SHORT, measure_runtime
+    from hfplan.profiler.runtime import BATCH, DEEP, FEW, LONG, MANY, PROMPT, SHORT, measure_runtime
     from hfplan.profiles.hardware import Runtime
     from hfplan.simulator import costs
 
@@ -616,8 +616,8 @@ def test_runtime_costs_measured_on_the_executor_engine(quick_profile, monkeypatc
                          *(f"depth_{call}_{n}_layers" for call in ("log_prob", "train_pass", "step")
                            for n in (2, 2 * DEEP)),
                          # the wrapped engine at its deeper depth too (its per-layer figures)
-                         f"fsdp_engine_log_prob_{2 * ACROSS_DEEP}_layers",
-                         *(f"fsdp_train_step_{n}_micro_batches_{2 * ACROSS_DEEP}_layers" for n in (FEW, MANY))}
+                         f"fsdp_engine_log_prob_{2 * DEEP}_layers",
+                         *(f"fsdp_train_step_{n}_micro_batches_{2 * DEEP}_layers" for n in (FEW, MANY))}
     # A switch in the training layout on one rank moves nothing: all of it is the engines' cost per tensor.
     assert rows["hybrid_switch"]["predicted_s"] == 0.0
     assert fit.runtime.switch_tensor_us == pytest.approx(
@@ -782,11 +782,11 @@ def test_a_split_or_wrapped_layer_s_fixed_cost_is_what_the_deeper_model_took_bey
     engine's layer costs: those come back from the two depths; a deeper model that took no longer than the shallow
     one leaves none (never negative)."""
     from hfplan.profiler.runtime import (
+        DEEP_LAYERS,
         FEW,
         MANY,
         EngineSeconds,
         _layers_across,
-        deep_layers,
         log_prob_price,
         mode_step_price,
     )
@@ -796,7 +796,7 @@ def test_a_split_or_wrapped_layer_s_fixed_cost_is_what_the_deeper_model_took_bey
     fitted = fitted.model_copy(update={"runtime": fitted.runtime.model_copy(update=fields)})
     planted = fitted.model_copy(update={"runtime": fitted.runtime.model_copy(update={
         f"{mode}_layer_forward_us": 300.0, f"{mode}_layer_train_us": 2000.0})})
-    shallow, deep = CATALOG["tiny"].layers, deep_layers(mode)
+    shallow, deep = CATALOG["tiny"].layers, DEEP_LAYERS
     assert deep > shallow
 
     def timed(layers: int) -> tuple[float, dict[int, float]]:

@@ -49,9 +49,9 @@ PROBE_CONTEXT = PROMPT + (SHORT + LONG) / 2  # the mean context of those decode 
 BATCH = 8  # sequences of the larger static batch whose steps are timed (the demo's batch)
 FEW, MANY = 1, 3  # micro-batches (of one sequence) per optimizer step: the difference is MANY - FEW passes
 DEEP = 4  # the demo model timed again with its decoder layers this many times over: the difference is per layer
-# The same across the profiled world (wrapped in FSDP2, split by tensor parallelism): fewer, as each of those
-# layers costs several times a plain one's (an update of the demo model at 8 layers split over two ranks: 0.4 s)
-ACROSS_DEEP = 2
+# (in every engine mode timed at two depths: from 2 and 4 layers, the split engine's per-layer figures moved by 2x
+# between two profiles minutes apart on the project's VM)
+DEEP_LAYERS = DEEP * CATALOG[MODEL].layers
 ROUNDS = 3
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ def depth_seconds(torch, device: Device, min_time: float, plain: EngineSeconds) 
     from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
 
     arch = CATALOG[MODEL]
-    layers = (arch.layers, deep_layers(PLAIN))
+    layers = (arch.layers, DEEP_LAYERS)
     engines = [TorchRolloutEngine(build_model(MODEL, "lm", seed=0, dtype=compute_dtype(device), layers=n)
                                   .to(device.kind).eval(), pad_id=0, eos_id=-1) for n in layers]
     prompts = torch.randint(1, arch.vocab, (1, PROMPT), device=device.kind)
@@ -336,7 +336,7 @@ class EngineSeconds:
     wide: tuple[float, float] | None = None  # PLAIN only: (actor update, log-prob call) of one micro-batch of BATCH
     kept_switch: float | None = None  # PLAIN only: the same switch generating with the trained tensors themselves
     # On CPU only (PLAIN, FSDP, TP): a log-prob call and the updates of FEW and MANY micro-batches of the demo model
-    # with deep_layers(mode) decoder layers, timed in the same rounds as the others
+    # with DEEP_LAYERS decoder layers, timed in the same rounds as the others
     deep: tuple[float, float, float] | None = None
     split_steps: tuple[float, float] | None = None  # TP only: a decode step of one and of BATCH sequences, the
     # rollout engine generating over the tensor-parallel group in the training layout (as the executor does)
@@ -404,11 +404,6 @@ def world_modes(world: int) -> tuple[str, ...]:
     return (FSDP, *((TP,) if splits_by_tp(world) else ()), *((PP,) if splits_by_pp(world) else ()))
 
 
-def deep_layers(mode: str) -> int:
-    """The decoder layers of the deeper demo model the engine in `mode` is timed with as well (EngineSeconds.deep)."""
-    return (DEEP if mode == PLAIN else ACROSS_DEEP) * CATALOG[MODEL].layers
-
-
 def profiled_role(torch, kind: str, mode: str, layers: int | None = None):
     """The training engine (RoleModel) of the demo model (with `layers` decoder layers: its own by default) in
     `mode` over the process group this process is in."""
@@ -442,7 +437,7 @@ def engine_seconds(torch, kind: str, mode: str, reps: int) -> EngineSeconds:
         calls += [_update_call(torch, role, BATCH, BATCH), log_prob_call(torch, role, BATCH), _switch(role)]
     deeper = kind == "cpu" and mode != PP
     if deeper:  # the same calls of a deeper model, in the same rounds: the difference is the layers' own
-        deep = profiled_role(torch, kind, mode, layers=deep_layers(mode))
+        deep = profiled_role(torch, kind, mode, layers=DEEP_LAYERS)
         calls += [log_prob_call(torch, deep, 1), _update_call(torch, deep, FEW, 1), _update_call(torch, deep, MANY, 1)]
     # Every call timed in the same rounds (WorldClock.per_calls).
     timed = WorldClock(torch, kind, reps).per_calls(calls)
@@ -756,7 +751,7 @@ def _layers_across(fitted: HardwareProfile, measured: EngineSeconds) -> tuple[di
     less at its own, each the value at which the same difference of its model on `fitted` (the plain engine's
     layer costs fitted, the host's sharing) meets the measured one."""
     mode, world = measured.mode, measured.world
-    shallow, deep = CATALOG[MODEL].layers, deep_layers(mode)
+    shallow, deep = CATALOG[MODEL].layers, DEEP_LAYERS
 
     def log_prob(hw: HardwareProfile, layers: int) -> float:
         return log_prob_price(hw, mode, world, layers)
