@@ -325,6 +325,8 @@ def test_a_wrapped_or_split_decoder_layer_pays_its_engine_s_fixed_cost_on_top(to
                                                  "lm")) == pytest.approx(2 * 2 * 40e-6)
     assert added(lambda hw: costs.train_step_time(hw, small_arch, TrainConfig(micro_batch=2), ONE, 4, 64,
                                                   "lm")) == 0.0
+    assert added(lambda hw: costs.inference_time(hw, small_arch, InferConfig(micro_batch=2), ONE, 4, 64,
+                                                 "lm")) == 0.0
 
 
 # -- pipeline schedules and recomputation ------------------------------------------------------------------

@@ -375,6 +375,20 @@ def test_quick_cpu_profile_end_to_end(quick_profile):
     assert engine["tp_train_step_3_micro_batches"] == engine["tp_engine_log_prob"] == 2
     assert engine["train_step_3_micro_batches"] == engine["engine_step"] == engine["hybrid_switch"] == 1
     assert "engine" not in set(frame["kind"])
+    # Both are timed with the demo model at DEEP_LAYERS as well: each one's per-layer figure of a forward is where
+    # the written profile's difference between the two depths meets the measured one (zero where the model's
+    # difference already reaches it).
+    for mode in ("fsdp", "tp"):
+        deep = f"{mode}_engine_log_prob_{runtime.DEEP_LAYERS}_layers"
+        assert engine[deep] == engine[f"{mode}_train_step_3_micro_batches_{runtime.DEEP_LAYERS}_layers"] == 2
+        seconds = frame[frame["kind"] == "runtime"].set_index("op")["seconds"]
+        measured = seconds[deep] - seconds[f"{mode}_engine_log_prob"]
+        modelled = (runtime.log_prob_price(profile, mode, 2, runtime.DEEP_LAYERS)
+                    - runtime.log_prob_price(profile, mode, 2))
+        if getattr(profile.runtime, f"{mode}_layer_forward_us") > 0:
+            assert modelled == pytest.approx(measured, abs=1e-6)  # the figure is written to 0.01 us
+        else:
+            assert modelled >= measured - 1e-6
     # The rollout engine split by tensor parallelism generates across the world, as the executor does in that
     # layout; the fixed cost of each collective of its step is what the two cases leave beyond their modelled steps.
     split = frame[frame["op"].isin(runtime.SPLIT_STEP_OPS)].set_index("op")
@@ -595,7 +609,7 @@ def test_runtime_costs_measured_on_the_executor_engine(quick_profile, monkeypatc
     from hfplan.layout import stage_parameter_tensors
     from hfplan.plan import Layout, TrainConfig
     from hfplan.profiler import device as devices
-    from hfplan.profiler.runtime import BATCH, DEEP, FEW, LONG, MANY, PROMPT, SHORT, measure_runtime
+    from hfplan.profiler.runtime import BATCH, DEEP_LAYERS, FEW, LONG, MANY, PROMPT, SHORT, measure_runtime
     from hfplan.profiles.hardware import Runtime
     from hfplan.simulator import costs
 
@@ -614,10 +628,7 @@ def test_runtime_costs_measured_on_the_executor_engine(quick_profile, monkeypatc
                          f"train_step_1_micro_batch_of_{BATCH}", f"engine_log_prob_{BATCH}_sequences",
                          *(op for steps in engines.values() for op in steps.values()),
                          *(f"depth_{call}_{n}_layers" for call in ("log_prob", "train_pass", "step")
-                           for n in (2, 2 * DEEP)),
-                         # the wrapped engine at its deeper depth too (its per-layer figures)
-                         f"fsdp_engine_log_prob_{2 * DEEP}_layers",
-                         *(f"fsdp_train_step_{n}_micro_batches_{2 * DEEP}_layers" for n in (FEW, MANY))}
+                           for n in (2, DEEP_LAYERS))}
     # A switch in the training layout on one rank moves nothing: all of it is the engines' cost per tensor.
     assert rows["hybrid_switch"]["predicted_s"] == 0.0
     assert fit.runtime.switch_tensor_us == pytest.approx(
@@ -629,13 +640,13 @@ def test_runtime_costs_measured_on_the_executor_engine(quick_profile, monkeypatc
     # alone (the profile's own fixed costs are what the measurement replaces), over the layers between them.
     kernels_only = hw.model_copy(update={"runtime": Runtime()})
     rt = fit.runtime
-    deeper = dataclasses.replace(CATALOG["tiny"], layers=2 * DEEP)
-    assert rows[f"depth_step_{2 * DEEP}_layers"]["predicted_s"] == pytest.approx(costs.decode_step_time(
+    deeper = dataclasses.replace(CATALOG["tiny"], layers=DEEP_LAYERS)
+    assert rows[f"depth_step_{DEEP_LAYERS}_layers"]["predicted_s"] == pytest.approx(costs.decode_step_time(
         kernels_only, deeper, Layout(), costs.SetShape(1, 1), 1, PROMPT + (SHORT + LONG) / 2))
     for call, field in (("log_prob", "layer_forward_us"), ("train_pass", "layer_train_us"), ("step", "layer_step_us")):
-        shallow, deep = rows[f"depth_{call}_2_layers"], rows[f"depth_{call}_{2 * DEEP}_layers"]
+        shallow, deep = rows[f"depth_{call}_2_layers"], rows[f"depth_{call}_{DEEP_LAYERS}_layers"]
         per_layer = (max(0.0, deep["seconds"] - shallow["seconds"] - deep["predicted_s"] + shallow["predicted_s"])
-                     / (2 * DEEP - 2))
+                     / (DEEP_LAYERS - 2))
         assert getattr(rt, field) == pytest.approx(per_layer * 1e6, abs=0.01)
     # The shallower depth's training calls are the very timings the engine's other fixed costs are fitted from.
     assert rows["depth_log_prob_2_layers"]["seconds"] == rows["engine_log_prob"]["seconds"]
@@ -810,7 +821,8 @@ def test_a_split_or_wrapped_layer_s_fixed_cost_is_what_the_deeper_model_took_bey
     assert {r["op"] for r in rows} == {f"{mode}_engine_log_prob_{deep}_layers",
                                        f"{mode}_train_step_1_micro_batches_{deep}_layers",
                                        f"{mode}_train_step_3_micro_batches_{deep}_layers"}
-    assert all(r["world"] == 2 and r["predicted_s"] < r["seconds"] for r in rows)
+    # priced with the figures fitted: as timed
+    assert all(r["world"] == 2 and r["predicted_s"] == pytest.approx(r["seconds"]) for r in rows)
     flat = EngineSeconds(2, mode, steps, log_prob, 0.0, deep=(log_prob, steps[FEW], steps[MANY]))
     none, _ = _layers_across(fitted, flat)
     assert set(none.values()) == {0.0}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pandas as pd
 from rich.table import Table
 
+from hfplan.profiler import object_store
 from hfplan.profiler.fit import ROW_FIT_MIN_WIDTH
 from hfplan.profiler.run import Result, size_text
 from hfplan.profiles.hardware import rows_by_weight
@@ -58,8 +59,9 @@ def fits_table(result: Result) -> Table:
     store = hw.links.object_store
     table.add_row("tensors between two workers through Ray's object store: GB/s, latency us",
                   "none" if store is None else f"{store.bandwidth_gbytes_per_s:g}, {store.latency_us:g}",
-                  "measured through Ray, 1 to 64 MiB" if store is not None
-                  else "not measured (--quick, ray not importable): a point-to-point send over the node's link")
+                  f"measured through Ray, {object_store.size_range()}" if store is not None
+                  else "not measured (--quick, no Ray of the profiler's own, or it failed): a point-to-point send "
+                       "over the node's link")
     table.add_row("weight sync to a separate rollout set, fixed us", f"{rt.weight_sync_s() * 1e6:.1f}",
                   "measured with a rollout probe, beyond the engines' per-tensor cost and the bytes"
                   if rt.weight_sync_us is not None else "not measured: the controller's round trip")

@@ -9,7 +9,7 @@ from typing import Protocol
 
 import pandas as pd
 
-from hfplan.profiler import comm, compute, host_share, idle_wake, layers, pace, runtime
+from hfplan.profiler import comm, compute, host_share, idle_wake, layers, object_store, pace, runtime
 from hfplan.profiler.build import Fits, build_profile, device_tiling
 from hfplan.profiler.call_gaps import CALL_FIELDS
 from hfplan.profiler.device import Device
@@ -191,8 +191,8 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
                           else "; the executor's call gaps and controller step not measured (--quick, ray not "
                           f"importable, or the probe run failed; carried over from base profile '{base.name}')")
                        + ("" if fixed.ray else f"; worker memory carried over from base profile '{base.name}'")
-                       + "." + (" Object store: tensors of 1 to 64 MiB handed from one Ray worker to another as "
-                                "the executor hands a separate rollout set its weights, alpha-beta fit."
+                       + "." + (f" Object store: tensors of {object_store.size_range()} handed from one Ray worker "
+                                "to another as the executor hands a separate rollout set its weights, alpha-beta fit."
                                 if fixed.object_store is not None else "")})
     rows += fixed.rows
 

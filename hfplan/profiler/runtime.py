@@ -13,7 +13,8 @@ micro-batch (one sequence against BATCH, on one rank); the hybrid engine's switc
 resident memory, and what the executor's calls cost between their spans and its controller's advantage step
 (call_gaps: read off a short run of the executor). On CPU, first each decoder layer's fixed cost: a log-prob call, a
 training micro-batch and a decode step of the demo model at its depth and at DEEP times it, beyond their kernels,
-per layer added; every other fixed cost is then fitted beyond the kernels and those.
+per layer added, and the same of the log-prob call and training micro-batch wrapped in FSDP2 and split by tensor
+parallelism, on top; every other fixed cost is then fitted beyond the kernels and those.
 torch and ray are passed in or imported here, only when `hfplan profile` runs.
 """
 
@@ -39,7 +40,6 @@ from hfplan.profiler.sweeps import ENGINE_REPS
 from hfplan.profiler.timing import Clock
 from hfplan.profiles.hardware import HardwareProfile, Link, Runtime
 from hfplan.profiles.models import CATALOG
-from hfplan.simulator import collectives as coll
 from hfplan.simulator import costs
 
 MODEL = "tiny"  # the demo model: its kernels are tiny, so what it takes is mostly the fixed cost
@@ -141,7 +141,7 @@ def _layer_fixed(bare: HardwareProfile, depths: DepthSeconds) -> tuple[Runtime, 
     DepthSeconds' calls took beyond its modelled kernels at the deeper depth less at its own, over the layers
     between them."""
     one, tokens = costs.SetShape(1, 1), PROMPT + LONG
-    archs = [replace(CATALOG[MODEL], layers=n) for n in depths.layers]
+    archs = [_demo_arch(n) for n in depths.layers]
 
     def train_pass(arch) -> float:  # a step of MANY micro-batches less one of FEW, per micro-batch between them
         step = {n: costs.train_step_time(bare, arch, TrainConfig(micro_batch=1), one, n, tokens, "lm")
@@ -307,7 +307,7 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
         resident_gib = probed if probed is not None else ray_costs.resident_bytes / 2**30
     if store is not None:
         rows += [_row(f"object_store_{r['moved_bytes']}_bytes", r["seconds"],
-                      coll.object_store_transfer(profile, r["moved_bytes"]), world=2)
+                      object_store.handover_seconds(store, r["moved_bytes"]), world=2)
                  | {"moved_bytes": r["moved_bytes"]} for r in ray_costs.object_store]
     return RuntimeFit(runtime, rows, ray_costs is not None, round(resident_gib, 3), store)
 
@@ -335,8 +335,8 @@ class EngineSeconds:
     switch: float  # the hybrid engine's switch into generation and back, in the training layout, weights handed over
     wide: tuple[float, float] | None = None  # PLAIN only: (actor update, log-prob call) of one micro-batch of BATCH
     kept_switch: float | None = None  # PLAIN only: the same switch generating with the trained tensors themselves
-    # On CPU only (PLAIN, FSDP, TP): a log-prob call and the updates of FEW and MANY micro-batches of the demo model
-    # with DEEP_LAYERS decoder layers, timed in the same rounds as the others
+    # On CPU only (PLAIN, and FSDP and TP over several ranks): a log-prob call and the updates of FEW and MANY
+    # micro-batches of the demo model with DEEP_LAYERS decoder layers, timed in the same rounds as the others
     deep: tuple[float, float, float] | None = None
     split_steps: tuple[float, float] | None = None  # TP only: a decode step of one and of BATCH sequences, the
     # rollout engine generating over the tensor-parallel group in the training layout (as the executor does)
@@ -435,8 +435,10 @@ def engine_seconds(torch, kind: str, mode: str, reps: int) -> EngineSeconds:
              _switch(role, keep_trained=False, layouts=pipeline_switch(world) if mode == PP else None)]
     if mode == PLAIN:
         calls += [_update_call(torch, role, BATCH, BATCH), log_prob_call(torch, role, BATCH), _switch(role)]
-    deeper = kind == "cpu" and mode != PP
-    if deeper:  # the same calls of a deeper model, in the same rounds: the difference is the layers' own
+    # The same calls of a deeper model, in the same rounds: the difference is the layers' own (on CPU; across a
+    # world: FSDP2 over one rank in fp32 is not how a plan trains, which wraps only over several)
+    deeper = kind == "cpu" and (mode == PLAIN or (mode in (FSDP, TP) and world > 1))
+    if deeper:
         deep = profiled_role(torch, kind, mode, layers=DEEP_LAYERS)
         calls += [log_prob_call(torch, deep, 1), _update_call(torch, deep, FEW, 1), _update_call(torch, deep, MANY, 1)]
     # Every call timed in the same rounds (WorldClock.per_calls).
@@ -719,8 +721,9 @@ def log_prob_price(hw: HardwareProfile, mode: str, world: int, layers: int | Non
     """What `hw` prices the engine's log-prob call of one sequence per data-parallel rank (log_prob_call) at, in
     `mode` over `world` ranks of a node (of the demo model with `layers` decoder layers: its own by default),
     beyond the controller's dispatch of it (the engine's call timed alone). In pipeline stages it is a trained
-    role's forward, wrapped as the layout rule wraps it (as a plan's call of it is costed)."""
-    fsdp = mode == FSDP or (mode == PP and trains_through_fsdp(1, hw.compute.value_bytes))
+    role's forward, split by tensor parallelism or in pipeline stages it is wrapped as the layout rule wraps its
+    one data-parallel rank (as a plan's call of it is costed)."""
+    fsdp = mode == FSDP or (mode in (TP, PP) and trains_through_fsdp(1, hw.compute.value_bytes))
     tp, pp = (world, 1) if mode == TP else (1, world) if mode == PP else (1, 1)
     dp = world // (tp * pp)
     return (costs.inference_time(hw, _demo_arch(layers), InferConfig(tp=tp, pp=pp, dp=dp, micro_batch=1),
@@ -770,9 +773,10 @@ def _layers_across(fitted: HardwareProfile, measured: EngineSeconds) -> tuple[di
                                                     f"{mode}_layer_forward_us"),
               f"{mode}_layer_train_us": fitted_us(measured.deep_pass_s - measured.pass_s, train_pass,
                                                   f"{mode}_layer_train_us")}
-    rows = [_row(f"{mode}_engine_log_prob_{deep}_layers", deep_log_prob, log_prob(fitted, deep), world)]
+    priced = _with_runtime(fitted, **fields)  # the rows as the profile prices them, these figures in
+    rows = [_row(f"{mode}_engine_log_prob_{deep}_layers", deep_log_prob, log_prob(priced, deep), world)]
     rows += [_row(f"{mode}_train_step_{n}_micro_batches_{deep}_layers", seconds,
-                  mode_step_price(fitted, mode, world, n, deep), world)
+                  mode_step_price(priced, mode, world, n, deep), world)
              for n, seconds in ((FEW, deep_few), (MANY, deep_many))]
     return fields, rows
 

@@ -354,7 +354,9 @@ class Links(_Strict):
         default=None, description="tensors handed from one of hfplan's executor workers to another through Ray's "
                                   "object store, as a separate rollout set's weights go (packed, stored, read, "
                                   "copied into place; on a GPU also through the host link both ways): measured by "
-                                  "`hfplan profile` through Ray; None: a point-to-point send over the node's link")
+                                  "`hfplan profile` through Ray between two workers (its latency is that probe's; "
+                                  "a weight sync's fixed cost is Runtime.weight_sync_us); None: a point-to-point "
+                                  "send over the node's link")
 
 
 class Runtime(_Strict):

@@ -242,11 +242,11 @@ def point_to_point(hw: HardwareProfile, nbytes: float, same_node: bool, busy_per
     return _step(link, nbytes, link.effective_bytes_per_s / max(1, busy_per_node))
 
 
-def object_store_transfer(hw: HardwareProfile, nbytes: float) -> float:
-    """Tensors handed from one of the executor's worker processes to another through Ray's object store
-    (Links.object_store, which the profile must have)."""
-    link = hw.links.object_store
-    return _step(link, nbytes, link.effective_bytes_per_s)
+def object_store_bytes(hw: HardwareProfile, nbytes: float) -> float:
+    """The bytes of tensors handed from one of the executor's worker processes to another through Ray's object
+    store (Links.object_store, which the profile must have), without a latency: the handover's fixed cost is the
+    caller's, measured on its own path."""
+    return nbytes / hw.links.object_store.effective_bytes_per_s
 
 
 def host_transfer(hw: HardwareProfile, nbytes: float) -> float:

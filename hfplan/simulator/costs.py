@@ -719,9 +719,10 @@ def weight_sync_time(hw: HardwareProfile, arch: ModelArch, gen: GenConfig, rollo
     if hw.links.object_store is not None:
         # The executor's path: each rollout rank reads its shard through Ray's object store in its own process
         # (a GPU's buckets leave and reach the devices through the host link); Ray moves them between nodes first.
+        # Its bytes only: the sync's fixed cost on that path is weight_sync_s, measured whole through the executor.
         through_host = 0.0 if hw.on_host else 2 * coll.host_transfer(hw, shard_bytes)
         across = 0.0 if same_node else coll.point_to_point(hw, node_bytes, same_node=False)
-        return fixed + coll.object_store_transfer(hw, shard_bytes) + through_host + across
+        return fixed + coll.object_store_bytes(hw, shard_bytes) + through_host + across
     if same_node:
         return fixed + coll.point_to_point(hw, shard_bytes, same_node=True)
     return fixed + coll.point_to_point(hw, node_bytes, same_node=False)
