@@ -84,8 +84,7 @@ def _timed(ray, sizes: tuple[int, ...], reps: int) -> list[dict]:
                 ray.get(receiver.load.remote(sender.bucket.remote(nbytes)), timeout=TIMEOUT_S)
                 if rep:
                     seconds.append(time.perf_counter() - start)
-            rows.append(dict(kind="object_store", op="object_store", world=2, steps=1, moved_bytes=nbytes,
-                             seconds=typical(seconds)))
+            rows.append(dict(kind="object_store", steps=1, moved_bytes=nbytes, seconds=typical(seconds)))
         return rows
     finally:
         ray.kill(sender)
@@ -93,9 +92,8 @@ def _timed(ray, sizes: tuple[int, ...], reps: int) -> list[dict]:
 
 
 def object_store_link(rows: list[dict]) -> Link | None:
-    """Links.object_store fitted to `rows` (latency + bytes / bandwidth, at the bandwidth it reached: efficiency
-    1); None with fewer than two sizes."""
-    rows = [r for r in rows if r["kind"] == "object_store"]
+    """Links.object_store fitted to measure_object_store's `rows` (latency + bytes / bandwidth, at the bandwidth it
+    reached: efficiency 1); None with fewer than two sizes."""
     if len(rows) < 2:
         return None
     fit = fit_alpha_beta([r["steps"] for r in rows], [r["moved_bytes"] for r in rows], [r["seconds"] for r in rows])

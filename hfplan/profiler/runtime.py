@@ -720,9 +720,9 @@ def _train_fixed(bare: HardwareProfile, measured: EngineSeconds, per_token: _Tok
 def log_prob_price(hw: HardwareProfile, mode: str, world: int, layers: int | None = None) -> float:
     """What `hw` prices the engine's log-prob call of one sequence per data-parallel rank (log_prob_call) at, in
     `mode` over `world` ranks of a node (of the demo model with `layers` decoder layers: its own by default),
-    beyond the controller's dispatch of it (the engine's call timed alone). In pipeline stages it is a trained
-    role's forward, split by tensor parallelism or in pipeline stages it is wrapped as the layout rule wraps its
-    one data-parallel rank (as a plan's call of it is costed)."""
+    beyond the controller's dispatch of it (the engine's call timed alone). Split by tensor parallelism or in
+    pipeline stages it is a trained role's forward, wrapped as the layout rule wraps its one data-parallel rank
+    (as a plan's call of it is costed)."""
     fsdp = mode == FSDP or (mode in (TP, PP) and trains_through_fsdp(1, hw.compute.value_bytes))
     tp, pp = (world, 1) if mode == TP else (1, world) if mode == PP else (1, 1)
     dp = world // (tp * pp)
