@@ -9,6 +9,9 @@ from torch.distributed.tensor import DTensor
 
 from hfplan.executor.engines.reshard import (
     assemble,
+    bucket_bytes,
+    bucket_values,
+    empty_shards,
     generation_shards,
     model_specs,
     switch_plan,
@@ -85,12 +88,13 @@ def _switches(rank: int, world: int) -> list[dict]:
         everyone: list = [None] * world
         dist.all_gather_object(everyone, sent)
         mine = [bucket for by_dst in everyone for bucket in by_dst.get(rank, [])]
-        shards = assemble(specs, rollout, mine, torch.float32, torch.device("cpu"))
+        shards = empty_shards(specs, rollout, torch.float32, torch.device("cpu"))
+        assemble(shards, specs, rollout, mine, torch.float32)
         place = GenerationPlace(*rank_coords(rollout, rank))
         syncs[f"pp{train.pp}"] = {
             "sync_diff": max((shards[s.name] - full[s.name][tuple(slice(a, b) for a, b in
                               generation_box(rollout, s, place))]).abs().max().item() for s in specs),
-            "sync_bytes": sum(flat.numel() * 4 for _, flat in mine),
+            "sync_bytes": sum(raw.nbytes for _, raw in mine),
             "sync_plan": 4 * generation_numel(rollout, specs, CONFIG.num_hidden_layers, place)}
     out.append(syncs)
     return out
@@ -166,3 +170,16 @@ def test_generation_after_the_plan_driven_switch_equals_generation_in_the_traini
         for r in per_rank:
             assert r["same"] and r["freed"] and r["received"] == r["plan"], r["case"]
     assert all(r["received"] > 0 for per_rank in results for r in per_rank)  # FSDP: every switch moves slices
+
+
+def test_a_bucket_travels_as_its_bytes_and_reads_back_exactly_without_a_copy():
+    """The sync's buckets cross Ray as arrays of their bytes (any dtype, bfloat16 too, which numpy lacks), read
+    back over the same memory: here as Ray hands them to the receiver, read-only."""
+    for dtype in (torch.float32, torch.bfloat16):
+        flat = torch.randn(1000).to(dtype)
+        raw = bucket_bytes(flat)
+        assert raw.nbytes == flat.numel() * flat.element_size()
+        raw.flags.writeable = False
+        values = bucket_values(raw, dtype)
+        assert values.dtype == dtype and torch.equal(values, flat)
+        assert values.data_ptr() == raw.ctypes.data

@@ -60,7 +60,7 @@ class RoleRuntime:
     hybrid: HybridEngine | None = None
     sync_plan: reshard.SyncPlan | None = None  # a trained actor's part in a separate rollout set's weight sync
     generator: torch.Generator | None = None
-    synced: torch.nn.Module | None = None  # a rollout set's module over the shards its last sync sent
+    synced: _SyncedModel | None = None  # a rollout set's module over the shards its weight syncs fill
     generating: bool = False  # in its generation layout since its last generate call (see leave_generation)
 
     @property
@@ -136,35 +136,53 @@ class RoleRuntime:
 
     def sync_buckets(self, rollout) -> dict[int, list]:
         """What this rank of the trained actor sends each rank of a separate rollout set (layout rollout): only
-        the slices of each one's generation shard this rank holds, in buckets (engines.reshard)."""
+        the slices of each one's generation shard this rank holds, in buckets (engines.reshard), in the dtype the
+        rollout set generates in (the device's compute dtype, as load_shards reads them)."""
         import torch.distributed as dist
 
-        trained = self.trained
+        trained, dtype = self.trained, compute_dtype(self.device)
         if self.sync_plan is None:  # pure Python over every tensor of every rank: derived once
-            itemsize = torch.empty((), dtype=trained.param_dtype).element_size()
+            itemsize = torch.empty((), dtype=dtype).element_size()
             self.sync_plan = reshard.sync_plan(reshard.model_specs(trained.hf_class, trained.config),
                                                self.plan.parallelism[self.role].train, rollout,
                                                trained.config.num_hidden_layers, dist.get_rank(), itemsize)
-        buckets = reshard.sync_buckets(trained.local_parameters(), self.sync_plan, trained.param_dtype)
-        return {dst: [(keys, flat.cpu()) for keys, flat in parts] for dst, parts in buckets.items()}
+        return reshard.sync_buckets(trained.local_parameters(), self.sync_plan, dtype)
 
     def load_shards(self, buckets: list) -> None:
-        """A rollout rank takes its generation shards from the buckets the actor's ranks sent it."""
-        config = self.model.config
-        dtype = next(self.model.parameters()).dtype
+        """A rollout rank takes its generation shards from the buckets the actor's ranks sent it, into the
+        shards of the last sync (the engine reads them in place)."""
         gen = self.plan.parallelism[self.role].gen
-        specs = reshard.tensor_specs(self.model, config.num_hidden_layers, config.num_key_value_heads)
-        shards = reshard.assemble(specs, gen, buckets, dtype, self.device)
         if self.synced is None:
-            with torch.device("meta"):
-                self.synced = type(self.model)(config)
-            self.synced.eval().requires_grad_(False)
+            self.synced = _SyncedModel.of(self.model, gen, self.device)
+            self.model = self.synced.module  # the weights it was built with are never generated from: let go
+        reshard.assemble(self.synced.shards, self.synced.specs, gen, buckets, compute_dtype(self.device))
+        self.engine.load_weights(self.synced.module, presharded=True)
+
+
+@dataclass
+class _SyncedModel:
+    """A rollout set's module over the generation shards the weight syncs fill, made at the first sync."""
+
+    module: torch.nn.Module
+    specs: list
+    shards: dict[str, torch.Tensor]
+
+    @staticmethod
+    def of(model: torch.nn.Module, gen, device: torch.device) -> _SyncedModel:
+        """Over `model`'s layout (its parameters' names, shapes and ties; its buffers, which the sync does not
+        send, are shared)."""
+        config = model.config
+        specs = reshard.tensor_specs(model, config.num_hidden_layers, config.num_key_value_heads)
+        shards = reshard.empty_shards(specs, gen, compute_dtype(device), device)
+        with torch.device("meta"):
+            module = type(model)(config)
+        module.eval().requires_grad_(False)
         first: dict[int, str] = {}  # a tied parameter's other names point at its one shard
-        for name, param in self.model.named_parameters(remove_duplicate=False):
+        for name, param in model.named_parameters(remove_duplicate=False):
             first.setdefault(id(param), name)
-        params = {name: shards[first[id(p)]] for name, p in self.model.named_parameters(remove_duplicate=False)}
-        assign(self.synced, params, dict(self.model.named_buffers(remove_duplicate=False)))
-        self.engine.load_weights(self.synced, presharded=True)
+        params = {name: shards[first[id(p)]] for name, p in model.named_parameters(remove_duplicate=False)}
+        assign(module, params, dict(model.named_buffers(remove_duplicate=False)))
+        return _SyncedModel(module, specs, shards)
 
 
 def rollout_generator(device: torch.device, seed: int, gen, rank: int) -> torch.Generator:

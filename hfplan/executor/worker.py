@@ -288,14 +288,15 @@ class SetWorker:
         return ray.get_runtime_context().get_node_id()
 
     def peak_memory_bytes(self) -> int:
-        """Peak resident memory of this process (CPU), or peak allocated device memory (CUDA)."""
-        import resource
-
+        """Peak resident memory of this process less Ray's shared object store (CPU: host_memory), or peak
+        allocated device memory (CUDA)."""
         if self.spec.device == "cuda":
             import torch
 
             return int(torch.cuda.max_memory_allocated())
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        from hfplan.executor.host_memory import peak_private_bytes
+
+        return peak_private_bytes()
 
     def close(self) -> None:
         import torch.distributed as dist

@@ -882,12 +882,12 @@ def _probe_gaps(profile: HardwareProfile, ranks: int) -> CallGaps | None:
 class _EngineTimer:
     def resident_bytes(self) -> int:
         """Peak resident memory of this Ray worker once it has imported what an executor worker imports to
-        build its roles (Linux reports ru_maxrss in KiB): the worker's own memory, before any model."""
-        import resource
-
+        build its roles, measured as the executor measures its workers': the worker's own memory, before any
+        model."""
         import hfplan.executor.runtime  # noqa: F401  (torch, transformers, the engines)
+        from hfplan.executor.host_memory import peak_private_bytes
 
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        return peak_private_bytes()
 
     def time_engines(self, device: Device, min_time: float, engine_reps: int) -> EngineTimes:
         """time_engines in this worker, with the threads an executor worker of `device` gets."""
