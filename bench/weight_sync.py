@@ -1,5 +1,5 @@
 """A separate rollout set's weight sync through Ray's object store: buckets as arrays of their bytes (how the
-executor sends them, engines.reshard.bucket_bytes / bucket_values) against buckets as torch tensors (how it sent
+executor sends them, engines.reshard.bucket_array / bucket_values) against buckets as torch tensors (how it sent
 them before 2026-12-07), between two Ray actors of one session.
 
 The sender packs the first n bytes of a float32 buffer into a new flat bucket (the copy the sync makes) and
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -28,10 +29,10 @@ class Sender:
         self.held = torch.ones(most_bytes // FLOAT_BYTES)
 
     def bucket(self, nbytes: int, as_array: bool) -> list:
-        from hfplan.executor.engines.reshard import bucket_bytes
+        from hfplan.executor.engines.reshard import bucket_array
 
         flat = self.held[: nbytes // FLOAT_BYTES].clone()
-        return [(("weights",), bucket_bytes(flat) if as_array else flat)]
+        return [(("weights",), bucket_array(flat) if as_array else flat)]
 
 
 class Receiver:
@@ -60,8 +61,9 @@ def main() -> None:
     import ray
 
     sizes = [m * 2**20 for m in args.sizes_mib]
+    ray_tmp = tempfile.mkdtemp(prefix="hfr-", dir="/tmp")
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-             _temp_dir=tempfile.mkdtemp(prefix="hfr-", dir="/tmp"))
+             _temp_dir=ray_tmp)
     try:
         sender = ray.remote(num_cpus=0)(Sender).remote(max(sizes))
         receiver = ray.remote(num_cpus=0)(Receiver).remote(max(sizes))
@@ -80,6 +82,7 @@ def main() -> None:
                     seconds.setdefault((nbytes, as_array), []).append(handover(nbytes, as_array))
     finally:
         ray.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     print(f"weight-sync handover between two Ray actors, {args.rounds} alternating rounds, {os.cpu_count()} cores, "
           f"load {os.getloadavg()[0]:.1f}")
     print(f"{'MiB':>5} {'tensor s':>9} {'array s':>9} {'tensor GB/s':>12} {'array GB/s':>11} {'tensor/array':>13}")

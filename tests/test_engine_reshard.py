@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from hfplan.executor.engines.reshard import (
     assemble,
-    bucket_bytes,
+    bucket_array,
     bucket_values,
     empty_shards,
     generation_shards,
@@ -177,7 +177,7 @@ def test_a_bucket_travels_as_its_bytes_and_reads_back_exactly_without_a_copy():
     back over the same memory: here as Ray hands them to the receiver, read-only."""
     for dtype in (torch.float32, torch.bfloat16):
         flat = torch.randn(1000).to(dtype)
-        raw = bucket_bytes(flat)
+        raw = bucket_array(flat)
         assert raw.nbytes == flat.numel() * flat.element_size()
         raw.flags.writeable = False
         values = bucket_values(raw, dtype)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hfplan.executor.host_memory import peak_private_bytes
+from hfplan.executor.host_memory import peak_resident_bytes
 
 STATUS = """Name:\tray::SetWorker
 VmPeak:\t 2100000 kB
@@ -15,20 +15,23 @@ RssShmem:\t  136192 kB
 
 
 def test_the_peak_is_the_resident_peak_less_the_shared_pages():
-    assert peak_private_bytes(STATUS) == (955392 - 136192) * 1024
+    assert peak_resident_bytes(STATUS) == (955392 - 136192) * 1024
 
 
 def test_a_status_without_shared_pages_counts_the_whole_peak():
-    assert peak_private_bytes("VmHWM:\t 1024 kB\n") == 1024 * 1024
+    assert peak_resident_bytes("VmHWM:\t 1024 kB\n") == 1024 * 1024
 
 
 def test_this_process_peak_is_at_least_what_it_holds_now():
     held = bytearray(64 << 20)  # touched: resident
     held[::4096] = b"\x01" * len(held[::4096])
-    assert peak_private_bytes() >= len(held)
+    assert peak_resident_bytes() >= len(held)
 
 
-def test_without_the_kernels_status_it_is_the_resident_peak():
-    import resource
+def test_without_the_kernels_status_it_is_the_resident_peak(monkeypatch):
+    from types import SimpleNamespace
 
-    assert peak_private_bytes("") == resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    from hfplan.executor import host_memory
+
+    monkeypatch.setattr(host_memory.resource, "getrusage", lambda who: SimpleNamespace(ru_maxrss=4096))
+    assert peak_resident_bytes("") == 4096 * 1024  # Linux reports KiB

@@ -8,8 +8,10 @@ synced each iteration, grown from 88 MiB after 4 iterations as the store placed 
 memory is Ray's: its object store is sized when Ray starts (`object_store_memory`), is shared by every process of
 the node, and is counted once there; on a GPU it is not device memory at all. So a worker's peak is its peak
 resident set less the shared memory it maps when asked. Shared pages only grow while a process runs (the store
-keeps its pages), so this is at most the private peak and falls short of it only by what the object store added
-after that peak.
+keeps its pages), so this is at most the peak without them and falls short of it only by what the object store
+added after that peak. The store's pages show as shared memory (RssShmem) where Ray keeps its store in /dev/shm,
+as it does on Linux when /dev/shm has room for it; where it falls back to a file elsewhere (a container's small
+/dev/shm), its pages count as that file's (RssFile) and stay in the figure.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def _status_kib(text: str, field: str) -> int | None:
     return None
 
 
-def peak_private_bytes(status: str | None = None) -> int:
+def peak_resident_bytes(status: str | None = None) -> int:
     """This process's peak resident memory less the shared memory it maps now (`status`: /proc/self/status's
     text, read when not given); ru_maxrss where the kernel gives no such file."""
     if status is None:

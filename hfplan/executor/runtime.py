@@ -33,7 +33,15 @@ from hfplan.executor.rollout.torch_engine import TorchRolloutEngine
 from hfplan.executor.tokenizers import build_tokenizer
 from hfplan.executor.worker import Timed
 from hfplan.hyperparams import Hyperparameters
-from hfplan.layout import engine_max_seqs, facts_of, model_role, rank_coords, rank_of, reshards_by_plan
+from hfplan.layout import (
+    TensorSpec,
+    engine_max_seqs,
+    facts_of,
+    model_role,
+    rank_coords,
+    rank_of,
+    reshards_by_plan,
+)
 from hfplan.plan import RESHARD_BACK_OP, RESHARD_OP, Plan, Recompute
 
 
@@ -150,11 +158,11 @@ class RoleRuntime:
 
     def load_shards(self, buckets: list) -> None:
         """A rollout rank takes its generation shards from the buckets the actor's ranks sent it, into the
-        shards of the last sync (the engine reads them in place)."""
+        shards of the last sync (the torch engine generates from them as they are; vLLM copies them in)."""
         gen = self.plan.parallelism[self.role].gen
         if self.synced is None:
-            self.synced = _SyncedModel.of(self.model, gen, self.device)
-            self.model = self.synced.module  # the weights it was built with are never generated from: let go
+            self.synced = _SyncedModel.of(self.model, gen, self.device, self.engine)
+            self.model = self.synced.module
         reshard.assemble(self.synced.shards, self.synced.specs, gen, buckets, compute_dtype(self.device))
         self.engine.load_weights(self.synced.module, presharded=True)
 
@@ -164,24 +172,31 @@ class _SyncedModel:
     """A rollout set's module over the generation shards the weight syncs fill, made at the first sync."""
 
     module: torch.nn.Module
-    specs: list
+    specs: list[TensorSpec]
     shards: dict[str, torch.Tensor]
 
     @staticmethod
-    def of(model: torch.nn.Module, gen, device: torch.device) -> _SyncedModel:
+    def of(model: torch.nn.Module, gen, device: torch.device, engine: RolloutEngine) -> _SyncedModel:
         """Over `model`'s layout (its parameters' names, shapes and ties; its buffers, which the sync does not
-        send, are shared)."""
+        send, are kept). The weights `model` was built with are never generated from (a rollout set's first
+        generation waits for a sync): they are let go, and `engine`'s hold on them, before the shards are made,
+        so that the set never holds two copies."""
         config = model.config
         specs = reshard.tensor_specs(model, config.num_hidden_layers, config.num_key_value_heads)
+        first: dict[int, str] = {}  # a tied parameter's other names point at its one shard
+        for name, param in model.named_parameters(remove_duplicate=False):
+            first.setdefault(id(param), name)
+        names = {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
+        buffers = dict(model.named_buffers(remove_duplicate=False))
+        if not engine.copies_weights:
+            engine.release_weights()
+        for param in model.parameters():  # the parameters only: the buffers above stay where they are
+            param.data = torch.empty(0, dtype=param.dtype)
         shards = reshard.empty_shards(specs, gen, compute_dtype(device), device)
         with torch.device("meta"):
             module = type(model)(config)
         module.eval().requires_grad_(False)
-        first: dict[int, str] = {}  # a tied parameter's other names point at its one shard
-        for name, param in model.named_parameters(remove_duplicate=False):
-            first.setdefault(id(param), name)
-        params = {name: shards[first[id(p)]] for name, p in model.named_parameters(remove_duplicate=False)}
-        assign(module, params, dict(model.named_buffers(remove_duplicate=False)))
+        assign(module, {name: shards[source] for name, source in names.items()}, buffers)
         return _SyncedModel(module, specs, shards)
 
 

@@ -294,9 +294,9 @@ class SetWorker:
             import torch
 
             return int(torch.cuda.max_memory_allocated())
-        from hfplan.executor.host_memory import peak_private_bytes
+        from hfplan.executor.host_memory import peak_resident_bytes
 
-        return peak_private_bytes()
+        return peak_resident_bytes()
 
     def close(self) -> None:
         import torch.distributed as dist

@@ -28,9 +28,9 @@ few iterations in the profiler's Ray session, and its measured timelines give th
   transfer), taken once those are fitted (runtime.measure_runtime): what moving the buckets through Ray's object
   store and the controller costs.
 
-On a CPU profile it also gives memory.worker_resident_gib: the worker's measured peak resident memory less the
-simulator's peak for the probe plan (what a worker process holds beyond the model states the simulator counts:
-the interpreter, torch, Ray's buffers of its calls).
+On a CPU profile it also gives memory.worker_resident_gib: the worker's measured peak (resident memory less Ray's
+object store's shared pages, executor.host_memory) less the simulator's peak for the probe plan (what a worker
+process holds beyond the model states the simulator counts: the interpreter, torch, Ray's buffers of its calls).
 
 Measured through the executor rather than through a bare Ray actor, because a bare actor's round trip left out
 the controller's bookkeeping and the worker's wrapper (validate found such gaps 2-4x the bare figure).

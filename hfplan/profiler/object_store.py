@@ -2,11 +2,12 @@
 
 That is the path a separate rollout set's weights take (executor.worker: weight_buckets, then load_shards on
 the rollout rank): the actor's rank packs its slices into flat buckets (a copy) and returns them as arrays of
-their bytes (engines.reshard.bucket_bytes), Ray stores them and resolves them into the rollout rank's call, which
+their bytes (engines.reshard.bucket_array), Ray stores them and resolves them into the rollout rank's call, which
 copies each into its generation shards. On the project's 2-core VM (2026-12-07) 48 MiB took 0.16-0.18 s that
-way while the buckets travelled as tensors, which Ray pickles (the handover fitted at 0.26 GB/s), and 0.04 s as
-arrays; the gloo point-to-point fit the simulator priced the bytes at before gave 0.03 s, and a separate rollout
-set's generation on the 12M-parameter `small` model was under-priced by 35-48%.
+way while the buckets travelled as tensors, which Ray pickles (the handover fitted at 0.26 GB/s), and 0.06 s as
+arrays (bench/weight_sync.py; the profile then shipped fitted 0.92 GB/s); the gloo point-to-point fit the simulator
+priced the bytes at before gave 0.03 s, and a separate rollout set's generation on the 12M-parameter `small` model
+was under-priced by 35-48%.
 
 `hfplan profile` times that path between two Ray actors of its session (a sender holding a float32 buffer that
 returns a packed copy of its first n bytes, a receiver that copies what it gets into a buffer of its own) at
@@ -40,9 +41,9 @@ class _Sender:
         self.held = torch.ones(most_bytes // FLOAT_BYTES)
 
     def bucket(self, nbytes: int) -> list:
-        from hfplan.executor.engines.reshard import bucket_bytes
+        from hfplan.executor.engines.reshard import bucket_array
 
-        return [(("weights",), bucket_bytes(self.held[: nbytes // FLOAT_BYTES].clone()))]
+        return [(("weights",), bucket_array(self.held[: nbytes // FLOAT_BYTES].clone()))]
 
     def ready(self) -> bool:
         return True

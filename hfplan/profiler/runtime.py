@@ -885,9 +885,9 @@ class _EngineTimer:
         build its roles, measured as the executor measures its workers': the worker's own memory, before any
         model."""
         import hfplan.executor.runtime  # noqa: F401  (torch, transformers, the engines)
-        from hfplan.executor.host_memory import peak_private_bytes
+        from hfplan.executor.host_memory import peak_resident_bytes
 
-        return peak_private_bytes()
+        return peak_resident_bytes()
 
     def time_engines(self, device: Device, min_time: float, engine_reps: int) -> EngineTimes:
         """time_engines in this worker, with the threads an executor worker of `device` gets."""

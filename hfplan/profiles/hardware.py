@@ -248,7 +248,8 @@ class Memory(_Strict):
                                         "at; None: not limited by it")
     worker_resident_gib: float = Field(default=0.0, ge=0, description="resident memory of one executor worker "
                                        "process before it builds a model (the interpreter, torch, transformers, "
-                                       "Ray's worker): on a CPU profile, part of what a run's resident set shows")
+                                       "Ray's worker; Ray's object store left out): on a CPU profile, part of what "
+                                       "a run's measured peak shows")
 
     @property
     def usable_bytes(self) -> float:

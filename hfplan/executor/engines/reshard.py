@@ -230,14 +230,16 @@ def generation_shards(held: dict[str, torch.Tensor], plan: SwitchPlan, dtype: to
 
 # (parameter, slice) keys and the bytes of their values, flat. Ray hands a numpy array over through its object store
 # without copies of its own (written once by the sender, read in place by the receiver), where a tensor is pickled
-# whole: 48 MiB took 0.15-0.18 s as a float32 tensor and 0.04 s as an array between two Ray actors on the
-# project's 2-core VM (2026-12-07), and the receiver held an unpickled copy beside its shards.
+# whole: `bench/weight_sync.py` between two Ray actors on the project's 2-core VM (2026-12-07 17:21) handed 48 MiB
+# over in 0.18 s as a float32 tensor and 0.06 s as an array, and the receiver of a tensor held an unpickled copy
+# beside its shards.
 Bucket = tuple[list[tuple[str, Box]], np.ndarray]
 
 
-def bucket_bytes(flat: torch.Tensor) -> np.ndarray:
-    """A bucket's values as the flat array of their bytes it travels as (a view where `flat` is on the CPU)."""
-    return flat.cpu().contiguous().view(torch.uint8).numpy()
+def bucket_array(flat: torch.Tensor) -> np.ndarray:
+    """A bucket's values as the flat array of their bytes it travels as (a view where `flat` is a contiguous CPU
+    tensor)."""
+    return flat.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy()
 
 
 def bucket_values(raw: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -279,7 +281,7 @@ def sync_buckets(held: dict[str, torch.Tensor], plan: SyncPlan, dtype: torch.dty
         for bucket in buckets:
             flat = torch.cat([box_view(_checked_local(held[t.name], t.name, plan.held[t.name]), plan.held[t.name],
                                     t.box).reshape(-1) for t in bucket]).to(dtype)
-            out[dst].append(([(t.name, t.box) for t in bucket], bucket_bytes(flat)))
+            out[dst].append(([(t.name, t.box) for t in bucket], bucket_array(flat)))
     return out
 
 
@@ -305,6 +307,8 @@ def assemble(shards: dict[str, torch.Tensor], specs: list[TensorSpec], rollout: 
             target.copy_(flat[offset:offset + target.numel()].view(target.shape))
             offset += target.numel()
             filled[name] += target.numel()
+        if offset != flat.numel():  # values of another dtype than the sender's would fill the slices with garbage
+            raise RuntimeError(f"a weight-sync bucket held {flat.numel()} {dtype} values for slices of {offset}")
     missing = [name for name, count in filled.items() if count != shards[name].numel()]
     if missing:
         raise RuntimeError(f"the weight sync left parts of {', '.join(missing[:3])} unsent")
