@@ -1,6 +1,7 @@
 """A separate rollout set's weight sync through Ray's object store: buckets as arrays of their bytes (how the
 executor sends them, engines.reshard.bucket_array / bucket_values) against buckets as torch tensors (how it sent
-them before 2026-12-07), between two Ray actors of one session.
+them before 2026-12-07), between two Ray actors of one session: the profiler's own sender and receiver
+(hfplan.profiler.object_store), which also hand the same buckets over as tensors.
 
 The sender packs the first n bytes of a float32 buffer into a new flat bucket (the copy the sync makes) and
 returns it; the receiver copies what it gets into a buffer of its own (the shards). Each round times both forms
@@ -19,36 +20,22 @@ import statistics
 import tempfile
 import time
 
-FLOAT_BYTES = 4
+from hfplan.profiler.object_store import FLOAT_BYTES, HandoverReceiver, HandoverSender
 
 
-class Sender:
-    def __init__(self, most_bytes: int) -> None:
-        import torch
+class Sender(HandoverSender):
+    """The profiler's sender (array buckets, as the executor sends them), and the same bucket as a tensor."""
 
-        self.held = torch.ones(most_bytes // FLOAT_BYTES)
-
-    def bucket(self, nbytes: int, as_array: bool) -> list:
-        from hfplan.executor.engines.reshard import bucket_array
-
-        flat = self.held[: nbytes // FLOAT_BYTES].clone()
-        return [(("weights",), bucket_array(flat) if as_array else flat)]
+    def tensor_bucket(self, nbytes: int) -> list:
+        return [(("weights",), self.held[: nbytes // FLOAT_BYTES].clone())]
 
 
-class Receiver:
-    def __init__(self, most_bytes: int) -> None:
-        import torch
+class Receiver(HandoverReceiver):
+    """The profiler's receiver (array buckets), and the same copy of tensor buckets."""
 
-        self.into = torch.empty(most_bytes // FLOAT_BYTES)
-
-    def load(self, buckets: list) -> bool:
-        import torch
-
-        from hfplan.executor.engines.reshard import bucket_values
-
+    def load_tensors(self, buckets: list) -> bool:
         for _, flat in buckets:
-            values = flat if isinstance(flat, torch.Tensor) else bucket_values(flat, torch.float32)
-            self.into[: values.numel()].copy_(values)
+            self.into[: flat.numel()].copy_(flat)
         return True
 
 
@@ -70,7 +57,8 @@ def main() -> None:
 
         def handover(nbytes: int, as_array: bool) -> float:
             start = time.perf_counter()
-            ray.get(receiver.load.remote(sender.bucket.remote(nbytes, as_array)), timeout=120)
+            sent = sender.bucket.remote(nbytes) if as_array else sender.tensor_bucket.remote(nbytes)
+            ray.get((receiver.load if as_array else receiver.load_tensors).remote(sent), timeout=120)
             return time.perf_counter() - start
 
         for nbytes in sizes:  # warm-up

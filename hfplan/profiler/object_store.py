@@ -32,7 +32,7 @@ FLOAT_BYTES = 4
 logger = logging.getLogger(__name__)
 
 
-class _Sender:
+class HandoverSender:
     """An actor rank's side: a buffer, and its first bytes packed as a weight sync's bucket."""
 
     def __init__(self, most_bytes: int) -> None:
@@ -49,7 +49,7 @@ class _Sender:
         return True
 
 
-class _Receiver:
+class HandoverReceiver:
     """A rollout rank's side: each bucket it is handed copied into a buffer of its own."""
 
     def __init__(self, most_bytes: int) -> None:
@@ -81,8 +81,8 @@ def measure_object_store(ray, sizes: tuple[int, ...] = SIZES, reps: int = REPS) 
 
 def _timed(ray, sizes: tuple[int, ...], reps: int) -> list[dict]:
     most = max(sizes)
-    sender = ray.remote(num_cpus=0)(_Sender).remote(most)
-    receiver = ray.remote(num_cpus=0)(_Receiver).remote(most)
+    sender = ray.remote(num_cpus=0)(HandoverSender).remote(most)
+    receiver = ray.remote(num_cpus=0)(HandoverReceiver).remote(most)
     try:
         ray.get([sender.ready.remote(), receiver.load.remote([])], timeout=TIMEOUT_S)
         rows = []
