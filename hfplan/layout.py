@@ -34,6 +34,10 @@ if TYPE_CHECKING:
     from hfplan.spec import Workload
 
 MESH_DIMS = ("pp", "dp", "tp")  # slowest to fastest
+# The most bytes one rank has in flight in a round of the hybrid engine's switch (sent and received together; a
+# larger slice travels alone), and the size of a separate rollout set's weight-sync buckets: the executor cuts its
+# transfers by it and the simulator prices the switch's memory with it.
+SWITCH_BUCKET_BYTES = 256 << 20
 CONTROLLER = "controller"  # the role name of the controller's own steps in a traced program
 ON_CONTROLLER = -1  # the set index of calls the controller runs (its steps, `rule:` rewards)
 
@@ -592,14 +596,34 @@ def received_numel(train: TrainLayoutLike, gen: LayoutLike, specs: Sequence[Tens
     and FSDP chunk (training_box) and its generation stage and tp coordinate (generation_box), given the layouts'
     tp, stages and weight shards; never on their data-parallel sizes, so layouts alike in those share the counts
     whatever their set size."""
+    return _per_rank(train, gen, specs, layers, places, "count")
+
+
+def new_numel(train: TrainLayoutLike, gen: LayoutLike, specs: Sequence[TensorSpec], layers: int,
+              keeps_own: bool) -> list[int]:
+    """Elements of the new tensors each training rank's switch makes (by rank): its generation shard, less the
+    parameters whose training tensor it keeps as their generation shard (keeps_own_tensor) where keeps_own (the
+    training tensors are in the generation dtype). Counted by kind of rank, as received_numel."""
+    return _per_rank(train, gen, specs, layers, None, "count_new" if keeps_own else "count_shard")
+
+
+def _per_rank(train: TrainLayoutLike, gen: LayoutLike, specs: Sequence[TensorSpec], layers: int,
+              places: Sequence[GenerationPlace] | None, count: str) -> list[int]:
     places = places if places is not None else generation_places(train, gen)
     shards = train.shards("weights")
     counts = _kind_counts(tuple(specs), layers, train.tp, train.pp, train.virtual_stages, shards, gen.tp, gen.pp)
     out = []
     for rank, place in enumerate(places):
         stage, dp, tp = rank_coords(train, rank)
-        out.append(counts.count(stage, tp, dp % shards, place.pp, place.tp))
+        out.append(getattr(counts, count)(stage, tp, dp % shards, place.pp, place.tp))
     return out
+
+
+def keeps_own_tensor(need: Box, held: Box | None) -> bool:
+    """Whether a rank's generation shard of a parameter can be its training tensor itself (the switch makes no new
+    tensor for it, engines.reshard.generation_shards): the rank trains exactly that slice on its own stage (held:
+    None where the parameter is on another stage), and the training tensor is in the generation dtype."""
+    return held is not None and need == held
 
 
 class _KindCounts:
@@ -619,36 +643,50 @@ class _KindCounts:
         for (piece, train_stage, gen_stage), count in self.alike.items():
             self._by_stages.setdefault((train_stage, gen_stage), []).append((piece, count))
         self._needed: dict[tuple[int, int], int] = {}  # (generation stage, tp coordinate) -> elements of the shard
-        self._held: dict[tuple[int, int, int, int], np.ndarray] = {}
-        self._piece_held: dict[tuple[TensorSpec, int, int], np.ndarray] = {}  # (piece, tp, generation tp)
+        self._held: dict[tuple[int, int, int, int, bool], np.ndarray] = {}
+        self._piece_held: dict[tuple[TensorSpec, int, int, bool], np.ndarray] = {}  # (piece, tp, generation tp, kept)
 
     def count(self, stage: int, tp: int, chunk: int, gen_stage: int, gen_tp: int) -> int:
         """Elements a rank at training (stage, tp, FSDP chunk) and generation (stage, tp) receives."""
+        return self._needed_numel(gen_stage, gen_tp) - int(self._by_chunk(stage, tp, gen_stage, gen_tp, False)[chunk])
+
+    def count_new(self, stage: int, tp: int, chunk: int, gen_stage: int, gen_tp: int) -> int:
+        """Elements of the new tensors such a rank's switch makes: its generation shard less the tensors it keeps
+        (keeps_own_tensor)."""
+        return self._needed_numel(gen_stage, gen_tp) - int(self._by_chunk(stage, tp, gen_stage, gen_tp, True)[chunk])
+
+    def count_shard(self, stage: int, tp: int, chunk: int, gen_stage: int, gen_tp: int) -> int:
+        """Elements of such a rank's whole generation shard."""
+        return self._needed_numel(gen_stage, gen_tp)
+
+    def _needed_numel(self, gen_stage: int, gen_tp: int) -> int:
         shard = (gen_stage, gen_tp)
         if shard not in self._needed:
             place = GenerationPlace(gen_stage, 0, gen_tp)
             self._needed[shard] = sum(box_numel(generation_box(self.gen, piece, place)) * count
                                       for (piece, _, g), count in self.alike.items() if g == gen_stage)
-        key = (stage, tp, gen_stage, gen_tp)
-        if key not in self._held:
-            self._held[key] = self._held_by_chunk(stage, tp, gen_stage, gen_tp)
-        return self._needed[shard] - int(self._held[key][chunk])
+        return self._needed[shard]
 
-    def _held_by_chunk(self, stage: int, tp: int, gen_stage: int, gen_tp: int) -> np.ndarray:
+    def _by_chunk(self, stage: int, tp: int, gen_stage: int, gen_tp: int, kept: bool) -> np.ndarray:
         """For each FSDP chunk: the elements of its generation shard that a rank at training (stage, tp) and
-        generation (gen_stage, gen_tp) holds already, summed over the pieces of those stages (_piece_held: the same
-        at every stage, so pieces alike in shape across stages are met once)."""
+        generation (gen_stage, gen_tp) holds already (kept: in tensors it keeps whole), summed over the pieces of
+        those stages (_piece_held: the same at every stage, so pieces alike in shape across stages are met once)."""
+        key = (stage, tp, gen_stage, gen_tp, kept)
+        if key in self._held:
+            return self._held[key]
         held = np.zeros(self.shards, dtype=np.int64)
         for piece, count in self._by_stages.get((stage, gen_stage), ()):
-            key = (piece, tp, gen_tp)
-            if key not in self._piece_held:
-                self._piece_held[key] = self._meet_by_chunk(piece, tp, gen_tp)
-            held += self._piece_held[key] * count
+            piece_key = (piece, tp, gen_tp, kept)
+            if piece_key not in self._piece_held:
+                self._piece_held[piece_key] = self._meet_by_chunk(piece, tp, gen_tp, kept)
+            held += self._piece_held[piece_key] * count
+        self._held[key] = held
         return held
 
-    def _meet_by_chunk(self, piece: TensorSpec, tp: int, gen_tp: int) -> np.ndarray:
+    def _meet_by_chunk(self, piece: TensorSpec, tp: int, gen_tp: int, kept: bool) -> np.ndarray:
         """For each FSDP chunk: the size of the meet of one piece's generation_box at generation tp coordinate
-        `gen_tp` and its training_box at tp coordinate `tp` (only dim 0 of the training box depends on the chunk)."""
+        `gen_tp` and its training_box at tp coordinate `tp` (only dim 0 of the training box depends on the chunk);
+        kept: only where the two boxes are the same (keeps_own_tensor), else 0."""
         if not piece.shape:
             return np.ones(self.shards, dtype=np.int64)
         need = generation_box(self.gen, piece, GenerationPlace(0, 0, gen_tp))
@@ -663,7 +701,12 @@ class _KindCounts:
             hi = start + np.minimum((chunks + 1) * step, end - start)
         else:
             lo, hi = np.array([start]), np.array([end])
-        return np.maximum(0, np.minimum(hi, need[0][1]) - np.maximum(lo, need[0][0])) * other
+        meet = np.maximum(0, np.minimum(hi, need[0][1]) - np.maximum(lo, need[0][0])) * other
+        if not kept:
+            return meet
+        if need[1:] != have[1:]:
+            return np.zeros_like(meet)
+        return np.where((lo == need[0][0]) & (hi == need[0][1]), meet, 0)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -791,6 +834,40 @@ def most_received_numel(arch: ModelArch, train: TrainLayoutLike, gen: LayoutLike
     of the layouts (SwitchLayout, and gen's sizes), so training configs differing only in micro-batch,
     recomputation or the sharding of other states share one count."""
     return _most_received_numel(arch, SwitchLayout.of(train), (gen.tp, gen.pp, gen.dp))
+
+
+def most_new_numel(arch: ModelArch, train: TrainLayoutLike, gen: LayoutLike, keeps_own: bool) -> int:
+    """The most elements of new tensors any GPU's switch to generation makes (new_numel over arch_specs): what the
+    simulator's generation memory prices, beside one round of transfers (switch_round_bytes)."""
+    return _most_new_numel(arch, SwitchLayout.of(train), (gen.tp, gen.pp, gen.dp), keeps_own)
+
+
+@functools.lru_cache(maxsize=4096)
+def _most_new_numel(arch: ModelArch, train: SwitchLayout, gen: tuple[int, int, int], keeps_own: bool) -> int:
+    sizes = _Sizes(*gen)
+    counts = _kind_counts(tuple(arch_specs(arch)), arch.layers, train.tp, train.pp, train.virtual_stages,
+                          train.weight_shards, sizes.tp, sizes.pp)
+    count = counts.count_new if keeps_own else counts.count_shard
+    return max(count(*(int(x) for x in kind)) for kind in _rank_kinds(train, sizes))
+
+
+def switch_round_bytes(arch: ModelArch, train: TrainLayoutLike, gen: LayoutLike, value_bytes: int) -> int:
+    """A bound on the bytes one GPU holds in flight in a round of its switch (sent and received buffers together):
+    a round holds at most SWITCH_BUCKET_BYTES of a rank's transfers, or one slice larger than that alone
+    (engines.reshard's rounds), and never more than all the rank sends and receives. What a rank sends is taken to
+    be at most what the busiest rank receives: the generation groups exchange their pieces in kind (replicated
+    tensors, small, sent to several peers aside). The largest slice is bounded by the largest tensor's piece under
+    the finer of the two tensor-parallel splits."""
+    total, largest = _switch_traffic(arch, SwitchLayout.of(train), (gen.tp, gen.pp, gen.dp))
+    return min(value_bytes * total, max(SWITCH_BUCKET_BYTES, value_bytes * largest))
+
+
+@functools.lru_cache(maxsize=4096)
+def _switch_traffic(arch: ModelArch, train: SwitchLayout, gen: tuple[int, int, int]) -> tuple[int, int]:
+    """(elements one GPU sends and receives in all, elements of its largest slice): switch_round_bytes' bound."""
+    tp = min(train.tp, gen[0])
+    largest = max(spec.numel // (tp if spec.tp_dim is not None else 1) for spec in arch_specs(arch))
+    return 2 * _most_received_numel(arch, train, gen), largest
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from hfplan.executor.engines.reshard import (
     bucket_values,
     empty_shards,
     generation_shards,
+    local_tensor,
     model_specs,
     switch_plan,
     sync_buckets,
@@ -25,6 +26,7 @@ from hfplan.layout import (
     generation_box,
     generation_numel,
     generation_places,
+    new_numel,
     rank_coords,
     received_numel,
 )
@@ -67,8 +69,11 @@ def _switches(rank: int, world: int) -> list[dict]:
             diff = max(diff, (shards[spec.name] - expected).abs().max().item())
         shard_bytes = sum(t.numel() * 4 for t in shards.values())
         plan_bytes = 4 * received_numel(train, gen, specs, CONFIG.num_hidden_layers)[rank]
+        trained_storage = {local_tensor(p).untyped_storage().data_ptr() for p in trained.local_parameters().values()}
+        kept_bytes = sum(t.numel() * 4 for t in shards.values() if t.untyped_storage().data_ptr() in trained_storage)
         out.append({"diff": diff, "received": stats.received, "plan": plan_bytes, "peak": stats.peak,
-                    "shard_bytes": shard_bytes, "sent": stats.sent,
+                    "shard_bytes": shard_bytes, "sent": stats.sent, "made": stats.made, "kept": kept_bytes,
+                    "plan_made": 4 * new_numel(train, gen, specs, CONFIG.num_hidden_layers, keeps_own=True)[rank],
                     "plan_shard": 4 * generation_numel(gen, specs, CONFIG.num_hidden_layers, place),
                     "model_bytes": 4 * sum(t.numel() for t in full.values()),
                     "tp_g": tp_g})
@@ -110,12 +115,20 @@ def test_every_rank_builds_its_generation_shard_receiving_the_plans_bytes():
         for r in per_rank:
             assert r["diff"] == 0.0, case
             assert r["received"] == r["plan"], case
-            # The switch holds the generation shard (the plan's) plus one bucket in flight (sent and received
-            # together; the largest slice here is the 16 KiB embedding), never the model.
+            # The switch keeps the training tensors that are already generation shards (fp32 both) and makes the
+            # rest (the layout's count); it holds those plus one bucket in flight (sent and received together; the
+            # largest slice here is the 16 KiB embedding), never the model.
             assert r["shard_bytes"] == r["plan_shard"], case
-            assert r["shard_bytes"] <= r["peak"] <= r["shard_bytes"] + max(4096, 4 * 260 * 64), case
+            assert r["made"] == r["plan_made"] == r["shard_bytes"] - r["kept"], case
+            assert r["made"] <= r["peak"] <= r["made"] + max(4096, 4 * 260 * 64), case
             assert r["peak"] < r["model_bytes"] or r["tp_g"] == 1, case
         assert any(r["received"] > 0 for r in per_rank) or case[0].shard == "replicated", case
+    # What is kept, by hand: unsharded tensors whose generation slice is the trained one (the pipelined tp 2 model's
+    # own stage at tp 2; the norms, replicated over tp, of unsharded layouts going to tp 1), and FSDP chunks that are
+    # the finer tp split (tp 2 x FSDP 2 to tp 4: the column-split tensors; pp 2 x FSDP 2 to tp 4: k and v, whose 2 KV
+    # heads make a tp-4 rank's slice the half an FSDP chunk is). Nothing of FSDP-chunked norms.
+    kept = [any(r["kept"] > 0 for r in per_rank) for per_rank in zip(*[res[:-1] for res in results], strict=True)]
+    assert kept == [False, True, False, True, False, False, True, True, True]
 
 
 def _generations(rank: int, world: int) -> list[dict]:

@@ -7,6 +7,7 @@ import pytest
 from hfplan.plan import GenConfig, InferConfig, TrainConfig
 from hfplan.profiles.models import CATALOG
 from hfplan.simulator import memory
+from hfplan.simulator.kernels import FP32
 from hfplan.simulator.memory import (
     activation_values_per_token_layer,
     gib,
@@ -155,16 +156,24 @@ def test_generation_weights_bytes(small_arch):
     full = 2 * PARAMS
     # A separate rollout engine holds its whole generation shard.
     assert memory.generation_weights_bytes(small_arch, GenConfig(tp=2), None) == pytest.approx(full / 2)
-    # The hybrid engine only adds what the GPU does not already hold from training: of each split tensor
-    # half, less its eighth; of the 320 norm values (replicated over tp) all, less its FSDP quarter; and the
-    # busiest GPU holds the smallest FSDP chunk (31 of 130 rows) of its vocabulary halves of embedding and head.
-    norms, vocab_tensors = 320, 2 * 260 * 64
-    even = PARAMS - norms - vocab_tensors
-    busiest = even * (1 / 2 - 1 / 8) + norms * (1 - 1 / 4) + 2 * (130 - 31) * 64
-    assert memory.generation_weights_bytes(small_arch, GenConfig(tp=2, dp=4), TrainConfig(tp=2, dp=4)) == \
-        pytest.approx(2 * busiest)
-    assert memory.generation_weights_bytes(small_arch, GenConfig(tp=2, dp=4),
-                                           TrainConfig(tp=2, dp=4, shard=False)) == 0.0
+    # In the training layout: FSDP2 unshards the whole tp shard into new tensors (beside its sharded ones, whatever
+    # the shard group); a module trained as it is (fp32, one data-parallel rank) is read in place.
+    for train in (TrainConfig(tp=2, dp=4), TrainConfig(tp=2, dp=4, shard=False)):
+        assert memory.generation_weights_bytes(small_arch, GenConfig(tp=2, dp=4), train) == pytest.approx(full / 2)
+    assert memory.generation_weights_bytes(small_arch, GenConfig(tp=2), TrainConfig(tp=2), FP32) == 0.0
+    # Pipelined training to pp 1: a rank keeps its own stage's fp32 tensors and makes the other stage's; the busier
+    # is the last (layer 1, the final norm and the head: 36992 + 64 + 16640). In bf16 every tensor is new.
+    last_stage = PER_LAYER + 64 + 16640
+    assert memory.generation_weights_bytes(small_arch, GenConfig(dp=2), TrainConfig(pp=2), FP32) == 4 * last_stage
+    assert memory.generation_weights_bytes(small_arch, GenConfig(dp=2), TrainConfig(pp=2)) == full
+    # Its round of transfers: the stage it sends and the one it receives, both under one bucket.
+    assert memory.switch_buffer_bytes(small_arch, GenConfig(dp=2), TrainConfig(pp=2), FP32) == 4 * 2 * last_stage
+    # FSDP over two ranks to generation tp 2: each rank's chunk of dim 0 is its tp slice of the column-split tensors
+    # (q, k, v, gate, up, embedding, head: kept); it makes its halves of o and down (split along dim 1) and the
+    # norms (whole, where it trains half of each): 2 * (4096 + 8192) / 2 + 2 * 128 + 64.
+    made = memory.generation_weights_bytes(small_arch, GenConfig(tp=2), TrainConfig(dp=2), FP32)
+    assert made == 4 * ((4096 + 8192) + 2 * 128 + 64)
+    assert memory.switch_buffer_bytes(small_arch, GenConfig(tp=2, dp=4), TrainConfig(tp=2, dp=4)) == 0.0
 
 
 def test_generation_working_bytes(small_arch):

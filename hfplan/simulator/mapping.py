@@ -297,12 +297,21 @@ def infer_transient(workload: Workload, role: str, infer: InferConfig, train: Tr
 def gen_memory(workload: Workload, gen: GenConfig, train: TrainConfig | None, value_bytes: int,
                attention: str = "flash", *, vllm_tokens: int) -> tuple[float, memory.KvSequence]:
     """(extra bytes while generating, KV-cache bytes of one sequence) per GPU. With a training layout
-    (hybrid engine) only the part of the generation shard not already held is extra. `vllm_tokens`: the
+    (hybrid engine) the extra weights are those its switch makes (memory.generation_weights_bytes). `vllm_tokens`: the
     hardware's Runtime.vllm_batched_tokens, what vLLM profiles its activations with (engine_working)."""
     arch = workload.arch(generating_role(workload))
-    extra = memory.generation_weights_bytes(arch, gen, train, value_bytes) if train is not None else 0.0
-    extra += engine_working(workload, gen, value_bytes, attention, vllm_tokens)
-    return extra, memory.kv_sequence(arch, gen, workload.prompt_len, workload.response_lengths, value_bytes)
+    kv = memory.kv_sequence(arch, gen, workload.prompt_len, workload.response_lengths, value_bytes)
+    working = engine_working(workload, gen, value_bytes, attention, vllm_tokens)
+    if train is None:
+        return working, kv
+    made = memory.generation_weights_bytes(arch, gen, train, value_bytes)
+    buffers = memory.switch_buffer_bytes(arch, gen, train, value_bytes)  # gone before the engine works
+    if gen.engine != "vllm":
+        return made + max(buffers, working), kv
+    # vLLM copies the switch's tensors into its own shard and the executor frees them before vLLM allocates its
+    # working memory and KV cache: the phase peaks at the switch, at the copy, or generating.
+    shard = value_bytes * arch.params("lm") / (gen.tp * gen.pp)
+    return max(made + max(buffers, shard), shard + working), kv
 
 
 def engine_working(workload: Workload, gen: GenConfig, value_bytes: int, attention: str, vllm_tokens: int) -> float:

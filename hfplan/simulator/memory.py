@@ -12,7 +12,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hfplan.layout import kv_heads_per_rank, micro_batch_sizes, most_received_numel, stage_layers, stage_params
+from hfplan.layout import (
+    kv_heads_per_rank,
+    micro_batch_sizes,
+    most_new_numel,
+    reshards_by_plan,
+    stage_layers,
+    stage_params,
+    switch_round_bytes,
+    trains_through_fsdp,
+)
 from hfplan.plan import GenConfig, InferConfig, Layout, Recompute, TrainConfig
 from hfplan.profiles.models import ModelArch
 from hfplan.simulator import sharding
@@ -116,15 +125,25 @@ def infer_transient_bytes(arch: ModelArch, cfg: InferConfig, seq_len: int, head:
 
 def generation_weights_bytes(arch: ModelArch, gen: GenConfig, train: TrainConfig | None,
                              value_bytes: int = BF16) -> float:
-    """Extra weights generation needs: the part of the generation shard the GPU does not already hold
-    from training (all of it for a separate rollout engine). vLLM (gen.engine) keeps its own copy of the shard:
-    the hybrid engine gathers its part and vLLM copies the shard in. The gathered part is freed before vLLM's KV
-    cache is allocated; counted beside the copy for the whole generation, it makes this an upper bound."""
+    """Weights generation holds beside the training states, as the executor's hybrid engine makes them
+    (engines.hybrid): a separate rollout engine's whole generation shard; in the training layout, the whole shard
+    FSDP2 unshards (new tensors beside its sharded ones, whatever the shard group), or nothing where the module
+    trains as it is (generation reads the trained tensors); resharded by the per-tensor plan, the new tensors it
+    makes (layout.most_new_numel: the trained tensors, fp32 master weights, serve as generation shards only where
+    generation runs in fp32 too). vLLM's own copy is not counted here (mapping.gen_memory)."""
     shard = value_bytes * arch.params("lm") / (gen.tp * gen.pp)
     if train is None:
         return shard
-    gathered = value_bytes * most_received_numel(arch, train, gen)
-    return shard + gathered if gen.engine == "vllm" else gathered
+    if reshards_by_plan(train, gen):
+        return value_bytes * most_new_numel(arch, train, gen, keeps_own=value_bytes == FP32)
+    return shard if trains_through_fsdp(train.dp, value_bytes) else 0.0
+
+
+def switch_buffer_bytes(arch: ModelArch, gen: GenConfig, train: TrainConfig | None, value_bytes: int = BF16
+                        ) -> float:
+    """The send and receive buffers of one round of the per-tensor switch (layout.switch_round_bytes): held
+    during the switch only, before generation's working memory and KV cache."""
+    return switch_round_bytes(arch, train, gen, value_bytes) if reshards_by_plan(train, gen) else 0.0
 
 
 def generation_working_bytes(arch: ModelArch, gen: GenConfig, prompt_len: int, value_bytes: int = BF16,

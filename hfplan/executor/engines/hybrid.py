@@ -23,6 +23,7 @@ from torch import nn
 from hfplan.executor.engines.modules import fsdp_modules
 from hfplan.executor.engines.reshard import SwitchPlan, SwitchStats, generation_shards, switch_plan, tensor_specs
 from hfplan.executor.engines.training import RoleModel
+from hfplan.layout import SWITCH_BUCKET_BYTES
 from hfplan.plan import GenConfig, TrainConfig
 
 
@@ -43,7 +44,7 @@ class HybridEngine:
     whole); the module then holds plain tensors that are already this rank's pieces (`presharded`)."""
 
     def __init__(self, trained: RoleModel, layouts: tuple[TrainConfig, GenConfig] | None = None,
-                 bucket_bytes: int = 256 << 20, keep_trained: bool = True) -> None:
+                 bucket_bytes: int = SWITCH_BUCKET_BYTES, keep_trained: bool = True) -> None:
         """keep_trained: an actor trained as it is keeps its generation module on the trained tensors (False: it
         is pointed at them at every switch, as `hfplan profile` times a switch that hands over weights)."""
         self.trained, self.layouts, self.bucket_bytes = trained, layouts, bucket_bytes

@@ -24,6 +24,7 @@ from torch import nn
 
 from hfplan.executor.engines.tensor_parallel import _COLUMNS, _ROWS
 from hfplan.layout import (
+    SWITCH_BUCKET_BYTES,
     Box,
     GenerationPlace,
     LayoutLike,
@@ -33,6 +34,7 @@ from hfplan.layout import (
     box_meet,
     generation_box,
     generation_places,
+    keeps_own_tensor,
     rank_coords,
     reshard_transfers,
     stage_of,
@@ -49,7 +51,8 @@ class SwitchStats:
 
     received: int  # bytes this rank received
     sent: int  # bytes it sent
-    peak: int  # most bytes of tensors the switch held at once: the generation shards plus buffers in flight
+    made: int  # bytes of the new tensors it made (its generation shards less the training tensors it kept)
+    peak: int  # most bytes of tensors the switch held at once: the new tensors plus buffers in flight
 
 
 def split_dim(name: str) -> int | None:
@@ -158,7 +161,7 @@ class SwitchPlan:
 
 
 def switch_plan(specs: list[TensorSpec], train: TrainLayoutLike, gen: LayoutLike, layers: int, rank: int,
-                itemsize: int, bucket_bytes: int = 256 << 20) -> SwitchPlan:
+                itemsize: int, bucket_bytes: int = SWITCH_BUCKET_BYTES) -> SwitchPlan:
     """The rank's SwitchPlan (layout.reshard_transfers, cut by _rounds)."""
     stage = rank_coords(train, rank)[0]
     place = generation_places(train, gen)[rank]
@@ -185,23 +188,31 @@ def switch_plan(specs: list[TensorSpec], train: TrainLayoutLike, gen: LayoutLike
 
 def generation_shards(held: dict[str, torch.Tensor], plan: SwitchPlan, dtype: torch.dtype
                       ) -> tuple[dict[str, torch.Tensor], SwitchStats]:
-    """This rank's generation shard of every parameter on its generation stage, by HF name (new tensors in
-    `dtype`; the training shards stay untouched, and dropping these frees the switch's memory), and what the
-    switch moved. `held`: this rank's training parameters by HF name (its stages' only, when pipelined). A
+    """This rank's generation shard of every parameter on its generation stage, by HF name, in `dtype`, and what
+    the switch moved. A parameter whose training tensor is exactly its generation shard, in `dtype`, is that tensor
+    itself (layout.keeps_own_tensor: a pipelined rank's own stages, replicated norms, FSDP chunks that are the
+    finer tensor-parallel split); every other shard is a new tensor. Generation only reads them; dropping them frees
+    the switch's memory. `held`: this rank's training parameters by HF name (its stages' only, when pipelined). A
     collective over the training layout's world (ranks in layout order): every rank runs its own plan."""
     if torch.empty((), dtype=dtype).element_size() != plan.itemsize:
         raise ValueError(f"the switch plan was cut for {plan.itemsize}-byte values, not {dtype}")
     device = local_tensor(next(iter(held.values()))).device
     by_name = {p.name: p for p in plan.shards}
     shards: dict[str, torch.Tensor] = {}
+    made = 0
     for part in plan.shards:
+        if keeps_own_tensor(part.need, plan.held.get(part.name)):
+            own = _held(held, plan, part.name)
+            if own.dtype == dtype:
+                shards[part.name] = own
+                continue
         shard = torch.empty([e - s for s, e in part.need], dtype=dtype, device=device)
         if part.own is not None:
             box_view(shard, part.need, part.own).copy_(box_view(_held(held, plan, part.name), plan.held[part.name],
                                                           part.own))
         shards[part.name] = shard
-    held_bytes = sum(t.numel() * t.element_size() for t in shards.values())
-    peak, sent, received = held_bytes, 0, 0
+        made += shard.numel() * shard.element_size()
+    peak, sent, received = made, 0, 0
     for sends, receives in plan.rounds:
         ops, receipts, live = [], [], 0
         for peer, transfers in sends.items():
@@ -218,14 +229,15 @@ def generation_shards(held: dict[str, torch.Tensor], plan: SwitchPlan, dtype: to
             live += flat.numel() * flat.element_size()
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-        peak = max(peak, held_bytes + live)
+        peak = max(peak, made + live)
+        ops.clear()  # the send buffers
         for transfers, flat in receipts:
             offset = 0
             for t in transfers:
                 target = box_view(shards[t.name], by_name[t.name].need, t.box)
                 target.copy_(flat[offset:offset + t.numel].view(target.shape))
                 offset += t.numel
-    return shards, SwitchStats(received=received, sent=sent, peak=peak)
+    return shards, SwitchStats(received=received, sent=sent, made=made, peak=peak)
 
 
 # (parameter, slice) keys and the bytes of their values, flat. Ray hands a numpy array over through its object store
@@ -262,7 +274,7 @@ class SyncPlan:
 
 
 def sync_plan(specs: list[TensorSpec], train: TrainLayoutLike, rollout: LayoutLike, layers: int, rank: int,
-              itemsize: int, bucket_bytes: int = 256 << 20) -> SyncPlan:
+              itemsize: int, bucket_bytes: int = SWITCH_BUCKET_BYTES) -> SyncPlan:
     mine: dict[int, list[Transfer]] = {}
     for t in sync_transfers(train, rollout, specs, layers):
         if t.src == rank:
