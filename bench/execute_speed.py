@@ -2,7 +2,8 @@
 
 Workloads: the built-in `demo` (PPO, tiny model, rule reward) and `arith-grpo` (GRPO on tiny-arith, 8 prompts x
 4 samples, 4 response tokens), each on 1 process (every role colocated on one CPU "GPU") and on 2 processes
-(every role colocated on a set of 2, and the placement `hfplan search --gpus 2` picks where that differs).
+(every role colocated on a set of 2, and the placement `hfplan search --gpus 2` picks where that differs; where that
+pick keeps to 1 process, leaving the second idle, it says so and runs the others).
 Plans come from the search (hfplan.planner.search), every layout tp = pp = 1. The executor runs through its
 library API on one Ray session started here; the first iterations of each run are warm-up and not counted.
 
