@@ -314,6 +314,32 @@ def test_each_engine_sets_aside_its_own_working_memory():
     assert engine_working(w, vllm_gen, 2, "flash", 16384) > engine_working(w, torch_gen, 2, "flash", 16384)
 
 
+def test_generation_phase_peaks_at_the_switch_the_copy_or_generating():
+    """gen_memory's extra bytes, by hand from its parts, for each engine and each source of the weights."""
+    from hfplan.simulator.mapping import engine_working, gen_memory
+    from hfplan.spec import load_workload
+
+    w = load_workload("ppo-llama2-7b")
+    arch = w.arch("actor")
+    shard = 2 * arch.params("lm") / 4
+    for engine in ("torch", "vllm"):
+        gen = GenConfig(tp=4, dp=2, engine=engine)
+        working = engine_working(w, gen, 2, "flash", 16384)
+        # A separate rollout set: its synced shards are resident; vLLM copies them into its own beside them.
+        rollout, _ = gen_memory(w, gen, None, 2, vllm_tokens=16384)
+        assert rollout == pytest.approx(working if engine == "torch" else shard + working)
+        # The hybrid engine from tp 2 x pp 2 in bf16: every generation shard is new (the trained tensors are fp32),
+        # and the switch's round of buffers is gone before the engine works.
+        train = TrainConfig(tp=2, pp=2, dp=2)
+        made = memory.generation_weights_bytes(arch, gen, train)
+        assert made == pytest.approx(shard, rel=1e-3)  # a quarter of the model, its norms whole on every rank
+        buffers = memory.switch_buffer_bytes(arch, gen, train)
+        assert 0 < buffers <= 2 * made
+        hybrid, _ = gen_memory(w, gen, train, 2, vllm_tokens=16384)
+        want = made + max(buffers, working) if engine == "torch" else max(made + max(buffers, shard), shard + working)
+        assert hybrid == pytest.approx(want)
+
+
 def test_a_gelu_mlp_saves_two_values_of_its_width(small_arch):
     from dataclasses import replace
 

@@ -302,14 +302,15 @@ def gen_memory(workload: Workload, gen: GenConfig, train: TrainConfig | None, va
     arch = workload.arch(generating_role(workload))
     kv = memory.kv_sequence(arch, gen, workload.prompt_len, workload.response_lengths, value_bytes)
     working = engine_working(workload, gen, value_bytes, attention, vllm_tokens)
-    if train is None:
-        return working, kv
-    made = memory.generation_weights_bytes(arch, gen, train, value_bytes)
-    buffers = memory.switch_buffer_bytes(arch, gen, train, value_bytes)  # gone before the engine works
+    # A separate rollout set's synced shards are its resident weights (role_memory); the hybrid engine's switch
+    # makes its tensors and holds one round of buffers, gone before the engine works.
+    made = memory.generation_weights_bytes(arch, gen, train, value_bytes) if train is not None else 0.0
+    buffers = memory.switch_buffer_bytes(arch, gen, train, value_bytes) if train is not None else 0.0
     if gen.engine != "vllm":
         return made + max(buffers, working), kv
-    # vLLM copies the switch's tensors into its own shard and the executor frees them before vLLM allocates its
-    # working memory and KV cache: the phase peaks at the switch, at the copy, or generating.
+    # vLLM copies the shards into its own (a rollout set keeps its synced ones to fill at the next sync; the hybrid
+    # engine's are freed before vLLM allocates its working memory and KV cache): the phase peaks at the switch, at
+    # the copy, or generating.
     shard = value_bytes * arch.params("lm") / (gen.tp * gen.pp)
     return max(made + max(buffers, shard), shard + working), kv
 
