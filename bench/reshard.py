@@ -20,7 +20,8 @@ beside every other stage's, so the buckets line up), zero-padded to the largest 
 Bytes are counted by wrapping torch.distributed's calls in each rank process while a method runs (received:
 what arrives from peers; sent: what leaves for them; the padding is on the wire, so it counts); any other
 collective called meanwhile is reported as uncounted. Peak is the most bytes of tensors a method holds at once
-beyond the training shards: the engine's own SwitchStats.peak (its generation shards plus the buckets in flight);
+beyond the training shards: the engine's own SwitchStats.peak (the generation shards it makes, those it keeps from
+training aside, plus the buckets in flight);
 for a reference, its allocations as it makes them (the whole model, the bucket buffers, FSDP's unsharded
 slices, the generation shards it cuts). Seconds: the median of --reps switches after the counted one, a barrier
 before each, the slowest rank's.
@@ -30,9 +31,10 @@ transition cost prices) and HybridFlow's Table 2: (tp*pp - tp_g*pp_g) / (tp_g*pp
 M / (tp_g*pp_g) held. Table 2 assumes every tensor splits over tp and unsharded training shards: the norms are
 replicated, so the plan differs a little, and with FSDP (marked *) each rank holds only a 1/dp chunk of its
 slice, so it receives more. Prints `mismatch` and exits 1 if the engine's bytes differ from the plan's (or from
-its own SwitchStats), its peak exceeds its generation shard plus one bucket (what it has in flight a round, sent
-and received together), a reference's bytes differ from its expected count, a collective went uncounted,
-or any method's shards differ from the world gather's.
+its own SwitchStats), the tensors it makes differ from the plan's (hfplan.layout.new_numel: in fp32 it keeps a
+trained tensor that is already its generation shard), its peak exceeds those plus one bucket (what it has in
+flight a round, sent and received together), a reference's bytes differ from its expected count, a collective
+went uncounted, or any method's shards differ from the world gather's.
 
     PYTHONPATH=. python bench/reshard.py [--quick] [--bucket-mb MB] [--reps N]
 """
@@ -70,6 +72,7 @@ from hfplan.layout import (
     generation_box,
     generation_numel,
     generation_places,
+    new_numel,
     rank_coords,
     received_numel,
     replica_groups,
@@ -368,13 +371,14 @@ def measure(setup: Setup, reps: int) -> dict:
     for name in METHODS:
         shards[name], out[name] = counted(getattr(setup, name))
     stats = setup.hybrid.last_switch  # the counted switch's
-    out["switch"] = {"received": stats.received, "sent": stats.sent, "peak": stats.peak}
+    out["switch"] = {"received": stats.received, "sent": stats.sent, "made": stats.made, "peak": stats.peak}
     out["diff"] = max((got[k] - shards["world"][k]).abs().max().item() for got in shards.values() for k in got)
     del shards
     for name in METHODS:
         out[name]["seconds"] = timed(getattr(setup, name), reps)
     out["generation"] = ITEM * generation_numel(setup.gen, setup.specs, setup.layers, setup.place)
-    out["bound"] = out["generation"] + setup.in_flight_bound()
+    out["made"] = ITEM * new_numel(setup.train, setup.gen, setup.specs, setup.layers, keeps_own=True)[dist.get_rank()]
+    out["bound"] = out["made"] + setup.in_flight_bound()
     out["model"] = ITEM * sum(s.numel for s in setup.specs)
     return out
 
@@ -417,8 +421,10 @@ def problems(ranks: list[dict]) -> list[str]:
                        f"SwitchStats, {r['expect']['engine']} B by the plan")
         if engine["sent"] != switch["sent"]:
             out.append(f"rank {rank}: engine sent {engine['sent']} B counted, {switch['sent']} B by SwitchStats")
+        if switch["made"] != r["made"]:
+            out.append(f"rank {rank}: engine made {switch['made']} B of new tensors, the plan {r['made']} B")
         if switch["peak"] > r["bound"]:
-            out.append(f"rank {rank}: engine peak {switch['peak']} B over its shard plus buckets {r['bound']} B")
+            out.append(f"rank {rank}: engine peak {switch['peak']} B over what it makes plus buckets {r['bound']} B")
         for name in ("world", "group"):
             if r[name]["received"] != r["expect"][name]:
                 out.append(f"rank {rank}: {name} received {r[name]['received']} B, expected {r['expect'][name]} B")

@@ -622,14 +622,15 @@ def _per_rank(train: TrainLayoutLike, gen: LayoutLike, specs: Sequence[TensorSpe
 def keeps_own_tensor(need: Box, held: Box | None) -> bool:
     """Whether a rank's generation shard of a parameter can be its training tensor itself (the switch makes no new
     tensor for it, engines.reshard.generation_shards): the rank trains exactly that slice on its own stage (held:
-    None where the parameter is on another stage), and the training tensor is in the generation dtype."""
+    None where the parameter is on another stage). The caller asks the dtype too: the training tensor must be in the
+    generation dtype (new_numel's keeps_own)."""
     return held is not None and need == held
 
 
 class _KindCounts:
-    """received_numel's count of each kind of rank for one shape of the switch: the layouts' tp, stages and
-    weight shards (the parameters cut at both models' stage starts, and pieces alike in shape, split and stages,
-    whatever their name or layer, added up as one with their counts summed)."""
+    """received_numel's and new_numel's counts of each kind of rank for one shape of the switch: the layouts' tp,
+    stages and weight shards (the parameters cut at both models' stage starts, and pieces alike in shape, split and
+    stages, whatever their name or layer, added up as one with their counts summed)."""
 
     def __init__(self, specs: tuple[TensorSpec, ...], layers: int, train_tp: int, train_pp: int, virtual: int,
                  shards: int, gen_tp: int, gen_pp: int) -> None:
@@ -771,8 +772,8 @@ def sync_transfers(train: TrainLayoutLike, gen: LayoutLike, specs: Sequence[Tens
 
 
 def generation_numel(gen: LayoutLike, specs: Sequence[TensorSpec], layers: int, place: GenerationPlace) -> int:
-    """Elements of one GPU's generation shard (the peak the switch holds: M / (tp_g * pp_g) when every
-    tensor splits evenly)."""
+    """Elements of one GPU's generation shard (the most the switch makes: M / (tp_g * pp_g) when every tensor
+    splits evenly)."""
     return sum(box_numel(generation_box(gen, p, place)) * p.count
                for spec in specs for p in _stage_pieces(spec, layers, (gen.pp,))
                if stage_of(p.layer, layers, gen.pp) == place.pp)
@@ -830,7 +831,7 @@ def stage_parameter_tensors(arch: ModelArch, pp: int, head: str) -> int:
 
 def most_received_numel(arch: ModelArch, train: TrainLayoutLike, gen: LayoutLike) -> int:
     """The most parameters any GPU receives at the switch to generation (received_numel over arch_specs):
-    what the simulator's transition cost and generation memory price. Cached by what the per-tensor plan reads
+    what the simulator's transition cost prices, and switch_round_bytes' bound reads. Cached by what the plan reads
     of the layouts (SwitchLayout, and gen's sizes), so training configs differing only in micro-batch,
     recomputation or the sharding of other states share one count."""
     return _most_received_numel(arch, SwitchLayout.of(train), (gen.tp, gen.pp, gen.dp))
@@ -854,20 +855,33 @@ def _most_new_numel(arch: ModelArch, train: SwitchLayout, gen: tuple[int, int, i
 def switch_round_bytes(arch: ModelArch, train: TrainLayoutLike, gen: LayoutLike, value_bytes: int) -> int:
     """A bound on the bytes one GPU holds in flight in a round of its switch (sent and received buffers together):
     a round holds at most SWITCH_BUCKET_BYTES of a rank's transfers, or one slice larger than that alone
-    (engines.reshard's rounds), and never more than all the rank sends and receives. What a rank sends is taken to
-    be at most what the busiest rank receives: the generation groups exchange their pieces in kind (replicated
-    tensors, small, sent to several peers aside). The largest slice is bounded by the largest tensor's piece under
-    the finer of the two tensor-parallel splits."""
+    (engines.reshard's rounds), and never more than all the rank sends and receives: at most what the busiest GPU
+    receives, plus its training shard sent to each other member of its generation group (a pipeline stage's
+    layers go to every other stage's rank). A slice is a piece of one tensor, at most that tensor split by the
+    coarser of the two tensor-parallel layouts."""
     total, largest = _switch_traffic(arch, SwitchLayout.of(train), (gen.tp, gen.pp, gen.dp))
     return min(value_bytes * total, max(SWITCH_BUCKET_BYTES, value_bytes * largest))
 
 
 @functools.lru_cache(maxsize=4096)
 def _switch_traffic(arch: ModelArch, train: SwitchLayout, gen: tuple[int, int, int]) -> tuple[int, int]:
-    """(elements one GPU sends and receives in all, elements of its largest slice): switch_round_bytes' bound."""
+    """(a bound on the elements one GPU sends and receives in all, elements of its largest slice)."""
     tp = min(train.tp, gen[0])
     largest = max(spec.numel // (tp if spec.tp_dim is not None else 1) for spec in arch_specs(arch))
-    return 2 * _most_received_numel(arch, train, gen), largest
+    group = resharding(train, _Sizes(*gen)).group
+    return _most_received_numel(arch, train, gen) + (group - 1) * _most_held_numel(arch, train), largest
+
+
+def _most_held_numel(arch: ModelArch, train: SwitchLayout) -> int:
+    """The most elements any rank's training shard holds (training_box over arch_specs, on its pipeline rank's
+    stages): FSDP's first chunk of each tensor is its largest, so chunk 0 of every tp coordinate and stage."""
+    held = [[0] * train.tp for _ in range(train.pp)]
+    for spec in arch_specs(arch):
+        for piece in _stage_pieces(spec, arch.layers, (train.pp * train.virtual_stages,)):
+            stage = stage_of(piece.layer, arch.layers, train.pp, train.virtual_stages)
+            for tp in range(train.tp):
+                held[stage][tp] += box_numel(_shard_box(piece, train.tp, tp, train.weight_shards, 0)) * piece.count
+    return max(max(row) for row in held)
 
 
 @dataclass(frozen=True)

@@ -215,3 +215,29 @@ def test_most_generation_numel_is_the_largest_shard_of_any_rank():
         every = [generation_numel(gen, specs, arch.layers, GenerationPlace(*rank_coords(gen, r)))
                  for r in range(gen.tp * gen.pp * gen.dp)]
         assert most_generation_numel(arch, gen) == max(every)
+
+
+HEAVY_EMBEDDING = ModelArch(name="heavy", layers=4, hidden=64, heads=8, kv_heads=2, ffn=128, vocab=4000)
+
+
+@pytest.mark.parametrize("arch", [ODD, HEAVY_EMBEDDING], ids=["odd", "heavy-embedding"])
+@pytest.mark.parametrize(("train", "tp_g"), [(TrainConfig(pp=4), 1), (TrainConfig(pp=2, tp=2), 1),
+                                             (TrainConfig(tp=4), 1), (TrainConfig(tp=2, dp=2), 4),
+                                             (TrainConfig(pp=2, dp=2, shard="full"), 1),
+                                             (TrainConfig(tp=2, dp=4, shard="full"), 1)],
+                         ids=["p4", "p2t2", "t4", "t2d2-t4", "p2d2-fsdp", "t2d4-fsdp"])
+def test_the_switch_buffers_bound_covers_what_every_rank_sends_and_receives(arch, train, tp_g):
+    """switch_round_bytes' total, with a bucket too large to bind, is at least every rank's sent plus received
+    elements in the plan (a pipelined model's first stage sends its layers and the embedding to every other stage:
+    more than any rank receives)."""
+    from hfplan.layout import _switch_traffic
+
+    gen = _gen(train, tp_g)
+    moved, slices = [0] * train.gpus, []
+    for t in reshard_transfers(train, gen, arch_specs(arch), arch.layers):
+        moved[t.src] += t.numel
+        moved[t.dst] += t.numel
+        slices.append(box_numel(t.box))  # one tensor's slice (t.numel counts the layers it stands for)
+    total, largest = _switch_traffic(arch, SwitchLayout.of(train), (gen.tp, gen.pp, gen.dp))
+    assert 0 < max(moved) <= total
+    assert max(slices) <= largest

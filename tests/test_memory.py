@@ -157,9 +157,11 @@ def test_generation_weights_bytes(small_arch):
     # A separate rollout engine holds its whole generation shard.
     assert memory.generation_weights_bytes(small_arch, GenConfig(tp=2), None) == pytest.approx(full / 2)
     # In the training layout: FSDP2 unshards the whole tp shard into new tensors (beside its sharded ones, whatever
-    # the shard group); a module trained as it is (fp32, one data-parallel rank) is read in place.
+    # the shard group): half of every split tensor and the 320 norm values whole; a module trained as it is (fp32,
+    # one data-parallel rank) is read in place.
     for train in (TrainConfig(tp=2, dp=4), TrainConfig(tp=2, dp=4, shard=False)):
-        assert memory.generation_weights_bytes(small_arch, GenConfig(tp=2, dp=4), train) == pytest.approx(full / 2)
+        assert memory.generation_weights_bytes(small_arch, GenConfig(tp=2, dp=4), train) == 2 * ((PARAMS - 320) / 2
+                                                                                                 + 320)
     assert memory.generation_weights_bytes(small_arch, GenConfig(tp=2), TrainConfig(tp=2), FP32) == 0.0
     # Pipelined training to pp 1: a rank keeps its own stage's fp32 tensors and makes the other stage's; the busier
     # is the last (layer 1, the final norm and the head: 36992 + 64 + 16640). In bf16 every tensor is new.
@@ -315,29 +317,30 @@ def test_each_engine_sets_aside_its_own_working_memory():
 
 
 def test_generation_phase_peaks_at_the_switch_the_copy_or_generating():
-    """gen_memory's extra bytes, by hand from its parts, for each engine and each source of the weights."""
+    """gen_memory's extra bytes by hand: llama2-7b (32 layers, hidden 4096, ffn 11008, vocab 32000, untied) generating
+    at tp 4 in bf16, from a separate rollout set and from the hybrid engine trained at tp 2 x pp 2."""
     from hfplan.simulator.mapping import engine_working, gen_memory
     from hfplan.spec import load_workload
 
     w = load_workload("ppo-llama2-7b")
-    arch = w.arch("actor")
-    shard = 2 * arch.params("lm") / 4
-    for engine in ("torch", "vllm"):
-        gen = GenConfig(tp=4, dp=2, engine=engine)
-        working = engine_working(w, gen, 2, "flash", 16384)
-        # A separate rollout set: its synced shards are resident; vLLM copies them into its own beside them.
-        rollout, _ = gen_memory(w, gen, None, 2, vllm_tokens=16384)
-        assert rollout == pytest.approx(working if engine == "torch" else shard + working)
-        # The hybrid engine from tp 2 x pp 2 in bf16: every generation shard is new (the trained tensors are fp32),
-        # and the switch's round of buffers is gone before the engine works.
-        train = TrainConfig(tp=2, pp=2, dp=2)
-        made = memory.generation_weights_bytes(arch, gen, train)
-        assert made == pytest.approx(shard, rel=1e-3)  # a quarter of the model, its norms whole on every rank
-        buffers = memory.switch_buffer_bytes(arch, gen, train)
-        assert 0 < buffers <= 2 * made
-        hybrid, _ = gen_memory(w, gen, train, 2, vllm_tokens=16384)
-        want = made + max(buffers, working) if engine == "torch" else max(made + max(buffers, shard), shard + working)
-        assert hybrid == pytest.approx(want)
+    split = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008) + 2 * 32000 * 4096  # every tensor tp splits
+    norms = 32 * 2 * 4096 + 4096
+    shard = 2 * (split + norms) / 4  # vLLM's copy: the model over tp 4
+    made = 2 * (split // 4 + norms)  # every generation shard new (fp32 trained tensors), its norms whole
+    buffers = 256 << 20  # one bucket: the GPU moves far more, and its largest slice (half the head) is 131 MB
+    prefill = 2 * w.prompt_len * (2 * 4096 + 4096 // 4 + 2 * 4096 // 4 + 3 * 11008 // 4)  # one 1024-token prompt
+    train = TrainConfig(tp=2, pp=2, dp=2)
+    torch_gen, vllm_gen = GenConfig(tp=4, dp=2), GenConfig(tp=4, dp=2, engine="vllm")
+    assert engine_working(w, torch_gen, 2, "flash", 16384) == prefill < buffers
+    # The torch engine: the switch's buffers outweigh the prefill, and are gone before it.
+    assert gen_memory(w, torch_gen, train, 2, vllm_tokens=16384)[0] == made + buffers
+    # vLLM: the switch's tensors and vLLM's copy at once outweigh the copy beside vLLM's working memory.
+    vllm_working = engine_working(w, vllm_gen, 2, "flash", 16384)
+    assert shard + vllm_working < made + shard
+    assert gen_memory(w, vllm_gen, train, 2, vllm_tokens=16384)[0] == pytest.approx(made + shard)
+    # A separate rollout set: its synced shards are resident; vLLM copies them into its own beside them.
+    assert gen_memory(w, torch_gen, None, 2, vllm_tokens=16384)[0] == prefill
+    assert gen_memory(w, vllm_gen, None, 2, vllm_tokens=16384)[0] == pytest.approx(shard + vllm_working)
 
 
 def test_a_gelu_mlp_saves_two_values_of_its_width(small_arch):

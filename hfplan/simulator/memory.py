@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from hfplan.layout import (
     kv_heads_per_rank,
     micro_batch_sizes,
+    most_generation_numel,
     most_new_numel,
     reshards_by_plan,
     stage_layers,
@@ -136,7 +137,7 @@ def generation_weights_bytes(arch: ModelArch, gen: GenConfig, train: TrainConfig
         return shard
     if reshards_by_plan(train, gen):
         return value_bytes * most_new_numel(arch, train, gen, keeps_own=value_bytes == FP32)
-    return shard if trains_through_fsdp(train.dp, value_bytes) else 0.0
+    return value_bytes * most_generation_numel(arch, gen) if trains_through_fsdp(train.dp, value_bytes) else 0.0
 
 
 def switch_buffer_bytes(arch: ModelArch, gen: GenConfig, train: TrainConfig | None, value_bytes: int = BF16

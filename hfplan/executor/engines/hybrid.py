@@ -11,7 +11,8 @@ place), and is pointed again only when the trained module's tensors are other on
 them); each switch saved about 1.5 ms of Python on the CPU demo.
 Every other actor (another generation tp, or pipelined training) builds only its generation shards
 (engines.reshard, by hfplan.layout's per-tensor plan: the slices it lacks arrive from its generation group,
-a pipelined rank's other layers from the other stages' ranks); exiting drops them.
+a pipelined rank's other layers from the other stages' ranks; a trained tensor that is already its generation
+shard, in the generation dtype, serves as it is, read only); exiting drops the ones it made.
 """
 
 from __future__ import annotations

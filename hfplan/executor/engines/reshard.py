@@ -214,30 +214,40 @@ def generation_shards(held: dict[str, torch.Tensor], plan: SwitchPlan, dtype: to
         made += shard.numel() * shard.element_size()
     peak, sent, received = made, 0, 0
     for sends, receives in plan.rounds:
-        ops, receipts, live = [], [], 0
-        for peer, transfers in sends.items():
-            flat = torch.cat([box_view(_held(held, plan, t.name), plan.held[t.name], t.box).reshape(-1)
-                              for t in transfers]).to(dtype)
-            ops.append(dist.P2POp(dist.isend, flat, peer))
-            sent += flat.numel() * flat.element_size()
-            live += flat.numel() * flat.element_size()
-        for peer, transfers in receives.items():
-            flat = torch.empty(sum(t.numel for t in transfers), dtype=dtype, device=device)
-            ops.append(dist.P2POp(dist.irecv, flat, peer))
-            receipts.append((transfers, flat))
-            received += flat.numel() * flat.element_size()
-            live += flat.numel() * flat.element_size()
+        ops = [dist.P2POp(dist.isend, _sent_slices(held, plan, transfers, dtype, device), peer)
+               for peer, transfers in sends.items()]
+        receipts = [(transfers, torch.empty(sum(t.numel for t in transfers), dtype=dtype, device=device))
+                    for transfers in receives.values()]
+        ops += [dist.P2POp(dist.irecv, buffer, peer) for peer, (_, buffer) in zip(receives, receipts, strict=True)]
+        round_sent = plan.itemsize * sum(t.numel for transfers in sends.values() for t in transfers)
+        round_received = plan.itemsize * sum(t.numel for transfers in receives.values() for t in transfers)
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-        peak = max(peak, made + live)
-        ops.clear()  # the send buffers
-        for transfers, flat in receipts:
+        sent, received = sent + round_sent, received + round_received
+        peak = max(peak, made + round_sent + round_received)
+        ops.clear()  # the send buffers go; each receive buffer goes once copied in
+        while receipts:
+            transfers, buffer = receipts.pop()
             offset = 0
             for t in transfers:
                 target = box_view(shards[t.name], by_name[t.name].need, t.box)
-                target.copy_(flat[offset:offset + t.numel].view(target.shape))
+                target.copy_(buffer[offset:offset + t.numel].view(target.shape))
                 offset += t.numel
+            del buffer
     return shards, SwitchStats(received=received, sent=sent, made=made, peak=peak)
+
+
+def _sent_slices(held: dict[str, torch.Tensor], plan: SwitchPlan, transfers: list[Transfer], dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+    """The slices sent to one peer in a round, flat, in `dtype`: each copied (and cast) straight into its place, so
+    no training-dtype copy of them is held beside the buffer."""
+    flat = torch.empty(sum(t.numel for t in transfers), dtype=dtype, device=device)
+    offset = 0
+    for t in transfers:
+        flat[offset:offset + t.numel].view([e - s for s, e in t.box]).copy_(
+            box_view(_held(held, plan, t.name), plan.held[t.name], t.box))
+        offset += t.numel
+    return flat
 
 
 # (parameter, slice) keys and the bytes of their values, flat. Ray hands a numpy array over through its object store
