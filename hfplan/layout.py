@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -596,7 +596,7 @@ def received_numel(train: TrainLayoutLike, gen: LayoutLike, specs: Sequence[Tens
     and FSDP chunk (training_box) and its generation stage and tp coordinate (generation_box), given the layouts'
     tp, stages and weight shards; never on their data-parallel sizes, so layouts alike in those share the counts
     whatever their set size."""
-    return _per_rank(train, gen, specs, layers, places, "count")
+    return _per_rank(train, gen, specs, layers, places, _KindCounts.count)
 
 
 def new_numel(train: TrainLayoutLike, gen: LayoutLike, specs: Sequence[TensorSpec], layers: int,
@@ -604,18 +604,19 @@ def new_numel(train: TrainLayoutLike, gen: LayoutLike, specs: Sequence[TensorSpe
     """Elements of the new tensors each training rank's switch makes (by rank): its generation shard, less the
     parameters whose training tensor it keeps as their generation shard (keeps_own_tensor) where keeps_own (the
     training tensors are in the generation dtype). Counted by kind of rank, as received_numel."""
-    return _per_rank(train, gen, specs, layers, None, "count_new" if keeps_own else "count_shard")
+    return _per_rank(train, gen, specs, layers, None, _KindCounts.count_new if keeps_own else _KindCounts.count_shard)
 
 
 def _per_rank(train: TrainLayoutLike, gen: LayoutLike, specs: Sequence[TensorSpec], layers: int,
-              places: Sequence[GenerationPlace] | None, count: str) -> list[int]:
+              places: Sequence[GenerationPlace] | None, count: Callable[..., int]) -> list[int]:
+    """`count` (a _KindCounts method) of every training rank, by rank."""
     places = places if places is not None else generation_places(train, gen)
     shards = train.shards("weights")
     counts = _kind_counts(tuple(specs), layers, train.tp, train.pp, train.virtual_stages, shards, gen.tp, gen.pp)
     out = []
     for rank, place in enumerate(places):
         stage, dp, tp = rank_coords(train, rank)
-        out.append(getattr(counts, count)(stage, tp, dp % shards, place.pp, place.tp))
+        out.append(count(counts, stage, tp, dp % shards, place.pp, place.tp))
     return out
 
 

@@ -154,8 +154,8 @@ def test_kv_cache_llama31_8b():
 
 def test_generation_weights_bytes(small_arch):
     full = 2 * PARAMS
-    # A separate rollout engine holds its whole generation shard.
-    assert memory.generation_weights_bytes(small_arch, GenConfig(tp=2), None) == pytest.approx(full / 2)
+    # A generation shard split evenly (vLLM's copy): half the model at tp 2.
+    assert memory.generation_shard_bytes(small_arch, GenConfig(tp=2)) == pytest.approx(full / 2)
     # In the training layout: FSDP2 unshards the whole tp shard into new tensors (beside its sharded ones, whatever
     # the shard group): half of every split tensor and the 320 norm values whole; a module trained as it is (fp32,
     # one data-parallel rank) is read in place.

@@ -311,7 +311,7 @@ def gen_memory(workload: Workload, gen: GenConfig, train: TrainConfig | None, va
     # vLLM copies the shards into its own (a rollout set keeps its synced ones to fill at the next sync; the hybrid
     # engine's are freed before vLLM allocates its working memory and KV cache): the phase peaks at the switch, at
     # the copy, or generating.
-    shard = value_bytes * arch.params("lm") / (gen.tp * gen.pp)
+    shard = memory.generation_shard_bytes(arch, gen, value_bytes)
     return max(made + max(buffers, shard), shard + working), kv
 
 
@@ -349,8 +349,7 @@ def role_memory(workload: Workload, role: str, par: RoleParallelism, value_bytes
     if par.gen.engine != "vllm":
         return RoleMemory(resident, transient, extra, kv, par.gen.dp)
     arch = workload.arch(generating_role(workload))
-    own = (v * arch.params("lm") / (par.gen.tp * par.gen.pp)
-           + engine_working(workload, par.gen, v, attention, vllm_tokens))
+    own = memory.generation_shard_bytes(arch, par.gen, v) + engine_working(workload, par.gen, v, attention, vllm_tokens)
     return RoleMemory(resident, transient, extra, kv, par.gen.dp, own, par.gen.gpu_memory_utilization)
 
 

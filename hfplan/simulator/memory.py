@@ -124,24 +124,23 @@ def infer_transient_bytes(arch: ModelArch, cfg: InferConfig, seq_len: int, head:
     return working + 2 * _logits_bytes(arch, tokens, cfg.tp, head) + gathered
 
 
-def generation_weights_bytes(arch: ModelArch, gen: GenConfig, train: TrainConfig | None,
-                             value_bytes: int = BF16) -> float:
-    """Weights generation holds beside the training states, as the executor's hybrid engine makes them
-    (engines.hybrid): a separate rollout engine's whole generation shard; in the training layout, the whole shard
-    FSDP2 unshards (new tensors beside its sharded ones, whatever the shard group), or nothing where the module
-    trains as it is (generation reads the trained tensors); resharded by the per-tensor plan, the new tensors it
-    makes (layout.most_new_numel: the trained tensors, fp32 master weights, serve as generation shards only where
-    generation runs in fp32 too). vLLM's own copy is not counted here (mapping.gen_memory)."""
-    shard = value_bytes * arch.params("lm") / (gen.tp * gen.pp)
-    if train is None:
-        return shard
+def generation_shard_bytes(arch: ModelArch, gen: GenConfig, value_bytes: int = BF16) -> float:
+    """One GPU's generation shard, the model split evenly over tp x pp: the copy vLLM keeps of it."""
+    return value_bytes * arch.params("lm") / (gen.tp * gen.pp)
+
+
+def generation_weights_bytes(arch: ModelArch, gen: GenConfig, train: TrainConfig, value_bytes: int = BF16) -> float:
+    """Weights the hybrid engine's switch makes beside the training states (engines.hybrid): in the training layout,
+    the whole shard FSDP2 unshards (new tensors beside its sharded ones, whatever the shard group), or nothing where
+    the module trains as it is (generation reads the trained tensors); resharded by the per-tensor plan, the new
+    tensors it makes (layout.most_new_numel: the trained tensors, fp32 master weights, serve as generation shards
+    only where generation runs in fp32 too). vLLM's own copy is not counted here (mapping.gen_memory)."""
     if reshards_by_plan(train, gen):
         return value_bytes * most_new_numel(arch, train, gen, keeps_own=value_bytes == FP32)
     return value_bytes * most_generation_numel(arch, gen) if trains_through_fsdp(train.dp, value_bytes) else 0.0
 
 
-def switch_buffer_bytes(arch: ModelArch, gen: GenConfig, train: TrainConfig | None, value_bytes: int = BF16
-                        ) -> float:
+def switch_buffer_bytes(arch: ModelArch, gen: GenConfig, train: TrainConfig, value_bytes: int = BF16) -> float:
     """The send and receive buffers of one round of the per-tensor switch (layout.switch_round_bytes): held
     during the switch only, before generation's working memory and KV cache."""
     return switch_round_bytes(arch, train, gen, value_bytes) if reshards_by_plan(train, gen) else 0.0

@@ -214,7 +214,7 @@ def generation_shards(held: dict[str, torch.Tensor], plan: SwitchPlan, dtype: to
         made += shard.numel() * shard.element_size()
     peak, sent, received = made, 0, 0
     for sends, receives in plan.rounds:
-        ops = [dist.P2POp(dist.isend, _sent_slices(held, plan, transfers, dtype, device), peer)
+        ops = [dist.P2POp(dist.isend, _flat_slices(held, plan.held, transfers, dtype, device), peer)
                for peer, transfers in sends.items()]
         receipts = [(transfers, torch.empty(sum(t.numel for t in transfers), dtype=dtype, device=device))
                     for transfers in receives.values()]
@@ -237,15 +237,16 @@ def generation_shards(held: dict[str, torch.Tensor], plan: SwitchPlan, dtype: to
     return shards, SwitchStats(received=received, sent=sent, made=made, peak=peak)
 
 
-def _sent_slices(held: dict[str, torch.Tensor], plan: SwitchPlan, transfers: list[Transfer], dtype: torch.dtype,
-                 device: torch.device) -> torch.Tensor:
-    """The slices sent to one peer in a round, flat, in `dtype`: each copied (and cast) straight into its place, so
-    no training-dtype copy of them is held beside the buffer."""
+def _flat_slices(held: dict[str, torch.Tensor], boxes: dict[str, Box], transfers: list[Transfer],
+                 dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The slices of `transfers` from this rank's training tensors (`held`, each checked to be the slice `boxes`
+    names), flat, in `dtype`: each copied (and cast) straight into its place, so no training-dtype copy of them is
+    held beside the buffer. A round of the switch's sends to one peer, or a weight sync's bucket."""
     flat = torch.empty(sum(t.numel for t in transfers), dtype=dtype, device=device)
     offset = 0
     for t in transfers:
-        flat[offset:offset + t.numel].view([e - s for s, e in t.box]).copy_(
-            box_view(_held(held, plan, t.name), plan.held[t.name], t.box))
+        local = _checked_local(held[t.name], t.name, boxes[t.name])
+        flat[offset:offset + t.numel].view([e - s for s, e in t.box]).copy_(box_view(local, boxes[t.name], t.box))
         offset += t.numel
     return flat
 
@@ -297,14 +298,12 @@ def sync_plan(specs: list[TensorSpec], train: TrainLayoutLike, rollout: LayoutLi
 def sync_buckets(held: dict[str, torch.Tensor], plan: SyncPlan, dtype: torch.dtype) -> dict[int, list[Bucket]]:
     """This training rank's buckets for each rollout rank, by rollout rank (`held` as generation_shards takes
     it), its values in `dtype` (the rollout set's). No collective."""
-    out: dict[int, list[Bucket]] = {}
-    for dst, buckets in plan.buckets.items():
-        out[dst] = []
-        for bucket in buckets:
-            flat = torch.cat([box_view(_checked_local(held[t.name], t.name, plan.held[t.name]), plan.held[t.name],
-                                    t.box).reshape(-1) for t in bucket]).to(dtype)
-            out[dst].append(([(t.name, t.box) for t in bucket], bucket_array(flat)))
-    return out
+    device = local_tensor(next(iter(held.values()))).device
+
+    def packed(bucket: list[Transfer]) -> Bucket:
+        return [(t.name, t.box) for t in bucket], bucket_array(_flat_slices(held, plan.held, bucket, dtype, device))
+
+    return {dst: [packed(bucket) for bucket in buckets] for dst, buckets in plan.buckets.items()}
 
 
 def empty_shards(specs: list[TensorSpec], rollout: LayoutLike, dtype: torch.dtype, device: torch.device
