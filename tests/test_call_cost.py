@@ -115,19 +115,19 @@ def test_cli_tables_and_errors():
 
 
 def test_generate_splits_its_seconds_into_prefill_and_decode_by_hand():
-    """4 prompts of 16 tokens, 8-token responses, on one A100: one static wave, one prefill, then 8 decode steps at
-    the mean context 16 + (8 - 1) / 2 = 19.5. Each step, the prefill one too, pays the profile's engine step
-    (4 ms): 4 ms of prefill runtime, 32 ms of decode runtime. Prefill, decode and the controller's dispatch add up
-    to the parts, and the parts to the seconds."""
+    """4 prompts of 16 tokens, 8-token responses, on one A100: one static wave, one prefill (it samples each
+    response's first token), then 7 decode steps, for tokens 2 to 8, at the mean context 16 + (1 + 7) / 2 = 20. Each
+    step, the prefill one too, pays the profile's engine step (4 ms): 4 ms of prefill runtime, 28 ms of decode
+    runtime. Prefill, decode and the controller's dispatch add up to the parts, and the parts to the seconds."""
     result = call_cost(CallRequest("generate", "a100-80g", batch=4, prompt_len=16, response_len=8))
     where = costs.SetShape(1, 8)
     prefill = costs.prefill_parts(A100, LLAMA7, GenConfig(), where, 4, 16)
-    step = costs.decode_step_parts(A100, LLAMA7, GenConfig(), where, 4, 19.5)
-    assert result.detail["waves"] == 1 and result.detail["decode_steps"] == 8
+    step = costs.decode_step_parts(A100, LLAMA7, GenConfig(), where, 4, 20)
+    assert result.detail["waves"] == 1 and result.detail["decode_steps"] == 7
     assert result.phases["prefill"] == pytest.approx(dict(prefill))
-    assert result.phases["decode"] == pytest.approx({name: 8 * s for name, s in step.items()})
+    assert result.phases["decode"] == pytest.approx({name: 7 * s for name, s in step.items()})
     assert result.phases["prefill"]["runtime"] == pytest.approx(4e-3)
-    assert result.phases["decode"]["runtime"] == pytest.approx(8 * 4e-3)
+    assert result.phases["decode"]["runtime"] == pytest.approx(7 * 4e-3)
     assert result.detail["decode_step_ms"] == pytest.approx(1e3 * step.total)
     together = {name: result.phases["prefill"].get(name, 0.0) + result.phases["decode"].get(name, 0.0)
                 for name in result.parts}
@@ -137,7 +137,7 @@ def test_generate_splits_its_seconds_into_prefill_and_decode_by_hand():
     # Two waves of 2 (a cache that holds 2): each phase is both waves'; the decode steps run one wave after another.
     two = costs.waves_phases(A100, LLAMA7, 1, 1, where, 4, 2, 16, 8)
     one = costs.wave_phases(A100, LLAMA7, 1, 1, where, 2, 16, 8)
-    assert two.decode_steps == 16 and two.prefill == pytest.approx(dict(one.prefill.times(2)))
+    assert two.decode_steps == 14 and two.prefill == pytest.approx(dict(one.prefill.times(2)))
 
 
 def test_cli_shows_where_the_time_goes():

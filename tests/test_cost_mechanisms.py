@@ -53,8 +53,9 @@ def test_generation_pays_an_engine_step_per_prefill_and_decode_step(toy_hw):
     plain = costs.generation_time(toy_hw, LLAMA7, gen, ONE, 4, 64, 16, kv)
     paid = costs.generation_time(with_runtime(toy_hw), LLAMA7, gen, ONE, 4, 64, 16, kv)
     assert plain.waves == paid.waves == 1
-    assert paid.seconds - plain.seconds == pytest.approx((1 + 16) * 50e-6 + 1000e-6)
-    assert paid.parts["runtime"] == pytest.approx(17 * 50e-6)
+    # 16-token responses: a prefill (it samples each first token) and 15 decode steps
+    assert paid.seconds - plain.seconds == pytest.approx((1 + 15) * 50e-6 + 1000e-6)
+    assert paid.parts["runtime"] == pytest.approx(16 * 50e-6)
     assert paid.parts["controller"] == pytest.approx(1000e-6)
     assert paid.parts.total == pytest.approx(paid.seconds)
 
@@ -62,8 +63,20 @@ def test_generation_pays_an_engine_step_per_prefill_and_decode_step(toy_hw):
 def test_an_engine_step_pays_a_fixed_cost_for_each_sequence_in_it(toy_hw):
     per_sequence = toy_hw.model_copy(update={"runtime": Runtime(engine_step_us=50, engine_sequence_step_us=10)})
     paid = costs.generation_time(per_sequence, LLAMA7, GenConfig(), ONE, 4, 64, 16, 1e12)
-    assert paid.waves == 1  # one batch of 4: a prefill and 16 decode steps of 4 sequences each
-    assert paid.parts["runtime"] == pytest.approx((1 + 16) * (50e-6 + 4 * 10e-6))
+    assert paid.waves == 1  # one batch of 4: a prefill and 15 decode steps of 4 sequences each
+    assert paid.parts["runtime"] == pytest.approx((1 + 15) * (50e-6 + 4 * 10e-6))
+
+
+def test_a_generation_pays_the_engines_fixed_cost_per_call_once_a_wave(toy_hw):
+    """Runtime.generate_call_us once per static wave (4 sequences in waves of 2: twice), and once for a continuous
+    engine's whole run, whatever its prefills and steps."""
+    called = toy_hw.model_copy(update={"runtime": Runtime(generate_call_us=300)})
+    lengths = ResponseLengths(max_len=30, mean=20.0, points=((10, 0.5), (30, 0.5)))
+    for batching, calls in (("static", 2), ("continuous", 1)):
+        plain = costs.waves_phases(toy_hw, LLAMA7, 1, 1, ONE, 4, 2, 64, 30, lengths, batching)
+        paid = costs.waves_phases(called, LLAMA7, 1, 1, ONE, 4, 2, 64, 30, lengths, batching)
+        assert paid.prefill.total - plain.prefill.total == pytest.approx(calls * 300e-6)
+        assert paid.decode == pytest.approx(dict(plain.decode))
 
 
 def test_a_switch_pays_the_engines_fixed_cost_per_tensor_even_where_it_moves_nothing(toy_hw):
@@ -138,14 +151,14 @@ def test_a_continuous_engine_pays_its_own_step_cost(toy_hw):
     lengths = ResponseLengths(max_len=30, mean=20.0, points=((10, 0.5), (30, 0.5)))
     both = toy_hw.model_copy(update={"runtime": Runtime(engine_step_us=50, engine_step_continuous_us=80)})
     old = toy_hw.model_copy(update={"runtime": Runtime.model_validate({"engine_step_us": 50})})  # no such field
-    # 8 sequences through 2 slots: 4 prefills and 80 + 5 decode steps (test_static_and_continuous_batching_by_hand).
+    # 8 sequences through 2 slots: 4 prefills and 76 + 5 decode steps (test_static_and_continuous_batching_by_hand).
     refilled = costs.wave_parts(both, LLAMA7, 1, 1, ONE, 2, 64, 30, lengths, "continuous", 8)
-    assert refilled["runtime"] == pytest.approx((4 + 85) * 80e-6)
+    assert refilled["runtime"] == pytest.approx((4 + 81) * 80e-6)
     older = costs.wave_parts(old, LLAMA7, 1, 1, ONE, 2, 64, 30, lengths, "continuous", 8)
-    assert older["runtime"] == pytest.approx((4 + 85) * 50e-6)  # a profile without the field: the static step
-    # A slot for every sequence: one static batch, 1 prefill and 25 expected steps, at the static step's cost.
+    assert older["runtime"] == pytest.approx((4 + 81) * 50e-6)  # a profile without the field: the static step
+    # A slot for every sequence: one static batch, 1 prefill and 24 expected steps, at the static step's cost.
     one_batch = costs.wave_parts(both, LLAMA7, 1, 1, ONE, 2, 64, 30, lengths, "continuous", 2)
-    assert one_batch["runtime"] == pytest.approx((1 + 25) * 50e-6)
+    assert one_batch["runtime"] == pytest.approx((1 + 24) * 50e-6)
 
 
 def test_training_step_pays_a_forward_pass_per_micro_batch_chunk(toy_hw):
@@ -511,13 +524,14 @@ def test_static_and_continuous_batching_by_hand(toy_hw):
     lengths = ResponseLengths(max_len=30, mean=20.0, points=((10, 0.5), (30, 0.5)))
     prompt, layout = 64, Layout()
     prefill = costs.prefill_parts(toy_hw, LLAMA7, layout, ONE, 2, prompt).total
-    # Static, a batch of 2: the batch runs until its longest ends, 25 steps expected, at context 64 + 12.
+    # Static, a batch of 2: the batch runs until its longest ends, 25 tokens expected, the first of them sampled by
+    # the prefill: 24 decode steps, at contexts 64 + 1 to 64 + 24, 64 + 12.5 on average.
     static = costs.wave_parts(toy_hw, LLAMA7, 1, 1, ONE, 2, prompt, 30, lengths, "static").total
-    assert static == pytest.approx(prefill + 25 * costs.decode_step_time(toy_hw, LLAMA7, layout, ONE, 2, 64 + 12))
-    # Continuous, 8 sequences through 2 slots: 8 x 20 / 2 = 80 full steps plus the last batch's drain (25 - 20),
+    assert static == pytest.approx(prefill + 24 * costs.decode_step_time(toy_hw, LLAMA7, layout, ONE, 2, 64 + 12.5))
+    # Continuous, 8 sequences through 2 slots: 8 x (20 - 1) / 2 = 76 full steps plus the last batch's drain (25 - 20),
     # at the token-weighted context 64 + (500 / 20 - 1) / 2 = 76; 4 prefills of 2 prompts.
     continuous = costs.wave_parts(toy_hw, LLAMA7, 1, 1, ONE, 2, prompt, 30, lengths, "continuous", 8).total
-    assert continuous == pytest.approx(4 * prefill + 85 * costs.decode_step_time(toy_hw, LLAMA7, layout, ONE, 2, 76))
+    assert continuous == pytest.approx(4 * prefill + 81 * costs.decode_step_time(toy_hw, LLAMA7, layout, ONE, 2, 76))
 
 
 def test_continuous_batching_beats_static_waves_when_lengths_vary(toy_hw):
@@ -659,3 +673,52 @@ def test_a_field_between_two_sets_waits_for_its_owner_the_controller_to_learn_it
     assert transfer_seconds(hw, 1, 1, nbytes, True) == 0.0
     bare = toy_hw.model_copy(update={"runtime": Runtime()})  # a profile without Ray's costs (a GPU's)
     assert transfer_seconds(bare, 0, 1, nbytes, True) == pytest.approx(collectives.point_to_point(bare, nbytes, True))
+
+
+def test_a_step_past_the_wide_batch_pays_the_wide_slope_per_sequence(toy_hw):
+    """engine_sequence_step_us up to engine_wide_sequences, engine_wide_sequence_step_us for each one beyond."""
+    both = Runtime(engine_step_us=50, engine_sequence_step_us=10, engine_wide_sequences=8,
+                   engine_wide_sequence_step_us=4)
+    assert both.engine_step_s("static", 8) == pytest.approx((50 + 8 * 10) * 1e-6)
+    assert both.engine_step_s("static", 32) == pytest.approx((50 + 8 * 10 + 24 * 4) * 1e-6)
+    assert Runtime(engine_step_us=50, engine_sequence_step_us=10).engine_step_s("static", 32) == pytest.approx(
+        (50 + 32 * 10) * 1e-6)
+
+
+def test_a_gemm_with_its_operands_in_the_cache_runs_at_the_cached_fraction_with_no_memory_term(toy_hw):
+    """Cached: 2mkn / (rate x its fraction) + overhead, however many bytes; streamed: the table and the roofline."""
+    cpu = toy_hw.model_copy(update={"compute": toy_hw.compute.model_copy(update={
+        "row_efficiency": ((1, 65536, 0.01), (512, 65536, 1.0)),
+        "cached_row_efficiency": ((1, 65536, 0.2), (512, 65536, 1.0)), "cache_bytes": 2**20})})
+    rate = cpu.matmul_flops
+    assert kernels.gemm_time(cpu, 1, 128, 128, cached=True) == pytest.approx(5e-6 + 2 * 128 * 128 / (0.2 * rate))
+    streamed = max(2 * 128 * 128 / (0.01 * rate), 2 * (128 + 128 * 128 + 128) / 5e11)
+    assert kernels.gemm_time(cpu, 1, 128, 128) == pytest.approx(5e-6 + streamed)
+    # Without a cached table every GEMM streams.
+    assert kernels.gemm_time(toy_hw, 1, 128, 128, cached=True) == kernels.gemm_time(toy_hw, 1, 128, 128)
+
+
+def test_a_generation_step_reads_its_operands_from_the_cache_only_where_they_fit(toy_hw, small_arch):
+    """small_arch's 107,328 parameters (tests/conftest.py: 2 x 36,992 + 16,640 + 64 + 16,640) are 214,656 bytes of
+    bf16 weights; with its KV cache
+    (2 layers x 2 x 32 values x 2 bytes = 256 bytes a token) a step fits a 256 KiB cache at 8 sequences of 16
+    tokens (32 KiB), not at 64 of 64 (1 MiB); llama2-7b never does."""
+    from hfplan.simulator import memory
+
+    cpu = toy_hw.model_copy(update={"compute": toy_hw.compute.model_copy(update={
+        "cached_row_efficiency": ((1, 65536, 0.5), (512, 65536, 1.0)), "cache_bytes": 256 * 2**10})})
+    layout = Layout()
+    assert memory.generation_step_bytes(small_arch, layout, 8, 16) == pytest.approx(214_656 + 8 * 16 * 256)
+    assert costs.step_operands_cached(cpu, small_arch, layout, 8, 16)
+    assert not costs.step_operands_cached(cpu, small_arch, layout, 64, 64)
+    assert not costs.step_operands_cached(cpu, LLAMA7, layout, 1, 16)
+    assert not costs.step_operands_cached(toy_hw, small_arch, layout, 8, 16)  # no cache measured
+    # The step's GEMMs are the cached ones there, the streamed ones past the cache.
+    fits = costs.decode_step_parts(cpu, small_arch, layout, costs.SetShape(1, 1), 8, 16)
+    assert fits["gemm"] == pytest.approx(
+        small_arch.layers * kernels.layer_forward(cpu, small_arch, 8, 16, 1, True, None, True).gemm
+        + kernels.head_forward(cpu, small_arch, 8, 1, "lm", True).gemm)
+    spills = costs.decode_step_parts(cpu, small_arch, layout, costs.SetShape(1, 1), 64, 64)
+    assert spills["gemm"] == pytest.approx(
+        small_arch.layers * kernels.layer_forward(cpu, small_arch, 64, 64, 1, True).gemm
+        + kernels.head_forward(cpu, small_arch, 64, 1, "lm").gemm)

@@ -326,6 +326,40 @@ def test_controller_and_rule_calls_run_on_the_host_row():
     assert w.sequences == 64
 
 
+def test_the_controller_fetches_a_calls_outputs_once():
+    """GRPO on one set: the rule reward fetches the generation's outputs, so the group normalisation that reads
+    its response mask next finds it on the controller (no transfer, in the timeline or the longest path); PPO's
+    advantage step still waits for the log-prob and value calls, whose outputs nothing fetched before it."""
+    from hfplan.layout import ON_CONTROLLER
+    from hfplan.simulator.schedule import controller_fetches
+
+    grpo = build_plan(small_workload("grpo", models={"actor": "qwen2.5-0.5b", "reference": "qwen2.5-0.5b",
+                                                     "reward": "rule:vowel-fraction"}), [(["actor", "reference"], 4)])
+    dag = trace(grpo.workload)
+    where = mapping.PlanCosts.of_plan(grpo)
+    sets = [where.set_of(node) for node in dag.nodes]
+    labels = {node.id: node.label for node in dag.nodes}
+    fetched = {node.label: {labels[e.src] for e in node.deps} for node in controller_fetches(dag, sets).nodes}
+    traced = {node.label: {labels[e.src] for e in node.deps} for node in dag.nodes}
+    assert "actor.generate" in traced["controller.group_norm"]
+    assert fetched["controller.group_norm"] == traced["controller.group_norm"] - {"actor.generate"}
+    assert fetched["reward.score"] == traced["reward.score"]  # the first to read them waits for them
+    on_sets = {node.label for node in dag.nodes if sets[node.id] != ON_CONTROLLER}
+    assert {label: fetched[label] for label in on_sets} == {label: traced[label] for label in on_sets}
+    timeline = simulate_plan(grpo).timeline
+    assert not [s for s in timeline.spans if s.op.endswith(f"{EDGE}controller.group_norm")]  # score's is on it too
+    assert [s for s in timeline.spans if s.op == f"actor.generate{EDGE}reward.score"]
+    assert timeline.iteration_s == pytest.approx(critical_path(dag, where))
+    ppo = PLANS["qwen-ppo-rule-reward"]()
+    dag = trace(ppo.workload)
+    where = mapping.PlanCosts.of_plan(ppo)
+    sets = [where.set_of(node) for node in dag.nodes]
+    labels = {node.id: node.label for node in dag.nodes}
+    [gae] = [node for node in controller_fetches(dag, sets).nodes if node.label == "controller.gae"]
+    assert {labels[e.src] for e in gae.deps} == {"actor.log_prob", "reference.log_prob", "critic.values",
+                                                 "reward.score"}
+
+
 # -- stages -----------------------------------------------------------------------------------------
 def test_stages_of_a_single_set_tile_the_iteration():
     tl = simulate_plan(PLANS["ppo-colocated"]()).timeline

@@ -368,6 +368,21 @@ def test_quick_cpu_profile_end_to_end(quick_profile):
         assert counts.get(kind, 0) > 0, kind
     assert set(frame.loc[frame["kind"] == "collective", "op"]) == set(COLLECTIVES)
     assert (frame["seconds"] > 0).all()
+    # The same products with their operands in the cache: a table of every weight size measured (narrow ones too),
+    # read where a generation step's weights and KV cache fit the cache share sysfs names.
+    from hfplan.profiler.fit import fit_row_efficiency
+    from hfplan.profiler.sweeps import sweeps_for
+
+    cached = frame[frame["kind"] == "matmul_cached"]
+    assert len(cached) == len(sweeps_for("cpu", True).cached_matmuls)
+    refit = fit_row_efficiency(cached.to_dict("records"), profile.matmul_flops,
+                               profile.compute.kernel_overhead_us * 1e-6, profile.compute.value_bytes,
+                               ends_at_rate=False, min_width=1)
+    table = profile.compute.cached_row_efficiency
+    assert [(m, weight) for m, weight, _ in table] == [(m, weight) for m, weight, _ in refit]
+    assert [fraction for _, _, fraction in table] == pytest.approx([fraction for _, _, fraction in refit], abs=0.01)
+    assert {weight for _, weight, _ in table} == {4 * k * n for k, n in set(zip(cached["k"], cached["n"], strict=True))}
+    assert profile.compute.cache_bytes is None or profile.compute.cache_bytes > 0
     # The FSDP2-wrapped and the tensor-parallel engine are timed across the profiled world (its ranks computing
     # at once), the unwrapped one on a rank of its own; the raw rows behind them are not written twice.
     engine = frame[frame["kind"] == "runtime"].set_index("op")["world"]
@@ -609,7 +624,7 @@ def test_runtime_costs_measured_on_the_executor_engine(quick_profile, monkeypatc
     from hfplan.layout import stage_parameter_tensors
     from hfplan.plan import Layout, TrainConfig
     from hfplan.profiler import device as devices
-    from hfplan.profiler.runtime import BATCH, DEEP_LAYERS, FEW, LONG, MANY, PROMPT, SHORT, measure_runtime
+    from hfplan.profiler.runtime import BATCH, DEEP_LAYERS, FEW, LONG, MANY, PROMPT, SHORT, WIDE, measure_runtime
     from hfplan.profiles.hardware import Runtime
     from hfplan.simulator import costs
 
@@ -622,7 +637,8 @@ def test_runtime_costs_measured_on_the_executor_engine(quick_profile, monkeypatc
     assert fit.runtime.call_dispatch_us is None
     rows = {r["op"]: r for r in fit.rows}
     engines = {engine: {n: f"{engine}train_step_{n}_micro_batches" for n in (FEW, MANY)} for engine in ("", "fsdp_")}
-    assert set(rows) == {"engine_step", f"engine_step_{BATCH}_sequences", "engine_step_continuous",
+    assert set(rows) == {"engine_step", f"engine_step_{BATCH}_sequences", f"engine_step_{WIDE}_sequences",
+                         "engine_step_continuous", "generate_call",
                          "engine_log_prob", "fsdp_engine_log_prob", "hybrid_switch", "fsdp_hybrid_switch",
                          "kept_hybrid_switch",
                          f"train_step_1_micro_batch_of_{BATCH}", f"engine_log_prob_{BATCH}_sequences",
@@ -674,6 +690,22 @@ def test_runtime_costs_measured_on_the_executor_engine(quick_profile, monkeypatc
     assert rt.engine_step_s("continuous", 1) == pytest.approx(max(
         max(0.0, rows["engine_step_continuous"]["seconds"] - step_model), rt.engine_sequence_step_us * 1e-6),
         abs=2e-8)
+    # Beyond BATCH sequences, each more costs the slope from BATCH to WIDE.
+    wide_model = costs.decode_step_time(kernels_only, CATALOG["tiny"], Layout(), costs.SetShape(1, 1), WIDE,
+                                        PROMPT + (SHORT + LONG) / 2)
+    assert rows[f"engine_step_{WIDE}_sequences"]["predicted_s"] == pytest.approx(wide_model)
+    wide = max(0.0, rows[f"engine_step_{WIDE}_sequences"]["seconds"] - wide_model)
+    assert rt.engine_wide_sequences == BATCH
+    assert rt.engine_wide_sequence_step_us == pytest.approx(max(0.0, wide - many) / (WIDE - BATCH) * 1e6, abs=0.01)
+    assert rt.engine_step_s("static", WIDE) - rt.engine_step_s("static", BATCH) == pytest.approx(
+        (WIDE - BATCH) * rt.engine_wide_sequence_step_us * 1e-6)
+    # A generation's own fixed cost: one of SHORT tokens less its decode steps, beyond its prefill as the fitted
+    # runtime prices it (one sequence of PROMPT tokens).
+    fitted = hw.model_copy(update={"runtime": rt})
+    prefill = costs.prefill_parts(fitted, CATALOG["tiny"], Layout(), costs.SetShape(1, 1), 1, PROMPT).total
+    assert rows["generate_call"]["predicted_s"] == pytest.approx(prefill)
+    assert rt.generate_call_us == pytest.approx(max(0.0, rows["generate_call"]["seconds"] - prefill) * 1e6, abs=0.01)
+    assert rows["generate_call"]["seconds"] == pytest.approx(timed.beyond_steps)
     # Per token: a micro-batch of BATCH sequences against one, beyond their modelled kernels.
     tokens = PROMPT + LONG
 
@@ -902,3 +934,10 @@ def test_collectives_on_cpu_are_timed_beyond_a_burst_before_each():
     assert beyond_bursts(call, burst, 4) >= 0.002  # a call's own sleep is never taken off
     assert counts == {"burst": 8, "call": 4}  # a burst before each call, then as many alone
     compute_burst(None, 0.0)()  # no work: it never touches torch (None here), before or during the call
+
+
+def test_a_cache_is_shared_by_the_cpus_its_sysfs_list_names():
+    from hfplan.profiler.device import _cpu_count
+
+    assert _cpu_count("0-1") == 2 and _cpu_count("0") == 1 and _cpu_count("0-3,8,10-11") == 7
+    assert _cpu_count("") == 0 and _cpu_count("x") == 0

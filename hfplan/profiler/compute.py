@@ -23,17 +23,20 @@ def rotation_budget(device: Device) -> float:
     return min(4 * 2**30 if device.kind == "cuda" else 2**30, 0.1 * device.capacity_bytes)
 
 
-def measure_matmuls(torch, device: Device, shapes, min_time: float, step: Step) -> list[dict]:
+def measure_matmuls(torch, device: Device, shapes, min_time: float, step: Step, cached: bool = False) -> list[dict]:
     """(m x k) inputs times (k x n) weights as nn.Linear multiplies them: the weight stored n x k and read
     transposed. A CPU BLAS's speed depends on that layout (a row-major k x n operand whose rows are a power of two
-    apart in memory ran 128-row products at two thirds of the rate on the project's VM; the transposed one did not)."""
+    apart in memory ran 128-row products at two thirds of the rate on the project's VM; the transposed one did not).
+    Each call reads operands the last calls left out of the cache; `cached`: the same operands every call, so they
+    stay in it (rows of kind "matmul_cached": Compute.cached_row_efficiency)."""
     dtype = compute_dtype(device)
     esize = torch.empty((), dtype=dtype).element_size()
     clock = Clock(torch, device.kind)
     rows = []
     for m, k, n in shapes:
         nbytes = esize * (m * k + k * n + m * n)
-        following = _rotating_operands(torch, device, dtype, nbytes, [(m, k), (n, k)], [(m, n)])
+        following = (_cached_operands(torch, device, dtype, [(m, k), (n, k)], [(m, n)]) if cached
+                     else _rotating_operands(torch, device, dtype, nbytes, [(m, k), (n, k)], [(m, n)]))
 
         def matmul(following=following) -> None:
             x, weight, out = following()
@@ -41,8 +44,9 @@ def measure_matmuls(torch, device: Device, shapes, min_time: float, step: Step) 
 
         seconds = clock.per_call(matmul, min_time)
         flops = 2.0 * m * k * n
-        rows.append(dict(kind="matmul", op="linear", dtype=str(dtype).removeprefix("torch."), m=m, k=k, n=n,
-                         flops=flops, bytes=float(nbytes), seconds=seconds, rate=flops / seconds))
+        rows.append(dict(kind="matmul_cached" if cached else "matmul", op="linear",
+                         dtype=str(dtype).removeprefix("torch."), m=m, k=k, n=n, flops=flops, bytes=float(nbytes),
+                         seconds=seconds, rate=flops / seconds))
         del following
         step()
     return rows
@@ -72,6 +76,13 @@ def measure_linear_backwards(torch, device: Device, shapes, min_time: float, ste
         del following
         step()
     return rows
+
+
+def _cached_operands(torch, device: Device, dtype, inputs, outputs):
+    """One set of random `inputs` and zeroed `outputs`, returned at every call (they stay in the cache)."""
+    operands = (tuple(torch.randn(*shape, dtype=dtype, device=device.kind) for shape in inputs)
+                + tuple(torch.zeros(*shape, dtype=dtype, device=device.kind) for shape in outputs))
+    return lambda: operands
 
 
 def _rotating_operands(torch, device: Device, dtype, nbytes: float, inputs, outputs):

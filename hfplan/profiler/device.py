@@ -65,6 +65,7 @@ class Device:
     used_bytes: float  # memory already taken on it before anything is allocated
     nominal: Nominal
     sm_count: int | None = None  # streaming multiprocessors of a CUDA device (None on CPU)
+    cache_share_bytes: int | None = None  # CPU: the last-level cache over the cores that share it (Compute.cache_bytes)
 
     @property
     def backend(self) -> str:
@@ -107,6 +108,7 @@ def probe(torch, kind: str, world_size: int) -> Device:
     # (it is not the machine's), only this runtime's own footprint (Python, torch) per process.
     return Device(kind="cpu", name=_cpu_name(), world_size=world_size, count=world_size,
                   threads=max(1, cores // world_size), cache_bytes=_last_level_cache(),
+                  cache_share_bytes=_last_level_cache_share(),
                   capacity_bytes=_host_memory() / world_size, used_bytes=_own_rss(),
                   nominal=nominal_rates("", "cpu"))
 
@@ -138,11 +140,39 @@ def _own_rss() -> float:
     return float(match.group(1)) * 1024 if match else 0.5 * GIB
 
 
-def _last_level_cache() -> int:
-    sizes = []
+def _caches() -> list[tuple[int, int]]:
+    """(bytes, CPUs sharing it) of each cache level of CPU 0, as sysfs lists them."""
+    out = []
     for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
         text = _read(str(index / "size")).strip()
         match = re.fullmatch(r"(\d+)([KMG]?)", text)
         if match:
-            sizes.append(int(match.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[match.group(2)])
+            size = int(match.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[match.group(2)]
+            out.append((size, max(1, _cpu_count(_read(str(index / "shared_cpu_list")).strip()))))
+    return out
+
+
+def _cpu_count(cpu_list: str) -> int:
+    """CPUs in a sysfs CPU list such as "0-3,8"; 0 where it cannot be read."""
+    count = 0
+    for part in filter(None, cpu_list.split(",")):
+        low, _, high = part.partition("-")
+        if not low.isdigit() or (high and not high.isdigit()):
+            return 0
+        count += int(high or low) - int(low) + 1
+    return count
+
+
+def _last_level_cache() -> int:
+    sizes = [size for size, _ in _caches()]
     return max(sizes) if sizes else 64 * 2**20
+
+
+def _last_level_cache_share() -> int | None:
+    """The largest cache level over the CPUs that share it: what one process computing on each core may keep in it
+    (None where sysfs does not say)."""
+    caches = _caches()
+    if not caches:
+        return None
+    size, sharing = max(caches)
+    return size // sharing

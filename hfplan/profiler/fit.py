@@ -120,13 +120,14 @@ def fit_roofline(flops: Sequence[float], nbytes: Sequence[float], seconds: Seque
 ROW_FIT_MIN_WIDTH = 256  # a matmul's K and N at least this wide to stand for its rows (narrower: overhead-bound)
 
 
-def _row_tables(rows: Sequence[dict], value_bytes: int) -> dict[int, dict[int, list[dict]]]:
+def _row_tables(rows: Sequence[dict], value_bytes: int, min_width: int = ROW_FIT_MIN_WIDTH
+                ) -> dict[int, dict[int, list[dict]]]:
     """The matmuls Compute.row_efficiency is fitted to, by their weight's bytes (k x n values) and then their rows:
-    those at least ROW_FIT_MIN_WIDTH wide in K and N, of the weight sizes measured at two row counts or more (one
+    those at least `min_width` wide in K and N, of the weight sizes measured at two row counts or more (one
     says nothing of how the rate grows with rows)."""
     groups: dict[int, dict[int, list[dict]]] = {}
     for row in rows:
-        if min(row["k"], row["n"]) >= ROW_FIT_MIN_WIDTH:
+        if min(row["k"], row["n"]) >= min_width:
             weight = int(row["k"] * row["n"] * value_bytes)
             groups.setdefault(weight, {}).setdefault(int(row["m"]), []).append(row)
     return {weight: by_rows for weight, by_rows in groups.items() if len(by_rows) >= 2}
@@ -145,16 +146,19 @@ def row_limited(rows: Sequence[dict], value_bytes: int) -> list[dict]:
 
 
 def fit_row_efficiency(rows: Sequence[dict], rate: float, overhead_s: float, value_bytes: int,
-                       ends_at_rate: bool = True) -> tuple[tuple[int, int, float], ...] | None:
+                       ends_at_rate: bool = True, min_width: int = ROW_FIT_MIN_WIDTH
+                       ) -> tuple[tuple[int, int, float], ...] | None:
     """Compute.row_efficiency from matmul rows (dicts with m, k, n, flops, seconds) and the profile's matmul rate
     (FLOP/s) and kernel overhead: for each weight size `_row_tables` keeps, each row count's median rate beyond the
     overhead over `rate`, capped at 1, made non-decreasing in m (a point below one of fewer rows is that one's:
     timing noise, not a kernel that slows as it grows), and, `ends_at_rate`, 1 at the largest row count measured
     (the rate is the large matmuls': the sweep measures each weight at enough rows to reach it). Without it (the
     backward pairs of Compute.backward_row_efficiency, whose rate is not the one fitted) the largest row count keeps
-    its measured fraction. None where every row count of every weight size reaches the rate (nothing to scale)."""
+    its measured fraction (and the cached products of Compute.cached_row_efficiency, whose narrow weights, below
+    `min_width`, are what a small model runs). None where every row count of every weight size reaches the rate
+    (nothing to scale)."""
     table: list[tuple[int, int, float]] = []
-    for weight, by_rows in sorted(_row_tables(rows, value_bytes).items()):
+    for weight, by_rows in sorted(_row_tables(rows, value_bytes, min_width).items()):
         fraction, largest = 0.0, max(by_rows)
         for m in sorted(by_rows):
             reached = [row["flops"] / max(row["seconds"] - overhead_s, 1e-12) / rate for row in by_rows[m]]

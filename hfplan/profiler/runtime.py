@@ -47,6 +47,7 @@ PROMPT = 8
 SHORT, LONG = 2, 34  # response lengths whose time difference is LONG - SHORT decode steps
 PROBE_CONTEXT = PROMPT + (SHORT + LONG) / 2  # the mean context of those decode steps, as the model prices them
 BATCH = 8  # sequences of the larger static batch whose steps are timed (the demo's batch)
+WIDE = 4 * BATCH  # and of a wide one (the per-sequence cost beyond BATCH: Runtime.engine_wide_sequence_step_us)
 FEW, MANY = 1, 3  # micro-batches (of one sequence) per optimizer step: the difference is MANY - FEW passes
 DEEP = 4  # the demo model timed again with its decoder layers this many times over: the difference is per layer
 # (in every engine mode timed at two depths: from 2 and 4 layers, the split engine's per-layer figures moved by 2x
@@ -101,7 +102,9 @@ class EngineTimes:
 
     step: float  # a static decode step of one sequence
     batch_step: float  # of BATCH sequences
+    wide_step: float  # of WIDE sequences
     continuous_step: float  # a continuous engine's, one slot refilled
+    beyond_steps: float  # a static generation of one sequence beyond its decode steps (prefill, the call's own)
     plain: EngineSeconds  # the training engine as one rank trains (with its wide micro-batch and the switch)
     depths: DepthSeconds | None  # the same calls at two depths of the demo model (CPU: its host's per-layer cost)
 
@@ -177,10 +180,13 @@ def time_engines(torch, device: Device, min_time: float, engine_reps: int) -> En
     # it refills the slot (a batch of one every step, as the static engine's).
     static = TorchRolloutEngine(model, pad_id=0, eos_id=-1)
     continuous = TorchRolloutEngine(model, pad_id=0, eos_id=-1, batching="continuous", max_batch=1)
-    step, batch_step, continuous_step = steps_seconds(
-        clock, [(static, prompts), (static, prompts.repeat(BATCH, 1)), (continuous, prompts.repeat(2, 1))], min_time)
+    single, batch, wide, continuous_case = generations_seconds(
+        clock, [(static, prompts), (static, prompts.repeat(BATCH, 1)), (static, prompts.repeat(WIDE, 1)),
+                (continuous, prompts.repeat(2, 1))], min_time)
     plain = _engine_on_one_rank(torch, device, PLAIN, engine_reps)
-    return EngineTimes(step=step, batch_step=batch_step, continuous_step=continuous_step, plain=plain,
+    return EngineTimes(step=single.step, batch_step=batch.step, wide_step=wide.step,
+                       continuous_step=continuous_case.step,
+                       beyond_steps=single.beyond_steps, plain=plain,
                        depths=depth_seconds(torch, device, min_time, plain) if device.kind == "cpu" else None)
 
 
@@ -211,10 +217,14 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
     step_s, batch_s, continuous_s, plain = times.step, times.batch_step, times.continuous_step, times.plain
     step_model = costs.decode_step_time(bare, arch, Layout(), one, 1, PROBE_CONTEXT)
     batch_model = costs.decode_step_time(bare, arch, Layout(), one, BATCH, PROBE_CONTEXT)
-    # A step's fixed cost grows with the sequences in it: the slope between a batch of one and of BATCH.
+    # A step's fixed cost grows with the sequences in it: the slope between a batch of one and of BATCH, and beyond
+    # it the slope between BATCH and WIDE.
     sequence_us = max(0.0, fixed_us(batch_s, batch_model) - fixed_us(step_s, step_model)) / (BATCH - 1)
+    wide_model = costs.decode_step_time(bare, arch, Layout(), one, WIDE, PROBE_CONTEXT)
+    wide_us = max(0.0, fixed_us(times.wide_step, wide_model) - fixed_us(batch_s, batch_model)) / (WIDE - BATCH)
     rows = layer_rows + [_row("engine_step", step_s, step_model),
             _row(f"engine_step_{BATCH}_sequences", batch_s, batch_model),
+            _row(f"engine_step_{WIDE}_sequences", times.wide_step, wide_model),
             _row("engine_step_continuous", continuous_s, step_model)]
     across = across or {}
     per_token = _token_fixed(bare, plain)
@@ -266,7 +276,8 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
                       forward_pass_us=round(train.forward_us, 2), forward_token_us=round(per_token.forward_us, 3),
                       train_token_us=round(per_token.train_us, 3),
                       engine_step_us=round(max(0.0, fixed_us(step_s, step_model) - sequence_us), 2),
-                      engine_sequence_step_us=round(sequence_us, 2), switch_tensor_us=round(switch_us, 3),
+                      engine_sequence_step_us=round(sequence_us, 2), engine_wide_sequences=BATCH,
+                      engine_wide_sequence_step_us=round(wide_us, 2), switch_tensor_us=round(switch_us, 3),
                       kept_switch_us=kept_us,
                       fsdp_switch_tensor_us=round(fsdp_switch_us, 3), tp_switch_tensor_us=round(tp_switch_us, 3),
                       controller_call_us=round(gaps.controller_call_s * 1e6, 2) if gaps else 0.0,
@@ -288,6 +299,10 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
                       tp_train_pass_us=round(max(0.0, split.pass_us - unsplit.pass_us), 2),
                       tp_optimizer_tensor_us=round(max(0.0, split.tensor_us - unsplit.tensor_us), 3),
                       **across_layers))
+    # A generation's own fixed cost: what one of SHORT tokens took beyond its decode steps and its modelled prefill.
+    prefill = costs.prefill_parts(bare.model_copy(update={"runtime": runtime}), arch, Layout(), one, 1, PROMPT).total
+    rows.append(_row("generate_call", times.beyond_steps, prefill))
+    runtime = runtime.model_copy(update={"generate_call_us": round(fixed_us(times.beyond_steps, prefill), 2)})
     if PP in across:
         pipelined, pipeline_rows = _pipeline_fixed(bare.model_copy(update={"runtime": runtime}), across[PP])
         rows += pipeline_rows
@@ -803,8 +818,23 @@ def _world_of_one(torch, device: Device) -> Iterator[None]:
             dist.destroy_process_group()
 
 
+@dataclass(frozen=True)
+class Generations:
+    """One (engine, prompts) case of generations_seconds: seconds per decode step, and what a generation of
+    SHORT tokens took beyond its decode steps (its prefill and the call's own fixed cost)."""
+
+    step: float
+    beyond_steps: float
+
+
 def steps_seconds(clock: Clock | WorldClock, cases: Sequence[tuple[object, object]], min_time: float) -> list[float]:
-    """Seconds per decode step of each (engine, prompts) case: the time between responses of SHORT and LONG
+    """Seconds per decode step of each (engine, prompts) case (generations_seconds)."""
+    return [case.step for case in generations_seconds(clock, cases, min_time)]
+
+
+def generations_seconds(clock: Clock | WorldClock, cases: Sequence[tuple[object, object]], min_time: float
+                        ) -> list[Generations]:
+    """Each (engine, prompts) case's seconds per decode step: the time between responses of SHORT and LONG
     tokens over the decode steps it counted between them (the prefills, the same in both, drop out). Each length
     of each case is timed in ROUNDS rounds, the cases in turn within a round, and the medians kept: a burst of
     other work on a shared machine, or a slower stretch of a virtual one, seldom spans most rounds of a case, and
@@ -822,8 +852,11 @@ def steps_seconds(clock: Clock | WorldClock, cases: Sequence[tuple[object, objec
                 times[tokens].append(clock.per_call(lambda engine=engine, prompts=prompts, params=params:
                                                     engine.generate(prompts, params), min_time / ROUNDS))
                 counted[tokens] = engine.stats.decode_steps
-    return [(typical(times[LONG]) - typical(times[SHORT])) / (counted[LONG] - counted[SHORT])
-            for times, counted in zip(timed, steps, strict=True)]
+    out = []
+    for times, counted in zip(timed, steps, strict=True):
+        step = (typical(times[LONG]) - typical(times[SHORT])) / (counted[LONG] - counted[SHORT])
+        out.append(Generations(step, typical(times[SHORT]) - counted[SHORT] * step))
+    return out
 
 
 def step_seconds(clock: Clock, engine, prompts, min_time: float) -> float:

@@ -35,6 +35,7 @@ class Sweeps:
     through_ray: bool = True  # engines timed in a Ray worker, and the executor's call gaps measured on a run
     linear_backwards: tuple[tuple[int, int, int], ...] = ()  # (m, k, n) products whose backward pair is timed (CPU)
     engine_reps: int = ENGINE_REPS  # timed calls per measurement of the training engine (the median kept)
+    cached_matmuls: tuple[tuple[int, int, int], ...] = ()  # (m, k, n) timed with their operands in the cache (CPU)
 
 
 # Rows (M) of the skinny GEMMs measured on a GPU against hidden and MLP widths: decode batches (where the GEMM
@@ -75,7 +76,12 @@ def sweeps_for(kind: str, quick: bool) -> Sweeps:
     # log rows between 1 and 16 (a decode batch's rows), so the full sweep measures the counts in between.
     weights = (((256, 256), (512, 1024), (1024, 1024), (1024, 4096), (4096, 1024)) if quick else
                ((256, 256), (512, 1024), (1024, 1024), (1024, 4096), (4096, 1024), (2048, 2048), (4096, 4096)))
+    # The same rows by weights a small model's generation step keeps in the cache (16 KiB to 4 MiB in fp32), timed
+    # with their operands there: Compute.cached_row_efficiency.
+    cached = (((64, 64), (256, 256), (512, 1024)) if quick else
+              ((64, 64), (128, 128), (256, 256), (512, 512), (512, 2048)))
     return Sweeps(
+        cached_matmuls=_skinny((1, 8, 64, 512) if quick else (1, 2, 4, 8, 16, 32, 64, 128, 512), cached),
         matmuls=_square((16, 64, 128, 256, 512, 1024) if quick else (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048))
         + _skinny((1, 8, 16, 128, 512) if quick else (1, 2, 4, 8, 16, 32, 64, 128, 512), weights),
         linear_backwards=_skinny((16, 128, 512) if quick else (16, 32, 64, 128, 512), weights),

@@ -130,6 +130,16 @@ class Compute(_Strict):
                                   "and read as row_efficiency is (a weight gradient sums over the m rows, so few of "
                                   "them leave a CPU BLAS's kernel as short as few output rows do). None: each of "
                                   "the two GEMMs at the fraction its own shape gets")
+    cache_bytes: int | None = Field(
+        default=None, gt=0, description="bytes of the last-level cache one process keeps its working set in (CPUs: "
+                                        "the cache over the cores that share it); a generation engine whose weights "
+                                        "and KV cache fit reads them there each step (cached_row_efficiency). None: "
+                                        "every GEMM streams its operands from memory")
+    cached_row_efficiency: tuple[tuple[int, int, float], ...] | None = Field(
+        default=None, description="row_efficiency of products whose operands are already in the cache (the same "
+                                  "operands every call, as `hfplan profile` times them; read as row_efficiency is, "
+                                  "with no memory term: the operands do not cross the memory bus): where a "
+                                  "generation step's working set fits cache_bytes. None: row_efficiency")
     attention_rate: tuple[tuple[int, float], ...] | None = Field(
         default=None, description="the flash attention kernel's measured rate, forward and backward together, of a "
                                   "causal pass: (sequence length, fraction of peak) points, lengths increasing; "
@@ -208,7 +218,7 @@ class Compute(_Strict):
             raise ValueError("extra microseconds must not be negative")
         return points
 
-    @field_validator("row_efficiency", "backward_row_efficiency")
+    @field_validator("row_efficiency", "backward_row_efficiency", "cached_row_efficiency")
     @classmethod
     def _rising_rows(cls, points: tuple[tuple[int, int, float], ...] | None
                      ) -> tuple[tuple[int, int, float], ...] | None:
@@ -428,6 +438,19 @@ class Runtime(_Strict):
                                         "bookkeeping each step on top of the static step's work); None: "
                                         "engine_step_us, as for a profile written before the field")
 
+    engine_wide_sequences: int | None = Field(
+        default=None, ge=1, description="sequences in a step beyond which each more costs "
+                                        "engine_wide_sequence_step_us instead of engine_sequence_step_us (the "
+                                        "batch the profiler measured that slope from); None: one slope throughout")
+    engine_wide_sequence_step_us: float | None = Field(
+        default=None, ge=0, description="fixed cost per sequence of one step beyond engine_wide_sequences (measured "
+                                        "between that batch and one four times as large: the per-row host work "
+                                        "grows more slowly in a wide batch than from one sequence)")
+    generate_call_us: float = Field(default=0.0, ge=0, description="fixed cost of one generation (a static "
+                                    "wave, or a continuous engine's run) beyond its prefill and decode steps: "
+                                    "its rotary tables, KV cache and masks set up, the token its last step "
+                                    "leaves sampled, its responses assembled")
+
     engine_sequence_step_us: float = Field(default=0.0, ge=0, description="fixed cost per sequence of one step "
                                            "of the generation engine, on top of engine_step_us (sampling its "
                                            "token, the cache's bookkeeping for it)")
@@ -621,7 +644,10 @@ class Runtime(_Strict):
         step = self.engine_step_us
         if batching == "continuous" and self.engine_step_continuous_us is not None:
             step = self.engine_step_continuous_us
-        return (step + sequences * self.engine_sequence_step_us) * 1e-6
+        knee, wide = self.engine_wide_sequences, self.engine_wide_sequence_step_us
+        if knee is None or wide is None or sequences <= knee:
+            return (step + sequences * self.engine_sequence_step_us) * 1e-6
+        return (step + knee * self.engine_sequence_step_us + (sequences - knee) * wide) * 1e-6
 
 
 class HardwareProfile(_Strict):

@@ -225,7 +225,7 @@ def _generate(hw: HardwareProfile, arch: ModelArch, req: CallRequest, where: cos
                     response_tokens / seconds, _gib(held + kv_used),
                     {"waves": result.waves, "batch_per_replica": result.max_batch, "batching": req.batching,
                      "kv_cache": req.kv_cache, "decode_steps": phases.decode_steps,
-                     "decode_step_ms": 1e3 * phases.decode.total / phases.decode_steps},
+                     "decode_step_ms": 1e3 * phases.decode.total / phases.decode_steps if phases.decode_steps else 0.0},
                     phases={"prefill": dict(phases.prefill), "decode": dict(phases.decode)})
 
 

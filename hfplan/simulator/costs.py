@@ -39,7 +39,7 @@ from hfplan.simulator.kernels import (
     layer_forward,
     memory_time,
 )
-from hfplan.simulator.memory import kv_sequence
+from hfplan.simulator.memory import generation_step_bytes, kv_sequence
 from hfplan.spec import ResponseLengths
 
 # One optimizer step's memory traffic per parameter, bytes over the device's fp32 shard (parameters, gradients and
@@ -234,17 +234,27 @@ def _head_tp_comm(hw: HardwareProfile, tokens: float, tp: int, where: SetShape, 
 
 @memoized
 def _layer_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per_token: float, tp: int,
-                   decode: bool = False, seq_len: float | None = None, *, memo: CostMemo | None = None) -> LayerCost:
+                   decode: bool = False, seq_len: float | None = None, cached: bool = False, *,
+                   memo: CostMemo | None = None) -> LayerCost:
     """kernels.layer_forward, memoized: it depends on neither the pipeline, the set nor the engine, so the
     training, inference, prefill and decode costs of a search share far fewer layer shapes than calls."""
-    return layer_forward(hw, arch, tokens, keys_per_token, tp, decode, seq_len)
+    return layer_forward(hw, arch, tokens, keys_per_token, tp, decode, seq_len, cached)
 
 
 @memoized
-def _head_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, tp: int, head: str, *,
+def _head_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, tp: int, head: str, cached: bool = False, *,
                   memo: CostMemo | None = None) -> LayerCost:
     """kernels.head_forward, memoized as _layer_forward is."""
-    return head_forward(hw, arch, tokens, tp, head)
+    return head_forward(hw, arch, tokens, tp, head, cached)
+
+
+def step_operands_cached(hw: HardwareProfile, arch: ModelArch, cfg: Layout, batch: float, context: float) -> bool:
+    """Whether a generation step's GEMMs find their operands in the cache (kernels.gemm_time's `cached`): the
+    profile measured such products and the step's weights and KV cache (memory.generation_step_bytes) fit the cache
+    a process keeps between steps (Compute.cache_bytes)."""
+    compute = hw.compute
+    return (compute.cached_row_efficiency is not None and compute.cache_bytes is not None
+            and generation_step_bytes(arch, cfg, batch, context, compute.value_bytes) <= compute.cache_bytes)
 
 
 @dataclass(frozen=True)
@@ -415,8 +425,9 @@ def decode_step_parts(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: 
                       context: float, batching: str = "static", *, memo: CostMemo | None = None) -> Parts:
     """One decode step of `batch` sequences at `context` tokens, through all pipeline stages in turn, on an
     engine batching `batching` (its fixed cost per step)."""
-    layer = _layer_forward(hw, arch, batch, context, cfg.tp, True, memo=memo)
-    head = _head_forward(hw, arch, batch, cfg.tp, "lm", memo=memo)
+    cached = step_operands_cached(hw, arch, cfg, batch, context)
+    layer = _layer_forward(hw, arch, batch, context, cfg.tp, True, None, cached, memo=memo)
+    head = _head_forward(hw, arch, batch, cfg.tp, "lm", cached, memo=memo)
     sample = memory_time(hw, FP32 * batch * arch.vocab / cfg.tp)
     n = arch.layers
     return on_shared_host(hw, where, Parts(
@@ -438,8 +449,9 @@ def prefill_parts(hw: HardwareProfile, arch: ModelArch, cfg: Layout, where: SetS
                   prompt_len: int, batching: str = "static", *, memo: CostMemo | None = None) -> Parts:
     """One prefill of `batch` prompts: one step of the generation engine (batching `batching`)."""
     tokens = batch * prompt_len
-    layer = _layer_forward(hw, arch, tokens, (prompt_len + 1) / 2, cfg.tp, False, prompt_len, memo=memo)
-    head = _head_forward(hw, arch, batch, cfg.tp, "lm", memo=memo)  # logits of the last prompt token only
+    cached = step_operands_cached(hw, arch, cfg, batch, prompt_len)
+    layer = _layer_forward(hw, arch, tokens, (prompt_len + 1) / 2, cfg.tp, False, prompt_len, cached, memo=memo)
+    head = _head_forward(hw, arch, batch, cfg.tp, "lm", cached, memo=memo)  # logits of the last prompt token only
     embed = embedding_forward(hw, arch, tokens)
     n = arch.layers
     cache = kv_cache_write_time(hw, arch, tokens, cfg.tp)  # the prompt's keys and values into the KV cache
@@ -487,26 +499,30 @@ def wave_phases(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: S
                 sequences: int = 0, *, memo: CostMemo | None = None) -> WavePhases:
     """Generation of `sequences` sequences (`batch` when 0) with `batch` of them in the engine at once, by phase.
 
-    static: one prefill, then as many decode steps as the longest of the batch's responses (expected, from
-    the length distribution), every row decoding until the batch ends; costed at the mean context length
-    (the step cost is close to linear in the context). continuous (sequences > batch): finished sequences
-    are replaced, so the batch stays full: sequences x mean / batch decode steps, plus the drain of the
+    A sequence's first response token is sampled from its prefill's logits, so a response of l tokens takes
+    l - 1 decode steps. static: one prefill, then one decode step fewer than the longest of the batch's responses
+    (expected, from the length distribution), every row decoding until the batch ends; costed at the mean context
+    length (the step cost is close to linear in the context). continuous (sequences > batch): finished sequences
+    are replaced, so the batch stays full: sequences x (mean - 1) / batch decode steps, plus the drain of the
     last batch (its expected longest less the mean), at the token-weighted mean context; every sequence's
-    prompt is prefilled in batches of `batch`."""
+    prompt is prefilled in batches of `batch`. The wave's call pays the engine's fixed cost of a generation
+    (Runtime.generate_call_us) with its prefill."""
     dist = _lengths(response_len, lengths)
     sequences = sequences or batch
     layout = Layout(tp=tp, pp=pp)
     if batching == "continuous" and sequences > batch:
         engine = "continuous"
-        steps = sequences * dist.mean / batch + max(0.0, dist.expected_max(batch) - dist.mean)
+        steps = sequences * (dist.mean - 1) / batch + max(0.0, dist.expected_max(batch) - dist.mean)
         context = prompt_len + dist.held_by_slot
         prefills = sequences / batch
     else:  # one static batch (a continuous engine with a slot for every sequence runs one too)
         engine = "static"
-        steps = dist.expected_max(batch)
-        context = prompt_len + (steps - 1) / 2
+        steps = dist.expected_max(batch) - 1
+        context = prompt_len + (steps + 1) / 2
         prefills = 1.0
-    return WavePhases(prefill_parts(hw, arch, layout, where, batch, prompt_len, engine, memo=memo).times(prefills),
+    prefill = prefill_parts(hw, arch, layout, where, batch, prompt_len, engine, memo=memo).times(prefills)
+    call = on_shared_host(hw, where, Parts(runtime=hw.runtime.generate_call_us * 1e-6))
+    return WavePhases(prefill.plus(call),
                       decode_step_parts(hw, arch, layout, where, batch, context, engine, memo=memo).times(steps),
                       steps)
 

@@ -20,7 +20,7 @@ from hfplan.simulator import costs
 from hfplan.simulator.mapping import PlanCosts
 from hfplan.simulator.memory import gib
 from hfplan.simulator.pipeline import PREVIOUS, window_dag
-from hfplan.simulator.schedule import Precedence, switch_points, way_back_points
+from hfplan.simulator.schedule import Precedence, controller_fetches, switch_points, way_back_points
 from hfplan.simulator.sharing import Ranks, SharedHosts
 from hfplan.simulator.trace import Dag, Node, trace
 
@@ -78,7 +78,9 @@ class Scheduled:
 
 
 def schedule(dag: Dag, plan_costs: PlanCosts) -> list[Scheduled]:
-    """Durations and layout switches of every call, in program order."""
+    """Durations and layout switches of every call, in program order, with the inputs that reach each one
+    (schedule.controller_fetches)."""
+    dag = controller_fetches(dag, [plan_costs.set_of(node) for node in dag.nodes])
     points = switch_points(dag, plan_costs.layout_role, generating_role(plan_costs.workload))
     backs = way_back_points(dag, plan_costs.layout_role, plan_costs.set_of, points)
     openings = plan_costs.task_openings(dag)

@@ -110,12 +110,15 @@ def log_interpolated(points: tuple[tuple[float, float], ...], x: float) -> float
 _rows_by_weight = functools.cache(rows_by_weight)
 
 
-def row_fraction(hw: HardwareProfile, m: float, weight_bytes: float, backward: bool = False) -> float:
+def row_fraction(hw: HardwareProfile, m: float, weight_bytes: float, backward: bool = False, cached: bool = False
+                 ) -> float:
     """Fraction of the matmul rate a GEMM of `m` rows by a weight (its k x n operand) of `weight_bytes` reaches
     where the profile has no tiling model (Compute.row_efficiency; with `backward`, of that product's backward pair,
-    Compute.backward_row_efficiency: in log rows along each weight size measured, then in log bytes between the two
-    sizes around this one; 1 without a table)."""
-    table = hw.compute.backward_row_efficiency if backward else hw.compute.row_efficiency
+    Compute.backward_row_efficiency; `cached`, with its operands in the cache, Compute.cached_row_efficiency: in log
+    rows along each weight size measured, then in log bytes between the two sizes around this one; 1 without a
+    table)."""
+    table = (hw.compute.backward_row_efficiency if backward
+             else hw.compute.cached_row_efficiency if cached else hw.compute.row_efficiency)
     if table is None:
         return 1.0
     by_weight = _rows_by_weight(table)
@@ -129,12 +132,17 @@ def row_fraction(hw: HardwareProfile, m: float, weight_bytes: float, backward: b
     return log_interpolated(by_weight[-1][1], m)
 
 
-def gemm_time(hw: HardwareProfile, m: float, k: float, n: float) -> float:
+def gemm_time(hw: HardwareProfile, m: float, k: float, n: float, cached: bool = False) -> float:
     """(m x k) @ (k x n) in the device's compute precision; one row (m = 1) as the stack runs it
     (Compute.matrix_vector). Its math rate is scaled by its shape: by tiles and waves where the profile describes
-    the GEMM library's tiling, else by its rows and its weight's bytes (Compute.row_efficiency)."""
+    the GEMM library's tiling, else by its rows and its weight's bytes (Compute.row_efficiency). `cached`: its
+    operands are in the cache already (operands_cached), where the profile measured such products
+    (Compute.cached_row_efficiency): at that fraction, with no memory term."""
     if m <= 0 or k <= 0 or n <= 0:
         return 0.0
+    if cached and hw.compute.cached_row_efficiency is not None:
+        return kernel_time(hw, 2.0 * m * k * n, 0.0,
+                           row_fraction(hw, m, hw.compute.value_bytes * k * n, cached=True))
     if m == 1 and hw.compute.matrix_vector == "reduction":
         return reduction_matrix_vector_time(hw, k, n)
     tiling = hw.compute.gemm
@@ -297,12 +305,13 @@ def bias_gradients_time(hw: HardwareProfile, arch: ModelArch, tokens: float, tp:
 
 
 def layer_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per_token: float, tp: int,
-                  decode: bool = False, seq_len: float | None = None) -> LayerCost:
+                  decode: bool = False, seq_len: float | None = None, cached: bool = False) -> LayerCost:
     """One layer's forward over `tokens` tokens on one of `tp` tensor-parallel GPUs.
 
     keys_per_token: keys each query attends to (L/2 on average for causal prefill of length L; the
     context length for a decode step). In decode, attention reads the KV cache of every key. seq_len:
-    the length of each sequence of a prefill pass (what an eager attention's score matrix spans).
+    the length of each sequence of a prefill pass (what an eager attention's score matrix spans). cached: its
+    GEMMs' operands are in the cache (gemm_time).
     """
     h, q, f = arch.hidden, arch.q_dim, arch.ffn
     v = hw.compute.value_bytes
@@ -310,7 +319,7 @@ def layer_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per_
     qkv_out = shard(q, tp) + 2 * kv_local
     up = arch.mlp_matrices - 1  # the MLP's input projections: gate and up (SwiGLU, one GEMM), up (GeLU)
     shapes = ((h, qkv_out), (shard(q, tp), h), (h, shard(up * f, tp)), (shard(f, tp), h))  # (k, n) of each GEMM
-    gemm = sum(gemm_time(hw, tokens, k, n) for k, n in shapes)
+    gemm = sum(gemm_time(hw, tokens, k, n, cached) for k, n in shapes)
     attention = attention_time(hw, arch, tokens, keys_per_token, tp, decode, seq_len)
     rotated = arch.rotary_share * (shard(q, tp) + kv_local)
     elementwise = (
@@ -325,11 +334,13 @@ def layer_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per_
                      backward_only=bias_gradients_time(hw, arch, tokens, tp))
 
 
-def head_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, tp: int, head: str) -> LayerCost:
-    """Final norm, output head and (for a language model) log-softmax in fp32 over the local vocabulary."""
+def head_forward(hw: HardwareProfile, arch: ModelArch, tokens: float, tp: int, head: str, cached: bool = False
+                 ) -> LayerCost:
+    """Final norm, output head and (for a language model) log-softmax in fp32 over the local vocabulary; `cached`
+    as layer_forward's."""
     out = arch.head_out_dim(head)
     local_out = shard(out, tp) if head == "lm" else out
-    gemm = gemm_time(hw, tokens, arch.hidden, local_out)
+    gemm = gemm_time(hw, tokens, arch.hidden, local_out, cached)
     softmax = memory_time(hw, FP32 * 3 * tokens * local_out) if head == "lm" else 0.0
     norm = memory_time(hw, hw.compute.value_bytes * 2 * tokens * arch.hidden)
     return LayerCost(gemm=gemm, attention=0.0, elementwise=softmax + norm,

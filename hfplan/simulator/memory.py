@@ -67,6 +67,14 @@ def infer_resident_bytes(arch: ModelArch, cfg: Layout, head: str, value_bytes: i
     return value_bytes * stage_params(arch, cfg.pp, head) / cfg.tp
 
 
+def generation_step_bytes(arch: ModelArch, cfg: Layout, batch: float, context: float,
+                          value_bytes: int = BF16) -> float:
+    """What one step of a generation engine reads on a GPU: its weights and the KV cache of `batch` sequences at
+    `context` tokens."""
+    return (infer_resident_bytes(arch, cfg, "lm", value_bytes)
+            + batch * context * kv_bytes_per_token_per_gpu(arch, cfg, value_bytes))
+
+
 def _logits_bytes(arch: ModelArch, tokens: float, tp: int, head: str) -> float:
     return FP32 * tokens * (arch.vocab / tp if head == "lm" else 1)
 

@@ -4,6 +4,8 @@
   disjoint sets overlap.
 - A call starts when its inputs have arrived: an input made elsewhere first crosses the link between
   the two places (hfplan.layout.transfer_path), as a transfer of the edge's bytes.
+- The controller fetches a call's outputs once (`controller_fetches`): its first step or rule that reads them
+  waits for them; a later one reads them where they are, with no transfer.
 - A layout switch is paid by the set right before the call that needs it (`switch_points`): the hybrid
   engine's resharding at every change of the generating role into its generation layout, wherever it
   happens in the program; a separate rollout engine's weight sync before its first generation after
@@ -21,7 +23,7 @@ partition the iteration.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -29,6 +31,24 @@ from hfplan.layout import ON_CONTROLLER, ROLLOUT
 from hfplan.simulator.trace import Dag, Node
 
 RunsOn = Callable[[Node], "str | None"]  # the placed role whose GPUs run a call (None: the controller)
+
+
+def controller_fetches(dag: Dag, sets: Sequence[int]) -> Dag:
+    """`dag` with the inputs of the controller's steps and rules as they reach it: the executor fetches all of a
+    worker call's outputs when the first of them reads any (roles.PendingCall.outputs), so a later one's inputs
+    from that call are already in its memory and cross nothing (the controller runs its steps in program order,
+    so the first one's wait orders the later one too). `sets`: each node's set (ON_CONTROLLER for the
+    controller's own)."""
+    fetched: set[int] = set()
+    nodes = []
+    for node in dag.nodes:
+        if sets[node.id] == ON_CONTROLLER:
+            from_workers = {e.src for e in node.deps if sets[e.src] != ON_CONTROLLER}
+            if from_workers & fetched:
+                node = replace(node, deps=tuple(e for e in node.deps if e.src not in fetched))
+            fetched |= from_workers
+        nodes.append(node)
+    return replace(dag, nodes=tuple(nodes))
 
 
 def task_openers(dag: Dag, sets: Sequence[int]) -> tuple[int, ...]:
@@ -41,6 +61,7 @@ def task_openers(dag: Dag, sets: Sequence[int]) -> tuple[int, ...]:
     iteration's end. `sets`: each node's set (ON_CONTROLLER for the controller's own)."""
     held: dict[int, list[int]] = {}
     openers: list[int] = []
+    dag = controller_fetches(dag, sets)  # a step reading outputs the controller holds already waits for nothing
 
     def send() -> None:
         openers.extend(calls[0] for calls in held.values())
@@ -121,6 +142,7 @@ class Precedence:
     def of(cls, dag: Dag, sets: Sequence[int], edge_seconds: Callable[[int, int, float], float] | None = None
            ) -> Precedence:
         """edge_seconds(source set, destination set, bytes); None: transfers are free (a lower bound)."""
+        dag = controller_fetches(dag, sets)
         deps = tuple(tuple((e.src, edge_seconds(sets[e.src], sets[n.id], e.nbytes) if edge_seconds else 0.0)
                            for e in n.deps) for n in dag.nodes)
         return cls(tuple(sets), deps)
