@@ -686,12 +686,13 @@ def test_a_step_past_the_wide_batch_pays_the_wide_slope_per_sequence(toy_hw):
 
 
 def test_a_gemm_with_its_operands_in_the_cache_runs_at_the_cached_fraction_with_no_memory_term(toy_hw):
-    """Cached: 2mkn / (rate x its fraction) + overhead, however many bytes; streamed: the table and the roofline."""
+    """Cached: 2mkn / (peak x its fraction) + overhead, however many bytes (toy: peak 1e14, the matmul rate half of
+    it); streamed: the table's fraction of the matmul rate and the roofline."""
     cpu = toy_hw.model_copy(update={"compute": toy_hw.compute.model_copy(update={
         "row_efficiency": ((1, 65536, 0.01), (512, 65536, 1.0)),
         "cached_row_efficiency": ((1, 65536, 0.2), (512, 65536, 1.0)), "cache_bytes": 2**20})})
     rate = cpu.matmul_flops
-    assert kernels.gemm_time(cpu, 1, 128, 128, cached=True) == pytest.approx(5e-6 + 2 * 128 * 128 / (0.2 * rate))
+    assert kernels.gemm_time(cpu, 1, 128, 128, cached=True) == pytest.approx(5e-6 + 2 * 128 * 128 / (0.2 * 1e14))
     streamed = max(2 * 128 * 128 / (0.01 * rate), 2 * (128 + 128 * 128 + 128) / 5e11)
     assert kernels.gemm_time(cpu, 1, 128, 128) == pytest.approx(5e-6 + streamed)
     # Without a cached table every GEMM streams.

@@ -375,7 +375,7 @@ def test_quick_cpu_profile_end_to_end(quick_profile):
 
     cached = frame[frame["kind"] == "matmul_cached"]
     assert len(cached) == len(sweeps_for("cpu", True).cached_matmuls)
-    refit = fit_row_efficiency(cached.to_dict("records"), profile.matmul_flops,
+    refit = fit_row_efficiency(cached.to_dict("records"), profile.peak_flops,
                                profile.compute.kernel_overhead_us * 1e-6, profile.compute.value_bytes,
                                ends_at_rate=False, min_width=1)
     table = profile.compute.cached_row_efficiency

@@ -146,13 +146,13 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
                                 row_efficiency=rows_fit)
     # The same with their operands in the cache (a small model's generation step), every weight size measured.
     cached_fit = None if tiling is not None else fit_row_efficiency(
-        [r for r in rows if r["kind"] == "matmul_cached"], profile.matmul_flops, fits.roofline.overhead_s, esize,
+        [r for r in rows if r["kind"] == "matmul_cached"], profile.peak_flops, fits.roofline.overhead_s, esize,
         ends_at_rate=False, min_width=1)
     if cached_fit is not None and device.cache_share_bytes is not None:
         one_row = [point for point in cached_fit if point[0] == min(cached_fit)[0]]
         profile = _with_compute(profile, f" Cached: with its operands in the cache, a matmul of {one_row[0][0]:g} row "
-                                         f"by a {size_text(one_row[0][1])} weight reached {one_row[0][2]:.3g} of the "
-                                         f"rate, by a {size_text(one_row[-1][1])} one {one_row[-1][2]:.3g} "
+                                         f"by a {size_text(one_row[0][1])} weight reached {one_row[0][2]:.3g} of peak, "
+                                         f"by a {size_text(one_row[-1][1])} one {one_row[-1][2]:.3g} "
                                          f"(cached_row_efficiency), where a generation step's weights and KV cache fit "
                                          f"{size_text(device.cache_share_bytes)} (cache_bytes).",
                                 cached_row_efficiency=cached_fit, cache_bytes=device.cache_share_bytes)

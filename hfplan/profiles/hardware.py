@@ -136,10 +136,12 @@ class Compute(_Strict):
                                         "and KV cache fit reads them there each step (cached_row_efficiency). None: "
                                         "every GEMM streams its operands from memory")
     cached_row_efficiency: tuple[tuple[int, int, float], ...] | None = Field(
-        default=None, description="row_efficiency of products whose operands are already in the cache (the same "
-                                  "operands every call, as `hfplan profile` times them; read as row_efficiency is, "
-                                  "with no memory term: the operands do not cross the memory bus): where a "
-                                  "generation step's working set fits cache_bytes. None: row_efficiency")
+        default=None, description="the same points for products whose operands are already in the cache (the "
+                                  "same operands every call, as `hfplan profile` times them), each a fraction of "
+                                  "peak (the best measured matmul), not of the matmul rate: such products reach it. "
+                                  "Read as row_efficiency is, with no memory term (the operands do not cross the "
+                                  "memory bus), where a generation step's working set fits cache_bytes. None: "
+                                  "row_efficiency")
     attention_rate: tuple[tuple[int, float], ...] | None = Field(
         default=None, description="the flash attention kernel's measured rate, forward and backward together, of a "
                                   "causal pass: (sequence length, fraction of peak) points, lengths increasing; "

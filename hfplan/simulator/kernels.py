@@ -136,13 +136,13 @@ def gemm_time(hw: HardwareProfile, m: float, k: float, n: float, cached: bool = 
     """(m x k) @ (k x n) in the device's compute precision; one row (m = 1) as the stack runs it
     (Compute.matrix_vector). Its math rate is scaled by its shape: by tiles and waves where the profile describes
     the GEMM library's tiling, else by its rows and its weight's bytes (Compute.row_efficiency). `cached`: its
-    operands are in the cache already (operands_cached), where the profile measured such products
-    (Compute.cached_row_efficiency): at that fraction, with no memory term."""
+    operands are in the cache already (costs.step_operands_cached), where the profile measured such products
+    (Compute.cached_row_efficiency): at that fraction of peak, with no memory term."""
     if m <= 0 or k <= 0 or n <= 0:
         return 0.0
-    if cached and hw.compute.cached_row_efficiency is not None:
-        return kernel_time(hw, 2.0 * m * k * n, 0.0,
-                           row_fraction(hw, m, hw.compute.value_bytes * k * n, cached=True))
+    if cached and hw.compute.cached_row_efficiency is not None:  # a fraction of peak, not of the matmul rate
+        return kernel_time(hw, 2.0 * m * k * n, 0.0, row_fraction(hw, m, hw.compute.value_bytes * k * n, cached=True)
+                           / hw.compute.matmul_efficiency)
     if m == 1 and hw.compute.matrix_vector == "reduction":
         return reduction_matrix_vector_time(hw, k, n)
     tiling = hw.compute.gemm
