@@ -109,8 +109,9 @@ class Workload(_Derived):
     models: dict[str, str]
     prompt_len: int = Field(default=1024, gt=0)
     response_len: int = Field(default=1024, gt=0, description="the longest response (what generation may reach)")
-    response_len_mean: float | None = Field(default=None, gt=0, description="mean response length, if responses "
-                                                                            "end before response_len")
+    response_len_mean: float | None = Field(default=None, ge=1, description="mean response length, if responses "
+                                                                            "end before response_len (at least 1: "
+                                                                            "every response has its first token)")
     response_len_histogram: list[HistogramBin] | None = Field(
         default=None, min_length=1, description="response lengths as a histogram (instead of a mean)")
     batch_prompts: int = Field(default=1024, gt=0, description="prompts per iteration")

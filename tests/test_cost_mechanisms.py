@@ -151,11 +151,11 @@ def test_a_continuous_engine_pays_its_own_step_cost(toy_hw):
     lengths = ResponseLengths(max_len=30, mean=20.0, points=((10, 0.5), (30, 0.5)))
     both = toy_hw.model_copy(update={"runtime": Runtime(engine_step_us=50, engine_step_continuous_us=80)})
     old = toy_hw.model_copy(update={"runtime": Runtime.model_validate({"engine_step_us": 50})})  # no such field
-    # 8 sequences through 2 slots: 4 prefills and 76 + 5 decode steps (test_static_and_continuous_batching_by_hand).
+    # 8 sequences through 2 slots: 4 prefills and 80 + 5 decode steps (test_static_and_continuous_batching_by_hand).
     refilled = costs.wave_parts(both, LLAMA7, 1, 1, ONE, 2, 64, 30, lengths, "continuous", 8)
-    assert refilled["runtime"] == pytest.approx((4 + 81) * 80e-6)
+    assert refilled["runtime"] == pytest.approx((4 + 85) * 80e-6)
     older = costs.wave_parts(old, LLAMA7, 1, 1, ONE, 2, 64, 30, lengths, "continuous", 8)
-    assert older["runtime"] == pytest.approx((4 + 81) * 50e-6)  # a profile without the field: the static step
+    assert older["runtime"] == pytest.approx((4 + 85) * 50e-6)  # a profile without the field: the static step
     # A slot for every sequence: one static batch, 1 prefill and 24 expected steps, at the static step's cost.
     one_batch = costs.wave_parts(both, LLAMA7, 1, 1, ONE, 2, 64, 30, lengths, "continuous", 2)
     assert one_batch["runtime"] == pytest.approx((1 + 24) * 50e-6)
@@ -528,10 +528,22 @@ def test_static_and_continuous_batching_by_hand(toy_hw):
     # the prefill: 24 decode steps, at contexts 64 + 1 to 64 + 24, 64 + 12.5 on average.
     static = costs.wave_parts(toy_hw, LLAMA7, 1, 1, ONE, 2, prompt, 30, lengths, "static").total
     assert static == pytest.approx(prefill + 24 * costs.decode_step_time(toy_hw, LLAMA7, layout, ONE, 2, 64 + 12.5))
-    # Continuous, 8 sequences through 2 slots: 8 x (20 - 1) / 2 = 76 full steps plus the last batch's drain (25 - 20),
-    # at the token-weighted context 64 + (500 / 20 - 1) / 2 = 76; 4 prefills of 2 prompts.
+    # Continuous, 8 sequences through 2 slots: each holds its slot for its 19 or 29 decode steps and, the lengths
+    # varying, one more (the torch engine runs a slot that has just finished through the next step before refilling
+    # it): 8 x (20 - 1 + 1) / 2 = 80 full steps plus the last batch's drain (25 - 20), at the token-weighted context
+    # 64 + (500 / 20 - 1) / 2 = 76; 4 prefills of 2 prompts.
     continuous = costs.wave_parts(toy_hw, LLAMA7, 1, 1, ONE, 2, prompt, 30, lengths, "continuous", 8).total
-    assert continuous == pytest.approx(4 * prefill + 81 * costs.decode_step_time(toy_hw, LLAMA7, layout, ONE, 2, 76))
+    assert continuous == pytest.approx(4 * prefill + 85 * costs.decode_step_time(toy_hw, LLAMA7, layout, ONE, 2, 76))
+    # Fixed lengths end every slot at once (no step runs a finished slot), as does a single slot: 8 x (10 - 1) / 2
+    # and 8 x (20 - 1) / 1 decode steps.
+    fixed = costs.wave_phases(toy_hw, LLAMA7, 1, 1, ONE, 2, prompt, 10, ResponseLengths.fixed(10), "continuous", 8)
+    assert fixed.decode_steps == pytest.approx(36)
+    alone = costs.wave_phases(toy_hw, LLAMA7, 1, 1, ONE, 1, prompt, 30, lengths, "continuous", 8)
+    assert alone.decode_steps == pytest.approx(8 * 19 + 0)  # one slot: no drain beyond its own sequence
+    # One-token responses are their prefills' alone: no decode step, however they are batched.
+    one_token = ResponseLengths(max_len=1, mean=1.0)
+    assert costs.wave_phases(toy_hw, LLAMA7, 1, 1, ONE, 2, prompt, 1, one_token, "continuous", 8).decode_steps == 0
+    assert costs.wave_phases(toy_hw, LLAMA7, 1, 1, ONE, 2, prompt, 1, one_token, "static").decode_steps == 0
 
 
 def test_continuous_batching_beats_static_waves_when_lengths_vary(toy_hw):

@@ -60,6 +60,25 @@ def test_window_is_the_longer_side_plus_the_sync(generate, expected):
     assert fast.window([c.seconds for c in calls], 2.0) == pytest.approx(expected)
 
 
+def test_the_window_keeps_each_generations_fetch_by_the_controller():
+    """Two generations (ReMax's sampled and greedy) each fetched by a rule on the controller: the window merges
+    them into one earlier call, but each rule still waits for its own generation's outputs, in the planner's
+    longest path as in the engine's window (schedule.controller_fetches applies to the traced program)."""
+    controller = -1
+    sampled = Node(0, "actor", "generate", "generation", 8, (), GENERATE_WRITES)
+    greedy = Node(1, "actor", "generate", "generation", 8, (), GENERATE_WRITES, greedy=True)
+    score_greedy = Node(2, "reward", "score", "preparation", 8, (Edge(1, 1.0, ("responses",)),), ("rewards",))
+    score = Node(3, "reward", "score", "preparation", 8, (Edge(0, 1.0, ("responses",)),), ("rewards",))
+    calls = [Scheduled(sampled, ROLLOUT_SET, 1.0, 0.0, "rollout"), Scheduled(greedy, ROLLOUT_SET, 1.0, 0.0, None),
+             Scheduled(score_greedy, controller, 0.0, 0.0, None), Scheduled(score, controller, 0.0, 0.0, None)]
+    dag = Dag("hand", tuple(c.node for c in calls))
+    fast = Pipelined.of(dag, [c.set for c in calls], _edge_seconds)
+    # window ids: the earlier generations 0, then the traced calls shifted by one: both scores read call 0.
+    assert fast.precedence.deps[3] == ((0, TRANSFER),) and fast.precedence.deps[4] == ((0, TRANSFER),)
+    durations = [c.seconds for c in calls]
+    assert fast.window(durations, 0.0) == pytest.approx(run_window(calls, _edge_seconds, tokens=100).iteration_s)
+
+
 def _split_plan(staleness: int, rollout: bool = True) -> dict:
     workload = {"algorithm": "grpo", "models": {"actor": "tiny", "reference": "tiny", "reward": "rule:vowel-fraction"},
                 "prompt_len": 16, "response_len": 16, "batch_prompts": 4, "samples_per_prompt": 2,

@@ -276,10 +276,10 @@ class StagePass:
 def stage_pass(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: SetShape, micro_seqs: float,
                seq_len: int, head: str, *, memo: CostMemo | None = None) -> StagePass:
     tokens = micro_seqs * seq_len
-    layer = _layer_forward(hw, arch, tokens, (seq_len + 1) / 2, tp, False, seq_len, memo=memo)
+    layer = _layer_forward(hw, arch, tokens, (seq_len + 1) / 2, tp, False, seq_len, False, memo=memo)
     comm = _layer_tp_comm(hw, arch, tokens, tp, where)
     n_layers = stage_layers(arch, pp)
-    head_cost = _head_forward(hw, arch, tokens, tp, head, memo=memo)
+    head_cost = _head_forward(hw, arch, tokens, tp, head, False, memo=memo)
     head_comm = _head_tp_comm(hw, tokens, tp, where, head)
     embed = embedding_forward(hw, arch, tokens)
     # The last stage carries the head; with one stage it carries the embedding too.
@@ -475,8 +475,9 @@ def _lengths(response_len: int, lengths: ResponseLengths | None) -> ResponseLeng
 
 
 class WavePhases(NamedTuple):
-    """One wave (or a continuous engine's run) by phase: its prefills' parts, its decode steps' parts, and how
-    many decode steps (the decode parts are that many steps of one step's parts)."""
+    """One wave (or a continuous engine's run) by phase: its prefills' parts with the generation's own fixed cost
+    (Runtime.generate_call_us), its decode steps' parts, and how many decode steps (the decode parts are that many
+    steps of one step's parts)."""
 
     prefill: Parts
     decode: Parts
@@ -503,21 +504,25 @@ def wave_phases(hw: HardwareProfile, arch: ModelArch, tp: int, pp: int, where: S
     l - 1 decode steps. static: one prefill, then one decode step fewer than the longest of the batch's responses
     (expected, from the length distribution), every row decoding until the batch ends; costed at the mean context
     length (the step cost is close to linear in the context). continuous (sequences > batch): finished sequences
-    are replaced, so the batch stays full: sequences x (mean - 1) / batch decode steps, plus the drain of the
-    last batch (its expected longest less the mean), at the token-weighted mean context; every sequence's
-    prompt is prefilled in batches of `batch`. The wave's call pays the engine's fixed cost of a generation
-    (Runtime.generate_call_us) with its prefill."""
+    are replaced, so the batch stays full: a slot holds each sequence for its l - 1 steps and, where lengths vary
+    and other slots go on, one more (the torch engine runs a slot that has just finished through the next step,
+    as padding, and refills it after; vLLM refills at once, a step a sequence fewer, under 1% at its lengths):
+    sequences x (mean - 1 + that) / batch decode steps, plus the drain of the last batch (its expected longest
+    less the mean), at the token-weighted mean context; every sequence's prompt is prefilled in batches of
+    `batch`. The wave's call pays the engine's fixed cost of a generation (Runtime.generate_call_us) with its
+    prefill phase."""
     dist = _lengths(response_len, lengths)
     sequences = sequences or batch
     layout = Layout(tp=tp, pp=pp)
     if batching == "continuous" and sequences > batch:
         engine = "continuous"
-        steps = sequences * (dist.mean - 1) / batch + max(0.0, dist.expected_max(batch) - dist.mean)
+        ride = 1.0 if batch > 1 and dist.mean < dist.max_len else 0.0  # fixed lengths end every slot at once
+        steps = sequences * max(0.0, dist.mean - 1 + ride) / batch + max(0.0, dist.expected_max(batch) - dist.mean)
         context = prompt_len + dist.held_by_slot
         prefills = sequences / batch
     else:  # one static batch (a continuous engine with a slot for every sequence runs one too)
         engine = "static"
-        steps = dist.expected_max(batch) - 1
+        steps = max(0.0, dist.expected_max(batch) - 1)
         context = prompt_len + (steps + 1) / 2
         prefills = 1.0
     prefill = prefill_parts(hw, arch, layout, where, batch, prompt_len, engine, memo=memo).times(prefills)

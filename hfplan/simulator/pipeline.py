@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from hfplan.simulator.schedule import Precedence
+from hfplan.simulator.schedule import Precedence, controller_fetches
 from hfplan.simulator.trace import Dag, Edge, Node
 
 PREVIOUS = "previous window"  # the role of the zero-second call whose outputs are the earlier generations'
@@ -60,8 +60,10 @@ class Pipelined:
     @classmethod
     def of(cls, dag: Dag, sets: Sequence[int], edge_seconds: Callable[[int, int, float], float] | None = None
            ) -> Pipelined:
-        """sets: the set of each traced call; edge_seconds as Precedence.of's."""
-        return cls(Precedence.of(window_dag(dag), [generation_set(dag, sets), *sets], edge_seconds))
+        """sets: the set of each traced call; edge_seconds as Precedence.of's. The controller's fetches are those
+        of the traced program (as the engine's window takes them from its scheduled calls)."""
+        window = window_dag(controller_fetches(dag, sets))
+        return cls(Precedence.of_inputs(window, [generation_set(dag, sets), *sets], edge_seconds))
 
     def window(self, durations: Sequence[float], sync: float) -> float:
         """Seconds of one steady-state iteration: the window's makespan plus the weight sync."""

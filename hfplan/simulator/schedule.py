@@ -141,8 +141,16 @@ class Precedence:
     @classmethod
     def of(cls, dag: Dag, sets: Sequence[int], edge_seconds: Callable[[int, int, float], float] | None = None
            ) -> Precedence:
-        """edge_seconds(source set, destination set, bytes); None: transfers are free (a lower bound)."""
-        dag = controller_fetches(dag, sets)
+        """edge_seconds(source set, destination set, bytes); None: transfers are free (a lower bound). The traced
+        `dag`'s inputs reach each call as controller_fetches says."""
+        return cls.of_inputs(controller_fetches(dag, sets), sets, edge_seconds)
+
+    @classmethod
+    def of_inputs(cls, dag: Dag, sets: Sequence[int], edge_seconds: Callable[[int, int, float], float] | None = None
+                  ) -> Precedence:
+        """`of` for a dag whose inputs are already those that reach each call (a pipelined window built from the
+        traced program after controller_fetches: the window merges the generations, whose outputs the controller
+        fetched apart)."""
         deps = tuple(tuple((e.src, edge_seconds(sets[e.src], sets[n.id], e.nbytes) if edge_seconds else 0.0)
                            for e in n.deps) for n in dag.nodes)
         return cls(tuple(sets), deps)

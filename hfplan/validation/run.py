@@ -59,7 +59,7 @@ def on_this_machine(plan: Plan) -> Plan:
 
 def length_counts(lengths: Sequence[int], longest: int) -> tuple[tuple[int, int], ...]:
     """(tokens, responses) for each measured response length, each taken between 1 and `longest` (the workload's
-    response_len: a response the engine ended at once still took a decode step)."""
+    response_len: a response whose first token ended it still holds that token, sampled from its prefill)."""
     return tuple(sorted(Counter(min(longest, max(1, int(length))) for length in lengths).items()))
 
 
