@@ -539,7 +539,7 @@ def test_static_and_continuous_batching_by_hand(toy_hw):
     fixed = costs.wave_phases(toy_hw, LLAMA7, 1, 1, ONE, 2, prompt, 10, ResponseLengths.fixed(10), "continuous", 8)
     assert fixed.decode_steps == pytest.approx(36)
     alone = costs.wave_phases(toy_hw, LLAMA7, 1, 1, ONE, 1, prompt, 30, lengths, "continuous", 8)
-    assert alone.decode_steps == pytest.approx(8 * 19 + 0)  # one slot: no drain beyond its own sequence
+    assert alone.decode_steps == pytest.approx(8 * 19)  # one slot: no drain beyond its own sequence
     # One-token responses are their prefills' alone: no decode step, however they are batched.
     one_token = ResponseLengths(max_len=1, mean=1.0)
     assert costs.wave_phases(toy_hw, LLAMA7, 1, 1, ONE, 2, prompt, 1, one_token, "continuous", 8).decode_steps == 0

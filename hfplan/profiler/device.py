@@ -106,9 +106,10 @@ def probe(torch, kind: str, world_size: int) -> Device:
     cores = os.cpu_count() or 1
     # Host memory is shared by the processes; what other programs hold now is not counted against it
     # (it is not the machine's), only this runtime's own footprint (Python, torch) per process.
+    caches = _caches()
     return Device(kind="cpu", name=_cpu_name(), world_size=world_size, count=world_size,
-                  threads=max(1, cores // world_size), cache_bytes=_last_level_cache(),
-                  cache_share_bytes=_last_level_cache_share(),
+                  threads=max(1, cores // world_size), cache_bytes=_last_level_cache(caches),
+                  cache_share_bytes=_last_level_cache_share(caches),
                   capacity_bytes=_host_memory() / world_size, used_bytes=_own_rss(),
                   nominal=nominal_rates("", "cpu"))
 
@@ -163,15 +164,14 @@ def _cpu_count(cpu_list: str) -> int:
     return count
 
 
-def _last_level_cache() -> int:
-    sizes = [size for size, _ in _caches()]
+def _last_level_cache(caches: list[tuple[int, int]]) -> int:
+    sizes = [size for size, _ in caches]
     return max(sizes) if sizes else 64 * 2**20
 
 
-def _last_level_cache_share() -> int | None:
+def _last_level_cache_share(caches: list[tuple[int, int]]) -> int | None:
     """The largest cache level over the CPUs that share it: what one process computing on each core may keep in it
     (None where sysfs does not say)."""
-    caches = _caches()
     if not caches:
         return None
     size, sharing = max(caches)

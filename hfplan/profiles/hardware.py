@@ -440,6 +440,10 @@ class Runtime(_Strict):
                                         "bookkeeping each step on top of the static step's work); None: "
                                         "engine_step_us, as for a profile written before the field")
 
+    engine_sequence_step_us: float = Field(default=0.0, ge=0, description="fixed cost per sequence of one step "
+                                           "of the generation engine, on top of engine_step_us (sampling its "
+                                           "token, the cache's bookkeeping for it)")
+
     engine_wide_sequences: int | None = Field(
         default=None, ge=1, description="sequences in a step beyond which each more costs "
                                         "engine_wide_sequence_step_us instead of engine_sequence_step_us (the "
@@ -452,10 +456,6 @@ class Runtime(_Strict):
                                     "wave, or a continuous engine's run) beyond its prefill and decode steps: "
                                     "its rotary tables, KV cache and masks set up, the token its last step "
                                     "leaves sampled, its responses assembled")
-
-    engine_sequence_step_us: float = Field(default=0.0, ge=0, description="fixed cost per sequence of one step "
-                                           "of the generation engine, on top of engine_step_us (sampling its "
-                                           "token, the cache's bookkeeping for it)")
 
     forward_token_us: float = Field(default=0.0, ge=0, description="fixed cost per token of a forward pass "
                                     "beyond its kernels, whichever engine runs it (the host's share of the small "

@@ -69,8 +69,8 @@ def infer_resident_bytes(arch: ModelArch, cfg: Layout, head: str, value_bytes: i
 
 def generation_step_bytes(arch: ModelArch, cfg: Layout, batch: float, context: float,
                           value_bytes: int = BF16) -> float:
-    """What one step of a generation engine reads on a GPU: its weights and the KV cache of `batch` sequences at
-    `context` tokens."""
+    """What one step of a generation engine reads per GPU (per process on CPU): its weights and the KV cache of
+    `batch` sequences at `context` tokens."""
     return (infer_resident_bytes(arch, cfg, "lm", value_bytes)
             + batch * context * kv_bytes_per_token_per_gpu(arch, cfg, value_bytes))
 
