@@ -386,6 +386,15 @@ def test_quick_cpu_profile_end_to_end(quick_profile):
         assert [fraction for _, _, fraction in table] == pytest.approx([f for _, _, f in refit], abs=0.01)
         assert {weight for _, weight, _ in table} == {
             value * k * n for k, n in set(zip(cached["k"], cached["n"], strict=True))}
+    # The attention kernel timed alone at every case of the sweep, both kinds of call fitted from those rows.
+    from hfplan.profiler.fit import fit_attention
+
+    attention = frame[frame["kind"] == "attention"]
+    assert len(attention) == len(sweeps_for("cpu", True).attention)
+    refit = fit_attention(attention.to_dict("records"), profile.compute.value_bytes, profile.compute.cache_bytes)
+    for op, kernel in profile.compute.measured_attention.items():
+        assert (kernel.call_us, kernel.pair_us, kernel.score_ns, kernel.tflops) == pytest.approx(refit[op], rel=0.01,
+                                                                                                 abs=1e-3)
     # The FSDP2-wrapped and the tensor-parallel engine are timed across the profiled world (its ranks computing
     # at once), the unwrapped one on a rank of its own; the raw rows behind them are not written twice.
     engine = frame[frame["kind"] == "runtime"].set_index("op")["world"]

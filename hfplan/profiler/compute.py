@@ -144,3 +144,45 @@ def measure_host_copies(torch, device: Device, sizes, min_time: float, step: Ste
         del host, dev
         step()
     return rows
+
+
+def measure_attention(torch, device: Device, cases, min_time: float, step: Step) -> list[dict]:
+    """torch's scaled_dot_product_attention as the executor calls it, at each (op, batch, heads, kv_heads, head_dim,
+    length) case: `decode`, one query a sequence against the first `length` positions of a KV cache (a view of a
+    longer one) under a boolean mask, as the torch rollout engine's step runs it; `forward`, a causal pass over
+    sequences of `length` under a boolean mask, as its prefill and a padded batch of the training engine run it
+    (rows of kind "attention": Compute.measured_attention). `flops` counts the math as the simulator does (a causal
+    query attends to (length + 1) / 2 keys on average)."""
+    import torch.nn.functional as F
+
+    dtype = compute_dtype(device)
+    clock = Clock(torch, device.kind)
+    rows = []
+
+    def tensor(*shape):
+        return torch.randn(*shape, dtype=dtype, device=device.kind)
+
+    for op, batch, heads, kv_heads, head_dim, length in cases:
+        if op == "decode":
+            q, cache_k, cache_v = tensor(batch, heads, 1, head_dim), *(tensor(batch, kv_heads, 2 * length, head_dim)
+                                                                       for _ in range(2))
+            k, v = cache_k.narrow(2, 0, length), cache_v.narrow(2, 0, length)
+            mask = torch.ones(batch, 1, 1, length, dtype=torch.bool, device=device.kind)
+            keys = length
+        else:
+            q, k, v = tensor(batch, heads, length, head_dim), *(tensor(batch, kv_heads, length, head_dim)
+                                                               for _ in range(2))
+            mask = torch.ones(length, length, dtype=torch.bool, device=device.kind).tril().expand(batch, 1, -1, -1)
+            keys = (length + 1) / 2
+
+        def attend(q=q, k=k, v=v, mask=mask, grouped=heads != kv_heads) -> None:
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped)
+
+        seconds = clock.per_call(attend, min_time)
+        queries = batch * (1 if op == "decode" else length)
+        flops = 4.0 * queries * keys * heads * head_dim
+        rows.append(dict(kind="attention", op=op, dtype=str(dtype).removeprefix("torch."), batch=batch, heads=heads,
+                         kv_heads=kv_heads, hidden=heads * head_dim, **{"context" if op == "decode" else "seq": length},
+                         flops=flops, seconds=seconds, rate=flops / seconds))
+        step()
+    return rows

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import least_squares
 
+from hfplan.simulator.kernels import decode_streams
+
 # The collectives the profiler times (their steps and bytes on a ring: hfplan.simulator.collectives.collective_terms).
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
@@ -168,3 +170,35 @@ def fit_row_efficiency(rows: Sequence[dict], rate: float, overhead_s: float, val
     if all(fraction >= 1.0 for _, _, fraction in table):
         return None
     return tuple(table)
+
+
+def fit_attention(rows: Sequence[dict], value_bytes: int, cache_bytes: int | None
+                  ) -> dict[str, tuple[float, float, float, float]] | None:
+    """Compute.measured_attention from attention rows (dicts with op, batch, heads, kv_heads, hidden, context,
+    flops, seconds): for each op, seconds = call + pairs x pair + scores x score + flops / rate (pairs: batch x
+    heads; scores: flops over 4 x the head's width), all four at least zero, by least squares on relative error;
+    (call us, pair us, score ns, TFLOP/s) by op. Decode rows whose keys and values stream from memory
+    (kernels.decode_streams: more than `cache_bytes`) are left out: the simulator prices those by their read. None
+    unless both ops (decode and forward) have more rows than that."""
+    by_op: dict[str, list[dict]] = {}
+    for row in rows:
+        width = row["hidden"] / row["heads"]
+        if row["op"] == "decode" and decode_streams(
+                cache_bytes, value_bytes * row["batch"] * row["context"] * 2 * row["kv_heads"] * width):
+            continue
+        by_op.setdefault(row["op"], []).append(row)
+    if set(by_op) != {"decode", "forward"} or any(len(points) <= 4 for points in by_op.values()):
+        return None
+    fitted = {}
+    for op, points in sorted(by_op.items()):
+        t = np.array([p["seconds"] for p in points], dtype=float)
+        flops = np.array([p["flops"] for p in points], dtype=float)
+        columns = np.column_stack([np.ones_like(t), [p["batch"] * p["heads"] for p in points],
+                                   flops / (4.0 * np.array([p["hidden"] / p["heads"] for p in points])), flops])
+        design = columns / t[:, None]  # relative residuals
+        scale = np.median(t[:, None] / columns, axis=0)  # each to order one, so the solver treats them alike
+        result = least_squares(lambda x, design=design, scale=scale: design @ (x * scale) - 1.0,
+                               x0=np.full(4, 0.25), bounds=(0.0, np.inf), method="trf", x_scale="jac")
+        call, pair, score, per_flop = result.x * scale
+        fitted[op] = (float(call * 1e6), float(pair * 1e6), float(score * 1e9), float(1e-12 / max(per_flop, 1e-30)))
+    return fitted

@@ -62,7 +62,9 @@ class LayerPlan:
 
 
 def predict(hw: HardwareProfile, arch: ModelArch, case: Case) -> float:
-    cost = layer_forward(hw, arch, case.tokens, case.keys_per_token, case.tp, decode=case.op == "decode")
+    decode = case.op == "decode"
+    cost = layer_forward(hw, arch, case.tokens, case.keys_per_token, case.tp, decode=decode,
+                         seq_len=None if decode else case.length)
     return cost.total + (cost.backward() if case.op == "forward+backward" else 0.0)
 
 

@@ -17,12 +17,13 @@ from hfplan.profiler.fit import (
     COLLECTIVES,
     LinkFit,
     fit_alpha_beta,
+    fit_attention,
     fit_roofline,
     fit_row_efficiency,
     row_limited,
 )
 from hfplan.profiler.sweeps import Sweeps
-from hfplan.profiles.hardware import HardwareProfile
+from hfplan.profiles.hardware import HardwareProfile, MeasuredAttention
 from hfplan.profiles.models import ModelArch
 from hfplan.simulator.kernels import gemm_shape_efficiency, split_k_bytes
 
@@ -96,6 +97,9 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
         if sweeps.cached_matmuls:
             rows += compute.measure_matmuls(torch, device, sweeps.cached_matmuls, sweeps.min_time,
                                             tracker.phase("cached matmuls", len(sweeps.cached_matmuls)), cached=True)
+        if sweeps.attention:
+            rows += compute.measure_attention(torch, device, sweeps.attention, sweeps.min_time,
+                                              tracker.phase("attention", len(sweeps.attention)))
         if sweeps.linear_backwards:
             rows += compute.measure_linear_backwards(torch, device, sweeps.linear_backwards, sweeps.min_time,
                                                      tracker.phase("matmul backwards", len(sweeps.linear_backwards)))
@@ -156,6 +160,18 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
                                          f"(cached_row_efficiency), where a generation step's weights and KV cache fit "
                                          f"{size_text(device.cache_share_bytes)} (cache_bytes).",
                                 cached_row_efficiency=cached_fit, cache_bytes=device.cache_share_bytes)
+    # The attention kernel by kind of call (CPU): its call's, each pair's and its math's cost.
+    attention = fit_attention([r for r in rows if r["kind"] == "attention"], esize, profile.compute.cache_bytes)
+    if attention is not None:
+        decode, forward = attention["decode"], attention["forward"]
+        profile = _with_compute(
+            profile, f" Attention: a decode step's kernel cost {decode[0]:.3g} us a call, {decode[1]:.3g} us a "
+                     f"(sequence, query head) pair, {decode[2]:.3g} ns a score and its products ran at "
+                     f"{decode[3] * 1e3:.3g} GFLOP/s; a causal pass's {forward[0]:.3g} us, {forward[1]:.3g} us, "
+                     f"{forward[2]:.3g} ns and {forward[3] * 1e3:.3g} GFLOP/s (measured_attention).",
+            measured_attention={op: MeasuredAttention(call_us=round(call, 3), pair_us=round(pair, 4),
+                                                      score_ns=round(score, 4), tflops=float(f"{tflops:.4g}"))
+                                for op, (call, pair, score, tflops) in attention.items()})
     # Their backward pairs, two kernels each, by the same rows.
     backward_fit = None if tiling is not None else fit_row_efficiency(
         [r for r in rows if r["kind"] == "matmul_backward"], profile.matmul_flops, 2 * fits.roofline.overhead_s,

@@ -36,6 +36,8 @@ class Sweeps:
     linear_backwards: tuple[tuple[int, int, int], ...] = ()  # (m, k, n) products whose backward pair is timed (CPU)
     engine_reps: int = ENGINE_REPS  # timed calls per measurement of the training engine (the median kept)
     cached_matmuls: tuple[tuple[int, int, int], ...] = ()  # (m, k, n) timed with their operands in the cache (CPU)
+    # (op, batch, heads, kv_heads, head_dim, length) of the attention kernel timed alone (CPU: measure_attention)
+    attention: tuple[tuple[str, int, int, int, int, int], ...] = ()
 
 
 # Rows (M) of the skinny GEMMs measured on a GPU against hidden and MLP widths: decode batches (where the GEMM
@@ -80,7 +82,18 @@ def sweeps_for(kind: str, quick: bool) -> Sweeps:
     # with their operands there: Compute.cached_row_efficiency.
     cached = (((64, 64), (256, 256), (512, 1024)) if quick else
               ((64, 64), (128, 128), (256, 256), (512, 512), (512, 2048)))
+    # The attention kernel at the executor's shapes, from the demo models' heads (4 of 16 wide, 2 KV heads) to wider
+    # ones (8 of 64, 4 KV heads), one sequence to a batch of 32, from the lengths the demo workloads run to the
+    # longer ones of the layer table (a causal pass of at most 8192 tokens a call): each (sequence, query head)
+    # pair's set-up and each score's softmax against the products (Compute.measured_attention).
+    heads = ((4, 2, 16), (8, 4, 64))
+    lengths = {"decode": (8, 64, 1024) if quick else (8, 32, 128, 512, 2048),
+               "forward": (16, 256) if quick else (16, 64, 256, 1024)}
+    attention = tuple((op, batch, *shape, length) for op in ("decode", "forward")
+                      for batch in ((1, 32) if quick else (1, 8, 32)) for shape in heads for length in lengths[op]
+                      if op == "decode" or batch * length <= 8192)
     return Sweeps(
+        attention=attention,
         cached_matmuls=_skinny((1, 8, 64, 512) if quick else (1, 2, 4, 8, 16, 32, 64, 128, 512), cached),
         matmuls=_square((16, 64, 128, 256, 512, 1024) if quick else (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048))
         + _skinny((1, 8, 16, 128, 512) if quick else (1, 2, 4, 8, 16, 32, 64, 128, 512), weights),

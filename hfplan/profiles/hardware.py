@@ -83,6 +83,20 @@ def rows_by_weight(table: tuple[tuple[int, int, float], ...]) -> tuple[tuple[int
     return tuple((weight, tuple((m, fraction) for m, w, fraction in table if w == weight)) for weight in weights)
 
 
+class MeasuredAttention(_Strict):
+    """An attention kernel timed on CPU processes (torch's scaled_dot_product_attention, called as the executor calls
+    it): a call's fixed cost, each (sequence, query head) pair's, each score's (a query against a key: its softmax's
+    exponential and running maximum, whatever the head's width) and the rate of its products. Small per-pair work
+    runs far below the matmul rate there: each pair is its own few-row products, with its own set-up."""
+
+    call_us: float = Field(ge=0, description="fixed cost of one call, microseconds")
+    pair_us: float = Field(ge=0, description="fixed cost of each (sequence, query head) pair of a call, microseconds")
+    score_ns: float = Field(ge=0, description="cost of each score (query x key x query head) beyond its products, "
+                                              "nanoseconds")
+    tflops: float = Field(gt=0, description="rate of its products (4 x queries x keys attended x query width "
+                                            "FLOPs), TFLOP/s")
+
+
 class Compute(_Strict):
     peak_tflops: float = Field(gt=0, description="dense matmul peak per device, bf16 (fp32 on CPU)")
     matmul_efficiency: float = Field(gt=0, le=1, description="fraction of peak reached by large matmuls (with "
@@ -147,6 +161,15 @@ class Compute(_Strict):
                                   "causal pass: (sequence length, fraction of peak) points, lengths increasing; "
                                   "between two points the fraction is interpolated in log(length), beyond the ends "
                                   "it is the end's. None: attention runs at the matmul rate (matmul_efficiency)")
+    measured_attention: dict[Literal["decode", "forward"], MeasuredAttention] | None = Field(
+        default=None, description="CPU processes: the attention kernel as `hfplan profile` timed it, by kind of call: "
+                                  "`decode` (one query a sequence against its KV cache, a generation step's), "
+                                  "`forward` (a causal pass over whole sequences under a boolean mask: a prefill's, "
+                                  "a padded log-prob or training forward's; an unpadded one runs is_causal, no "
+                                  "slower); each priced as MeasuredAttention in place of attention_rate, attention "
+                                  "and decode_attention, the backward at ATTENTION_BACKWARD times it, a decode call "
+                                  "whose keys and values exceed cache_bytes no faster than each pair's read of them. "
+                                  "None: attention_rate")
     decode_attention: Literal["grouped", "per_query_head"] = Field(
         default="grouped", description="how the stack's decode attention kernel treats the query heads that share "
                                        "a KV head (grouped-query attention): grouped (one pass over each KV head's "
@@ -233,6 +256,13 @@ class Compute(_Strict):
         for weight, rows in rows_by_weight(points):
             _fraction_points(rows, "rows", f"row counts of one weight size ({weight} bytes)", "the matmul rate")
         return points
+
+    @field_validator("measured_attention")
+    @classmethod
+    def _both_kinds(cls, kernels: dict[str, MeasuredAttention] | None) -> dict[str, MeasuredAttention] | None:
+        if kernels is not None and set(kernels) != {"decode", "forward"}:
+            raise ValueError("needs both kinds of call, decode and forward")
+        return kernels
 
     @field_validator("attention_rate")
     @classmethod

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from hfplan.layout import kv_heads_per_rank
-from hfplan.profiles.hardware import GemmTiling, HardwareProfile, rows_by_weight
+from hfplan.profiles.hardware import GemmTiling, HardwareProfile, MeasuredAttention, rows_by_weight
 from hfplan.profiles.models import ModelArch
 
 BF16 = 2  # bytes of a bf16 value (weights and activations on GPUs)
@@ -239,6 +239,30 @@ def per_query_head_decode_time(hw: HardwareProfile, tokens: float, keys: float, 
     return hw.compute.kernel_overhead_us * 1e-6 + max(times)
 
 
+def measured_attention_time(hw: HardwareProfile, kernel: MeasuredAttention, tokens: float, keys: float,
+                            heads_local: float, head_dim: int, kv_local: float, decode: bool, length: float) -> float:
+    """Attention as the profile timed the kernel (Compute.measured_attention, CPU processes): its call, a pair per
+    sequence and query head (`tokens` sequences in a decode step, tokens / `length` in a pass over whole
+    sequences), a score per query, key and head, and its 4 x tokens x keys x query width FLOPs at the measured rate.
+    A decode call whose keys and values do not fit the cache (`decode_streams`; the rate was fitted on calls whose
+    did) has its products no faster than each pair's read of its KV head's keys and values at the memory bandwidth:
+    the kernel walks the pairs, so query heads that share a KV head read it again."""
+    sequences = tokens if decode else tokens / max(1.0, length)
+    scores = tokens * keys * heads_local
+    products = 4.0 * scores * head_dim / (kernel.tflops * 1e12)
+    if decode and decode_streams(hw.compute.cache_bytes, hw.compute.value_bytes * tokens * keys * 2 * kv_local):
+        read = hw.compute.value_bytes * scores * 2 * head_dim
+        products = max(products, read / (hw.memory.bandwidth_gbytes_per_s * 1e9 * hw.memory.efficiency))
+    fixed = (kernel.call_us + sequences * heads_local * kernel.pair_us) * 1e-6
+    return fixed + scores * kernel.score_ns * 1e-9 + products
+
+
+def decode_streams(cache_bytes: int | None, kv_bytes: float) -> bool:
+    """Whether a decode call's keys and values (`kv_bytes`) stream from memory: more than the cache one process
+    keeps (Compute.cache_bytes; a profile that did not measure it has the rate its kernel was timed at)."""
+    return cache_bytes is not None and kv_bytes > cache_bytes
+
+
 def attention_time(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per_token: float, tp: int,
                    decode: bool, seq_len: float | None = None) -> float:
     """Attention of `tokens` queries on one of `tp` GPUs, with the profile's kernel (compute.attention).
@@ -248,10 +272,17 @@ def attention_time(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per
     memory, as a plain PyTorch attention): QK^T writes the score matrix, the softmax reads it and writes the
     probabilities, PV reads them; a causal pass computes every query against all `seq_len` keys of its sequence (the
     mask is applied, not skipped). A decode step with compute.decode_attention "per_query_head" runs the stack's
-    one-block-per-query-head kernel instead (`per_query_head_decode_time`)."""
+    one-block-per-query-head kernel instead (`per_query_head_decode_time`). A profile that timed its kernel
+    (compute.measured_attention, CPU processes) prices it as measured (`measured_attention_time`), whichever of
+    these it names, the backward at ATTENTION_BACKWARD times that forward."""
     v = hw.compute.value_bytes
     kv_local = kv_width(arch, tp)
     q_local = shard(arch.q_dim, tp)
+    measured = hw.compute.measured_attention
+    if measured is not None:
+        return measured_attention_time(hw, measured["decode" if decode else "forward"], tokens, keys_per_token,
+                                       q_local / arch.dim_per_head, arch.dim_per_head, kv_local, decode,
+                                       seq_len if seq_len is not None else keys_per_token)
     if decode:
         io_bytes = v * (tokens * keys_per_token * 2 * kv_local + 2 * tokens * q_local)
         if hw.compute.decode_attention == "per_query_head":
