@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import least_squares
 
+from hfplan.profiles.hardware import MeasuredAttention
 from hfplan.simulator.kernels import decode_streams
 
 # The collectives the profiler times (their steps and bytes on a ring: hfplan.simulator.collectives.collective_terms).
@@ -202,3 +203,10 @@ def fit_attention(rows: Sequence[dict], value_bytes: int, cache_bytes: int | Non
         call, pair, score, per_flop = result.x * scale
         fitted[op] = (float(call * 1e6), float(pair * 1e6), float(score * 1e9), float(1e-12 / max(per_flop, 1e-30)))
     return fitted
+
+
+def measured_attention(fitted: dict[str, tuple[float, float, float, float]]) -> dict[str, MeasuredAttention]:
+    """fit_attention's figures as the profile writes them (Compute.measured_attention), rounded."""
+    return {op: MeasuredAttention(call_us=round(call, 3), pair_us=round(pair, 4), score_ns=round(score, 4),
+                                  tflops=float(f"{tflops:.4g}"))
+            for op, (call, pair, score, tflops) in fitted.items()}

@@ -20,10 +20,11 @@ from hfplan.profiler.fit import (
     fit_attention,
     fit_roofline,
     fit_row_efficiency,
+    measured_attention,
     row_limited,
 )
 from hfplan.profiler.sweeps import Sweeps
-from hfplan.profiles.hardware import HardwareProfile, MeasuredAttention
+from hfplan.profiles.hardware import HardwareProfile
 from hfplan.profiles.models import ModelArch
 from hfplan.simulator.kernels import gemm_shape_efficiency, split_k_bytes
 
@@ -169,9 +170,7 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
                      f"(sequence, query head) pair, {decode[2]:.3g} ns a score and its products ran at "
                      f"{decode[3] * 1e3:.3g} GFLOP/s; a causal pass's {forward[0]:.3g} us, {forward[1]:.3g} us, "
                      f"{forward[2]:.3g} ns and {forward[3] * 1e3:.3g} GFLOP/s (measured_attention).",
-            measured_attention={op: MeasuredAttention(call_us=round(call, 3), pair_us=round(pair, 4),
-                                                      score_ns=round(score, 4), tflops=float(f"{tflops:.4g}"))
-                                for op, (call, pair, score, tflops) in attention.items()})
+            measured_attention=measured_attention(attention))
     # Their backward pairs, two kernels each, by the same rows.
     backward_fit = None if tiling is not None else fit_row_efficiency(
         [r for r in rows if r["kind"] == "matmul_backward"], profile.matmul_flops, 2 * fits.roofline.overhead_s,
