@@ -53,6 +53,8 @@ def test_a_pass_over_whole_sequences_has_a_pair_per_sequence_and_query_head(toy_
     hw = _measured(toy_hw)
     seconds = kernels.attention_time(hw, small_arch, 64, 8.5, 1, False, seq_len=16)
     assert seconds == pytest.approx((4 + 16 * 1.5 + 2.176) * 1e-6 + 4 * 2176 * 16 / 5e10)
+    # Without seq_len, a causal pass's length is the one its keys a query imply: (16 + 1) / 2 keys, 16 tokens.
+    assert kernels.attention_time(hw, small_arch, 64, 8.5, 1, False) == pytest.approx(seconds)
     # The same tokens as one sequence of 64: a pair a head, more scores and products.
     longer = kernels.attention_time(hw, small_arch, 64, 32.5, 1, False, seq_len=64)
     assert longer == pytest.approx((4 + 4 * 1.5 + 8.32) * 1e-6 + 4 * 8320 * 16 / 5e10)

@@ -147,8 +147,10 @@ class Compute(_Strict):
     cache_bytes: int | None = Field(
         default=None, gt=0, description="bytes of the last-level cache one process keeps its working set in (CPUs: "
                                         "the cache over the cores that share it); a generation engine whose weights "
-                                        "and KV cache fit reads them there each step (cached_row_efficiency). None: "
-                                        "every GEMM streams its operands from memory")
+                                        "and KV cache fit reads them there each step (cached_row_efficiency), and a "
+                                        "decode call's keys and values that fit stay there (measured_attention). "
+                                        "None: every GEMM streams its operands from memory, and a measured attention "
+                                        "kernel keeps the rate it was timed at")
     cached_row_efficiency: tuple[tuple[int, int, float], ...] | None = Field(
         default=None, description="the same points for products whose operands are already in the cache (the "
                                   "same operands every call, as `hfplan profile` times them), each a fraction of "

@@ -242,11 +242,12 @@ def per_query_head_decode_time(hw: HardwareProfile, tokens: float, keys: float, 
 def measured_attention_time(hw: HardwareProfile, kernel: MeasuredAttention, tokens: float, keys: float,
                             heads_local: float, head_dim: int, kv_local: float, decode: bool, length: float) -> float:
     """Attention as the profile timed the kernel (Compute.measured_attention, CPU processes): its call, a pair per
-    sequence and query head (`tokens` sequences in a decode step, tokens / `length` in a pass over whole
-    sequences), a score per query, key and head, and its 4 x tokens x keys x query width FLOPs at the measured rate.
-    A decode call whose keys and values do not fit the cache (`decode_streams`; the rate was fitted on calls whose
-    did) has its products no faster than each pair's read of its KV head's keys and values at the memory bandwidth:
-    the kernel walks the pairs, so query heads that share a KV head read it again."""
+    sequence and query head (`tokens` sequences in a decode step, tokens / `length` in a pass over whole sequences:
+    attention_time takes it from seq_len, else from the keys a causal query attends, (length + 1) / 2), a score per
+    query, key and head, and its 4 x tokens x keys x query width FLOPs at the measured rate. A decode call whose
+    keys and values do not fit the cache (`decode_streams`; the rate was fitted on calls whose did) has its products
+    no faster than each pair's read of its KV head's keys and values at the memory bandwidth: the kernel walks the
+    pairs, so query heads that share a KV head read it again."""
     sequences = tokens if decode else tokens / max(1.0, length)
     scores = tokens * keys * heads_local
     products = 4.0 * scores * head_dim / (kernel.tflops * 1e12)
@@ -282,7 +283,7 @@ def attention_time(hw: HardwareProfile, arch: ModelArch, tokens: float, keys_per
     if measured is not None:
         return measured_attention_time(hw, measured["decode" if decode else "forward"], tokens, keys_per_token,
                                        q_local / arch.dim_per_head, arch.dim_per_head, kv_local, decode,
-                                       seq_len if seq_len is not None else keys_per_token)
+                                       seq_len if seq_len is not None else 2 * keys_per_token - 1)
     if decode:
         io_bytes = v * (tokens * keys_per_token * 2 * kv_local + 2 * tokens * q_local)
         if hw.compute.decode_attention == "per_query_head":
