@@ -114,10 +114,73 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
             torch.cuda.empty_cache()
         rows += comm.measure_collectives(torch, device, sweeps.message_bytes, sweeps.comm_min_time, sweeps.engine_reps,
                                          tracker.phase("collectives", comm.points(sweeps.message_bytes)))
+    import transformers
+
+    versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
+    profile, fits = fit_measurements(rows, device, request.base, request.name, versions)
+    with _cpu_threads(torch, device):
+        across = runtime.EngineSeconds.from_rows(rows)
+        rows = [r for r in rows if r["kind"] != "engine"]  # become runtime rows, with their predictions
+        measured = runtime.measure_runtime_inputs(torch, device, profile, sweeps.min_time, sweeps.through_ray,
+                                                  across, sweeps.engine_reps)
+    profile, runtime_rows = with_runtime(profile, runtime.fit_runtime(profile, measured), request.base, device)
+    rows += runtime_rows
+
+    plan = layers.plan_layers(profile, request.model, sweeps.layers, device, sweep_value_bytes(rows), sweeps.min_time)
+    with _cpu_threads(torch, device):
+        layer_rows = layers.measure_layers(torch, device, plan, sweeps.min_time,
+                                           tracker.phase("model layer", len(plan.cases)))
+    rows += predicted_layers(profile, plan.arch, layer_rows)
+    pace_s = None
+    if pace_start is not None:
+        pace_s = (pace_start, pace.measure_step_seconds(torch))
+        rows += [dict(kind="pace", op=op, model=runtime.MODEL, world=1, seconds=seconds)
+                 for op, seconds in zip(PACE_OPS, pace_s, strict=True)]
+    return Result(profile=profile, measurements=frame_of(rows), fits=fits, layers=plan, device=device, pace_s=pace_s)
+
+
+PACE_OPS = ("pace_start", "pace_end")  # the pace probe's rows, at the run's start and end
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def sweep_value_bytes(rows: list[dict]) -> int:
+    """Bytes of the dtype the compute sweep ran in (its matmul rows')."""
+    return DTYPE_BYTES[next(r["dtype"] for r in rows if r["kind"] == "matmul")]
+
+
+def frame_of(rows: list[dict]) -> pd.DataFrame:
+    """The raw measurements as the profile's CSV holds them (COLUMNS, in that order)."""
+    frame = pd.DataFrame(rows)
+    return frame[[c for c in COLUMNS if c in frame.columns]]
+
+
+def predicted_layers(profile: HardwareProfile, arch: ModelArch, layer_rows: list[dict]) -> list[dict]:
+    """The layer rows with what `profile` predicts for each (predicted_s, error_pct), `arch` the layer that ran."""
+    out = []
+    for row in layer_rows:
+        case = layers.Case(row["op"], int(row["batch"]),
+                           int(row["context"] if row["op"] == "decode" else row["seq"]), int(row["tp"]))
+        predicted = layers.predict(profile, arch, case)
+        out.append(row | {"predicted_s": predicted, "error_pct": 100.0 * (predicted - row["seconds"]) / row["seconds"]})
+    return out
+
+
+def sweep_note(rows: list[dict], device: Device) -> str:
+    """What the compute sweep measured, as the profile's description says it."""
+    sizes = [r["bytes"] / 2 for r in rows if r["kind"] == "memory"]  # a copy's rows count its read and its write
+    dtype = next(r["dtype"] for r in rows if r["kind"] == "matmul")
+    return (f"{sum(r['kind'] == 'matmul' for r in rows)} matmul shapes ({dtype}), "
+            f"{len(sizes)} copy sizes of {size_text(min(sizes))} to {size_text(max(sizes))}"
+            + (f", {device.threads} CPU thread(s) per process" if device.kind == "cpu" else ""))
+
+
+def fit_measurements(rows: list[dict], device: Device, base: HardwareProfile, name: str, versions: str
+                     ) -> tuple[HardwareProfile, Fits]:
+    """The profile's rates fitted to the compute and collective rows (its runtime not yet: fit_runtime), and the
+    fits behind them."""
     collectives = [r for r in rows if r["kind"] == "collective"]
-    tiling = device_tiling(device, request.base)
-    dtype = compute.compute_dtype(device)
-    esize = torch.empty((), dtype=dtype).element_size()
+    tiling = device_tiling(device, base)
+    esize = sweep_value_bytes(rows)
     kernels = roofline_kernels(rows, tiling, esize)
     fits = Fits(
         roofline=fit_roofline([effective_flops(r, tiling) for r in kernels],
@@ -129,14 +192,7 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
         per_collective={op: fit for op in COLLECTIVES
                         if (fit := _link_fit([r for r in collectives if r["op"] == op])) is not None},
     )
-    sizes = sweeps.copy_bytes
-    note = (f"{len(sweeps.matmuls)} matmul shapes ({str(dtype).removeprefix('torch.')}), "
-            f"{len(sizes)} copy sizes of {size_text(min(sizes))} to {size_text(max(sizes))}"
-            + (f", {device.threads} CPU thread(s) per process" if device.kind == "cpu" else ""))
-    import transformers
-
-    versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
-    profile = build_profile(device, fits, request.base, request.name, versions, note)
+    profile = build_profile(device, fits, base, name, versions, sweep_note(rows, device))
     # A CPU BLAS's rate by the rows of a product (GPUs: the tiling model of the base profile); the runtime's fixed
     # costs are fitted against the kernels it prices.
     rows_fit = None if tiling is not None else fit_row_efficiency(
@@ -192,12 +248,13 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
         profile = _with_compute(profile, f" Idle wake: the rollout engine's generation of one prompt ran "
                                          f"{wake[-1][1]:g} us longer after {wake[-1][0]:g} ms asleep than back to "
                                          "back (and at each shorter wait measured).", idle_wake=wake)
-    with _cpu_threads(torch, device):
-        across = runtime.EngineSeconds.from_rows(rows)
-        rows = [r for r in rows if r["kind"] != "engine"]  # become runtime rows, with their predictions
-        fixed = runtime.measure_runtime(torch, device, profile, sweeps.min_time, sweeps.through_ray, across,
-                                        sweeps.engine_reps)
-    base = request.base
+    return profile, fits
+
+
+def with_runtime(profile: HardwareProfile, fixed: runtime.RuntimeFit, base: HardwareProfile, device: Device
+                 ) -> tuple[HardwareProfile, list[dict]]:
+    """`profile` with its runtime fitted (`fixed`), the worker's memory and the object store's link, and the runtime
+    rows; what was not measured carried over from `base`."""
     resident = fixed.worker_resident_gib if fixed.ray else base.memory.worker_resident_gib
     memory = profile.memory.model_copy(update={"worker_resident_gib": resident})
     measured_calls = fixed.ray and fixed.runtime.call_dispatch_us is not None
@@ -224,26 +281,7 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
                        + "." + (f" Object store: tensors of {object_store.size_range()} handed from one Ray worker "
                                 "to another as the executor hands a separate rollout set its weights, alpha-beta fit."
                                 if fixed.object_store is not None else "")})
-    rows += fixed.rows
-
-    plan = layers.plan_layers(profile, request.model, sweeps.layers, device, esize, sweeps.min_time)
-    with _cpu_threads(torch, device):
-        layer_rows = layers.measure_layers(torch, device, plan, sweeps.min_time,
-                                           tracker.phase("model layer", len(plan.cases)))
-    for row in layer_rows:
-        case = layers.Case(row["op"], row["batch"], row["context"] if row["op"] == "decode" else row["seq"],
-                           row["tp"])
-        row["predicted_s"] = layers.predict(profile, plan.arch, case)
-        row["error_pct"] = 100.0 * (row["predicted_s"] - row["seconds"]) / row["seconds"]
-    rows += layer_rows
-    pace_s = None
-    if pace_start is not None:
-        pace_s = (pace_start, pace.measure_step_seconds(torch))
-        rows += [dict(kind="pace", op=op, model=runtime.MODEL, world=1, seconds=seconds)
-                 for op, seconds in zip(("pace_start", "pace_end"), pace_s, strict=True)]
-    frame = pd.DataFrame(rows)
-    frame = frame[[c for c in COLUMNS if c in frame.columns]]
-    return Result(profile=profile, measurements=frame, fits=fits, layers=plan, device=device, pace_s=pace_s)
+    return profile, fixed.rows
 
 
 def _with_compute(profile: HardwareProfile, sentence: str, **fields) -> HardwareProfile:

@@ -160,7 +160,7 @@ def _layer_fixed(bare: HardwareProfile, depths: DepthSeconds) -> tuple[Runtime, 
     for name, (shallow_model, deep_model) in models.items():
         shallow, deep = getattr(depths, name)
         per_layer[name] = max(0.0, (deep - shallow) - (deep_model - shallow_model)) * 1e6 / added
-        rows += [_row(f"depth_{name}_{n}_layers", seconds, model)
+        rows += [_row(depth_op(name, n), seconds, model)
                  for n, seconds, model in zip(depths.layers, (shallow, deep), (shallow_model, deep_model),
                                               strict=True)]
     return Runtime(layer_forward_us=round(per_layer["log_prob"], 2), layer_train_us=round(per_layer["train_pass"], 2),
@@ -190,22 +190,119 @@ def time_engines(torch, device: Device, min_time: float, engine_reps: int) -> En
                        depths=depth_seconds(torch, device, min_time, plain) if device.kind == "cpu" else None)
 
 
-def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: float, through_ray: bool = True,
-                    across: dict[str, EngineSeconds] | None = None, engine_reps: int = ENGINE_REPS) -> RuntimeFit:
-    """The Runtime fields (the module docstring's measurements), with the rows behind them. `through_ray` (and
-    ray importable, no Ray session already in this process): the engines on one rank are timed where the
-    executor runs them, in a Ray worker, and the executor's call gaps are measured; else the engines are timed
-    here and the call fields are left at their defaults. `across`: the engine wrapped in FSDP2 and split by
-    tensor parallelism, each timed over the profiled world (measure_collectives' processes, all computing at
-    once, as a layout's ranks do) and in pipeline stages; without them, FSDP2 over a world of one and no
-    tensor-parallel or pipeline costs."""
-    arch = CATALOG[MODEL]
-    one = costs.SetShape(1, 1)
+@dataclass(frozen=True)
+class RuntimeMeasurements:
+    """What the Runtime fields are fitted from (fit_runtime): measured here (measure_runtime_inputs) or read back
+    from a profile's raw rows (from_rows, for `hfplan profile --refit`)."""
+
+    engines: EngineTimes  # the engines on one rank
+    across: dict[str, EngineSeconds]  # by mode: FSDP always (over one rank where no world was profiled), TP, PP
+    gaps: CallGaps | None  # the executor's call gaps (None: not measured)
+    object_store: list[dict]  # tensors handed between two Ray workers (steps, moved_bytes, seconds); [] if not
+    ray: bool  # whether the engines on one rank were timed in a Ray worker
+    worker_resident_gib: float = 0.0  # that worker's own resident memory (0: not measured)
+
+    @classmethod
+    def from_rows(cls, rows: list[dict], profile: HardwareProfile, worker_resident_gib: float) -> RuntimeMeasurements:
+        """The measurements behind a profile's runtime rows (the rows fit_runtime writes, as the profile's CSV
+        holds them), `profile` its fitted rates (to make the weight-sync probe's plan again, as the profile did)
+        and `worker_resident_gib` as the profile measured it (not a row). Raises HfplanError naming a row that
+        is missing."""
+        runtime_rows = [r for r in rows if r.get("kind") == "runtime"]
+        by_op = {r["op"]: r for r in runtime_rows}
+
+        def seconds(op: str) -> float:
+            if op not in by_op:
+                raise HfplanError(f"no runtime row {op!r} (measured by another version of hfplan profile?)")
+            return float(by_op[op]["seconds"])
+
+        def optional(op: str) -> float | None:
+            return seconds(op) if op in by_op else None
+
+        plain = EngineSeconds(1, PLAIN, {n: seconds(train_step_op(PLAIN, n)) for n in (FEW, MANY)},
+                              seconds(log_prob_op(PLAIN)), seconds(switch_op(PLAIN)),
+                              wide=(seconds(WIDE_OPS[0]), seconds(WIDE_OPS[1])), kept_switch=optional(KEPT_SWITCH_OP))
+        depths = None
+        if depth_op("step", CATALOG[MODEL].layers) in by_op:
+            layers = (CATALOG[MODEL].layers, DEEP_LAYERS)
+            depths = DepthSeconds(layers, *(tuple(seconds(depth_op(name, n)) for n in layers)
+                                            for name in ("log_prob", "train_pass", "step")))
+        step, batch_step, wide_step, continuous_step = (seconds(op) for op in STEP_OPS)
+        engines = EngineTimes(step, batch_step, wide_step, continuous_step, seconds(GENERATE_CALL_OP), plain, depths)
+        across = {}
+        for mode in (FSDP, TP, PP):
+            if log_prob_op(mode) not in by_op:
+                continue
+            deep = (log_prob_op(mode, DEEP_LAYERS), *(train_step_op(mode, n, DEEP_LAYERS) for n in (FEW, MANY)))
+            split = SPLIT_STEP_OPS if mode == TP and SPLIT_STEP_OPS[0] in by_op else ()
+            across[mode] = EngineSeconds(int(by_op[log_prob_op(mode)]["world"]), mode,
+                                         {n: seconds(train_step_op(mode, n)) for n in (FEW, MANY)},
+                                         seconds(log_prob_op(mode)), seconds(switch_op(mode)),
+                                         deep=tuple(seconds(op) for op in deep) if deep[0] in by_op else None,
+                                         split_steps=tuple(seconds(op) for op in split) or None)
+        if FSDP not in across:
+            raise HfplanError(f"no runtime row {log_prob_op(FSDP)!r} (measured by another version of hfplan profile?)")
+        gaps = None
+        if "call_dispatch" in by_op:
+            weight_sync_s = optional("weight_sync")
+            plan = None
+            if weight_sync_s is not None:
+                from hfplan.profiler.call_gaps import rollout_probe_plan
+
+                with tempfile.TemporaryDirectory(prefix="hfplan-refit-") as folder:
+                    plan = rollout_probe_plan(profile, Path(folder))
+            gaps = CallGaps(seconds("call_dispatch"), seconds("controller_call"), seconds("controller_step"),
+                            seconds("controller_send"), rank_dispatch_s=optional("rank_dispatch"),
+                            weight_sync_s=weight_sync_s, weight_sync_plan=plan,
+                            task_dispatch_s=optional("task_dispatch"),
+                            controller_task_cpu_s=optional("controller_task_cpu"))
+        handed = [dict(steps=1, moved_bytes=float(r["moved_bytes"]), seconds=float(r["seconds"]))
+                  for r in runtime_rows if str(r["op"]).startswith(OBJECT_STORE_PREFIX)]
+        # Ray measured the worker's memory, its call gaps and the object store; a profile without any of them
+        # (--quick, ray not importable) timed its engines here.
+        ray = gaps is not None or bool(handed)
+        return cls(engines, across, gaps, handed, ray, worker_resident_gib if ray else 0.0)
+
+
+def measure_runtime_inputs(torch, device: Device, profile: HardwareProfile, min_time: float, through_ray: bool = True,
+                           across: dict[str, EngineSeconds] | None = None, engine_reps: int = ENGINE_REPS
+                           ) -> RuntimeMeasurements:
+    """Measure what fit_runtime fits (the module docstring's measurements). `through_ray` (and ray importable, no
+    Ray session already in this process): the engines on one rank are timed where the executor runs them, in a
+    Ray worker, and the executor's call gaps are measured; else the engines are timed here. `across`: the engine
+    wrapped in FSDP2 and split by tensor parallelism, each timed over the profiled world (measure_collectives'
+    processes, all computing at once, as a layout's ranks do) and in pipeline stages; without them, FSDP2 is
+    timed over a world of one here."""
     ray_costs = _ray_worker(device, profile, min_time, engine_reps) if through_ray else None
     times = ray_costs.engines if ray_costs is not None else time_engines(torch, device, min_time, engine_reps)
+    across = dict(across or {})
+    if FSDP not in across:
+        across[FSDP] = _engine_on_one_rank(torch, device, FSDP, engine_reps)
+    if ray_costs is None:
+        return RuntimeMeasurements(times, across, None, [], False)
+    gaps = ray_costs.gaps
+    # A worker as it runs calls, where the probe ran; else one that only imported.
+    probed = gaps.worker_resident_gib if gaps is not None else None
+    resident_gib = probed if probed is not None else ray_costs.resident_bytes / 2**30
+    return RuntimeMeasurements(times, across, gaps, ray_costs.object_store, True, resident_gib)
+
+
+def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: float, through_ray: bool = True,
+                    across: dict[str, EngineSeconds] | None = None, engine_reps: int = ENGINE_REPS) -> RuntimeFit:
+    """The Runtime fields measured (measure_runtime_inputs) and fitted (fit_runtime)."""
+    return fit_runtime(profile, measure_runtime_inputs(torch, device, profile, min_time, through_ray, across,
+                                                       engine_reps))
+
+
+def fit_runtime(profile: HardwareProfile, measured: RuntimeMeasurements) -> RuntimeFit:
+    """The Runtime fields on `profile` (its rates fitted, its runtime not yet) from `measured`, with the rows
+    behind them; the executor's call fields left at their defaults where the call gaps were not measured."""
+    arch = CATALOG[MODEL]
+    one = costs.SetShape(1, 1)
+    times, across = measured.engines, measured.across
     # The executor's handover of tensors between workers (a separate rollout set's weight sync is fitted beyond
     # its bytes at that rate).
-    store = object_store.object_store_link(ray_costs.object_store) if ray_costs is not None else None
+    store = object_store.object_store_link(measured.object_store)
     if store is not None:
         profile = profile.model_copy(update={"links": profile.links.model_copy(update={"object_store": store})})
     # Each decoder layer's fixed cost first (against the kernels alone): every other fixed cost is what a call
@@ -222,11 +319,9 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
     sequence_us = max(0.0, fixed_us(batch_s, batch_model) - fixed_us(step_s, step_model)) / (BATCH - 1)
     wide_model = costs.decode_step_time(bare, arch, Layout(), one, WIDE, PROBE_CONTEXT)
     wide_us = max(0.0, fixed_us(times.wide_step, wide_model) - fixed_us(batch_s, batch_model)) / (WIDE - BATCH)
-    rows = layer_rows + [_row("engine_step", step_s, step_model),
-            _row(f"engine_step_{BATCH}_sequences", batch_s, batch_model),
-            _row(f"engine_step_{WIDE}_sequences", times.wide_step, wide_model),
-            _row("engine_step_continuous", continuous_s, step_model)]
-    across = across or {}
+    rows = layer_rows + [_row(op, seconds, model) for op, seconds, model in zip(
+        STEP_OPS, (step_s, batch_s, times.wide_step, continuous_s), (step_model, batch_model, wide_model, step_model),
+        strict=True)]
     per_token = _token_fixed(bare, plain)
     rows += per_token.rows
     train = _train_fixed(bare, plain, per_token)
@@ -235,14 +330,14 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
     rows.append(switch_row)
     # The executor's own switch on one rank trained as it is: the rollout engine keeps the trained tensors.
     kept_us = None if plain.kept_switch is None else round(fixed_us(plain.kept_switch, 0.0), 2)
-    rows += [] if plain.kept_switch is None else [_row("kept_hybrid_switch", plain.kept_switch, 0.0)]
-    fsdp = across.get(FSDP) or _engine_on_one_rank(torch, device, FSDP, engine_reps)
+    rows += [] if plain.kept_switch is None else [_row(KEPT_SWITCH_OP, plain.kept_switch, 0.0)]
+    fsdp = across[FSDP]
     # The wrapped and the split engines' costs per layer first (where timed at two depths), then what each pass
     # takes beyond them.
     layered, across_layers = bare, {}
-    for measured in (fsdp, across.get(TP)):
-        if measured is not None and measured.deep is not None:
-            fields, layer_rows = _layers_across(layered, measured)
+    for engine in (fsdp, across.get(TP)):
+        if engine is not None and engine.deep is not None:
+            fields, layer_rows = _layers_across(layered, engine)
             rows += layer_rows
             across_layers.update(fields)
             layered = _with_runtime(layered, **fields)
@@ -261,7 +356,7 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
         rows.append(split_switch_row)
         tp_switch_us = max(0.0, split_switch_us - (fsdp_switch_us if trains_through_fsdp(1, bare.compute.value_bytes)
                                                    else switch_us))
-    gaps = ray_costs.gaps if ray_costs is not None else None
+    gaps = measured.gaps
     if gaps is not None:
         rows += [_row("controller_step", gaps.controller_step_s, 0.0),
                  _row("controller_call", gaps.controller_call_s, 0.0), _row("call_dispatch", gaps.call_dispatch_s, 0.0),
@@ -301,7 +396,7 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
                       **across_layers))
     # A generation's own fixed cost: what one of SHORT tokens took beyond its decode steps and its modelled prefill.
     prefill = costs.prefill_parts(bare.model_copy(update={"runtime": runtime}), arch, Layout(), one, 1, PROMPT).total
-    rows.append(_row("generate_call", times.beyond_steps, prefill))
+    rows.append(_row(GENERATE_CALL_OP, times.beyond_steps, prefill))
     runtime = runtime.model_copy(update={"generate_call_us": round(fixed_us(times.beyond_steps, prefill), 2)})
     if PP in across:
         pipelined, pipeline_rows = _pipeline_fixed(bare.model_copy(update={"runtime": runtime}), across[PP])
@@ -316,15 +411,11 @@ def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: f
         sync_us, sync_row = _weight_sync_fixed(bare.model_copy(update={"runtime": runtime}), gaps)
         rows.append(sync_row)
         runtime = runtime.model_copy(update={"weight_sync_us": round(sync_us, 2)})
-    resident_gib = 0.0
-    if ray_costs is not None:  # a worker as it runs calls, where the probe ran; else one that only imported
-        probed = gaps.worker_resident_gib if gaps is not None else None
-        resident_gib = probed if probed is not None else ray_costs.resident_bytes / 2**30
     if store is not None:
-        rows += [_row(f"object_store_{r['moved_bytes']}_bytes", r["seconds"],
+        rows += [_row(f"{OBJECT_STORE_PREFIX}{int(r['moved_bytes'])}_bytes", r["seconds"],
                       object_store.handover_seconds(store, r["moved_bytes"]), world=2)
-                 | {"moved_bytes": r["moved_bytes"]} for r in ray_costs.object_store]
-    return RuntimeFit(runtime, rows, ray_costs is not None, round(resident_gib, 3), store)
+                 | {"moved_bytes": r["moved_bytes"]} for r in measured.object_store]
+    return RuntimeFit(runtime, rows, measured.ray, round(measured.worker_resident_gib, 3), store)
 
 
 # The training engine as one rank trains, over FSDP2 ranks, split by tp, in pipeline stages
@@ -335,6 +426,39 @@ SPLIT_STEP_OPS = ("tp_engine_step", f"tp_engine_step_{BATCH}_sequences")  # Engi
 DEEP_OPS = ("deep_engine_log_prob", f"deep_train_step_{FEW}_micro_batches",
             f"deep_train_step_{MANY}_micro_batches")  # EngineSeconds.deep's rows (after the mode's prefix)
 SPLIT_STEP_REPS = 3  # timed calls per round of steps_seconds for the split decode steps (ROUNDS rounds)
+# The names of the runtime rows fit_runtime writes (and RuntimeMeasurements.from_rows reads back): the decode steps
+# of one, BATCH and WIDE sequences and the continuous engine's, a generation beyond its steps, the kept switch, the
+# update and log-prob call of one micro-batch of BATCH sequences, the object store's handovers by their bytes.
+STEP_OPS = ("engine_step", f"engine_step_{BATCH}_sequences", f"engine_step_{WIDE}_sequences", "engine_step_continuous")
+GENERATE_CALL_OP, KEPT_SWITCH_OP = "generate_call", "kept_hybrid_switch"
+WIDE_OPS = (f"train_step_1_micro_batch_of_{BATCH}", f"engine_log_prob_{BATCH}_sequences")
+OBJECT_STORE_PREFIX = "object_store_"
+
+
+def mode_prefix(mode: str) -> str:
+    return "" if mode == PLAIN else f"{mode}_"
+
+
+def _of_depth(layers: int | None) -> str:
+    return "" if layers is None else f"_{layers}_layers"
+
+
+def train_step_op(mode: str, micro_batches: int, layers: int | None = None) -> str:
+    """The row of an update of `micro_batches` micro-batches in `mode` (of the demo model with `layers` layers)."""
+    return f"{mode_prefix(mode)}train_step_{micro_batches}_micro_batches{_of_depth(layers)}"
+
+
+def log_prob_op(mode: str, layers: int | None = None) -> str:
+    return f"{mode_prefix(mode)}engine_log_prob{_of_depth(layers)}"
+
+
+def switch_op(mode: str) -> str:
+    return f"{mode_prefix(mode)}hybrid_switch"
+
+
+def depth_op(call: str, layers: int) -> str:
+    """The row of DepthSeconds' `call` (log_prob, train_pass, step) at `layers` layers."""
+    return f"depth_{call}{_of_depth(layers)}"
 
 
 @dataclass(frozen=True)
@@ -363,7 +487,7 @@ class EngineSeconds:
 
     @property
     def prefix(self) -> str:
-        return "" if self.mode == PLAIN else f"{self.mode}_"
+        return mode_prefix(self.mode)
 
     @property
     def deep_pass_s(self) -> float:
@@ -496,9 +620,8 @@ def _switch_fixed(bare: HardwareProfile, measured: EngineSeconds, mode: str) -> 
     train = TrainConfig(tp=world) if mode == TP else TrainConfig(dp=world)
     gen = GenConfig(tp=world) if mode == TP else GenConfig(dp=world)
     model = costs.transition_time(bare, arch, train, gen, costs.SetShape(world, world))
-    op = "hybrid_switch" if mode == PLAIN else f"{mode}_hybrid_switch"
     per_tensor_us = fixed_us(measured.switch, model) / stage_parameter_tensors(arch, 1, "lm")
-    return per_tensor_us / bare.compute.host_slowdown(world), _row(op, measured.switch, model, world)
+    return per_tensor_us / bare.compute.host_slowdown(world), _row(switch_op(mode), measured.switch, model, world)
 
 
 def pipeline_switch(world: int) -> tuple[TrainConfig, GenConfig]:
@@ -664,9 +787,9 @@ def _pipeline_fixed(fitted: HardwareProfile, measured: EngineSeconds) -> tuple[d
         return costs.transition_time(hw, arch, train_layout, gen, where)
 
     reshard_us = _linear_fixed_us(measured.switch, lambda us: switch(_with_runtime(fitted, reshard_tensor_us=us)))
-    rows = [_row(f"pp_train_step_{n}_micro_batches", measured.steps[n], step(fitted, n), world) for n in (FEW, MANY)]
-    rows += [_row("pp_engine_log_prob", measured.log_prob, log_prob_price(fitted, PP, world), world),
-             _row("pp_hybrid_switch", measured.switch, switch(fitted), world)]
+    rows = [_row(train_step_op(PP, n), measured.steps[n], step(fitted, n), world) for n in (FEW, MANY)]
+    rows += [_row(log_prob_op(PP), measured.log_prob, log_prob_price(fitted, PP, world), world),
+             _row(switch_op(PP), measured.switch, switch(fitted), world)]
     return {"pp_train_pass_us": round(train_us, 2), "pp_forward_pass_us": round(forward_us, 2),
             "reshard_tensor_us": round(reshard_us, 3)}, rows
 
@@ -700,8 +823,7 @@ def _token_fixed(bare: HardwareProfile, plain: EngineSeconds) -> _TokenFixed:
     train_us = max(0.0, fixed_us(wide_update, update_model[BATCH]) - fixed_us(plain.steps[1], update_model[1])) / more
     forward_us = max(0.0, fixed_us(wide_log_prob, forward_model[BATCH])
                      - fixed_us(plain.log_prob, forward_model[1])) / more
-    rows = [_row(f"train_step_1_micro_batch_of_{BATCH}", wide_update, update_model[BATCH]),
-            _row(f"engine_log_prob_{BATCH}_sequences", wide_log_prob, forward_model[BATCH])]
+    rows = [_row(WIDE_OPS[0], wide_update, update_model[BATCH]), _row(WIDE_OPS[1], wide_log_prob, forward_model[BATCH])]
     return _TokenFixed(train_us, forward_us, rows)
 
 
@@ -720,9 +842,8 @@ def _train_fixed(bare: HardwareProfile, measured: EngineSeconds, per_token: _Tok
     step_s = max(0.0, beyond[FEW] - FEW * pass_s)
     tokens = PROMPT + LONG
     forward_model = log_prob_price(bare, measured.mode, world)
-    rows = [_row(f"{measured.prefix}train_step_{n}_micro_batches", measured.steps[n], modelled[n], world)
-            for n in (FEW, MANY)]
-    rows.append(_row(f"{measured.prefix}engine_log_prob", measured.log_prob, forward_model, world))
+    rows = [_row(train_step_op(measured.mode, n), measured.steps[n], modelled[n], world) for n in (FEW, MANY)]
+    rows.append(_row(log_prob_op(measured.mode), measured.log_prob, forward_model, world))
     # Measured with the world's ranks computing at once: a shared host's slowdown (the cost model's, for a set of
     # `world` ranks on a node) is taken off, as the model puts it back on a set's fixed costs.
     shared = bare.compute.host_slowdown(world)
@@ -789,8 +910,8 @@ def _layers_across(fitted: HardwareProfile, measured: EngineSeconds) -> tuple[di
               f"{mode}_layer_train_us": fitted_us(measured.deep_pass_s - measured.pass_s, train_pass,
                                                   f"{mode}_layer_train_us")}
     priced = _with_runtime(fitted, **fields)  # the rows as the profile prices them, these figures in
-    rows = [_row(f"{mode}_engine_log_prob_{deep}_layers", deep_log_prob, log_prob(priced, deep), world)]
-    rows += [_row(f"{mode}_train_step_{n}_micro_batches_{deep}_layers", seconds,
+    rows = [_row(log_prob_op(mode, deep), deep_log_prob, log_prob(priced, deep), world)]
+    rows += [_row(train_step_op(mode, n, deep), seconds,
                   mode_step_price(priced, mode, world, n, deep), world)
              for n, seconds in ((FEW, deep_few), (MANY, deep_many))]
     return fields, rows
