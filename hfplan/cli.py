@@ -375,23 +375,34 @@ def profile(
     world_size: Annotated[int | None, typer.Option(
         "--world-size", "-w", help="processes (devices) the collectives run across (default: every visible GPU; "
                                    "on CPU 2-4, one per core)")] = None,
-    model: Annotated[str, typer.Option(
-        help="catalog model (or config.json) whose transformer layer is measured against the cost model")]
-        = "llama3.1-8b",
+    model: Annotated[str | None, typer.Option(
+        help="catalog model (or config.json) whose transformer layer is measured against the cost model "
+             "(default: llama3.1-8b)")] = None,
     quick: Annotated[bool, typer.Option(
         "--quick", help="short sweeps: under 2 minutes on a 2-core CPU, a few minutes on a GPU node")] = False,
     out: Annotated[Path | None, typer.Option(
         help="profile YAML to write; the raw measurements go beside it as .csv (default: ./<device>.yaml)")] = None,
     base: Annotated[str | None, typer.Option(
         help="profile whose unmeasured links (inter-node; host on CPU) are carried over (default: cpu on CPU; "
-             "a100-80g, h100-80g or h200-141g by GPU name)")] = None,
+             "a100-80g, h100-80g or h200-141g by GPU name; with --refit, the refitted profile's)")] = None,
+    refit: Annotated[Path | None, typer.Option(
+        help="measure nothing: fit this profile .yaml again from its raw measurements (the .csv beside it) with "
+             "this version of hfplan (default --out: ./<its name>-refit.yaml)")] = None,
 ) -> None:
     """Measure compute, memory and communication on this machine; write a hardware profile for `--hardware`."""
     from hfplan.profiler import report
-    from hfplan.profiler.command import profile_machine
+    from hfplan.profiler.command import profile_machine, refit_profile_file
 
-    with _ProfileProgress() as progress:
-        outcome = profile_machine(device, world_size, model, quick, out, base, progress)
+    if refit is not None:
+        given = [name for name, value in (("--device", device), ("--world-size", world_size), ("--model", model),
+                                          ("--quick", quick or None)) if value is not None]
+        if given:
+            raise HfplanError(f"--refit measures nothing: {', '.join(given)} cannot be given with it (the profile's "
+                              "measurements say them)")
+        outcome = refit_profile_file(refit, out, base)
+    else:
+        with _ProfileProgress() as progress:
+            outcome = profile_machine(device, world_size, model or "llama3.1-8b", quick, out, base, progress)
     result = outcome.result
     console.print(report.fits_table(result))
     console.print(report.layer_table(result))

@@ -347,6 +347,20 @@ def quick_profile(tmp_path_factory) -> QuickProfile:
 
 
 @pytest.mark.slow
+def test_the_quick_profile_is_the_refit_of_its_own_measurements(quick_profile, tmp_path):
+    """What `hfplan profile` fits as it measures is what `--refit` fits from the rows it wrote beside the profile:
+    no measurement behind a fitted field is missing from them, none is read back as another (this profile has no
+    Ray: its call gaps and worker memory are carried over, both times alike)."""
+    assert quick_profile.result.exit_code == 0, quick_profile.result.output
+    out = tmp_path / "again.yaml"
+    result = invoke("profile", "--refit", quick_profile.out, "--out", out)
+    assert result.exit_code == 0, result.output
+    measured, again = load_hardware(str(quick_profile.out)), load_hardware(str(out))
+    assert again.model_dump(exclude={"name", "description"}) == measured.model_dump(exclude={"name", "description"})
+    assert again.description.startswith(measured.description)
+
+
+@pytest.mark.slow
 def test_quick_cpu_profile_end_to_end(quick_profile):
     """`hfplan profile --device cpu --world-size 2 --quick`: a profile the simulator reads, raw
     measurements beside it, and the layer table against predictions from that very profile."""

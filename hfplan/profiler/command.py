@@ -101,3 +101,37 @@ def profile_machine(device: str | None, world_size: int | None, model: str, quic
     HardwareProfile.model_validate(yaml.safe_load(text))  # what the simulator will read back
     write_outputs([(out, text), (csv_path, result.measurements.to_csv(index=False))])
     return Outcome(result=result, out=out, csv_path=csv_path)
+
+
+def refit_profile_file(source: Path, out: Path | None, base: str | None) -> Outcome:
+    """Fit the measured profile `source` again from its raw measurements (source's .csv beside it) with this
+    version of hfplan; write the new profile (`out`, default ./<source name>-refit.yaml) and its rows with this
+    version's predictions beside it (.csv), both or neither. Needs neither torch nor the machine measured."""
+    import datetime
+
+    import yaml
+
+    from hfplan.files import write_outputs
+    from hfplan.profiler.refit import read_rows, refit_profile
+    from hfplan.profiles.hardware import HardwareProfile, load_hardware
+
+    if source.suffix not in (".yaml", ".yml"):
+        raise HfplanError(f"--refit {source}: give the .yaml of a profile hfplan profile wrote")
+    if not source.is_file():
+        raise HfplanError(f"--refit {source}: no such file")
+    profile = load_hardware(str(source))
+    out = out if out is not None else Path(f"{source.stem}-refit.yaml")
+    check_out(out)
+    sources = {source.resolve(), source.with_suffix(".csv").resolve()}
+    if out.resolve() in sources or out.with_suffix(".csv").resolve() in sources:
+        raise HfplanError(f"--out {out}: would overwrite the profile being refitted or its measurements")
+    result = refit_profile(profile, read_rows(source.with_suffix(".csv")), out.stem, base)
+    csv_path = out.with_suffix(".csv")
+    command = f"hfplan profile --refit {source} --out {out}" + (f" --base {base}" if base else "")
+    header = (f"# Hardware profile refitted by `{command}` on {datetime.date.today().isoformat()} from the raw\n"
+              f"# measurements of {source.name} (taken {profile.date}). Raw measurements: {csv_path.name} (same\n"
+              "# folder), with this version's predictions.\n")
+    text = header + result.profile.to_yaml()
+    HardwareProfile.model_validate(yaml.safe_load(text))  # what the simulator will read back
+    write_outputs([(out, text), (csv_path, result.measurements.to_csv(index=False))])
+    return Outcome(result=result, out=out, csv_path=csv_path)
