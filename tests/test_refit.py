@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from hfplan.profiler.refit import read_rows, refit_profile
-from hfplan.profiler.runtime import GENERATE_CALL_OP
+from hfplan.profiler.runtime import DEEP_LAYERS, GENERATE_CALL_OP, depth_op
 from hfplan.profiles.hardware import SHIPPED_DIR, HardwareProfile, load_hardware
 from tests.support.cli import assert_user_error, invoke
 
@@ -85,6 +85,12 @@ def test_bad_refits_are_one_line_and_write_nothing(tmp_path):
     frame = pd.read_csv(SHIPPED_CSV)
     frame[frame["op"] != GENERATE_CALL_OP].to_csv(alone.with_suffix(".csv"), index=False)
     assert_user_error(invoke("profile", "--refit", alone, "--out", out), GENERATE_CALL_OP)
+    # A CPU profile's rows of the demo model at two depths are always measured: not taken as never measured.
+    depth = depth_op("step", DEEP_LAYERS)
+    frame[frame["op"] != depth].to_csv(alone.with_suffix(".csv"), index=False)
+    assert_user_error(invoke("profile", "--refit", alone, "--out", out), depth)
+    frame.drop(columns=["world"]).to_csv(alone.with_suffix(".csv"), index=False)
+    assert_user_error(invoke("profile", "--refit", alone, "--out", out), "malformed raw measurements", "world")
     assert not out.exists() and not out.with_suffix(".csv").exists()
 
 

@@ -125,7 +125,12 @@ def refit_profile_file(source: Path, out: Path | None, base: str | None) -> Outc
     sources = {source.resolve(), source.with_suffix(".csv").resolve()}
     if out.resolve() in sources or out.with_suffix(".csv").resolve() in sources:
         raise HfplanError(f"--out {out}: would overwrite the profile being refitted or its measurements")
-    result = refit_profile(profile, read_rows(source.with_suffix(".csv")), out.stem, base)
+    rows = read_rows(source.with_suffix(".csv"))
+    try:
+        result = refit_profile(profile, rows, out.stem, base)
+    except (KeyError, ValueError, TypeError) as error:  # a cell or column the fit reads is missing or malformed
+        raise HfplanError(f"{source.with_suffix('.csv')}: malformed raw measurements "
+                          f"({type(error).__name__}: {' '.join(str(error).split())})") from None
     csv_path = out.with_suffix(".csv")
     command = f"hfplan profile --refit {source} --out {out}" + (f" --base {base}" if base else "")
     header = (f"# Hardware profile refitted by `{command}` on {datetime.date.today().isoformat()} from the raw\n"

@@ -5,8 +5,9 @@ version of the cost model prices kernels, fixed costs or collectives differently
 them change too; refitting the same measurements gives the profile this version would have written, without
 measuring the machine again (a machine whose speed drifts between takes, a GPU cluster that is busy). The
 measurements are the CSV's rows; what is not a row comes from the profile itself: the device (its name, kind,
-world and threads, as its description states them), its memory capacity and reserve, the worker's resident memory,
-the links it carried over and the date it was measured. Nothing here imports torch.
+world and threads, as its description states them), its memory capacity and reserve, the worker's resident memory
+and the date it was measured; what the profile carried over unmeasured comes from its base profile as it is now
+(the shipped one it names, or --base). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ import pandas as pd
 from hfplan.errors import HfplanError
 from hfplan.profiler import layers, runtime
 from hfplan.profiler.device import Device, nominal_rates
-from hfplan.profiler.run import PACE_OPS, Result, fit_measurements, frame_of, predicted_layers, with_runtime
+from hfplan.profiler.run import (
+    PACE_OPS,
+    WORKER_MEMORY,
+    Result,
+    fit_measurements,
+    frame_of,
+    predicted_layers,
+    with_runtime,
+)
 from hfplan.profiles.hardware import GIB, HardwareProfile, load_hardware
 from hfplan.profiles.models import resolve_model
 
@@ -42,7 +51,7 @@ def read_rows(csv_path: Path) -> list[dict]:
     try:
         frame = pd.read_csv(csv_path)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as error:
-        raise HfplanError(f"{csv_path}: not a profile's raw measurements ({error})") from None
+        raise HfplanError(f"{csv_path}: not a profile's raw measurements ({' '.join(str(error).split())})") from None
     missing = {"kind", "op", "seconds"} - set(frame.columns)
     if missing:
         raise HfplanError(f"{csv_path}: not a profile's raw measurements (no column {', '.join(sorted(missing))})")
@@ -74,19 +83,25 @@ def refit_profile(profile: HardwareProfile, rows: list[dict], name: str, base: s
     """`profile` fitted again from its raw `rows` by this version of hfplan, named `name` (base: the profile whose
     unmeasured fields are carried over; by default the one `profile` names)."""
     device, versions, base_name = measured_device(profile)
-    base_profile = load_hardware(base or base_name)
+    try:
+        base_profile = load_hardware(base or base_name)
+    except HfplanError as error:
+        raise HfplanError(f"{error} (the base profile it was measured against; name one with --base)") from None
     for kind in ("matmul", "memory"):
-        if not any(r["kind"] == kind for r in rows):
+        if not any(r.get("kind") == kind for r in rows):
             raise HfplanError(f"the raw measurements hold no {kind} rows: not a profile's measurements")
     measured = [r for r in rows if r["kind"] not in ("runtime", "layer", "pace")]
     fitted, fits = fit_measurements(measured, device, base_profile, name, versions)
-    inputs = runtime.RuntimeMeasurements.from_rows(rows, fitted, profile.memory.worker_resident_gib)
+    # The memory the profile measured (what a plan's fit and the probes' plans read), before anything is fitted on it.
+    fitted = fitted.model_copy(update={"memory": fitted.memory.model_copy(update={
+        "capacity_gib": profile.memory.capacity_gib, "reserved_gib": profile.memory.reserved_gib})})
+    inputs = runtime.RuntimeMeasurements.from_rows(rows, fitted, device.kind == "cpu",
+                                                   WORKER_MEMORY in profile.description,
+                                                   profile.memory.worker_resident_gib)
     fitted, runtime_rows = with_runtime(fitted, runtime.fit_runtime(fitted, inputs), base_profile, device)
     today = datetime.date.today().isoformat()
     fitted = fitted.model_copy(update={
         "date": profile.date,
-        "memory": fitted.memory.model_copy(update={"capacity_gib": profile.memory.capacity_gib,
-                                                   "reserved_gib": profile.memory.reserved_gib}),
         "description": fitted.description + f" Refitted from its raw measurements (taken {profile.date}) on {today}."})
     layer_rows = [r for r in rows if r["kind"] == "layer"]
     plan = _layer_plan(layer_rows)

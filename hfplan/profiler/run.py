@@ -139,6 +139,8 @@ def run_profile(torch, request: Request, tracker: Tracker | None = None) -> Resu
     return Result(profile=profile, measurements=frame_of(rows), fits=fits, layers=plan, device=device, pace_s=pace_s)
 
 
+# The clause of the description that says the engines were timed in a Ray worker, its memory measured there.
+WORKER_MEMORY = ", that worker's resident memory"
 PACE_OPS = ("pace_start", "pace_end")  # the pace probe's rows, at the run's start and end
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -272,7 +274,7 @@ def with_runtime(profile: HardwareProfile, fixed: runtime.RuntimeFit, base: Hard
                        "in a Ray worker, as the executor runs them, where Ray is measured too)"
                        + (" and each decoder layer's (a log-prob call, a micro-batch and a decode step of the demo "
                           "model at two depths)" if device.kind == "cpu" else "")
-                       + (", that worker's resident memory" if fixed.ray else "")
+                       + (WORKER_MEMORY if fixed.ray else "")
                        + (", and the executor's gaps between calls and its controller's advantage step, read off "
                           "a short run of it" if measured_calls
                           else "; the executor's call gaps and controller step not measured (--quick, ray not "

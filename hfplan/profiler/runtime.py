@@ -203,11 +203,13 @@ class RuntimeMeasurements:
     worker_resident_gib: float = 0.0  # that worker's own resident memory (0: not measured)
 
     @classmethod
-    def from_rows(cls, rows: list[dict], profile: HardwareProfile, worker_resident_gib: float) -> RuntimeMeasurements:
+    def from_rows(cls, rows: list[dict], profile: HardwareProfile, on_cpu: bool, ray: bool,
+                  worker_resident_gib: float) -> RuntimeMeasurements:
         """The measurements behind a profile's runtime rows (the rows fit_runtime writes, as the profile's CSV
-        holds them), `profile` its fitted rates (to make the weight-sync probe's plan again, as the profile did)
-        and `worker_resident_gib` as the profile measured it (not a row). Raises HfplanError naming a row that
-        is missing."""
+        holds them), `profile` its fitted rates (to make the weight-sync probe's plan again, as the profile did);
+        `on_cpu`, `ray` and `worker_resident_gib` as the profile measured them (not rows). Raises HfplanError
+        naming a row the measurement always writes that is missing (the call gaps' probe and the object store's
+        may have failed and left theirs out)."""
         runtime_rows = [r for r in rows if r.get("kind") == "runtime"]
         by_op = {r["op"]: r for r in runtime_rows}
 
@@ -221,9 +223,9 @@ class RuntimeMeasurements:
 
         plain = EngineSeconds(1, PLAIN, {n: seconds(train_step_op(PLAIN, n)) for n in (FEW, MANY)},
                               seconds(log_prob_op(PLAIN)), seconds(switch_op(PLAIN)),
-                              wide=(seconds(WIDE_OPS[0]), seconds(WIDE_OPS[1])), kept_switch=optional(KEPT_SWITCH_OP))
+                              wide=(seconds(WIDE_OPS[0]), seconds(WIDE_OPS[1])), kept_switch=seconds(KEPT_SWITCH_OP))
         depths = None
-        if depth_op("step", CATALOG[MODEL].layers) in by_op:
+        if on_cpu:  # time_engines times the demo model at two depths on CPU only
             layers = (CATALOG[MODEL].layers, DEEP_LAYERS)
             depths = DepthSeconds(layers, *(tuple(seconds(depth_op(name, n)) for n in layers)
                                             for name in ("log_prob", "train_pass", "step")))
@@ -233,13 +235,15 @@ class RuntimeMeasurements:
         for mode in (FSDP, TP, PP):
             if log_prob_op(mode) not in by_op:
                 continue
+            world = int(by_op[log_prob_op(mode)]["world"])
+            # engine_seconds times the deeper model on CPU across a world, and the split decode steps in TP
+            deeper = on_cpu and mode in (FSDP, TP) and world > 1
             deep = (log_prob_op(mode, DEEP_LAYERS), *(train_step_op(mode, n, DEEP_LAYERS) for n in (FEW, MANY)))
-            split = SPLIT_STEP_OPS if mode == TP and SPLIT_STEP_OPS[0] in by_op else ()
-            across[mode] = EngineSeconds(int(by_op[log_prob_op(mode)]["world"]), mode,
-                                         {n: seconds(train_step_op(mode, n)) for n in (FEW, MANY)},
+            across[mode] = EngineSeconds(world, mode, {n: seconds(train_step_op(mode, n)) for n in (FEW, MANY)},
                                          seconds(log_prob_op(mode)), seconds(switch_op(mode)),
-                                         deep=tuple(seconds(op) for op in deep) if deep[0] in by_op else None,
-                                         split_steps=tuple(seconds(op) for op in split) or None)
+                                         deep=tuple(seconds(op) for op in deep) if deeper else None,
+                                         split_steps=tuple(seconds(op) for op in SPLIT_STEP_OPS) if mode == TP
+                                         else None)
         if FSDP not in across:
             raise HfplanError(f"no runtime row {log_prob_op(FSDP)!r} (measured by another version of hfplan profile?)")
         gaps = None
@@ -258,9 +262,6 @@ class RuntimeMeasurements:
                             controller_task_cpu_s=optional("controller_task_cpu"))
         handed = [dict(steps=1, moved_bytes=float(r["moved_bytes"]), seconds=float(r["seconds"]))
                   for r in runtime_rows if str(r["op"]).startswith(OBJECT_STORE_PREFIX)]
-        # Ray measured the worker's memory, its call gaps and the object store; a profile without any of them
-        # (--quick, ray not importable) timed its engines here.
-        ray = gaps is not None or bool(handed)
         return cls(engines, across, gaps, handed, ray, worker_resident_gib if ray else 0.0)
 
 
