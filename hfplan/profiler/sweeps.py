@@ -99,7 +99,7 @@ def sweeps_for(kind: str, quick: bool) -> Sweeps:
         + _skinny((1, 8, 16, 128, 512) if quick else (1, 2, 4, 8, 16, 32, 64, 128, 512), weights),
         linear_backwards=_skinny((16, 128, 512) if quick else (16, 32, 64, 128, 512), weights),
         copy_bytes=tuple(2**k for k in (range(6, 27, 2) if quick else range(6, 31))),
-        message_bytes=tuple(2**k for k in (range(3, 28, 3) if quick else range(3, 29))),
+        message_bytes=tuple(2**k for k in (range(3, 25, 3) if quick else range(3, 29))),
         host_bytes=(),
         layers=(LayerCases(batches=(1, 4), seqs=(128, 512), decode_batches=(1, 8), contexts=(256, 1024),
                            tps=(1, 2), budget_s=12) if quick else
