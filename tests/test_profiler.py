@@ -650,7 +650,18 @@ def test_runtime_costs_measured_on_the_executor_engine(quick_profile, monkeypatc
     from hfplan.layout import stage_parameter_tensors
     from hfplan.plan import Layout, TrainConfig
     from hfplan.profiler import device as devices
-    from hfplan.profiler.runtime import BATCH, DEEP_LAYERS, FEW, LONG, MANY, PROMPT, SHORT, WIDE, measure_runtime
+    from hfplan.profiler.runtime import (
+        BATCH,
+        DEEP_LAYERS,
+        FEW,
+        LONG,
+        MANY,
+        PROMPT,
+        SHORT,
+        WIDE,
+        fit_runtime,
+        measure_runtime_inputs,
+    )
     from hfplan.profiles.hardware import Runtime
     from hfplan.simulator import costs
 
@@ -658,7 +669,7 @@ def test_runtime_costs_measured_on_the_executor_engine(quick_profile, monkeypatc
     [timed] = quick_profile.engine_times
     monkeypatch.setattr(runtime, "time_engines", lambda *args, **kwargs: timed)
     hw = load_hardware("cpu")
-    fit = measure_runtime(torch, devices.probe(torch, "cpu", 1), hw, 0.02, through_ray=False)
+    fit = fit_runtime(hw, measure_runtime_inputs(torch, devices.probe(torch, "cpu", 1), hw, 0.02, through_ray=False))
     assert not fit.ray and fit.runtime.controller_call_us == fit.runtime.controller_step_us == 0.0
     assert fit.runtime.call_dispatch_us is None
     rows = {r["op"]: r for r in fit.rows}
@@ -791,7 +802,7 @@ def test_the_pipelined_engine_s_fixed_costs_are_those_the_model_needs_to_meet_it
     from hfplan.profiler.runtime import FEW, LONG, MANY, PP, PROMPT, EngineSeconds, _pipeline_fixed
     from hfplan.simulator import costs
 
-    shipped = load_hardware("cpu")  # as measure_runtime fits them: every other fixed cost fitted, these not yet
+    shipped = load_hardware("cpu")  # as fit_runtime fits them: every other fixed cost fitted, these not yet
     fitted = shipped.model_copy(update={"runtime": shipped.runtime.model_copy(update=dict(
         pp_train_pass_us=0.0, pp_forward_pass_us=0.0, reshard_tensor_us=0.0))})
     planted = fitted.model_copy(update={"runtime": fitted.runtime.model_copy(update=dict(

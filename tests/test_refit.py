@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from hfplan.errors import HfplanError
 from hfplan.profiler.refit import read_rows, refit_profile
 from hfplan.profiler.runtime import DEEP_LAYERS, GENERATE_CALL_OP, depth_op
 from hfplan.profiles.hardware import SHIPPED_DIR, HardwareProfile, load_hardware
@@ -97,5 +98,5 @@ def test_bad_refits_are_one_line_and_write_nothing(tmp_path):
 @pytest.mark.parametrize("needle", ["matmul", "layer"])
 def test_measurements_without_a_kind_the_fit_needs_are_refused(needle):
     rows = [r for r in read_rows(SHIPPED_CSV) if r["kind"] != needle]
-    with pytest.raises(Exception, match=f"no {needle} rows"):
+    with pytest.raises(HfplanError, match=f"no {needle} rows"):
         refit_profile(load_hardware("cpu"), rows, "cpu")

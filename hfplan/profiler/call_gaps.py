@@ -25,7 +25,7 @@ few iterations in the profiler's Ray session, and its measured timelines give th
   over the Ray tasks it sends an iteration (one per rank of each call that opens a task, schedule.task_openers).
 - weight_sync_us (two devices as well): the probe with a separate rollout set beside the actor's, and the median
   of its weight syncs less what the simulator prices of them besides (the engines' cost per tensor, the bytes'
-  transfer), taken once those are fitted (runtime.measure_runtime): what moving the buckets through Ray's object
+  transfer), taken once those are fitted (runtime.fit_runtime): what moving the buckets through Ray's object
   store and the controller costs.
 
 On a CPU profile it also gives memory.worker_resident_gib: the worker's measured peak (resident memory less Ray's

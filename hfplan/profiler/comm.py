@@ -43,8 +43,8 @@ def measure_collectives(torch, device: Device, sizes: Sequence[int], min_time: f
                         step: Step) -> list[dict]:
     """All-reduce, all-gather, reduce-scatter and point-to-point over `device.world_size` processes, then the
     training engine wrapped in FSDP2 and (where the demo model splits over them) split by tensor parallelism and in
-    pipeline stages across them (rows of kind `engine`, for runtime.measure_runtime), and on CPU how the processes
-    share the host's cores (rows of kind `sharing`, host_share)."""
+    pipeline stages across them (rows of kind `engine`, for runtime.measure_runtime_inputs), and on CPU how the
+    processes share the host's cores (rows of kind `sharing`, host_share)."""
     import torch.multiprocessing as mp
 
     if device.world_size < 2:

@@ -63,13 +63,11 @@ def profile_machine(device: str | None, world_size: int | None, model: str, quic
     """Measure this machine, write the profile (`out`, default ./<device name>.yaml) and its raw measurements
     beside it (.csv), both or neither."""
     torch = import_torch()
-    import yaml
 
-    from hfplan.files import write_outputs
     from hfplan.profiler import device as devices
     from hfplan.profiler.run import Request, run_profile
     from hfplan.profiler.sweeps import sweeps_for
-    from hfplan.profiles.hardware import HardwareProfile, load_hardware
+    from hfplan.profiles.hardware import load_hardware
     from hfplan.profiles.models import resolve_model
 
     kind = (device or devices.default_device(torch)).lower()
@@ -97,10 +95,7 @@ def profile_machine(device: str | None, world_size: int | None, model: str, quic
     header = (f"# Hardware profile measured by `{command}` on {result.profile.date}.\n"
               f"# Raw measurements: {csv_path.name} (same folder). Links marked 'not measured' in the description\n"
               f"# come from base profile '{base_profile.name}'.\n")
-    text = header + result.profile.to_yaml()
-    HardwareProfile.model_validate(yaml.safe_load(text))  # what the simulator will read back
-    write_outputs([(out, text), (csv_path, result.measurements.to_csv(index=False))])
-    return Outcome(result=result, out=out, csv_path=csv_path)
+    return _written(result, out, header)
 
 
 def refit_profile_file(source: Path, out: Path | None, base: str | None) -> Outcome:
@@ -109,11 +104,8 @@ def refit_profile_file(source: Path, out: Path | None, base: str | None) -> Outc
     version's predictions beside it (.csv), both or neither. Needs neither torch nor the machine measured."""
     import datetime
 
-    import yaml
-
-    from hfplan.files import write_outputs
     from hfplan.profiler.refit import read_rows, refit_profile
-    from hfplan.profiles.hardware import HardwareProfile, load_hardware
+    from hfplan.profiles.hardware import load_hardware
 
     if source.suffix not in (".yaml", ".yml"):
         raise HfplanError(f"--refit {source}: give the .yaml of a profile hfplan profile wrote")
@@ -136,7 +128,19 @@ def refit_profile_file(source: Path, out: Path | None, base: str | None) -> Outc
     header = (f"# Hardware profile refitted by `{command}` on {datetime.date.today().isoformat()} from the raw\n"
               f"# measurements of {source.name} (taken {profile.date}). Raw measurements: {csv_path.name} (same\n"
               "# folder), with this version's predictions.\n")
+    return _written(result, out, header)
+
+
+def _written(result: Result, out: Path, header: str) -> Outcome:
+    """Write the profile (`header` on top) and its raw measurements beside it (.csv), both or neither, once the
+    profile reads back as the simulator will read it."""
+    import yaml
+
+    from hfplan.files import write_outputs
+    from hfplan.profiles.hardware import HardwareProfile
+
     text = header + result.profile.to_yaml()
-    HardwareProfile.model_validate(yaml.safe_load(text))  # what the simulator will read back
+    HardwareProfile.model_validate(yaml.safe_load(text))
+    csv_path = out.with_suffix(".csv")
     write_outputs([(out, text), (csv_path, result.measurements.to_csv(index=False))])
     return Outcome(result=result, out=out, csv_path=csv_path)

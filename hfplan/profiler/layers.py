@@ -36,6 +36,12 @@ class Case:
     length: int  # sequence length (forward passes) or context already in the KV cache (decode)
     tp: int
 
+    @classmethod
+    def of_row(cls, row: dict) -> Case:
+        """The case a layer row (measure_layers') measured."""
+        return cls(row["op"], int(row["batch"]), int(row["context"] if row["op"] == "decode" else row["seq"]),
+                   int(row["tp"]))
+
     @property
     def tokens(self) -> int:
         return self.batch * (1 if self.op == "decode" else self.length)

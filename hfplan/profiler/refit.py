@@ -122,6 +122,5 @@ def _layer_plan(layer_rows: list[dict]) -> layers.LayerPlan:
     arch = layers.scaled(source, scale)
     if arch is None:
         raise HfplanError(f"the layer rows' model {source.name} does not scale down {scale}x")
-    cases = tuple(layers.Case(r["op"], int(r["batch"]), int(r["context"] if r["op"] == "decode" else r["seq"]),
-                              int(r["tp"])) for r in layer_rows)
-    return layers.LayerPlan(arch=arch, source=source, scale=scale, cases=cases, copies=0)
+    return layers.LayerPlan(arch=arch, source=source, scale=scale, cases=tuple(map(layers.Case.of_row, layer_rows)),
+                            copies=0)

@@ -145,9 +145,13 @@ PACE_OPS = ("pace_start", "pace_end")  # the pace probe's rows, at the run's sta
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+def sweep_dtype(rows: list[dict]) -> str:
+    """The dtype the compute sweep ran in (its matmul rows')."""
+    return next(r["dtype"] for r in rows if r["kind"] == "matmul")
+
+
 def sweep_value_bytes(rows: list[dict]) -> int:
-    """Bytes of the dtype the compute sweep ran in (its matmul rows')."""
-    return DTYPE_BYTES[next(r["dtype"] for r in rows if r["kind"] == "matmul")]
+    return DTYPE_BYTES[sweep_dtype(rows)]
 
 
 def frame_of(rows: list[dict]) -> pd.DataFrame:
@@ -160,9 +164,7 @@ def predicted_layers(profile: HardwareProfile, arch: ModelArch, layer_rows: list
     """The layer rows with what `profile` predicts for each (predicted_s, error_pct), `arch` the layer that ran."""
     out = []
     for row in layer_rows:
-        case = layers.Case(row["op"], int(row["batch"]),
-                           int(row["context"] if row["op"] == "decode" else row["seq"]), int(row["tp"]))
-        predicted = layers.predict(profile, arch, case)
+        predicted = layers.predict(profile, arch, layers.Case.of_row(row))
         out.append(row | {"predicted_s": predicted, "error_pct": 100.0 * (predicted - row["seconds"]) / row["seconds"]})
     return out
 
@@ -170,8 +172,7 @@ def predicted_layers(profile: HardwareProfile, arch: ModelArch, layer_rows: list
 def sweep_note(rows: list[dict], device: Device) -> str:
     """What the compute sweep measured, as the profile's description says it."""
     sizes = [r["bytes"] / 2 for r in rows if r["kind"] == "memory"]  # a copy's rows count its read and its write
-    dtype = next(r["dtype"] for r in rows if r["kind"] == "matmul")
-    return (f"{sum(r['kind'] == 'matmul' for r in rows)} matmul shapes ({dtype}), "
+    return (f"{sum(r['kind'] == 'matmul' for r in rows)} matmul shapes ({sweep_dtype(rows)}), "
             f"{len(sizes)} copy sizes of {size_text(min(sizes))} to {size_text(max(sizes))}"
             + (f", {device.threads} CPU thread(s) per process" if device.kind == "cpu" else ""))
 

@@ -288,13 +288,6 @@ def measure_runtime_inputs(torch, device: Device, profile: HardwareProfile, min_
     return RuntimeMeasurements(times, across, gaps, ray_costs.object_store, True, resident_gib)
 
 
-def measure_runtime(torch, device: Device, profile: HardwareProfile, min_time: float, through_ray: bool = True,
-                    across: dict[str, EngineSeconds] | None = None, engine_reps: int = ENGINE_REPS) -> RuntimeFit:
-    """The Runtime fields measured (measure_runtime_inputs) and fitted (fit_runtime)."""
-    return fit_runtime(profile, measure_runtime_inputs(torch, device, profile, min_time, through_ray, across,
-                                                       engine_reps))
-
-
 def fit_runtime(profile: HardwareProfile, measured: RuntimeMeasurements) -> RuntimeFit:
     """The Runtime fields on `profile` (its rates fitted, its runtime not yet) from `measured`, with the rows
     behind them; the executor's call fields left at their defaults where the call gaps were not measured."""
@@ -498,11 +491,11 @@ class EngineSeconds:
 
     def rows(self) -> list[dict]:
         """As raw profile rows (kind `engine`), for the parent process to turn into runtime rows."""
-        return ([dict(kind="engine", op=f"{self.prefix}train_step_{n}_micro_batches", world=self.world,
-                      mode=self.mode, seconds=s) for n, s in self.steps.items()]
-                + [dict(kind="engine", op=f"{self.prefix}engine_log_prob", world=self.world, mode=self.mode,
+        return ([dict(kind="engine", op=train_step_op(self.mode, n), world=self.world, mode=self.mode, seconds=s)
+                 for n, s in self.steps.items()]
+                + [dict(kind="engine", op=log_prob_op(self.mode), world=self.world, mode=self.mode,
                         seconds=self.log_prob),
-                   dict(kind="engine", op=f"{self.prefix}hybrid_switch", world=self.world, mode=self.mode,
+                   dict(kind="engine", op=switch_op(self.mode), world=self.world, mode=self.mode,
                         seconds=self.switch)]
                 + [dict(kind="engine", op=op, world=self.world, mode=self.mode, seconds=s)
                    for op, s in zip(SPLIT_STEP_OPS, self.split_steps or (), strict=False)]
@@ -516,12 +509,12 @@ class EngineSeconds:
         for mode in (FSDP, TP, PP):
             by_op = {r["op"]: r for r in rows if r.get("kind") == "engine" and r["mode"] == mode}
             if by_op:
-                steps = {n: by_op[f"{mode}_train_step_{n}_micro_batches"]["seconds"] for n in (FEW, MANY)}
-                log_prob = by_op[f"{mode}_engine_log_prob"]
+                steps = {n: by_op[train_step_op(mode, n)]["seconds"] for n in (FEW, MANY)}
+                log_prob = by_op[log_prob_op(mode)]
                 split = tuple(by_op[op]["seconds"] for op in SPLIT_STEP_OPS if op in by_op)
                 deep = tuple(by_op[f"{mode}_{op}"]["seconds"] for op in DEEP_OPS if f"{mode}_{op}" in by_op)
                 out[mode] = cls(int(log_prob["world"]), mode, steps, log_prob["seconds"],
-                                by_op[f"{mode}_hybrid_switch"]["seconds"],
+                                by_op[switch_op(mode)]["seconds"],
                                 deep=deep if len(deep) == len(DEEP_OPS) else None,
                                 split_steps=split if len(split) == len(SPLIT_STEP_OPS) else None)
         return out
